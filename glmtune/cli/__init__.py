@@ -16,6 +16,7 @@ import sys
 _COMMAND_MODULES = (
     "glmtune.cli.inspect_cmd",
     "glmtune.cli.data_cmd",
+    "glmtune.cli.config_cmd",
     "glmtune.cli.train_cmd",
 )
 
