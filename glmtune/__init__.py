@@ -1,3 +1,16 @@
 """glmtune: a PyTorch-native toolkit for fine-tuning the GLM-5 family (GlmMoeDsaForCausalLM)."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy so `glmtune --help` does not pay for importing torch.
+    if name in ("load_pretrained", "save_pretrained"):
+        from glmtune.checkpoint import hf_io
+
+        return getattr(hf_io, name)
+    if name in ("build_model", "Glm5Args", "Glm5ForCausalLM", "get_preset"):
+        from glmtune.models import glm5
+
+        return getattr(glm5, name)
+    raise AttributeError(name)

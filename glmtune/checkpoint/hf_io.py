@@ -1,0 +1,267 @@
+"""Hugging Face checkpoint directories in and out (safetensors, sharded or not).
+
+`load_pretrained` builds the model on the meta device, materializes it once on the
+target device, then streams tensors shard by shard into it, so host memory holds
+the model plus one tensor (safetensors maps files lazily), never the state dict
+twice. Per-expert tensors are written straight into the stacked expert
+parameters, FP8 block-quantized weights are dequantized on the way, and MTP
+layers are kept. Any missing, unexpected or mis-shaped tensor, and any missing or
+unreadable shard, is a one-line `ValueError`/`FileNotFoundError` naming the key
+and the file.
+
+`save_pretrained` writes the same layout transformers writes (per-expert keys,
+`model.safetensors.index.json` when sharded, config.json), atomically: into a
+temporary directory renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
+from glmtune.models.glm5.state_dict_adapter import (
+    SCALE_SUFFIX,
+    Glm5StateDictAdapter,
+    dequantize_fp8_block,
+    is_fp8,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files a serving stack needs besides the weights; copied from the source directory.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """HF key -> shard file, from the index (sharded) or the single safetensors file."""
+    path = Path(path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
+        files = {key: path / name for key, name in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: shard named in {INDEX_NAME} is missing")
+        return files
+    single = path / SINGLE_NAME
+    if single.is_file():
+        return {key: single for key in _open(single).keys()}
+    raise FileNotFoundError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME}")
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error type for bad headers
+        raise ValueError(f"{file}: unreadable safetensors file (truncated or corrupt): {exc}") from None
+
+
+def _read(handle, file: Path, key: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(key)
+    except Exception as exc:
+        raise ValueError(f"{file}: cannot read tensor {key} (truncated or corrupt file): {exc}") from None
+
+
+def load_pretrained(
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "sdpa",
+    moe_backend: str = "grouped_mm",
+) -> Glm5ForCausalLM:
+    """Load a local HF GLM-5 directory (config.json + safetensors) into a glmtune model."""
+    path = Path(path)
+    args = Glm5Args.from_hf_config(path)
+    files = checkpoint_files(path)
+    _check_shard_sizes(files)
+    model = build_model(args, dtype, device, attention_backend, moe_backend, init=False)
+    load_state_into(model, files)
+    return model
+
+
+def _check_shard_sizes(files: dict[str, Path]) -> None:
+    """A shard cut short (an interrupted copy) is caught before any tensor is read."""
+    for file in sorted(set(files.values())):
+        with open(file, "rb") as fh:
+            header = fh.read(8)
+            if len(header) < 8:
+                raise ValueError(f"{file}: truncated safetensors file ({os.path.getsize(file)} bytes)")
+            header_len = int.from_bytes(header, "little")
+            try:
+                meta = json.loads(fh.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ValueError(f"{file}: truncated or corrupt safetensors header") from None
+        end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+        expected, actual = 8 + header_len + end, os.path.getsize(file)
+        if actual < expected:
+            raise ValueError(f"{file}: truncated safetensors file: {actual} bytes, header needs {expected}")
+
+
+@torch.no_grad()
+def load_state_into(model: Glm5ForCausalLM, files: dict[str, Path]) -> None:
+    adapter = Glm5StateDictAdapter(model.args)
+    state = model.state_dict()
+    filled: set[str] = set()
+    expert_parts: dict[str, set] = defaultdict(set)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key, file in files.items():
+        by_file[file].append(key)
+    for file, keys in sorted(by_file.items()):
+        handle = _open(file)
+        for hf_key in sorted(keys):
+            if hf_key.endswith(SCALE_SUFFIX):
+                if hf_key[: -len(SCALE_SUFFIX)] not in files:
+                    raise ValueError(f"{file}: unexpected tensor {hf_key} (no weight it scales)")
+                continue
+            target = adapter.from_hf_key(hf_key)
+            if target is None or target.key not in state:
+                raise ValueError(f"{file}: unexpected tensor {hf_key} (not part of this model's config)")
+            tensor = _read(handle, file, hf_key)
+            if is_fp8(tensor):
+                scale_key = hf_key + SCALE_SUFFIX
+                if scale_key not in files:
+                    raise ValueError(f"{file}: FP8 tensor {hf_key} has no {scale_key}")
+                scale = _read(_open(files[scale_key]), files[scale_key], scale_key)
+                try:
+                    tensor = dequantize_fp8_block(tensor, scale, torch.float32)
+                except ValueError as exc:
+                    raise ValueError(f"{file}: {hf_key}: {exc}") from None
+            dest = state[target.key]
+            if target.expert is not None:
+                dest = dest[target.expert]
+                if target.rows is not None:
+                    dest = dest[target.rows[0] : target.rows[1]]
+                expert_parts[target.key].add((target.expert, target.rows))
+            else:
+                filled.add(target.key)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"{file}: tensor {hf_key} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dest.shape)}")
+            dest.copy_(tensor)
+    _check_complete(model, state, filled, expert_parts, adapter)
+
+
+def _check_complete(model, state, filled, expert_parts, adapter) -> None:
+    tied = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
+    missing = []
+    for key, tensor in state.items():
+        if key in filled or key in tied:
+            continue
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            parts_per_expert = 2 if key.endswith("gate_up_proj") else 1
+            if len(expert_parts.get(key, ())) == tensor.shape[0] * parts_per_expert:
+                continue
+        missing.append(next(iter(adapter.to_hf(key, tensor)))[0])
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    text = size.strip().upper()
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def hf_tensors(model: Glm5ForCausalLM):
+    """(HF key, tensor) for every tensor the checkpoint holds, in model order."""
+    adapter = Glm5StateDictAdapter(model.args)
+    for key, tensor in model.state_dict().items():
+        if model.args.tie_word_embeddings and key == "lm_head.weight":
+            continue
+        yield from adapter.to_hf(key, tensor)
+
+
+def save_pretrained(
+    model: Glm5ForCausalLM,
+    path: str | Path,
+    max_shard_size: int | str = "5GB",
+    source_dir: str | Path | None = None,
+) -> Path:
+    """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    Args:
+        max_shard_size: bytes or a string like "5GB"; tensors are never split.
+        source_dir: the checkpoint the model came from; its tokenizer and chat-template
+            files are copied alongside.
+    """
+    path = Path(path)
+    limit = _parse_size(max_shard_size)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, tensor in hf_tensors(model):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, tensor))
+        size += nbytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            name = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {k: t.detach().to("cpu").contiguous() for k, t in shard}
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            for key, t in tensors.items():
+                weight_map[key] = name
+                total += t.numel() * t.element_size()
+            del tensors
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config = model.args.to_hf_dict()
+        config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        config.pop("torch_dtype", None)
+        config.pop("quantization_config", None)  # weights are written dequantized
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if source_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(source_dir) / name).is_file():
+                    shutil.copy2(Path(source_dir) / name, tmp / name)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename `tmp` to `path`; an existing `path` is moved aside first and removed after."""
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        path.rename(old)
+    tmp.rename(path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

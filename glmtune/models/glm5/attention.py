@@ -1,0 +1,115 @@
+"""Multi-head Latent Attention (MLA) with DSA sparse masking, as in GLM-5.
+
+Queries go through a low-rank bottleneck (q_a -> RMSNorm -> q_b); keys and values
+come from a shared 512-dim latent plus one 64-dim rope key shared by all heads
+(kv_a_proj_with_mqa -> RMSNorm -> kv_b). Per head the query/key is
+[nope 192 | rope 64] and the value is 256 wide; scale is 1/sqrt(qk_head_dim).
+
+The attention itself is a backend chosen by name:
+  * "eager": the reference; the exact arithmetic of transformers' eager path
+    (additive finfo.min mask, fp32 softmax cast back before the PV product).
+  * "sdpa": `F.scaled_dot_product_attention` with a boolean mask.
+
+Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmtune.models.common.rmsnorm import RMSNorm
+from glmtune.models.common.rope import apply_interleaved_rope, softmax_scale_for
+from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.indexer import Indexer
+
+ATTENTION_BACKENDS = ("eager", "sdpa")
+
+
+def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+    logits_BNST = torch.matmul(q_BNSK, k_BNTK.transpose(2, 3)) * scale
+    bias_BST = torch.zeros(allowed_BST.shape, dtype=q_BNSK.dtype, device=q_BNSK.device)
+    bias_BST = bias_BST.masked_fill(~allowed_BST, torch.finfo(q_BNSK.dtype).min)
+    logits_BNST = logits_BNST + bias_BST.unsqueeze(1)
+    probs_BNST = F.softmax(logits_BNST, dim=-1, dtype=torch.float32).to(q_BNSK.dtype)
+    return torch.matmul(probs_BNST, v_BNTV)
+
+
+def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+    return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=allowed_BST.unsqueeze(1), scale=scale)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, args: Glm5Args, has_indexer: bool, backend: str = "sdpa") -> None:
+        super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {backend!r} unknown; choose from {ATTENTION_BACKENDS}")
+        self.backend = backend
+        self.num_heads = args.num_attention_heads
+        self.nope_dim = args.qk_nope_head_dim
+        self.rope_dim = args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
+        self.kv_rank = args.kv_lora_rank
+        self.qk_dim = args.qk_head_dim
+        bias = args.attention_bias
+        self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(args.q_lora_rank)  # eps 1e-6, as transformers builds it
+        self.q_b_proj = nn.Linear(args.q_lora_rank, self.num_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, self.kv_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=bias)
+        self.scale = softmax_scale_for(args.rope_parameters, self.qk_dim)
+        self.indexer = Indexer(args) if has_indexer else None
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed_BST: torch.Tensor,
+        shared_mask_BST: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the attention output [B, S, D] and the sparse mask this layer used.
+
+        `shared_mask_BST` is the previous full layer's sparse mask; layers without an
+        indexer ("shared" in GLM-5.2+) reuse it.
+        """
+        batch, seq_len, _ = x_BSD.shape
+        q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
+        q_BNSK = self.q_b_proj(q_resid_BSR).view(batch, seq_len, self.num_heads, self.qk_dim).transpose(1, 2)
+        q_nope, q_rot = q_BNSK.split([self.nope_dim, self.rope_dim], dim=-1)
+
+        kv_a = self.kv_a_proj_with_mqa(x_BSD)
+        latent_BSR, k_rot_BSK = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
+        latent_BSR = self.kv_a_layernorm(latent_BSR)
+        rope_cos, rope_sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_rot = apply_interleaved_rope(q_rot, rope_cos, rope_sin)
+        k_rot_B1SK = apply_interleaved_rope(k_rot_BSK.unsqueeze(1), rope_cos, rope_sin)
+
+        kv_BNTX = self.kv_b_proj(latent_BSR).view(batch, seq_len, self.num_heads, -1).transpose(1, 2)
+        k_nope, v_BNTV = kv_BNTX.split([self.nope_dim, self.v_dim], dim=-1)
+        k_BNTK = torch.cat([k_nope, k_rot_B1SK.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
+
+        if self.indexer is not None:
+            sparse_BST = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST)
+        else:
+            assert shared_mask_BST is not None, "a shared-indexer layer needs an earlier full layer"
+            sparse_BST = shared_mask_BST
+
+        attend = eager_attention if self.backend == "eager" else sdpa_attention
+        out_BNSV = attend(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
+        out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
+        return self.o_proj(out_BSX), sparse_BST
+
+    def reset_parameters(self, std: float) -> None:
+        for linear in (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.q_a_layernorm.reset_parameters()
+        self.kv_a_layernorm.reset_parameters()
+        if self.indexer is not None:
+            self.indexer.reset_parameters(std)

@@ -1,0 +1,84 @@
+"""The DSA "lightning indexer": picks the top-k keys each query may attend.
+
+    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] / sqrt(d)),   w = weights_proj(h) / sqrt(n_heads)
+
+Scores are fp32; disallowed keys (future, other document) are masked *before*
+top-k, so they are chosen only when a query has fewer than k allowed keys, and
+then stay masked. The indexer is frozen in transformers (no gradient, no
+indexer loss), so by default it runs under `no_grad` here too.
+
+Note the rope slice sits *first* in the indexer's heads (last in MLA's).
+
+Legend: B batch, S queries, T keys, H indexer heads, D indexer head dim, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmtune.models.common.rope import apply_interleaved_rope
+from glmtune.models.glm5.args import Glm5Args
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: Glm5Args) -> None:
+        super().__init__()
+        self.num_heads = args.index_n_heads
+        self.head_dim = args.index_head_dim
+        self.rope_dim = args.qk_rope_head_dim
+        self.index_topk = args.index_topk
+        self.wq_b = nn.Linear(args.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(args.hidden_size, self.num_heads, bias=False)
+        self.softmax_scale = self.head_dim**-0.5
+
+    def scores(
+        self,
+        x_BSD: torch.Tensor,
+        q_resid_BSR: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Index scores [B, S, T] in fp32 (unmasked)."""
+        batch, seq_len, _ = x_BSD.shape
+        q_BSHD = self.wq_b(q_resid_BSR).view(batch, seq_len, self.num_heads, self.head_dim)
+        q_rot, q_pass = q_BSHD.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        k_BSD = self.k_norm(self.wk(x_BSD))
+        k_rot, k_pass = k_BSD.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        q_rot = apply_interleaved_rope(q_rot, cos.unsqueeze(2), sin.unsqueeze(2))
+        k_rot = apply_interleaved_rope(k_rot, cos, sin)
+        q_BSHD = torch.cat([q_rot, q_pass], dim=-1)
+        k_BTD = torch.cat([k_rot, k_pass], dim=-1)
+        # Same op order as transformers so the fp32 scores (and top-k ties) agree bit for bit.
+        scores_BSHT = torch.matmul(q_BSHD.float(), k_BTD.transpose(-1, -2).float().unsqueeze(1))
+        scores_BSHT = F.relu(scores_BSHT * self.softmax_scale)
+        weights_BSH = self.weights_proj(x_BSD.to(self.weights_proj.weight.dtype)).float() * self.num_heads**-0.5
+        return torch.matmul(weights_BSH.unsqueeze(-2), scores_BSHT).squeeze(-2)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        q_resid_BSR: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed_BST: torch.Tensor,
+    ) -> torch.Tensor:
+        """The sparse attention mask: bool [B, S, T], True where attention is allowed and selected."""
+        num_keys = allowed_BST.shape[-1]
+        if num_keys <= self.index_topk:
+            # Every key is selected: the mask is the plain block-causal one; skip the work.
+            return allowed_BST
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
+            scores_BST = self.scores(x_BSD, q_resid_BSR, cos, sin)
+            scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)
+            topk_BSK = scores_BST.topk(self.index_topk, dim=-1).indices
+        selected_BST = torch.zeros_like(allowed_BST).scatter(-1, topk_BSK, True)
+        return allowed_BST & selected_BST
+
+    def reset_parameters(self, std: float) -> None:
+        for linear in (self.wq_b, self.wk, self.weights_proj):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+        self.k_norm.reset_parameters()

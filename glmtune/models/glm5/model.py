@@ -1,0 +1,208 @@
+"""GLM-5 causal LM (`GlmMoeDsaForCausalLM`) in plain PyTorch.
+
+    embed -> [decoder layer] x L -> RMSNorm -> lm_head (untied)
+    decoder layer: h += MLA(norm(h)); h += (dense MLP | MoE)(norm(h))
+
+The module tree uses transformers' in-memory names (`model.layers.3.mlp.experts.
+gate_up_proj`, ...) so adapters and PEFT exports line up with it; the HF checkpoint
+mapping itself lives only in `state_dict_adapter.py`. Multi-token-prediction
+(MTP) layers are built (under `mtp`) so checkpoints keep their weights through a
+load/save round trip; they take no part in the forward pass of the main model.
+
+The model knows nothing of parallelism; `parallelize_glm5()` transforms it.
+
+Legend: B batch, S sequence, D model dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from glmtune.models.common.rmsnorm import RMSNorm
+from glmtune.models.common.rope import RotaryEmbedding
+from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.attention import MLAttention
+from glmtune.models.glm5.masks import allowed_mask
+from glmtune.models.glm5.moe import DenseMLP, MoE
+
+
+@dataclass
+class Glm5Output:
+    logits: torch.Tensor | None  # [B, S, V] in the model dtype, or None when not asked for
+    hidden_states: torch.Tensor  # [B, S, D] after the final norm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str,
+                 has_indexer: bool | None = None, sparse_mlp: bool | None = None) -> None:
+        super().__init__()
+        if has_indexer is None:
+            has_indexer = args.indexer_types[layer_idx] == "full"
+        if sparse_mlp is None:
+            sparse_mlp = args.mlp_layer_types[layer_idx] == "sparse"
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = MLAttention(args, has_indexer, attention_backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MoE(args, moe_backend) if sparse_mlp else DenseMLP(args.hidden_size, args.intermediate_size)
+
+    def forward(self, h_BSD, cos, sin, allowed_BST, shared_mask_BST=None):
+        attn_out, sparse_BST = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared_mask_BST)
+        h_BSD = h_BSD + attn_out
+        h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
+        return h_BSD, sparse_BST
+
+    def reset_parameters(self, std: float) -> None:
+        self.input_layernorm.reset_parameters()
+        self.post_attention_layernorm.reset_parameters()
+        self.self_attn.reset_parameters(std)
+        self.mlp.reset_parameters(std)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+
+
+class MTPLayer(DecoderLayer):
+    """One multi-token-prediction layer: a full MoE decoder layer with an indexer plus glue.
+
+    DeepSeek-style MTP: h' = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)]) feeds the
+    decoder layer; shared_head.norm then the main lm_head predict token t+2.
+    """
+
+    def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str) -> None:
+        super().__init__(args, layer_idx, attention_backend, moe_backend, has_indexer=True, sparse_mlp=True)
+        self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.shared_head = SharedHead(args.hidden_size, args.rms_norm_eps)
+
+    def reset_parameters(self, std: float) -> None:
+        super().reset_parameters(std)
+        self.enorm.reset_parameters()
+        self.hnorm.reset_parameters()
+        self.shared_head.norm.reset_parameters()
+        nn.init.normal_(self.eh_proj.weight, mean=0.0, std=std)
+
+
+class Glm5Model(nn.Module):
+    """Embedding, decoder stack and final norm (transformers' `GlmMoeDsaModel`)."""
+
+    def __init__(self, args: Glm5Args, attention_backend: str, moe_backend: str) -> None:
+        super().__init__()
+        self.padding_idx = args.pad_token_id
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=args.pad_token_id)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, attention_backend, moe_backend) for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings)
+
+    def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None):
+        batch, seq_len = input_ids_BS.shape
+        h_BSD = self.embed_tokens(input_ids_BS)
+        allowed_BST = allowed_mask(batch, seq_len, h_BSD.device, position_ids_BS, document_ids_BS)
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(seq_len, device=h_BSD.device).unsqueeze(0)
+        cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), h_BSD.dtype)
+        shared_mask_BST = None
+        for layer in self.layers:
+            h_BSD, shared_mask_BST = layer(h_BSD, cos, sin, allowed_BST, shared_mask_BST)
+        return self.norm(h_BSD)
+
+
+class Glm5ForCausalLM(nn.Module):
+    """The causal LM. `model(input_ids).logits` is [B, S, V]."""
+
+    def __init__(self, args: Glm5Args, attention_backend: str = "sdpa", moe_backend: str = "grouped_mm") -> None:
+        super().__init__()
+        self.args = args
+        self.model = Glm5Model(args, attention_backend, moe_backend)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(
+            MTPLayer(args, args.num_hidden_layers + j, attention_backend, moe_backend)
+            for j in range(args.num_nextn_predict_layers)
+        )
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.freeze_untrained_by_default()
+
+    def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True) -> Glm5Output:
+        """Args:
+            input_ids: [B, S] token ids.
+            position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
+            document_ids: [B, S] document index per token; overrides the position-based split.
+            compute_logits: False returns only hidden states (for a chunked loss).
+        """
+        hidden_BSD = self.model(input_ids, position_ids, document_ids)
+        logits = self.lm_head(hidden_BSD) if compute_logits else None
+        return Glm5Output(logits=logits, hidden_states=hidden_BSD)
+
+    def freeze_untrained_by_default(self) -> None:
+        """Indexers get no gradient in transformers (no indexer loss) and MTP has no loss
+        here: mark them frozen so optimizers hold no state for them."""
+        for name, param in self.named_parameters():
+            if ".indexer." in name or name.startswith("mtp."):
+                param.requires_grad_(False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random init as transformers does (normal(0, initializer_range), ones for norms)."""
+        generator_ctx = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+        with generator_ctx:
+            if seed is not None:
+                torch.manual_seed(seed)
+            std = self.args.initializer_range
+            nn.init.normal_(self.model.embed_tokens.weight, mean=0.0, std=std)
+            if self.model.padding_idx is not None:
+                self.model.embed_tokens.weight[self.model.padding_idx].zero_()
+            for layer in self.model.layers:
+                layer.reset_parameters(std)
+            self.model.norm.reset_parameters()
+            if not self.args.tie_word_embeddings:
+                nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+            for layer in self.mtp:
+                layer.reset_parameters(std)
+            self.model.rotary_emb.reset_parameters()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    args: Glm5Args,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "sdpa",
+    moe_backend: str = "grouped_mm",
+    init: bool = True,
+    seed: int | None = None,
+) -> Glm5ForCausalLM:
+    """Construct on the meta device, then materialize on `device` in `dtype`.
+
+    The router weight and its correction bias stay fp32. With `device="meta"` no
+    memory is allocated (for inspection and planning).
+    """
+    with torch.device("meta"), default_dtype(dtype):
+        model = Glm5ForCausalLM(args, attention_backend, moe_backend)
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device)
+    if init:
+        model.init_weights(seed)
+    else:
+        model.model.rotary_emb.reset_parameters()
+    return model

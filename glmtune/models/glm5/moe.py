@@ -1,0 +1,196 @@
+"""GLM-5 feed-forward blocks: dense SwiGLU MLP, sigmoid router, grouped experts, MoE.
+
+Routing (fp32, on an fp32 router weight): sigmoid scores; `e_score_correction_bias`
+is added for *selection only*; optional group-limited routing (`n_group`,
+`topk_group`); the chosen experts' un-biased scores are normalised (+1e-20) and
+scaled by `routed_scaling_factor`.
+
+Routed experts are stored stacked — `gate_up_proj` [E, 2I, D] (gate rows first)
+and `down_proj` [E, D, I], the in-memory layout of transformers — and computed over
+tokens sorted by expert, with a grouped GEMM (`grouped_mm` backend) or a loop over
+experts (`loop` backend, the reference). Token movement goes through a
+`TokenDispatcher`, so expert parallelism (all-to-all) can replace the local one
+without touching the model.
+
+Legend: T tokens, D model dim, E experts, K experts per token, I expert width,
+N = T*K routed (token, expert) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmtune.models.glm5.args import Glm5Args
+
+MOE_BACKENDS = ("grouped_mm", "loop")
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); also the shared expert."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def reset_parameters(self, std: float) -> None:
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router with a selection-only bias (aux-loss-free balancing)."""
+
+    def __init__(self, args: Glm5Args) -> None:
+        super().__init__()
+        self.num_experts = args.n_routed_experts
+        self.top_k = args.num_experts_per_tok
+        self.num_groups = args.n_group
+        self.topk_groups = args.topk_group
+        self.norm_topk_prob = args.norm_topk_prob
+        self.scaling = args.routed_scaling_factor
+        # The router weight stays fp32 whatever the model dtype (as in transformers >= 5.24).
+        self.weight = nn.Parameter(torch.empty(self.num_experts, args.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (scores [T, E] fp32, top-k weights [T, K] fp32, top-k expert ids [T, K])."""
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        scores_TE = logits_TE.sigmoid()
+        choice_TE = scores_TE + self.e_score_correction_bias
+        if self.num_groups > 1:
+            grouped = choice_TE.view(-1, self.num_groups, self.num_experts // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.num_experts)
+            choice_TE = choice_TE.masked_fill(~expert_mask.bool(), float("-inf"))
+        topk_idx_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
+        topk_w_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.norm_topk_prob:
+            topk_w_TK = topk_w_TK / (topk_w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores_TE, topk_w_TK * self.scaling, topk_idx_TK
+
+    def reset_parameters(self, std: float) -> None:
+        with torch.no_grad():
+            self.weight.normal_(mean=0.0, std=std)
+            self.e_score_correction_bias.zero_()
+
+
+@dataclass
+class DispatchState:
+    """What `combine` needs to undo `dispatch`."""
+
+    order_N: torch.Tensor  # position in the sorted list -> flat (token, k) pair index
+    weights_N: torch.Tensor  # routing weight of each sorted pair (fp32)
+    num_tokens: int
+    top_k: int
+
+
+class LocalTokenDispatcher:
+    """Sorts (token, expert) pairs by expert on one device; the single-rank dispatcher."""
+
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """Returns tokens sorted by expert [N, D], tokens per expert [E] (int64), and the state."""
+        num_tokens, top_k = topk_idx_TK.shape
+        expert_ids_N = topk_idx_TK.reshape(-1)
+        sorted_experts_N, order_N = torch.sort(expert_ids_N, stable=True)
+        x_ND = x_TD[order_N // top_k]
+        tokens_per_expert_E = torch.bincount(sorted_experts_N, minlength=num_experts)
+        state = DispatchState(order_N, topk_w_TK.reshape(-1)[order_N], num_tokens, top_k)
+        return x_ND, tokens_per_expert_E, state
+
+    def combine(self, y_ND: torch.Tensor, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
+        """Weights each pair's output in fp32, restores token order, sums over k in fp32."""
+        weighted_ND = y_ND * state.weights_N.unsqueeze(-1)
+        unsorted_ND = torch.empty_like(weighted_ND)
+        unsorted_ND[state.order_N] = weighted_ND
+        return unsorted_ND.view(state.num_tokens, state.top_k, -1).sum(dim=1).to(out_dtype)
+
+
+def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    # The CPU kernel needs 16-byte aligned strides.
+    itemsize = w.element_size()
+    return all((s * itemsize) % 16 == 0 for s in (w.shape[-1], w.shape[-2], x.shape[-1]))
+
+
+def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    """y[n] = x[n] @ w[e(n)].T for rows grouped by expert; offsets are cumulative row ends."""
+    w_EIO = w_EOI.transpose(-2, -1)
+    if backend == "grouped_mm" and _grouped_mm_usable(x_ND, w_EOI):
+        return F.grouped_mm(x_ND.to(w_EOI.dtype), w_EIO, offs=offsets_E.to(torch.int32))
+    out = x_ND.new_empty(x_ND.shape[0], w_EOI.shape[1], dtype=w_EOI.dtype)
+    start = 0
+    for expert, end in enumerate(offsets_E.tolist()):  # host sync: the reference path only
+        if end > start:
+            out[start:end] = x_ND[start:end].to(w_EOI.dtype) @ w_EIO[expert]
+        start = end
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts of one layer, stacked."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, backend: str = "grouped_mm") -> None:
+        super().__init__()
+        if backend not in MOE_BACKENDS:
+            raise ValueError(f"moe backend {backend!r} unknown; choose from {MOE_BACKENDS}")
+        self.backend = backend
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0)
+        gate_up_N2I = grouped_linear(x_ND, self.gate_up_proj, offsets_E, self.backend)
+        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate_NI) * up_NI, self.down_proj, offsets_E, self.backend)
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=std)
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts."""
+
+    def __init__(self, args: Glm5Args, backend: str = "grouped_mm") -> None:
+        super().__init__()
+        self.num_experts = args.n_routed_experts
+        self.gate = Router(args)
+        self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, backend)
+        self.shared_experts = DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+        self.dispatcher = LocalTokenDispatcher()
+        # Tokens routed to each expert since the trainer last read it: load metrics and
+        # the aux-loss-free bias update. Not part of checkpoints' model weights.
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        _, topk_w_TK, topk_idx_TK = self.gate(x_TD)
+        x_ND, tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += tokens_per_expert_E.to(self.tokens_per_expert.dtype)
+        y_ND = self.experts(x_ND, tokens_per_expert_E)
+        routed_TD = self.dispatcher.combine(y_ND, state, x_TD.dtype)
+        return routed_TD.view_as(x_BSD) + self.shared_experts(x_BSD)
+
+    def reset_parameters(self, std: float) -> None:
+        self.gate.reset_parameters(std)
+        self.experts.reset_parameters(std)
+        self.shared_experts.reset_parameters(std)
+        self.tokens_per_expert.zero_()

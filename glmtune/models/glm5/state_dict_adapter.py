@@ -1,0 +1,124 @@
+"""The only place HF checkpoint key names appear: HF on-disk keys <-> glmtune keys.
+
+On disk (transformers `save_pretrained`, zai-org releases) routed experts are stored
+per expert; in memory they are stacked:
+
+    model.layers.{i}.mlp.experts.{e}.gate_proj.weight [I, D] -> experts.gate_up_proj[e, :I]
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight   [I, D] -> experts.gate_up_proj[e, I:]
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight [D, I] -> experts.down_proj[e]
+
+MTP layers sit after the decoder layers on disk (`model.layers.{L + j}.*`) and under
+`mtp.{j}.*` in memory. Everything else keeps its name. FP8 checkpoints
+(float8_e4m3fn weights with `weight_scale_inv` over 128x128 blocks) are
+dequantized by `dequantize_fp8_block`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from glmtune.models.glm5.args import Glm5Args
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_INTERNAL_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_INTERNAL_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+FP8_BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one HF tensor lands in the model.
+
+    `expert` is None for whole tensors; otherwise the tensor fills
+    `param[expert, rows]` (rows = slice of the stacked output dim).
+    """
+
+    key: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+class Glm5StateDictAdapter:
+    def __init__(self, args: Glm5Args) -> None:
+        self.args = args
+        self.num_layers = args.num_hidden_layers
+        self.expert_dim = args.moe_intermediate_size
+
+    # -- HF -> glmtune ------------------------------------------------------------------
+    def from_hf_key(self, hf_key: str) -> Target | None:
+        """The target of an HF key, or None when the key is not a model tensor we know."""
+        if hf_key.endswith(SCALE_SUFFIX):
+            return None
+        match = _LAYER_RE.match(hf_key)
+        if not match:
+            return Target(hf_key) if hf_key in _TOP_LEVEL_KEYS else None
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer < self.num_layers:
+            prefix = f"model.layers.{layer}"
+        elif layer < self.num_layers + self.args.num_nextn_predict_layers:
+            prefix = f"mtp.{layer - self.num_layers}"
+        else:
+            return None
+        expert = _EXPERT_RE.match(rest)
+        if expert is None:
+            return Target(f"{prefix}.{rest}")
+        index, proj = int(expert.group(1)), expert.group(2)
+        if proj == "down_proj":
+            return Target(f"{prefix}.mlp.experts.down_proj", index)
+        rows = (0, self.expert_dim) if proj == "gate_proj" else (self.expert_dim, 2 * self.expert_dim)
+        return Target(f"{prefix}.mlp.experts.gate_up_proj", index, rows)
+
+    # -- glmtune -> HF ------------------------------------------------------------------
+    def hf_prefix(self, internal_key: str) -> str:
+        match = _INTERNAL_MTP_RE.match(internal_key)
+        if match:
+            return f"model.layers.{self.num_layers + int(match.group(1))}.{match.group(2)}"
+        return internal_key
+
+    def to_hf(self, internal_key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF (key, tensor) pairs for one internal tensor; stacked experts are split."""
+        key = self.hf_prefix(internal_key)
+        experts = _INTERNAL_EXPERTS_RE.match(key)
+        if experts is None:
+            yield key, tensor
+            return
+        base, kind = experts.groups()
+        for index in range(tensor.shape[0]):
+            if kind == "down_proj":
+                yield f"{base}.{index}.down_proj.weight", tensor[index]
+            else:
+                yield f"{base}.{index}.gate_proj.weight", tensor[index, : self.expert_dim]
+                yield f"{base}.{index}.up_proj.weight", tensor[index, self.expert_dim :]
+
+    def hf_shapes(self, internal_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Expected HF key -> shape for a model whose internal tensors have these shapes."""
+        out: dict[str, tuple[int, ...]] = {}
+        for key, shape in internal_shapes.items():
+            meta = torch.empty(shape, device="meta")
+            for hf_key, part in self.to_hf(key, meta):
+                out[hf_key] = tuple(part.shape)
+        return out
+
+
+_TOP_LEVEL_KEYS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w[i, j] * scale_inv[i // 128, j // 128] in fp32, cast to `dtype` (DeepSeek/GLM FP8 layout)."""
+    rows, cols = weight.shape
+    expected = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+                         f"{(rows, cols)} in {FP8_BLOCK}x{FP8_BLOCK} blocks (expected {expected})")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
