@@ -1,0 +1,150 @@
+"""HF checkpoint I/O: sharding, MTP kept, FP8 dequantized, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune.models.glm5.args import get_preset
+from glmtune.models.glm5.model import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    model = build_model(get_preset("tiny"), seed=0)
+    with torch.no_grad():
+        model.mtp[0].eh_proj.weight.normal_()  # make MTP weights distinctive
+    path = tmp_path_factory.mktemp("tiny") / "ckpt"
+    save_pretrained(model, path, max_shard_size="300KB")
+    return model, path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_save_and_load_round_trip(tiny_dir):
+    model, path = tiny_dir
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in index["weight_map"]
+    # MTP layer = layer index num_hidden_layers on disk, kept through the round trip.
+    assert "model.layers.4.eh_proj.weight" in index["weight_map"]
+    assert "model.layers.4.mlp.experts.0.gate_proj.weight" in index["weight_map"]
+    loaded = load_pretrained(path, dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_truncated_shard_is_one_line_error(tiny_dir, tmp_path):
+    _, path = tiny_dir
+    bad = _copy(path, tmp_path / "bad")
+    shard = sorted(bad.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=rf"{shard.name}: truncated") as info:
+        load_pretrained(bad, dtype=torch.float32)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_shard_names_file(tiny_dir, tmp_path):
+    _, path = tiny_dir
+    bad = _copy(path, tmp_path / "bad")
+    shard = sorted(bad.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        load_pretrained(bad, dtype=torch.float32)
+
+
+def _rewrite_shard(path, edit):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = index["weight_map"]["model.norm.weight"]
+    tensors = load_file(path / name)
+    tensors = edit(tensors)
+    save_file(tensors, path / name, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != name}
+    index["weight_map"].update({k: name for k in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return name
+
+
+def test_missing_unexpected_and_misshaped_keys(tiny_dir, tmp_path):
+    _, path = tiny_dir
+    missing = _copy(path, tmp_path / "missing")
+    _rewrite_shard(missing, lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="missing tensor model.norm.weight"):
+        load_pretrained(missing, dtype=torch.float32)
+
+    unexpected = _copy(path, tmp_path / "unexpected")
+    name = _rewrite_shard(unexpected, lambda t: {**t, "model.layers.9.mlp.gate.weight": torch.zeros(8, 128)})
+    with pytest.raises(ValueError, match=rf"{name}: unexpected tensor model.layers.9.mlp.gate.weight"):
+        load_pretrained(unexpected, dtype=torch.float32)
+
+    misshaped = _copy(path, tmp_path / "misshaped")
+    name = _rewrite_shard(misshaped, lambda t: {**t, "model.norm.weight": torch.ones(7)})
+    with pytest.raises(ValueError, match=rf"{name}: tensor model.norm.weight has shape \(7,\)"):
+        load_pretrained(misshaped, dtype=torch.float32)
+
+
+def _quantize_blockwise(weight: torch.Tensor):
+    """Reference FP8 quantizer written independently: explicit loops over 128x128 blocks."""
+    rows, cols = weight.shape
+    nb_r, nb_c = -(-rows // 128), -(-cols // 128)
+    scale = torch.empty(nb_r, nb_c)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    expected = torch.empty(rows, cols)
+    for i in range(nb_r):
+        for j in range(nb_c):
+            block = weight[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            s = block.abs().max().clamp_min(1e-12) / 448.0
+            scale[i, j] = s
+            qb = (block / s).to(torch.float8_e4m3fn)
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = qb
+            expected[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = qb.float() * s
+    return q, scale, expected
+
+
+def test_fp8_checkpoint_is_dequantized(tmp_path):
+    args = get_preset("tiny").replace(hidden_size=256, q_lora_rank=192)  # several 128-blocks, a partial one
+    model = build_model(args, seed=1)
+    path = save_pretrained(model, tmp_path / "bf16")
+    tensors = load_file(path / "model.safetensors")
+    expected = {}
+    for key in list(tensors):
+        w = tensors[key]
+        if w.dim() == 2 and key.endswith("proj.weight") and "weights_proj" not in key:
+            q, scale, expected[key] = _quantize_blockwise(w)
+            tensors[key] = q
+            tensors[key + "_scale_inv"] = scale
+    assert "model.layers.0.self_attn.q_b_proj.weight" in expected
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_pretrained(path, dtype=torch.float32)
+    state = loaded.state_dict()
+    assert torch.equal(state["model.layers.0.self_attn.q_b_proj.weight"],
+                       expected["model.layers.0.self_attn.q_b_proj.weight"])
+    assert torch.equal(state["model.layers.2.mlp.experts.gate_up_proj"][3, args.moe_intermediate_size:],
+                       expected["model.layers.2.mlp.experts.3.up_proj.weight"])
+    # A wrong scale grid is reported with the key and the file.
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(5, 5)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.safetensors: model.layers.0.self_attn.o_proj.weight: weight_scale_inv"):
+        load_pretrained(path, dtype=torch.float32)
+
+
+def test_save_is_atomic_and_copies_tokenizer(tiny_dir, tmp_path):
+    model, path = tiny_dir
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "chat_template.jinja").write_text("{{ messages }}")
+    out = save_pretrained(model, tmp_path / "out", source_dir=tmp_path / "src")
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    # Overwriting an existing export replaces it whole.
+    save_pretrained(model, out)
+    assert not (out / "chat_template.jinja").exists()
