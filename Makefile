@@ -21,7 +21,7 @@ demo: venv
 	$(BIN)/glmtune inspect glm5
 
 test: venv
-	$(BIN)/python -m pytest -q -n 2 tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
 clean:
 	rm -rf $(VENV)

@@ -175,8 +175,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, backend)
         self.shared_experts = DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
         self.dispatcher = LocalTokenDispatcher()
-        # Tokens routed to each expert since the trainer last read it: load metrics and
-        # the aux-loss-free bias update. Not part of checkpoints' model weights.
+        # Tokens routed to each expert in the latest forward: load metrics and the
+        # aux-loss-free bias update read it. Overwritten, not accumulated, so an
+        # activation-checkpointing recompute does not count tokens twice.
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,7 @@ class MoE(nn.Module):
         _, topk_w_TK, topk_idx_TK = self.gate(x_TD)
         x_ND, tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
         with torch.no_grad():
-            self.tokens_per_expert += tokens_per_expert_E.to(self.tokens_per_expert.dtype)
+            self.tokens_per_expert.copy_(tokens_per_expert_E)
         y_ND = self.experts(x_ND, tokens_per_expert_E)
         routed_TD = self.dispatcher.combine(y_ND, state, x_TD.dtype)
         return routed_TD.view_as(x_BSD) + self.shared_experts(x_BSD)

@@ -1,0 +1,83 @@
+"""`parallelize_glm5`: turns a built (plain PyTorch) GLM-5 into a training-ready one.
+
+Transformations apply in this fixed order, each one optional:
+  1. expert parallelism (EP)       - routed experts sharded over an `ep` mesh axis
+  2. context parallelism (CP)      - sequence sharded over a `cp` mesh axis
+  3. activation checkpointing (AC) - per decoder layer
+  4. torch.compile                 - per decoder layer (the unit AC and FSDP wrap)
+  5. FSDP2 (`fully_shard`)         - per decoder layer, then the root
+
+EP and CP come first because they change what a layer computes and which
+tensors exist; AC and compile wrap the resulting layer; FSDP2 goes last so it
+shards the final parameters and its hooks wrap everything else. This version
+runs 3-5; EP, CP, TP and PP degrees > 1 are parsed and validated by the config
+and rejected here with a clear message until their transformations land.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from glmtune.models.glm5.model import Glm5ForCausalLM
+
+
+def _checkpointed_forward(original_forward, *args, **kwargs):
+    return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: Glm5ForCausalLM) -> None:
+    """Recompute each decoder layer in backward. Parameter names are unchanged (no wrapper
+    module), so checkpoints and adapters see the same keys with AC on or off."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
+
+
+def apply_compile(model: Glm5ForCausalLM) -> None:
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def parallelize_glm5(
+    model: Glm5ForCausalLM,
+    *,
+    world_size: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    mesh=None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Apply EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring)."""
+    for name, degree in (("parallel.ep", ep), ("parallel.cp", cp), ("parallel.tp", tp), ("parallel.pp", pp)):
+        if degree != 1:
+            raise ValueError(f"{name}={degree}: this glmtune version trains with FSDP2 data parallelism only; "
+                             f"set {name}: 1 (expert/context/tensor/pipeline parallelism are not built yet)")
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    if world_size > 1:
+        if mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype)
+    return model
