@@ -1,0 +1,201 @@
+"""The job configuration: one typed dataclass tree, filled from YAML by `loader.py`.
+
+Every field has a default and a one-line comment; the defaults describe a
+single-process run of the `tiny` preset, so a recipe only states what it changes
+(at least where the data comes from). Semantic checks that
+span fields (parallel degrees, batch divisibility, warmup vs steps) live in
+`validate.py`; this file only declares shapes, types and defaults.
+
+Conventions the loader relies on:
+- Field types are restricted to int, float, bool, str, `X | None`, `Literal`,
+  `list[X]`, `tuple[...]`, `dict[str, X]`, `Any` and nested dataclasses.
+- Choices are `Literal`s of strings that YAML 1.1 does not read as booleans
+  (no bare `on`/`off`/`yes`/`no`), so an unquoted value stays a string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Built-in model presets (glmtune.models.glm5.args.PRESETS). `tiny` is a CPU-sized
+# random-init model; the others are the published GLM-5 family architectures, whose
+# weights still come from a local HF directory.
+MODEL_PRESETS = ("tiny", "glm5", "glm5.1", "glm5.2", "glm5.3")
+ModelPreset = Literal["tiny", "glm5", "glm5.1", "glm5.2", "glm5.3"]
+
+# torch.distributed.pipelining schedule names, spelled as `get_schedule_class` accepts them.
+PipelineSchedule = Literal[
+    "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
+
+# NVIDIA's GLM-5.x LoRA recipe targets: the five MLA projections, the dense MLP of the
+# first layers, the shared experts and the grouped routed experts. The DSA indexer
+# (`self_attn.indexer.*`) and the router (`mlp.gate`) are deliberately not matched.
+DEFAULT_LORA_TARGETS = (
+    "*.self_attn.q_a_proj",
+    "*.self_attn.q_b_proj",
+    "*.self_attn.kv_a_proj_with_mqa",
+    "*.self_attn.kv_b_proj",
+    "*.self_attn.o_proj",
+    "*.mlp.gate_proj",
+    "*.mlp.up_proj",
+    "*.mlp.down_proj",
+    "*.mlp.shared_experts.*",
+    "*.mlp.experts",
+)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build and how its kernels run."""
+
+    name_or_path: str = "tiny"  # a preset (tiny|glm5|glm5.1|glm5.2|glm5.3) or a local HF directory with config.json
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameter dtype
+    overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
+    attention_backend: Literal["sdpa", "eager", "flex"] = "sdpa"  # MLA attention kernel
+    moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
+    indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
+    validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Generated data, so a run needs no files (the tiny default uses it)."""
+
+    kind: Literal["support_tickets"] = "support_tickets"  # generator: support ticket -> JSON answer
+    rows: int = 2000  # number of conversations to generate
+    seed: int = 0  # generator seed, independent of train.seed
+
+
+@dataclass
+class DataConfig:
+    """Where conversations come from and how they become packed token rows."""
+
+    train: list[str] = field(default_factory=list)  # training files or HF dataset ids
+    validation: list[str] = field(default_factory=list)  # validation files; empty = carve from train with `split`
+    format: Literal["auto", "jsonl", "parquet", "hf_datasets"] = "auto"  # auto = by file extension
+    synthetic: SyntheticDataConfig | None = None  # generate data instead of (or besides) reading `train`
+    chat_template: str | None = None  # Jinja template path; null = the tokenizer's own, else the bundled GLM-5 one
+    tokenizer: str | None = None  # tokenizer directory; null = the model directory's, or the bundled tiny one
+    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"  # which assistant turns carry loss
+    enable_thinking: bool = False  # render <think> blocks (GLM-5 reasoning) into the training text
+    packed_sequence_size: int = 4096  # tokens per packed row
+    too_long: Literal["truncate", "drop"] = "drop"  # a conversation longer than a row: cut it or skip it
+    json_schema: str | None = None  # JSON schema the assistant answers must satisfy (checked at load and eval)
+    cache_dir: str | None = None  # tokenized-data cache; null = ~/.cache/glmtune/data
+    # Ratios (train/validation/test) carved from `train`, used only when `validation` is empty.
+    split: dict[str, float] = field(default_factory=lambda: {"train": 0.98, "validation": 0.02})
+    pii: Literal["report", "drop", "fail"] = "report"  # what to do with rows that look like they contain PII
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. The number of accumulation steps is derived, not set."""
+
+    max_steps: int = 100  # optimizer steps
+    global_batch_size: int = 32  # packed rows per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 1  # packed rows per rank per forward/backward
+    seed: int = 1234  # model init, data order and dropout
+    val_every: int = 50  # validate every N steps; 0 = never
+    val_steps: int | None = 10  # validation batches per evaluation; null = the whole validation set
+    log_every: int = 10  # print/log metrics every N steps
+    clip_grad_norm: float | None = 1.0  # max global grad norm; null = no clipping
+    router_bias_update: Literal["none", "sign"] = "none"  # aux-loss-free balancing: bias += rate*sign(mean-load); off for SFT
+    router_bias_update_rate: float = 1e-3  # step size of the router bias update
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
+    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto = bf16 on cuda with float32 params, none elsewhere
+    generate_samples: int = 0  # greedy generations printed at each validation, to eyeball outputs
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: Literal["adamw"] = "adamw"  # torch.optim.AdamW
+    lr: float = 1e-5  # peak learning rate
+    weight_decay: float = 0.0  # decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam moment decay rates
+    eps: float = 1e-8  # Adam denominator epsilon
+    fused: bool | Literal["auto"] = "auto"  # fused AdamW kernel; auto = on for cuda
+    scheduler: Literal["cosine", "constant", "linear"] = "cosine"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine/linear)
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, retention and resume."""
+
+    dir: str | None = None  # null = <logging.run_dir>/checkpoints
+    every_steps: int = 0  # save every N steps; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept on disk; 0 = keep all
+    resume: str = "none"  # none | auto (latest in dir, if any) | a checkpoint path
+    export_hf: bool = False  # also write an HF-loadable model (or PEFT adapter) at the end
+    async_save: bool = False  # write checkpoints in the background
+
+
+@dataclass
+class ParallelConfig:
+    """Device mesh degrees and launch topology.
+
+    The mesh is dp_replicate x dp_shard x cp x tp x pp; expert parallelism does not
+    add ranks, it is carved out of dp_shard x cp (see `validate.validate_parallel`).
+    """
+
+    world_size: int | None = None  # null = from the launcher (WORLD_SIZE) or nodes x gpus_per_node
+    dp_shard: int = -1  # FSDP2 sharding degree; -1 = whatever the other degrees leave
+    dp_replicate: int = 1  # HSDP replica groups
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline stages (ranks)
+    ep: int = 1  # expert parallel; must divide dp_shard x cp and the number of experts
+    cp: int = 1  # context parallel (packed rows are split along the sequence)
+    pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
+    pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
+    pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute activations in backward
+    compile: bool = False  # torch.compile each decoder layer
+    launcher: Literal["torchrun", "slurm"] = "torchrun"  # how `glmtune train` starts processes
+    nodes: int | None = None  # number of hosts; with gpus_per_node fixes world_size
+    gpus_per_node: int | None = None  # processes per host
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning. method none = full fine-tuning."""
+
+    method: Literal["none", "lora"] = "none"  # adapter type
+    rank: int = 32  # LoRA rank r
+    alpha: float = 64.0  # LoRA scale numerator: scale = alpha/r (alpha/sqrt(r) with rslora)
+    dropout: float = 0.0  # dropout on the LoRA input
+    rslora: bool = False  # rank-stabilised scaling alpha/sqrt(r)
+    # fnmatch globs over module names (HF names, e.g. model.layers.3.self_attn.q_a_proj).
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    exclude_modules: list[str] = field(default_factory=list)  # globs removed from the matches
+
+
+@dataclass
+class LoggingConfig:
+    """Where run artefacts and metrics go."""
+
+    run_dir: str | None = None  # null = runs/<name>; holds config.yaml, metrics and checkpoints
+    tensorboard: bool = True  # write TensorBoard events under <run_dir>/tensorboard
+    wandb: str | None = None  # Weights & Biases project; null = off
+    metrics_file: str = "metrics.jsonl"  # one JSON object per logged step, relative to run_dir
+    progress: bool = True  # live progress bar on rank 0
+
+
+@dataclass
+class JobConfig:
+    """Everything one glmtune run needs; saved resolved as <run_dir>/config.yaml."""
+
+    name: str = "glmtune"  # run name; also names the default run_dir
+    description: str = ""  # free text kept with the run
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

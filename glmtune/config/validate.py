@@ -1,0 +1,282 @@
+"""Cross-field checks of a JobConfig: parallel degrees against the world and the model, batches, schedule.
+
+Mesh rule (FSDP2 + EP, as in torchtitan and NeMo AutoModel):
+
+    world_size = dp_replicate * dp_shard * cp * tp * pp
+
+Expert parallelism adds no ranks: the `ep` ranks that split the routed experts are
+carved out of the dp_shard x cp ranks of one replica and pipeline stage, and expert
+weights are FSDP-sharded over the remaining `dp_shard * cp / ep` ranks. Hence
+`dp_shard * cp % ep == 0` and `num_experts % ep == 0`. NVIDIA's GLM-5 recipe: 256
+ranks = dp_shard 64 x pp 4, with ep 64 over those 64 ranks, 4 experts per rank.
+
+Pipeline rule: layers need not divide by pp (GLM-5 has 78 layers, NVIDIA runs pp 4).
+We only require `pp * pp_stages_per_rank <= num_layers` and split unevenly with
+`split_layers`: the earliest stages take the extra layers, so the last stage, which
+also runs the final norm and the 154,880-way lm_head (about two decoder layers of
+matmul per token), is never one with more layers; the first stage's embedding is a
+lookup and costs little. 78 layers over 4 stages -> 20/20/19/19.
+
+All failures are `ValueError`s naming the keys involved, reported together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from glmtune.config.schema import JobConfig, ParallelConfig
+
+# Schedules that place one stage per rank, and the V-shaped ones that need exactly two.
+_SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+_TWO_STAGE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+_ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+@dataclass(frozen=True)
+class MeshDegrees:
+    """The resolved degrees (dp_shard filled in) of one run."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different rows of a batch (cp/tp/pp ranks share rows)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_dp(self) -> int:
+        """FSDP degree of the expert weights: dp_shard x cp ranks left after EP."""
+        return self.dp_shard * self.cp // self.ep
+
+    def describe(self) -> str:
+        return (
+            f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}"
+            f" x tp {self.tp} x pp {self.pp}; ep {self.ep} (expert FSDP {self.expert_dp})"
+        )
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Decoder layers per pipeline stage, as even as possible, extras to the earliest stages."""
+    assert 1 <= num_stages <= num_layers, (num_stages, num_layers)
+    base, extra = divmod(num_layers, num_stages)
+    return [base + 1] * extra + [base] * (num_stages - extra)
+
+
+def resolve_world_size(parallel: ParallelConfig, world_size: int | None = None) -> int:
+    """The launcher's world size, else `parallel.world_size`, else nodes x gpus_per_node.
+
+    Sources that are given must agree. With none of them: the product of the degrees
+    when dp_shard is explicit, otherwise 1 (a single process).
+    """
+    claims: list[tuple[str, int]] = []
+    if world_size is not None:
+        claims.append(("the launcher's world size", world_size))
+    if parallel.world_size is not None:
+        claims.append(("parallel.world_size", parallel.world_size))
+    if parallel.nodes is not None and parallel.gpus_per_node is not None:
+        claims.append(("parallel.nodes x parallel.gpus_per_node", parallel.nodes * parallel.gpus_per_node))
+    if claims:
+        first_name, first = claims[0]
+        for name, value in claims[1:]:
+            if value != first:
+                raise ValueError(f"{first_name} ({first}) disagrees with {name} ({value})")
+        if first < 1:
+            raise ValueError(f"{first_name} must be >= 1, got {first}")
+        return first
+    if parallel.dp_shard != -1:
+        p = parallel
+        return p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
+    return 1
+
+
+def validate_parallel(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None) -> MeshDegrees:
+    """Check the mesh against the world size and the model; return the resolved degrees."""
+    p = cfg.parallel
+    errors = []
+    for key in ("dp_replicate", "tp", "pp", "ep", "cp", "pp_stages_per_rank"):
+        if getattr(p, key) < 1:
+            errors.append(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        errors.append(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
+    if (p.nodes is None) != (p.gpus_per_node is None):
+        errors.append("parallel.nodes and parallel.gpus_per_node must be set together")
+    if p.launcher == "slurm" and p.nodes is None:
+        errors.append("parallel.launcher slurm needs parallel.nodes and parallel.gpus_per_node")
+    _raise(errors)
+
+    world = resolve_world_size(p, world_size)
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    if p.dp_shard == -1:
+        if world % others:
+            _raise([
+                f"world size {world} is not divisible by parallel.dp_replicate x cp x tp x pp "
+                f"= {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = {others}, so parallel.dp_shard cannot be filled"
+            ])
+        dp_shard = world // others
+    else:
+        dp_shard = p.dp_shard
+        if others * dp_shard != world:
+            _raise([
+                f"parallel.dp_replicate x dp_shard x cp x tp x pp = {p.dp_replicate} x {dp_shard} x {p.cp} x {p.tp}"
+                f" x {p.pp} = {others * dp_shard}, but the world size is {world} (set parallel.dp_shard: -1 to fill)"
+            ])
+    degrees = MeshDegrees(world, p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep)
+
+    if num_experts % p.ep:
+        errors.append(f"parallel.ep ({p.ep}) must divide the model's {num_experts} routed experts")
+    if (dp_shard * p.cp) % p.ep:
+        errors.append(
+            f"parallel.ep ({p.ep}) must divide parallel.dp_shard x parallel.cp ({dp_shard} x {p.cp} = "
+            f"{dp_shard * p.cp}): expert-parallel ranks are carved from the sharded data-parallel ranks"
+        )
+    num_stages = p.pp * p.pp_stages_per_rank
+    if num_stages > num_layers:
+        errors.append(
+            f"parallel.pp x parallel.pp_stages_per_rank ({p.pp} x {p.pp_stages_per_rank} = {num_stages}) "
+            f"exceeds the model's {num_layers} layers"
+        )
+    errors += _schedule_errors(cfg)
+    if p.cp > 1 and cfg.data.packed_sequence_size % p.cp:
+        errors.append(
+            f"data.packed_sequence_size ({cfg.data.packed_sequence_size}) must be divisible by parallel.cp ({p.cp}): "
+            "context parallelism splits each packed row into cp contiguous chunks"
+        )
+    _raise(errors)
+    return degrees
+
+
+def pipeline_microbatches(cfg: JobConfig) -> int:
+    """Pipeline microbatches per micro batch (null = one row each)."""
+    return cfg.parallel.pp_microbatches or cfg.train.micro_batch_size
+
+
+def _schedule_errors(cfg: JobConfig) -> list[str]:
+    p = cfg.parallel
+    schedule, per_rank = p.pp_schedule, p.pp_stages_per_rank
+    errors = []
+    if p.pp == 1:
+        if per_rank != 1:
+            errors.append(f"parallel.pp_stages_per_rank ({per_rank}) must be 1 when parallel.pp is 1")
+        return errors
+    if schedule in _SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        errors.append(f"parallel.pp_schedule {schedule} runs one stage per rank; set parallel.pp_stages_per_rank: 1")
+    if schedule in _TWO_STAGE_SCHEDULES and per_rank != 2:
+        errors.append(f"parallel.pp_schedule {schedule} needs parallel.pp_stages_per_rank: 2, got {per_rank}")
+    micro = pipeline_microbatches(cfg)
+    if micro < 1 or cfg.train.micro_batch_size % micro:
+        errors.append(
+            f"parallel.pp_microbatches ({micro}) must divide train.micro_batch_size ({cfg.train.micro_batch_size})"
+        )
+        return errors
+    # torch.distributed.pipelining raises these at schedule construction; catch them before a 256-GPU launch.
+    num_stages = p.pp * per_rank
+    if schedule in ("1F1B", "DualPipeV") and micro < num_stages:
+        errors.append(
+            f"parallel.pp_schedule {schedule} needs at least as many microbatches as stages: "
+            f"parallel.pp_microbatches (or train.micro_batch_size) is {micro}, stages {num_stages}"
+        )
+    if schedule in _ROUND_BASED_SCHEDULES:
+        rounds = max(1, micro // p.pp)
+        if micro % rounds:
+            errors.append(
+                f"parallel.pp_schedule {schedule} needs parallel.pp_microbatches ({micro}) to be a multiple of "
+                f"{rounds} (microbatches // parallel.pp)"
+            )
+    return errors
+
+
+def grad_accum_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
+    """Micro batches each rank accumulates per optimizer step."""
+    t = cfg.train
+    per_step = t.micro_batch_size * degrees.dp
+    if t.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size x "
+            f"data-parallel degree (parallel.dp_replicate x dp_shard = {degrees.dp}): {t.micro_batch_size} x "
+            f"{degrees.dp} = {per_step}"
+        )
+    return t.global_batch_size // per_step
+
+
+def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None) -> MeshDegrees:
+    """All checks: parallel mesh, batch divisibility and per-field ranges."""
+    degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
+    errors = check_ranges(cfg)
+    try:
+        grad_accum_steps(cfg, degrees)
+    except ValueError as exc:
+        errors.append(str(exc))
+    _raise(errors)
+    return degrees
+
+
+def check_ranges(cfg: JobConfig) -> list[str]:
+    """Single-section value checks that types alone cannot express."""
+    t, o, d, c, peft = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.peft
+    rules = [
+        (t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"),
+        (t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}"),
+        (t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}"),
+        (t.val_every >= 0, f"train.val_every must be >= 0 (0 = never), got {t.val_every}"),
+        (t.val_steps is None or t.val_steps >= 1, f"train.val_steps must be >= 1 or null, got {t.val_steps}"),
+        (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
+        (t.clip_grad_norm is None or t.clip_grad_norm > 0,
+         f"train.clip_grad_norm must be > 0 or null, got {t.clip_grad_norm}"),
+        (t.router_bias_update_rate >= 0,
+         f"train.router_bias_update_rate must be >= 0, got {t.router_bias_update_rate}"),
+        (t.generate_samples >= 0, f"train.generate_samples must be >= 0, got {t.generate_samples}"),
+        (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
+        (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
+        (all(0 <= b < 1 for b in o.betas), f"optim.betas must be in [0, 1), got {list(o.betas)}"),
+        (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
+        (0 <= o.warmup_steps <= t.max_steps,
+         f"optim.warmup_steps ({o.warmup_steps}) must be between 0 and train.max_steps ({t.max_steps})"),
+        (0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}"),
+        (c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = only at the end), got {c.every_steps}"),
+        (c.keep_last >= 0, f"checkpoint.keep_last must be >= 0 (0 = keep all), got {c.keep_last}"),
+        (c.resume != "", "checkpoint.resume must be none, auto or a checkpoint path"),
+        (bool(d.train) or d.synthetic is not None,
+         "data.train is empty and data.synthetic is not set: no training data"),
+        (d.synthetic is None or d.synthetic.rows >= 1,
+         f"data.synthetic.rows must be >= 1, got {d.synthetic.rows if d.synthetic else None}"),
+        (d.packed_sequence_size >= 1, f"data.packed_sequence_size must be >= 1, got {d.packed_sequence_size}"),
+        (bool(cfg.model.name_or_path), "model.name_or_path is empty"),
+        (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),
+    ]
+    errors = [message for ok, message in rules if not ok]
+    errors += _split_errors(d.split)
+    if peft.method == "lora":
+        errors += [message for ok, message in (
+            (peft.rank >= 1, f"peft.rank must be >= 1, got {peft.rank}"),
+            (peft.alpha > 0, f"peft.alpha must be > 0, got {peft.alpha}"),
+            (0 <= peft.dropout < 1, f"peft.dropout must be in [0, 1), got {peft.dropout}"),
+            (bool(peft.target_modules), "peft.target_modules is empty: LoRA would train nothing"),
+        ) if not ok]
+    return errors
+
+
+def _split_errors(split: dict[str, float]) -> list[str]:
+    unknown = sorted(set(split) - {"train", "validation", "test"})
+    if unknown:
+        return [f"data.split: unknown split name(s) {', '.join(unknown)}; use train, validation, test"]
+    if "train" not in split:
+        return ["data.split must have a train ratio"]
+    if any(not 0 < r <= 1 for r in split.values()):
+        return [f"data.split ratios must be in (0, 1], got {split}"]
+    if not math.isclose(sum(split.values()), 1.0, abs_tol=1e-6):
+        return [f"data.split ratios must sum to 1, got {sum(split.values())}"]
+    return []
+
+
+def _raise(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors))

@@ -1,0 +1,125 @@
+"""Cross-field validation: mesh degrees vs world size and model, pipeline split, batch and range checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glmtune.config import (
+    JobConfig,
+    load_config,
+    model_dims,
+    resolve_world_size,
+    split_layers,
+    validate_config,
+    validate_parallel,
+)
+from glmtune.config.validate import grad_accum_steps
+
+
+def glm5_job(*overrides: str) -> JobConfig:
+    """NVIDIA's GLM-5 4K topology, stated inline so these tests do not depend on recipe files."""
+    base = [
+        "--parallel.nodes=32", "--parallel.gpus_per_node=8", "--parallel.pp=4", "--parallel.ep=64",
+        "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_microbatches=4",
+        "--train.global_batch_size=256", "--train.micro_batch_size=4", "--data.train=[x.jsonl]",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def test_glm5_topology_resolves():
+    degrees = validate_config(glm5_job(), num_experts=256, num_layers=78)
+    assert (degrees.world_size, degrees.dp_shard, degrees.pp, degrees.ep, degrees.expert_dp) == (256, 64, 4, 64, 1)
+    assert grad_accum_steps(glm5_job(), degrees) == 1
+
+
+def test_layers_need_not_divide_by_pp():
+    assert split_layers(78, 4) == [20, 20, 19, 19]
+    assert split_layers(4, 4) == [1, 1, 1, 1]
+    assert sum(split_layers(78, 36)) == 78
+    with pytest.raises(ValueError, match=r"parallel.pp x parallel.pp_stages_per_rank \(8 x 1 = 8\) exceeds the model's 4"):
+        validate_parallel(load_config(None, ["--parallel.pp=8", "--parallel.pp_microbatches=8",
+                                             "--train.micro_batch_size=8"]), 8, 4, world_size=8)
+
+
+def test_ep_must_divide_experts_and_dp_shard_times_cp():
+    with pytest.raises(ValueError, match=r"parallel.ep \(48\) must divide the model's 256 routed experts"):
+        validate_parallel(glm5_job("--parallel.ep=48"), 256, 78)
+    with pytest.raises(ValueError, match=r"parallel.ep \(128\) must divide parallel.dp_shard x parallel.cp \(64 x 1"):
+        validate_parallel(glm5_job("--parallel.ep=128"), 256, 78)
+    # cp ranks count too: dp_shard 16 x cp 8 = 128 ranks host ep 128.
+    job = glm5_job("--parallel.ep=128", "--parallel.cp=8", "--parallel.nodes=64")
+    assert validate_parallel(job, 256, 78).dp_shard == 16
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match=r"parallel.dp_replicate x dp_shard x cp x tp x pp = 1 x 32 x 1 x 1 x 4 = 128"):
+        validate_parallel(glm5_job("--parallel.dp_shard=32"), 256, 78)
+    with pytest.raises(ValueError, match=r"world size 256 is not divisible by parallel.dp_replicate x cp x tp x pp"):
+        validate_parallel(glm5_job("--parallel.pp=3"), 256, 78)
+
+
+def test_world_size_sources_must_agree():
+    with pytest.raises(ValueError, match=r"the launcher's world size \(8\) disagrees with parallel.nodes x"):
+        validate_parallel(glm5_job(), 256, 78, world_size=8)
+    with pytest.raises(ValueError, match="parallel.nodes and parallel.gpus_per_node must be set together"):
+        validate_parallel(load_config(None, ["--parallel.nodes=2"]), 8, 4)
+    job = load_config(None, ["--parallel.dp_shard=2", "--parallel.tp=2"])
+    assert resolve_world_size(job.parallel) == 4  # explicit degrees, no launcher
+    assert resolve_world_size(JobConfig().parallel) == 1  # nothing known: one process
+
+
+def test_pipeline_schedule_rules():
+    with pytest.raises(ValueError, match="1F1B needs at least as many microbatches as stages"):
+        validate_parallel(glm5_job("--parallel.pp_schedule=1F1B", "--parallel.pp_microbatches=2"), 256, 78)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        validate_parallel(glm5_job("--parallel.pp_schedule=GPipe", "--parallel.pp_stages_per_rank=2"), 256, 78)
+    with pytest.raises(ValueError, match="ZBVZeroBubble needs parallel.pp_stages_per_rank: 2"):
+        validate_parallel(glm5_job("--parallel.pp_schedule=ZBVZeroBubble"), 256, 78)
+    with pytest.raises(ValueError, match=r"parallel.pp_microbatches \(3\) must divide train.micro_batch_size \(4\)"):
+        validate_parallel(glm5_job("--parallel.pp_microbatches=3"), 256, 78)
+    with pytest.raises(ValueError, match=r"pp_microbatches \(9\) to be a multiple of 2"):
+        validate_parallel(glm5_job("--parallel.pp_microbatches=9", "--train.micro_batch_size=9"), 256, 78)
+
+
+def test_cp_needs_divisible_packed_rows():
+    with pytest.raises(ValueError, match=r"data.packed_sequence_size \(4100\) must be divisible by parallel.cp \(8\)"):
+        validate_parallel(glm5_job("--parallel.cp=8", "--parallel.nodes=64", "--data.packed_sequence_size=4100"), 256, 78)
+
+
+def test_batch_divisibility_names_keys():
+    with pytest.raises(ValueError, match=r"train.global_batch_size \(100\) must be divisible by train.micro_batch_size"):
+        validate_config(glm5_job("--train.global_batch_size=100"), 256, 78)
+
+
+def test_range_checks_are_reported_together():
+    job = load_config(None, ["--data.synthetic.rows=3", "--optim.lr=0", "--optim.warmup_steps=500",
+                             "--train.max_steps=100", "--peft.method=lora", "--peft.target_modules=[]"])
+    with pytest.raises(ValueError) as exc:
+        validate_config(job, 8, 4)
+    message = str(exc.value)
+    assert message.startswith("3 config errors")
+    for needle in ("optim.lr must be > 0", "optim.warmup_steps (500) must be between 0 and train.max_steps (100)",
+                   "peft.target_modules is empty"):
+        assert needle in message
+
+
+def test_missing_data_and_bad_split():
+    with pytest.raises(ValueError, match="no training data"):
+        validate_config(JobConfig(), 8, 4)
+    job = load_config(None, ["--data.train=[a]", "--data.split={train: 0.5, validation: 0.2}"])
+    with pytest.raises(ValueError, match="data.split ratios must sum to 1"):
+        validate_config(job, 8, 4)
+
+
+def test_model_dims_from_presets_directories_and_overrides(tmp_path):
+    assert (model_dims(JobConfig().model).num_experts, model_dims(JobConfig().model).num_layers) == (8, 4)
+    (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 64, "num_hidden_layers": 12}))
+    cfg = load_config(None, [f"--model.name_or_path={tmp_path}", "--model.overrides.num_hidden_layers=3"])
+    dims = model_dims(cfg.model)
+    assert (dims.num_experts, dims.num_layers) == (64, 3)
+    placeholder = load_config(None, ["--model.name_or_path=/path/to/GLM-5", "--model.validate_as=glm5"])
+    assert (model_dims(placeholder.model).num_experts, model_dims(placeholder.model).num_layers) == (256, 78)
+    with pytest.raises(ValueError, match="set model.validate_as"):
+        model_dims(load_config(None, ["--model.name_or_path=/path/to/GLM-5"]).model)
