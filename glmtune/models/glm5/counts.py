@@ -56,9 +56,9 @@ def _layer_row(index: int, layer: nn.Module, top_k: int, mtp: bool) -> dict[str,
 
 
 def layer_label(row: dict[str, Any]) -> str:
-    """"MoE, full" / "dense, shared" / "MTP: MoE, full" for a layer or run row."""
+    """"MoE, full" / "dense, shared" / "MoE, full (MTP)" for a layer or run row."""
     kind = f"{'MoE' if row['mlp'] == 'moe' else 'dense'}, {row['indexer']}"
-    return f"MTP: {kind}" if row["mtp"] else kind
+    return f"{kind} (MTP)" if row["mtp"] else kind
 
 
 def layer_runs(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,281 @@
+"""`glmtune inspect PATH_OR_PRESET [--json] [--verify]`: what a GLM-5 model is made of.
+
+Without loading weights (the model is built on the meta device) it prints the
+architecture, the layer table (dense/MoE MLP, full/shared indexer, runs of
+identical layers merged), total and active parameter counts, and parameters per
+group. `--json` prints the same content as one JSON object. `--verify` checks a
+checkpoint directory's shards, keys, shapes and dtypes from the safetensors headers
+and exits 1 when anything is wrong, listing every problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from glmtune.checkpoint.verify import VerifyReport, format_report, verify_checkpoint
+from glmtune.models.glm5.args import PRESETS, Glm5Args, resolve_args
+from glmtune.models.glm5.counts import layer_runs, parameter_report
+
+_EXAMPLES = """examples:
+  glmtune inspect glm5
+  glmtune inspect glm5.2 --json
+  glmtune inspect /ckpt/GLM-5 --verify
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="architecture, layer table and parameter counts; --verify a checkpoint",
+        description="Summarise a GLM-5 model from a preset or a checkpoint directory without loading weights. "
+        f"Presets: {', '.join(PRESETS)}.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="PATH_OR_PRESET", help="preset name or HF checkpoint directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--verify", action="store_true",
+                        help="check the directory's shards, keys, shapes and dtypes (headers only); exit 1 on problems")
+    # Hook for `--trainable RECIPE.yaml` (later issue): apply the recipe's freeze/PEFT
+    # transform to the meta-device model, then pass
+    # `count_by_group(model, trainable_only=True)` as `inspect_payload(...,
+    # trainable_by_group=...)`; the group table already prints that column when given.
+    parser.set_defaults(func=run)
+
+
+def architecture_summary(args: Glm5Args) -> dict[str, Any]:
+    """The hyper-parameters that shape the model, grouped by block."""
+    full_layers = [i for i, kind in enumerate(args.indexer_types) if kind == "full"]
+    return {
+        "architecture": "GlmMoeDsaForCausalLM",
+        "model_type": "glm_moe_dsa",
+        "num_hidden_layers": args.num_hidden_layers,
+        "num_dense_layers": args.mlp_layer_types.count("dense"),
+        "num_moe_layers": args.mlp_layer_types.count("sparse"),
+        "num_mtp_layers": args.num_nextn_predict_layers,
+        "hidden_size": args.hidden_size,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "attention": {
+            "num_heads": args.num_attention_heads,
+            "q_lora_rank": args.q_lora_rank,
+            "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim,
+            "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim,
+        },
+        "indexer": {
+            "num_heads": args.index_n_heads,
+            "head_dim": args.index_head_dim,
+            "topk": args.index_topk,
+            "full_layers": full_layers,
+        },
+        "moe": {
+            "n_routed_experts": args.n_routed_experts,
+            "num_experts_per_tok": args.num_experts_per_tok,
+            "n_shared_experts": args.n_shared_experts,
+            "moe_intermediate_size": args.moe_intermediate_size,
+            "n_group": args.n_group,
+            "topk_group": args.topk_group,
+            "routed_scaling_factor": args.routed_scaling_factor,
+        },
+        "dense_intermediate_size": args.intermediate_size,
+        "rope": {"theta": args.rope_theta, "type": args.rope_parameters.get("rope_type", "default"),
+                 "max_position_embeddings": args.max_position_embeddings},
+    }
+
+
+def inspect_payload(source: str, args: Glm5Args,
+                    trainable_by_group: dict[str, int] | None = None) -> dict[str, Any]:
+    """Everything `inspect` shows, as one JSON-serialisable dict."""
+    payload = {"source": source, "architecture": architecture_summary(args), **parameter_report(args)}
+    if trainable_by_group is not None:
+        payload["trainable_params_by_group"] = trainable_by_group
+    return payload
+
+
+def run(ns: argparse.Namespace) -> int:
+    report: VerifyReport | None = None
+    if ns.verify:
+        if not Path(ns.model).is_dir():
+            raise ValueError(f"--verify needs a checkpoint directory; {ns.model!r} is not one")
+        report = verify_checkpoint(ns.model)
+        args = report.args
+    else:
+        args = resolve_args(ns.model)
+    # A config that does not load is itself a verify problem: report it, no summary.
+    payload = inspect_payload(str(ns.model), args) if args is not None else {"source": str(ns.model)}
+    if report is not None:
+        payload["verify"] = report.to_dict()
+    if ns.json:
+        print(json.dumps(payload, indent=2, ensure_ascii=False))
+    else:
+        console = Console(highlight=False)
+        if args is not None:
+            _print_summary(console, payload)
+        if report is not None:
+            _print_verify(console, report)
+    return 1 if report is not None and not report.ok else 0
+
+
+# -- rich rendering --------------------------------------------------------------------
+def billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def human(n: int | float) -> str:
+    """2 decimals in the largest unit that keeps the number >= 1 (B, M, K)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _span(low: int, high: int) -> str:
+    """"9.87–9.88B" (one unit when both ends share it), "400.90M–1.20B" otherwise."""
+    low_text, high_text = human(low), human(high)
+    if low == high:
+        return low_text
+    if low_text[-1] == high_text[-1]:
+        return f"{low_text[:-1]}–{high_text}"
+    return f"{low_text}–{high_text}"
+
+
+def _mlp_text(row: dict[str, Any]) -> str:
+    return ("MoE" if row["mlp"] == "moe" else "dense") + (" (MTP)" if row["mtp"] else "")
+
+
+def format_indices(indices: list[int]) -> str:
+    """[0, 1, 2, 6, 10, 14, 18] -> "0–2, 6, 10, …, 18": ranges and arithmetic runs folded."""
+    parts, i = [], 0
+    while i < len(indices):
+        j, step = i, None
+        if i + 1 < len(indices):
+            step, j = indices[i + 1] - indices[i], i + 1
+            while j + 1 < len(indices) and indices[j + 1] - indices[j] == step:
+                j += 1
+        count = j - i + 1
+        if count >= 3 and step == 1:
+            parts.append(f"{indices[i]}–{indices[j]}")
+        elif count >= 4:
+            parts.append(f"{indices[i]}, {indices[i + 1]}, …, {indices[j]}")
+        else:
+            parts.append(str(indices[i]))
+            j = i
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _display_rows(layers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Layer-table rows: runs of identical layers; a block of one MLP kind whose indexer
+    alternates (GLM-5.2's full/shared pattern) is folded into one row."""
+    blocks: list[list[dict[str, Any]]] = []
+    for row in layers:
+        if blocks and (blocks[-1][-1]["mlp"], blocks[-1][-1]["mtp"]) == (row["mlp"], row["mtp"]):
+            blocks[-1].append(row)
+        else:
+            blocks.append([row])
+    rows = []
+    for block in blocks:
+        runs = layer_runs(block)
+        if len(runs) <= 2:
+            for run in runs:
+                span = str(run["first"]) if run["count"] == 1 else f"{run['first']}–{run['last']}"
+                rows.append((span, str(run["count"]), _mlp_text(run), run["indexer"],
+                             human(run["params_per_layer"]), human(run["active_params_per_layer"])))
+            continue
+        first, last = block[0], block[-1]
+        num_full = sum(row["indexer"] == "full" for row in block)
+        params = sorted({row["params"] for row in block})
+        active = sorted({row["active_params"] for row in block})
+        rows.append((f"{first['index']}–{last['index']}", str(len(block)), _mlp_text(first),
+                     f"{num_full} full, {len(block) - num_full} shared",
+                     _span(params[0], params[-1]), _span(active[0], active[-1])))
+    return rows
+
+
+def _print_summary(console: Console, payload: dict[str, Any]) -> None:
+    arch = payload["architecture"]
+    console.print(f"[bold]{escape(payload['source'])}[/bold]: {arch['architecture']} ({arch['model_type']})")
+
+    table = Table(title="Architecture", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    att, idx, moe, rope = arch["attention"], arch["indexer"], arch["moe"], arch["rope"]
+    table.add_row("layers", f"{arch['num_hidden_layers']} ({arch['num_dense_layers']} dense + "
+                            f"{arch['num_moe_layers']} MoE) + {arch['num_mtp_layers']} MTP")
+    table.add_row("hidden / vocab", f"{arch['hidden_size']} / {arch['vocab_size']}"
+                                    + (" (tied embeddings)" if arch["tie_word_embeddings"] else ""))
+    table.add_row("MLA attention", f"{att['num_heads']} heads, q_lora {att['q_lora_rank']}, "
+                                   f"kv_lora {att['kv_lora_rank']}, qk {att['qk_nope_head_dim']}+"
+                                   f"{att['qk_rope_head_dim']}, v {att['v_head_dim']}")
+    table.add_row("DSA indexer", f"{idx['num_heads']} heads x {idx['head_dim']}, top-{idx['topk']}; full on "
+                                 f"{len(idx['full_layers'])}/{arch['num_hidden_layers']} layers")
+    groups = f", {moe['topk_group']} of {moe['n_group']} groups" if moe["n_group"] > 1 else ""
+    table.add_row("MoE", f"{moe['n_routed_experts']} routed (top-{moe['num_experts_per_tok']}{groups}) + "
+                         f"{moe['n_shared_experts']} shared, width {moe['moe_intermediate_size']}, "
+                         f"scale {moe['routed_scaling_factor']}")
+    table.add_row("dense MLP", f"width {arch['dense_intermediate_size']}")
+    table.add_row("RoPE", f"theta {rope['theta']:,.0f} ({rope['type']}), max positions "
+                          f"{rope['max_position_embeddings']:,}")
+    console.print(table)
+
+    table = Table(title="Layers", title_justify="left")
+    for name, justify in (("layers", "left"), ("n", "right"), ("mlp", "left"), ("indexer", "left"),
+                          ("params/layer", "right"), ("active/layer", "right")):
+        table.add_column(name, justify=justify)
+    for row in _display_rows(payload["layers"]):
+        table.add_row(*row)
+    if len(idx["full_layers"]) < arch["num_hidden_layers"]:
+        table.caption = f"full indexer on layers {format_indices(idx['full_layers'])} (MTP layers: full)"
+    console.print(table)
+
+    table = Table(title="Parameters", title_justify="left")
+    table.add_column("")
+    table.add_column("B", justify="right")
+    table.add_column("exact", justify="right")
+    counts = (
+        ("total (no MTP)", payload["total_params"]),
+        ("total with MTP", payload["total_params_with_mtp"]),
+        ("active / token, excl. input embedding", payload["active_params"]),
+        ("active / token, incl. embedding", payload["active_params_incl_embedding"]),
+        ("active / token, excl. embedding + head", payload["active_params_excl_embedding_and_head"]),
+    )
+    for label, n in counts:
+        table.add_row(label, billions(n), f"{n:,}")
+    buffers = payload["buffers"]
+    table.add_row("router bias buffers (not params)", "",
+                  f"{buffers['e_score_correction_bias']:,} (+{buffers['e_score_correction_bias_mtp']:,} MTP)")
+    console.print(table)
+
+    trainable = payload.get("trainable_params_by_group")
+    table = Table(title="Parameters by group", title_justify="left")
+    table.add_column("group")
+    table.add_column("params", justify="right")
+    table.add_column("exact", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("active", justify="right")
+    if trainable is not None:
+        table.add_column("trainable", justify="right")
+    total = payload["total_params_with_mtp"]
+    for group, n in payload["params_by_group"].items():
+        row = [group, human(n), f"{n:,}", f"{100 * n / total:.1f}%", human(payload["active_params_by_group"][group])]
+        if trainable is not None:
+            row.append(f"{trainable[group]:,}")
+        table.add_row(*row)
+    console.print(table)
+
+
+def _print_verify(console: Console, report: VerifyReport) -> None:
+    style = "green" if report.ok else "red"
+    console.print(f"[bold {style}]verify[/bold {style}]")
+    for line in format_report(report):
+        # Problems carry shapes like (2048, 6144) and paths: no markup, no re-wrapping.
+        console.print(line, markup=False, soft_wrap=True)
