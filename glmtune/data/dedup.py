@@ -1,0 +1,79 @@
+"""Exact and normalized-text deduplication of chat rows.
+
+Both keys cover only what training sees (messages and tools), not `id`/`group`
+metadata: two rows with the same conversation are duplicates whatever they are
+called. The normalized key lowercases, removes punctuation and collapses
+whitespace, so rows that differ only in casing, spacing or punctuation count as
+duplicates too. The first occurrence (input order) is kept, which makes the result
+independent of anything but the input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from glmtune.data.sources import Row
+
+_PUNCTUATION = re.compile(r"[^\w\s]|_")
+
+
+def _training_view(data: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": data.get("messages"), "tools": data.get("tools") or None}
+
+
+def exact_key(data: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON (sorted keys) of the row's messages and tools."""
+    canonical = json.dumps(_training_view(data), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def normalize_text(text: str) -> str:
+    """Lowercase, drop punctuation, collapse whitespace."""
+    return " ".join(_PUNCTUATION.sub("", text.lower()).split())
+
+
+def normalized_key(data: dict[str, Any]) -> str:
+    """sha256 of the normalized text of every message (role included) and the tools."""
+    parts = []
+    for message in data.get("messages") or []:
+        parts.append(f"{message.get('role')} {message.get('content') or ''} {message.get('reasoning_content') or ''}")
+        for call in message.get("tool_calls") or []:
+            parts.append(json.dumps(call, sort_keys=True, ensure_ascii=False))
+    if data.get("tools"):
+        parts.append(json.dumps(data["tools"], sort_keys=True, ensure_ascii=False))
+    return hashlib.sha256(normalize_text("\n".join(parts)).encode()).hexdigest()
+
+
+@dataclass
+class DedupStats:
+    num_exact_duplicates: int = 0
+    num_normalized_duplicates: int = 0
+
+
+def dedup_rows(rows: list[Row]) -> tuple[list[Row], DedupStats]:
+    """Drop exact duplicates, then normalized-text duplicates; keeps first occurrences.
+
+    Rows must be contract-normalized (text content), so equivalent encodings of the
+    same conversation (text parts vs string, JSON-string arguments) compare equal.
+    """
+    stats = DedupStats()
+    seen_exact: set[str] = set()
+    seen_normalized: set[str] = set()
+    kept = []
+    for row in rows:
+        key = exact_key(row.data)
+        if key in seen_exact:
+            stats.num_exact_duplicates += 1
+            continue
+        seen_exact.add(key)
+        key = normalized_key(row.data)
+        if key in seen_normalized:
+            stats.num_normalized_duplicates += 1
+            continue
+        seen_normalized.add(key)
+        kept.append(row)
+    return kept, stats

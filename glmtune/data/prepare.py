@@ -1,0 +1,151 @@
+"""`glmtune data prepare`: raw rows in, versioned train/validation/test JSONL out.
+
+Pipeline, in order:
+  1. read every input (sources.py) and enforce the data contract (contract.py);
+     rows are normalized to the canonical form;
+  2. secrets/PII lint (pii.py), written to `pii_report.json`; the action decides
+     what happens to rows with findings: `report` keeps them, `drop` removes them,
+     `fail` raises after writing the report;
+  3. exact then normalized-text dedup (dedup.py), before splitting so a duplicate
+     can never sit in both train and test;
+  4. group-aware split (split.py);
+  5. each split is written as `{split}-{sha256[:12]}.jsonl` (named by its content
+     hash, so a file name pins its exact contents) and `manifest.json` records
+     input hashes, counts, dedup/lint stats and the output files.
+The data version is the sha256 of the output files' hashes: identical outputs give
+the same version whatever the inputs' paths or order of runs. The manifest has no
+timestamps, so re-running on the same inputs rewrites the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glmtune import __version__
+from glmtune.data.contract import check_or_raise, load_schema
+from glmtune.data.dedup import dedup_rows
+from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows
+from glmtune.data.sources import Row, expand_inputs, file_sha256, read_rows
+from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
+
+MANIFEST_NAME = "manifest.json"
+PII_REPORT_NAME = "pii_report.json"
+
+
+@dataclass
+class PrepareResult:
+    version: str
+    out_dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def short_version(self) -> str:
+        return self.version[:12]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    # A crash mid-write must not leave a truncated file under a content-hash name.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    _write_atomic(path, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def _serialize(rows: list[Row]) -> bytes:
+    return "".join(json.dumps(row.data, ensure_ascii=False) + "\n" for row in rows).encode()
+
+
+def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
+                    ratios: tuple[float, float, float] = DEFAULT_RATIOS, pii_action: str = "report",
+                    schema_path: str | Path | None = None, split_seed: int = 0) -> PrepareResult:
+    """Validate, lint, dedup, split and write a dataset version (see module docstring).
+
+    Args:
+        inputs: JSONL/Parquet files, `datasets` save_to_disk directories, or
+            directories of JSONL/Parquet files.
+        out_dir: created if missing; split files, the manifest and the PII report go here.
+        ratios: train/validation/test fractions summing to 1.
+        pii_action: "report", "drop" or "fail" (see module docstring).
+        schema_path: optional JSON Schema for final answers (contract check).
+        split_seed: salt of the group hash; change it to draw a different split.
+
+    Returns:
+        The data version, the output directory and the manifest dict.
+    """
+    if pii_action not in PII_ACTIONS:
+        raise ValueError(f"pii action must be one of {PII_ACTIONS}, got {pii_action!r}")
+    ratios = check_ratios(ratios)
+    schema = load_schema(schema_path) if schema_path is not None else None
+    out_dir = Path(out_dir)
+
+    input_records, rows = [], []
+    for unit in expand_inputs(inputs):
+        unit_rows = list(read_rows(unit))
+        input_records.append({"path": str(unit), "sha256": file_sha256(unit), "rows": len(unit_rows)})
+        rows.extend(unit_rows)
+    rows = check_or_raise(rows, schema)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_row_findings = lint_rows(rows)
+    report = build_report(per_row_findings, pii_action)
+    _write_json(out_dir / PII_REPORT_NAME, report)
+    if pii_action == "fail" and report["num_findings"]:
+        raise ValueError(f"{report['num_findings']} secret/PII finding(s) in {report['num_rows_with_findings']} "
+                         f"row(s); see {out_dir / PII_REPORT_NAME}")
+    clean = [row for row, findings in zip(rows, per_row_findings) if not findings]
+    kept = clean if pii_action == "drop" else rows
+
+    unique, dedup_stats = dedup_rows(kept)
+    splits = split_rows(unique, ratios, split_seed)
+
+    outputs: dict[str, dict[str, Any]] = {}
+    for name in SPLITS:
+        payload = _serialize(splits[name])
+        digest = hashlib.sha256(payload).hexdigest()
+        file_name = f"{name}-{digest[:12]}.jsonl"
+        _write_atomic(out_dir / file_name, payload)
+        outputs[name] = {"file": file_name, "sha256": digest, "rows": len(splits[name])}
+    version = hashlib.sha256("".join(f"{name}:{outputs[name]['sha256']}\n" for name in SPLITS).encode()).hexdigest()
+
+    manifest = {
+        "version": version,
+        "glmtune_version": __version__,
+        "inputs": input_records,
+        "options": {
+            "ratios": dict(zip(SPLITS, ratios)),
+            "pii_action": pii_action,
+            "split_seed": split_seed,
+            "schema": None if schema_path is None else {"path": str(schema_path), "sha256": file_sha256(schema_path)},
+        },
+        "counts": {
+            "input_rows": len(rows),
+            "pii_dropped": len(rows) - len(kept),
+            "exact_duplicates": dedup_stats.num_exact_duplicates,
+            "normalized_duplicates": dedup_stats.num_normalized_duplicates,
+            "output_rows": len(unique),
+            **{name: outputs[name]["rows"] for name in SPLITS},
+        },
+        "pii": {key: report[key] for key in ("num_rows_with_findings", "num_findings", "by_kind")}
+               | {"report": PII_REPORT_NAME},
+        "outputs": outputs,
+    }
+    _write_json(out_dir / MANIFEST_NAME, manifest)
+    return PrepareResult(version=version, out_dir=out_dir, manifest=manifest)
+
+
+def split_files(out_dir: str | Path) -> dict[str, Path]:
+    """The split files a prepared directory's manifest points at."""
+    out_dir = Path(out_dir)
+    manifest_path = out_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST_NAME} in {out_dir}; run `glmtune data prepare` first")
+    manifest = json.loads(manifest_path.read_text())
+    return {name: out_dir / entry["file"] for name, entry in manifest["outputs"].items()}

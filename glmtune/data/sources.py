@@ -1,0 +1,155 @@
+"""Read chat rows from JSONL, Parquet, or local HF `datasets` directories.
+
+Every row keeps its origin so errors can point at it as `file:line`: the 1-based
+line number for JSONL (what editors show), the 0-based row index for Parquet and
+`datasets` (what `table[i]` / `ds[i]` take). A JSONL line that is not a JSON object is
+still yielded, with `parse_error` set, so `glmtune data validate` can list it next to
+the contract violations instead of stopping at the first bad line.
+
+Row schema (checked by contract.py):
+    {"messages": [{"role": "system|user|assistant|tool",
+                   "content": str | [{"type": "text", "text": str}],
+                   "tool_calls": [{"type": "function", "function": {"name": str, "arguments": {...}}}]
+                                 | [{"name": str, "arguments": {...}}],
+                   "reasoning_content": str (optional)}],
+     "tools": [JSON tool specs] (optional), "group": str (optional), "id": str (optional)}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+JSONL_SUFFIXES = (".jsonl",)
+PARQUET_SUFFIXES = (".parquet",)
+# Files `datasets.save_to_disk` writes: a Dataset has state.json, a DatasetDict dataset_dict.json.
+_HF_MARKERS = ("state.json", "dataset_dict.json")
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a row came from: `path` and `line` (see module docstring for numbering)."""
+
+    path: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclass
+class Row:
+    """One input row. `data` is the parsed object (None when `parse_error` is set)."""
+
+    data: Any
+    origin: Origin
+    parse_error: str | None = None
+
+
+def _read_jsonl(path: Path) -> Iterator[Row]:
+    with path.open("r", encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (often a trailing newline) are not rows
+            origin = Origin(str(path), line_number)
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield Row(None, origin, f"invalid JSON: {exc.msg} (column {exc.colno})")
+                continue
+            if not isinstance(data, dict):
+                yield Row(None, origin, f"expected a JSON object, got {type(data).__name__}")
+                continue
+            yield Row(data, origin)
+
+
+def _read_parquet(path: Path) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for data in batch.to_pylist():
+            yield Row(data, Origin(str(path), index))
+            index += 1
+
+
+def _read_hf_dataset(path: Path) -> Iterator[Row]:
+    import datasets  # optional dependency: only needed for save_to_disk directories
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        parts = [(f"{path}[{split}]", loaded[split]) for split in loaded]
+    else:
+        parts = [(str(path), loaded)]
+    for name, dataset in parts:
+        for index, data in enumerate(dataset):
+            yield Row(data, Origin(name, index))
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in _HF_MARKERS)
+
+
+def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
+    """Resolve inputs to readable units: files, and `datasets` directories.
+
+    A plain directory stands for the JSONL and Parquet files directly inside it, in
+    sorted order so runs are reproducible.
+    """
+    units: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise FileNotFoundError(f"data path not found: {path}")
+        if is_hf_dataset_dir(path):
+            units.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES)
+            if not found:
+                raise ValueError(f"{path} holds no .jsonl or .parquet files and is not a `datasets` directory")
+            units.extend(found)
+        elif path.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES:
+            units.append(path)
+        else:
+            raise ValueError(f"{path}: unsupported data file (expected .jsonl, .parquet, or a save_to_disk directory)")
+    return units
+
+
+def read_rows(paths: str | Path | Iterable[str | Path]) -> Iterator[Row]:
+    """Yield every row of the given files/directories, in order, with origins."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    for path in expand_inputs(paths):
+        if path.is_dir():
+            yield from _read_hf_dataset(path)
+        elif path.suffix in PARQUET_SUFFIXES:
+            yield from _read_parquet(path)
+        else:
+            yield from _read_jsonl(path)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, or of a directory's files (relative names and contents, sorted)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if file is not path:
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def inputs_sha256(paths: Iterable[str | Path]) -> str:
+    """One hash over all inputs, in order (a data-version component for caches)."""
+    digest = hashlib.sha256()
+    for path in expand_inputs(paths):
+        digest.update(file_sha256(path).encode())
+    return digest.hexdigest()

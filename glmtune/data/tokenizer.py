@@ -1,0 +1,77 @@
+"""Tokenizer loading: a model directory's own tokenizer, or the bundled tiny one.
+
+The tiny tokenizer (assets/tiny_tokenizer, built by scripts/train_tiny_tokenizer.py)
+is a 4096-entry byte-level BPE trained on the synthetic support-ticket task. It has
+every GLM-5 special token, in GLM-5's order and at the top of the vocabulary as in
+the real 154880-entry tokenizer, and ships the GLM-5 chat template. Tests and tiny
+debug models use it; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_TOKENIZER_DIR = Path(__file__).parent / "assets" / "tiny_tokenizer"
+TINY_VOCAB_SIZE = 4096
+
+# Control tokens: special (dropped by decode(skip_special_tokens=True)). The first ten
+# are in GLM-5's id order (<|endoftext|>=154820 ... <|observation|>=154829).
+GLM5_CONTROL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+    "<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>", "<|end_of_transcription|>",
+    "<|code_prefix|>", "<|code_middle|>", "<|code_suffix|>",
+)
+# Markup tokens: single ids, but kept by decode because they carry the reasoning and
+# tool-call structure that parsers read back from generated text.
+GLM5_MARKUP_TOKENS: tuple[str, ...] = (
+    "/nothink", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+    "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
+)
+GLM5_SPECIAL_TOKENS: tuple[str, ...] = GLM5_CONTROL_TOKENS + GLM5_MARKUP_TOKENS
+
+# Role tokens delimit turns: GLM has no end-of-turn token, a turn ends at the next one.
+ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+EOS_TOKEN = "<|endoftext|>"
+
+# Files that define a tokenizer's behaviour; cache keys hash exactly these.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+)
+
+
+def resolve_tokenizer_dir(path: str | Path | None) -> Path:
+    """The directory `load_tokenizer(path)` reads: `path`, or the tiny tokenizer for None."""
+    if path is None:
+        return TINY_TOKENIZER_DIR
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {path} (pass a local model or tokenizer directory)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    return path
+
+
+def load_tokenizer(path: str | Path | None = None) -> Any:
+    """Load a fast HF tokenizer from a local directory, or the bundled tiny one.
+
+    Args:
+        path: a model or tokenizer directory (e.g. a GLM-5 checkpoint), or None for
+            the tiny tokenizer. Never downloads: the directory must exist locally.
+
+    Returns:
+        A `transformers` fast tokenizer (offset mappings are needed for loss masks).
+    """
+    from transformers import AutoTokenizer  # heavy import; only callers that tokenize pay for it
+
+    directory = resolve_tokenizer_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"tokenizer in {directory} is not a fast (tokenizers-backed) tokenizer; "
+                         "loss masks need offset mappings")
+    if tokenizer.convert_tokens_to_ids(EOS_TOKEN) in (None, tokenizer.unk_token_id):
+        raise ValueError(f"tokenizer in {directory} has no {EOS_TOKEN} token; is it a GLM tokenizer?")
+    return tokenizer

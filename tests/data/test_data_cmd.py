@@ -1,0 +1,66 @@
+"""`glmtune data validate|prepare|synth` end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from data_test_helpers import chat
+
+from glmtune.cli import data_cmd
+from glmtune.data.synthetic import SCHEMA_PATH
+
+
+def run(argv):
+    """Parse and run with only the data subcommand registered (isolated from other commands)."""
+    parser = argparse.ArgumentParser(prog="glmtune")
+    data_cmd.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_synth_validate_prepare(tmp_path, capsys):
+    out = tmp_path / "synth.jsonl"
+    assert run(["data", "synth", str(out), "--rows", "300", "--seed", "2"]) == 0
+    assert len(out.read_text().splitlines()) == 300
+    assert run(["data", "validate", str(out), "--schema", str(SCHEMA_PATH)]) == 0
+    assert "OK: 300 row(s), 0 violations" in capsys.readouterr().out
+
+    assert run(["data", "prepare", str(out), "--out", str(tmp_path / "prep"), "--ratios", "0.8,0.1,0.1",
+                "--pii", "fail"]) == 0
+    printed = capsys.readouterr().out
+    manifest = json.loads((tmp_path / "prep" / "manifest.json").read_text())
+    assert f"data version {manifest['version']}" in printed
+    assert all(str(tmp_path / "prep" / entry["file"]) in printed for entry in manifest["outputs"].values())
+
+
+def test_validate_lists_every_violation_and_exits_1(tmp_path, write_jsonl, capsys):
+    path = write_jsonl("bad.jsonl", [chat(("user", "u"), ("assistant", "a")), chat(("user", "u")), "nope",
+                                     chat(("user", "u"), ("robot", "a"))])
+    assert run(["data", "validate", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"{path}:2: messages[0].role: conversation must end with an assistant turn, not 'user'",
+        f"{path}:3: <row>: invalid JSON: Expecting value (column 1)",
+        f"{path}:4: messages[1].role: unknown role 'robot' (expected one of system, user, assistant, tool)",
+        "3 violation(s) in 3 of 4 row(s)",
+    ]
+
+
+def test_errors_become_exit_status_2_through_the_real_entry_point(tmp_path, write_jsonl, capsys):
+    from glmtune.cli import main
+
+    leaky = write_jsonl("leaky.jsonl", [chat(("user", "mail x@example.com"), ("assistant", "ok"))])
+    assert main(["data", "prepare", str(leaky), "--out", str(tmp_path / "o"), "--pii", "fail"]) == 2
+    assert "1 secret/PII finding(s)" in capsys.readouterr().err
+    assert main(["data", "prepare", str(leaky), "--out", str(tmp_path / "o"), "--ratios", "1,1,1"]) == 2
+    assert main(["data", "validate", str(tmp_path / "missing.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("argv", [["data", "--help"], ["data", "validate", "--help"], ["data", "prepare", "--help"],
+                                  ["data", "synth", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        run(argv)
+    assert info.value.code == 0 and "usage: glmtune data" in capsys.readouterr().out
