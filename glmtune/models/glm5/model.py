@@ -28,12 +28,15 @@ from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
 from glmtune.models.glm5.masks import allowed_mask
 from glmtune.models.glm5.moe import DenseMLP, MoE
+from glmtune.models.common.loss import chunked_cross_entropy
 
 
 @dataclass
 class Glm5Output:
     logits: torch.Tensor | None  # [B, S, V] in the model dtype, or None when not asked for
     hidden_states: torch.Tensor  # [B, S, D] after the final norm
+    loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when targets were given
+    num_targets: torch.Tensor | None = None  # supervised tokens in loss_sum
 
 
 class DecoderLayer(nn.Module):
@@ -133,16 +136,24 @@ class Glm5ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.freeze_untrained_by_default()
 
-    def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True) -> Glm5Output:
+    def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
+                targets=None, loss_chunk_size: int = 4096) -> Glm5Output:
         """Args:
             input_ids: [B, S] token ids.
             position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
             document_ids: [B, S] document index per token; overrides the position-based split.
-            compute_logits: False returns only hidden states (for a chunked loss).
+            compute_logits: False returns only hidden states.
+            targets: [B, S] next-token ids (-100 = no loss). When given, the loss is computed
+                here by the chunked cross-entropy (never all fp32 logits at once), inside
+                forward so that sharded wrappers (FSDP2) have the head weight gathered.
         """
         hidden_BSD = self.model(input_ids, position_ids, document_ids)
         logits = self.lm_head(hidden_BSD) if compute_logits else None
-        return Glm5Output(logits=logits, hidden_states=hidden_BSD)
+        out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
+        if targets is not None:
+            out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
+                                                                  loss_chunk_size)
+        return out
 
     def freeze_untrained_by_default(self) -> None:
         """Indexers get no gradient in transformers (no indexer loss) and MTP has no loss

@@ -1,0 +1,70 @@
+"""Packed rows -> micro-batches, in a seeded order that a checkpoint can resume exactly.
+
+The order of rows in epoch e is a permutation drawn from `seed + e`, so the loader's
+whole state is (epoch, cursor): saving those two integers and restoring them gives
+the same batches as an uninterrupted run. Each rank takes every `world_size`-th
+micro-batch of the global order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glmtune.data.packing import next_token_targets
+
+
+def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Stack packed rows; `targets[t]` is the token that should follow position t (-100: none)."""
+    return {
+        "input_ids": torch.tensor([r["input_ids"] for r in rows], dtype=torch.long),
+        "targets": torch.tensor([next_token_targets(r["labels"]) for r in rows], dtype=torch.long),
+        "position_ids": torch.tensor([r["position_ids"] for r in rows], dtype=torch.long),
+        "document_ids": torch.tensor([r["document_ids"] for r in rows], dtype=torch.long),
+    }
+
+
+class PackedRowLoader:
+    def __init__(self, rows: list[dict[str, list[int]]], micro_batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
+        if len(rows) < micro_batch_size * world_size:
+            raise ValueError(f"only {len(rows)} packed rows: fewer than micro_batch_size x data-parallel ranks "
+                             f"({micro_batch_size} x {world_size}); add data or lower the batch size")
+        self.rows = rows
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.cursor = 0  # index of the next global micro-batch within the epoch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.rows) // (self.micro_batch_size * self.world_size)
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.rows)))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.rows), generator=generator).tolist()
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self.cursor >= self.batches_per_epoch:
+            self.epoch += 1
+            self.cursor = 0
+        order = self._order()
+        group = self.micro_batch_size * self.world_size
+        start = self.cursor * group + self.rank * self.micro_batch_size
+        self.cursor += 1
+        return collate([self.rows[i] for i in order[start : start + self.micro_batch_size]])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(f"checkpoint was taken with {state['num_rows']} packed rows, the data now gives "
+                             f"{len(self.rows)}: resuming would not replay the same batches")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]

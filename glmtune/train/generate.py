@@ -1,0 +1,34 @@
+"""Greedy decoding for before/after samples and evaluation.
+
+No KV cache: each step re-runs the prompt plus what was generated. That is
+quadratic but exact, and on the tiny default model it costs milliseconds; fast
+serving belongs to inference engines, which load our HF exports.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
+                    stop_ids: set[int]) -> list[int]:
+    """Token ids generated after `prompt_ids`, stopping at (and excluding) a stop id."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    ids = list(prompt_ids)
+    out: list[int] = []
+    try:
+        for _ in range(max_new_tokens):
+            input_ids = torch.tensor([ids], device=device)
+            hidden = model(input_ids, compute_logits=False).hidden_states[:, -1:]
+            next_id = int(model.lm_head(hidden)[0, -1].float().argmax())
+            if next_id in stop_ids:
+                break
+            ids.append(next_id)
+            out.append(next_id)
+    finally:
+        model.train(was_training)
+    return out

@@ -1,0 +1,74 @@
+"""Training metrics: one JSON object per optimizer step in `metrics.jsonl`, TensorBoard
+scalars, and per-MoE-layer routing statistics.
+
+Routing statistics per MoE layer, from the tokens each expert received in the step:
+  * `max_load` / `mean_load`: the busiest expert's share relative to a uniform share
+    (1.0 = perfectly balanced);
+  * `router_entropy`: entropy of the expert-load distribution divided by log(E)
+    (1.0 = uniform, 0 = all tokens on one expert).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules()
+            if hasattr(module, "tokens_per_expert") and hasattr(module, "gate")]
+
+
+def routing_stats(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+    counts = tokens_per_expert.double()
+    total = counts.sum().item()
+    num_experts = counts.numel()
+    if total == 0:
+        return {"max_load": 0.0, "mean_load": 0.0, "router_entropy": 0.0}
+    share = counts / total
+    entropy = -(share[share > 0] * share[share > 0].log()).sum().item()
+    return {
+        "max_load": share.max().item() * num_experts,
+        "mean_load": share.mean().item() * num_experts,
+        "router_entropy": entropy / math.log(num_experts) if num_experts > 1 else 1.0,
+    }
+
+
+class MetricsWriter:
+    """Appends step records to JSONL (rank 0) and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, metrics_file: str, tensorboard: bool, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.path = run_dir / metrics_file
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, forget records of steps the killed run logged after its last checkpoint."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

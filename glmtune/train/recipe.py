@@ -1,0 +1,180 @@
+"""From a resolved `JobConfig` to the pieces a run needs: model, data, trainer.
+
+`run_training(cfg)` is what `glmtune train` calls: it saves the resolved config in
+the run directory, builds the model (a preset or a local HF directory), prepares
+the data (synthetic generation, contract check, group-aware split, tokenization
+through the cache, packing), trains, and exports. Each builder is usable alone
+(`build_model_from_config`, `prepare_data`) by other commands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from glmtune.config import JobConfig, dump_config, grad_accum_steps, model_dims, validate_config
+from glmtune.models.glm5.args import PRESETS, get_preset
+from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class DistributedInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> DistributedInfo:
+    """Join the process group when launched by torchrun/Slurm (WORLD_SIZE > 1)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistributedInfo()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DistributedInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device: cuda requested but no CUDA device is available")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
+                            seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
+    """The model `cfg.model` names and the HF directory it came from (None for presets)."""
+    from glmtune.checkpoint.hf_io import load_pretrained
+
+    m = cfg.model
+    if m.indexer_trainable:
+        raise ValueError("model.indexer_trainable: true needs an indexer loss, which this version does not "
+                         "have (transformers trains none either); leave it false")
+    dtype = DTYPES[m.dtype]
+    if m.name_or_path in PRESETS:
+        args = get_preset(m.name_or_path)
+        if m.overrides:
+            args = args.replace(**m.overrides)
+        model = build_model(args, dtype, device, m.attention_backend, m.moe_backend,
+                            seed=cfg.train.seed if seed is None else seed)
+        return model, None
+    if m.overrides:
+        raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
+    path = Path(m.name_or_path)
+    return load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend), path
+
+
+def tokenizer_dir_for(cfg: JobConfig, model_dir: Path | None) -> Path | None:
+    """The tokenizer: data.tokenizer, else the model directory's, else the bundled tiny one."""
+    if cfg.data.tokenizer:
+        return Path(cfg.data.tokenizer)
+    return model_dir
+
+
+@dataclass
+class PreparedData:
+    train_rows: list[dict[str, list[int]]]
+    val_rows: list[dict[str, list[int]]]
+    val_conversations: list[dict[str, Any]]
+    manifest: dict[str, Any]
+
+
+def _write_jsonl(rows: list[dict[str, Any]], directory: Path, split: str) -> Path:
+    body = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows)
+    digest = hashlib.sha256(body.encode()).hexdigest()[:12]
+    path = directory / f"{split}-{digest}.jsonl"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(body)
+        tmp.replace(path)
+    return path
+
+
+def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, vocab_size: int) -> PreparedData:
+    from glmtune.data.cache import tokenize_dataset
+    from glmtune.data.contract import check_or_raise, load_schema
+    from glmtune.data.packing import pack_samples
+    from glmtune.data.sources import read_rows
+    from glmtune.data.split import split_rows
+    from glmtune.data.synthetic import generate_rows, write_jsonl
+    from glmtune.data.tokenizer import load_tokenizer
+
+    d = cfg.data
+    data_dir = run_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train_paths = [Path(p) for p in d.train]
+    if d.synthetic is not None:
+        synthetic = data_dir / f"synthetic-{d.synthetic.kind}-{d.synthetic.rows}-seed{d.synthetic.seed}.jsonl"
+        if not synthetic.exists():
+            write_jsonl(generate_rows(d.synthetic.rows, d.synthetic.seed), synthetic)
+        train_paths.append(synthetic)
+    if not train_paths:
+        raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
+    schema = load_schema(d.json_schema) if d.json_schema else None
+    rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
+    if d.validation:
+        val_paths = [Path(p) for p in d.validation]
+        val_data = [r.data for r in check_or_raise(read_rows(val_paths), schema)]
+        train_data = [r.data for r in rows]
+    else:
+        ratios = (d.split.get("train", 0.0), d.split.get("validation", 0.0), d.split.get("test", 0.0))
+        parts = split_rows(rows, ratios, seed=cfg.train.seed)
+        train_data = [r.data for r in parts["train"]]
+        val_data = [r.data for r in parts["validation"]]
+        val_paths = [_write_jsonl(val_data, data_dir, "validation")] if val_data else []
+    train_file = _write_jsonl(train_data, data_dir, "train")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
+    options = dict(tokenizer_dir=tokenizer_dir, loss_on=d.loss_on, enable_thinking=d.enable_thinking,
+                   schema=schema, cache_dir=d.cache_dir)
+    train_tok = tokenize_dataset([train_file], **options)
+    train_rows, train_stats = pack_samples(train_tok.samples, d.packed_sequence_size,
+                                          pad_token_id=tokenizer.pad_token_id, long_samples=d.too_long)
+    val_rows, val_stats = [], None
+    if val_paths:
+        val_tok = tokenize_dataset(val_paths, **options)
+        val_rows, val_stats = pack_samples(val_tok.samples, d.packed_sequence_size,
+                                           pad_token_id=tokenizer.pad_token_id, long_samples=d.too_long)
+    manifest = {
+        "train_file": str(train_file), "train_conversations": len(train_data),
+        "validation_conversations": len(val_data), "tokenization_key": train_tok.key,
+        "cache_hit": train_tok.cache_hit, "train_packing": vars(train_stats),
+        "validation_packing": vars(val_stats) if val_stats else None,
+    }
+    return PreparedData(train_rows, val_rows, val_data, manifest)
+
+
+def glm5_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                compute_logits=False, targets=batch["targets"])
+    return out.loss_sum, out.num_targets
+
+
+def check_recipe(cfg: JobConfig, world_size: int):
+    dims = model_dims(cfg.model)
+    return validate_config(cfg, dims.num_experts, dims.num_layers, world_size=world_size)
+
+
+def save_run_config(cfg: JobConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+
+
+def grad_accum_for(cfg: JobConfig, degrees) -> int:
+    return grad_accum_steps(cfg, degrees)

@@ -1,0 +1,157 @@
+"""`glmtune train`: one run from a resolved config to checkpoints and an HF export.
+
+Order: validate the recipe -> save the resolved config -> build the model ->
+prepare data (contract check before anything trains) -> parallelize ->
+optimizer/scheduler -> resume -> "before" samples -> train -> "after" samples ->
+export. Rank 0 alone writes files other than DCP shards.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.config import JobConfig
+from glmtune.models.glm5.parallelize import parallelize_glm5
+from glmtune.train.data_loader import PackedRowLoader
+from glmtune.train.lr_schedule import build_scheduler
+from glmtune.train.metrics import MetricsWriter
+from glmtune.train.optim import build_optimizer
+from glmtune.train.recipe import (
+    build_model_from_config,
+    check_recipe,
+    glm5_loss,
+    grad_accum_for,
+    init_distributed,
+    prepare_data,
+    resolve_device,
+    save_run_config,
+    tokenizer_dir_for,
+)
+from glmtune.train.samples import prompts_from, run_samples, score
+from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
+
+
+def _autocast_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype | None:
+    choice = cfg.train.autocast
+    if choice == "bf16":
+        return torch.bfloat16
+    if choice == "auto" and device.type == "cuda" and cfg.model.dtype == "float32":
+        return torch.bfloat16
+    return None
+
+
+def _samples_table(before, after) -> Table:
+    table = Table(title="held-out prompts: before -> after", show_lines=True)
+    table.add_column("ticket", max_width=40)
+    table.add_column("reference", max_width=36)
+    table.add_column("before", max_width=36)
+    table.add_column("after", max_width=36)
+    for b, a in zip(before, after):
+        mark = "[green]✓[/green] " if a.exact else "[red]✗[/red] "
+        table.add_row(b.prompt, b.reference, b.output or "(empty)", mark + (a.output or "(empty)"))
+    return table
+
+
+def run_training(cfg: JobConfig) -> int:
+    console = Console()
+    device = resolve_device(cfg.train.device)
+    info = init_distributed(device)
+    if device.type == "cuda":
+        device = resolve_device(cfg.train.device, info.local_rank)
+    degrees = check_recipe(cfg, info.world_size)
+    grad_accum = grad_accum_for(cfg, degrees)
+    run_dir = Path(cfg.logging.run_dir)
+    if info.is_main:
+        save_run_config(cfg, run_dir)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+
+    model, model_dir = build_model_from_config(cfg, device)
+    tokenizer_dir = tokenizer_dir_for(cfg, model_dir)
+    data = prepare_data(cfg, run_dir, tokenizer_dir, model.args.vocab_size)
+    if info.is_main:
+        (run_dir / "data_manifest.json").write_text(json.dumps(data.manifest, indent=2) + "\n")
+        packing = data.manifest["train_packing"]
+        console.print(f"data: {data.manifest['train_conversations']} train / "
+                      f"{data.manifest['validation_conversations']} validation conversations -> "
+                      f"{packing['num_rows']} packed rows of {cfg.data.packed_sequence_size} "
+                      f"({packing['num_tokens']:,} tokens)")
+
+    from glmtune.data.chat_template import load_chat_template
+    from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    template = load_chat_template(resolve_tokenizer_dir(tokenizer_dir))
+    prompts = prompts_from(data.val_conversations, cfg.train.generate_samples)
+    before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main else []
+
+    parallelize_glm5(
+        model, world_size=info.world_size, ep=degrees.ep, cp=degrees.cp, tp=degrees.tp, pp=degrees.pp,
+        activation_checkpointing=cfg.parallel.activation_checkpointing != "none", compile=cfg.parallel.compile,
+    )
+    o = cfg.optim
+    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
+    scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
+    dp_rank, dp_size = info.rank, degrees.dp
+    train_loader = PackedRowLoader(data.train_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size)
+    val_loader = None
+    if data.val_rows and len(data.val_rows) >= cfg.train.micro_batch_size * dp_size:
+        val_loader = PackedRowLoader(data.val_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
+                                     shuffle=False)
+    checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
+                                    trainable_only=cfg.peft.method != "none")
+    metrics = MetricsWriter(run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main)
+    settings = TrainerSettings(
+        max_steps=cfg.train.max_steps, grad_accum=grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
+        log_every=cfg.train.log_every, val_every=cfg.train.val_every, val_steps=cfg.train.val_steps,
+        checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
+        router_bias_rate=cfg.train.router_bias_update_rate, autocast_dtype=_autocast_dtype(cfg, device),
+        device=device, progress=cfg.logging.progress and info.is_main,
+    )
+    trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
+                      settings, console if info.is_main else None)
+    if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
+        metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
+    if info.is_main:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        console.print(f"model: {cfg.model.name_or_path}, {trainable:,} trainable parameters; "
+                      f"{degrees.describe()}; grad_accum {grad_accum}; run dir {run_dir}")
+        initial_val = trainer.validate() if trainer.step == 0 else None
+        if initial_val is not None:
+            console.print(f"validation loss before training: {initial_val:.4f}")
+    try:
+        result = trainer.fit()
+    except NonFiniteLossError as exc:
+        latest = checkpoints.latest()
+        kept = f"last good checkpoint: {latest.path}" if latest else "no checkpoint was written"
+        console.print(f"[red]stopped: {exc}; nothing was saved for this step; {kept}[/red]")
+        return 3
+    finally:
+        metrics.close()
+    if result.interrupted:
+        return 130
+    if info.is_main:
+        console.print(f"finished step {result.step}: train loss {result.last_loss:.4f}"
+                      + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
+        if prompts:
+            after = run_samples(model, tokenizer, template, prompts)
+            console.print(_samples_table(before, after))
+            b, a = score(before), score(after)
+            console.print(f"held-out exact answers: {b['exact']:.0%} before -> {a['exact']:.0%} after; "
+                          f"valid JSON: {b['valid_json']:.0%} -> {a['valid_json']:.0%}")
+            (run_dir / "samples.json").write_text(json.dumps(
+                {"before": b, "after": a, "outputs": [vars(r) for r in after]}, indent=2) + "\n")
+        if cfg.checkpoint.export_hf and cfg.peft.method == "none":
+            from glmtune.checkpoint.hf_io import save_pretrained
+            from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
+
+            out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir))
+            console.print(f"exported HF checkpoint: {out}")
+    return 0

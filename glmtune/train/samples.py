@@ -1,0 +1,72 @@
+"""Before/after generations on held-out prompts, scored against the reference answer.
+
+For the prompts (validation conversations cut before their final assistant turn)
+the model generates greedily; each output is scored as parseable JSON and as an
+exact match of the reference answer's JSON. Running the same prompts before and
+after training shows, in the terminal, what the fine-tune changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from glmtune.train.generate import greedy_generate
+
+
+@dataclass
+class SampleResult:
+    prompt: str
+    reference: str
+    output: str
+
+    @property
+    def valid_json(self) -> bool:
+        try:
+            json.loads(self.output)
+            return True
+        except ValueError:
+            return False
+
+    @property
+    def exact(self) -> bool:
+        try:
+            return json.loads(self.output) == json.loads(self.reference)
+        except ValueError:
+            return self.output.strip() == self.reference.strip()
+
+
+def prompts_from(conversations: list[dict[str, Any]], count: int) -> list[tuple[dict[str, Any], str]]:
+    """(conversation without its final answer, reference answer) for the first `count` rows."""
+    out = []
+    for row in conversations:
+        messages = row["messages"]
+        if messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1].get("content"), str):
+            out.append(({**row, "messages": messages[:-1]}, messages[-1]["content"]))
+        if len(out) == count:
+            break
+    return out
+
+
+def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[dict[str, Any], str]],
+                max_new_tokens: int = 64) -> list[SampleResult]:
+    from glmtune.data.chat_template import render_conversation
+
+    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")}
+    results = []
+    for row, reference in prompts:
+        text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
+                                   enable_thinking=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        output_ids = greedy_generate(model, ids, max_new_tokens, stop_ids)
+        user = next((m["content"] for m in reversed(row["messages"]) if m["role"] == "user"), "")
+        results.append(SampleResult(str(user), reference, tokenizer.decode(output_ids, skip_special_tokens=False)))
+    return results
+
+
+def score(results: list[SampleResult]) -> dict[str, float]:
+    n = max(len(results), 1)
+    return {"valid_json": sum(r.valid_json for r in results) / n, "exact": sum(r.exact for r in results) / n}

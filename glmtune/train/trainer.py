@@ -1,0 +1,261 @@
+"""The training loop. Model-agnostic: it sees a module, batches and a loss function.
+
+One optimizer step = `grad_accum` micro-batches. The loss is the mean over every
+supervised token of the step (all micro-batches and ranks together), so changing
+the micro-batch split does not change the update. Each step:
+  forward/backward per micro-batch -> all-reduce token counts -> clip -> AdamW ->
+  LR schedule -> optional router-bias update -> metrics -> maybe validate/save.
+
+Safety: a non-finite loss stops the run before the optimizer step, keeping the
+last good checkpoint untouched; SIGTERM/SIGINT finish the current step, save a
+checkpoint and exit, so a preempted job resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.train.data_loader import PackedRowLoader
+from glmtune.train.metrics import MetricsWriter, moe_layers, routing_stats
+from glmtune.train.router_balance import update_router_biases
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainerSettings:
+    max_steps: int
+    grad_accum: int
+    clip_grad_norm: float | None
+    log_every: int
+    val_every: int
+    val_steps: int | None
+    checkpoint_every: int
+    router_bias_update: str = "none"
+    router_bias_rate: float = 1e-3
+    autocast_dtype: torch.dtype | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    progress: bool = True
+
+
+@dataclass
+class TrainResult:
+    step: int
+    interrupted: bool
+    last_loss: float | None
+    val_loss: float | None
+    checkpoint: str | None
+    losses: list[float] = field(default_factory=list)
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, loss_fn: LossFn,
+                 train_loader: PackedRowLoader, val_loader: PackedRowLoader | None,
+                 checkpoints: CheckpointManager, metrics: MetricsWriter, settings: TrainerSettings,
+                 console=None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.s = settings
+        self.console = console
+        self.step = 0
+        self.tokens_seen = 0
+        self._stop_signal: int | None = None
+        self._moe = moe_layers(model)
+
+    # -- state ------------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "loader": self.train_loader.state_dict(),
+                "tokens_seen": self.tokens_seen}
+
+    def resume(self, resume: str) -> int:
+        checkpoint = self.checkpoints.resolve(resume)
+        if checkpoint is None:
+            return 0
+        state = self.checkpoints.load(checkpoint, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_loader.load_state_dict(state["loader"])
+        self.tokens_seen = state["tokens_seen"]
+        self.step = state["step"]
+        self.metrics.truncate_after(self.step)
+        self._print(f"resumed from {checkpoint.path} at step {self.step}")
+        return self.step
+
+    def save(self) -> str:
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state())
+        return str(path)
+
+    # -- one step ---------------------------------------------------------------------
+    def _forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = {k: v.to(self.s.device, non_blocking=True) for k, v in batch.items()}
+        if self.s.autocast_dtype is not None:
+            with torch.autocast(self.s.device.type, dtype=self.s.autocast_dtype):
+                return self.loss_fn(self.model, batch)
+        return self.loss_fn(self.model, batch)
+
+    def train_step(self) -> dict[str, Any]:
+        self.model.train()
+        batches = [self.train_loader.next_batch() for _ in range(self.s.grad_accum)]
+        local_targets = sum(int((b["targets"] != -100).sum()) for b in batches)
+        total_targets = _all_reduce_sum(torch.tensor(float(local_targets), device=self.s.device))
+        denominator = total_targets.clamp_min(1.0)
+        loss_sum = torch.zeros((), device=self.s.device)
+        load = {name: torch.zeros_like(m.tokens_per_expert) for name, m in self._moe}
+        for batch in batches:
+            micro_loss, _ = self._forward_loss(batch)
+            (micro_loss / denominator).backward()
+            loss_sum += micro_loss.detach()
+            for name, module in self._moe:
+                load[name] += module.tokens_per_expert
+        loss = (_all_reduce_sum(loss_sum) / denominator).item()
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}")
+        grad_norm = None
+        if self.s.clip_grad_norm:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.clip_grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        for name in load:
+            _all_reduce_sum(load[name])
+        if self.s.router_bias_update == "sign":
+            update_router_biases(self._moe, load, self.s.router_bias_rate)
+        self.step += 1
+        tokens = sum(int(b["input_ids"].numel()) for b in batches)
+        self.tokens_seen += int(_all_reduce_sum(torch.tensor(float(tokens), device=self.s.device)).item())
+        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen,
+                                  "supervised_tokens": int(total_targets.item())}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        for name, counts in load.items():
+            for key, value in routing_stats(counts).items():
+                record[f"moe/{name}/{key}"] = value
+        return record
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        if self.val_loader is None:
+            return None
+        self.model.eval()
+        saved = self.val_loader.state_dict()
+        self.val_loader.epoch, self.val_loader.cursor = 0, 0  # the same rows every time
+        num_batches = self.val_loader.batches_per_epoch
+        if self.s.val_steps:
+            num_batches = min(num_batches, self.s.val_steps)
+        loss_sum = torch.zeros((), device=self.s.device)
+        count = torch.zeros((), device=self.s.device)
+        for _ in range(num_batches):
+            batch_loss, batch_count = self._forward_loss(self.val_loader.next_batch())
+            loss_sum += batch_loss.float()
+            count += batch_count
+        self.val_loader.load_state_dict(saved)
+        self.model.train()
+        return (_all_reduce_sum(loss_sum) / _all_reduce_sum(count).clamp_min(1)).item()
+
+    # -- loop -------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def fit(self) -> TrainResult:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        losses: list[float] = []
+        val_loss = None
+        checkpoint = None
+        start_step, start_time, last_record = self.step, time.perf_counter(), None
+        try:
+            with _progress(self.s.progress, self.s.max_steps, self.step) as bar:
+                while self.step < self.s.max_steps:
+                    record = self.train_step()
+                    losses.append(record["loss"])
+                    elapsed = time.perf_counter() - start_time
+                    steps_done = self.step - start_step
+                    record["tokens_per_s"] = self.tokens_seen_since(start_step, steps_done, elapsed)
+                    if self.s.val_every and self.step % self.s.val_every == 0:
+                        val_loss = self.validate()
+                        record["val_loss"] = val_loss
+                    if self.step % self.s.log_every == 0 or self.step == self.s.max_steps or "val_loss" in record:
+                        self.metrics.write(record)
+                    last_record = record
+                    bar.update(record)
+                    stop = self._stop_signal is not None
+                    due = self.s.checkpoint_every and self.step % self.s.checkpoint_every == 0
+                    if stop or due or self.step == self.s.max_steps:
+                        checkpoint = self.save()
+                    if stop:
+                        name = signal.Signals(self._stop_signal).name
+                        self._print(f"{name}: saved {checkpoint}; continue with --checkpoint.resume auto")
+                        break
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return TrainResult(self.step, self._stop_signal is not None,
+                           last_record["loss"] if last_record else None, val_loss, checkpoint, losses)
+
+    def tokens_seen_since(self, start_step: int, steps_done: int, elapsed: float) -> float:
+        if steps_done == 0 or elapsed <= 0:
+            return 0.0
+        per_step = self.tokens_seen / max(self.step, 1)
+        return per_step * steps_done / elapsed
+
+    def _print(self, message: str) -> None:
+        if self.console is not None:
+            self.console.print(message)
+
+
+class _progress:
+    """A rich progress bar showing loss, tokens/s and ETA (a no-op when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, completed: int) -> None:
+        self.enabled, self.total, self.completed = enabled, total, completed
+        self.progress = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=self.total, completed=self.completed,
+                                               loss="-", tps="-")
+        return self
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}",
+                                 tps=f"{record['tokens_per_s']:.0f}")
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
