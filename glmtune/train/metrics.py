@@ -46,6 +46,8 @@ class MetricsWriter:
         self.enabled = enabled
         self.path = run_dir / metrics_file
         self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -241,9 +241,12 @@ def _glm52() -> Glm5Args:
 
 
 def _tiny() -> Glm5Args:
-    # GLM-5.2-shaped: 2 dense + 2 MoE layers, shared-indexer layers, top-k below
-    # typical test lengths so the sparse mask is exercised. Vocab matches the bundled
-    # tiny tokenizer (4096 ids, <|endoftext|> = 0).
+    # GLM-5.2-shaped: 2 dense + 2 MoE layers, shared-indexer layers, grouped routing.
+    # index_topk (256) is below the 512-token rows of the default recipe, so the
+    # sparse mask is exercised, yet above a typical ticket conversation (~220
+    # tokens): a random-init model's frozen indexer would otherwise pick keys at
+    # random and hide the ticket from the answer. Vocab matches the bundled tiny
+    # tokenizer (4096 ids).
     return Glm5Args(
         vocab_size=4096,
         hidden_size=128,
@@ -262,13 +265,13 @@ def _tiny() -> Glm5Args:
         qk_rope_head_dim=16,
         qk_nope_head_dim=32,
         v_head_dim=32,
-        index_topk=32,
+        index_topk=256,
         index_head_dim=32,
         index_n_heads=4,
         first_k_dense_replace=2,
         max_position_embeddings=4096,
-        pad_token_id=0,
-        eos_token_id=0,
+        pad_token_id=4064,
+        eos_token_id=[4064, 4071, 4073],
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         indexer_types=["full", "shared", "full", "shared"],
         num_nextn_predict_layers=1,

@@ -68,8 +68,10 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """The sparse attention mask: bool [B, S, T], True where attention is allowed and selected."""
         num_keys = allowed_BST.shape[-1]
-        if num_keys <= self.index_topk:
-            # Every key is selected: the mask is the plain block-causal one; skip the work.
+        if num_keys <= self.index_topk or int(allowed_BST.sum(-1).max()) <= self.index_topk:
+            # No query has more allowed keys than top-k (short rows, or packed documents all
+            # shorter than k): top-k would select every allowed key, so the sparse mask is the
+            # block-causal one. Exact, and it skips the [B, S, H, T] score tensor.
             return allowed_BST
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
             scores_BST = self.scores(x_BSD, q_resid_BSR, cos, sin)

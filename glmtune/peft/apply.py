@@ -1,0 +1,157 @@
+"""`apply_lora(model, peft_cfg)`: LoRA as a transformation of a built GLM-5 model.
+
+Run it after the model is built (any device, meta included) and before any
+parallel wrapping. It
+
+  1. matches `peft.target_modules` (fnmatch globs) against module names, minus
+     `peft.exclude_modules`; the routed experts of a layer are one module
+     (`model.layers.3.mlp.experts`, both projections) and also answer to
+     `...mlp.experts.gate_up_proj` / `...mlp.experts.down_proj` alone;
+  2. freezes every parameter (base weights, router, indexer, norms, embeddings,
+     head, MTP);
+  3. swaps each target for its LoRA version (`LoRALinear`, `LoRAGroupedExperts`),
+     whose fp32 adapters are the only trainable parameters.
+
+Globs that match nothing are errors, so a typo cannot silently train nothing on
+the experts. The router, the DSA indexer, MTP layers, embeddings and lm_head cannot
+take LoRA: the router and indexer are frozen by design, MTP layers are not in the
+forward pass, and the loss reads `lm_head.weight` directly (a wrapped head would be
+bypassed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from glmtune.config.schema import PeftConfig
+from glmtune.models.glm5.moe import GroupedExperts, Router
+from glmtune.peft.inventory import LoraInventory, build_inventory, module_kind
+from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
+
+Target = tuple[str, str | None]  # (module name, expert projection or None for a Linear)
+
+
+def lora_spec(peft_cfg: PeftConfig) -> LoraSpec:
+    """Validated hyper-parameters; ValueError names the offending `peft.*` key."""
+    if peft_cfg.method != "lora":
+        raise ValueError(f"peft.method is {peft_cfg.method!r}; LoRA needs peft.method: lora")
+    if not isinstance(peft_cfg.rank, int) or peft_cfg.rank < 1:
+        raise ValueError(f"peft.rank must be a positive integer, got {peft_cfg.rank!r}")
+    if not peft_cfg.alpha > 0:
+        raise ValueError(f"peft.alpha must be > 0, got {peft_cfg.alpha!r}")
+    if not 0.0 <= peft_cfg.dropout < 1.0:
+        raise ValueError(f"peft.dropout must be in [0, 1), got {peft_cfg.dropout!r}")
+    if not peft_cfg.target_modules:
+        raise ValueError("peft.target_modules is empty: nothing would train")
+    return LoraSpec(peft_cfg.rank, float(peft_cfg.alpha), float(peft_cfg.dropout), bool(peft_cfg.rslora))
+
+
+def _frozen_reason(name: str, module: nn.Module) -> str | None:
+    """Why a module with weights cannot take LoRA, or None when it can (or has no weights)."""
+    if name.startswith("mtp.") or name == "mtp":
+        return "MTP layers are not in the forward pass"
+    if ".indexer" in f".{name}":
+        return "the DSA indexer stays frozen (no indexer loss)"
+    if isinstance(module, Router):
+        return "the router stays frozen (fp32 routing)"
+    if isinstance(module, nn.Embedding):
+        return "embeddings take no LoRA"
+    if name == "lm_head":
+        return "the loss reads lm_head.weight directly, so a LoRA on it would be bypassed"
+    return None
+
+
+def _candidates(model: nn.Module) -> tuple[dict[str, set[Target]], dict[str, str]]:
+    """Names a glob may match -> the targets they select; and frozen names -> reason."""
+    candidates: dict[str, set[Target]] = {}
+    frozen: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, GroupedExperts, Router, nn.Embedding)):
+            continue
+        reason = _frozen_reason(name, module)
+        if reason is not None:
+            frozen[name] = reason
+        elif isinstance(module, GroupedExperts):
+            candidates[name] = {(name, p) for p in EXPERT_PARAMS}
+            for proj in EXPERT_PARAMS:
+                candidates[f"{name}.{proj}"] = {(name, proj)}
+        elif isinstance(module, nn.Linear):
+            candidates[name] = {(name, None)}
+    return candidates, frozen
+
+
+def _no_match_error(key: str, glob: str, candidates: dict[str, set[Target]], frozen: dict[str, str]) -> ValueError:
+    blocked = [n for n in frozen if fnmatchcase(n, glob)]
+    if blocked:
+        detail = f"it matches only {blocked[0]}" + (f" (and {len(blocked) - 1} more)" if len(blocked) > 1 else "")
+        detail += f", which cannot take LoRA: {frozen[blocked[0]]}"
+    else:
+        kinds = sorted({module_kind(n) for n in candidates})
+        detail = "targetable modules: " + ", ".join(kinds)
+    return ValueError(f"{key}: {glob!r} matches no module; {detail}")
+
+
+def select_targets(model: nn.Module, peft_cfg: PeftConfig) -> dict[str, tuple[str, ...] | None]:
+    """Module name -> None (a Linear) or the expert projections to adapt, in module order."""
+    candidates, frozen = _candidates(model)
+    selected: set[Target] = set()
+    for glob in peft_cfg.target_modules:
+        hits = [t for name, targets in candidates.items() if fnmatchcase(name, glob) for t in targets]
+        if not hits:
+            raise _no_match_error("peft.target_modules", glob, candidates, frozen)
+        selected.update(hits)
+    for glob in peft_cfg.exclude_modules:
+        hits = {t for name, targets in candidates.items() if fnmatchcase(name, glob) for t in targets}
+        if not hits & selected:
+            raise ValueError(f"peft.exclude_modules: {glob!r} matches none of the targeted modules")
+        selected -= hits
+    if not selected:
+        raise ValueError("peft.exclude_modules removes every module peft.target_modules selects")
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    out: dict[str, tuple[str, ...] | None] = {}
+    for name, proj in sorted(selected, key=lambda t: (order[t[0]], t[1] or "")):
+        if proj is None:
+            out[name] = None
+        else:
+            out[name] = tuple(p for p in EXPERT_PARAMS if (name, p) in selected)
+    return out
+
+
+def apply_lora(model: nn.Module, peft_cfg: PeftConfig, seed: int | None = None) -> LoraInventory:
+    """Freeze `model` and add LoRA adapters on the modules `peft_cfg` targets, in place.
+
+    Args:
+        model: a built GLM-5 model, not yet wrapped for parallelism.
+        peft_cfg: the `peft` section; `method` must be `lora`.
+        seed: seeds the adapters' A initialisation (the global RNG is left untouched);
+            None draws from the global RNG.
+
+    Returns:
+        The trainable-parameter inventory of the transformed model.
+    """
+    spec = lora_spec(peft_cfg)
+    if lora_modules(model):
+        raise ValueError("the model already carries LoRA adapters; apply_lora runs once per model")
+    targets = select_targets(model, peft_cfg)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+    with rng:
+        if seed is not None:
+            torch.manual_seed(seed)
+        for name, projs in targets.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            module = getattr(parent, child)
+            if projs is None:
+                new = LoRALinear.from_linear(module, spec)
+            else:
+                new = LoRAGroupedExperts.from_experts(module, spec, projs)
+            setattr(parent, child, new)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable), trainable[:5]
+    return build_inventory(model)

@@ -1,0 +1,225 @@
+"""LoRA adapters out, in PEFT's on-disk format: `adapter_config.json` + `adapter_model.safetensors`.
+
+Two layouts of the same adapter, both with HF module names under the
+`base_model.model.` prefix (module names equal transformers' in-memory names):
+
+* `peft` (RUN_DIR/adapter/): what `peft.PeftModel.from_pretrained` loads onto
+  transformers' `GlmMoeDsaForCausalLM`, whose experts are stacked 3-D Parameters.
+  Routed experts use PEFT's `target_parameters` (lora.ParamWrapper) layout:
+      ...mlp.experts.base_layer.lora_A.weight  [E*r, D]    gate_up_proj (inner wrapper)
+      ...mlp.experts.base_layer.lora_B.weight  [2I, r*E]
+      ...mlp.experts.lora_A.weight             [E*r, I]    down_proj (outer wrapper)
+      ...mlp.experts.lora_B.weight             [D, r*E]
+  (A rows are expert-major, B columns rank-major: B[:, k*E + e]; with one projection
+  targeted its wrapper is the only one and drops `base_layer`.) Dense and shared-expert
+  MLP projections are listed under `target_parameters` as `<module>.weight` too: PEFT
+  rewrites any `target_modules` entry ending in gate_proj/up_proj/down_proj into the
+  fused expert parameters for this architecture (peft/utils/transformers_weight_
+  conversion.py), which would drop them. Their tensor keys are unchanged.
+* `per_expert` (RUN_DIR/adapter_per_expert/): what vLLM and SGLang load for GLM-5
+  (see docs/lora.md): one pair per expert and projection,
+      ...mlp.experts.{e}.gate_proj.lora_A.weight [r, D]  lora_B [I, r]
+      ...mlp.experts.{e}.up_proj.lora_A.weight   [r, D]  lora_B [I, r]   (same A as gate_proj)
+      ...mlp.experts.{e}.down_proj.lora_A.weight [r, I]  lora_B [D, r]
+
+Both are exact: nothing is approximated or dropped. Anything trainable that a LoRA
+adapter cannot carry (an unfrozen norm, say) makes the export raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
+
+LAYOUTS = ("peft", "per_expert")
+RUN_DIRS = {"peft": "adapter", "per_expert": "adapter_per_expert"}
+PREFIX = "base_model.model."
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+# Leaf names PEFT (>= 0.19 with transformers v5) remaps from target_modules to the fused
+# expert parameters for glm_moe_dsa; such Linears must be targeted as parameters.
+_PEFT_REMAPPED_LEAVES = {"gate_proj", "up_proj", "down_proj", "gate"}
+_LAYER_RE = re.compile(r"^model\.layers\.\d+\.(.+)$")
+
+
+def check_exportable(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAGroupedExperts]]:
+    """The LoRA modules, after checking that they are all an adapter file needs to carry.
+
+    Raises:
+        ValueError: no adapters, or a trainable parameter that is not a LoRA factor.
+    """
+    adapted = lora_modules(model)
+    if not adapted:
+        raise ValueError("the model has no LoRA adapters to export (peft.method: none trains full weights; "
+                         "export those with save_pretrained)")
+    factors = {f"{name}.{pname}" for name, module in adapted
+               for pname, _ in module.named_parameters() if "lora_" in pname}
+    for name, param in model.named_parameters():
+        if param.requires_grad and name not in factors:
+            raise ValueError(f"parameter {name} is trainable but a LoRA adapter cannot represent it; "
+                             "refusing to export an adapter that silently drops it")
+    for name, _ in adapted:
+        assert not name.startswith("mtp.") and ".indexer." not in name, name
+    spec = adapted[0][1].spec
+    assert all(module.spec == spec for _, module in adapted), "one LoRA spec per model"
+    return adapted
+
+
+def _peft_expert_tensors(name: str, module: LoRAGroupedExperts) -> dict[str, torch.Tensor]:
+    out = {}
+    nested = len(module.targets) == 2
+    for proj in module.targets:
+        a_ErX, b_EOr = module.adapter(proj)
+        num_experts, rank, in_dim = a_ErX.shape
+        # PEFT nests one ParamWrapper per targeted parameter, in registration order:
+        # gate_up_proj is wrapped first and becomes the inner `base_layer`.
+        stem = f"{name}.base_layer" if nested and proj == "gate_up_proj" else name
+        out[f"{stem}.lora_A.weight"] = a_ErX.reshape(num_experts * rank, in_dim)
+        out[f"{stem}.lora_B.weight"] = b_EOr.permute(1, 2, 0).reshape(b_EOr.shape[1], rank * num_experts)
+    return out
+
+
+def _per_expert_tensors(name: str, module: LoRAGroupedExperts) -> dict[str, torch.Tensor]:
+    out = {}
+    for proj in module.targets:
+        a_ErX, b_EOr = module.adapter(proj)
+        half = b_EOr.shape[1] // 2
+        for e in range(a_ErX.shape[0]):
+            if proj == "down_proj":
+                out[f"{name}.{e}.down_proj.lora_A.weight"] = a_ErX[e]
+                out[f"{name}.{e}.down_proj.lora_B.weight"] = b_EOr[e]
+            else:  # one shared A for the fused [gate; up] rows: written for both
+                out[f"{name}.{e}.gate_proj.lora_A.weight"] = a_ErX[e]
+                out[f"{name}.{e}.gate_proj.lora_B.weight"] = b_EOr[e, :half]
+                out[f"{name}.{e}.up_proj.lora_A.weight"] = a_ErX[e]
+                out[f"{name}.{e}.up_proj.lora_B.weight"] = b_EOr[e, half:]
+    return out
+
+
+def peft_match(name: str, entries: list[str]) -> bool:
+    """PEFT's list matching: an entry selects a name equal to it or ending in `.entry`."""
+    return any(name == entry or name.endswith(f".{entry}") for entry in entries)
+
+
+def compress_targets(chosen: list[str], universe: list[str]) -> list[str]:
+    """The fewest PEFT list entries that select exactly `chosen` among `universe`.
+
+    A layer-independent suffix (`self_attn.q_a_proj`) when every layer's module of that
+    kind is chosen, the full names otherwise (e.g. after `peft.exclude_modules`).
+    """
+    def suffix(name: str) -> str:
+        match = _LAYER_RE.match(name)
+        return match.group(1) if match else name
+
+    chosen_set, entries = set(chosen), []
+    for kind in dict.fromkeys(suffix(n) for n in chosen):
+        same_kind = {u for u in universe if suffix(u) == kind}
+        if same_kind <= chosen_set:
+            entries.append(kind)
+        else:
+            entries.extend(n for n in chosen if suffix(n) == kind)
+    selected = {u for u in universe if peft_match(u, entries)}
+    assert selected == chosen_set, sorted(selected ^ chosen_set)[:5]
+    return entries
+
+
+def _config(spec: LoraSpec, target_modules: list[str], target_parameters: list[str] | None,
+            dropout: float, base_model_name_or_path: str | None) -> dict[str, Any]:
+    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": spec.rank, "lora_alpha": alpha, "lora_dropout": dropout, "use_rslora": spec.rslora,
+        "target_modules": target_modules, "target_parameters": target_parameters, "exclude_modules": None,
+        "bias": "none", "lora_bias": False, "use_dora": False, "fan_in_fan_out": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+    }
+
+
+def adapter_state(model: nn.Module, layout: str = "peft",
+                  base_model_name_or_path: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config dict, tensors keyed as on disk) for `layout` ("peft" or "per_expert")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"adapter layout {layout!r} unknown; choose from {', '.join(LAYOUTS)}")
+    adapted = check_exportable(model)
+    spec = adapted[0][1].spec
+    tensors: dict[str, torch.Tensor] = {}
+    modules, parameters = [], []
+    for name, module in adapted:
+        if isinstance(module, LoRALinear):
+            tensors[f"{name}.lora_A.weight"] = module.lora_A.weight
+            tensors[f"{name}.lora_B.weight"] = module.lora_B.weight
+            if layout == "peft" and name.rpartition(".")[2] in _PEFT_REMAPPED_LEAVES:
+                parameters.append(f"{name}.weight")
+            else:
+                modules.append(name)
+        elif layout == "peft":
+            tensors.update(_peft_expert_tensors(name, module))
+            parameters.extend(f"{name}.{proj}" for proj in module.targets)
+        else:
+            tensors.update(_per_expert_tensors(name, module))
+            leaves = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+            modules.extend(f"{name}.{leaf}" for proj in module.targets for leaf in leaves[proj])
+    hf_modules = [n for n, _ in model.named_modules() if n and not n.startswith("mtp")]
+    hf_params = [n for n, _ in model.named_parameters() if not n.startswith("mtp.") and ".lora_" not in n]
+    if layout == "peft":
+        # PEFT ParamWrapper refuses lora_dropout != 0; dropout is a training-time op only.
+        config = _config(spec, compress_targets(modules, hf_modules),
+                         compress_targets(parameters, hf_params) or None, 0.0, base_model_name_or_path)
+    else:
+        # Engines read the leaf names (vLLM: safetensors keys are the source of truth;
+        # SGLang: name.split(".")[-1]); per-expert names are not modules of our model.
+        leaves = sorted({m.rpartition(".")[2] for m in modules})
+        config = _config(spec, leaves, None, spec.dropout, base_model_name_or_path)
+        config.pop("target_parameters")
+    tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
+    return config, tensors
+
+
+def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
+                   base_model_name_or_path: str | None = None) -> Path:
+    """Write `out_dir/{adapter_config.json, adapter_model.safetensors}` atomically.
+
+    Args:
+        model: the model `apply_lora` transformed (and trained).
+        out_dir: destination directory; replaced if it exists.
+        layout: "peft" (PeftModel.from_pretrained on transformers) or "per_expert"
+            (vLLM / SGLang).
+        base_model_name_or_path: recorded in adapter_config.json.
+    """
+    config, tensors = adapter_state(model, layout, base_model_name_or_path)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_run_adapters(model: nn.Module, run_dir: str | Path,
+                        base_model_name_or_path: str | None = None) -> dict[str, Path]:
+    """Both layouts into RUN_DIR/adapter (PEFT) and RUN_DIR/adapter_per_expert (engines)."""
+    return {layout: export_adapter(model, Path(run_dir) / sub, layout, base_model_name_or_path)
+            for layout, sub in RUN_DIRS.items()}

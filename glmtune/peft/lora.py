@@ -1,0 +1,214 @@
+"""LoRA modules that replace a built model's leaves in place: dense `nn.Linear`s and
+the stacked routed experts.
+
+Both keep the *same* base `Parameter` objects as the module they replace (no copy,
+same names: `...q_a_proj.weight`, `...experts.gate_up_proj`), so checkpoints of the
+base, FSDP plans keyed by name and `save_pretrained` see the base unchanged. The
+adapters are fp32 whatever the base dtype; their output is cast to the base output's
+dtype before it is added.
+
+    LoRALinear          y = x W^T (+ b) + s * B(A(dropout(x)))       A [r, in], B [out, r]
+    LoRAGroupedExperts  per expert e, on the tokens routed to e only:
+                        gate_up += s * B_gu[e] A_gu[e] x              A_gu [E, r, D], B_gu [E, 2I, r]
+                        down    += s * B_d[e]  A_d[e]  h              A_d  [E, r, I], B_d  [E, D, r]
+
+Gate and up share one A per expert: the adapter is a LoRA on the fused [2I, D]
+matrix, exactly what PEFT's `target_parameters` builds for transformers' stacked
+`gate_up_proj`, so the PEFT export is a reshape with nothing to approximate; the
+per-expert (serving-engine) export writes that A for both gate_proj and up_proj.
+
+The expert adapters run as grouped GEMMs (`grouped_linear`) over the same
+expert-sorted tokens and offsets as the base experts: no Python loop over experts on
+the fast path, and an expert that receives no token gets no gradient.
+
+s = alpha / r, or alpha / sqrt(r) with rsLoRA. A is kaiming-uniform (a = sqrt(5),
+i.e. U(-1/sqrt(in), 1/sqrt(in)), as PEFT initialises it) and B is zero, so a fresh
+adapter leaves the model's output unchanged.
+
+Legend: N routed (token, expert) pairs, D model dim, I expert width, E experts, r rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmtune.models.glm5.moe import GroupedExperts, grouped_linear
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Hyper-parameters shared by every adapter of one model."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+@torch.no_grad()
+def _init_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+    """A kaiming-uniform per (expert) matrix with fan_in = its last dim; B zero."""
+    if a.is_meta:
+        return
+    # A 2-D view makes fan_in the input width even for stacked [E, r, in] tensors.
+    nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))
+    b.zero_()
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` plus a low-rank update; built from an existing Linear by `from_linear`."""
+
+    def __init__(self, in_features: int, out_features: int, spec: LoraSpec, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._add_adapter(spec)
+
+    def _add_adapter(self, spec: LoraSpec) -> None:
+        self.spec = spec
+        self.scaling = spec.scaling
+        device = self.weight.device
+        self.lora_dropout = _dropout(spec.dropout)
+        self.lora_A = nn.Linear(self.in_features, spec.rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(spec.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
+        _init_pair(self.lora_A.weight, self.lora_B.weight)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: LoraSpec) -> "LoRALinear":
+        """A LoRALinear that owns `linear`'s weight and bias Parameters (shared, not copied)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.weight = linear.weight
+        module.register_parameter("bias", linear.bias)
+        module._add_adapter(spec)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        delta = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
+        return out + (delta * self.scaling).to(out.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """s * B @ A in fp32, shaped like `weight`."""
+        return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+
+    def base_module(self) -> nn.Linear:
+        """A plain nn.Linear over the same Parameters (the adapter dropped, not merged)."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight = self.weight
+        linear.register_parameter("bias", self.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.spec.rank}, scaling={self.scaling:g}"
+
+
+class LoRAGroupedExperts(GroupedExperts):
+    """`GroupedExperts` with stacked per-expert adapters on `gate_up_proj` and/or `down_proj`.
+
+    Adapter parameters: `lora_gate_up_A` [E, r, D], `lora_gate_up_B` [E, 2I, r],
+    `lora_down_A` [E, r, I], `lora_down_B` [E, D, r]; a projection that is not
+    targeted has None for both.
+    """
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, spec: LoraSpec, targets: tuple[str, ...]) -> "LoRAGroupedExperts":
+        assert targets and set(targets) <= set(EXPERT_PARAMS), targets
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.backend = experts.backend
+        module.num_experts = experts.num_experts
+        module.gate_up_proj = experts.gate_up_proj
+        module.down_proj = experts.down_proj
+        module.spec = spec
+        module.scaling = spec.scaling
+        module.targets = tuple(p for p in EXPERT_PARAMS if p in targets)
+        module.lora_dropout = _dropout(spec.dropout)
+        for proj in EXPERT_PARAMS:
+            a_name, b_name = f"lora_{_short(proj)}_A", f"lora_{_short(proj)}_B"
+            if proj not in module.targets:
+                module.register_parameter(a_name, None)
+                module.register_parameter(b_name, None)
+                continue
+            base = getattr(module, proj)  # [E, out, in]
+            num_experts, out_dim, in_dim = base.shape
+            a = torch.empty(num_experts, spec.rank, in_dim, device=base.device, dtype=torch.float32)
+            b = torch.empty(num_experts, out_dim, spec.rank, device=base.device, dtype=torch.float32)
+            _init_pair(a, b)
+            module.register_parameter(a_name, nn.Parameter(a))
+            module.register_parameter(b_name, nn.Parameter(b))
+        return module
+
+    def adapter(self, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [E, r, in], B [E, out, r]) of `proj`, or None when it is not targeted."""
+        a = getattr(self, f"lora_{_short(proj)}_A")
+        return None if a is None else (a, getattr(self, f"lora_{_short(proj)}_B"))
+
+    def _lora(self, x_NX: torch.Tensor, proj: str, offsets_E: torch.Tensor) -> torch.Tensor | None:
+        pair = self.adapter(proj)
+        if pair is None:
+            return None
+        a_ErX, b_EOr = pair
+        h_Nr = grouped_linear(self.lora_dropout(x_NX.to(a_ErX.dtype)), a_ErX, offsets_E, self.backend)
+        return grouped_linear(h_Nr, b_EOr, offsets_E, self.backend) * self.scaling
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0)
+        gate_up_N2I = grouped_linear(x_ND, self.gate_up_proj, offsets_E, self.backend)
+        delta = self._lora(x_ND, "gate_up_proj", offsets_E)
+        if delta is not None:
+            gate_up_N2I = gate_up_N2I + delta.to(gate_up_N2I.dtype)
+        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+        h_NI = F.silu(gate_NI) * up_NI
+        out_ND = grouped_linear(h_NI, self.down_proj, offsets_E, self.backend)
+        delta = self._lora(h_NI, "down_proj", offsets_E)
+        if delta is not None:
+            out_ND = out_ND + delta.to(out_ND.dtype)
+        return out_ND
+
+    @torch.no_grad()
+    def delta_weight(self, proj: str) -> torch.Tensor:
+        """s * B[e] @ A[e] for every expert, fp32, shaped like the stacked base [E, out, in]."""
+        a, b = self.adapter(proj)
+        return self.scaling * torch.bmm(b.float(), a.float())
+
+    def base_module(self) -> GroupedExperts:
+        """A plain GroupedExperts over the same Parameters (the adapters dropped, not merged)."""
+        experts = GroupedExperts.__new__(GroupedExperts)
+        nn.Module.__init__(experts)
+        experts.backend, experts.num_experts = self.backend, self.num_experts
+        experts.gate_up_proj, experts.down_proj = self.gate_up_proj, self.down_proj
+        return experts
+
+    def extra_repr(self) -> str:
+        return f"targets={self.targets}, rank={self.spec.rank}, scaling={self.scaling:g}"
+
+
+def _short(proj: str) -> str:
+    return {"gate_up_proj": "gate_up", "down_proj": "down"}[proj]
+
+
+LORA_MODULES = (LoRALinear, LoRAGroupedExperts)
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAGroupedExperts]]:
+    """Every LoRA module of `model` with its name, in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LORA_MODULES)]

@@ -1,0 +1,172 @@
+"""Merging LoRA adapters into base weights: in memory, or from an adapter directory.
+
+`merge_lora(model)` folds the adapters of a model that `apply_lora` transformed into
+its base weights and puts plain modules back, so `save_pretrained` writes an ordinary
+HF checkpoint. `merge_adapter_dir(model, ADAPTER_DIR)` adds the deltas an exported
+adapter directory describes (either layout of `export.py`) to a plain model;
+`merge_to_dir` is `glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`.
+
+Deltas are computed in fp32 and added to the fp32 value of the base weight, then
+rounded once to the base dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from glmtune.models.glm5.moe import GroupedExperts
+from glmtune.peft.export import CONFIG_NAME, PREFIX, WEIGHTS_NAME, peft_match
+from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, lora_modules
+
+_PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+_FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
+_KEY_RE = re.compile(r"^(.+)\.lora_([AB])\.weight$")
+
+
+@torch.no_grad()
+def _add_(param: torch.Tensor, delta: torch.Tensor) -> None:
+    param.copy_((param.float() + delta.to(param.device)).to(param.dtype))
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and restore plain modules, in place.
+
+    Returns the same model, now without LoRA modules (its parameters keep their
+    `requires_grad` flags, i.e. frozen).
+    """
+    for name, module in lora_modules(model):
+        if isinstance(module, LoRALinear):
+            _add_(module.weight, module.delta_weight())
+        else:
+            for proj in module.targets:
+                _add_(getattr(module, proj), module.delta_weight(proj))
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module.base_module())
+    return model
+
+
+def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json and the tensors (keys without the `base_model.model.` prefix)."""
+    adapter_dir = Path(adapter_dir)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (adapter_dir / name).is_file():
+            raise FileNotFoundError(f"{adapter_dir}: no {name} (not a PEFT adapter directory)")
+    config = json.loads((adapter_dir / CONFIG_NAME).read_text())
+    if str(config.get("peft_type", "")).upper() != "LORA":
+        raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)):
+        if config.get(key, ok) != ok:
+            raise ValueError(f"{adapter_dir}: {key}={config[key]!r} is not supported (expected {ok!r})")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+        if config.get(key):
+            raise ValueError(f"{adapter_dir}: {key} is not supported by glmtune merge")
+    tensors = load_file(str(adapter_dir / WEIGHTS_NAME))
+    return config, {k.removeprefix(PREFIX): v for k, v in tensors.items()}
+
+
+def _pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY_RE.match(key)
+        if match is None:
+            raise ValueError(f"{adapter_dir}: tensor {key} is not a LoRA factor (lora_A/lora_B weight)")
+        pairs.setdefault(match.group(1), {})[match.group(2)] = tensor.float()
+    for stem, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{adapter_dir}: {stem} has lora_{next(iter(pair))} but no partner factor")
+    return pairs
+
+
+def _fused_expert_proj(stem: str, inner: bool, config: dict) -> str:
+    """Which stacked parameter a PEFT ParamWrapper key adapts (see export.py for the nesting)."""
+    targeted = [p for p in EXPERT_PARAMS if peft_match(f"{stem}.{p}", config.get("target_parameters") or [])]
+    if inner:
+        assert targeted == list(EXPERT_PARAMS), (stem, targeted)
+        return "gate_up_proj"
+    if len(targeted) == 2:
+        return "down_proj"
+    if len(targeted) != 1:
+        raise ValueError(f"adapter key {stem}.lora_A.weight: adapter_config.json target_parameters "
+                         f"name neither {stem}.gate_up_proj nor {stem}.down_proj")
+    return targeted[0]
+
+
+@torch.no_grad()
+def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
+    """Add the deltas of an exported adapter (PEFT or per-expert layout) to `model`'s weights.
+
+    Returns the number of adapted modules. Raises ValueError for any tensor that does
+    not fit this model (unknown module, wrong shape).
+    """
+    adapter_dir = Path(adapter_dir)
+    config, tensors = read_adapter(adapter_dir)
+    rank = int(config["r"])
+    scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    if lora_modules(model):
+        raise ValueError("merge_adapter_dir needs a plain model; this one already carries LoRA adapters")
+    pairs = _pairs(adapter_dir, tensors)
+    for stem, pair in pairs.items():
+        a, b = pair["A"], pair["B"]
+        per_expert, fused = _PER_EXPERT_RE.match(stem), _FUSED_EXPERTS_RE.match(stem)
+        try:
+            if per_expert:
+                experts_name, index, proj = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+                experts = model.get_submodule(experts_name)
+                assert isinstance(experts, GroupedExperts), experts_name
+                param = experts.down_proj if proj == "down_proj" else experts.gate_up_proj
+                dest = param[index]
+                if proj != "down_proj":
+                    half = dest.shape[0] // 2
+                    dest = dest[:half] if proj == "gate_proj" else dest[half:]
+                delta = scaling * (b @ a)
+            elif fused and isinstance(model.get_submodule(fused.group(1)), GroupedExperts):
+                experts = model.get_submodule(fused.group(1))
+                dest = getattr(experts, _fused_expert_proj(fused.group(1), bool(fused.group(2)), config))
+                num_experts = dest.shape[0]
+                a_ErX = a.reshape(num_experts, -1, a.shape[-1])
+                b_EOr = b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
+                delta = scaling * torch.bmm(b_EOr, a_ErX)
+            else:
+                linear = model.get_submodule(stem)
+                if not isinstance(linear, nn.Linear):
+                    raise ValueError(f"{stem} is a {type(linear).__name__}, not a Linear")
+                dest, delta = linear.weight, scaling * (b @ a)
+        except (AttributeError, RuntimeError, ValueError) as exc:  # get_submodule / reshape / matmul
+            raise ValueError(f"{adapter_dir}: adapter module {stem} does not fit this model: {exc}") from None
+        if tuple(delta.shape) != tuple(dest.shape):
+            raise ValueError(f"{adapter_dir}: adapter module {stem} gives a delta of shape {tuple(delta.shape)}, "
+                             f"the weight has {tuple(dest.shape)}")
+        _add_(dest, delta)
+    return len(pairs)
+
+
+def _config_dtype(base_dir: Path) -> torch.dtype:
+    config = json.loads((base_dir / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{base_dir}/config.json: dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
+                 dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> Path:
+    """Load BASE_DIR, add ADAPTER_DIR's deltas, write an HF checkpoint to OUT_DIR.
+
+    Args:
+        dtype: the merged weights' dtype; None keeps the base checkpoint's (config.json).
+    """
+    from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+
+    base_dir = Path(base_dir)
+    model = load_pretrained(base_dir, dtype or _config_dtype(base_dir), "cpu", "eager", "loop")
+    merge_adapter_dir(model, adapter_dir)
+    return save_pretrained(model, out_dir, max_shard_size=max_shard_size, source_dir=base_dir)

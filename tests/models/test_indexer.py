@@ -1,0 +1,45 @@
+"""The DSA indexer's shortcut (skip scoring when no query has more than k allowed keys)
+is exact: it equals running the scores and top-k."""
+
+import torch
+
+from glmtune.models.common.rope import RotaryEmbedding
+from glmtune.models.glm5.args import get_preset
+from glmtune.models.glm5.indexer import Indexer
+from glmtune.models.glm5.masks import allowed_mask
+
+
+def _inputs(args, positions, documents):
+    torch.manual_seed(0)
+    indexer = Indexer(args)
+    indexer.reset_parameters(0.5)
+    batch, seq = positions.shape
+    x = torch.randn(batch, seq, args.hidden_size)
+    q_resid = torch.randn(batch, seq, args.q_lora_rank)
+    cos, sin = RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, 4096)(positions, torch.float32)
+    return indexer, x, q_resid, cos, sin, allowed_mask(batch, seq, x.device, positions, documents)
+
+
+def _explicit(indexer, x, q_resid, cos, sin, allowed):
+    scores = indexer.scores(x, q_resid, cos, sin).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    top = scores.topk(indexer.index_topk, dim=-1).indices
+    return allowed & torch.zeros_like(allowed).scatter(-1, top, True)
+
+
+def test_short_documents_skip_is_exact():
+    args = get_preset("tiny").replace(index_topk=16)
+    lengths = [10, 16, 7, 15]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    indexer, *inputs = _inputs(args, positions, documents)
+    assert torch.equal(indexer(*inputs), _explicit(indexer, *inputs))
+
+
+def test_long_document_is_sparse():
+    args = get_preset("tiny").replace(index_topk=16)
+    positions = torch.arange(48).unsqueeze(0)
+    indexer, *inputs = _inputs(args, positions, None)
+    mask = indexer(*inputs)
+    assert torch.equal(mask, _explicit(indexer, *inputs))
+    assert mask.sum(-1).max().item() == 16  # later queries see exactly k keys
+    assert torch.equal(mask.sum(-1)[0, :16], torch.arange(1, 17))  # early queries see all their past

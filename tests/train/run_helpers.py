@@ -1,0 +1,41 @@
+"""Launch small `glmtune train` runs of the tiny recipe as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SMALL = [
+    "--train.max_steps", "8", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "0",
+    "--data.synthetic.rows", "240", "--data.packed_sequence_size", "256",
+    "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.val_every", "0",
+    "--train.generate_samples", "0", "--checkpoint.export_hf", "false", "--logging.progress", "false",
+    "--logging.tensorboard", "false", "--train.log_every", "1", "--optim.warmup_steps", "2",
+]
+
+
+def train_command(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL,
+            "--logging.run_dir", str(run_dir), "--data.cache_dir", str(cache_dir), *extra]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(run_dir: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(run_dir, cache_dir, *extra), env=env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def start(run_dir: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(train_command(run_dir, cache_dir, *extra), env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r["loss"] for r in records}

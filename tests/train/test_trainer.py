@@ -1,0 +1,87 @@
+"""The loop itself, on a model it knows nothing about: accumulation invariance,
+non-finite loss handling, checkpoint atomicity and retention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.train.data_loader import PackedRowLoader
+from glmtune.train.lr_schedule import build_scheduler
+from glmtune.train.metrics import MetricsWriter
+from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, dim=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+
+def _rows(n=16, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, 32, (length,), generator=g).tolist()
+        labels = [-100] + ids[1:]
+        rows.append({"input_ids": ids, "labels": labels, "position_ids": list(range(length)),
+                     "document_ids": [0] * length})
+    return rows
+
+
+def _loss(model, batch):
+    logits = model.head(model.embed(batch["input_ids"])).float()
+    targets = batch["targets"].reshape(-1)
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum",
+                                       ignore_index=-100)
+    return loss, (targets != -100).sum()
+
+
+def _trainer(tmp_path, micro, accum, loss_fn=_loss, steps=4, every=0):
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = build_scheduler(opt, 0, steps, "constant", 1.0)
+    loader = PackedRowLoader(_rows(), micro, seed=3)
+    settings = TrainerSettings(max_steps=steps, grad_accum=accum, clip_grad_norm=None, log_every=1, val_every=0,
+                               val_steps=None, checkpoint_every=every, progress=False)
+    metrics = MetricsWriter(tmp_path, "metrics.jsonl", tensorboard=False)
+    return Trainer(model, opt, sched, loss_fn, loader, None, CheckpointManager(tmp_path / "ckpt", keep_last=2),
+                   metrics, settings)
+
+
+def test_micro_batch_split_does_not_change_the_update(tmp_path):
+    a = _trainer(tmp_path / "a", micro=4, accum=1).fit()
+    b = _trainer(tmp_path / "b", micro=1, accum=4).fit()
+    assert a.losses == pytest.approx(b.losses, rel=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
+    calls = {"n": 0}
+
+    def flaky(model, batch):
+        calls["n"] += 1
+        loss, count = _loss(model, batch)
+        return (loss * math.nan if calls["n"] == 3 else loss), count
+
+    trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=flaky, steps=6, every=2)
+    with pytest.raises(NonFiniteLossError, match="at step 3"):
+        trainer.fit()
+    kept = trainer.checkpoints.latest()
+    assert kept.step == 2
+    assert trainer.step == 2  # the bad step did not update anything
+
+
+def test_partial_checkpoints_are_never_picked_and_retention(tmp_path):
+    trainer = _trainer(tmp_path, micro=2, accum=1, steps=6, every=1)
+    trainer.fit()
+    manager = trainer.checkpoints
+    assert [c.step for c in manager.complete()] == [5, 6]
+    (manager.root / ".step-00000007.partial").mkdir()
+    (manager.root / "step-00000009").mkdir()  # no trainer_state.pt: incomplete
+    assert manager.latest().step == 6
