@@ -30,6 +30,10 @@ STYLES = {
     "glm5.2": dict(index_topk_freq=2, index_skip_topk_offset=2, rope_parameters={"rope_theta": 8e6, "rope_type": "default"}),
     # Group-limited routing with topk_group < n_group.
     "grouped": dict(n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=2),
+    # YaRN-scaled RoPE with mscale (changes inverse frequencies, cos/sin and the softmax scale).
+    "yarn": dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                  "beta_fast": 32, "beta_slow": 1}),
 }
 
 
