@@ -1,0 +1,50 @@
+"""`glmtune train` end to end on the tiny recipe: run directory contents, HF export that
+transformers loads with our logits, and a data-contract error that stops the run early."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from glmtune.checkpoint.hf_io import load_pretrained
+from tests.train.run_helpers import run
+
+
+def test_short_run_writes_everything_and_exports_loadable_hf(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run(run_dir, tmp_path / "cache", "--train.max_steps", "4", "--checkpoint.export_hf", "true",
+                 "--train.generate_samples", "1", "--train.val_every", "2", "--logging.tensorboard", "true")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "before -> after" in result.stdout
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["train"]["max_steps"] == 4 and config["model"]["name_or_path"] == "tiny"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"step", "loss", "lr", "tokens", "grad_norm", "tokens_per_s"} <= records[0].keys()
+    assert any(k.startswith("moe/model.layers.2.mlp/") for k in records[0])
+    assert "val_loss" in records[1]
+    assert list((run_dir / "tensorboard").iterdir())
+
+    hf_dir = run_dir / "hf"
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager",
+                                                     dtype=torch.float32).eval()
+    ours = load_pretrained(hf_dir, dtype=torch.float32, attention_backend="eager")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    ids = tokenizer("[gMASK]<sop><|user|>My invoice is wrong<|assistant|>", add_special_tokens=False,
+                    return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert (reference(ids).logits - ours(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_contract_violation_stops_before_training(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "{}"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    data = tmp_path / "tickets.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n")
+    result = run(tmp_path / "run", tmp_path / "cache", "--data.synthetic", "null", "--data.train", f"[{data}]")
+    assert result.returncode == 2
+    assert f"{data}:3" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
