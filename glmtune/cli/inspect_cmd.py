@@ -5,7 +5,10 @@ architecture, the layer table (dense/MoE MLP, full/shared indexer, runs of
 identical layers merged), total and active parameter counts, and parameters per
 group. `--json` prints the same content as one JSON object. `--verify` checks a
 checkpoint directory's shards, keys, shapes and dtypes from the safetensors headers
-and exits 1 when anything is wrong, listing every problem.
+and exits 1 when anything is wrong, listing every problem. `--trainable RECIPE.yaml`
+builds the recipe's model on the meta device, applies its freezing / LoRA config and
+adds what trains: a trainable column per group and the trainable-parameter inventory
+(the same table every training run logs at start).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ _EXAMPLES = """examples:
   glmtune inspect glm5
   glmtune inspect glm5.2 --json
   glmtune inspect /ckpt/GLM-5 --verify
+  glmtune inspect --trainable recipes/tiny/lora_support_json.yaml
 """
 
 
@@ -39,15 +43,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", metavar="PATH_OR_PRESET", help="preset name or HF checkpoint directory")
+    parser.add_argument("model", metavar="PATH_OR_PRESET", nargs="?", default=None,
+                        help="preset name or HF checkpoint directory (omit with --trainable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--verify", action="store_true",
                         help="check the directory's shards, keys, shapes and dtypes (headers only); exit 1 on problems")
-    # Hook for `--trainable RECIPE.yaml` (later issue): apply the recipe's freeze/PEFT
-    # transform to the meta-device model, then pass
-    # `count_by_group(model, trainable_only=True)` as `inspect_payload(...,
-    # trainable_by_group=...)`; the group table already prints that column when given.
+    parser.add_argument("--trainable", metavar="RECIPE.yaml", default=None,
+                        help="show what the recipe trains (its model, freezing and LoRA targets), by group")
     parser.set_defaults(func=run)
+
+
+def trainable_inventory(recipe: str):
+    """(model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
+    from glmtune.config import load_config
+    from glmtune.models.glm5.args import get_preset
+    from glmtune.models.glm5.model import build_model
+    from glmtune.peft import apply_lora, build_inventory
+
+    cfg = load_config(recipe)
+    name = cfg.model.name_or_path
+    if name not in PRESETS and not Path(name).exists() and cfg.model.validate_as is not None:
+        name = cfg.model.validate_as  # a placeholder path: inspect the preset the recipe validates as
+    if name in PRESETS:
+        args = get_preset(name)
+        if cfg.model.overrides:
+            args = args.replace(**cfg.model.overrides)
+    else:
+        if cfg.model.overrides:
+            raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
+        args = resolve_args(name)
+    model = build_model(args, device="meta")
+    inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
+    return args, inventory
 
 
 def architecture_summary(args: Glm5Args) -> dict[str, Any]:
@@ -102,6 +129,10 @@ def inspect_payload(source: str, args: Glm5Args,
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.trainable is not None:
+        return _run_trainable(ns)
+    if ns.model is None:
+        raise ValueError("give a PATH_OR_PRESET to inspect, or --trainable RECIPE.yaml")
     report: VerifyReport | None = None
     if ns.verify:
         if not Path(ns.model).is_dir():
@@ -123,6 +154,22 @@ def run(ns: argparse.Namespace) -> int:
         if report is not None:
             _print_verify(console, report)
     return 1 if report is not None and not report.ok else 0
+
+
+def _run_trainable(ns: argparse.Namespace) -> int:
+    if ns.model is not None or ns.verify:
+        raise ValueError("--trainable RECIPE.yaml takes the model from the recipe; "
+                         "give no PATH_OR_PRESET and no --verify with it")
+    args, inventory = trainable_inventory(ns.trainable)
+    payload = inspect_payload(f"{ns.trainable}", args, trainable_by_group=inventory.trainable_by_group())
+    payload["trainable_inventory"] = inventory.to_dict()
+    if ns.json:
+        print(json.dumps(payload, indent=2, ensure_ascii=False))
+        return 0
+    console = Console(highlight=False)
+    _print_summary(console, payload)
+    console.print(inventory.table())
+    return 0
 
 
 # -- rich rendering --------------------------------------------------------------------

@@ -127,6 +127,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
     schema = load_schema(d.json_schema) if d.json_schema else None
     rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
+    rows = _apply_pii_policy(rows, d.pii, run_dir)
     if d.validation:
         val_paths = [Path(p) for p in d.validation]
         val_data = [r.data for r in check_or_raise(read_rows(val_paths), schema)]
@@ -158,6 +159,24 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         "validation_packing": vars(val_stats) if val_stats else None,
     }
     return PreparedData(train_rows, val_rows, val_data, manifest)
+
+
+def _apply_pii_policy(rows: list, action: str, run_dir: Path) -> list:
+    """Secrets/PII lint on the training rows: report (write pii_report.json), drop the rows, or fail."""
+    from glmtune.data.pii import build_report, lint_rows
+
+    per_row = lint_rows(rows)
+    report = build_report(per_row, action)
+    (run_dir / "pii_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not report["num_findings"]:
+        return rows
+    first = next(f for findings in per_row for f in findings)
+    if action == "fail":
+        raise ValueError(f"{first} (and {report['num_findings'] - 1} more findings; data.pii is 'fail'; "
+                         f"report in {run_dir / 'pii_report.json'})")
+    if action == "drop":
+        return [row for row, findings in zip(rows, per_row) if not findings]
+    return rows
 
 
 def glm5_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

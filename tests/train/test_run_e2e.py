@@ -48,3 +48,17 @@ def test_contract_violation_stops_before_training(tmp_path):
     assert result.returncode == 2
     assert f"{data}:3" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_pii_fail_policy_names_the_row(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"ticket {i}"}, {"role": "assistant", "content": "{}"}]}
+            for i in range(3)]
+    rows[1]["messages"][0]["content"] = "my key is sk-abcdefghijklmnopqrstuvwxyz123456"
+    data = tmp_path / "tickets.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = run(tmp_path / "run", tmp_path / "cache", "--data.synthetic", "null", "--data.train", f"[{data}]",
+                 "--data.pii", "fail")
+    assert result.returncode == 2
+    assert f"{data}:2" in result.stderr and "data.pii" in result.stderr
+    report = json.loads((tmp_path / "run" / "pii_report.json").read_text())
+    assert report["num_findings"] == 1

@@ -1,0 +1,40 @@
+"""`glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`: fold a LoRA adapter into an HF checkpoint.
+
+BASE_DIR is an HF GLM-5 directory (config.json + safetensors), ADAPTER_DIR an
+adapter written by `glmtune export` or at the end of a LoRA run (either layout).
+OUT_DIR receives a full HF checkpoint (transformers and serving engines load it
+like the base), with the base's tokenizer files copied alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "merge",
+        help="merge a LoRA adapter into a base HF checkpoint",
+        description="Load BASE_DIR, add the adapter's low-rank deltas (in fp32) to its weights and write a "
+                    "merged HF checkpoint to OUT_DIR.",
+    )
+    parser.add_argument("base_dir", metavar="BASE_DIR", help="base HF checkpoint directory")
+    parser.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="adapter directory (adapter_config.json)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the merged checkpoint")
+    parser.add_argument("--dtype", choices=_DTYPES, default="auto",
+                        help="merged weight dtype (default: the base checkpoint's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB")
+    parser.set_defaults(func=_run)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    import torch
+
+    from glmtune.peft.merge import merge_to_dir
+
+    dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)
+    out = merge_to_dir(ns.base_dir, ns.adapter_dir, ns.out_dir, dtype=dtype, max_shard_size=ns.max_shard_size)
+    print(f"merged {ns.adapter_dir} into {ns.base_dir}: {out}")
+    return 0
