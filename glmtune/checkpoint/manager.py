@@ -76,6 +76,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.trainable_only = trainable_only
+        self._pending: tuple | None = None  # an asynchronous save not yet made visible
 
     # -- discovery --------------------------------------------------------------------
     def complete(self) -> list[Checkpoint]:
@@ -109,7 +110,11 @@ class CheckpointManager:
         return StateDictOptions(ignore_frozen_params=self.trainable_only)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any]) -> Path:
+             trainer_state: dict[str, Any], async_save: bool = False) -> Path:
+        """Write checkpoint `step`. With `async_save`, tensors are staged to host memory and
+        written in the background; the checkpoint becomes visible (renamed) in `wait()`,
+        which the next save and the end of training call."""
+        self.wait()
         final = self.root / f"step-{step:08d}"
         partial = self.root / f".step-{step:08d}.partial"
         if _rank() == 0:
@@ -119,19 +124,38 @@ class CheckpointManager:
             partial.mkdir()
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-        torch.save(capture_rng(), partial / f"rng-rank{_rank()}.pt")
+        state = {"model": model_sd, "optim": optim_sd}
+        rng = capture_rng()
+        trainer_state = dict(trainer_state, step=step)
+        if async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial))
+            self._pending = (future, partial, final, rng, trainer_state)
+        else:
+            dcp.save(state, checkpoint_id=str(partial))
+            self._finalize(partial, final, rng, trainer_state)
+        return final
+
+    def wait(self) -> None:
+        """Finish a pending asynchronous save (no-op when none)."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        future, partial, final, rng, trainer_state = pending
+        future.result()
+        self._finalize(partial, final, rng, trainer_state)
+
+    def _finalize(self, partial: Path, final: Path, rng: dict[str, Any], trainer_state: dict[str, Any]) -> None:
+        torch.save(rng, partial / f"rng-rank{_rank()}.pt")
         _barrier()
         if _rank() == 0:
-            state = dict(trainer_state, step=step)
-            torch.save(state, partial / "trainer_state.pt")
+            torch.save(trainer_state, partial / "trainer_state.pt")
             _fsync_dir(partial)
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
             self._retain()
         _barrier()
-        return final
 
     def load(self, checkpoint: Checkpoint, model: torch.nn.Module,
              optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -103,8 +103,8 @@ def _fused_expert_proj(stem: str, inner: bool, config: dict) -> str:
 def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
     """Add the deltas of an exported adapter (PEFT or per-expert layout) to `model`'s weights.
 
-    Returns the number of adapted modules. Raises ValueError for any tensor that does
-    not fit this model (unknown module, wrong shape).
+    Returns the number of (lora_A, lora_B) pairs applied. Raises ValueError for any
+    tensor that does not fit this model (unknown module, wrong shape).
     """
     adapter_dir = Path(adapter_dir)
     config, tensors = read_adapter(adapter_dir)

@@ -43,10 +43,20 @@ def routing_stats(tokens_per_expert: torch.Tensor) -> dict[str, float]:
 class MetricsWriter:
     """Appends step records to JSONL (rank 0) and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: Path, metrics_file: str, tensorboard: bool, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, metrics_file: str, tensorboard: bool, enabled: bool = True,
+                 wandb_project: str | None = None, run_name: str | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self.path = run_dir / metrics_file
         self.tb = None
+        self.wandb = None
+        if enabled and wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("logging.wandb is set but the wandb package is not installed "
+                                 "(pip install wandb), or set logging.wandb: null") from None
+            self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(run_dir))
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
         if enabled and tensorboard:
@@ -67,6 +77,8 @@ class MetricsWriter:
             return
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -75,3 +87,5 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

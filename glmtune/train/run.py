@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from glmtune.checkpoint.manager import CheckpointManager
-from glmtune.config import JobConfig
+from glmtune.config import JobConfig, config_to_dict
 from glmtune.models.glm5.parallelize import parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
@@ -107,13 +107,14 @@ def run_training(cfg: JobConfig) -> int:
                                      shuffle=False)
     checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
                                     trainable_only=cfg.peft.method != "none")
-    metrics = MetricsWriter(run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main)
+    metrics = MetricsWriter(run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
+                            wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
     settings = TrainerSettings(
         max_steps=cfg.train.max_steps, grad_accum=grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
         log_every=cfg.train.log_every, val_every=cfg.train.val_every, val_steps=cfg.train.val_steps,
         checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
         router_bias_rate=cfg.train.router_bias_update_rate, autocast_dtype=_autocast_dtype(cfg, device),
-        device=device, progress=cfg.logging.progress and info.is_main,
+        device=device, progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)

@@ -47,6 +47,7 @@ class TrainerSettings:
     checkpoint_every: int
     router_bias_update: str = "none"
     router_bias_rate: float = 1e-3
+    async_save: bool = False
     autocast_dtype: torch.dtype | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: bool = True
@@ -107,7 +108,8 @@ class Trainer:
         return self.step
 
     def save(self) -> str:
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state())
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
+                                     async_save=self.s.async_save)
         return str(path)
 
     # -- one step ---------------------------------------------------------------------
@@ -214,6 +216,7 @@ class Trainer:
                         self._print(f"{name}: saved {checkpoint}; continue with --checkpoint.resume auto")
                         break
         finally:
+            self.checkpoints.wait()  # an asynchronous save becomes visible before we return
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return TrainResult(self.step, self._stop_signal is not None,

@@ -85,3 +85,23 @@ def test_partial_checkpoints_are_never_picked_and_retention(tmp_path):
     (manager.root / ".step-00000007.partial").mkdir()
     (manager.root / "step-00000009").mkdir()  # no trainer_state.pt: incomplete
     assert manager.latest().step == 6
+
+
+def test_async_save_becomes_visible_and_resumes_exactly(tmp_path):
+    straight = _trainer(tmp_path / "straight", micro=2, accum=1, steps=6).fit()
+    first = _trainer(tmp_path / "run", micro=2, accum=1, steps=3, every=3)
+    first.s.async_save = True
+    first.fit()
+    assert first.checkpoints.latest().step == 3
+    second = _trainer(tmp_path / "run", micro=2, accum=1, steps=6)
+    assert second.resume("auto") == 3
+    assert straight.losses[3:] == second.fit().losses
+
+
+def test_wandb_without_package_is_a_clear_error(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ValueError, match="logging.wandb"):
+        MetricsWriter(tmp_path, "m.jsonl", tensorboard=False, wandb_project="proj")
