@@ -92,13 +92,15 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     attention_backend: str = "sdpa",
     moe_backend: str = "grouped_mm",
+    indexer_backend: str = "chunked",
 ) -> Glm5ForCausalLM:
     """Load a local HF GLM-5 directory (config.json + safetensors) into a glmtune model."""
     path = Path(path)
     args = Glm5Args.from_hf_config(path)
     files = checkpoint_files(path)
     _check_shard_sizes(files)
-    model = build_model(args, dtype, device, attention_backend, moe_backend, init=False)
+    model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
+                        indexer_backend=indexer_backend)
     load_state_into(model, files)
     return model
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
@@ -183,8 +184,13 @@ def adapter_state(model: nn.Module, layout: str = "peft",
         leaves = sorted({m.rpartition(".")[2] for m in modules})
         config = _config(spec, leaves, None, spec.dropout, base_model_name_or_path)
         config.pop("target_parameters")
-    tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
+    tensors = {PREFIX + k: _full(v).detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
     return config, tensors
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    # FSDP2 shards parameters as DTensors: gather (a collective, so every rank exports).
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
@@ -197,9 +203,13 @@ def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
         layout: "peft" (PeftModel.from_pretrained on transformers) or "per_expert"
             (vLLM / SGLang).
         base_model_name_or_path: recorded in adapter_config.json.
+
+    Under FSDP2 call it on every rank (the adapters are gathered); rank 0 writes.
     """
     config, tensors = adapter_state(model, layout, base_model_name_or_path)
     out_dir = Path(out_dir)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return out_dir  # every rank gathers the shards above; rank 0 writes
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

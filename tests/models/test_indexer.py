@@ -43,3 +43,17 @@ def test_long_document_is_sparse():
     assert torch.equal(mask, _explicit(indexer, *inputs))
     assert mask.sum(-1).max().item() == 16  # later queries see exactly k keys
     assert torch.equal(mask.sum(-1)[0, :16], torch.arange(1, 17))  # early queries see all their past
+
+
+def test_chunked_backend_selects_what_the_reference_selects(monkeypatch):
+    import glmtune.models.glm5.indexer as indexer_module
+
+    args = get_preset("tiny").replace(index_topk=16)
+    lengths = [40, 30, 26]
+    positions = torch.cat([torch.arange(n) for n in lengths]).repeat(2, 1)
+    indexer, *inputs = _inputs(args, positions, None)
+    reference = _explicit(indexer, *inputs)
+    indexer.backend = "chunked"
+    monkeypatch.setattr(indexer_module, "_CHUNK_SCORE_BYTES", 4 * 2 * 4 * 96 * 7)  # 7 queries per chunk
+    assert torch.equal(indexer(*inputs), reference)
+    assert reference.sum(-1).max().item() == 16

@@ -53,10 +53,11 @@ def test_logits_match(pair, moe_backend):
     assert (expected - actual).abs().max().item() <= 1e-4
 
 
-def test_sdpa_backend_matches(pair):
+@pytest.mark.parametrize("seq", [6, SEQ])  # 6 <= top-k: the flash-eligible is_causal path
+def test_sdpa_backend_matches(pair, seq):
     _, hf, _, path = pair
     ours = load_pretrained(path, dtype=torch.float32, attention_backend="sdpa", moe_backend="grouped_mm")
-    x = _tokens(seed=3)
+    x = _tokens(seed=3, seq=seq)
     with torch.no_grad():
         assert (hf(x).logits - ours(x).logits).abs().max().item() <= 1e-4
 

@@ -8,7 +8,10 @@ come from a shared 512-dim latent plus one 64-dim rope key shared by all heads
 The attention itself is a backend chosen by name:
   * "eager": the reference; the exact arithmetic of transformers' eager path
     (additive finfo.min mask, fp32 softmax cast back before the PV product).
-  * "sdpa": `F.scaled_dot_product_attention` with a boolean mask.
+  * "sdpa": `F.scaled_dot_product_attention`; with a boolean mask in general, and
+    with `is_causal=True` (no mask tensor, so the flash kernel) when the sparse mask
+    is exactly the causal one: rows of one document no longer than the indexer's
+    top-k, where the indexer selects every key.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -36,12 +39,15 @@ def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
     return torch.matmul(probs_BNST, v_BNTV)
 
 
-def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale, plain_causal=False):
+    if plain_causal:
+        return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=allowed_BST.unsqueeze(1), scale=scale)
 
 
 class MLAttention(nn.Module):
-    def __init__(self, args: Glm5Args, has_indexer: bool, backend: str = "sdpa") -> None:
+    def __init__(self, args: Glm5Args, has_indexer: bool, backend: str = "sdpa",
+                 indexer_backend: str = "chunked") -> None:
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {backend!r} unknown; choose from {ATTENTION_BACKENDS}")
@@ -61,7 +67,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=bias)
         self.scale = softmax_scale_for(args.rope_parameters, self.qk_dim)
-        self.indexer = Indexer(args) if has_indexer else None
+        self.indexer = Indexer(args, indexer_backend) if has_indexer else None
 
     def forward(
         self,
@@ -70,11 +76,13 @@ class MLAttention(nn.Module):
         sin: torch.Tensor,
         allowed_BST: torch.Tensor,
         shared_mask_BST: torch.Tensor | None = None,
+        plain_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the attention output [B, S, D] and the sparse mask this layer used.
 
         `shared_mask_BST` is the previous full layer's sparse mask; layers without an
-        indexer ("shared" in GLM-5.2+) reuse it.
+        indexer ("shared" in GLM-5.2+) reuse it. `plain_causal` says `allowed_BST` is
+        the ordinary causal mask (one document per row).
         """
         batch, seq_len, _ = x_BSD.shape
         q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
@@ -99,8 +107,12 @@ class MLAttention(nn.Module):
             assert shared_mask_BST is not None, "a shared-indexer layer needs an earlier full layer"
             sparse_BST = shared_mask_BST
 
-        attend = eager_attention if self.backend == "eager" else sdpa_attention
-        out_BNSV = attend(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
+        if self.backend == "eager":
+            out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
+        else:
+            # The indexer hands back `allowed_BST` itself when it selects every key.
+            causal = plain_causal and sparse_BST is allowed_BST
+            out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         return self.o_proj(out_BSX), sparse_BST
 

@@ -35,3 +35,12 @@ def allowed_mask(
         return causal_ST.expand(batch_size, seq_len, seq_len)
     same_doc_BST = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
     return same_doc_BST & causal_ST
+
+
+def is_single_document(position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None) -> bool:
+    """True when every row is one document, so the allowed mask is the plain causal one."""
+    if document_ids_BS is not None:
+        return bool((document_ids_BS == document_ids_BS[:, :1]).all())
+    if position_ids_BS is not None:
+        return not bool(documents_from_positions(position_ids_BS).any())
+    return True

@@ -26,7 +26,7 @@ from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
-from glmtune.models.glm5.masks import allowed_mask
+from glmtune.models.glm5.masks import allowed_mask, is_single_document
 from glmtune.models.glm5.moe import DenseMLP, MoE
 from glmtune.models.common.loss import chunked_cross_entropy
 
@@ -41,7 +41,8 @@ class Glm5Output:
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str,
-                 has_indexer: bool | None = None, sparse_mlp: bool | None = None) -> None:
+                 has_indexer: bool | None = None, sparse_mlp: bool | None = None,
+                 indexer_backend: str = "chunked") -> None:
         super().__init__()
         if has_indexer is None:
             has_indexer = args.indexer_types[layer_idx] == "full"
@@ -49,12 +50,13 @@ class DecoderLayer(nn.Module):
             sparse_mlp = args.mlp_layer_types[layer_idx] == "sparse"
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = MLAttention(args, has_indexer, attention_backend)
+        self.self_attn = MLAttention(args, has_indexer, attention_backend, indexer_backend)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MoE(args, moe_backend) if sparse_mlp else DenseMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, h_BSD, cos, sin, allowed_BST, shared_mask_BST=None):
-        attn_out, sparse_BST = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared_mask_BST)
+    def forward(self, h_BSD, cos, sin, allowed_BST, shared_mask_BST=None, plain_causal=False):
+        attn_out, sparse_BST = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared_mask_BST,
+                                              plain_causal)
         h_BSD = h_BSD + attn_out
         h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
         return h_BSD, sparse_BST
@@ -79,8 +81,10 @@ class MTPLayer(DecoderLayer):
     decoder layer; shared_head.norm then the main lm_head predict token t+2.
     """
 
-    def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str) -> None:
-        super().__init__(args, layer_idx, attention_backend, moe_backend, has_indexer=True, sparse_mlp=True)
+    def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str,
+                 indexer_backend: str = "chunked") -> None:
+        super().__init__(args, layer_idx, attention_backend, moe_backend, has_indexer=True, sparse_mlp=True,
+                         indexer_backend=indexer_backend)
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
@@ -97,12 +101,14 @@ class MTPLayer(DecoderLayer):
 class Glm5Model(nn.Module):
     """Embedding, decoder stack and final norm (transformers' `GlmMoeDsaModel`)."""
 
-    def __init__(self, args: Glm5Args, attention_backend: str, moe_backend: str) -> None:
+    def __init__(self, args: Glm5Args, attention_backend: str, moe_backend: str,
+                 indexer_backend: str = "chunked") -> None:
         super().__init__()
         self.padding_idx = args.pad_token_id
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=args.pad_token_id)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, attention_backend, moe_backend) for i in range(args.num_hidden_layers)
+            DecoderLayer(args, i, attention_backend, moe_backend, indexer_backend=indexer_backend)
+            for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings)
@@ -111,25 +117,27 @@ class Glm5Model(nn.Module):
         batch, seq_len = input_ids_BS.shape
         h_BSD = self.embed_tokens(input_ids_BS)
         allowed_BST = allowed_mask(batch, seq_len, h_BSD.device, position_ids_BS, document_ids_BS)
+        plain_causal = is_single_document(position_ids_BS, document_ids_BS)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(seq_len, device=h_BSD.device).unsqueeze(0)
         cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), h_BSD.dtype)
         shared_mask_BST = None
         for layer in self.layers:
-            h_BSD, shared_mask_BST = layer(h_BSD, cos, sin, allowed_BST, shared_mask_BST)
+            h_BSD, shared_mask_BST = layer(h_BSD, cos, sin, allowed_BST, shared_mask_BST, plain_causal)
         return self.norm(h_BSD)
 
 
 class Glm5ForCausalLM(nn.Module):
     """The causal LM. `model(input_ids).logits` is [B, S, V]."""
 
-    def __init__(self, args: Glm5Args, attention_backend: str = "sdpa", moe_backend: str = "grouped_mm") -> None:
+    def __init__(self, args: Glm5Args, attention_backend: str = "sdpa", moe_backend: str = "grouped_mm",
+                 indexer_backend: str = "chunked") -> None:
         super().__init__()
         self.args = args
-        self.model = Glm5Model(args, attention_backend, moe_backend)
+        self.model = Glm5Model(args, attention_backend, moe_backend, indexer_backend)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(
-            MTPLayer(args, args.num_hidden_layers + j, attention_backend, moe_backend)
+            MTPLayer(args, args.num_hidden_layers + j, attention_backend, moe_backend, indexer_backend)
             for j in range(args.num_nextn_predict_layers)
         )
         if args.tie_word_embeddings:
@@ -201,6 +209,7 @@ def build_model(
     moe_backend: str = "grouped_mm",
     init: bool = True,
     seed: int | None = None,
+    indexer_backend: str = "chunked",
 ) -> Glm5ForCausalLM:
     """Construct on the meta device, then materialize on `device` in `dtype`.
 
@@ -208,7 +217,7 @@ def build_model(
     memory is allocated (for inspection and planning).
     """
     with torch.device("meta"), default_dtype(dtype):
-        model = Glm5ForCausalLM(args, attention_backend, moe_backend)
+        model = Glm5ForCausalLM(args, attention_backend, moe_backend, indexer_backend)
     if str(device) == "meta":
         return model
     model.to_empty(device=device)
