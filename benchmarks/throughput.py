@@ -1,0 +1,260 @@
+"""Training throughput of glmtune vs transformers on a GLM-5 proxy, side by side in one run.
+
+The proxy keeps every real GLM-5 layer width (hidden 6144, 64 heads, q/kv LoRA ranks
+2048/512, qk 192+64, v 256, indexer 32 x 128 with top-k 2048, expert width 2048, top-8
++ 1 shared, vocab 154880) and cuts depth and expert count (default 4 layers = 1 dense
++ 3 MoE, 32 experts). Both implementations start from the same bf16 weights, see the
+same token batches and use the same fused AdamW over all parameters, one after the
+other on the same GPU. Printed per implementation: tokens/s, model TFLOP/s and MFU
+(benchmarks/flops.py, one formula for both, against 989 TFLOP/s dense bf16), peak
+memory; then the glmtune/transformers ratio and the largest per-step loss difference
+(the fast path must compute the same function).
+
+    python benchmarks/throughput.py --seq 4096
+    python benchmarks/throughput.py --seq 8192 --ckpt
+    python benchmarks/throughput.py --seq 16384 --ckpt --impl glmtune
+    python benchmarks/throughput.py --seq 4096 --docs 4     # packed rows of 4 documents
+
+Results append to $OUT/throughput.jsonl (or --out) as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.flops import flops_per_token  # noqa: E402
+
+PEAK_BF16_TFLOPS = 989.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense", type=int, default=1)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--docs", type=int, default=1, help="documents packed per row")
+    p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
+    p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
+    p.add_argument("--attention", default="sdpa", help="glmtune attention backend")
+    p.add_argument("--indexer", default="chunked", help="glmtune indexer backend")
+    p.add_argument("--profile", action="store_true", help="write a torch profiler table for glmtune")
+    p.add_argument("--tiny", action="store_true", help="narrow widths: a CPU smoke test of this script")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def proxy_config(a):
+    from transformers import GlmMoeDsaConfig
+
+    widths = {}
+    if a.tiny:
+        widths = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+                      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=16, index_head_dim=16,
+                      index_n_heads=4, num_experts_per_tok=2)
+    return GlmMoeDsaConfig(num_hidden_layers=a.layers, first_k_dense_replace=a.dense, n_routed_experts=a.experts,
+                           max_position_embeddings=max(2 * a.seq, 4096), **widths)
+
+
+def make_batches(a, vocab: int):
+    """Token ids, position ids (restarting per packed document) and document lengths."""
+    g = torch.Generator().manual_seed(1234)
+    total = a.warmup + a.steps
+    ids = torch.randint(0, vocab, (total, a.batch, a.seq), generator=g)
+    cuts = sorted(torch.randperm(a.seq - 1, generator=g)[: a.docs - 1].add(1).tolist())
+    bounds = [0, *cuts, a.seq]
+    lengths = [b - a_ for a_, b in zip(bounds, bounds[1:])]
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(a.batch, -1)
+    return ids, positions, lengths
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_gib():
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
+
+
+def _free():
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def init_weights(cfg):
+    """The shared starting point: transformers' model with every matrix ~ N(0, 0.02), on the host."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 experts_implementation="grouped_mm")
+    for param in model.parameters():
+        if param.dim() >= 2:
+            torch.nn.init.normal_(param, std=0.02)
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    del model
+    return state
+
+
+def time_training(step_fn, a):
+    losses = []
+    for i in range(a.warmup):
+        losses.append(step_fn(i))
+    _sync()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for i in range(a.warmup, a.warmup + a.steps):
+        losses.append(step_fn(i))
+    _sync()
+    seconds = (time.perf_counter() - start) / a.steps
+    return seconds, [float(x) for x in losses], _peak_gib()
+
+
+def run_hf(cfg, state, batches, a):
+    from transformers import AutoModelForCausalLM
+
+    ids, positions, _ = batches
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 experts_implementation="grouped_mm")
+    model.load_state_dict(state)
+    if a.ckpt:
+        model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=DEVICE == "cuda")
+    pos = positions.to(DEVICE) if a.docs > 1 else None
+
+    def step(i):
+        x = ids[i].to(DEVICE)
+        out = model(input_ids=x, labels=x, position_ids=pos)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    try:
+        return time_training(step, a)
+    finally:
+        del model, opt
+        _free()
+
+
+def run_glmtune(cfg, state, batches, a):
+    from glmtune.models.glm5.args import Glm5Args
+    from glmtune.models.glm5.model import build_model
+    from glmtune.models.glm5.parallelize import parallelize_glm5
+
+    ids, positions, _ = batches
+    args = Glm5Args.from_hf_dict(cfg.to_dict())
+    model = build_model(args, torch.bfloat16, DEVICE, a.attention, "grouped_mm", init=False,
+                        indexer_backend=a.indexer)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    parallelize_glm5(model, activation_checkpointing=a.ckpt, compile=a.compile)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=DEVICE == "cuda")
+    pos = positions.to(DEVICE)
+
+    def step(i):
+        x = ids[i].to(DEVICE)
+        # The same next-token targets transformers' loss uses (a plain shift over the row).
+        targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+        out = model(x, position_ids=pos, compute_logits=False, targets=targets)
+        loss = out.loss_sum / out.num_targets
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    try:
+        result = time_training(step, a)
+        if a.profile:
+            profile(step, a)
+        return result
+    finally:
+        del model, opt
+        _free()
+
+
+def profile(step, a) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            step(a.warmup + i)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    out_dir = os.environ.get("OUT") or "."
+    Path(out_dir, f"profile_seq{a.seq}{'_ckpt' if a.ckpt else ''}.txt").write_text(table)
+
+
+def report(name, cfg, a, lengths, measured):
+    seconds, losses, peak = measured
+    tokens = a.batch * a.seq
+    tok_s = tokens / seconds
+    tflops = flops_per_token(cfg, a.layers, a.dense, lengths) * tok_s / 1e12
+    return {"impl": name, "seq": a.seq, "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
+            "layers": a.layers, "experts": a.experts, "step_s": round(seconds, 4), "tok_s": round(tok_s, 1),
+            "tflops": round(tflops, 1), "mfu": round(tflops / PEAK_BF16_TFLOPS, 4), "peak_gib": round(peak, 2),
+            "losses": [round(x, 5) for x in losses]}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    cfg = proxy_config(a)
+    batches = make_batches(a, cfg.vocab_size)
+    state = init_weights(cfg)
+    results = {}
+    if a.impl in ("both", "hf"):
+        try:
+            results["transformers"] = report("transformers", cfg, a, batches[2], run_hf(cfg, state, batches, a))
+        except torch.OutOfMemoryError:
+            results["transformers"] = {"impl": "transformers", "seq": a.seq, "ckpt": a.ckpt, "oom": True}
+            _free()
+    if a.impl in ("both", "glmtune"):
+        results["glmtune"] = report("glmtune", cfg, a, batches[2], run_glmtune(cfg, state, batches, a))
+    lines = list(results.values())
+    hf, ours = results.get("transformers"), results.get("glmtune")
+    if hf and ours and not hf.get("oom"):
+        diffs = [abs(x - y) for x, y in zip(hf["losses"], ours["losses"])]
+        lines.append({"impl": "ratio", "seq": a.seq, "ckpt": a.ckpt, "docs": a.docs,
+                      "speedup": round(ours["tok_s"] / hf["tok_s"], 3),
+                      "memory_ratio": round(ours["peak_gib"] / hf["peak_gib"], 3) if hf["peak_gib"] else None,
+                      "max_loss_diff": round(max(diffs), 5)})
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    meta = {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    out = a.out or (os.path.join(os.environ["OUT"], "throughput.jsonl") if os.environ.get("OUT") else None)
+    for line in lines:
+        line = {**line, **meta}
+        print(json.dumps(line), flush=True)
+        if out:
+            with open(out, "a") as fh:
+                fh.write(json.dumps(line) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
