@@ -5,6 +5,10 @@ the adapters from the newest complete checkpoint (or `--checkpoint step-N`), and
 writes them in PEFT's format: `peft` (default) loads with
 `peft.PeftModel.from_pretrained` on transformers' GlmMoeDsaForCausalLM;
 `per_expert` is the layout vLLM and SGLang load (docs/lora.md).
+
+The base weights play no part in an adapter, so the model is built on the meta
+device and only the adapters (and buffers the checkpoint holds) are materialized:
+exporting a GLM-5 run needs megabytes of memory, not the 1.5 TB base.
 """
 
 from __future__ import annotations
@@ -40,15 +44,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def checkpoint_root(cfg, run_dir: Path) -> Path:
-    """Where the run's checkpoints are: checkpoint.dir as recorded, else RUN_DIR/checkpoints.
+    """Where the run's checkpoints are: RUN_DIR/checkpoints, else checkpoint.dir as recorded.
 
-    The recorded path is relative to wherever training ran; a run directory that was
-    moved or copied still has its checkpoints under RUN_DIR.
+    RUN_DIR first: the recorded path is relative to wherever training ran, and a run
+    directory that was moved or copied keeps its own checkpoints. The recorded path
+    covers a checkpoint.dir set outside the run directory.
     """
+    local = run_dir / "checkpoints"
     recorded = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-    if recorded is not None and recorded.is_dir():
+    if not local.is_dir() and recorded is not None and recorded.is_dir():
         return recorded
-    return run_dir / "checkpoints"
+    return local
+
+
+def adapter_model(cfg):
+    """The run's model on meta with its LoRA adapters (and buffers) materialized on CPU."""
+    import torch
+    from torch import nn
+
+    from glmtune.cli.inspect_cmd import recipe_model_args
+    from glmtune.models.glm5.model import build_model
+    from glmtune.peft import apply_lora
+
+    model = build_model(recipe_model_args(cfg), getattr(torch, cfg.model.dtype), "meta")
+    apply_lora(model, cfg.peft)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad:  # the adapters; loaded from the checkpoint below
+                setattr(module, name, nn.Parameter(torch.zeros(param.shape, dtype=param.dtype)))
+        for name, buf in list(module.named_buffers(recurse=False)):
+            persistent = name not in module._non_persistent_buffers_set
+            module.register_buffer(name, torch.zeros(buf.shape, dtype=buf.dtype), persistent=persistent)
+    return model
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -56,8 +83,7 @@ def _run(ns: argparse.Namespace) -> int:
 
     from glmtune.checkpoint.manager import CheckpointManager
     from glmtune.config import load_config
-    from glmtune.peft import apply_lora, export_adapter
-    from glmtune.train.recipe import build_model_from_config
+    from glmtune.peft import export_adapter
 
     run_dir = Path(ns.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -70,11 +96,10 @@ def _run(ns: argparse.Namespace) -> int:
     checkpoint = manager.resolve(ns.checkpoint) if ns.checkpoint else manager.latest()
     if checkpoint is None:
         raise FileNotFoundError(f"{manager.root}: no complete checkpoint to export from")
-    model, model_dir = build_model_from_config(cfg, "cpu")
-    apply_lora(model, cfg.peft)
+    model = adapter_model(cfg)
     # The checkpoint holds optimizer state too; DCP needs an optimizer of the same shape.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     manager.load(checkpoint, model, optimizer)
-    out = export_adapter(model, ns.adapter, ns.layout, str(model_dir) if model_dir else cfg.model.name_or_path)
+    out = export_adapter(model, ns.adapter, ns.layout, cfg.model.name_or_path)
     print(f"exported {ns.layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
     return 0

@@ -53,14 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def trainable_inventory(recipe: str):
-    """(model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
-    from glmtune.config import load_config
+def recipe_model_args(cfg) -> Glm5Args:
+    """The architecture a recipe's `model` section names, without reading any weights."""
     from glmtune.models.glm5.args import get_preset
-    from glmtune.models.glm5.model import build_model
-    from glmtune.peft import apply_lora, build_inventory
 
-    cfg = load_config(recipe)
     name = cfg.model.name_or_path
     if name not in PRESETS and not Path(name).exists() and cfg.model.validate_as is not None:
         name = cfg.model.validate_as  # a placeholder path: inspect the preset the recipe validates as
@@ -72,6 +68,17 @@ def trainable_inventory(recipe: str):
         if cfg.model.overrides:
             raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
         args = resolve_args(name)
+    return args
+
+
+def trainable_inventory(recipe: str):
+    """(model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
+    from glmtune.config import load_config
+    from glmtune.models.glm5.model import build_model
+    from glmtune.peft import apply_lora, build_inventory
+
+    cfg = load_config(recipe)
+    args = recipe_model_args(cfg)
     model = build_model(args, device="meta")
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
     return args, inventory

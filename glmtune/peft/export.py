@@ -77,11 +77,16 @@ def check_exportable(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAGroup
     return adapted
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    # FSDP2 shards parameters as DTensors: gather (a collective, so every rank exports).
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _peft_expert_tensors(name: str, module: LoRAGroupedExperts) -> dict[str, torch.Tensor]:
     out = {}
     nested = len(module.targets) == 2
     for proj in module.targets:
-        a_ErX, b_EOr = module.adapter(proj)
+        a_ErX, b_EOr = map(_full, module.adapter(proj))
         num_experts, rank, in_dim = a_ErX.shape
         # PEFT nests one ParamWrapper per targeted parameter, in registration order:
         # gate_up_proj is wrapped first and becomes the inner `base_layer`.
@@ -94,7 +99,7 @@ def _peft_expert_tensors(name: str, module: LoRAGroupedExperts) -> dict[str, tor
 def _per_expert_tensors(name: str, module: LoRAGroupedExperts) -> dict[str, torch.Tensor]:
     out = {}
     for proj in module.targets:
-        a_ErX, b_EOr = module.adapter(proj)
+        a_ErX, b_EOr = map(_full, module.adapter(proj))
         half = b_EOr.shape[1] // 2
         for e in range(a_ErX.shape[0]):
             if proj == "down_proj":
@@ -159,8 +164,8 @@ def adapter_state(model: nn.Module, layout: str = "peft",
     modules, parameters = [], []
     for name, module in adapted:
         if isinstance(module, LoRALinear):
-            tensors[f"{name}.lora_A.weight"] = module.lora_A.weight
-            tensors[f"{name}.lora_B.weight"] = module.lora_B.weight
+            tensors[f"{name}.lora_A.weight"] = _full(module.lora_A.weight)
+            tensors[f"{name}.lora_B.weight"] = _full(module.lora_B.weight)
             if layout == "peft" and name.rpartition(".")[2] in _PEFT_REMAPPED_LEAVES:
                 parameters.append(f"{name}.weight")
             else:
@@ -184,13 +189,9 @@ def adapter_state(model: nn.Module, layout: str = "peft",
         leaves = sorted({m.rpartition(".")[2] for m in modules})
         config = _config(spec, leaves, None, spec.dropout, base_model_name_or_path)
         config.pop("target_parameters")
-    tensors = {PREFIX + k: _full(v).detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
+    tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
     return config, tensors
 
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    # FSDP2 shards parameters as DTensors: gather (a collective, so every rank exports).
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",

@@ -32,15 +32,16 @@ def test_short_documents_skip_is_exact():
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
     indexer, *inputs = _inputs(args, positions, documents)
-    assert torch.equal(indexer(*inputs), _explicit(indexer, *inputs))
+    mask, all_selected = indexer(*inputs)
+    assert all_selected and torch.equal(mask, _explicit(indexer, *inputs))
 
 
 def test_long_document_is_sparse():
     args = get_preset("tiny").replace(index_topk=16)
     positions = torch.arange(48).unsqueeze(0)
     indexer, *inputs = _inputs(args, positions, None)
-    mask = indexer(*inputs)
-    assert torch.equal(mask, _explicit(indexer, *inputs))
+    mask, all_selected = indexer(*inputs)
+    assert not all_selected and torch.equal(mask, _explicit(indexer, *inputs))
     assert mask.sum(-1).max().item() == 16  # later queries see exactly k keys
     assert torch.equal(mask.sum(-1)[0, :16], torch.arange(1, 17))  # early queries see all their past
 
@@ -55,5 +56,5 @@ def test_chunked_backend_selects_what_the_reference_selects(monkeypatch):
     reference = _explicit(indexer, *inputs)
     indexer.backend = "chunked"
     monkeypatch.setattr(indexer_module, "_CHUNK_SCORE_BYTES", 4 * 2 * 4 * 96 * 7)  # 7 queries per chunk
-    assert torch.equal(indexer(*inputs), reference)
+    assert torch.equal(indexer(*inputs)[0], reference)
     assert reference.sum(-1).max().item() == 16

@@ -1,11 +1,14 @@
-"""The chunked loss equals the plain full-logits cross-entropy, value and gradients."""
+"""Both chunked-loss backends equal the plain full-logits cross-entropy, value and gradients."""
 
+import pytest
 import torch
 
 from glmtune.models.common.loss import IGNORE_INDEX, chunked_cross_entropy, full_cross_entropy
 
 
-def test_chunked_matches_full_in_value_and_gradient():
+@pytest.mark.parametrize("backend", ["fused", "checkpoint"])
+@pytest.mark.parametrize("scale", [1.0, 0.25])  # the upstream gradient is applied in backward
+def test_chunked_matches_full_in_value_and_gradient(backend, scale):
     torch.manual_seed(0)
     hidden = torch.randn(2, 37, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
@@ -13,15 +16,31 @@ def test_chunked_matches_full_in_value_and_gradient():
     targets[0, :5] = IGNORE_INDEX
     targets[1, -3:] = IGNORE_INDEX
 
-    loss_c, n_c = chunked_cross_entropy(hidden, weight, targets, chunk_size=8)
-    (loss_c / n_c).backward()
+    loss_c, n_c = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, backend=backend)
+    (scale * loss_c / n_c).backward()
     grads_c = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
 
     loss_f, n_f = full_cross_entropy(hidden @ weight.T, targets)
-    (loss_f / n_f).backward()
+    (scale * loss_f / n_f).backward()
     assert n_c == n_f == 2 * 37 - 8
     assert torch.allclose(loss_c, loss_f, rtol=1e-6)
     assert torch.allclose(grads_c[0], hidden.grad, atol=1e-6)
     assert torch.allclose(grads_c[1], weight.grad, atol=1e-6)
     assert torch.all(grads_c[0][0, :5] == 0)  # unsupervised positions get no gradient
+
+
+def test_fused_bf16_close_to_fp32_reference():
+    torch.manual_seed(1)
+    hidden = torch.randn(64, 32)
+    weight = torch.randn(300, 32) * 0.1
+    targets = torch.randint(0, 300, (64,))
+    h16, w16 = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    loss, _ = chunked_cross_entropy(h16, w16, targets, chunk_size=16, backend="fused")
+    loss.backward()
+    h32, w32 = hidden.requires_grad_(), weight.requires_grad_()
+    ref, _ = full_cross_entropy(h32 @ w32.T, targets)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-2
+    assert (h16.grad.float() - h32.grad).norm() / h32.grad.norm() < 2e-2
+    assert (w16.grad.float() - w32.grad).norm() / w32.grad.norm() < 2e-2

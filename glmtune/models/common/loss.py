@@ -1,10 +1,16 @@
 """Causal-LM loss that never materializes fp32 logits over the whole vocabulary.
 
-`chunked_cross_entropy` runs the LM head and cross-entropy over slices of tokens;
-each slice is recomputed in backward (activation checkpointing), so at most one
-slice of [chunk, V] fp32 logits is alive at a time. For GLM-5's 154,880-token
-vocabulary at 4K tokens this saves ~2.5 GB per micro-batch. `full_cross_entropy`
-is the plain reference it is tested against.
+`chunked_cross_entropy` runs the LM head and cross-entropy over slices of tokens,
+so at most one slice of [chunk, V] fp32 logits is alive at a time (for GLM-5's
+154,880-token vocabulary at 4K tokens the full tensor would be 2.5 GB). Two
+backends:
+  * "fused" (default when gradients are needed): the gradient of the loss with
+    respect to the hidden states and the head weight is computed in the forward
+    pass, slice by slice (softmax minus one-hot, two GEMMs, weight gradient
+    accumulated in fp32), and only scaled in backward: no logits are recomputed
+    and no fp32 logits outlive their slice.
+  * "checkpoint": autograd through each slice, recomputed in backward.
+`full_cross_entropy` is the plain reference both are tested against.
 
 Targets are next-token ids aligned with the inputs (`targets[t]` is the token
 that should follow position t, -100 where no loss applies), so no shift happens
@@ -27,8 +33,44 @@ def _chunk_loss_sum(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N:
     return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Sum of cross-entropy losses of `hidden @ weight.T`, gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size):
+        grad_hidden = torch.empty_like(hidden_ND)
+        grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        for start in range(0, hidden_ND.shape[0], chunk_size):
+            h = hidden_ND[start : start + chunk_size]
+            t = targets_N[start : start + chunk_size]
+            logits = F.linear(h, weight_VD).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            # d(sum loss)/d logits = softmax - one_hot, reusing the logits buffer.
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            dlogits = probs.to(weight_VD.dtype)
+            grad_hidden[start : start + chunk_size] = dlogits @ weight_VD
+            # Each slice's product is rounded once to the weight dtype, the sum over slices is fp32.
+            grad_weight += (dlogits.T @ h.to(weight_VD.dtype)).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight_VD.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), \
+            None, None
+
+
+LOSS_BACKENDS = ("fused", "checkpoint")
+
+
 def chunked_cross_entropy(
-    hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor, chunk_size: int = 4096
+    hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor, chunk_size: int = 4096,
+    backend: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses and the number of supervised tokens."""
     hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
@@ -37,6 +79,10 @@ def chunked_cross_entropy(
     num_tokens = keep.sum()
     # Only supervised positions pay for the LM head (assistant-only loss skips most).
     hidden_ND, targets_N = hidden_ND[keep], targets_N[keep]
+    if backend not in LOSS_BACKENDS:
+        raise ValueError(f"loss backend {backend!r} unknown; choose from {LOSS_BACKENDS}")
+    if backend == "fused" and torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
+        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size), num_tokens
     total = hidden_ND.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden_ND.shape[0], chunk_size):
         h, t = hidden_ND[start : start + chunk_size], targets_N[start : start + chunk_size]

@@ -8,10 +8,11 @@ come from a shared 512-dim latent plus one 64-dim rope key shared by all heads
 The attention itself is a backend chosen by name:
   * "eager": the reference; the exact arithmetic of transformers' eager path
     (additive finfo.min mask, fp32 softmax cast back before the PV product).
-  * "sdpa": `F.scaled_dot_product_attention`; with a boolean mask in general, and
-    with `is_causal=True` (no mask tensor, so the flash kernel) when the sparse mask
-    is exactly the causal one: rows of one document no longer than the indexer's
-    top-k, where the indexer selects every key.
+  * "sdpa": `F.scaled_dot_product_attention`. For rows holding one document the
+    first `index_topk` queries have at most k allowed keys, all selected, so they
+    run as plain causal attention (`is_causal=True`: no mask tensor, the flash
+    kernel) and only the later queries use the boolean top-k mask; a row no longer
+    than k is causal throughout. Packed rows use the boolean mask everywhere.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -39,10 +40,19 @@ def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
     return torch.matmul(probs_BNST, v_BNTV)
 
 
-def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale, plain_causal=False):
-    if plain_causal:
+def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int = 0):
+    """`causal_prefix` queries (from the start) attend exactly their causal past."""
+    seq_len = q_BNSK.shape[2]
+    if causal_prefix >= seq_len:
         return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=allowed_BST.unsqueeze(1), scale=scale)
+    if causal_prefix == 0:
+        return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=sparse_BST.unsqueeze(1), scale=scale)
+    p = causal_prefix
+    head = F.scaled_dot_product_attention(q_BNSK[:, :, :p], k_BNTK[:, :, :p], v_BNTV[:, :, :p], is_causal=True,
+                                          scale=scale)
+    tail = F.scaled_dot_product_attention(q_BNSK[:, :, p:], k_BNTK, v_BNTV, attn_mask=sparse_BST[:, p:].unsqueeze(1),
+                                          scale=scale)
+    return torch.cat([head, tail], dim=2)
 
 
 class MLAttention(nn.Module):
@@ -67,6 +77,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=bias)
         self.scale = softmax_scale_for(args.rope_parameters, self.qk_dim)
+        self.index_topk = args.index_topk
         self.indexer = Indexer(args, indexer_backend) if has_indexer else None
 
     def forward(
@@ -75,14 +86,15 @@ class MLAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed_BST: torch.Tensor,
-        shared_mask_BST: torch.Tensor | None = None,
+        shared: tuple[torch.Tensor, bool] | None = None,
         plain_causal: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the attention output [B, S, D] and the sparse mask this layer used.
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, bool]]:
+        """Returns the attention output [B, S, D] and the sparse selection this layer used
+        (mask [B, S, T], whether it selects every allowed key).
 
-        `shared_mask_BST` is the previous full layer's sparse mask; layers without an
-        indexer ("shared" in GLM-5.2+) reuse it. `plain_causal` says `allowed_BST` is
-        the ordinary causal mask (one document per row).
+        `shared` is the previous full layer's selection; layers without an indexer
+        ("shared" in GLM-5.2+) reuse it. `plain_causal` says `allowed_BST` is the
+        ordinary causal mask (one document per row).
         """
         batch, seq_len, _ = x_BSD.shape
         q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
@@ -102,19 +114,19 @@ class MLAttention(nn.Module):
         q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
 
         if self.indexer is not None:
-            sparse_BST = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST)
+            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST)
         else:
-            assert shared_mask_BST is not None, "a shared-indexer layer needs an earlier full layer"
-            sparse_BST = shared_mask_BST
+            assert shared is not None, "a shared-indexer layer needs an earlier full layer"
+            selection = shared
+        sparse_BST, all_selected = selection
 
         if self.backend == "eager":
             out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
         else:
-            # The indexer hands back `allowed_BST` itself when it selects every key.
-            causal = plain_causal and sparse_BST is allowed_BST
-            out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal)
+            causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
+            out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
-        return self.o_proj(out_BSX), sparse_BST
+        return self.o_proj(out_BSX), selection
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):

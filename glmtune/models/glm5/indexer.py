@@ -92,14 +92,15 @@ class Indexer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed_BST: torch.Tensor,
-    ) -> torch.Tensor:
-        """The sparse attention mask: bool [B, S, T], True where attention is allowed and selected."""
+    ) -> tuple[torch.Tensor, bool]:
+        """The sparse attention mask, bool [B, S, T] (True where allowed and selected), and
+        whether it selects every allowed key (then it *is* `allowed_BST`)."""
         num_keys = allowed_BST.shape[-1]
         if num_keys <= self.index_topk or int(allowed_BST.sum(-1).max()) <= self.index_topk:
             # No query has more allowed keys than top-k (short rows, or packed documents all
             # shorter than k): top-k would select every allowed key, so the sparse mask is the
             # block-causal one. Exact, and it skips the [B, S, H, T] score tensor.
-            return allowed_BST
+            return allowed_BST, True
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
             if self.backend == "chunked":
                 topk_BSK = self._select_chunked(x_BSD, q_resid_BSR, cos, sin, allowed_BST)
@@ -108,7 +109,7 @@ class Indexer(nn.Module):
                 scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)
                 topk_BSK = scores_BST.topk(self.index_topk, dim=-1).indices
         selected_BST = torch.zeros_like(allowed_BST).scatter(-1, topk_BSK, True)
-        return allowed_BST & selected_BST
+        return allowed_BST & selected_BST, False
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):

@@ -54,12 +54,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MoE(args, moe_backend) if sparse_mlp else DenseMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, h_BSD, cos, sin, allowed_BST, shared_mask_BST=None, plain_causal=False):
-        attn_out, sparse_BST = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared_mask_BST,
-                                              plain_causal)
+    def forward(self, h_BSD, cos, sin, allowed_BST, shared=None, plain_causal=False):
+        attn_out, selection = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared,
+                                             plain_causal)
         h_BSD = h_BSD + attn_out
         h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
-        return h_BSD, sparse_BST
+        return h_BSD, selection
 
     def reset_parameters(self, std: float) -> None:
         self.input_layernorm.reset_parameters()
@@ -121,9 +121,9 @@ class Glm5Model(nn.Module):
         if position_ids_BS is None:
             position_ids_BS = torch.arange(seq_len, device=h_BSD.device).unsqueeze(0)
         cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), h_BSD.dtype)
-        shared_mask_BST = None
+        selection = None  # (sparse mask, selects-everything) of the latest full-indexer layer
         for layer in self.layers:
-            h_BSD, shared_mask_BST = layer(h_BSD, cos, sin, allowed_BST, shared_mask_BST, plain_causal)
+            h_BSD, selection = layer(h_BSD, cos, sin, allowed_BST, selection, plain_causal)
         return self.norm(h_BSD)
 
 

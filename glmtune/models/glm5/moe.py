@@ -106,7 +106,9 @@ class LocalTokenDispatcher:
         expert_ids_N = topk_idx_TK.reshape(-1)
         sorted_experts_N, order_N = torch.sort(expert_ids_N, stable=True)
         x_ND = x_TD[order_N // top_k]
-        tokens_per_expert_E = torch.bincount(sorted_experts_N, minlength=num_experts)
+        # scatter_add, not bincount: bincount sizes its output from the data (a host sync on GPU).
+        tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.long, device=x_TD.device)
+        tokens_per_expert_E.scatter_add_(0, sorted_experts_N, torch.ones_like(sorted_experts_N))
         state = DispatchState(order_N, topk_w_TK.reshape(-1)[order_N], num_tokens, top_k)
         return x_ND, tokens_per_expert_E, state
 
