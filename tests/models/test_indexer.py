@@ -32,8 +32,11 @@ def test_short_documents_skip_is_exact():
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
     indexer, *inputs = _inputs(args, positions, documents)
-    mask, all_selected = indexer(*inputs)
+    allowed = inputs[-1]
+    assert allowed.sum(-1).max().item() <= 16  # what the model checks before skipping
+    mask, all_selected = indexer(*inputs, sparse_needed=False)
     assert all_selected and torch.equal(mask, _explicit(indexer, *inputs))
+    assert torch.equal(indexer(*inputs, sparse_needed=True)[0], mask)  # scoring gives the same mask
 
 
 def test_long_document_is_sparse():

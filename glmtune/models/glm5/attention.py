@@ -88,6 +88,7 @@ class MLAttention(nn.Module):
         allowed_BST: torch.Tensor,
         shared: tuple[torch.Tensor, bool] | None = None,
         plain_causal: bool = False,
+        sparse_needed: bool = True,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, bool]]:
         """Returns the attention output [B, S, D] and the sparse selection this layer used
         (mask [B, S, T], whether it selects every allowed key).
@@ -114,7 +115,7 @@ class MLAttention(nn.Module):
         q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
 
         if self.indexer is not None:
-            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST)
+            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed)
         else:
             assert shared is not None, "a shared-indexer layer needs an earlier full layer"
             selection = shared

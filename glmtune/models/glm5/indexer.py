@@ -92,14 +92,17 @@ class Indexer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed_BST: torch.Tensor,
+        sparse_needed: bool = True,
     ) -> tuple[torch.Tensor, bool]:
         """The sparse attention mask, bool [B, S, T] (True where allowed and selected), and
-        whether it selects every allowed key (then it *is* `allowed_BST`)."""
-        num_keys = allowed_BST.shape[-1]
-        if num_keys <= self.index_topk or int(allowed_BST.sum(-1).max()) <= self.index_topk:
-            # No query has more allowed keys than top-k (short rows, or packed documents all
-            # shorter than k): top-k would select every allowed key, so the sparse mask is the
-            # block-causal one. Exact, and it skips the [B, S, H, T] score tensor.
+        whether it selects every allowed key (then it *is* `allowed_BST`).
+
+        `sparse_needed` is False when no query has more than top-k allowed keys (short
+        rows, or packed documents all shorter than k; the model computes it once per
+        forward): top-k would then select every allowed key, so the mask is the
+        block-causal one. Exact, and it skips the [B, S, H, T] scores.
+        """
+        if not sparse_needed:
             return allowed_BST, True
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
             if self.backend == "chunked":

@@ -54,9 +54,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MoE(args, moe_backend) if sparse_mlp else DenseMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, h_BSD, cos, sin, allowed_BST, shared=None, plain_causal=False):
+    def forward(self, h_BSD, cos, sin, allowed_BST, shared=None, plain_causal=False, sparse_needed=True):
         attn_out, selection = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared,
-                                             plain_causal)
+                                             plain_causal, sparse_needed)
         h_BSD = h_BSD + attn_out
         h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
         return h_BSD, selection
@@ -105,6 +105,7 @@ class Glm5Model(nn.Module):
                  indexer_backend: str = "chunked") -> None:
         super().__init__()
         self.padding_idx = args.pad_token_id
+        self.index_topk = args.index_topk
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=args.pad_token_id)
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, attention_backend, moe_backend, indexer_backend=indexer_backend)
@@ -118,12 +119,15 @@ class Glm5Model(nn.Module):
         h_BSD = self.embed_tokens(input_ids_BS)
         allowed_BST = allowed_mask(batch, seq_len, h_BSD.device, position_ids_BS, document_ids_BS)
         plain_causal = is_single_document(position_ids_BS, document_ids_BS)
+        # One host sync per forward (not per layer, and outside compiled layers): does any
+        # query have more allowed keys than the indexer keeps?
+        sparse_needed = seq_len > self.index_topk and int(allowed_BST.sum(-1).max()) > self.index_topk
         if position_ids_BS is None:
             position_ids_BS = torch.arange(seq_len, device=h_BSD.device).unsqueeze(0)
         cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), h_BSD.dtype)
         selection = None  # (sparse mask, selects-everything) of the latest full-indexer layer
         for layer in self.layers:
-            h_BSD, selection = layer(h_BSD, cos, sin, allowed_BST, selection, plain_causal)
+            h_BSD, selection = layer(h_BSD, cos, sin, allowed_BST, selection, plain_causal, sparse_needed)
         return self.norm(h_BSD)
 
 
