@@ -216,6 +216,12 @@ def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        # mkdtemp makes the directory owner-only; a serving engine often runs as another user.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for file in tmp.iterdir():
+            os.chmod(file, 0o666 & ~umask)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             out_dir.rename(old)

@@ -123,6 +123,8 @@ class LocalTokenDispatcher:
 def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and w.dtype != torch.bfloat16:
+        return False  # inductor lowers grouped_mm for bf16 only
     if x.device.type == "cuda":
         return torch.cuda.get_device_capability(x.device) >= (8, 0)
     # The CPU kernel needs 16-byte aligned strides.
