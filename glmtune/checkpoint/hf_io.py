@@ -229,6 +229,7 @@ def save_pretrained(
         size += nbytes
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a serving engine may run as another user
     try:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):

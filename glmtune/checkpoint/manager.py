@@ -107,7 +107,8 @@ class CheckpointManager:
 
     # -- state ------------------------------------------------------------------------
     def _options(self) -> StateDictOptions:
-        return StateDictOptions(ignore_frozen_params=self.trainable_only)
+        # Adapter runs save no frozen base weights, so loading them back cannot be strict.
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], async_save: bool = False) -> Path:

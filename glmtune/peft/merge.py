@@ -23,7 +23,7 @@ from torch import nn
 
 from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.peft.export import CONFIG_NAME, PREFIX, WEIGHTS_NAME, peft_match
-from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, lora_modules
+from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
 
 _PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
