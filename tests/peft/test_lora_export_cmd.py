@@ -36,6 +36,8 @@ def test_export_command_writes_the_checkpointed_adapter(tmp_path, capsys):
     # Adapter-only checkpoint: the LoRA factors, and the router's bias buffers (balancing state).
     assert model_keys and all(".lora_" in k or k.endswith("e_score_correction_bias") for k in model_keys)
 
+    # Loading needs CheckpointManager to load trainable-only state non-strictly
+    # (StateDictOptions(strict=False) when trainable_only): the frozen base is not in it.
     moved = shutil.move(run_dir, tmp_path / "moved")  # the recorded checkpoint.dir no longer exists
     for layout in ("peft", "per_expert"):
         out = tmp_path / f"out-{layout}"

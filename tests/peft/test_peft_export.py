@@ -103,6 +103,7 @@ def test_per_expert_layout_for_engines(ours, tmp_path):
     # PEFT's own transformers-v4 conversion reads per-expert keys too (when no dense or shared
     # gate/up/down_proj is targeted): an independent check that the layout means the same adapter.
     peft_model, problems = _load_with_peft(out)
+    assert problems == []
     x = tokens(seed=4)
     with torch.no_grad():
         assert (peft_model(x).logits - ours.eval()(x).logits).abs().max().item() <= 1e-4
@@ -115,11 +116,11 @@ def test_export_refuses_what_an_adapter_cannot_carry(ours, tmp_path):
         export_adapter(ours, tmp_path / "x")
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        export_adapter(make_hf_model_free_glmtune(), tmp_path / "y")
+        export_adapter(_meta_tiny(), tmp_path / "y")
     with pytest.raises(ValueError, match="layout 'vllm' unknown"):
         export_adapter(ours, tmp_path / "z", layout="vllm")
 
 
-def make_hf_model_free_glmtune():
+def _meta_tiny():
     from glmtune.models.glm5 import build_model, get_preset
     return build_model(get_preset("tiny"), device="meta")
