@@ -74,6 +74,14 @@ def run_training(cfg: JobConfig) -> int:
     torch.manual_seed(cfg.train.seed)
 
     model, model_dir = build_model_from_config(cfg, device)
+    from glmtune.peft import apply_lora, build_inventory, print_inventory
+
+    # LoRA is a transformation of the built model, before any parallel wrapping.
+    inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
+        else build_inventory(model)
+    if info.is_main:
+        print_inventory(inventory, console)  # what trains, by group: logged at the start of every run
+        (run_dir / "trainable.json").write_text(json.dumps(inventory.to_dict(), indent=2) + "\n")
     tokenizer_dir = tokenizer_dir_for(cfg, model_dir)
     data = prepare_data(cfg, run_dir, tokenizer_dir, model.args.vocab_size)
     if info.is_main:
@@ -149,6 +157,12 @@ def run_training(cfg: JobConfig) -> int:
                           f"valid JSON: {b['valid_json']:.0%} -> {a['valid_json']:.0%}")
             (run_dir / "samples.json").write_text(json.dumps(
                 {"before": b, "after": a, "outputs": [vars(r) for r in after]}, indent=2) + "\n")
+        if cfg.peft.method == "lora":
+            from glmtune.peft import export_run_adapters
+
+            base = str(model_dir) if model_dir is not None else cfg.model.name_or_path
+            for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=base).items():
+                console.print(f"exported LoRA adapter ({layout} layout): {out}")
         if cfg.checkpoint.export_hf and cfg.peft.method == "none":
             from glmtune.checkpoint.hf_io import save_pretrained
             from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir

@@ -17,8 +17,8 @@ SMALL = [
 ]
 
 
-def train_command(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL,
+def train_command(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json") -> list[str]:
+    return [sys.executable, "-m", "glmtune", "train", recipe, *SMALL,
             "--logging.run_dir", str(run_dir), "--data.cache_dir", str(cache_dir), *extra]
 
 
@@ -26,14 +26,15 @@ def env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run(run_dir: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(run_dir, cache_dir, *extra), env=env(), capture_output=True, text=True,
-                          timeout=600)
+def run(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
+        ) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(run_dir, cache_dir, *extra, recipe=recipe), env=env(), capture_output=True,
+                          text=True, timeout=600)
 
 
-def start(run_dir: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command(run_dir, cache_dir, *extra), env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def start(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json") -> subprocess.Popen:
+    return subprocess.Popen(train_command(run_dir, cache_dir, *extra, recipe=recipe), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from tests.train.run_helpers import losses, run, start
 
 
@@ -20,16 +22,17 @@ def _wait_for(predicate, proc, timeout=300.0):
     return False
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize("recipe", ["tiny/sft_support_json", "tiny/lora_support_json"])
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, recipe):
     cache = tmp_path / "cache"
-    straight = run(tmp_path / "straight", cache)
+    straight = run(tmp_path / "straight", cache, recipe=recipe)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     expected = losses(tmp_path / "straight")
     assert sorted(expected) == list(range(1, 9))
     assert expected[8] < expected[1]
 
     killed_dir = tmp_path / "killed"
-    proc = start(killed_dir, cache)
+    proc = start(killed_dir, cache, recipe=recipe)
     ckpt = killed_dir / "checkpoints" / "step-00000004"
     assert _wait_for(lambda: (ckpt / "trainer_state.pt").is_file(), proc), proc.communicate()[0]
     proc.send_signal(signal.SIGKILL)
@@ -38,7 +41,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     done = sorted(p.name for p in (killed_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert "step-00000008" not in done  # it really died mid-run
 
-    resumed = run(killed_dir, cache, "--checkpoint.resume", "auto")
+    resumed = run(killed_dir, cache, "--checkpoint.resume", "auto", recipe=recipe)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
     assert losses(killed_dir) == expected  # bit-for-bit: same floats at every step
