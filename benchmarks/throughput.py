@@ -157,7 +157,7 @@ def run_hf(cfg, state, batches, a):
     try:
         return time_training(step, a)
     finally:
-        del model, opt
+        model = opt = None  # drop the last references before freeing GPU memory
         _free()
 
 
@@ -194,7 +194,7 @@ def run_glmtune(cfg, state, batches, a):
             profile(step, a)
         return result
     finally:
-        del model, opt
+        model = opt = None  # drop the last references before freeing GPU memory
         _free()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,26 +12,7 @@ from safetensors.torch import load_file, save_file
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME, hf_tensors, save_pretrained
 from glmtune.checkpoint.verify import expected_hf_shapes, read_header, verify_checkpoint
 from glmtune.models.glm5 import build_model, get_preset
-
-Q_A = "model.layers.0.self_attn.q_a_proj.weight"  # [64, 128] in the tiny preset
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    save_pretrained(build_model(get_preset("tiny"), seed=0), path, max_shard_size="1MB")
-    return path
-
-
-@pytest.fixture
-def ckpt(saved, tmp_path) -> Path:
-    """A fresh copy of the sharded tiny checkpoint each test may damage."""
-    return Path(shutil.copytree(saved, tmp_path / "tiny"))
-
-
-def weight_map(ckpt: Path) -> dict[str, str]:
-    return json.loads((ckpt / INDEX_NAME).read_text())["weight_map"]
-
+from tests.checkpoint_fixtures import Q_A, weight_map
 
 def rewrite_shard(ckpt: Path, key: str, edit) -> str:
     """Apply `edit(tensors)` to the shard holding `key`; returns the shard name."""

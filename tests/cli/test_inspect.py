@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.cli import main
 from glmtune.cli.inspect_cmd import format_indices
-from glmtune.models.glm5 import build_model, get_preset
-
-Q_A = "model.layers.0.self_attn.q_a_proj.weight"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    save_pretrained(build_model(get_preset("tiny"), seed=0), path, max_shard_size="1MB")
-    return path
-
-
-@pytest.fixture
-def ckpt(saved, tmp_path) -> Path:
-    return Path(shutil.copytree(saved, tmp_path / "tiny"))
-
+from tests.checkpoint_fixtures import Q_A
 
 def shard_of(ckpt: Path, key: str) -> str:
     return json.loads((ckpt / INDEX_NAME).read_text())["weight_map"][key]
