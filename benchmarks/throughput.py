@@ -148,7 +148,9 @@ def run_hf(cfg, state, batches, a):
 
     def step(i):
         x = ids[i].to(DEVICE)
-        out = model(input_ids=x, labels=x, position_ids=pos)
+        # use_cache=False: with a cache object transformers skips packed-sequence detection and
+        # lets documents of a packed row attend each other (a different function).
+        out = model(input_ids=x, labels=x, position_ids=pos, use_cache=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

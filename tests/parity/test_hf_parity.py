@@ -117,9 +117,13 @@ def test_packed_row_equals_documents_alone(pair):
         by_positions = ours(packed, position_ids=positions).logits
         by_documents = ours(packed, position_ids=positions, document_ids=documents).logits
         alone_a, alone_b = hf(doc_a).logits, hf(doc_b).logits
+        # transformers treats the row as packed only without a cache object (use_cache=False);
+        # with its default use_cache=True the second document attends the first.
+        hf_packed = hf(packed, position_ids=positions, use_cache=False).logits
     for logits in (by_positions, by_documents):
         assert (logits[:, :14] - alone_a).abs().max().item() <= 1e-4
         assert (logits[:, 14:] - alone_b).abs().max().item() <= 1e-4
+        assert (logits - hf_packed).abs().max().item() <= 1e-4
 
 
 def test_bf16_difference_is_bounded(pair, tmp_path):
