@@ -106,7 +106,7 @@ class TrainConfig:
     router_bias_update_rate: float = 1e-3  # step size of the router bias update
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
     autocast: Literal["auto", "bf16", "none"] = "auto"  # auto = bf16 on cuda with float32 params, none elsewhere
-    generate_samples: int = 0  # greedy generations printed at each validation, to eyeball outputs
+    generate_samples: int = 0  # held-out prompts answered greedily before and after training, scored (3 printed)
 
 
 @dataclass

@@ -48,12 +48,12 @@ def _autocast_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype | None:
 
 
 def _samples_table(before, after) -> Table:
-    table = Table(title="held-out prompts: before -> after", show_lines=True)
+    table = Table(title=f"held-out prompts: before -> after (3 of {len(after)} shown)", show_lines=True)
     table.add_column("ticket", max_width=40)
     table.add_column("reference", max_width=36)
     table.add_column("before", max_width=36)
     table.add_column("after", max_width=36)
-    for b, a in zip(before, after):
+    for b, a in list(zip(before, after))[:3]:  # all prompts are scored; three are shown
         mark = "[green]✓[/green] " if a.exact else "[red]✗[/red] "
         table.add_row(b.prompt, b.reference, b.output or "(empty)", mark + (a.output or "(empty)"))
     return table
