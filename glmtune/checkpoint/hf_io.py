@@ -194,10 +194,23 @@ def _parse_size(size: int | str) -> int:
     return int(text)
 
 
-def hf_tensors(model: Glm5ForCausalLM):
+def full_state_dict(model: Glm5ForCausalLM) -> dict[str, torch.Tensor]:
+    """The unsharded state dict. Under FSDP2 this is collective (call it on every rank) and
+    only rank 0 receives the tensors, on the CPU; elsewhere it is `model.state_dict()`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def hf_tensors(model: Glm5ForCausalLM, state: dict[str, torch.Tensor] | None = None):
     """(HF key, tensor) for every tensor the checkpoint holds, in model order."""
     adapter = Glm5StateDictAdapter(model.args)
-    for key, tensor in model.state_dict().items():
+    state = model.state_dict() if state is None else state
+    for key, tensor in state.items():
         if model.args.tie_word_embeddings and key == "lm_head.weight":
             continue
         yield from adapter.to_hf(key, tensor)
@@ -211,16 +224,24 @@ def save_pretrained(
 ) -> Path:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
+    Under FSDP2 call it on every rank: the full tensors are gathered and rank 0 writes.
+
     Args:
         max_shard_size: bytes or a string like "5GB"; tensors are never split.
         source_dir: the checkpoint the model came from; its tokenizer and chat-template
             files are copied alongside.
     """
+    import torch.distributed as dist
+
     path = Path(path)
     limit = _parse_size(max_shard_size)
+    state = full_state_dict(model)  # collective under FSDP2: every rank calls save_pretrained
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+        return path
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for key, tensor in hf_tensors(model):
+    for key, tensor in hf_tensors(model, state):
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > limit:
             shards.append([])
@@ -256,6 +277,8 @@ def save_pretrained(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # the other ranks return once the export is complete
     return path
 
 

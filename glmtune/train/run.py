@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import torch
+import torch.distributed
 from rich.console import Console
 from rich.table import Table
 
@@ -36,6 +37,11 @@ from glmtune.train.recipe import (
 )
 from glmtune.train.samples import prompts_from, run_samples, score
 from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
+
+
+def barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _autocast_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype | None:
@@ -83,7 +89,12 @@ def run_training(cfg: JobConfig) -> int:
         print_inventory(inventory, console)  # what trains, by group: logged at the start of every run
         (run_dir / "trainable.json").write_text(json.dumps(inventory.to_dict(), indent=2) + "\n")
     tokenizer_dir = tokenizer_dir_for(cfg, model_dir)
+    # Rank 0 writes the data files and the tokenization cache first; the others then read them.
+    if not info.is_main:
+        barrier()
     data = prepare_data(cfg, run_dir, tokenizer_dir, model.args.vocab_size)
+    if info.is_main:
+        barrier()
     if info.is_main:
         (run_dir / "data_manifest.json").write_text(json.dumps(data.manifest, indent=2) + "\n")
         packing = data.manifest["train_packing"]
@@ -128,11 +139,11 @@ def run_training(cfg: JobConfig) -> int:
                       settings, console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    initial_val = trainer.validate() if trainer.step == 0 else None  # every rank: sharded forward
     if info.is_main:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        console.print(f"model: {cfg.model.name_or_path}, {trainable:,} trainable parameters; "
-                      f"{degrees.describe()}; grad_accum {grad_accum}; run dir {run_dir}")
-        initial_val = trainer.validate() if trainer.step == 0 else None
+        console.print(f"model: {cfg.model.name_or_path}, {trainable:,} trainable parameters (this rank's "
+                      f"shard when sharded); {degrees.describe()}; grad_accum {grad_accum}; run dir {run_dir}")
         if initial_val is not None:
             console.print(f"validation loss before training: {initial_val:.4f}")
     try:
@@ -146,27 +157,31 @@ def run_training(cfg: JobConfig) -> int:
         metrics.close()
     if result.interrupted:
         return 130
+    # Everything below runs on every rank (sharded forwards and gathers are collective);
+    # only rank 0 prints and writes.
+    after = run_samples(model, tokenizer, template, prompts) if prompts else []
     if info.is_main:
         console.print(f"finished step {result.step}: train loss {result.last_loss:.4f}"
                       + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
         if prompts:
-            after = run_samples(model, tokenizer, template, prompts)
             console.print(_samples_table(before, after))
             b, a = score(before), score(after)
             console.print(f"held-out exact answers: {b['exact']:.0%} before -> {a['exact']:.0%} after; "
                           f"valid JSON: {b['valid_json']:.0%} -> {a['valid_json']:.0%}")
             (run_dir / "samples.json").write_text(json.dumps(
                 {"before": b, "after": a, "outputs": [vars(r) for r in after]}, indent=2) + "\n")
-        if cfg.peft.method == "lora":
-            from glmtune.peft import export_run_adapters
+    if cfg.peft.method == "lora":
+        from glmtune.peft import export_run_adapters
 
-            base = str(model_dir) if model_dir is not None else cfg.model.name_or_path
-            for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=base).items():
+        base = str(model_dir) if model_dir is not None else cfg.model.name_or_path
+        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=base).items():
+            if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
-        if cfg.checkpoint.export_hf and cfg.peft.method == "none":
-            from glmtune.checkpoint.hf_io import save_pretrained
-            from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
+    if cfg.checkpoint.export_hf and cfg.peft.method == "none":
+        from glmtune.checkpoint.hf_io import save_pretrained
+        from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
 
-            out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir))
+        out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir))
+        if info.is_main:
             console.print(f"exported HF checkpoint: {out}")
     return 0

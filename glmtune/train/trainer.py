@@ -141,7 +141,8 @@ class Trainer:
         grad_norm = None
         if self.s.clip_grad_norm:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.s.clip_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, self.s.clip_grad_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -207,7 +208,7 @@ class Trainer:
                         self.metrics.write(record)
                     last_record = record
                     bar.update(record)
-                    stop = self._stop_signal is not None
+                    stop = self._stop_requested()
                     due = self.s.checkpoint_every and self.step % self.s.checkpoint_every == 0
                     if stop or due or self.step == self.s.max_steps:
                         checkpoint = self.save()
@@ -221,6 +222,15 @@ class Trainer:
                 signal.signal(sig, handler)
         return TrainResult(self.step, self._stop_signal is not None,
                            last_record["loss"] if last_record else None, val_loss, checkpoint, losses)
+
+    def _stop_requested(self) -> bool:
+        """A signal may reach ranks at different steps: agree, so that all save together."""
+        flag = torch.tensor(float(self._stop_signal is not None), device=self.s.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM  # another rank was signalled
+        return bool(flag.item())
 
     def tokens_seen_since(self, start_step: int, steps_done: int, elapsed: float) -> float:
         if steps_done == 0 or elapsed <= 0:
