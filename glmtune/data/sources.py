@@ -153,3 +153,19 @@ def inputs_sha256(paths: Iterable[str | Path]) -> str:
     for path in expand_inputs(paths):
         digest.update(file_sha256(path).encode())
     return digest.hexdigest()
+
+
+def unit_format(path: Path) -> str:
+    """"hf_datasets", "parquet" or "jsonl": how `read_rows` reads an expanded input."""
+    if path.is_dir():
+        return "hf_datasets"
+    return "parquet" if path.suffix in PARQUET_SUFFIXES else "jsonl"
+
+
+def check_format(paths: Iterable[str | Path], expected: str) -> None:
+    """With `data.format` set (not "auto"), every input must be of that format."""
+    if expected == "auto":
+        return
+    for unit in expand_inputs(paths):
+        if unit_format(unit) != expected:
+            raise ValueError(f"{unit}: data.format is {expected!r} but this input is {unit_format(unit)}")

@@ -109,7 +109,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     from glmtune.data.cache import tokenize_dataset
     from glmtune.data.contract import check_or_raise, load_schema
     from glmtune.data.packing import pack_samples
-    from glmtune.data.sources import read_rows
+    from glmtune.data.sources import check_format, read_rows
     from glmtune.data.split import split_rows
     from glmtune.data.synthetic import generate_rows, write_jsonl
     from glmtune.data.tokenizer import load_tokenizer
@@ -125,6 +125,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         train_paths.append(synthetic)
     if not train_paths:
         raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
+    check_format([*d.train, *d.validation], d.format)
     schema = load_schema(d.json_schema) if d.json_schema else None
     rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
     rows = _apply_pii_policy(rows, d.pii, run_dir)

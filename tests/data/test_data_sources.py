@@ -89,3 +89,14 @@ def test_parquet_round_trip_of_tool_calling_rows_normalizes_to_the_original(tmp_
     pq.write_table(pa.Table.from_pylist(stored), path)
     normalized = [row.data for row in check_or_raise(read_rows(path))]
     assert normalized == rows
+
+
+def test_check_format_names_the_mismatching_file(tmp_path):
+    from glmtune.data.sources import check_format
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"messages": []}\n')
+    check_format([data], "auto")
+    check_format([data], "jsonl")
+    with pytest.raises(ValueError, match=r"rows.jsonl: data.format is 'parquet' but this input is jsonl"):
+        check_format([data], "parquet")
