@@ -84,7 +84,7 @@ class DataConfig:
     packed_sequence_size: int = 4096  # tokens per packed row
     too_long: Literal["truncate", "drop"] = "drop"  # a conversation longer than a row: cut it or skip it
     json_schema: str | None = None  # JSON schema the assistant answers must satisfy (checked at load and eval)
-    cache_dir: str | None = None  # tokenized-data cache; null = ~/.cache/glmtune/data
+    cache_dir: str | None = None  # tokenized-data cache; null = $GLMTUNE_CACHE_DIR or ~/.cache/glmtune (tokenized/)
     # Ratios (train/validation/test) carved from `train`, used only when `validation` is empty.
     split: dict[str, float] = field(default_factory=lambda: {"train": 0.98, "validation": 0.02})
     pii: Literal["report", "drop", "fail"] = "report"  # what to do with rows that look like they contain PII
