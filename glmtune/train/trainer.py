@@ -192,15 +192,16 @@ class Trainer:
         losses: list[float] = []
         val_loss = None
         checkpoint = None
-        start_step, start_time, last_record = self.step, time.perf_counter(), None
+        start_tokens, train_seconds, last_record = self.tokens_seen, 0.0, None
         try:
             with _progress(self.s.progress, self.s.max_steps, self.step) as bar:
                 while self.step < self.s.max_steps:
+                    step_start = time.perf_counter()
                     record = self.train_step()
+                    train_seconds += time.perf_counter() - step_start
                     losses.append(record["loss"])
-                    elapsed = time.perf_counter() - start_time
-                    steps_done = self.step - start_step
-                    record["tokens_per_s"] = self.tokens_seen_since(start_step, steps_done, elapsed)
+                    # Training throughput since this process started (validation and saves excluded).
+                    record["tokens_per_s"] = (self.tokens_seen - start_tokens) / max(train_seconds, 1e-9)
                     if self.s.val_every and self.step % self.s.val_every == 0:
                         val_loss = self.validate()
                         record["val_loss"] = val_loss
@@ -231,12 +232,6 @@ class Trainer:
         if flag.item() and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM  # another rank was signalled
         return bool(flag.item())
-
-    def tokens_seen_since(self, start_step: int, steps_done: int, elapsed: float) -> float:
-        if steps_done == 0 or elapsed <= 0:
-            return 0.0
-        per_step = self.tokens_seen / max(self.step, 1)
-        return per_step * steps_done / elapsed
 
     def _print(self, message: str) -> None:
         if self.console is not None:
