@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,20 @@ class CheckpointManager:
         if rng_file.is_file():
             restore_rng(torch.load(rng_file, weights_only=False))
         return torch.load(checkpoint.path / "trainer_state.pt", weights_only=False)
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Resuming from `step` abandons any newer checkpoint: rename those (never delete) so
+        that neither `resume auto` nor retention mistakes them for this run's latest."""
+        moved = []
+        if _rank() == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for checkpoint in self.complete():
+                if checkpoint.step > step:
+                    target = checkpoint.path.with_name(f"abandoned-{checkpoint.path.name}-{stamp}")
+                    checkpoint.path.rename(target)
+                    moved.append(target)
+        _barrier()
+        return moved
 
     def _retain(self) -> None:
         if self.keep_last <= 0:

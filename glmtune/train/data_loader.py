@@ -60,11 +60,18 @@ class PackedRowLoader:
         self.cursor += 1
         return collate([self.rows[i] for i in order[start : start + self.micro_batch_size]])
 
+    def _layout(self) -> dict[str, Any]:
+        # Everything that decides which rows a (epoch, cursor) position means.
+        return {"num_rows": len(self.rows), "micro_batch_size": self.micro_batch_size,
+                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "num_rows": len(self.rows)}
+        return {"epoch": self.epoch, "cursor": self.cursor, **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_rows"] != len(self.rows):
-            raise ValueError(f"checkpoint was taken with {state['num_rows']} packed rows, the data now gives "
-                             f"{len(self.rows)}: resuming would not replay the same batches")
+        for key, now in self._layout().items():
+            if key in state and state[key] != now:
+                raise ValueError(f"checkpoint data position was taken with {key}={state[key]}, this run has "
+                                 f"{key}={now}: resuming would not replay the same batches (keep the data, "
+                                 "train.seed, train.micro_batch_size and the data-parallel size of the run)")
         self.epoch, self.cursor = state["epoch"], state["cursor"]

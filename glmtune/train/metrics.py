@@ -59,17 +59,22 @@ class MetricsWriter:
             self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(run_dir))
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.tb_dir = run_dir / "tensorboard" if enabled and tensorboard else None
+        self.purge_step: int | None = None
 
     def truncate_after(self, step: int) -> None:
-        """On resume, forget records of steps the killed run logged after its last checkpoint."""
+        """On resume, forget records of steps the killed run logged after its last checkpoint
+        (in metrics.jsonl, and in TensorBoard through the writer's purge_step)."""
+        self.purge_step = step + 1
         if not (self.enabled and self.path.is_file()):
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by a kill
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -79,6 +84,10 @@ class MetricsWriter:
             fh.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self.tb is None and self.tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=self.purge_step)
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):

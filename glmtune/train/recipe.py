@@ -120,8 +120,10 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     train_paths = [Path(p) for p in d.train]
     if d.synthetic is not None:
         synthetic = data_dir / f"synthetic-{d.synthetic.kind}-{d.synthetic.rows}-seed{d.synthetic.seed}.jsonl"
-        if not synthetic.exists():
-            write_jsonl(generate_rows(d.synthetic.rows, d.synthetic.seed), synthetic)
+        if not synthetic.exists():  # written under a temporary name: a killed run leaves no partial file
+            tmp = synthetic.with_suffix(".partial")
+            write_jsonl(generate_rows(d.synthetic.rows, d.synthetic.seed), tmp)
+            tmp.replace(synthetic)
         train_paths.append(synthetic)
     if not train_paths:
         raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")

@@ -160,6 +160,11 @@ def run_training(cfg: JobConfig) -> int:
     # Everything below runs on every rank (sharded forwards and gathers are collective);
     # only rank 0 prints and writes.
     after = run_samples(model, tokenizer, template, prompts) if prompts else []
+    if result.last_loss is None:  # resumed at max_steps: nothing was trained in this process
+        if info.is_main:
+            console.print(f"already at train.max_steps ({result.step}); nothing to train. Raise "
+                          "--train.max_steps to continue; outputs of the finished run are left as they are")
+        return 0
     if info.is_main:
         console.print(f"finished step {result.step}: train loss {result.last_loss:.4f}"
                       + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))

@@ -41,7 +41,9 @@ class SampleResult:
 
 def prompts_from(conversations: list[dict[str, Any]], count: int) -> list[tuple[dict[str, Any], str]]:
     """(conversation without its final answer, reference answer) for the first `count` rows."""
-    out = []
+    out: list[tuple[dict[str, Any], str]] = []
+    if count <= 0:
+        return out
     for row in conversations:
         messages = row["messages"]
         if messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1].get("content"), str):

@@ -98,6 +98,8 @@ class Trainer:
         checkpoint = self.checkpoints.resolve(resume)
         if checkpoint is None:
             return 0
+        for moved in self.checkpoints.set_aside_after(checkpoint.step):
+            self._print(f"set aside newer checkpoint {moved.name} (resuming from step {checkpoint.step})")
         state = self.checkpoints.load(checkpoint, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["loader"])
@@ -124,8 +126,9 @@ class Trainer:
         self.model.train()
         batches = [self.train_loader.next_batch() for _ in range(self.s.grad_accum)]
         local_targets = sum(int((b["targets"] != -100).sum()) for b in batches)
-        total_targets = _all_reduce_sum(torch.tensor(float(local_targets), device=self.s.device))
-        denominator = total_targets.clamp_min(1.0)
+        # int64: a float32 count is exact only up to 2**24 tokens per step.
+        total_targets = _all_reduce_sum(torch.tensor(local_targets, dtype=torch.int64, device=self.s.device))
+        denominator = total_targets.clamp_min(1).float()
         loss_sum = torch.zeros((), device=self.s.device)
         load = {name: torch.zeros_like(m.tokens_per_expert) for name, m in self._moe}
         for batch in batches:
@@ -138,11 +141,14 @@ class Trainer:
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"loss is {loss} at step {self.step + 1}")
-        grad_norm = None
-        if self.s.clip_grad_norm:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, self.s.clip_grad_norm)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        # Clips when configured; with max_norm=inf it only measures. The norm is checked either way:
+        # a finite loss can still come with inf/nan gradients (bf16 overflow in backward).
+        norm = torch.nn.utils.clip_grad_norm_(params, self.s.clip_grad_norm or math.inf)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {self.step + 1} (loss {loss:.4f})")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -153,11 +159,10 @@ class Trainer:
             update_router_biases(self._moe, load, self.s.router_bias_rate)
         self.step += 1
         tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        self.tokens_seen += int(_all_reduce_sum(torch.tensor(float(tokens), device=self.s.device)).item())
+        self.tokens_seen += int(_all_reduce_sum(torch.tensor(tokens, dtype=torch.int64, device=self.s.device)).item())
         record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen,
                                   "supervised_tokens": int(total_targets.item())}
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
+        record["grad_norm"] = grad_norm
         for name, counts in load.items():
             for key, value in routing_stats(counts).items():
                 record[f"moe/{name}/{key}"] = value

@@ -148,3 +148,22 @@ def test_save_is_atomic_and_copies_tokenizer(tiny_dir, tmp_path):
     # Overwriting an existing export replaces it whole.
     save_pretrained(model, out)
     assert not (out / "chat_template.jinja").exists()
+
+
+def test_more_experts_on_disk_than_in_config_is_named(tiny_dir, tmp_path):
+    _, path = tiny_dir
+    bad = _copy(path, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["n_routed_experts"] = 4
+    config["n_group"] = 1
+    config["topk_group"] = 1
+    (bad / "config.json").write_text(json.dumps(config))
+    # A one-line ValueError naming the file and a tensor (router or expert), never an IndexError.
+    with pytest.raises(ValueError, match=r"safetensors: (unexpected )?tensor model\.layers\.[23]\.mlp\."):
+        load_pretrained(bad, dtype=torch.float32)
+    from glmtune.models.glm5.args import Glm5Args
+    from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
+
+    adapter = Glm5StateDictAdapter(Glm5Args.from_hf_config(bad))
+    assert adapter.from_hf_key("model.layers.2.mlp.experts.4.down_proj.weight") is None
+    assert adapter.from_hf_key("model.layers.2.mlp.experts.3.down_proj.weight").expert == 3

@@ -10,7 +10,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from glmtune.checkpoint.hf_io import load_pretrained
-from tests.train.run_helpers import run
+from tests.train.run_helpers import losses, run
 
 
 def test_short_run_writes_everything_and_exports_loadable_hf(tmp_path):
@@ -78,3 +78,13 @@ def test_lora_run_exports_adapters_and_saves_small_checkpoints(tmp_path):
     model_bytes = sum(f.stat().st_size for f in (run_dir / "adapter").rglob("*.safetensors"))
     # adapters + their two Adam moments + state: a few times the adapter, far below the 2.2M-param base
     assert ckpt_bytes < 8 * model_bytes + 2_000_000
+
+
+def test_rerunning_a_finished_run_is_a_no_op(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run(run_dir, tmp_path / "cache", "--train.max_steps", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.resume", "auto")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already at train.max_steps (2)" in again.stdout
+    assert sorted(losses(run_dir)) == [1, 2]

@@ -105,3 +105,39 @@ def test_wandb_without_package_is_a_clear_error(tmp_path):
         pytest.skip("wandb is installed here")
     with pytest.raises(ValueError, match="logging.wandb"):
         MetricsWriter(tmp_path, "m.jsonl", tensorboard=False, wandb_project="proj")
+
+
+def test_non_finite_gradient_with_finite_loss_stops(tmp_path):
+    def exploding(model, batch):
+        loss, count = _loss(model, batch)
+        # adds 0 to the value; d sqrt(u)/du is inf at u = 0, so the bias gradient is nan
+        return loss + torch.sqrt(model.head.bias.sum() * 0.0), count
+
+    trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=exploding, steps=3, every=1)
+    with pytest.raises(NonFiniteLossError, match="gradient norm"):
+        trainer.fit()
+    assert trainer.step == 0 and trainer.checkpoints.latest() is None
+
+
+def test_resume_from_older_checkpoint_sets_newer_ones_aside(tmp_path):
+    first = _trainer(tmp_path, micro=2, accum=1, steps=4, every=2)
+    first.fit()
+    older = first.checkpoints.complete()[0]
+    assert older.step == 2
+    again = _trainer(tmp_path, micro=2, accum=1, steps=4, every=2)
+    assert again.resume(str(older.path)) == 2
+    assert [c.step for c in again.checkpoints.complete()] == [2]
+    assert any(p.name.startswith("abandoned-step-00000004") for p in again.checkpoints.root.iterdir())
+
+
+def test_loader_refuses_a_different_layout():
+    loader = PackedRowLoader(_rows(), 2, seed=3)
+    loader.next_batch()
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="micro_batch_size=2"):
+        PackedRowLoader(_rows(), 4, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=3"):
+        PackedRowLoader(_rows(), 2, seed=4).load_state_dict(state)
+    same = PackedRowLoader(_rows(), 2, seed=3)
+    same.load_state_dict(state)
+    assert torch.equal(same.next_batch()["input_ids"], loader.next_batch()["input_ids"])

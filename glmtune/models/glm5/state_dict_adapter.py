@@ -69,6 +69,8 @@ class Glm5StateDictAdapter:
         if expert is None:
             return Target(f"{prefix}.{rest}")
         index, proj = int(expert.group(1)), expert.group(2)
+        if index >= self.args.n_routed_experts:
+            return None  # reported as an unexpected tensor by the loader
         if proj == "down_proj":
             return Target(f"{prefix}.mlp.experts.down_proj", index)
         rows = (0, self.expert_dim) if proj == "gate_proj" else (self.expert_dim, 2 * self.expert_dim)
