@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -56,4 +57,5 @@ def test_tiny_default_is_cpu_float32_synthetic():
     assert (cfg.model.name_or_path, cfg.model.dtype, cfg.train.device) == ("tiny", "float32", "cpu")
     assert cfg.data.synthetic is not None and not cfg.data.train and cfg.data.packed_sequence_size == 512
     lora = load_config(RECIPES_DIR / "tiny" / "lora_support_json.yaml")
-    assert lora.peft.method == "lora" and lora.train == cfg.train
+    assert lora.peft.method == "lora" and lora.data == cfg.data
+    assert lora.train.max_steps == 150 and dataclasses.replace(lora.train, max_steps=cfg.train.max_steps) == cfg.train
