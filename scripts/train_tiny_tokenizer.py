@@ -21,19 +21,25 @@ Usage: .venv/bin/python scripts/train_tiny_tokenizer.py [--out DIR] [--rows N] [
 from __future__ import annotations
 
 import argparse
+import pydoc_data.topics
 import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import pydoc_data.topics
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from glmtune.data.chat_template import bundled_template, render_conversation
 from glmtune.data.synthetic import generate_rows
-from glmtune.data.tokenizer import (EOS_TOKEN, GLM5_CONTROL_TOKENS, GLM5_MARKUP_TOKENS, GLM5_SPECIAL_TOKENS,
-                                    TINY_TOKENIZER_DIR, TINY_VOCAB_SIZE)
+from glmtune.data.tokenizer import (
+    EOS_TOKEN,
+    GLM5_CONTROL_TOKENS,
+    GLM5_MARKUP_TOKENS,
+    GLM5_SPECIAL_TOKENS,
+    TINY_TOKENIZER_DIR,
+    TINY_VOCAB_SIZE,
+)
 
 # GLM-4/GLM-5 style split: contractions, words (with one leading non-letter), 1-3 digit
 # groups, punctuation runs, newlines, other whitespace.

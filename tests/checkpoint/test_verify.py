@@ -14,6 +14,7 @@ from glmtune.checkpoint.verify import expected_hf_shapes, read_header, verify_ch
 from glmtune.models.glm5 import build_model, get_preset
 from tests.checkpoint_fixtures import Q_A, weight_map
 
+
 def rewrite_shard(ckpt: Path, key: str, edit) -> str:
     """Apply `edit(tensors)` to the shard holding `key`; returns the shard name."""
     shard = weight_map(ckpt)[key]

@@ -13,6 +13,7 @@ from glmtune.cli import main
 from glmtune.cli.inspect_cmd import format_indices
 from tests.checkpoint_fixtures import Q_A
 
+
 def shard_of(ckpt: Path, key: str) -> str:
     return json.loads((ckpt / INDEX_NAME).read_text())["weight_map"][key]
 

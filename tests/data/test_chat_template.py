@@ -12,8 +12,14 @@ import json
 
 import pytest
 
-from glmtune.data.chat_template import (IGNORE_INDEX, _token_mask, bundled_template, load_chat_template,
-                                        render_conversation, tokenize_conversation)
+from glmtune.data.chat_template import (
+    IGNORE_INDEX,
+    _token_mask,
+    bundled_template,
+    load_chat_template,
+    render_conversation,
+    tokenize_conversation,
+)
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 
 TOOL = {"type": "function", "function": {"name": "lookup_order", "description": "Finds <orders> café",

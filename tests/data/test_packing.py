@@ -7,8 +7,7 @@ import random
 import pytest
 
 from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample
-from glmtune.data.packing import (PACKED_FIELDS, PAD_DOCUMENT_ID, first_fit_decreasing, next_token_targets,
-                                  pack_samples)
+from glmtune.data.packing import PACKED_FIELDS, PAD_DOCUMENT_ID, first_fit_decreasing, next_token_targets, pack_samples
 
 PAD = 0
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from glmtune.data.chat_template import bundled_template
-from glmtune.data.tokenizer import (GLM5_CONTROL_TOKENS, GLM5_MARKUP_TOKENS, GLM5_SPECIAL_TOKENS,
-                                    TINY_TOKENIZER_DIR, TINY_VOCAB_SIZE, load_tokenizer)
+from glmtune.data.tokenizer import (
+    GLM5_CONTROL_TOKENS,
+    GLM5_MARKUP_TOKENS,
+    GLM5_SPECIAL_TOKENS,
+    TINY_TOKENIZER_DIR,
+    TINY_VOCAB_SIZE,
+    load_tokenizer,
+)
 
 EXPECTED_IDS = {"<|endoftext|>": 4064, "[MASK]": 4065, "[gMASK]": 4066, "[sMASK]": 4067, "<sop>": 4068,
                 "<eop>": 4069, "<|system|>": 4070, "<|user|>": 4071, "<|assistant|>": 4072, "<|observation|>": 4073}

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glmtune.models.common.loss import chunked_cross_entropy
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
 from glmtune.models.glm5.masks import allowed_mask, is_single_document
 from glmtune.models.glm5.moe import DenseMLP, MoE
-from glmtune.models.common.loss import chunked_cross_entropy
 
 
 @dataclass
