@@ -54,12 +54,20 @@ def test_logits_match(pair, moe_backend):
 
 
 @pytest.mark.parametrize("seq", [6, SEQ])  # 6 <= top-k: the flash-eligible is_causal path
-def test_sdpa_backend_matches(pair, seq):
+@pytest.mark.parametrize("query_block", [1024, 5])  # 5: the masked queries run in 4 key-trimmed blocks
+def test_sdpa_backend_matches(pair, seq, query_block):
     _, hf, _, path = pair
     ours = load_pretrained(path, dtype=torch.float32, attention_backend="sdpa", moe_backend="grouped_mm")
+    for layer in ours.model.layers:
+        layer.self_attn.query_block = query_block
     x = _tokens(seed=3, seq=seq)
     with torch.no_grad():
         assert (hf(x).logits - ours(x).logits).abs().max().item() <= 1e-4
+    # packed rows take the blocked masked path everywhere
+    positions = torch.cat([torch.arange(seq // 2), torch.arange(seq - seq // 2)]).unsqueeze(0)
+    with torch.no_grad():
+        expected = hf(x, position_ids=positions, use_cache=False).logits
+        assert (expected - ours(x, position_ids=positions).logits).abs().max().item() <= 1e-4
 
 
 def test_gradients_match(pair):

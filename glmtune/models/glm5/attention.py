@@ -11,8 +11,9 @@ The attention itself is a backend chosen by name:
   * "sdpa": `F.scaled_dot_product_attention`. For rows holding one document the
     first `index_topk` queries have at most k allowed keys, all selected, so they
     run as plain causal attention (`is_causal=True`: no mask tensor, the flash
-    kernel) and only the later queries use the boolean top-k mask; a row no longer
-    than k is causal throughout. Packed rows use the boolean mask everywhere.
+    kernel) and only the later queries use the boolean top-k mask, in blocks that
+    read only the keys up to the block's end; a row no longer than k is causal
+    throughout. Packed rows use the blocked boolean mask everywhere.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -40,19 +41,28 @@ def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
     return torch.matmul(probs_BNST, v_BNTV)
 
 
-def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int = 0):
-    """`causal_prefix` queries (from the start) attend exactly their causal past."""
+def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int = 0, query_block: int = 1024):
+    """SDPA over a causal sparse mask, skipping keys no query of a block can see.
+
+    `causal_prefix` queries (from the start) attend exactly their causal past: they run
+    with `is_causal=True` (flash, no mask tensor). The remaining queries run in blocks of
+    `query_block`; a block [a, b) only reads keys [0, b), since later keys are in every
+    one of its queries' future. Both are exact: they drop only masked-out keys.
+    """
     seq_len = q_BNSK.shape[2]
     if causal_prefix >= seq_len:
         return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, is_causal=True, scale=scale)
-    if causal_prefix == 0:
-        return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=sparse_BST.unsqueeze(1), scale=scale)
-    p = causal_prefix
-    head = F.scaled_dot_product_attention(q_BNSK[:, :, :p], k_BNTK[:, :, :p], v_BNTV[:, :, :p], is_causal=True,
-                                          scale=scale)
-    tail = F.scaled_dot_product_attention(q_BNSK[:, :, p:], k_BNTK, v_BNTV, attn_mask=sparse_BST[:, p:].unsqueeze(1),
-                                          scale=scale)
-    return torch.cat([head, tail], dim=2)
+    parts = []
+    if causal_prefix > 0:
+        p = causal_prefix
+        parts.append(F.scaled_dot_product_attention(q_BNSK[:, :, :p], k_BNTK[:, :, :p], v_BNTV[:, :, :p],
+                                                    is_causal=True, scale=scale))
+    for start in range(causal_prefix, seq_len, query_block):
+        end = min(start + query_block, seq_len)
+        mask = sparse_BST[:, start:end, :end].unsqueeze(1)
+        parts.append(F.scaled_dot_product_attention(q_BNSK[:, :, start:end], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
+                                                    attn_mask=mask, scale=scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 class MLAttention(nn.Module):
@@ -78,6 +88,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=bias)
         self.scale = softmax_scale_for(args.rope_parameters, self.qk_dim)
         self.index_topk = args.index_topk
+        self.query_block = 1024  # sdpa backend: queries per masked block (keys beyond a block are skipped)
         self.indexer = Indexer(args, indexer_backend) if has_indexer else None
 
     def forward(
@@ -125,7 +136,8 @@ class MLAttention(nn.Module):
             out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
         else:
             causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
-            out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
+            out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix,
+                                      self.query_block)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         return self.o_proj(out_BSX), selection
 
