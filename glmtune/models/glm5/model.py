@@ -149,7 +149,7 @@ class Glm5ForCausalLM(nn.Module):
         self.freeze_untrained_by_default()
 
     def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
-                targets=None, loss_chunk_size: int = 4096) -> Glm5Output:
+                targets=None, loss_chunk_size: int = 2048) -> Glm5Output:
         """Args:
             input_ids: [B, S] token ids.
             position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
