@@ -107,18 +107,15 @@ def load_pretrained(
 
 def _check_shard_sizes(files: dict[str, Path]) -> None:
     """A shard cut short (an interrupted copy) is caught before any tensor is read."""
+    from glmtune.checkpoint.verify import read_header  # verify imports this module
+
     for file in sorted(set(files.values())):
-        with open(file, "rb") as fh:
-            header = fh.read(8)
-            if len(header) < 8:
-                raise ValueError(f"{file}: truncated safetensors file ({os.path.getsize(file)} bytes)")
-            header_len = int.from_bytes(header, "little")
-            try:
-                meta = json.loads(fh.read(header_len))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ValueError(f"{file}: truncated or corrupt safetensors header") from None
-        end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
-        expected, actual = 8 + header_len + end, os.path.getsize(file)
+        try:
+            entries, data_start = read_header(file)
+        except ValueError as exc:
+            raise ValueError(f"{file}: {exc}") from None
+        expected = data_start + max((v["data_offsets"][1] for v in entries.values()), default=0)
+        actual = os.path.getsize(file)
         if actual < expected:
             raise ValueError(f"{file}: truncated safetensors file: {actual} bytes, header needs {expected}")
 

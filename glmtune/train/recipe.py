@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from glmtune.config import JobConfig, dump_config, grad_accum_steps, model_dims, validate_config
+from glmtune.config import JobConfig, dump_config, model_dims, validate_config
 from glmtune.models.glm5.args import PRESETS, get_preset
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 
@@ -196,7 +196,3 @@ def check_recipe(cfg: JobConfig, world_size: int):
 def save_run_config(cfg: JobConfig, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-
-
-def grad_accum_for(cfg: JobConfig, degrees) -> int:
-    return grad_accum_steps(cfg, degrees)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from glmtune.checkpoint.manager import CheckpointManager
-from glmtune.config import JobConfig, config_to_dict
+from glmtune.config import JobConfig, config_to_dict, grad_accum_steps
 from glmtune.models.glm5.parallelize import parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
@@ -28,7 +28,6 @@ from glmtune.train.recipe import (
     build_model_from_config,
     check_recipe,
     glm5_loss,
-    grad_accum_for,
     init_distributed,
     prepare_data,
     resolve_device,
@@ -72,7 +71,7 @@ def run_training(cfg: JobConfig) -> int:
     if device.type == "cuda":
         device = resolve_device(cfg.train.device, info.local_rank)
     degrees = check_recipe(cfg, info.world_size)
-    grad_accum = grad_accum_for(cfg, degrees)
+    grad_accum = grad_accum_steps(cfg, degrees)
     run_dir = Path(cfg.logging.run_dir)
     if info.is_main:
         save_run_config(cfg, run_dir)
