@@ -53,9 +53,9 @@ class ModelConfig:
     name_or_path: str = "tiny"  # a preset (tiny|glm5|glm5.1|glm5.2|glm5.3) or a local HF directory with config.json
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameter dtype
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
-    attention_backend: Literal["sdpa", "eager"] = "sdpa"  # MLA attention: SDPA (flash when causal) or eager reference
+    attention_backend: Literal["sdpa", "eager", "flex"] = "sdpa"  # MLA attention: SDPA, eager reference, FlexAttention (GPU)
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
-    indexer_backend: Literal["chunked", "reference"] = "chunked"  # DSA scores in query blocks, or all at once
+    indexer_backend: Literal["chunked", "reference", "fused"] = "chunked"  # DSA scores: query blocks, all at once, or Triton
     indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
     validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable
 

@@ -1,0 +1,1 @@
+"""Fast kernels (Triton), each a backend with a pure-torch reference beside it."""

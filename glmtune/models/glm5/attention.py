@@ -14,6 +14,8 @@ The attention itself is a backend chosen by name:
     kernel) and only the later queries use the boolean top-k mask, in blocks that
     read only the keys up to the block's end; a row no longer than k is causal
     throughout. Packed rows use the blocked boolean mask everywhere.
+  * "flex": the same causal prefix; everything else through FlexAttention with a
+    block-sparse mask (`flex_attention.py`). GPU training; CPU forward only.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -27,9 +29,10 @@ from torch import nn
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import apply_interleaved_rope, softmax_scale_for
 from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.indexer import Indexer
 
-ATTENTION_BACKENDS = ("eager", "sdpa")
+ATTENTION_BACKENDS = ("eager", "sdpa", "flex")
 
 
 def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
@@ -126,16 +129,18 @@ class MLAttention(nn.Module):
         q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
 
         if self.indexer is not None:
-            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed)
+            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal)
         else:
             assert shared is not None, "a shared-indexer layer needs an earlier full layer"
             selection = shared
         sparse_BST, all_selected = selection
 
+        causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
         if self.backend == "eager":
             out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
+        elif self.backend == "flex":
+            out_BNSV = flex_sparse_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
         else:
-            causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
             out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix,
                                       self.query_block)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)

@@ -10,10 +10,17 @@ indexer loss), so by default it runs under `no_grad` here too.
 Note the rope slice sits *first* in the indexer's heads (last in MLA's).
 
 Backends: "reference" scores all queries at once ([B, S, H, T] fp32, as
-transformers does); "chunked" scores blocks of queries so the fp32 score tensor
-stays under ~256 MiB (at S = T = 16K, H = 32 the reference would hold 32 GiB).
-Both run the same per-element arithmetic; `tests/models/test_indexer.py` checks
-that they select the same keys.
+transformers does); "chunked" scores blocks of queries over only the keys up to the
+block's end, so the fp32 score tensor stays under ~256 MiB (at S = T = 16K, H = 32
+the reference would hold 32 GiB); "fused" is "chunked" with the scores from one
+Triton kernel (`glmtune.kernels.indexer_scores`) that never writes the per-head
+scores. In one-document rows the first k queries are not scored at all: they select
+every key of their past. `tests/models/test_indexer.py` checks that the backends
+select the same keys (the fused kernel's fp32 sums may round differently, so there
+the selections may differ only among keys whose scores tie within that rounding).
+
+The selection runs as one custom op (`glmtune::dsa_topk_mask`) so activation
+checkpointing can keep its output instead of recomputing it (`parallelize.py`).
 
 Legend: B batch, S queries, T keys, H indexer heads, D indexer head dim, K top-k.
 """
@@ -24,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmtune.kernels.indexer_scores import indexer_scores
 from glmtune.models.common.rope import apply_interleaved_rope
 from glmtune.models.glm5.args import Glm5Args
 
-INDEXER_BACKENDS = ("reference", "chunked")
+INDEXER_BACKENDS = ("reference", "chunked", "fused")
 _CHUNK_SCORE_BYTES = 256 * 2**20
 
 
@@ -72,19 +80,6 @@ class Indexer(nn.Module):
         """Index scores [B, S, T] in fp32 (unmasked), all queries at once (the reference)."""
         return self.combine(*self.project(x_BSD, q_resid_BSR, cos, sin), self.softmax_scale)
 
-    def _select_chunked(self, x_BSD, q_resid_BSR, cos, sin, allowed_BST) -> torch.Tensor:
-        q_BSHD, k_BTD, weights_BSH = self.project(x_BSD, q_resid_BSR, cos, sin)
-        batch, seq_len, num_heads, _ = q_BSHD.shape
-        num_keys = k_BTD.shape[1]
-        chunk = max(1, _CHUNK_SCORE_BYTES // (4 * batch * num_heads * num_keys))
-        topk_BSK = torch.empty(batch, seq_len, self.index_topk, dtype=torch.long, device=x_BSD.device)
-        for start in range(0, seq_len, chunk):
-            end = min(start + chunk, seq_len)
-            scores = self.combine(q_BSHD[:, start:end], k_BTD, weights_BSH[:, start:end], self.softmax_scale)
-            scores = scores.masked_fill(~allowed_BST[:, start:end], torch.finfo(scores.dtype).min)
-            topk_BSK[:, start:end] = scores.topk(self.index_topk, dim=-1).indices
-        return topk_BSK
-
     def forward(
         self,
         x_BSD: torch.Tensor,
@@ -93,6 +88,7 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
         allowed_BST: torch.Tensor,
         sparse_needed: bool = True,
+        plain_causal: bool = False,
     ) -> tuple[torch.Tensor, bool]:
         """The sparse attention mask, bool [B, S, T] (True where allowed and selected), and
         whether it selects every allowed key (then it *is* `allowed_BST`).
@@ -100,21 +96,60 @@ class Indexer(nn.Module):
         `sparse_needed` is False when no query has more than top-k allowed keys (short
         rows, or packed documents all shorter than k; the model computes it once per
         forward): top-k would then select every allowed key, so the mask is the
-        block-causal one. Exact, and it skips the [B, S, H, T] scores.
+        block-causal one. Exact, and it skips the [B, S, H, T] scores. `plain_causal`
+        says the rows are single documents: then the first k queries are not scored.
         """
         if not sparse_needed:
             return allowed_BST, True
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
-            if self.backend == "chunked":
-                topk_BSK = self._select_chunked(x_BSD, q_resid_BSR, cos, sin, allowed_BST)
-            else:
+            if self.backend == "reference":
                 scores_BST = self.scores(x_BSD, q_resid_BSR, cos, sin)
                 scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)
                 topk_BSK = scores_BST.topk(self.index_topk, dim=-1).indices
-        selected_BST = torch.zeros_like(allowed_BST).scatter(-1, topk_BSK, True)
-        return allowed_BST & selected_BST, False
+                selected_BST = torch.zeros_like(allowed_BST).scatter(-1, topk_BSK, True)
+                return allowed_BST & selected_BST, False
+            q_BSHD, k_BTD, weights_BSH = self.project(x_BSD, q_resid_BSR, cos, sin)
+        first_query = self.index_topk if plain_causal else 0
+        mask_BST = torch.ops.glmtune.dsa_topk_mask(q_BSHD, k_BTD, weights_BSH, allowed_BST, self.softmax_scale,
+                                                    self.index_topk, first_query, self.backend == "fused")
+        return mask_BST, False
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):
             nn.init.normal_(linear.weight, mean=0.0, std=std)
         self.k_norm.reset_parameters()
+
+
+@torch.library.custom_op("glmtune::dsa_topk_mask", mutates_args=())
+def dsa_topk_mask(q_BSHD: torch.Tensor, k_BTD: torch.Tensor, weights_BSH: torch.Tensor, allowed_BST: torch.Tensor,
+                  softmax_scale: float, topk: int, first_query: int, fused: bool) -> torch.Tensor:
+    """Bool [B, S, T]: allowed and among the query's top-k index scores.
+
+    Queries before `first_query` keep every allowed key (the caller knows they have at
+    most k). Later queries are scored in chunks [a, b) over keys [0, b) only: the
+    allowed mask is causal, so later keys can never be chosen.
+    """
+    batch, seq_len, num_heads, _ = q_BSHD.shape
+    mask_BST = allowed_BST.clone()
+    heads_held = 1 if fused else num_heads  # the reference holds every head's fp32 scores
+    chunk = max(1, _CHUNK_SCORE_BYTES // (4 * batch * heads_held * k_BTD.shape[1]))
+    for start in range(first_query, seq_len, chunk):
+        end = min(start + chunk, seq_len)
+        if end <= topk:  # no query here has more than k allowed keys: all selected
+            continue
+        q_chunk, w_chunk, k_keys = q_BSHD[:, start:end], weights_BSH[:, start:end], k_BTD[:, :end]
+        if fused:
+            scores = indexer_scores(q_chunk, k_keys, w_chunk, softmax_scale, causal_offset=start)
+        else:
+            scores = Indexer.combine(q_chunk, k_keys, w_chunk, softmax_scale)
+        allowed_chunk = allowed_BST[:, start:end, :end]
+        scores = scores.masked_fill(~allowed_chunk, torch.finfo(scores.dtype).min)
+        top = scores.topk(topk, dim=-1, sorted=False).indices
+        selected = torch.zeros_like(allowed_chunk).scatter_(-1, top, True)
+        mask_BST[:, start:end, :end] &= selected
+    return mask_BST
+
+
+@dsa_topk_mask.register_fake
+def _(q_BSHD, k_BTD, weights_BSH, allowed_BST, softmax_scale, topk, first_query, fused):
+    return torch.empty(allowed_BST.shape, dtype=torch.bool, device=allowed_BST.device)

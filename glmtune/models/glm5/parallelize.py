@@ -3,7 +3,7 @@
 Transformations apply in this fixed order, each one optional:
   1. expert parallelism (EP)       - routed experts sharded over an `ep` mesh axis
   2. context parallelism (CP)      - sequence sharded over a `cp` mesh axis
-  3. activation checkpointing (AC) - per decoder layer
+  3. activation checkpointing (AC) - per decoder layer, keeping the indexer's top-k mask
   4. torch.compile                 - per decoder layer (the unit AC and FSDP wrap)
   5. FSDP2 (`fully_shard`)         - per decoder layer, then the root
 
@@ -20,18 +20,28 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from glmtune.models.glm5.model import Glm5ForCausalLM
 
 
+def _keep_indexer_selection(ctx, func, *args, **kwargs):
+    # The DSA top-k mask (scores over every past key, then top-k) is costly to recompute
+    # and small to keep (S x T bools per layer); everything else is recomputed.
+    if func is torch.ops.glmtune.dsa_topk_mask.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _checkpointed_forward(original_forward, *args, **kwargs):
-    return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_indexer_selection)
+    return checkpoint(original_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def apply_activation_checkpointing(model: Glm5ForCausalLM) -> None:
-    """Recompute each decoder layer in backward. Parameter names are unchanged (no wrapper
-    module), so checkpoints and adapters see the same keys with AC on or off."""
+    """Recompute each decoder layer in backward, except its indexer's top-k selection.
+    Parameter names are unchanged (no wrapper module), so checkpoints and adapters see
+    the same keys with AC on or off."""
     for layer in model.model.layers:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward)
 

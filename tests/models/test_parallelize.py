@@ -1,0 +1,34 @@
+"""parallelize_glm5 on one process: activation checkpointing recomputes layers but keeps
+the indexer's top-k mask, and changes neither the loss nor the gradients."""
+
+import torch
+
+import glmtune.models.glm5.indexer as indexer_module
+from glmtune.models.glm5.args import get_preset
+from glmtune.models.glm5.model import build_model
+from glmtune.models.glm5.parallelize import parallelize_glm5
+
+
+def _step(model, x):
+    out = model(x, targets=torch.roll(x, -1, 1))
+    (out.loss_sum / out.num_targets).backward()
+    return out.loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_checkpointing_keeps_the_indexer_selection(monkeypatch):
+    args = get_preset("tiny").replace(index_topk=16)
+    x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
+    scored = []
+    original = indexer_module.Indexer.combine
+    monkeypatch.setattr(indexer_module.Indexer, "combine",
+                        staticmethod(lambda *a: scored.append(1) or original(*a)))
+    plain_loss, plain_grads = _step(build_model(args, seed=0), x)
+    plain_calls, scored[:] = len(scored), []
+    model = parallelize_glm5(build_model(args, seed=0), activation_checkpointing=True)
+    loss, grads = _step(model, x)
+    assert plain_calls == args.indexer_types.count("full")  # one chunk per indexer layer, scored once
+    assert len(scored) == plain_calls  # the recompute reused every saved mask
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
