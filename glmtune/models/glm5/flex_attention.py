@@ -23,7 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-BLOCK = 128  # FlexAttention tile (queries and keys)
+BLOCK = 128  # BlockMask tile (queries and keys)
+KERNEL_OPTIONS: dict | None = None  # FlexAttention kernel tiles; None lets inductor choose
 
 
 @functools.cache
@@ -37,8 +38,10 @@ def _flex(q_BNSK, k_BNTK, v_BNTV, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
     if q_BNSK.device.type == "cpu" or torch.compiler.is_compiling():
-        return flex_attention(q_BNSK, k_BNTK, v_BNTV, block_mask=block_mask, scale=scale)
-    return _compiled_flex()(q_BNSK, k_BNTK, v_BNTV, block_mask=block_mask, scale=scale)
+        return flex_attention(q_BNSK, k_BNTK, v_BNTV, block_mask=block_mask, scale=scale,
+                              kernel_options=KERNEL_OPTIONS)
+    return _compiled_flex()(q_BNSK, k_BNTK, v_BNTV, block_mask=block_mask, scale=scale,
+                            kernel_options=KERNEL_OPTIONS)
 
 
 def sparse_block_mask(mask_BST: torch.Tensor):
