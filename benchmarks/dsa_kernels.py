@@ -49,9 +49,8 @@ def random_topk_mask(seq, topk, gen):
     return (allowed & torch.zeros_like(allowed).scatter(-1, top, True)).unsqueeze(0)
 
 
-FLEX_VARIANTS = {"default": None, "m64n64": {"BLOCK_M": 64, "BLOCK_N": 64},
-                 "m128n64s2": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2},
-                 "m64n128s2": {"BLOCK_M": 64, "BLOCK_N": 128, "num_stages": 2}}
+FLEX_VARIANTS = {"m128n64s2": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2},
+                 "m64n64s1": {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}}
 
 
 def check_attention(seq, topk=2048, heads=64):
@@ -67,7 +66,19 @@ def check_attention(seq, topk=2048, heads=64):
     results = {}
     import glmtune.models.glm5.flex_attention as flex_module
 
-    variants = [("sdpa", lambda: sdpa_attention(q, k, v, mask, scale, prefix), None)]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa_with(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return sdpa_attention(q, k, v, mask, scale, prefix)
+        return run
+
+    variants = [("sdpa", lambda: sdpa_attention(q, k, v, mask, scale, prefix), None),
+                ("sdpa_cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION), None),
+                ("sdpa_efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION), None),
+                ("causal_flash_no_topk", lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale), None)]
     variants += [(f"flex_{key}", lambda: flex_sparse_attention(q, k, v, mask, scale, prefix), options)
                  for key, options in FLEX_VARIANTS.items()]
     for name, fn, options in variants:
@@ -89,8 +100,7 @@ def check_attention(seq, topk=2048, heads=64):
             results[name + "_error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
     ref_out, ref_grads = results["sdpa"]
     line = {"check": "attention", "seq": seq, "sdpa_fwd_bwd_ms": round(results["sdpa_ms"], 2)}
-    for key in FLEX_VARIANTS:
-        name = f"flex_{key}"
+    for name in ["sdpa_cudnn", "sdpa_efficient", "causal_flash_no_topk"] + [f"flex_{k}" for k in FLEX_VARIANTS]:
         if name not in results:
             line[name] = results[name + "_error"]
             continue

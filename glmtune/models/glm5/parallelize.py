@@ -3,7 +3,7 @@
 Transformations apply in this fixed order, each one optional:
   1. expert parallelism (EP)       - routed experts sharded over an `ep` mesh axis
   2. context parallelism (CP)      - sequence sharded over a `cp` mesh axis
-  3. activation checkpointing (AC) - per decoder layer, keeping the indexer's top-k mask
+  3. activation checkpointing (AC) - per decoder layer, keeping top-k masks and attention outputs
   4. torch.compile                 - per decoder layer (the unit AC and FSDP wrap)
   5. FSDP2 (`fully_shard`)         - per decoder layer, then the root
 
@@ -25,21 +25,35 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from glmtune.models.glm5.model import Glm5ForCausalLM
 
 
-def _keep_indexer_selection(ctx, func, *args, **kwargs):
-    # The DSA top-k mask (scores over every past key, then top-k) is costly to recompute
-    # and small to keep (S x T bools per layer); everything else is recomputed.
-    if func is torch.ops.glmtune.dsa_topk_mask.default:
+def _saved_under_checkpointing():
+    aten = torch.ops.aten
+    ops = [torch.ops.glmtune.dsa_topk_mask.default]  # registered by the model's indexer module
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            ops.append(getattr(aten, name).default)
+    return frozenset(ops)
+
+
+_SAVED = _saved_under_checkpointing()
+
+
+def _keep_selection_and_attention(ctx, func, *args, **kwargs):
+    # Recompute is cheap for everything but the layer's quadratic parts: the DSA top-k
+    # mask (scores over every past key, then top-k; S x T bools) and the attention
+    # itself (output and log-sum-exp: ~N x S x (V + 1) per layer). Those are kept.
+    if func in _SAVED:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed_forward(original_forward, *args, **kwargs):
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_indexer_selection)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_selection_and_attention)
     return checkpoint(original_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def apply_activation_checkpointing(model: Glm5ForCausalLM) -> None:
-    """Recompute each decoder layer in backward, except its indexer's top-k selection.
+    """Recompute each decoder layer in backward, except its top-k selection and attention.
     Parameter names are unchanged (no wrapper module), so checkpoints and adapters see
     the same keys with AC on or off."""
     for layer in model.model.layers:
