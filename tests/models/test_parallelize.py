@@ -1,9 +1,12 @@
-"""parallelize_glm5 on one process: activation checkpointing recomputes layers but keeps
-the indexer's top-k mask, and changes neither the loss nor the gradients."""
+"""parallelize_glm5 on one process: activation checkpointing ("full" or "selective")
+changes neither the loss nor the gradients; "selective" keeps the indexer's top-k mask
+(and attention, wide matmuls) instead of recomputing it."""
 
+import pytest
 import torch
 
 import glmtune.models.glm5.indexer as indexer_module
+import glmtune.models.glm5.parallelize as parallelize_module
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.parallelize import parallelize_glm5
@@ -15,20 +18,28 @@ def _step(model, x):
     return out.loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_checkpointing_keeps_the_indexer_selection(monkeypatch):
+@pytest.mark.parametrize("mode,min_k,recomputed_scores", [("selective", 4096, 0), ("selective", 64, 0),
+                                                          ("full", 4096, 2)])
+def test_checkpointing_modes(monkeypatch, mode, min_k, recomputed_scores):
     args = get_preset("tiny").replace(index_topk=16)
     x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
     scored = []
     original = indexer_module.Indexer.combine
     monkeypatch.setattr(indexer_module.Indexer, "combine",
                         staticmethod(lambda *a: scored.append(1) or original(*a)))
+    monkeypatch.setattr(parallelize_module, "KEEP_MATMUL_MIN_K", min_k)  # 64: keeps tiny's 128-wide products
     plain_loss, plain_grads = _step(build_model(args, seed=0), x)
     plain_calls, scored[:] = len(scored), []
-    model = parallelize_glm5(build_model(args, seed=0), activation_checkpointing=True)
+    model = parallelize_glm5(build_model(args, seed=0), activation_checkpointing=mode)
     loss, grads = _step(model, x)
-    assert plain_calls == args.indexer_types.count("full")  # one chunk per indexer layer, scored once
-    assert len(scored) == plain_calls  # the recompute reused every saved mask
+    assert plain_calls == args.indexer_types.count("full")  # one chunk per indexer layer
+    assert len(scored) == plain_calls + recomputed_scores
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_unknown_checkpointing_mode_is_refused():
+    with pytest.raises(ValueError, match="activation_checkpointing='some'"):
+        parallelize_glm5(build_model(get_preset("tiny"), seed=0), activation_checkpointing="some")

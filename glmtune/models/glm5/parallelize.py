@@ -3,7 +3,8 @@
 Transformations apply in this fixed order, each one optional:
   1. expert parallelism (EP)       - routed experts sharded over an `ep` mesh axis
   2. context parallelism (CP)      - sequence sharded over a `cp` mesh axis
-  3. activation checkpointing (AC) - per decoder layer, keeping top-k masks and attention outputs
+  3. activation checkpointing (AC) - per decoder layer: "full", or "selective" (keeps top-k
+                                     masks, attention and wide matmul outputs)
   4. torch.compile                 - per decoder layer (the unit AC and FSDP wrap)
   5. FSDP2 (`fully_shard`)         - per decoder layer, then the root
 
@@ -38,26 +39,46 @@ def _saved_under_checkpointing():
 _SAVED = _saved_under_checkpointing()
 
 
-def _keep_selection_and_attention(ctx, func, *args, **kwargs):
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _MATMULS[torch.ops.aten._grouped_mm.default] = 0
+# Matmul outputs are kept when their reduction dim is at least this: recomputing one kept
+# bf16 element would cost 2 x K FLOPs. At GLM-5 widths that keeps the products of the
+# 6144-wide hidden state (q_a, kv_a, expert gate/up, router) and of the 16384-wide
+# attention output (o_proj), and recomputes the cheap-per-byte ones (q_b, kv_b, expert down).
+KEEP_MATMUL_MIN_K = 4096
+
+
+def _keep_quadratic_and_wide_matmuls(min_k, ctx, func, *args, **kwargs):
     # Recompute is cheap for everything but the layer's quadratic parts: the DSA top-k
     # mask (scores over every past key, then top-k; S x T bools) and the attention
-    # itself (output and log-sum-exp: ~N x S x (V + 1) per layer). Those are kept.
+    # itself (output and log-sum-exp: ~N x S x (V + 1) per layer). Those are kept, and
+    # so are matmuls expensive per kept byte (above).
     if func in _SAVED:
+        return CheckpointPolicy.MUST_SAVE
+    operand = _MATMULS.get(func)
+    if operand is not None and min_k is not None and args[operand].shape[-1] >= min_k:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed_forward(original_forward, *args, **kwargs):
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_selection_and_attention)
+def _checkpointed_forward(original_forward, selective, *args, **kwargs):
+    if not selective:
+        return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
+    policy = functools.partial(_keep_quadratic_and_wide_matmuls, KEEP_MATMUL_MIN_K)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     return checkpoint(original_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def apply_activation_checkpointing(model: Glm5ForCausalLM) -> None:
-    """Recompute each decoder layer in backward, except its top-k selection and attention.
-    Parameter names are unchanged (no wrapper module), so checkpoints and adapters see
-    the same keys with AC on or off."""
+def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selective") -> None:
+    """Recompute each decoder layer in backward. "full" recomputes everything (least
+    memory); "selective" keeps the top-k selection, the attention and the matmuls with a
+    reduction dim >= KEEP_MATMUL_MIN_K. Parameter names are unchanged (no wrapper
+    module), so checkpoints and adapters see the same keys in every mode."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
     for layer in model.model.layers:
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, mode == "selective")
 
 
 def apply_compile(model: Glm5ForCausalLM) -> None:
@@ -82,7 +103,7 @@ def parallelize_glm5(
     cp: int = 1,
     tp: int = 1,
     pp: int = 1,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str = "none",
     compile: bool = False,
     mesh=None,
     param_dtype: torch.dtype | None = None,
@@ -93,8 +114,8 @@ def parallelize_glm5(
         if degree != 1:
             raise ValueError(f"{name}={degree}: this glmtune version trains with FSDP2 data parallelism only; "
                              f"set {name}: 1 (expert/context/tensor/pipeline parallelism are not built yet)")
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if activation_checkpointing != "none":
+        apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)
     if world_size > 1:
