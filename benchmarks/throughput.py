@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--docs", type=int, default=1, help="documents packed per row")
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-mode", choices=["selective", "full"], default="selective", help="glmtune AC mode")
+    p.add_argument("--ac-min-k", type=int, default=None,
+                   help="selective AC keeps matmul outputs with reduction dim >= this (default: parallelize's)")
+    p.add_argument("--query-block", type=int, default=None, help="sdpa backend: queries per masked block")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
     p.add_argument("--attention", default="sdpa", help="glmtune attention backend")
@@ -176,6 +179,13 @@ def run_glmtune(cfg, state, batches, a):
                         indexer_backend=a.indexer)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
+    if a.ac_min_k is not None:
+        import glmtune.models.glm5.parallelize as parallelize_module
+
+        parallelize_module.KEEP_MATMUL_MIN_K = a.ac_min_k
+    if a.query_block is not None:
+        for layer in model.model.layers:
+            layer.self_attn.query_block = a.query_block
     parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=DEVICE == "cuda")
