@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-mode", choices=["selective", "full"], default="selective", help="glmtune AC mode")
     p.add_argument("--ac-min-k", type=int, default=None,
                    help="selective AC keeps matmul outputs with reduction dim >= this (default: parallelize's)")
+    p.add_argument("--optimizer", choices=["torch", "triton"], default="torch",
+                   help="glmtune's AdamW: torch's fused kernel (as transformers gets) or glmtune's Triton kernel")
     p.add_argument("--query-block", type=int, default=None, help="sdpa backend: queries per masked block")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
@@ -188,7 +190,13 @@ def run_glmtune(cfg, state, batches, a):
             layer.self_attn.query_block = a.query_block
     parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=DEVICE == "cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if a.optimizer == "triton":
+        from glmtune.train.optim import TritonAdamW
+
+        opt = TritonAdamW(trainable, lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(trainable, lr=1e-5, fused=DEVICE == "cuda")
     pos = positions.to(DEVICE)
 
     def step(i):
@@ -230,7 +238,7 @@ def report(name, cfg, a, lengths, measured):
     tokens = a.batch * a.seq
     tok_s = tokens / seconds
     tflops = flops_per_token(cfg, a.layers, a.dense, lengths) * tok_s / 1e12
-    return {"impl": name, "seq": a.seq, "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
+    return {"impl": name, "seq": a.seq, "optimizer": a.optimizer if name == "glmtune" else "torch", "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
             "layers": a.layers, "experts": a.experts, "step_s": round(seconds, 4), "tok_s": round(tok_s, 1),
             "tflops": round(tflops, 1), "mfu": round(tflops / PEAK_BF16_TFLOPS, 4), "peak_gib": round(peak, 2),
             "losses": [round(x, 5) for x in losses]}

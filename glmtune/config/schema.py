@@ -118,7 +118,7 @@ class OptimConfig:
     weight_decay: float = 0.0  # decoupled weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # Adam moment decay rates
     eps: float = 1e-8  # Adam denominator epsilon
-    fused: bool | Literal["auto"] = "auto"  # fused AdamW kernel; auto = on for cuda
+    fused: bool | Literal["auto", "triton"] = "auto"  # fused AdamW kernel; auto = torch's on cuda; triton = glmtune's
     scheduler: Literal["cosine", "constant", "linear"] = "cosine"  # decay after warmup
     warmup_steps: int = 0  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine/linear)

@@ -2,6 +2,11 @@
 
 Weight decay applies to matrices only; norms, biases and 1-D tensors are exempt,
 as is common practice for transformer fine-tuning.
+
+`optim.fused`: "auto" uses torch's fused AdamW on CUDA; "triton" uses `TritonAdamW`,
+the same update from one bandwidth-bound Triton kernel per tensor
+(`glmtune/kernels/adamw.py`), whose state dict is torch AdamW's (either can resume
+the other's checkpoint).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ def _fused_supported(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                    fused: str | bool = "auto") -> torch.optim.AdamW:
+                    fused: str | bool = "auto") -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for _, param in model.named_parameters():
         if not param.requires_grad:
@@ -24,8 +29,54 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
     params = decay + no_decay
     if not params:
         raise ValueError("no trainable parameters: check model freezing / peft target_modules")
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if fused == "triton":
+        from glmtune.kernels import adamw
+
+        if not adamw.available() or not _fused_supported(params):
+            raise ValueError("optim.fused: triton needs the triton package and all parameters on CUDA")
+        return TritonAdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
     use_fused = _fused_supported(params) if fused == "auto" else bool(fused)
     if use_fused and not _fused_supported(params):
         raise ValueError("optim.fused: true needs all parameters on CUDA")
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds (FSDP2 parameters are DTensors)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class TritonAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with torch's defaults and state layout, updated by
+    one Triton kernel per tensor. No amsgrad, maximize or closure-free differentiable mode."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+                        foreach=None, capturable=False, differentiable=False, fused=None)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from glmtune.kernels.adamw import adamw_step_
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:  # as torch.optim.AdamW lays it out: a CPU step counter, states like p
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["step"] += 1
+                adamw_step_(_local(param), _local(param.grad), _local(state["exp_avg"]),
+                            _local(state["exp_avg_sq"]), step=int(state["step"].item()), lr=float(group["lr"]),
+                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
