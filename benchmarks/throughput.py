@@ -181,14 +181,11 @@ def run_glmtune(cfg, state, batches, a):
                         indexer_backend=a.indexer)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
-    if a.ac_min_k is not None:
-        import glmtune.models.glm5.parallelize as parallelize_module
-
-        parallelize_module.KEEP_MATMUL_MIN_K = a.ac_min_k
     if a.query_block is not None:
         for layer in model.model.layers:
             layer.self_attn.query_block = a.query_block
-    parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile)
+    keep = {} if a.ac_min_k is None else {"ac_keep_matmul_min_k": a.ac_min_k}
+    parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile, **keep)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if a.optimizer == "triton":

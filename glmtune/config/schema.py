@@ -155,6 +155,7 @@ class ParallelConfig:
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute layers in backward; selective keeps top-k masks, attention, wide matmuls
+    ac_keep_matmul_min_k: int = 4096  # selective AC keeps matmul outputs whose reduction dim is >= this
     compile: bool = False  # torch.compile each decoder layer
     launcher: Literal["torchrun", "slurm"] = "torchrun"  # how `glmtune train` starts processes
     nodes: int | None = None  # number of hosts; with gpus_per_node fixes world_size

@@ -112,7 +112,8 @@ def run_training(cfg: JobConfig) -> int:
 
     parallelize_glm5(
         model, world_size=info.world_size, ep=degrees.ep, cp=degrees.cp, tp=degrees.tp, pp=degrees.pp,
-        activation_checkpointing=cfg.parallel.activation_checkpointing, compile=cfg.parallel.compile,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        ac_keep_matmul_min_k=cfg.parallel.ac_keep_matmul_min_k, compile=cfg.parallel.compile,
     )
     o = cfg.optim
     optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import glmtune.models.glm5.indexer as indexer_module
-import glmtune.models.glm5.parallelize as parallelize_module
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.parallelize import parallelize_glm5
@@ -27,10 +26,10 @@ def test_checkpointing_modes(monkeypatch, mode, min_k, recomputed_scores):
     original = indexer_module.Indexer.combine
     monkeypatch.setattr(indexer_module.Indexer, "combine",
                         staticmethod(lambda *a: scored.append(1) or original(*a)))
-    monkeypatch.setattr(parallelize_module, "KEEP_MATMUL_MIN_K", min_k)  # 64: keeps tiny's 128-wide products
     plain_loss, plain_grads = _step(build_model(args, seed=0), x)
     plain_calls, scored[:] = len(scored), []
-    model = parallelize_glm5(build_model(args, seed=0), activation_checkpointing=mode)
+    model = parallelize_glm5(build_model(args, seed=0), activation_checkpointing=mode,
+                             ac_keep_matmul_min_k=min_k)  # 64: keeps tiny's 128-wide products
     loss, grads = _step(model, x)
     assert plain_calls == args.indexer_types.count("full")  # one chunk per indexer layer
     assert len(scored) == plain_calls + recomputed_scores

@@ -57,28 +57,30 @@ def _keep_quadratic_and_wide_matmuls(min_k, ctx, func, *args, **kwargs):
     if func in _SAVED:
         return CheckpointPolicy.MUST_SAVE
     operand = _MATMULS.get(func)
-    if operand is not None and min_k is not None and args[operand].shape[-1] >= min_k:
+    if operand is not None and args[operand].shape[-1] >= min_k:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed_forward(original_forward, selective, *args, **kwargs):
-    if not selective:
+def _checkpointed_forward(original_forward, keep_min_k, *args, **kwargs):
+    if keep_min_k is None:  # full recompute
         return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
-    policy = functools.partial(_keep_quadratic_and_wide_matmuls, KEEP_MATMUL_MIN_K)
+    policy = functools.partial(_keep_quadratic_and_wide_matmuls, keep_min_k)
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     return checkpoint(original_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selective") -> None:
+def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selective",
+                                   keep_matmul_min_k: int = KEEP_MATMUL_MIN_K) -> None:
     """Recompute each decoder layer in backward. "full" recomputes everything (least
     memory); "selective" keeps the top-k selection, the attention and the matmuls with a
-    reduction dim >= KEEP_MATMUL_MIN_K. Parameter names are unchanged (no wrapper
+    reduction dim >= `keep_matmul_min_k`. Parameter names are unchanged (no wrapper
     module), so checkpoints and adapters see the same keys in every mode."""
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
+    keep = keep_matmul_min_k if mode == "selective" else None
     for layer in model.model.layers:
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward, mode == "selective")
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, keep)
 
 
 def apply_compile(model: Glm5ForCausalLM) -> None:
@@ -104,6 +106,7 @@ def parallelize_glm5(
     tp: int = 1,
     pp: int = 1,
     activation_checkpointing: str = "none",
+    ac_keep_matmul_min_k: int = KEEP_MATMUL_MIN_K,
     compile: bool = False,
     mesh=None,
     param_dtype: torch.dtype | None = None,
@@ -115,7 +118,7 @@ def parallelize_glm5(
             raise ValueError(f"{name}={degree}: this glmtune version trains with FSDP2 data parallelism only; "
                              f"set {name}: 1 (expert/context/tensor/pipeline parallelism are not built yet)")
     if activation_checkpointing != "none":
-        apply_activation_checkpointing(model, activation_checkpointing)
+        apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
     if world_size > 1:
