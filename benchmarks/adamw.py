@@ -53,7 +53,8 @@ def main() -> int:
     finals = {}
     for name in ("torch_fused", "triton"):
         params = make(0)
-        grads = [torch.randn_like(p).mul_(1e-3) for p in params]
+        gen = torch.Generator(device="cuda").manual_seed(1)  # the same gradients for both
+        grads = [torch.randn(p.shape, generator=gen, device="cuda", dtype=p.dtype).mul_(1e-3) for p in params]
         opt = (torch.optim.AdamW(params, fused=True, **hyper) if name == "torch_fused"
                else TritonAdamW(params, **hyper))
         results[name + "_ms"] = round(timed(opt, params, grads, 3), 2)
