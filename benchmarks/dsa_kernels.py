@@ -64,9 +64,9 @@ def check_attention(seq, topk=2048, heads=64):
     scale = 192**-0.5
     prefix = min(topk, seq)
     results = {}
-    import glmtune.models.glm5.flex_attention as flex_module
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import glmtune.models.glm5.flex_attention as flex_module
 
     def sdpa_with(backend):
         def run():

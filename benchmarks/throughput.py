@@ -49,16 +49,17 @@ def parse_args(argv=None):
     p.add_argument("--docs", type=int, default=1, help="documents packed per row")
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--ckpt-mode", choices=["selective", "full"], default="selective", help="glmtune AC mode")
-    p.add_argument("--ac-min-k", type=int, default=None,
-                   help="selective AC keeps matmul outputs with reduction dim >= this (default: parallelize's)")
-    p.add_argument("--optimizer", choices=["torch", "triton"], default="torch",
-                   help="glmtune's AdamW: torch's fused kernel (as transformers gets) or glmtune's Triton kernel")
+    p.add_argument("--ac-min-k", type=int, default=2048,
+                   help="selective AC keeps matmul outputs with reduction dim >= this (glmtune's config default: 4096)")
+    p.add_argument("--optimizer", choices=["torch", "triton"],
+                   default="triton" if torch.cuda.is_available() else "torch",
+                   help="glmtune's AdamW: torch's fused kernel (what transformers gets) or glmtune's Triton kernel "
+                        "(optim.fused: triton; the GPU default here)")
     p.add_argument("--query-block", type=int, default=None, help="sdpa backend: queries per masked block")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
     p.add_argument("--attention", default="sdpa", help="glmtune attention backend")
-    p.add_argument("--indexer", default="fused" if torch.cuda.is_available() else "chunked",
-                   help="glmtune indexer backend (fused: Triton, the GPU default)")
+    p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
     p.add_argument("--profile", action="store_true", help="write a torch profiler table for glmtune")
     p.add_argument("--tiny", action="store_true", help="narrow widths: a CPU smoke test of this script")
     p.add_argument("--out", default=None)
@@ -184,8 +185,8 @@ def run_glmtune(cfg, state, batches, a):
     if a.query_block is not None:
         for layer in model.model.layers:
             layer.self_attn.query_block = a.query_block
-    keep = {} if a.ac_min_k is None else {"ac_keep_matmul_min_k": a.ac_min_k}
-    parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile, **keep)
+    parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
+                     ac_keep_matmul_min_k=a.ac_min_k)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if a.optimizer == "triton":
@@ -235,7 +236,8 @@ def report(name, cfg, a, lengths, measured):
     tokens = a.batch * a.seq
     tok_s = tokens / seconds
     tflops = flops_per_token(cfg, a.layers, a.dense, lengths) * tok_s / 1e12
-    return {"impl": name, "seq": a.seq, "optimizer": a.optimizer if name == "glmtune" else "torch", "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
+    return {"impl": name, "seq": a.seq, "optimizer": a.optimizer if name == "glmtune" else "torch",
+            "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
             "layers": a.layers, "experts": a.experts, "step_s": round(seconds, 4), "tok_s": round(tok_s, 1),
             "tflops": round(tflops, 1), "mfu": round(tflops / PEAK_BF16_TFLOPS, 4), "peak_gib": round(peak, 2),
             "losses": [round(x, 5) for x in losses]}

@@ -92,7 +92,7 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     attention_backend: str = "sdpa",
     moe_backend: str = "grouped_mm",
-    indexer_backend: str = "chunked",
+    indexer_backend: str = "auto",
 ) -> Glm5ForCausalLM:
     """Load a local HF GLM-5 directory (config.json + safetensors) into a glmtune model."""
     path = Path(path)

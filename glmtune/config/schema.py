@@ -53,9 +53,9 @@ class ModelConfig:
     name_or_path: str = "tiny"  # a preset (tiny|glm5|glm5.1|glm5.2|glm5.3) or a local HF directory with config.json
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameter dtype
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
-    attention_backend: Literal["sdpa", "eager", "flex"] = "sdpa"  # MLA attention: SDPA, eager reference, FlexAttention (GPU)
+    attention_backend: Literal["sdpa", "eager", "flex"] = "sdpa"  # MLA attention: SDPA, eager, FlexAttention (GPU)
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
-    indexer_backend: Literal["chunked", "reference", "fused"] = "chunked"  # DSA scores: query blocks, all at once, or Triton
+    indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
     indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
     validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable
 
@@ -154,7 +154,8 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # recompute layers in backward; selective keeps top-k masks, attention, wide matmuls
+    # recompute layers in backward; "selective" keeps top-k masks, attention and wide matmul outputs
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_keep_matmul_min_k: int = 4096  # selective AC keeps matmul outputs whose reduction dim is >= this
     compile: bool = False  # torch.compile each decoder layer
     launcher: Literal["torchrun", "slurm"] = "torchrun"  # how `glmtune train` starts processes

@@ -71,12 +71,13 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
         if m.overrides:
             args = args.replace(**m.overrides)
         model = build_model(args, dtype, device, m.attention_backend, m.moe_backend,
-                            seed=cfg.train.seed if seed is None else seed)
+                            seed=cfg.train.seed if seed is None else seed, indexer_backend=m.indexer_backend)
         return model, None
     if m.overrides:
         raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
     path = Path(m.name_or_path)
-    return load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend), path
+    return load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
+                           indexer_backend=m.indexer_backend), path
 
 
 def tokenizer_dir_for(cfg: JobConfig, model_dir: Path | None) -> Path | None:

@@ -70,7 +70,7 @@ def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int
 
 class MLAttention(nn.Module):
     def __init__(self, args: Glm5Args, has_indexer: bool, backend: str = "sdpa",
-                 indexer_backend: str = "chunked") -> None:
+                 indexer_backend: str = "auto") -> None:
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {backend!r} unknown; choose from {ATTENTION_BACKENDS}")

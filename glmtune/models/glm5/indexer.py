@@ -14,7 +14,8 @@ transformers does); "chunked" scores blocks of queries over only the keys up to 
 block's end, so the fp32 score tensor stays under ~256 MiB (at S = T = 16K, H = 32
 the reference would hold 32 GiB); "fused" is "chunked" with the scores from one
 Triton kernel (`glmtune.kernels.indexer_scores`) that never writes the per-head
-scores. In one-document rows the first k queries are not scored at all: they select
+scores; "auto" is "fused" for CUDA tensors when triton is installed, else "chunked".
+In one-document rows the first k queries are not scored at all: they select
 every key of their past. `tests/models/test_indexer.py` checks that the backends
 select the same keys (the fused kernel's fp32 sums may round differently, so there
 the selections may differ only among keys whose scores tie within that rounding).
@@ -31,16 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmtune.kernels.indexer_scores import available as indexer_scores_available
 from glmtune.kernels.indexer_scores import indexer_scores
 from glmtune.models.common.rope import apply_interleaved_rope
 from glmtune.models.glm5.args import Glm5Args
 
-INDEXER_BACKENDS = ("reference", "chunked", "fused")
+INDEXER_BACKENDS = ("auto", "reference", "chunked", "fused")
 _CHUNK_SCORE_BYTES = 256 * 2**20
 
 
 class Indexer(nn.Module):
-    def __init__(self, args: Glm5Args, backend: str = "chunked") -> None:
+    def __init__(self, args: Glm5Args, backend: str = "auto") -> None:
         super().__init__()
         if backend not in INDEXER_BACKENDS:
             raise ValueError(f"indexer backend {backend!r} unknown; choose from {INDEXER_BACKENDS}")
@@ -111,8 +113,13 @@ class Indexer(nn.Module):
             q_BSHD, k_BTD, weights_BSH = self.project(x_BSD, q_resid_BSR, cos, sin)
         first_query = self.index_topk if plain_causal else 0
         mask_BST = torch.ops.glmtune.dsa_topk_mask(q_BSHD, k_BTD, weights_BSH, allowed_BST, self.softmax_scale,
-                                                    self.index_topk, first_query, self.backend == "fused")
+                                                    self.index_topk, first_query, self._fused_for(q_BSHD))
         return mask_BST, False
+
+    def _fused_for(self, q_BSHD: torch.Tensor) -> bool:
+        if self.backend == "auto":
+            return q_BSHD.is_cuda and indexer_scores_available()
+        return self.backend == "fused"
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):

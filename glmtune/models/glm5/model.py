@@ -42,7 +42,7 @@ class Glm5Output:
 class DecoderLayer(nn.Module):
     def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str,
                  has_indexer: bool | None = None, sparse_mlp: bool | None = None,
-                 indexer_backend: str = "chunked") -> None:
+                 indexer_backend: str = "auto") -> None:
         super().__init__()
         if has_indexer is None:
             has_indexer = args.indexer_types[layer_idx] == "full"
@@ -82,7 +82,7 @@ class MTPLayer(DecoderLayer):
     """
 
     def __init__(self, args: Glm5Args, layer_idx: int, attention_backend: str, moe_backend: str,
-                 indexer_backend: str = "chunked") -> None:
+                 indexer_backend: str = "auto") -> None:
         super().__init__(args, layer_idx, attention_backend, moe_backend, has_indexer=True, sparse_mlp=True,
                          indexer_backend=indexer_backend)
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -102,7 +102,7 @@ class Glm5Model(nn.Module):
     """Embedding, decoder stack and final norm (transformers' `GlmMoeDsaModel`)."""
 
     def __init__(self, args: Glm5Args, attention_backend: str, moe_backend: str,
-                 indexer_backend: str = "chunked") -> None:
+                 indexer_backend: str = "auto") -> None:
         super().__init__()
         self.padding_idx = args.pad_token_id
         self.index_topk = args.index_topk
@@ -135,7 +135,7 @@ class Glm5ForCausalLM(nn.Module):
     """The causal LM. `model(input_ids).logits` is [B, S, V]."""
 
     def __init__(self, args: Glm5Args, attention_backend: str = "sdpa", moe_backend: str = "grouped_mm",
-                 indexer_backend: str = "chunked") -> None:
+                 indexer_backend: str = "auto") -> None:
         super().__init__()
         self.args = args
         self.model = Glm5Model(args, attention_backend, moe_backend, indexer_backend)
@@ -213,7 +213,7 @@ def build_model(
     moe_backend: str = "grouped_mm",
     init: bool = True,
     seed: int | None = None,
-    indexer_backend: str = "chunked",
+    indexer_backend: str = "auto",
 ) -> Glm5ForCausalLM:
     """Construct on the meta device, then materialize on `device` in `dtype`.
 
