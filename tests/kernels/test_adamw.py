@@ -61,13 +61,48 @@ def check_matches_torch_adamw():
         torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-7)
 
 
+def check_fsdp2_sharded_parameters():
+    """FSDP2 parameters are DTensors: the kernel updates each rank's local shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from glmtune.train.optim import TritonAdamW
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
+            fully_shard(model, mesh=mesh)
+            models.append(model)
+        ours = TritonAdamW(models[0].parameters(), lr=1e-2)
+        reference = torch.optim.AdamW(models[1].parameters(), lr=1e-2, foreach=False)
+        x = torch.randn(5, 24)
+        for model, opt in ((models[0], ours), (models[1], reference)):
+            for _ in range(2):
+                model(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert type(a).__name__ == "DTensor"
+            torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_triton_adamw_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.split() == ["adamw-ok"]
+    assert done.stdout.split() == ["adamw-ok", "fsdp2-ok"]
 
 
 if __name__ == "__main__":
     check_matches_torch_adamw()
     print("adamw-ok")
+    check_fsdp2_sharded_parameters()
+    print("fsdp2-ok")
