@@ -16,9 +16,11 @@ the reference would hold 32 GiB); "fused" is "chunked" with the scores from one
 Triton kernel (`glmtune.kernels.indexer_scores`) that never writes the per-head
 scores; "auto" is "fused" for CUDA tensors when triton is installed, else "chunked".
 In one-document rows the first k queries are not scored at all: they select
-every key of their past. `tests/models/test_indexer.py` checks that the backends
-select the same keys (the fused kernel's fp32 sums may round differently, so there
-the selections may differ only among keys whose scores tie within that rounding).
+every key of their past. `tests/models/test_indexer.py` and
+`tests/kernels/test_indexer_scores.py` check that the backends select the same keys up
+to ties: exact ties (ReLU zeroes every head) may be broken differently by backends that
+score different key ranges, and the fused kernel's fp32 sums may reorder scores closer
+than their rounding; selections may differ only among keys tied with the k-th score.
 
 The selection runs as one custom op (`glmtune::dsa_topk_mask`) so activation
 checkpointing can keep its output instead of recomputing it (`parallelize.py`).
