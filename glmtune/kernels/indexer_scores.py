@@ -39,9 +39,10 @@ def available() -> bool:
 def _kernel(q_ptr, k_ptr, w_ptr, out_ptr, seq_q, seq_k, num_heads, head_dim, scale, causal_offset,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_ob, stride_os,
             CAUSAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_s = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    b = tl.program_id(2)
+    # int64 offsets: batch x S x H x D elements can pass 2^31 at long context
+    pid_s = tl.program_id(0).to(tl.int64)
+    pid_t = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
