@@ -130,13 +130,11 @@ def check_indexer(seq, topk=2048, heads=32, dim=128):
         masks[name] = dsa_topk_mask(q, k, w, allowed, scale, topk, topk, is_fused)
         timings[name] = bench_ms(lambda: dsa_topk_mask(q, k, w, allowed, scale, topk, topk, is_fused), 2, 5)
     differ = masks["chunked"] != masks["fused"]
-    full_ref = Indexer.combine(q[:, -1:], k, w[:, -1:], scale)  # spot check of tie distances below
     return {"check": "indexer", "seq": seq, "score_max_abs_diff": score_err,
             "score_max_abs": float(reference.abs().max()), "masks_differ_entries": int(differ.sum()),
             "rows_differing": int(differ.any(-1).sum()), "same_counts": bool(torch.equal(
                 masks["chunked"].sum(-1), masks["fused"].sum(-1))),
-            "chunked_ms": round(timings["chunked"], 2), "fused_ms": round(timings["fused"], 2),
-            "last_row_score_max": float(full_ref.max())}
+            "chunked_ms": round(timings["chunked"], 2), "fused_ms": round(timings["fused"], 2)}
 
 
 def main(argv=None) -> int:

@@ -93,17 +93,11 @@ def indexer_scores(q_BSHD: torch.Tensor, k_BTD: torch.Tensor, w_BSH: torch.Tenso
             raise ValueError("the fused indexer backend runs on CUDA (on CPU only under TRITON_INTERPRET=1)")
         # numpy has no bf16: widen (exactly) for Triton's CPU interpreter
         q_BSHD, k_BTD = q_BSHD.float(), k_BTD.float()
-    _launch(_compiled(), grid, q_BSHD, k_BTD, w_BSH, out, scale, causal_offset, block_s, block_t)
+    _compiled()[grid](q_BSHD, k_BTD, w_BSH, out, seq_q, seq_k, num_heads, head_dim, float(scale),
+                      0 if causal_offset is None else int(causal_offset),
+                      q_BSHD.stride(0), q_BSHD.stride(1), q_BSHD.stride(2), k_BTD.stride(0), k_BTD.stride(1),
+                      w_BSH.stride(0), w_BSH.stride(1), out.stride(0), out.stride(1),
+                      CAUSAL=causal_offset is not None, BLOCK_S=block_s, BLOCK_T=block_t,
+                      BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                      **({"num_warps": 8, "num_stages": 2} if q_BSHD.is_cuda else {}))
     return out
-
-
-def _launch(kernel, grid, q_BSHD, k_BTD, w_BSH, out, scale, causal_offset, block_s, block_t):
-    batch, seq_q, num_heads, head_dim = q_BSHD.shape
-    seq_k = k_BTD.shape[1]
-    kernel[grid](q_BSHD, k_BTD, w_BSH, out, seq_q, seq_k, num_heads, head_dim, float(scale),
-                 0 if causal_offset is None else int(causal_offset),
-                 q_BSHD.stride(0), q_BSHD.stride(1), q_BSHD.stride(2), k_BTD.stride(0), k_BTD.stride(1),
-                 w_BSH.stride(0), w_BSH.stride(1), out.stride(0), out.stride(1),
-                 CAUSAL=causal_offset is not None, BLOCK_S=block_s, BLOCK_T=block_t,
-                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                 **({"num_warps": 8, "num_stages": 2} if q_BSHD.is_cuda else {}))

@@ -7,15 +7,12 @@ in a child process) with fp32 tensors; bf16 on GPU is checked by benchmarks/adam
 
 import copy
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import main, run_checks_in_interpreter
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _params(seed):
@@ -95,14 +92,8 @@ def check_fsdp2_sharded_parameters():
 
 
 def test_triton_adamw_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.split() == ["adamw-ok", "fsdp2-ok"]
+    assert run_checks_in_interpreter(__file__) == ["check_matches_torch_adamw", "check_fsdp2_sharded_parameters"]
 
 
 if __name__ == "__main__":
-    check_matches_torch_adamw()
-    print("adamw-ok")
-    check_fsdp2_sharded_parameters()
-    print("fsdp2-ok")
+    main(check_matches_torch_adamw, check_fsdp2_sharded_parameters)

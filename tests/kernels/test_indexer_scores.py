@@ -4,16 +4,13 @@ On CPU the Triton kernel runs in Triton's interpreter, which must be switched on
 triton is imported, so the checks run in a child process with TRITON_INTERPRET=1.
 """
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import ROOT, main, run_checks_in_interpreter
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_scores_match_reference():
@@ -57,14 +54,9 @@ def check_fused_backend_selects_what_the_reference_selects():
 
 
 def test_kernel_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.split() == ["scores-ok", "selection-ok"]
+    assert run_checks_in_interpreter(__file__) == ["check_scores_match_reference",
+                                                   "check_fused_backend_selects_what_the_reference_selects"]
 
 
 if __name__ == "__main__":
-    check_scores_match_reference()
-    print("scores-ok")
-    check_fused_backend_selects_what_the_reference_selects()
-    print("selection-ok")
+    main(check_scores_match_reference, check_fused_backend_selects_what_the_reference_selects)

@@ -22,6 +22,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 BLOCK = 128  # BlockMask tile (queries and keys)
 # FlexAttention's default tiles need 237 KB of shared memory at qk 192 / v 256, over an H200's
@@ -31,14 +32,10 @@ KERNEL_OPTIONS: dict | None = {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2}
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(q_BNSK, k_BNTK, v_BNTV, block_mask, scale):
-    from torch.nn.attention.flex_attention import flex_attention
-
     if q_BNSK.device.type == "cpu" or torch.compiler.is_compiling():
         return flex_attention(q_BNSK, k_BNTK, v_BNTV, block_mask=block_mask, scale=scale,
                               kernel_options=KERNEL_OPTIONS)
@@ -48,8 +45,6 @@ def _flex(q_BNSK, k_BNTK, v_BNTV, block_mask, scale):
 
 def sparse_block_mask(mask_BST: torch.Tensor):
     """A BlockMask whose mask_mod reads the boolean [B, S, T] mask (True = attend)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     batch, seq_q, seq_k = mask_BST.shape
 
     def mask_mod(b, h, q_idx, kv_idx):
