@@ -2,9 +2,10 @@
 
     python benchmarks/dsa_kernels.py --seq 4096 16384
 
-Attention: 64 heads, qk 192, v 256, a top-2048 mask over a one-document row. The
-"flex" backend (causal prefix + FlexAttention block-sparse tail) against "sdpa"
-(causal prefix + boolean-masked blocks): outputs and q/k/v gradients, fwd+bwd time.
+Attention: 64 heads, qk 192+64, v 256, a top-2048 mask over a one-document row. The
+"gemm" backend (masked blocks as explicit GEMMs) and the "flex" one (FlexAttention
+block-sparse tail) against "sdpa" (causal prefix + boolean-masked blocks through cuDNN):
+outputs and q/k/v gradients, fwd+bwd time.
 Indexer: 32 heads x 128, bf16 q/k; the fused Triton scores against the chunked
 fp32 reference: score error, selections equal up to ties within the score error.
 Results print as JSON lines and append to $OUT/dsa_kernels.jsonl.
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmtune.models.glm5.attention import sdpa_attention  # noqa: E402
 from glmtune.models.glm5.flex_attention import flex_sparse_attention  # noqa: E402
+from glmtune.models.glm5.gemm_attention import gemm_masked_attention  # noqa: E402
 from glmtune.models.glm5.indexer import Indexer, dsa_topk_mask  # noqa: E402
 
 
@@ -53,15 +55,16 @@ FLEX_VARIANTS = {"m128n64s2": {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2},
                  "m64n64s1": {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}}
 
 
-def check_attention(seq, topk=2048, heads=64):
+def check_attention(seq, topk=2048, heads=64, flex=True):
     gen = torch.Generator(device="cuda").manual_seed(0)
     mask = random_topk_mask(seq, topk, gen)
     shape = (1, heads, seq)
-    q = torch.randn(*shape, 192, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    k = torch.randn(*shape, 192, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    # GLM-5's qk head dim: 192 nope + 64 rope.
+    q = torch.randn(*shape, 256, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k = torch.randn(*shape, 256, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     v = torch.randn(*shape, 256, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     grad_out = torch.randn(*shape, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    scale = 192**-0.5
+    scale = 256**-0.5
     prefix = min(topk, seq)
     results = {}
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -77,10 +80,11 @@ def check_attention(seq, topk=2048, heads=64):
     variants = [("sdpa", lambda: sdpa_attention(q, k, v, mask, scale, prefix), None),
                 ("sdpa_cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION), None),
                 ("sdpa_efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION), None),
+                ("gemm", lambda: sdpa_attention(q, k, v, mask, scale, prefix, masked=gemm_masked_attention), None),
                 ("causal_flash_no_topk", lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scale), None)]
     variants += [(f"flex_{key}", lambda: flex_sparse_attention(q, k, v, mask, scale, prefix), options)
-                 for key, options in FLEX_VARIANTS.items()]
+                 for key, options in FLEX_VARIANTS.items() if flex]
     for name, fn, options in variants:
         flex_module.KERNEL_OPTIONS = options
         flex_module._compiled_flex.cache_clear()
@@ -100,7 +104,8 @@ def check_attention(seq, topk=2048, heads=64):
             results[name + "_error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
     ref_out, ref_grads = results["sdpa"]
     line = {"check": "attention", "seq": seq, "sdpa_fwd_bwd_ms": round(results["sdpa_ms"], 2)}
-    for name in ["sdpa_cudnn", "sdpa_efficient", "causal_flash_no_topk"] + [f"flex_{k}" for k in FLEX_VARIANTS]:
+    flex_names = [f"flex_{k}" for k in FLEX_VARIANTS] if flex else []
+    for name in ["sdpa_cudnn", "sdpa_efficient", "gemm", "causal_flash_no_topk"] + flex_names:
         if name not in results:
             line[name] = results[name + "_error"]
             continue
@@ -140,10 +145,15 @@ def check_indexer(seq, topk=2048, heads=32, dim=128):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--only", choices=["attention", "indexer"], default=None)
+    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention variants (slow to compile)")
     a = p.parse_args(argv)
     out = Path(os.environ.get("OUT", "."), "dsa_kernels.jsonl")
     for seq in a.seq:
-        for check in (check_indexer, check_attention):
+        checks = {"indexer": check_indexer, "attention": lambda n: check_attention(n, flex=not a.no_flex)}
+        for name, check in checks.items():
+            if a.only not in (None, name):
+                continue
             line = check(seq)
             line["gpu"] = torch.cuda.get_device_name()
             print(json.dumps(line), flush=True)

@@ -144,6 +144,7 @@ def run_hf(cfg, state, batches, a):
     from transformers import AutoModelForCausalLM
 
     ids, positions, _ = batches
+    ids = ids.to(DEVICE)  # staged before timing, as a prefetching loader would (no sync in the step)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                  experts_implementation="grouped_mm")
@@ -155,7 +156,7 @@ def run_hf(cfg, state, batches, a):
     pos = positions.to(DEVICE) if a.docs > 1 else None
 
     def step(i):
-        x = ids[i].to(DEVICE)
+        x = ids[i]
         # use_cache=False: with a cache object transformers skips packed-sequence detection and
         # lets documents of a packed row attend each other (a different function).
         out = model(input_ids=x, labels=x, position_ids=pos, use_cache=False)
@@ -173,10 +174,13 @@ def run_hf(cfg, state, batches, a):
 
 def run_glmtune(cfg, state, batches, a):
     from glmtune.models.glm5.args import Glm5Args
+    from glmtune.models.glm5.masks import longest_document
     from glmtune.models.glm5.model import build_model
     from glmtune.models.glm5.parallelize import parallelize_glm5
 
     ids, positions, _ = batches
+    ids = ids.to(DEVICE)
+    longest = longest_document(a.seq, positions)  # on the host, as glmtune's data loader does
     args = Glm5Args.from_hf_dict(cfg.to_dict())
     model = build_model(args, torch.bfloat16, DEVICE, a.attention, "grouped_mm", init=False,
                         indexer_backend=a.indexer)
@@ -198,10 +202,10 @@ def run_glmtune(cfg, state, batches, a):
     pos = positions.to(DEVICE)
 
     def step(i):
-        x = ids[i].to(DEVICE)
+        x = ids[i]
         # The same next-token targets transformers' loss uses (a plain shift over the row).
         targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
-        out = model(x, position_ids=pos, compute_logits=False, targets=targets)
+        out = model(x, position_ids=pos, compute_logits=False, targets=targets, longest_document=longest)
         loss = out.loss_sum / out.num_targets
         loss.backward()
         opt.step()
@@ -226,9 +230,26 @@ def profile(step, a) -> None:
         for i in range(2):
             step(a.warmup + i)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
     out_dir = os.environ.get("OUT") or "."
-    Path(out_dir, f"profile_seq{a.seq}{'_ckpt' if a.ckpt else ''}.txt").write_text(table)
+    stem = f"profile_seq{a.seq}{'_ckpt' if a.ckpt else ''}"
+    Path(out_dir, f"{stem}.txt").write_text(table + "\n\n" + kernel_table(prof, steps=2))
+    prof.export_chrome_trace(str(Path(out_dir, f"{stem}.json.gz")))
+
+
+def kernel_table(prof, steps: int, rows: int = 80) -> str:
+    """GPU kernels only, ms per step, largest first: what the device actually spent its time on."""
+    per_kernel: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1e3 / steps
+            entry[1] += 1
+    total = sum(ms for ms, _ in per_kernel.values())
+    lines = [f"GPU kernel time per step: {total:.2f} ms", f"{'ms/step':>9} {'calls':>6}  kernel"]
+    for name, (ms, calls) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{ms:9.3f} {calls // steps:6d}  {name[:160]}")
+    return "\n".join(lines)
 
 
 def report(name, cfg, a, lengths, measured):

@@ -13,16 +13,23 @@ from typing import Any
 import torch
 
 from glmtune.data.packing import next_token_targets
+from glmtune.models.glm5.masks import longest_document
 
 
-def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Stack packed rows; `targets[t]` is the token that should follow position t (-100: none)."""
-    return {
+def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Stack packed rows; `targets[t]` is the token that should follow position t (-100: none).
+
+    `longest_document` (an int) is computed here, on the host, so the model's forward
+    needs no host sync to pick its attention path.
+    """
+    batch = {
         "input_ids": torch.tensor([r["input_ids"] for r in rows], dtype=torch.long),
         "targets": torch.tensor([next_token_targets(r["labels"]) for r in rows], dtype=torch.long),
         "position_ids": torch.tensor([r["position_ids"] for r in rows], dtype=torch.long),
         "document_ids": torch.tensor([r["document_ids"] for r in rows], dtype=torch.long),
     }
+    batch["longest_document"] = longest_document(batch["input_ids"].shape[1], document_ids_BS=batch["document_ids"])
+    return batch
 
 
 class PackedRowLoader:
@@ -50,7 +57,7 @@ class PackedRowLoader:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.rows), generator=generator).tolist()
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
+    def next_batch(self) -> dict[str, Any]:
         if self.cursor >= self.batches_per_epoch:
             self.epoch += 1
             self.cursor = 0

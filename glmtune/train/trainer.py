@@ -29,7 +29,7 @@ from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.metrics import MetricsWriter, moe_layers, routing_stats
 from glmtune.train.router_balance import update_router_biases
 
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -115,8 +115,10 @@ class Trainer:
         return str(path)
 
     # -- one step ---------------------------------------------------------------------
-    def _forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = {k: v.to(self.s.device, non_blocking=True) for k, v in batch.items()}
+    def _forward_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
+        batch = {k: v.to(self.s.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                 for k, v in batch.items()}
         if self.s.autocast_dtype is not None:
             with torch.autocast(self.s.device.type, dtype=self.s.autocast_dtype):
                 return self.loss_fn(self.model, batch)

@@ -1,4 +1,4 @@
-"""The SDPA backend (causal prefix + key-trimmed masked blocks) against the eager reference:
+"""The SDPA and GEMM backends (causal prefix + key-trimmed masked blocks) against the eager reference:
 logits and gradients, for one-document and packed rows, with top-k sparsity active."""
 
 import pytest
@@ -8,11 +8,12 @@ from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "gemm"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_sdpa_blocks_match_eager_reference(packed):
+def test_blocked_backends_match_eager_reference(packed, backend):
     args = get_preset("tiny").replace(index_topk=12)
     eager = build_model(args, attention_backend="eager", seed=0)
-    fast = build_model(args, attention_backend="sdpa", seed=0)
+    fast = build_model(args, attention_backend=backend, seed=0)
     for layer in fast.model.layers:
         layer.self_attn.query_block = 7
     x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))

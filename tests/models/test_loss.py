@@ -30,6 +30,19 @@ def test_chunked_matches_full_in_value_and_gradient(backend, scale):
     assert torch.all(grads_c[0][0, :5] == 0)  # unsupervised positions get no gradient
 
 
+@pytest.mark.parametrize("backend", ["fused", "checkpoint"])
+def test_no_supervised_token_gives_zero_loss_and_gradients(backend):
+    hidden = torch.randn(1, 9, 16, requires_grad=True)
+    weight = torch.full((50, 16), float("nan")).requires_grad_()  # uninitialized memory would leak through
+    weight.data.normal_()
+    targets = torch.full((1, 9), IGNORE_INDEX)
+    loss, n = chunked_cross_entropy(hidden, weight, targets, chunk_size=4, backend=backend)
+    loss.backward()
+    assert n == 0 and loss == 0
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
 def test_fused_bf16_close_to_fp32_reference():
     torch.manual_seed(1)
     hidden = torch.randn(64, 32)

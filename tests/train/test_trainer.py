@@ -141,3 +141,11 @@ def test_loader_refuses_a_different_layout():
     same = PackedRowLoader(_rows(), 2, seed=3)
     same.load_state_dict(state)
     assert torch.equal(same.next_batch()["input_ids"], loader.next_batch()["input_ids"])
+
+
+def test_batches_carry_the_longest_document_from_the_host():
+    rows = _rows(n=2)
+    rows[0].update(position_ids=[*range(5), *range(7)], document_ids=[0] * 5 + [1] * 7)
+    rows[1].update(position_ids=[*range(3), *range(9)], document_ids=[0] * 3 + [1] * 9)
+    batch = PackedRowLoader(rows, 2, seed=3).next_batch()
+    assert batch["longest_document"] == 9  # the model then needs no host sync to pick its attention path

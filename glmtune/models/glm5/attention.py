@@ -16,6 +16,9 @@ The attention itself is a backend chosen by name:
     throughout. Packed rows use the blocked boolean mask everywhere.
   * "flex": the same causal prefix; everything else through FlexAttention with a
     block-sparse mask (`flex_attention.py`). GPU training; CPU forward only.
+  * "gemm": the same causal prefix and blocks as "sdpa"; the masked blocks as explicit
+    batched GEMMs with fp32 scores and flash's roundings (`gemm_attention.py`): cuBLAS
+    speed instead of a fused kernel's masked path, at the cost of score-sized traffic.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -30,9 +33,10 @@ from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import apply_interleaved_rope, softmax_scale_for
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
+from glmtune.models.glm5.gemm_attention import gemm_masked_attention
 from glmtune.models.glm5.indexer import Indexer
 
-ATTENTION_BACKENDS = ("eager", "sdpa", "flex")
+ATTENTION_BACKENDS = ("eager", "sdpa", "flex", "gemm")
 
 
 def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
@@ -44,13 +48,19 @@ def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
     return torch.matmul(probs_BNST, v_BNTV)
 
 
-def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int = 0, query_block: int = 1024):
+def _sdpa_masked(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+    return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=allowed_BST.unsqueeze(1), scale=scale)
+
+
+def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int = 0, query_block: int = 1024,
+                   masked=_sdpa_masked):
     """SDPA over a causal sparse mask, skipping keys no query of a block can see.
 
     `causal_prefix` queries (from the start) attend exactly their causal past: they run
     with `is_causal=True` (flash, no mask tensor). The remaining queries run in blocks of
-    `query_block`; a block [a, b) only reads keys [0, b), since later keys are in every
-    one of its queries' future. Both are exact: they drop only masked-out keys.
+    `query_block` through `masked` (SDPA with the boolean mask, or the GEMM backend); a
+    block [a, b) only reads keys [0, b), since later keys are in every one of its queries'
+    future. Both are exact: they drop only masked-out keys.
     """
     seq_len = q_BNSK.shape[2]
     if causal_prefix >= seq_len:
@@ -62,9 +72,8 @@ def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int
                                                     is_causal=True, scale=scale))
     for start in range(causal_prefix, seq_len, query_block):
         end = min(start + query_block, seq_len)
-        mask = sparse_BST[:, start:end, :end].unsqueeze(1)
-        parts.append(F.scaled_dot_product_attention(q_BNSK[:, :, start:end], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
-                                                    attn_mask=mask, scale=scale))
+        parts.append(masked(q_BNSK[:, :, start:end], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
+                            sparse_BST[:, start:end, :end], scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -141,8 +150,9 @@ class MLAttention(nn.Module):
         elif self.backend == "flex":
             out_BNSV = flex_sparse_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
         else:
+            masked = gemm_masked_attention if self.backend == "gemm" else _sdpa_masked
             out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix,
-                                      self.query_block)
+                                      self.query_block, masked)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         return self.o_proj(out_BSX), selection
 

@@ -37,10 +37,23 @@ def allowed_mask(
     return same_doc_BST & causal_ST
 
 
-def is_single_document(position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None) -> bool:
-    """True when every row is one document, so the allowed mask is the plain causal one."""
-    if document_ids_BS is not None:
-        return bool((document_ids_BS == document_ids_BS[:, :1]).all())
-    if position_ids_BS is not None:
-        return not bool(documents_from_positions(position_ids_BS).any())
-    return True
+def longest_document(
+    seq_len: int, position_ids_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None
+) -> int:
+    """The most keys any query may attend: the longest document of any row (tokens sharing
+    an id, contiguous or not). It picks the attention code path: equal to `seq_len` means
+    every row is one document (the plain causal mask); at most the indexer's top-k means no
+    query needs sparse selection.
+
+    Compute it where the ids are on the host (the data loader's batch) and pass it to the
+    model's forward: on the GPU it costs a host sync, which stalls the launch queue.
+    """
+    if document_ids_BS is None and position_ids_BS is not None:
+        document_ids_BS = documents_from_positions(position_ids_BS)
+    if document_ids_BS is None:
+        return seq_len
+    assert document_ids_BS.shape[-1] == seq_len, (document_ids_BS.shape, seq_len)
+    longest = 0
+    for row in document_ids_BS.reshape(-1, seq_len):
+        longest = max(longest, int(torch.unique(row, return_counts=True)[1].max()))
+    return longest

@@ -27,7 +27,7 @@ from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
-from glmtune.models.glm5.masks import allowed_mask, is_single_document
+from glmtune.models.glm5.masks import allowed_mask, longest_document
 from glmtune.models.glm5.moe import DenseMLP, MoE
 
 
@@ -114,14 +114,14 @@ class Glm5Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings)
 
-    def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None):
+    def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None, longest: int | None = None):
         batch, seq_len = input_ids_BS.shape
         h_BSD = self.embed_tokens(input_ids_BS)
         allowed_BST = allowed_mask(batch, seq_len, h_BSD.device, position_ids_BS, document_ids_BS)
-        plain_causal = is_single_document(position_ids_BS, document_ids_BS)
-        # One host sync per forward (not per layer, and outside compiled layers): does any
-        # query have more allowed keys than the indexer keeps?
-        sparse_needed = seq_len > self.index_topk and int(allowed_BST.sum(-1).max()) > self.index_topk
+        if longest is None:  # a host sync when the ids are on the GPU (callers pass it from the host batch)
+            longest = longest_document(seq_len, position_ids_BS, document_ids_BS)
+        plain_causal = longest == seq_len
+        sparse_needed = longest > self.index_topk  # does any query have more allowed keys than top-k?
         if position_ids_BS is None:
             position_ids_BS = torch.arange(seq_len, device=h_BSD.device).unsqueeze(0)
         cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), h_BSD.dtype)
@@ -149,7 +149,7 @@ class Glm5ForCausalLM(nn.Module):
         self.freeze_untrained_by_default()
 
     def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
-                targets=None, loss_chunk_size: int = 2048) -> Glm5Output:
+                targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None) -> Glm5Output:
         """Args:
             input_ids: [B, S] token ids.
             position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
@@ -158,8 +158,10 @@ class Glm5ForCausalLM(nn.Module):
             targets: [B, S] next-token ids (-100 = no loss). When given, the loss is computed
                 here by the chunked cross-entropy (never all fp32 logits at once), inside
                 forward so that sharded wrappers (FSDP2) have the head weight gathered.
+            longest_document: `masks.longest_document` of these ids, computed on the host;
+                omitted, the model computes it (a host sync when the ids are on the GPU).
         """
-        hidden_BSD = self.model(input_ids, position_ids, document_ids)
+        hidden_BSD = self.model(input_ids, position_ids, document_ids, longest_document)
         logits = self.lm_head(hidden_BSD) if compute_logits else None
         out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
         if targets is not None:

@@ -85,39 +85,76 @@ class Router(nn.Module):
             self.e_score_correction_bias.zero_()
 
 
+class _PermuteRows(torch.autograd.Function):
+    """rows[n] = x[index[n]] for a permutation `index`; the gradient goes back through its
+    inverse as another gather (autograd's default for indexing is a scatter-add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, index_N, inverse_N):
+        ctx.save_for_backward(inverse_N)
+        return x_ND.index_select(0, index_N)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (inverse_N,) = ctx.saved_tensors
+        return grad_ND.index_select(0, inverse_N), None, None
+
+
+class _RepeatRows(torch.autograd.Function):
+    """rows[n] = x[index[n] // K] where `index` is a permutation of the T*K (token, k) pairs:
+    each token copied once per chosen expert. Backward gathers each token's K gradient rows
+    through the inverse permutation and sums them in (at least) fp32: no atomics, deterministic."""
+
+    @staticmethod
+    def forward(ctx, x_TD, index_N, inverse_N, top_k):
+        ctx.save_for_backward(inverse_N)
+        ctx.top_k = top_k
+        return x_TD.index_select(0, index_N // top_k)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (inverse_N,) = ctx.saved_tensors
+        per_pair = grad_ND.index_select(0, inverse_N).view(-1, ctx.top_k, grad_ND.shape[-1])
+        accumulate = torch.promote_types(grad_ND.dtype, torch.float32)
+        return per_pair.to(accumulate).sum(dim=1).to(grad_ND.dtype), None, None, None
+
+
 @dataclass
 class DispatchState:
     """What `combine` needs to undo `dispatch`."""
 
     order_N: torch.Tensor  # position in the sorted list -> flat (token, k) pair index
-    weights_N: torch.Tensor  # routing weight of each sorted pair (fp32)
-    num_tokens: int
-    top_k: int
+    inverse_N: torch.Tensor  # flat (token, k) pair index -> position in the sorted list
+    weights_TK: torch.Tensor  # routing weight of each (token, k) pair (fp32)
 
 
 class LocalTokenDispatcher:
-    """Sorts (token, expert) pairs by expert on one device; the single-rank dispatcher."""
+    """Sorts (token, expert) pairs by expert on one device; the single-rank dispatcher.
+
+    Token movement in both directions, forward and backward, is a row gather through the
+    sort permutation or its inverse.
+    """
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         """Returns tokens sorted by expert [N, D], tokens per expert [E] (int64), and the state."""
-        num_tokens, top_k = topk_idx_TK.shape
+        top_k = topk_idx_TK.shape[1]
         expert_ids_N = topk_idx_TK.reshape(-1)
         sorted_experts_N, order_N = torch.sort(expert_ids_N, stable=True)
-        x_ND = x_TD[order_N // top_k]
+        inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(),
+                                                                                device=order_N.device))
+        x_ND = _RepeatRows.apply(x_TD, order_N, inverse_N, top_k)
         # scatter_add, not bincount: bincount sizes its output from the data (a host sync on GPU).
         tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.long, device=x_TD.device)
         tokens_per_expert_E.scatter_add_(0, sorted_experts_N, torch.ones_like(sorted_experts_N))
-        state = DispatchState(order_N, topk_w_TK.reshape(-1)[order_N], num_tokens, top_k)
-        return x_ND, tokens_per_expert_E, state
+        return x_ND, tokens_per_expert_E, DispatchState(order_N, inverse_N, topk_w_TK)
 
     def combine(self, y_ND: torch.Tensor, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
-        """Weights each pair's output in fp32, restores token order, sums over k in fp32."""
-        weighted_ND = y_ND * state.weights_N.unsqueeze(-1)
-        unsorted_ND = torch.empty_like(weighted_ND)
-        unsorted_ND[state.order_N] = weighted_ND
-        return unsorted_ND.view(state.num_tokens, state.top_k, -1).sum(dim=1).to(out_dtype)
+        """Restores (token, k) order, weights each pair's output in fp32, sums over k in fp32."""
+        num_tokens, top_k = state.weights_TK.shape
+        y_TKD = _PermuteRows.apply(y_ND, state.inverse_N, state.order_N).view(num_tokens, top_k, -1)
+        return (y_TKD * state.weights_TK.unsqueeze(-1)).sum(dim=1).to(out_dtype)
 
 
 def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:

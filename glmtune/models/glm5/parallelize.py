@@ -28,7 +28,8 @@ from glmtune.models.glm5.model import Glm5ForCausalLM
 
 def _saved_under_checkpointing():
     aten = torch.ops.aten
-    ops = [torch.ops.glmtune.dsa_topk_mask.default]  # registered by the model's indexer module
+    # Registered by the model's indexer and GEMM-attention modules.
+    ops = [torch.ops.glmtune.dsa_topk_mask.default, torch.ops.glmtune.gemm_attention.default]
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):

@@ -1,0 +1,33 @@
+"""`longest_document` (computed on the host) agrees with the allowed mask the model builds."""
+
+import torch
+
+from glmtune.models.glm5.masks import allowed_mask, documents_from_positions, longest_document
+
+
+def _most_allowed_keys(position_ids=None, document_ids=None, batch=2, seq=24):
+    return int(allowed_mask(batch, seq, torch.device("cpu"), position_ids, document_ids).sum(-1).max())
+
+
+def test_longest_document_is_the_most_keys_any_query_may_attend():
+    g = torch.Generator().manual_seed(0)
+    seq = 24
+    for _ in range(20):
+        rows = []
+        for _ in range(2):
+            count = int(torch.randint(0, 4, (1,), generator=g))
+            cuts = (torch.randperm(seq - 1, generator=g)[:count] + 1).sort().values
+            bounds = [0, *cuts.tolist(), seq]
+            rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+        positions = torch.stack(rows)
+        assert longest_document(seq, positions) == _most_allowed_keys(positions)
+        documents = documents_from_positions(positions)
+        assert longest_document(seq, document_ids_BS=documents) == _most_allowed_keys(document_ids=documents)
+
+
+def test_non_contiguous_document_ids_and_plain_rows():
+    documents = torch.tensor([[0, 0, 1, 0, 1, 1, 1, 2]])  # document 1 has 4 tokens, not contiguous
+    assert longest_document(8, document_ids_BS=documents) == 4 == _most_allowed_keys(document_ids=documents,
+                                                                                        batch=1, seq=8)
+    assert longest_document(8) == 8  # no ids: one causal document per row
+    assert longest_document(8, torch.arange(8)[None]) == 8
