@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
     p.add_argument("--attention", default="sdpa", help="glmtune attention backend")
     p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
+    p.add_argument("--dispatch", default="auto", help="glmtune MoE token movement (auto: Triton kernels on GPU)")
     p.add_argument("--profile", action="store_true", help="write a torch profiler table for glmtune")
     p.add_argument("--tiny", action="store_true", help="narrow widths: a CPU smoke test of this script")
     p.add_argument("--out", default=None)
@@ -176,6 +177,7 @@ def run_glmtune(cfg, state, batches, a):
     from glmtune.models.glm5.args import Glm5Args
     from glmtune.models.glm5.masks import longest_document
     from glmtune.models.glm5.model import build_model
+    from glmtune.models.glm5.moe import set_moe_dispatch_backend
     from glmtune.models.glm5.parallelize import parallelize_glm5
 
     ids, positions, _ = batches
@@ -184,6 +186,7 @@ def run_glmtune(cfg, state, batches, a):
     args = Glm5Args.from_hf_dict(cfg.to_dict())
     model = build_model(args, torch.bfloat16, DEVICE, a.attention, "grouped_mm", init=False,
                         indexer_backend=a.indexer)
+    set_moe_dispatch_backend(model, a.dispatch)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     if a.query_block is not None:

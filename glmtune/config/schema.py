@@ -55,6 +55,7 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
     attention_backend: Literal["sdpa", "eager", "flex", "gemm"] = "sdpa"  # MLA attention; gemm: top-k blocks as GEMMs
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
+    moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
     indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
     validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable

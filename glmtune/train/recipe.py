@@ -22,6 +22,7 @@ import torch.distributed as dist
 from glmtune.config import JobConfig, dump_config, model_dims, validate_config
 from glmtune.models.glm5.args import PRESETS, get_preset
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
+from glmtune.models.glm5.moe import set_moe_dispatch_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,12 +73,14 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
             args = args.replace(**m.overrides)
         model = build_model(args, dtype, device, m.attention_backend, m.moe_backend,
                             seed=cfg.train.seed if seed is None else seed, indexer_backend=m.indexer_backend)
+        set_moe_dispatch_backend(model, m.moe_dispatch_backend)
         return model, None
     if m.overrides:
         raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
     path = Path(m.name_or_path)
-    return load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
-                           indexer_backend=m.indexer_backend), path
+    model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend, indexer_backend=m.indexer_backend)
+    set_moe_dispatch_backend(model, m.moe_dispatch_backend)
+    return model, path
 
 
 def tokenizer_dir_for(cfg: JobConfig, model_dir: Path | None) -> Path | None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmtune.kernels import moe_combine
 from glmtune.models.glm5.args import Glm5Args
 
 MOE_BACKENDS = ("grouped_mm", "loop")
@@ -106,17 +107,19 @@ class _RepeatRows(torch.autograd.Function):
     through the inverse permutation and sums them in (at least) fp32: no atomics, deterministic."""
 
     @staticmethod
-    def forward(ctx, x_TD, index_N, inverse_N, top_k):
+    def forward(ctx, x_TD, index_N, inverse_N, top_k, fused):
         ctx.save_for_backward(inverse_N)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.fused = top_k, fused
         return x_TD.index_select(0, index_N // top_k)
 
     @staticmethod
     def backward(ctx, grad_ND):
         (inverse_N,) = ctx.saved_tensors
+        if ctx.fused:
+            return moe_combine.moe_sum_pairs(grad_ND, inverse_N, ctx.top_k), None, None, None, None
         per_pair = grad_ND.index_select(0, inverse_N).view(-1, ctx.top_k, grad_ND.shape[-1])
         accumulate = torch.promote_types(grad_ND.dtype, torch.float32)
-        return per_pair.to(accumulate).sum(dim=1).to(grad_ND.dtype), None, None, None
+        return per_pair.to(accumulate).sum(dim=1).to(grad_ND.dtype), None, None, None, None
 
 
 @dataclass
@@ -128,12 +131,30 @@ class DispatchState:
     weights_TK: torch.Tensor  # routing weight of each (token, k) pair (fp32)
 
 
+DISPATCH_BACKENDS = ("auto", "torch", "triton")
+
+
 class LocalTokenDispatcher:
     """Sorts (token, expert) pairs by expert on one device; the single-rank dispatcher.
 
     Token movement in both directions, forward and backward, is a row gather through the
-    sort permutation or its inverse.
+    sort permutation or its inverse. Backends: "torch" (the reference, compiled with the
+    layer) or "triton" (`glmtune/kernels/moe_combine.py`: the combine and the dispatch's
+    backward as one program per token); "auto" is triton on CUDA when installed.
     """
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in DISPATCH_BACKENDS:
+            raise ValueError(f"moe dispatch backend {backend!r} unknown; choose from {DISPATCH_BACKENDS}")
+        self.backend = backend
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        if self.backend == "torch":
+            return False
+        usable = moe_combine.available(x.device)
+        if self.backend == "triton" and not usable:
+            raise ValueError("moe dispatch backend 'triton' needs triton and a CUDA device")
+        return usable and (self.backend == "triton" or x.is_cuda)
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
@@ -144,7 +165,7 @@ class LocalTokenDispatcher:
         sorted_experts_N, order_N = torch.sort(expert_ids_N, stable=True)
         inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(),
                                                                                 device=order_N.device))
-        x_ND = _RepeatRows.apply(x_TD, order_N, inverse_N, top_k)
+        x_ND = _RepeatRows.apply(x_TD, order_N, inverse_N, top_k, self._fused(x_TD))
         # scatter_add, not bincount: bincount sizes its output from the data (a host sync on GPU).
         tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.long, device=x_TD.device)
         tokens_per_expert_E.scatter_add_(0, sorted_experts_N, torch.ones_like(sorted_experts_N))
@@ -152,6 +173,8 @@ class LocalTokenDispatcher:
 
     def combine(self, y_ND: torch.Tensor, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
         """Restores (token, k) order, weights each pair's output in fp32, sums over k in fp32."""
+        if self._fused(y_ND):
+            return moe_combine.moe_combine(y_ND, state.inverse_N, state.weights_TK).to(out_dtype)
         num_tokens, top_k = state.weights_TK.shape
         y_TKD = _PermuteRows.apply(y_ND, state.inverse_N, state.order_N).view(num_tokens, top_k, -1)
         return (y_TKD * state.weights_TK.unsqueeze(-1)).sum(dim=1).to(out_dtype)
@@ -236,3 +259,10 @@ class MoE(nn.Module):
         self.experts.reset_parameters(std)
         self.shared_experts.reset_parameters(std)
         self.tokens_per_expert.zero_()
+
+
+def set_moe_dispatch_backend(model: nn.Module, backend: str) -> None:
+    """Selects the token-movement backend of every MoE layer of a built model."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.dispatcher = LocalTokenDispatcher(backend)
