@@ -19,8 +19,8 @@ from glmtune.models.glm5.masks import longest_document
 def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Stack packed rows; `targets[t]` is the token that should follow position t (-100: none).
 
-    `longest_document` (an int) is computed here, on the host, so the model's forward
-    needs no host sync to pick its attention path.
+    `longest_document` and `num_supervised` (ints) are computed here, on the host, so the
+    model's forward needs no host sync to pick its attention path or its loss rows.
     """
     batch = {
         "input_ids": torch.tensor([r["input_ids"] for r in rows], dtype=torch.long),
@@ -29,6 +29,7 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
         "document_ids": torch.tensor([r["document_ids"] for r in rows], dtype=torch.long),
     }
     batch["longest_document"] = longest_document(batch["input_ids"].shape[1], document_ids_BS=batch["document_ids"])
+    batch["num_supervised"] = int((batch["targets"] != -100).sum())
     return batch
 
 

@@ -188,7 +188,8 @@ def _apply_pii_policy(rows: list, action: str, run_dir: Path) -> list:
 
 def glm5_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"))
+                compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
+                num_supervised=batch.get("num_supervised"))
     return out.loss_sum, out.num_targets
 
 

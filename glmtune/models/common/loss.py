@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from glmtune.kernels import scale
+
 IGNORE_INDEX = -100
 
 
@@ -60,21 +62,14 @@ def slice_loss_and_grad(logits_NV, targets_N, compiled: bool | None = None):
     return (_compiled_slice_loss_and_grad() if compiled else _slice_loss_and_grad)(logits_NV, targets_N)
 
 
-def _scale_in_place(tensors, factor_0d):
-    for tensor in tensors:
-        tensor.mul_(factor_0d)
-
-
-@functools.cache
-def _compiled_scale_in_place():
-    return torch.compile(_scale_in_place, dynamic=True)
-
-
 def scale_in_place(tensors, factor_0d: torch.Tensor) -> None:
-    """Multiplies each tensor by a 0-dim tensor without a host sync. On CUDA compiled: eager
-    `mul_` broadcasts a 0-dim CUDA operand through an unvectorized kernel (2.4 ms for GLM-5's
-    head gradient, against ~1 ms at copy bandwidth)."""
-    (_compiled_scale_in_place() if factor_0d.is_cuda else _scale_in_place)(tensors, factor_0d)
+    """Multiplies each tensor by a 0-dim tensor without a host sync: on CUDA through
+    `glmtune.kernels.scale` (eager `mul_` with a 0-dim CUDA operand is unvectorized)."""
+    for tensor in tensors:
+        if tensor.is_cuda and scale.triton is not None:
+            scale.scale_(tensor, factor_0d.to(tensor.device))
+        else:
+            tensor.mul_(factor_0d)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -114,16 +109,24 @@ LOSS_BACKENDS = ("fused", "checkpoint")
 
 def chunked_cross_entropy(
     hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor, chunk_size: int = 4096,
-    backend: str = "fused",
+    backend: str = "fused", num_supervised: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of token losses and the number of supervised tokens."""
+    """Sum of token losses and the number of supervised tokens.
+
+    `num_supervised`, the count of targets != -100 when the caller knows it on the host
+    (the data loader does), spares the host sync of finding the supervised rows.
+    """
     hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
     targets_N = targets_BS.reshape(-1)
     keep_N = targets_N != IGNORE_INDEX
     num_tokens = keep_N.sum()
-    # Only supervised positions pay for the LM head (assistant-only loss skips most). One host
-    # sync here (how many); index_select's backward is a scatter with no second sync or sort.
-    kept = keep_N.nonzero().squeeze(1)
+    # Only supervised positions pay for the LM head (assistant-only loss skips most). Without
+    # the host-side count, one host sync here (how many); index_select's backward is a
+    # scatter with no second sync or sort.
+    if num_supervised is None:
+        kept = keep_N.nonzero().squeeze(1)
+    else:
+        kept = keep_N.nonzero_static(size=num_supervised).squeeze(1)
     hidden_ND, targets_N = hidden_ND.index_select(0, kept), targets_N.index_select(0, kept)
     if backend not in LOSS_BACKENDS:
         raise ValueError(f"loss backend {backend!r} unknown; choose from {LOSS_BACKENDS}")
