@@ -8,8 +8,8 @@ backends:
     respect to the hidden states and the head weight is computed in the forward
     pass, slice by slice (softmax minus one-hot, two GEMMs, weight gradient
     accumulated in the weight dtype), and only scaled in backward: no logits are recomputed
-    and no fp32 logits outlive their slice. On CUDA the softmax/one-hot step of a slice
-    is one torch.compile'd function (the eager one is its reference).
+    and no fp32 logits outlive their slice. On CUDA the softmax/one-hot step of a slice is
+    one Triton kernel writing over the slice's bf16 logits (the eager function is its reference).
   * "checkpoint": autograd through each slice, recomputed in backward.
 `full_cross_entropy` is the plain reference both are tested against.
 
@@ -22,14 +22,12 @@ Legend: N tokens, D model dim, V vocab.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from glmtune.kernels import scale
+from glmtune.kernels import cross_entropy, scale
 
 IGNORE_INDEX = -100
 
@@ -49,17 +47,15 @@ def _slice_loss_and_grad(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> tu
     return loss, (torch.exp(logits - lse_N[:, None]) - one_hot).to(logits_NV.dtype)
 
 
-@functools.cache
-def _compiled_slice_loss_and_grad():
-    # On CUDA, one reduction and one elementwise kernel over the [chunk, V] slice instead
-    # of eager's ~6 passes of fp32 traffic (upcast, max, sum-exp, subtract, exp, downcast).
-    return torch.compile(_slice_loss_and_grad, dynamic=True)
-
-
-def slice_loss_and_grad(logits_NV, targets_N, compiled: bool | None = None):
-    if compiled is None:
-        compiled = logits_NV.is_cuda
-    return (_compiled_slice_loss_and_grad() if compiled else _slice_loss_and_grad)(logits_NV, targets_N)
+def slice_loss_and_grad(logits_NV, targets_N, fused: bool | None = None):
+    """(fp32 loss sum, d(loss)/d(logits)) of one slice. Fused (the default on CUDA with triton):
+    one Triton kernel that writes the gradient over the logits (`glmtune.kernels.cross_entropy`);
+    otherwise the eager reference above."""
+    if fused is None:
+        fused = logits_NV.is_cuda and cross_entropy.triton is not None
+    if fused:
+        return cross_entropy.cross_entropy_grad_(logits_NV, targets_N), logits_NV
+    return _slice_loss_and_grad(logits_NV, targets_N)
 
 
 def scale_in_place(tensors, factor_0d: torch.Tensor) -> None:
