@@ -245,7 +245,8 @@ def kernel_table(prof, steps: int, rows: int = 80) -> str:
     """GPU kernels only, ms per step, largest first: what the device actually spent its time on."""
     per_kernel: dict[str, list[float]] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # GPU-side user annotations (e.g. "Optimizer.step#...") span kernels already counted.
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             entry = per_kernel.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time / 1e3 / steps
             entry[1] += 1

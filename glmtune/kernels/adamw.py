@@ -31,7 +31,7 @@ except ImportError:
 BLOCK = 4096
 
 
-def _kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, decay_factor, beta1, beta2, step_size, inv_sqrt_bias2, eps,
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, decay_factor, beta1, beta2, step_size, inv_sqrt_bias2, eps,
             BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < numel
@@ -51,7 +51,7 @@ def _kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, decay_factor, beta1, beta2, step_
 
 @functools.cache
 def _compiled():
-    return triton.jit(_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
+    return triton.jit(_adamw_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

@@ -24,7 +24,7 @@ except ImportError:
 BLOCK = 4096
 
 
-def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, BLOCK: tl.constexpr):
+def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
@@ -54,7 +54,7 @@ def _kernel(logits_ptr, targets_ptr, losses_ptr, vocab, row_stride, BLOCK: tl.co
 
 @functools.cache
 def _compiled():
-    return triton.jit(_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
+    return triton.jit(_cross_entropy_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
 
 
 def cross_entropy_grad_(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def available() -> bool:
     return triton is not None
 
 
-def _kernel(q_ptr, k_ptr, w_ptr, out_ptr, seq_q, seq_k, num_heads, head_dim, scale, causal_offset,
+def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, out_ptr, seq_q, seq_k, num_heads, head_dim, scale, causal_offset,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_kt, stride_wb, stride_ws, stride_ob, stride_os,
             CAUSAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     # int64 offsets: batch x S x H x D elements can pass 2^31 at long context
@@ -66,7 +66,7 @@ def _kernel(q_ptr, k_ptr, w_ptr, out_ptr, seq_q, seq_k, num_heads, head_dim, sca
 @functools.cache
 def _compiled():
     # TRITON_INTERPRET=1 (read by triton at import) makes this the CPU interpreter.
-    return triton.jit(_kernel)
+    return triton.jit(_indexer_scores_kernel)
 
 
 def indexer_scores(q_BSHD: torch.Tensor, k_BTD: torch.Tensor, w_BSH: torch.Tensor, scale: float,

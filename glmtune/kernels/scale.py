@@ -22,7 +22,7 @@ except ImportError:
 BLOCK = 8192
 
 
-def _kernel(x_ptr, factor_ptr, numel, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, factor_ptr, numel, BLOCK: tl.constexpr):
     factor = tl.load(factor_ptr).to(tl.float32)
     if factor != 1.0:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +33,7 @@ def _kernel(x_ptr, factor_ptr, numel, BLOCK: tl.constexpr):
 
 @functools.cache
 def _compiled():
-    return triton.jit(_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
+    return triton.jit(_scale_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
 
 
 def scale_(tensor: torch.Tensor, factor_0d: torch.Tensor) -> torch.Tensor:
