@@ -8,6 +8,7 @@ block-sparse tail) against "sdpa" (causal prefix + boolean-masked blocks through
 outputs and q/k/v gradients, fwd+bwd time.
 Indexer: 32 heads x 128, bf16 q/k; the fused Triton scores against the chunked
 fp32 reference: score error, selections equal up to ties within the score error.
+Mask cost: the same SDPA calls with the boolean mask, a bias, and no mask at all.
 Results print as JSON lines and append to $OUT/dsa_kernels.jsonl.
 """
 
@@ -116,6 +117,38 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
     return line
 
 
+def check_mask_cost(seq, topk=2048, heads=64):
+    """What the top-k mask itself costs: the last masked block (1024 queries x all keys) with
+    the boolean mask, an additive bias (broadcast or per head) and no mask, fwd+bwd; then a
+    whole layer by query block."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mask = random_topk_mask(seq, topk, gen)
+    q, k, v = (torch.randn(1, heads, seq, 256, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(1, heads, seq, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    start = seq - 1024
+    qs, block = q[:, :, start:], mask[:, start:, :].unsqueeze(1)
+    bias = torch.zeros(block.shape, dtype=torch.bfloat16, device="cuda").masked_fill(~block, float("-inf"))
+    per_head = bias.expand(-1, heads, -1, -1).contiguous()
+
+    def fwd_bwd(fn):
+        def step():
+            out = fn()
+            torch.autograd.grad(out, (q, k, v), grad[:, :, -out.shape[2]:])
+        return round(bench_ms(step), 3)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    line = {"check": "mask_cost", "seq": seq,
+            "block_bool_mask_ms": fwd_bwd(lambda: sdpa(qs, k, v, attn_mask=block)),
+            "block_bias_ms": fwd_bwd(lambda: sdpa(qs, k, v, attn_mask=bias)),
+            "block_bias_per_head_ms": fwd_bwd(lambda: sdpa(qs, k, v, attn_mask=per_head)),
+            "block_no_mask_ms": fwd_bwd(lambda: sdpa(qs, k, v))}
+    for query_block in (256, 512, 1024, 2048):
+        line[f"layer_query_block_{query_block}_ms"] = fwd_bwd(
+            lambda: sdpa_attention(q, k, v, mask, 256**-0.5, min(topk, seq), query_block))
+    return line
+
+
 def check_indexer(seq, topk=2048, heads=32, dim=128):
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -145,12 +178,13 @@ def check_indexer(seq, topk=2048, heads=32, dim=128):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--only", choices=["attention", "indexer"], default=None)
+    p.add_argument("--only", choices=["attention", "indexer", "mask_cost"], default=None)
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention variants (slow to compile)")
     a = p.parse_args(argv)
     out = Path(os.environ.get("OUT", "."), "dsa_kernels.jsonl")
     for seq in a.seq:
-        checks = {"indexer": check_indexer, "attention": lambda n: check_attention(n, flex=not a.no_flex)}
+        checks = {"indexer": check_indexer, "attention": lambda n: check_attention(n, flex=not a.no_flex),
+                  "mask_cost": check_mask_cost}
         for name, check in checks.items():
             if a.only not in (None, name):
                 continue
