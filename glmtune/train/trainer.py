@@ -127,7 +127,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.model.train()
         batches = [self.train_loader.next_batch() for _ in range(self.s.grad_accum)]
-        local_targets = sum(int((b["targets"] != -100).sum()) for b in batches)
+        local_targets = sum(b["num_supervised"] for b in batches)  # counted on the host by the loader
         # int64: a float32 count is exact only up to 2**24 tokens per step.
         total_targets = _all_reduce_sum(torch.tensor(local_targets, dtype=torch.int64, device=self.s.device))
         denominator = total_targets.clamp_min(1).float()

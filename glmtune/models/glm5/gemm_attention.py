@@ -38,29 +38,21 @@ def _matmul_fp32(a_GMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a_GMK.float(), b_GKN.float())
 
 
-def _probs_and_lse(s_BNST, allowed_B1ST, scale: float):
+def _forward_pass(s_BNST, allowed_B1ST, scale: float, dtype: torch.dtype):
+    """P = softmax(scale S | mask) rounded to `dtype`, and the fp32 log-sum-exp per row."""
     logits = torch.where(allowed_B1ST, s_BNST * scale, float("-inf"))
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a row with no key: P = 0, no NaN
     probs = torch.where(allowed_B1ST, torch.exp(logits - row_max), 0.0)
     total = probs.sum(dim=-1, keepdim=True)
     lse = row_max + torch.log(total)
-    return (probs / torch.where(total == 0, 1.0, total)), lse.squeeze(-1)
-
-
-def _probs_and_dscores(s_BNST, dp_BNST, lse_BNS, delta_BNS, allowed_B1ST, scale: float):
-    probs = torch.where(allowed_B1ST, torch.exp(s_BNST * scale - lse_BNS.unsqueeze(-1)), 0.0)
-    dscores = probs * (dp_BNST - delta_BNS.unsqueeze(-1)) * scale
-    return probs, dscores
-
-
-def _forward_pass(s_BNST, allowed_B1ST, scale: float, dtype: torch.dtype):
-    probs, lse = _probs_and_lse(s_BNST, allowed_B1ST, scale)
-    return probs.to(dtype), lse
+    return (probs / torch.where(total == 0, 1.0, total)).to(dtype), lse.squeeze(-1)
 
 
 def _backward_pass(s_BNST, dp_BNST, lse_BNS, delta_BNS, allowed_B1ST, scale: float, dtype: torch.dtype):
-    probs, dscores = _probs_and_dscores(s_BNST, dp_BNST, lse_BNS, delta_BNS, allowed_B1ST, scale)
+    """P recomputed from the saved lse and dS = P (dP - rowsum(dO O)) scale, both rounded to `dtype`."""
+    probs = torch.where(allowed_B1ST, torch.exp(s_BNST * scale - lse_BNS.unsqueeze(-1)), 0.0)
+    dscores = probs * (dp_BNST - delta_BNS.unsqueeze(-1)) * scale
     return probs.to(dtype), dscores.to(dtype)
 
 
