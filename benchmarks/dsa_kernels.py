@@ -28,6 +28,7 @@ from glmtune.models.glm5.attention import sdpa_attention  # noqa: E402
 from glmtune.models.glm5.flex_attention import flex_sparse_attention  # noqa: E402
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention  # noqa: E402
 from glmtune.models.glm5.indexer import Indexer, dsa_topk_mask  # noqa: E402
+from glmtune.models.glm5.triton_attention import triton_masked_attention  # noqa: E402
 
 
 def bench_ms(fn, warmup=3, reps=10):
@@ -82,6 +83,8 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
                 ("sdpa_cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION), None),
                 ("sdpa_efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION), None),
                 ("gemm", lambda: sdpa_attention(q, k, v, mask, scale, prefix, masked=gemm_masked_attention), None),
+                ("triton", lambda: sdpa_attention(q, k, v, mask, scale, prefix, seq,
+                                                  masked=triton_masked_attention), None),
                 ("causal_flash_no_topk", lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scale), None)]
     variants += [(f"flex_{key}", lambda: flex_sparse_attention(q, k, v, mask, scale, prefix), options)
@@ -106,7 +109,7 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
     ref_out, ref_grads = results["sdpa"]
     line = {"check": "attention", "seq": seq, "sdpa_fwd_bwd_ms": round(results["sdpa_ms"], 2)}
     flex_names = [f"flex_{k}" for k in FLEX_VARIANTS] if flex else []
-    for name in ["sdpa_cudnn", "sdpa_efficient", "gemm", "causal_flash_no_topk"] + flex_names:
+    for name in ["sdpa_cudnn", "sdpa_efficient", "gemm", "triton", "causal_flash_no_topk"] + flex_names:
         if name not in results:
             line[name] = results[name + "_error"]
             continue
@@ -149,6 +152,49 @@ def check_mask_cost(seq, topk=2048, heads=64):
     return line
 
 
+TRITON_SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    "FORWARD_CONFIG": [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2)],
+    "DQ_CONFIG": [(128, 64, 8, 2), (128, 64, 8, 1), (64, 32, 4, 2)],
+    "DK_CONFIG": [(64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 4, 2), (128, 128, 8, 1)],
+    "DV_CONFIG": [(64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 4, 2), (128, 128, 8, 1),
+                  (128, 64, 8, 2)],
+}
+
+
+def check_triton_sweep(seq, topk=2048, heads=64):
+    """The masked-flash kernels over the top-k tail (queries topk..seq) per tile config: the
+    forward, or the whole backward with one kernel's config changed at a time."""
+    from glmtune.kernels import sparse_attention as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mask = random_topk_mask(seq, topk, gen)[:, topk:]
+    q = torch.randn(1, heads, seq - topk, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, heads, seq, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    scale = 256**-0.5
+    out, lse = kernels.sparse_attention_forward(q, k, v, mask, scale)
+    line = {"check": "triton_sweep", "seq": seq, "tflop_forward_backward": round(
+        heads * sum(range(topk + 1, seq + 1)) * 14 * 256 / 1e12, 3)}
+    defaults = {name: dict(getattr(kernels, name)) for name in TRITON_SWEEP}
+    for name, configs in TRITON_SWEEP.items():
+        timings = {}
+        for block_m, block_n, warps, stages in configs:
+            getattr(kernels, name).update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            if name == "FORWARD_CONFIG":
+                def fn():
+                    kernels.sparse_attention_forward(q, k, v, mask, scale)
+            else:
+                def fn():
+                    kernels.sparse_attention_backward(grad_out, q, k, v, out, lse, mask, scale)
+            try:
+                timings[f"m{block_m}n{block_n}w{warps}s{stages}"] = round(bench_ms(fn, 2, 5), 3)
+            except Exception as exc:  # a tile config this GPU cannot hold: report, try the next
+                timings[f"m{block_m}n{block_n}w{warps}s{stages}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        getattr(kernels, name).update(defaults[name])
+        line[name + ("_ms" if name == "FORWARD_CONFIG" else "_backward_ms")] = timings
+    return line
+
+
 def check_indexer(seq, topk=2048, heads=32, dim=128):
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -178,13 +224,13 @@ def check_indexer(seq, topk=2048, heads=32, dim=128):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--only", choices=["attention", "indexer", "mask_cost"], default=None)
+    p.add_argument("--only", choices=["attention", "indexer", "mask_cost", "triton_sweep"], default=None)
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention variants (slow to compile)")
     a = p.parse_args(argv)
     out = Path(os.environ.get("OUT", "."), "dsa_kernels.jsonl")
     for seq in a.seq:
         checks = {"indexer": check_indexer, "attention": lambda n: check_attention(n, flex=not a.no_flex),
-                  "mask_cost": check_mask_cost}
+                  "mask_cost": check_mask_cost, "triton_sweep": check_triton_sweep}
         for name, check in checks.items():
             if a.only not in (None, name):
                 continue

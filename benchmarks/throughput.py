@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--query-block", type=int, default=None, help="sdpa backend: queries per masked block")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
-    p.add_argument("--attention", default="sdpa", help="glmtune attention backend")
+    p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
     p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
     p.add_argument("--dispatch", default="auto", help="glmtune MoE token movement (auto: Triton kernels on GPU)")
     p.add_argument("--profile", action="store_true", help="write a torch profiler table for glmtune")

@@ -90,7 +90,7 @@ def load_pretrained(
     path: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
-    attention_backend: str = "sdpa",
+    attention_backend: str = "auto",
     moe_backend: str = "grouped_mm",
     indexer_backend: str = "auto",
 ) -> Glm5ForCausalLM:

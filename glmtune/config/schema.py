@@ -53,7 +53,7 @@ class ModelConfig:
     name_or_path: str = "tiny"  # a preset (tiny|glm5|glm5.1|glm5.2|glm5.3) or a local HF directory with config.json
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameter dtype
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
-    attention_backend: Literal["sdpa", "eager", "flex", "gemm"] = "sdpa"  # MLA attention; gemm: top-k blocks as GEMMs
+    attention_backend: Literal["auto", "sdpa", "eager", "flex", "gemm", "triton"] = "auto"  # auto: triton on GPU, sdpa on CPU
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda

@@ -19,6 +19,10 @@ The attention itself is a backend chosen by name:
   * "gemm": the same causal prefix and blocks as "sdpa"; the masked blocks as explicit
     batched GEMMs with fp32 scores and flash's roundings (`gemm_attention.py`): cuBLAS
     speed instead of a fused kernel's masked path, at the cost of score-sized traffic.
+  * "triton": the same causal prefix; all later queries in one call of the masked flash
+    kernels (`triton_attention.py`), which read the top-k mask per tile and skip tiles with
+    no allowed key. CUDA only (the kernels' CPU tests run in Triton's interpreter).
+  * "auto" (the default): "triton" on CUDA tensors, "sdpa" elsewhere.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -35,8 +39,9 @@ from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention
 from glmtune.models.glm5.indexer import Indexer
+from glmtune.models.glm5.triton_attention import triton_masked_attention
 
-ATTENTION_BACKENDS = ("eager", "sdpa", "flex", "gemm")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton")
 
 
 def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
@@ -50,6 +55,9 @@ def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
 
 def _sdpa_masked(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
     return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, attn_mask=allowed_BST.unsqueeze(1), scale=scale)
+
+
+MASKED_BLOCK_FUNCTIONS = {"sdpa": _sdpa_masked, "gemm": gemm_masked_attention, "triton": triton_masked_attention}
 
 
 def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int = 0, query_block: int = 1024,
@@ -78,7 +86,7 @@ def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int
 
 
 class MLAttention(nn.Module):
-    def __init__(self, args: Glm5Args, has_indexer: bool, backend: str = "sdpa",
+    def __init__(self, args: Glm5Args, has_indexer: bool, backend: str = "auto",
                  indexer_backend: str = "auto") -> None:
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
@@ -145,14 +153,18 @@ class MLAttention(nn.Module):
         sparse_BST, all_selected = selection
 
         causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
-        if self.backend == "eager":
+        backend = self.backend
+        if backend == "auto":
+            backend = "triton" if x_BSD.is_cuda else "sdpa"
+        if backend == "eager":
             out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
-        elif self.backend == "flex":
+        elif backend == "flex":
             out_BNSV = flex_sparse_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
         else:
-            masked = gemm_masked_attention if self.backend == "gemm" else _sdpa_masked
+            # The Triton kernels skip future keys per tile themselves: the whole tail is one block.
+            query_block = seq_len if backend == "triton" else self.query_block
             out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix,
-                                      self.query_block, masked)
+                                      query_block, MASKED_BLOCK_FUNCTIONS[backend])
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         return self.o_proj(out_BSX), selection
 

@@ -134,7 +134,7 @@ class Glm5Model(nn.Module):
 class Glm5ForCausalLM(nn.Module):
     """The causal LM. `model(input_ids).logits` is [B, S, V]."""
 
-    def __init__(self, args: Glm5Args, attention_backend: str = "sdpa", moe_backend: str = "grouped_mm",
+    def __init__(self, args: Glm5Args, attention_backend: str = "auto", moe_backend: str = "grouped_mm",
                  indexer_backend: str = "auto") -> None:
         super().__init__()
         self.args = args
@@ -214,7 +214,7 @@ def build_model(
     args: Glm5Args,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    attention_backend: str = "sdpa",
+    attention_backend: str = "auto",
     moe_backend: str = "grouped_mm",
     init: bool = True,
     seed: int | None = None,

@@ -28,8 +28,9 @@ from glmtune.models.glm5.model import Glm5ForCausalLM
 
 def _saved_under_checkpointing():
     aten = torch.ops.aten
-    # Registered by the model's indexer and GEMM-attention modules.
-    ops = [torch.ops.glmtune.dsa_topk_mask.default, torch.ops.glmtune.gemm_attention.default]
+    # Registered by the model's indexer, GEMM- and Triton-attention modules.
+    ops = [torch.ops.glmtune.dsa_topk_mask.default, torch.ops.glmtune.gemm_attention.default,
+           torch.ops.glmtune.sparse_attention.default]
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):

@@ -1,0 +1,68 @@
+"""The DSA top-k tail through the masked flash-attention Triton kernels, as an autograd op.
+
+`attention_backend: triton` keeps the "sdpa" backend's exact causal prefix (cuDNN/flash
+with `is_causal=True`) and runs every later query in one call of
+`glmtune.kernels.sparse_attention`, which reads the boolean top-k mask per tile instead of
+handing SDPA a dense mask. The op (`glmtune::sparse_attention`) is opaque to
+torch.compile and saves only q, k, v, the output and the fp32 log-sum-exp; the mask is
+the layer's own selection, already alive for the backward. q, k and v are read through
+their strides (the model's head-split views), never copied.
+
+Legend: B batch, N heads, S queries, T keys, K qk head dim, V value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glmtune.kernels.sparse_attention import sparse_attention_backward, sparse_attention_forward
+
+
+@torch.library.custom_op("glmtune::sparse_attention", mutates_args=())
+def sparse_attention(q_BNSK: torch.Tensor, k_BNTK: torch.Tensor, v_BNTV: torch.Tensor, allowed_BST: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, N, S, V], lse [B, N, S] fp32): the last S of the T keys' queries over the allowed keys."""
+    return sparse_attention_forward(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale)
+
+
+@sparse_attention.register_fake
+def _(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+    batch, heads, queries, _ = q_BNSK.shape
+    return (q_BNSK.new_empty(batch, heads, queries, v_BNTV.shape[-1]),
+            q_BNSK.new_empty(batch, heads, queries, dtype=torch.float32))
+
+
+@torch.library.custom_op("glmtune::sparse_attention_backward", mutates_args=())
+def sparse_attention_grads(grad_out_BNSV: torch.Tensor, q_BNSK: torch.Tensor, k_BNTK: torch.Tensor,
+                           v_BNTV: torch.Tensor, out_BNSV: torch.Tensor, lse_BNS: torch.Tensor,
+                           allowed_BST: torch.Tensor, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, allowed_BST, scale)
+
+
+@sparse_attention_grads.register_fake
+def _(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, allowed_BST, scale):
+    # Contiguous, whatever the inputs' strides (empty_like would copy a view's strides).
+    return q_BNSK.new_empty(q_BNSK.shape), k_BNTK.new_empty(k_BNTK.shape), v_BNTV.new_empty(v_BNTV.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, allowed, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, allowed)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, allowed = ctx.saved_tensors
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    dq, dk, dv = sparse_attention_grads(grad_out, q, k, v, out, lse, allowed, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+sparse_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_masked_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale: float) -> torch.Tensor:
+    """`attention.sdpa_attention`'s `masked` callable: queries are the last S of the T keys."""
+    return sparse_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale)[0]

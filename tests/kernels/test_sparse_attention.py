@@ -1,0 +1,124 @@
+"""The masked flash-attention kernels against a float64 softmax reference (output, lse,
+q/k/v gradients) and, inside the model, the "triton" attention backend against "eager"
+(logits and every gradient, one-document and packed rows) — in Triton's CPU interpreter
+(child process; fp16 and fp32, the interpreter has no bf16). 16 x 16 tiles so that a
+short row spans many tiles: partial tiles, empty tiles skipped, causal tile bounds."""
+
+import pytest
+import torch
+from triton_interpreter import main, run_checks_in_interpreter
+
+pytest.importorskip("triton")
+
+
+def _small_tiles():
+    from glmtune.kernels import sparse_attention as sa
+
+    for config in (sa.FORWARD_CONFIG, sa.DQ_CONFIG, sa.DK_CONFIG, sa.DV_CONFIG):
+        config.update(BLOCK_M=16, BLOCK_N=16)
+    return sa
+
+
+def _reference(q, k, v, allowed, scale):
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no key attends nothing
+    return probs @ v.double(), logits.logsumexp(-1)
+
+
+def check_kernels_match_float64_reference():
+    sa = _small_tiles()
+    g = torch.Generator().manual_seed(0)
+    b, n, s, t, kd, vd = 2, 3, 37, 70, 64, 32
+    dtype = torch.float16
+    q_all = torch.randn(b, n, t, kd, generator=g).to(dtype)
+    q = q_all[:, :, t - s:].requires_grad_()  # the tail queries: a strided view, as the model passes it
+    k = torch.randn(b, n, t, kd, generator=g).to(dtype).requires_grad_()
+    kv = torch.randn(b, t, n, 2 * vd, generator=g).to(dtype)
+    v = kv.transpose(1, 2)[..., vd:].requires_grad_()  # a head-split view: strided, last dim contiguous
+    causal = torch.ones(s, t, dtype=torch.bool).tril(t - s)
+    allowed = (torch.rand(b, s, t + 5, generator=g) < 0.6)[:, :, 3:3 + t] & causal  # a strided mask slice
+    allowed[0, 5] = False  # a query with no allowed key
+    allowed[1, :20, 30:50] = False  # whole 16 x 16 tiles with no allowed key: skipped
+    allowed[..., t - 4:] = False
+    scale = kd**-0.5
+    out, lse = sa.sparse_attention_forward(q, k, v, allowed, scale)
+    ref_out, ref_lse = _reference(q, k, v, allowed, scale)
+    assert torch.equal(out[0, :, 5], torch.zeros_like(out[0, :, 5])) and not out.isnan().any()
+    assert (out.double() - ref_out).abs().max() < 2e-3
+    live = allowed.any(-1).unsqueeze(1).expand_as(lse)
+    assert (lse[live].double() - ref_lse[live]).abs().max() < 1e-5 and (lse[~live] == float("inf")).all()
+    grad = torch.randn(b, n, s, vd, generator=g).to(dtype)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad.double())
+    grads = sa.sparse_attention_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, allowed, scale)
+    for mine, theirs in zip(grads, ref_grads):
+        assert mine.shape == theirs.shape and mine.is_contiguous()
+        assert (mine.double() - theirs).abs().max() < 3e-3 * max(1.0, theirs.abs().max().item())
+    assert (grads[1][:, :, t - 4:] == 0).all() and (grads[2][:, :, t - 4:] == 0).all()  # keys nobody sees
+
+
+def check_ops_registration_is_consistent():
+    """The custom ops' fake (meta) kernels give the real outputs' shapes and strides with the
+    strided views the model passes (torch.compile trusts them)."""
+    sa = _small_tiles()
+    from glmtune.models.glm5 import triton_attention as ta
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 12, 2, 32, generator=g).transpose(1, 2)[:, :, 4:]  # [1, 2, 8, 32], strided
+    kv = torch.randn(1, 12, 2, 48, generator=g).transpose(1, 2)
+    k, v = kv[..., :32], kv[..., 32:]
+    allowed = torch.ones(8, 12, dtype=torch.bool).tril(4).unsqueeze(0)
+    torch.library.opcheck(ta.sparse_attention, (q, k, v, allowed, 0.2))
+    out, lse = sa.sparse_attention_forward(q, k, v, allowed, 0.2)
+    torch.library.opcheck(ta.sparse_attention_grads, (torch.randn_like(out), q, k, v, out, lse, allowed, 0.2))
+
+
+def check_model_backend_matches_eager():
+    _small_tiles()
+    from glmtune.models.glm5.args import get_preset
+    from glmtune.models.glm5.model import build_model
+
+    args = get_preset("tiny").replace(index_topk=12)
+    x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(x, -1, 1)
+    for positions in (None, torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0)):
+        eager = build_model(args, attention_backend="eager", seed=0)
+        fast = build_model(args, attention_backend="triton", seed=0)
+        logits = []
+        for model in (eager, fast):
+            out = model(x, position_ids=positions, targets=targets)
+            (out.loss_sum / out.num_targets).backward()
+            logits.append(out.logits.detach())
+        assert (logits[0] - logits[1]).abs().max().item() <= 1e-4
+        fast_params = dict(fast.named_parameters())
+        for name, param in eager.named_parameters():
+            if param.grad is not None:
+                rel = (fast_params[name].grad - param.grad).norm() / param.grad.norm().clamp_min(1e-12)
+                assert rel.item() <= 1e-4, (name, rel.item())
+
+
+@pytest.mark.parametrize("rows, keys, offset", [(64, 128, 0), (60, 128, 8), (64, 130, 0), (128, 256, 3)])
+def test_tile_flags_mark_exactly_the_tiles_with_an_allowed_key(rows, keys, offset):
+    """Aligned masks take the int64-word reduction, the others (offset 3, ragged sizes) bytes."""
+    from glmtune.kernels.sparse_attention import tile_flags
+
+    full = torch.rand(2, rows + 8, keys + 8, generator=torch.Generator().manual_seed(rows + keys)) < 0.002
+    mask = full[:, offset:offset + rows, :keys]
+    for block_m, block_n in ((16, 16), (16, 32), (8, 64)):
+        expected = torch.zeros(2, -(-rows // block_m), -(-keys // block_n), dtype=torch.bool)
+        for i in range(expected.shape[1]):
+            for j in range(expected.shape[2]):
+                expected[:, i, j] = mask[:, i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n].flatten(1).any(1)
+        flags = tile_flags(mask, block_m, block_n)
+        assert flags.dtype == torch.uint8 and torch.equal(flags.bool(), expected)
+        assert 0 < expected.sum() < expected.numel()
+
+
+def test_sparse_attention_in_interpreter():
+    assert run_checks_in_interpreter(__file__) == ["check_kernels_match_float64_reference",
+                                                   "check_ops_registration_is_consistent",
+                                                   "check_model_backend_matches_eager"]
+
+
+if __name__ == "__main__":
+    main(check_kernels_match_float64_reference, check_ops_registration_is_consistent, check_model_backend_matches_eager)
