@@ -209,7 +209,7 @@ def run_glmtune(cfg, state, batches, a):
         # The same next-token targets transformers' loss uses (a plain shift over the row).
         targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
         out = model(x, position_ids=pos, compute_logits=False, targets=targets, longest_document=longest,
-                    num_supervised=x.numel() - x.shape[0])
+                    num_supervised=x.numel() - x.shape[0], loss_grad_scale=1.0 / (x.numel() - x.shape[0]))
         loss = out.loss_sum / out.num_targets
         loss.backward()
         opt.step()

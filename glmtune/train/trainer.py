@@ -133,6 +133,8 @@ class Trainer:
         denominator = total_targets.clamp_min(1).float()
         loss_sum = torch.zeros((), device=self.s.device)
         load = {name: torch.zeros_like(m.tokens_per_expert) for name, m in self._moe}
+        if not dist.is_initialized():  # the factor each micro-loss is divided by, known here on the host
+            batches = [dict(b, loss_grad_scale=1.0 / max(local_targets, 1)) for b in batches]
         for batch in batches:
             micro_loss, _ = self._forward_loss(batch)
             (micro_loss / denominator).backward()

@@ -36,6 +36,26 @@ def test_chunked_matches_full_in_value_and_gradient(backend, scale):
 
 
 @pytest.mark.parametrize("backend", ["fused", "checkpoint"])
+@pytest.mark.parametrize("announced", [1 / 66, 0.5])  # the factor applied, and a wrong announcement
+def test_announced_grad_scale_gives_the_same_gradients(backend, announced):
+    """`grad_scale` folds the caller's factor into the head-gradient GEMMs; the gradients
+    equal the full-logits reference whether or not the announced factor is the one applied."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 37))
+    targets[0, :8] = IGNORE_INDEX
+    loss, count = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, backend=backend, grad_scale=announced)
+    (loss / count).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    loss_f, n_f = full_cross_entropy(hidden @ weight.T, targets)
+    (loss_f / n_f).backward()
+    assert count == n_f == 66 and torch.allclose(loss, loss_f, rtol=1e-6)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-6) and torch.allclose(grads[1], weight.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["fused", "checkpoint"])
 def test_no_supervised_token_gives_zero_loss_and_gradients(backend):
     hidden = torch.randn(1, 9, 16, requires_grad=True)
     weight = torch.full((50, 16), float("nan")).requires_grad_()  # uninitialized memory would leak through

@@ -8,7 +8,9 @@ backends:
     respect to the hidden states and the head weight is computed in the forward
     pass, slice by slice (softmax minus one-hot, two GEMMs, weight gradient
     accumulated in the weight dtype), and only scaled in backward: no logits are recomputed
-    and no fp32 logits outlive their slice. On CUDA the softmax/one-hot step of a slice is
+    and no fp32 logits outlive their slice. A caller that knows the factor it will divide
+    the loss by (`grad_scale`, e.g. 1 / tokens in the step) has it folded into the GEMMs
+    (the head gradient's alpha), so backward does not rescale GLM-5's 1.9 GB head gradient. On CUDA the softmax/one-hot step of a slice is
     one Triton kernel writing over the slice's bf16 logits (the eager function is its reference).
   * "checkpoint": autograd through each slice, recomputed in backward.
 `full_cross_entropy` is the plain reference both are tested against.
@@ -72,32 +74,35 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Sum of cross-entropy losses of `hidden @ weight.T`, gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size, grad_scale):
         grad_hidden = torch.empty_like(hidden_ND)
         # Accumulated in the weight's dtype with one rounding per slice (what autograd would do
         # across slices); an fp32 buffer would cost 4 bytes x V x D (3.8 GB for GLM-5's head).
         # The first slice writes it (no zero fill, no read of zeros), later ones add to it.
         grad_weight = torch.empty_like(weight_VD) if hidden_ND.shape[0] else torch.zeros_like(weight_VD)
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
+        alpha = 1.0 if grad_scale is None else grad_scale
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
             t = targets_N[start : start + chunk_size]
             loss, dlogits = slice_loss_and_grad(F.linear(h, weight_VD), t)
             total += loss
             grad_hidden[start : start + chunk_size] = dlogits @ weight_VD
-            if start == 0:
-                torch.mm(dlogits.T, h.to(weight_VD.dtype), out=grad_weight)
-            else:
-                grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype))
+            # beta=0 on the first slice: the uninitialized output is ignored (no NaN propagated).
+            grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype), beta=0 if start == 0 else 1, alpha=alpha)
         ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.grad_scale = grad_scale
         return total
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale_in_place((grad_hidden, grad_weight), grad_total)
-        return grad_hidden, grad_weight, None, None
+        scale_in_place((grad_hidden,), grad_total)
+        # The head gradient already carries grad_scale; what is left is 1 when the caller's
+        # factor was the announced one (the scaling kernel then skips the 1.9 GB pass).
+        scale_in_place((grad_weight,), grad_total if ctx.grad_scale is None else grad_total / ctx.grad_scale)
+        return grad_hidden, grad_weight, None, None, None
 
 
 LOSS_BACKENDS = ("fused", "checkpoint")
@@ -105,9 +110,13 @@ LOSS_BACKENDS = ("fused", "checkpoint")
 
 def chunked_cross_entropy(
     hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor, chunk_size: int = 4096,
-    backend: str = "fused", num_supervised: int | None = None,
+    backend: str = "fused", num_supervised: int | None = None, grad_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses and the number of supervised tokens.
+
+    `grad_scale`: the factor the caller will multiply the loss sum by before backward, when
+    known on the host; the fused backend computes its gradients already scaled by it (any
+    other factor still gives exact gradients, through a scaling pass in backward).
 
     `num_supervised`, the count of targets != -100 when the caller knows it on the host
     (the data loader does), spares the host sync of finding the supervised rows.
@@ -127,7 +136,7 @@ def chunked_cross_entropy(
     if backend not in LOSS_BACKENDS:
         raise ValueError(f"loss backend {backend!r} unknown; choose from {LOSS_BACKENDS}")
     if backend == "fused" and torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
-        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size), num_tokens
+        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size, grad_scale), num_tokens
     total = hidden_ND.new_zeros((), dtype=torch.float32)
     # At least one (possibly empty) slice: with no supervised token the loss is still a graph node.
     for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):

@@ -150,7 +150,7 @@ class Glm5ForCausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
                 targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None,
-                num_supervised: int | None = None) -> Glm5Output:
+                num_supervised: int | None = None, loss_grad_scale: float | None = None) -> Glm5Output:
         """Args:
             input_ids: [B, S] token ids.
             position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
@@ -163,13 +163,17 @@ class Glm5ForCausalLM(nn.Module):
                 omitted, the model computes it (a host sync when the ids are on the GPU).
             num_supervised: the number of targets != -100, counted on the host; omitted, the
                 loss finds the supervised rows with a host sync.
+            loss_grad_scale: the factor the caller multiplies `loss_sum` by before backward
+                (e.g. 1 / supervised tokens of the step), if known on the host: the fused loss
+                folds it into its gradient GEMMs instead of a scaling pass in backward.
         """
         hidden_BSD = self.model(input_ids, position_ids, document_ids, longest_document)
         logits = self.lm_head(hidden_BSD) if compute_logits else None
         out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
         if targets is not None:
             out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
-                                                                  loss_chunk_size, num_supervised=num_supervised)
+                                                                  loss_chunk_size, num_supervised=num_supervised,
+                                                                  grad_scale=loss_grad_scale)
         return out
 
     def freeze_untrained_by_default(self) -> None:
