@@ -9,8 +9,13 @@ per-tile flag computed once per call.
 
   forward:  online softmax over key tiles (scores in fp32, base-2 exponent), P rounded to
             the input dtype for the PV product; returns O and the fp32 log-sum-exp.
-  backward: dQ over key tiles per query tile; dK and dV over query tiles per key tile
-            (P and dS recomputed from the saved lse, rounded like flash attention's).
+  backward: dQ over key tiles per query tile (which also writes delta = rowsum(dO * O));
+            dK and dV over query tiles per key tile (P and dS recomputed from the saved
+            lse, rounded like flash attention's).
+
+q, k, v and dO are read through their strides (the last dim contiguous), so the model's
+head-split views are never copied; outputs are contiguous. Head dims that are not powers
+of two are padded inside the kernels (masked loads).
 
 Queries are the last S of the T keys (query i sits at key T - S + i), so each query tile
 stops at its last query's key; the mask decides the rest, causality included. A query
@@ -53,7 +58,8 @@ def _sparse_attention_forward_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_mb, stride_ms, stride_fb, stride_fm,
     heads, queries, keys,
-    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """O and lse of one query tile; out [B, N, S, V] and lse [B, N, S] contiguous."""
     pid_m = tl.program_id(0)
@@ -79,7 +85,8 @@ def _sparse_attention_forward_kernel(
         if tl.load(flags_ptr + b * stride_fb + pid_m * stride_fm + start // BLOCK_N) != 0:
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < keys
-            k = tl.load(k_base + cols[:, None] * stride_kt + dim_k[None, :], mask=col_ok[:, None] & k_in[None, :], other=0.0)
+            k = tl.load(k_base + cols[:, None] * stride_kt + dim_k[None, :], mask=col_ok[:, None] & k_in[None, :],
+                        other=0.0)
             allowed = tl.load(mask_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(allowed != 0, s, float("-inf"))
@@ -88,7 +95,8 @@ def _sparse_attention_forward_kernel(
             p = tl.exp2(s - base[:, None])
             rescale = tl.exp2(run_max - base)
             run_sum = run_sum * rescale + tl.sum(p, 1)
-            v = tl.load(v_base + cols[:, None] * stride_vt + dim_v[None, :], mask=col_ok[:, None] & v_in[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + dim_v[None, :], mask=col_ok[:, None] & v_in[None, :],
+                        other=0.0)
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
             run_max = new_max
     empty = run_sum == 0.0
@@ -104,7 +112,8 @@ def _sparse_attention_dq_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_mb, stride_ms, stride_fb, stride_fm, stride_db, stride_dh, stride_ds,
     heads, queries, keys,
-    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ of one query tile, and its rows' delta = rowsum(dO * O) for the dK / dV launches.
     out, dq, lse and delta contiguous."""
@@ -135,15 +144,18 @@ def _sparse_attention_dq_kernel(
         if tl.load(flags_ptr + b * stride_fb + pid_m * stride_fm + start // BLOCK_N) != 0:
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < keys
-            k = tl.load(k_base + cols[:, None] * stride_kt + dim_k[None, :], mask=col_ok[:, None] & k_in[None, :], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vt + dim_v[None, :], mask=col_ok[:, None] & v_in[None, :], other=0.0)
+            k = tl.load(k_base + cols[:, None] * stride_kt + dim_k[None, :], mask=col_ok[:, None] & k_in[None, :],
+                        other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vt + dim_v[None, :], mask=col_ok[:, None] & v_in[None, :],
+                        other=0.0)
             allowed = tl.load(mask_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             p = tl.where(allowed != 0, tl.exp2(s - lse2[:, None]), 0.0)
             dp = tl.dot(d_out, tl.trans(v))
             ds = p * (dp - delta[:, None]) * scale
             dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(dq_ptr + stats[:, None] * HEAD_K + dim_k[None, :], dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & k_in[None, :])
+    tl.store(dq_ptr + stats[:, None] * HEAD_K + dim_k[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & k_in[None, :])
 
 
 def _sparse_attention_dkv_kernel(
@@ -151,7 +163,8 @@ def _sparse_attention_dkv_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_mb, stride_ms, stride_fb, stride_fm, stride_db, stride_dh, stride_ds,
     heads, queries, keys,
-    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GRAD_K: tl.constexpr,
 ):
     """dK (GRAD_K) or dV of one key tile, into a contiguous [B, N, T, *] gradient."""
@@ -182,8 +195,10 @@ def _sparse_attention_dkv_kernel(
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < queries
             stats = bh * queries + rows
-            q = tl.load(q_base + rows[:, None] * stride_qs + dim_k[None, :], mask=row_ok[:, None] & k_in[None, :], other=0.0)
-            d_out = tl.load(do_base + rows[:, None] * stride_ds + dim_v[None, :], mask=row_ok[:, None] & v_in[None, :], other=0.0)
+            q = tl.load(q_base + rows[:, None] * stride_qs + dim_k[None, :], mask=row_ok[:, None] & k_in[None, :],
+                        other=0.0)
+            d_out = tl.load(do_base + rows[:, None] * stride_ds + dim_v[None, :],
+                            mask=row_ok[:, None] & v_in[None, :], other=0.0)
             lse2 = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf")) * LOG2E_CONST
             allowed_t = tl.load(mask_cols + rows[None, :] * stride_ms, mask=row_ok[None, :] & col_ok[:, None],
                                 other=0)

@@ -108,7 +108,8 @@ def test_tile_flags_mark_exactly_the_tiles_with_an_allowed_key(rows, keys, offse
         expected = torch.zeros(2, -(-rows // block_m), -(-keys // block_n), dtype=torch.bool)
         for i in range(expected.shape[1]):
             for j in range(expected.shape[2]):
-                expected[:, i, j] = mask[:, i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n].flatten(1).any(1)
+                tile = mask[:, i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
+                expected[:, i, j] = tile.flatten(1).any(1)
         flags = tile_flags(mask, block_m, block_n)
         assert flags.dtype == torch.uint8 and torch.equal(flags.bool(), expected)
         assert 0 < expected.sum() < expected.numel()

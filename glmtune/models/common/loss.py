@@ -8,10 +8,11 @@ backends:
     respect to the hidden states and the head weight is computed in the forward
     pass, slice by slice (softmax minus one-hot, two GEMMs, weight gradient
     accumulated in the weight dtype), and only scaled in backward: no logits are recomputed
-    and no fp32 logits outlive their slice. A caller that knows the factor it will divide
-    the loss by (`grad_scale`, e.g. 1 / tokens in the step) has it folded into the GEMMs
-    (the head gradient's alpha), so backward does not rescale GLM-5's 1.9 GB head gradient. On CUDA the softmax/one-hot step of a slice is
-    one Triton kernel writing over the slice's bf16 logits (the eager function is its reference).
+    and no fp32 logits outlive their slice. On CUDA the softmax/one-hot step of a slice is
+    one Triton kernel writing over the slice's bf16 logits (the eager function is its
+    reference). A caller that knows the factor it will divide the loss by (`grad_scale`,
+    e.g. 1 / tokens in the step) has it folded into the head-gradient GEMM (its alpha), so
+    backward does not rescale GLM-5's 1.9 GB head gradient.
   * "checkpoint": autograd through each slice, recomputed in backward.
 `full_cross_entropy` is the plain reference both are tested against.
 
