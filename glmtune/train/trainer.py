@@ -133,8 +133,11 @@ class Trainer:
         denominator = total_targets.clamp_min(1).float()
         loss_sum = torch.zeros((), device=self.s.device)
         load = {name: torch.zeros_like(m.tokens_per_expert) for name, m in self._moe}
-        if not dist.is_initialized():  # the factor each micro-loss is divided by, known here on the host
-            batches = [dict(b, loss_grad_scale=1.0 / max(local_targets, 1)) for b in batches]
+        # The factor each micro-loss is divided by, announced to the fused loss (its head
+        # gradient comes out already scaled). Across processes the total is needed on the host:
+        # one sync at the step's start, where the GPU is idle anyway after the last step's .item().
+        total_on_host = int(total_targets.item()) if dist.is_initialized() else local_targets
+        batches = [dict(b, loss_grad_scale=1.0 / max(total_on_host, 1)) for b in batches]
         for batch in batches:
             micro_loss, _ = self._forward_loss(batch)
             (micro_loss / denominator).backward()
