@@ -251,17 +251,19 @@ def _check(q_BNSK, k_BNTK, v_BNTV, mask_BST):
     assert mask_BST.shape == (q_BNSK.shape[0], q_BNSK.shape[2], k_BNTK.shape[2]), (mask_BST.shape, q_BNSK.shape)
 
 
-def _launch(q, k, v, mask_BST, config, grid_dim: int, kernel, *tensors_and_scales, **constexprs):
-    """Launches `kernel` over (tiles along grid_dim, B x N) with the strides every kernel takes."""
+def _launch(kernel, config, q, k, v, mask_BST, *tensors_and_scales, over_keys: bool = False, d_out_strides=(),
+            **constexprs):
+    """Launches `kernel` on a grid of (query tiles, or key tiles when `over_keys`) x (B x N),
+    with the strides and sizes every kernel takes."""
     batch, heads, queries, head_k = q.shape
     keys, head_v = k.shape[2], v.shape[-1]
     flags = tile_flags(mask_BST, config["BLOCK_M"], config["BLOCK_N"])
-    block = config["BLOCK_M"] if grid_dim == queries else config["BLOCK_N"]
-    _kernel(kernel)[(triton.cdiv(grid_dim, block), batch * heads)](
+    tiles = triton.cdiv(keys, config["BLOCK_N"]) if over_keys else triton.cdiv(queries, config["BLOCK_M"])
+    _kernel(kernel)[(tiles, batch * heads)](
         q, k, v, mask_BST.view(torch.uint8), flags, *tensors_and_scales,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask_BST.stride(0), mask_BST.stride(1), flags.stride(0), flags.stride(1),
-        *constexprs.pop("d_out_strides", ()), heads, queries, keys, HEAD_K=head_k, HEAD_V=head_v,
+        *d_out_strides, heads, queries, keys, HEAD_K=head_k, HEAD_V=head_v,
         K_PAD=triton.next_power_of_2(head_k), V_PAD=triton.next_power_of_2(head_v),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"],
         num_stages=config["num_stages"], **constexprs)
@@ -274,7 +276,7 @@ def sparse_attention_forward(q_BNSK, k_BNTK, v_BNTV, mask_BST, scale: float):
     batch, heads, queries, _ = q_BNSK.shape
     out = q_BNSK.new_empty(batch, heads, queries, v_BNTV.shape[-1])
     lse = q_BNSK.new_empty(batch, heads, queries, dtype=torch.float32)
-    _launch(q_BNSK, k_BNTK, v_BNTV, mask_BST, FORWARD_CONFIG, queries, _sparse_attention_forward_kernel,
+    _launch(_sparse_attention_forward_kernel, FORWARD_CONFIG, q_BNSK, k_BNTK, v_BNTV, mask_BST,
             out, lse, scale * LOG2E)
     return out, lse
 
@@ -284,13 +286,12 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     _check(q_BNSK, k_BNTK, v_BNTV, mask_BST)
     assert grad_out_BNSV.stride(-1) == 1 and out_BNSV.is_contiguous() and lse_BNS.is_contiguous()
     q, k, v, d_out = q_BNSK, k_BNTK, v_BNTV, grad_out_BNSV
-    queries, keys = q.shape[2], k.shape[2]
     d_out_strides = (d_out.stride(0), d_out.stride(1), d_out.stride(2))
     dq, delta = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(lse_BNS)
-    _launch(q, k, v, mask_BST, DQ_CONFIG, queries, _sparse_attention_dq_kernel, out_BNSV, d_out, lse_BNS, delta, dq,
+    _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,
             scale, scale * LOG2E, d_out_strides=d_out_strides)
     dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     for grad, config, grad_k in ((dk, DK_CONFIG, True), (dv, DV_CONFIG, False)):
-        _launch(q, k, v, mask_BST, config, keys, _sparse_attention_dkv_kernel, d_out, lse_BNS, delta, grad,
-                scale, scale * LOG2E, d_out_strides=d_out_strides, GRAD_K=grad_k)
+        _launch(_sparse_attention_dkv_kernel, config, q, k, v, mask_BST, d_out, lse_BNS, delta, grad,
+                scale, scale * LOG2E, over_keys=True, d_out_strides=d_out_strides, GRAD_K=grad_k)
     return dq, dk, dv

@@ -27,9 +27,18 @@ def _reference(q, k, v, allowed, scale):
 
 
 def check_kernels_match_float64_reference():
+    """Tail queries (37 of 70 keys) with 16 x 16 tiles, then a whole packed row (48 queries =
+    48 keys) with the dK / dV kernels on 16 x 32 tiles (their grid runs over key tiles)."""
     sa = _small_tiles()
-    g = torch.Generator().manual_seed(0)
-    b, n, s, t, kd, vd = 2, 3, 37, 70, 64, 32
+    _compare_with_reference(sa, seed=0, queries=37, keys=70)
+    for config in (sa.DK_CONFIG, sa.DV_CONFIG):
+        config.update(BLOCK_N=32)
+    _compare_with_reference(sa, seed=1, queries=48, keys=48)
+
+
+def _compare_with_reference(sa, seed, queries, keys):
+    g = torch.Generator().manual_seed(seed)
+    b, n, s, t, kd, vd = 2, 3, queries, keys, 64, 32
     dtype = torch.float16
     q_all = torch.randn(b, n, t, kd, generator=g).to(dtype)
     q = q_all[:, :, t - s:].requires_grad_()  # the tail queries: a strided view, as the model passes it
@@ -39,7 +48,7 @@ def check_kernels_match_float64_reference():
     causal = torch.ones(s, t, dtype=torch.bool).tril(t - s)
     allowed = (torch.rand(b, s, t + 5, generator=g) < 0.6)[:, :, 3:3 + t] & causal  # a strided mask slice
     allowed[0, 5] = False  # a query with no allowed key
-    allowed[1, :20, 30:50] = False  # whole 16 x 16 tiles with no allowed key: skipped
+    allowed[1, :20, 16:48] = False  # whole tiles with no allowed key: skipped
     allowed[..., t - 4:] = False
     scale = kd**-0.5
     out, lse = sa.sparse_attention_forward(q, k, v, allowed, scale)
