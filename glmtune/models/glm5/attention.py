@@ -22,7 +22,7 @@ The attention itself is a backend chosen by name:
   * "triton": the same causal prefix; all later queries in one call of the masked flash
     kernels (`triton_attention.py`), which read the top-k mask per tile and skip tiles with
     no allowed key. CUDA only (the kernels' CPU tests run in Triton's interpreter).
-  * "auto" (the default): "triton" on CUDA tensors, "sdpa" elsewhere.
+  * "auto" (the default): "triton" on CUDA tensors (when Triton is installed), "sdpa" elsewhere.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -39,7 +39,7 @@ from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention
 from glmtune.models.glm5.indexer import Indexer
-from glmtune.models.glm5.triton_attention import triton_masked_attention
+from glmtune.models.glm5.triton_attention import triton_attention_available, triton_masked_attention
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton")
 
@@ -155,7 +155,7 @@ class MLAttention(nn.Module):
         causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
         backend = self.backend
         if backend == "auto":
-            backend = "triton" if x_BSD.is_cuda else "sdpa"
+            backend = "triton" if x_BSD.is_cuda and triton_attention_available() else "sdpa"
         if backend == "eager":
             out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
         elif backend == "flex":

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from glmtune.kernels import sparse_attention as kernels
 from glmtune.kernels.sparse_attention import sparse_attention_backward, sparse_attention_forward
+
+
+def triton_attention_available() -> bool:
+    return kernels.triton is not None
 
 
 @torch.library.custom_op("glmtune::sparse_attention", mutates_args=())
