@@ -51,6 +51,10 @@ FORWARD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2
 DQ_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 DK_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 DV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+# dQ as one cuBLAS GEMM over a materialized bf16 dS (written by the dK launch, which computes
+# it anyway) when dS takes at most this many bytes; otherwise (and by default, until measured
+# faster on the GPU) the dQ kernel recomputes scores and dP per query tile.
+DS_MATERIALIZE_BYTES = 0
 
 
 def _sparse_attention_forward_kernel(
@@ -159,15 +163,17 @@ def _sparse_attention_dq_kernel(
 
 
 def _sparse_attention_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, flags_ptr, do_ptr, lse_ptr, delta_ptr, grad_ptr, scale, scale_log2,
+    q_ptr, k_ptr, v_ptr, mask_ptr, flags_ptr, do_ptr, lse_ptr, delta_ptr, grad_ptr, ds_ptr, scale, scale_log2,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_mb, stride_ms, stride_fb, stride_fm, stride_db, stride_dh, stride_ds,
     heads, queries, keys,
     HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GRAD_K: tl.constexpr,
+    GRAD_K: tl.constexpr, STORE_DS: tl.constexpr,
 ):
-    """dK (GRAD_K) or dV of one key tile, into a contiguous [B, N, T, *] gradient."""
+    """dK (GRAD_K) or dV of one key tile, into a contiguous [B, N, T, *] gradient. With
+    STORE_DS (dK only) it also writes its column of dS (contiguous [B, N, S, T], every
+    element once: zeros where no query sees the key) for dQ = dS K as one GEMM."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
@@ -190,10 +196,12 @@ def _sparse_attention_dkv_kernel(
         grad = tl.zeros([BLOCK_N, V_PAD], dtype=tl.float32)
     # Queries before the tile's first key never see it.
     lo = (tl.maximum(pid_n * BLOCK_N - (keys - queries), 0) // BLOCK_M) * BLOCK_M
-    for start in range(lo, queries, BLOCK_M):
-        if tl.load(flags_ptr + b * stride_fb + (start // BLOCK_M) * stride_fm + pid_n) != 0:
-            rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < queries
+    ds_cols = ds_ptr + bh * queries * keys + cols[:, None]
+    for start in range(0 if STORE_DS else lo, queries, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < queries
+        flag = tl.load(flags_ptr + b * stride_fb + (start // BLOCK_M) * stride_fm + pid_n)
+        if (start >= lo) & (flag != 0):
             stats = bh * queries + rows
             q = tl.load(q_base + rows[:, None] * stride_qs + dim_k[None, :], mask=row_ok[:, None] & k_in[None, :],
                         other=0.0)
@@ -207,16 +215,39 @@ def _sparse_attention_dkv_kernel(
             if GRAD_K:
                 delta = tl.load(delta_ptr + stats, mask=row_ok, other=0.0)
                 dp_t = tl.dot(v, tl.trans(d_out))
-                ds_t = p_t * (dp_t - delta[None, :]) * scale
-                grad += tl.dot(ds_t.to(q.dtype), q)
+                ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q.dtype)
+                grad += tl.dot(ds_t, q)
+                if STORE_DS:
+                    tl.store(ds_cols + rows[None, :] * keys, ds_t, mask=row_ok[None, :] & col_ok[:, None])
             else:
                 grad += tl.dot(p_t.to(d_out.dtype), d_out)
+        else:
+            if STORE_DS:
+                tl.store(ds_cols + rows[None, :] * keys,
+                         tl.zeros([BLOCK_N, BLOCK_M], dtype=ds_ptr.dtype.element_ty),
+                         mask=row_ok[None, :] & col_ok[:, None])
     if GRAD_K:
         tl.store(grad_ptr + (bh * keys + cols[:, None]) * HEAD_K + dim_k[None, :], grad.to(grad_ptr.dtype.element_ty),
                  mask=col_ok[:, None] & k_in[None, :])
     else:
         tl.store(grad_ptr + (bh * keys + cols[:, None]) * HEAD_V + dim_v[None, :], grad.to(grad_ptr.dtype.element_ty),
                  mask=col_ok[:, None] & v_in[None, :])
+
+
+def _attention_delta_kernel(out_ptr, do_ptr, delta_ptr, stride_db, stride_dh, stride_ds, heads, queries,
+                            HEAD_V: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 for one tile of rows (out and delta contiguous)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // heads, bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dim_v = tl.arange(0, V_PAD)
+    inside = (rows < queries)[:, None] & (dim_v < HEAD_V)[None, :]
+    d_out = tl.load(do_ptr + b * stride_db + h * stride_dh + rows[:, None] * stride_ds + dim_v[None, :],
+                    mask=inside, other=0.0)
+    out = tl.load(out_ptr + (bh * queries + rows)[:, None] * HEAD_V + dim_v[None, :], mask=inside, other=0.0)
+    tl.store(delta_ptr + bh * queries + rows, tl.sum(d_out.to(tl.float32) * out.to(tl.float32), 1),
+             mask=rows < queries)
 
 
 @functools.cache
@@ -286,12 +317,27 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     _check(q_BNSK, k_BNTK, v_BNTV, mask_BST)
     assert grad_out_BNSV.stride(-1) == 1 and out_BNSV.is_contiguous() and lse_BNS.is_contiguous()
     q, k, v, d_out = q_BNSK, k_BNTK, v_BNTV, grad_out_BNSV
+    batch, heads, queries, _ = q.shape
+    keys, head_v = k.shape[2], v.shape[-1]
     d_out_strides = (d_out.stride(0), d_out.stride(1), d_out.stride(2))
-    dq, delta = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(lse_BNS)
-    _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,
-            scale, scale * LOG2E, d_out_strides=d_out_strides)
+    delta = torch.empty_like(lse_BNS)
     dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
-    for grad, config, grad_k in ((dk, DK_CONFIG, True), (dv, DV_CONFIG, False)):
-        _launch(_sparse_attention_dkv_kernel, config, q, k, v, mask_BST, d_out, lse_BNS, delta, grad,
-                scale, scale * LOG2E, over_keys=True, d_out_strides=d_out_strides, GRAD_K=grad_k)
+    common = dict(over_keys=True, d_out_strides=d_out_strides)
+    if batch * heads * queries * keys * q.element_size() <= DS_MATERIALIZE_BYTES:
+        _kernel(_attention_delta_kernel)[(triton.cdiv(queries, 64), batch * heads)](
+            out_BNSV, d_out, delta, *d_out_strides, heads, queries, HEAD_V=head_v,
+            V_PAD=triton.next_power_of_2(head_v), BLOCK_M=64)
+        ds = q.new_empty(batch, heads, queries, keys)
+        _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, ds,
+                scale, scale * LOG2E, GRAD_K=True, STORE_DS=True, **common)
+        dq = torch.matmul(ds, k)
+        del ds
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,
+                scale, scale * LOG2E, d_out_strides=d_out_strides)
+        _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, dk,
+                scale, scale * LOG2E, GRAD_K=True, STORE_DS=False, **common)
+    _launch(_sparse_attention_dkv_kernel, DV_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dv, dv,
+            scale, scale * LOG2E, GRAD_K=False, STORE_DS=False, **common)
     return dq, dk, dv
