@@ -85,18 +85,19 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
                 ("gemm", lambda: sdpa_attention(q, k, v, mask, scale, prefix, masked=gemm_masked_attention), None),
                 ("triton", lambda: sdpa_attention(q, k, v, mask, scale, prefix, seq,
                                                   masked=triton_masked_attention), None),
-                ("triton_materialized_ds", lambda: sdpa_attention(q, k, v, mask, scale, prefix, seq,
-                                                                  masked=triton_masked_attention), None),
+                ("triton_materialized", lambda: sdpa_attention(q, k, v, mask, scale, prefix, seq,
+                                                               masked=triton_masked_attention), None),
                 ("causal_flash_no_topk", lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scale), None)]
     variants += [(f"flex_{key}", lambda: flex_sparse_attention(q, k, v, mask, scale, prefix), options)
                  for key, options in FLEX_VARIANTS.items() if flex]
     from glmtune.kernels import sparse_attention as triton_kernels
 
-    default_ds_limit = triton_kernels.DS_MATERIALIZE_BYTES
+    default_limits = triton_kernels.DS_MATERIALIZE_BYTES, triton_kernels.P_MATERIALIZE_BYTES
     for name, fn, options in variants:
-        # dQ from a materialized dS for that variant only (forward and backward run in the loop)
-        triton_kernels.DS_MATERIALIZE_BYTES = 1 << 40 if name == "triton_materialized_ds" else default_ds_limit
+        # dQ and dV from a materialized dS and P for that variant only (fwd and bwd run in the loop)
+        materialized = (1 << 40, 1 << 40) if name == "triton_materialized" else default_limits
+        triton_kernels.DS_MATERIALIZE_BYTES, triton_kernels.P_MATERIALIZE_BYTES = materialized
         flex_module.KERNEL_OPTIONS = options
         flex_module._compiled_flex.cache_clear()
         torch._dynamo.reset()
@@ -113,11 +114,11 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
         except Exception as exc:  # a tile config this GPU cannot hold: report, try the next
             results.pop(name, None)
             results[name + "_error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
-    triton_kernels.DS_MATERIALIZE_BYTES = default_ds_limit
+    triton_kernels.DS_MATERIALIZE_BYTES, triton_kernels.P_MATERIALIZE_BYTES = default_limits
     ref_out, ref_grads = results["sdpa"]
     line = {"check": "attention", "seq": seq, "sdpa_fwd_bwd_ms": round(results["sdpa_ms"], 2)}
     flex_names = [f"flex_{k}" for k in FLEX_VARIANTS] if flex else []
-    for name in ["sdpa_cudnn", "sdpa_efficient", "gemm", "triton", "triton_materialized_ds",
+    for name in ["sdpa_cudnn", "sdpa_efficient", "gemm", "triton", "triton_materialized",
                  "causal_flash_no_topk"] + flex_names:
         if name not in results:
             line[name] = results[name + "_error"]
@@ -201,12 +202,14 @@ def check_triton_sweep(seq, topk=2048, heads=64):
                 timings[f"m{block_m}n{block_n}w{warps}s{stages}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
         getattr(kernels, name).update(defaults[name])
         line[name + ("_ms" if name == "FORWARD_CONFIG" else "_backward_ms")] = timings
-    default_limit = kernels.DS_MATERIALIZE_BYTES
-    for label, limit in (("dq_kernel", 0), ("materialized_ds", 1 << 40)):  # dQ's two ways
-        kernels.DS_MATERIALIZE_BYTES = limit
+    defaults = kernels.DS_MATERIALIZE_BYTES, kernels.P_MATERIALIZE_BYTES
+    big = 1 << 40
+    for label, limits in (("kernels_only", (0, 0)), ("materialized_ds", (big, 0)), ("materialized_p", (0, big)),
+                          ("materialized_ds_and_p", (big, big))):  # dQ and dV from kernels or GEMMs
+        kernels.DS_MATERIALIZE_BYTES, kernels.P_MATERIALIZE_BYTES = limits
         line[f"backward_{label}_ms"] = round(bench_ms(
             lambda: kernels.sparse_attention_backward(grad_out, q, k, v, out, lse, mask, scale), 2, 5), 3)
-    kernels.DS_MATERIALIZE_BYTES = default_limit
+    kernels.DS_MATERIALIZE_BYTES, kernels.P_MATERIALIZE_BYTES = defaults
     return line
 
 

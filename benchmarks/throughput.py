@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--query-block", type=int, default=None, help="sdpa backend: queries per masked block")
     p.add_argument("--ds-bytes", type=int, default=None,
                    help="Triton attention: dQ from a materialized dS up to this many bytes (0: the dQ kernel)")
+    p.add_argument("--p-bytes", type=int, default=None,
+                   help="Triton attention: dV from a materialized P up to this many bytes (0: the dV kernel)")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
     p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
@@ -191,10 +193,12 @@ def run_glmtune(cfg, state, batches, a):
     set_moe_dispatch_backend(model, a.dispatch)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
-    if a.ds_bytes is not None:
-        from glmtune.kernels import sparse_attention
+    from glmtune.kernels import sparse_attention
 
+    if a.ds_bytes is not None:
         sparse_attention.DS_MATERIALIZE_BYTES = a.ds_bytes
+    if a.p_bytes is not None:
+        sparse_attention.P_MATERIALIZE_BYTES = a.p_bytes
     if a.query_block is not None:
         for layer in model.model.layers:
             layer.self_attn.query_block = a.query_block

@@ -53,8 +53,10 @@ DK_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 DV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 # dQ as one cuBLAS GEMM over a materialized bf16 dS (written by the dK launch, which computes
 # it anyway) when dS takes at most this many bytes; otherwise (and by default, until measured
-# faster on the GPU) the dQ kernel recomputes scores and dP per query tile.
+# faster on the GPU) the dQ kernel recomputes scores and dP per query tile. Likewise dV from a
+# materialized P (also written by the dK launch) instead of the dV launch.
 DS_MATERIALIZE_BYTES = 0
+P_MATERIALIZE_BYTES = 0
 
 
 def _sparse_attention_forward_kernel(
@@ -163,17 +165,19 @@ def _sparse_attention_dq_kernel(
 
 
 def _sparse_attention_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, flags_ptr, do_ptr, lse_ptr, delta_ptr, grad_ptr, ds_ptr, scale, scale_log2,
+    q_ptr, k_ptr, v_ptr, mask_ptr, flags_ptr, do_ptr, lse_ptr, delta_ptr, grad_ptr, ds_ptr, p_ptr, scale,
+    scale_log2,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_mb, stride_ms, stride_fb, stride_fm, stride_db, stride_dh, stride_ds,
     heads, queries, keys,
     HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GRAD_K: tl.constexpr, STORE_DS: tl.constexpr,
+    GRAD_K: tl.constexpr, STORE_DS: tl.constexpr, STORE_P: tl.constexpr,
 ):
     """dK (GRAD_K) or dV of one key tile, into a contiguous [B, N, T, *] gradient. With
-    STORE_DS (dK only) it also writes its column of dS (contiguous [B, N, S, T], every
-    element once: zeros where no query sees the key) for dQ = dS K as one GEMM."""
+    STORE_DS / STORE_P (dK only) it also writes its column of dS / P (contiguous [B, N, S, T],
+    every element once: zeros where no query sees the key) for dQ = dS K and dV = P^T dO as
+    single GEMMs."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
@@ -197,7 +201,7 @@ def _sparse_attention_dkv_kernel(
     # Queries before the tile's first key never see it.
     lo = (tl.maximum(pid_n * BLOCK_N - (keys - queries), 0) // BLOCK_M) * BLOCK_M
     ds_cols = ds_ptr + bh * queries * keys + cols[:, None]
-    for start in range(0 if STORE_DS else lo, queries, BLOCK_M):
+    for start in range(0 if STORE_DS or STORE_P else lo, queries, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < queries
         flag = tl.load(flags_ptr + b * stride_fb + (start // BLOCK_M) * stride_fm + pid_n)
@@ -219,12 +223,19 @@ def _sparse_attention_dkv_kernel(
                 grad += tl.dot(ds_t, q)
                 if STORE_DS:
                     tl.store(ds_cols + rows[None, :] * keys, ds_t, mask=row_ok[None, :] & col_ok[:, None])
+                if STORE_P:
+                    tl.store(p_ptr + bh * queries * keys + cols[:, None] + rows[None, :] * keys,
+                             p_t.to(p_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
             else:
                 grad += tl.dot(p_t.to(d_out.dtype), d_out)
         else:
             if STORE_DS:
                 tl.store(ds_cols + rows[None, :] * keys,
                          tl.zeros([BLOCK_N, BLOCK_M], dtype=ds_ptr.dtype.element_ty),
+                         mask=row_ok[None, :] & col_ok[:, None])
+            if STORE_P:
+                tl.store(p_ptr + bh * queries * keys + cols[:, None] + rows[None, :] * keys,
+                         tl.zeros([BLOCK_N, BLOCK_M], dtype=p_ptr.dtype.element_ty),
                          mask=row_ok[None, :] & col_ok[:, None])
     if GRAD_K:
         tl.store(grad_ptr + (bh * keys + cols[:, None]) * HEAD_K + dim_k[None, :], grad.to(grad_ptr.dtype.element_ty),
@@ -323,21 +334,27 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     delta = torch.empty_like(lse_BNS)
     dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     common = dict(over_keys=True, d_out_strides=d_out_strides)
-    if batch * heads * queries * keys * q.element_size() <= DS_MATERIALIZE_BYTES:
+    score_bytes = batch * heads * queries * keys * q.element_size()
+    store_ds, store_p = score_bytes <= DS_MATERIALIZE_BYTES, score_bytes <= P_MATERIALIZE_BYTES
+    ds = q.new_empty(batch, heads, queries, keys) if store_ds else dk  # (dk: an unused pointer)
+    probs = q.new_empty(batch, heads, queries, keys) if store_p else dk
+    if store_ds:
         _kernel(_attention_delta_kernel)[(triton.cdiv(queries, 64), batch * heads)](
             out_BNSV, d_out, delta, *d_out_strides, heads, queries, HEAD_V=head_v,
             V_PAD=triton.next_power_of_2(head_v), BLOCK_M=64)
-        ds = q.new_empty(batch, heads, queries, keys)
-        _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, ds,
-                scale, scale * LOG2E, GRAD_K=True, STORE_DS=True, **common)
-        dq = torch.matmul(ds, k)
-        del ds
-    else:
+    else:  # the dQ kernel writes delta for the dK launch
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,
                 scale, scale * LOG2E, d_out_strides=d_out_strides)
-        _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, dk,
-                scale, scale * LOG2E, GRAD_K=True, STORE_DS=False, **common)
-    _launch(_sparse_attention_dkv_kernel, DV_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dv, dv,
-            scale, scale * LOG2E, GRAD_K=False, STORE_DS=False, **common)
+    _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, ds, probs,
+            scale, scale * LOG2E, GRAD_K=True, STORE_DS=store_ds, STORE_P=store_p, **common)
+    if store_ds:
+        dq = torch.matmul(ds, k)
+        del ds
+    if store_p:
+        torch.matmul(probs.transpose(-1, -2), d_out, out=dv)
+        del probs
+    else:
+        _launch(_sparse_attention_dkv_kernel, DV_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dv, dv, dv,
+                scale, scale * LOG2E, GRAD_K=False, STORE_DS=False, STORE_P=False, **common)
     return dq, dk, dv

@@ -28,8 +28,8 @@ def _reference(q, k, v, allowed, scale):
 
 def check_kernels_match_float64_reference():
     """Tail queries (37 of 70 keys) with 16 x 16 tiles, then a whole packed row (48 queries =
-    48 keys) with the dK / dV kernels on 16 x 32 tiles (their grid runs over key tiles); both
-    again with dQ from a materialized dS."""
+    48 keys) with the dK / dV kernels on 16 x 32 tiles (their grid runs over key tiles); then
+    with dQ and / or dV from the dS and P the dK launch materializes."""
     sa = _small_tiles()
     _compare_with_reference(sa, seed=0, queries=37, keys=70)
     for config in (sa.DK_CONFIG, sa.DV_CONFIG):
@@ -37,7 +37,10 @@ def check_kernels_match_float64_reference():
     _compare_with_reference(sa, seed=1, queries=48, keys=48)
     sa.DS_MATERIALIZE_BYTES = 1 << 30  # dQ from the dS the dK launch writes, as one GEMM
     _compare_with_reference(sa, seed=2, queries=37, keys=70)
+    sa.P_MATERIALIZE_BYTES = 1 << 30  # and dV from its P
     _compare_with_reference(sa, seed=3, queries=48, keys=48)
+    sa.DS_MATERIALIZE_BYTES = 0
+    _compare_with_reference(sa, seed=4, queries=37, keys=70)
 
 
 def _compare_with_reference(sa, seed, queries, keys):
