@@ -172,7 +172,7 @@ def _sparse_attention_dkv_kernel(
     heads, queries, keys,
     HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GRAD_K: tl.constexpr, STORE_DS: tl.constexpr, STORE_P: tl.constexpr,
+    GRAD_K: tl.constexpr, STORE_DS: tl.constexpr, STORE_P: tl.constexpr, FROM_ZERO: tl.constexpr,
 ):
     """dK (GRAD_K) or dV of one key tile, into a contiguous [B, N, T, *] gradient. With
     STORE_DS / STORE_P (dK only) it also writes its column of dS / P (contiguous [B, N, S, T],
@@ -201,7 +201,8 @@ def _sparse_attention_dkv_kernel(
     # Queries before the tile's first key never see it.
     lo = (tl.maximum(pid_n * BLOCK_N - (keys - queries), 0) // BLOCK_M) * BLOCK_M
     ds_cols = ds_ptr + bh * queries * keys + cols[:, None]
-    for start in range(0 if STORE_DS or STORE_P else lo, queries, BLOCK_M):
+    # Writing dS / P (FROM_ZERO = 1) visits every query tile, storing zeros for the unseen ones.
+    for start in range(lo * (1 - FROM_ZERO), queries, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < queries
         flag = tl.load(flags_ptr + b * stride_fb + (start // BLOCK_M) * stride_fm + pid_n)
@@ -347,7 +348,8 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
         _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,
                 scale, scale * LOG2E, d_out_strides=d_out_strides)
     _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, ds, probs,
-            scale, scale * LOG2E, GRAD_K=True, STORE_DS=store_ds, STORE_P=store_p, **common)
+            scale, scale * LOG2E, GRAD_K=True, STORE_DS=store_ds, STORE_P=store_p, FROM_ZERO=int(store_ds or store_p),
+            **common)
     if store_ds:
         dq = torch.matmul(ds, k)
         del ds
@@ -356,5 +358,5 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
         del probs
     else:
         _launch(_sparse_attention_dkv_kernel, DV_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dv, dv, dv,
-                scale, scale * LOG2E, GRAD_K=False, STORE_DS=False, STORE_P=False, **common)
+                scale, scale * LOG2E, GRAD_K=False, STORE_DS=False, STORE_P=False, FROM_ZERO=0, **common)
     return dq, dk, dv

@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpreter import main, run_checks_in_interpreter
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 
 def _small_tiles():
@@ -129,6 +129,51 @@ def test_tile_flags_mark_exactly_the_tiles_with_an_allowed_key(rows, keys, offse
         flags = tile_flags(mask, block_m, block_n)
         assert flags.dtype == torch.uint8 and torch.equal(flags.bool(), expected)
         assert 0 < expected.sum() < expected.numel()
+
+
+H200_SHARED_MEMORY = 232448  # bytes per block (what Triton reports as the hardware limit)
+
+
+def _compile_for_hopper(fn, constexprs: dict, config: dict):
+    """Triton codegen + ptxas for sm_90, no GPU needed: catches what the interpreter accepts
+    but the compiler does not, and tiles that do not fit in shared memory."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from glmtune.kernels import sparse_attention as sa
+
+    names = list(inspect.signature(fn).parameters)
+    pointer_types = {"mask_ptr": "*u8", "flags_ptr": "*u8", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "*bf16")
+                 if name.endswith("_ptr") else "fp32" if name.startswith("scale") else "i32" for name in names}
+    source = ASTSource(fn=sa._kernel(fn), signature=signature,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+def test_kernels_compile_for_hopper_at_glm5_widths():
+    """Every kernel and launch variant at qk 256 / v 256 with the configured tiles."""
+    from glmtune.kernels import sparse_attention as sa
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its CUDA backend")
+    widths = dict(HEAD_K=256, HEAD_V=256, K_PAD=256, V_PAD=256)
+    dkv = sa._sparse_attention_dkv_kernel
+    launches = [(sa._sparse_attention_forward_kernel, sa.FORWARD_CONFIG, {}),
+                (sa._sparse_attention_dq_kernel, sa.DQ_CONFIG, {}),
+                (dkv, sa.DK_CONFIG, dict(GRAD_K=True, STORE_DS=False, STORE_P=False, FROM_ZERO=0)),
+                (dkv, sa.DV_CONFIG, dict(GRAD_K=False, STORE_DS=False, STORE_P=False, FROM_ZERO=0)),
+                (dkv, sa.DK_CONFIG, dict(GRAD_K=True, STORE_DS=True, STORE_P=True, FROM_ZERO=1))]
+    for fn, config, extra in launches:
+        constexprs = dict(widths, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], **extra)
+        assert 0 < _compile_for_hopper(fn, constexprs, config) <= H200_SHARED_MEMORY, (fn.__name__, extra)
+    delta = dict(HEAD_V=256, V_PAD=256, BLOCK_M=64)
+    assert _compile_for_hopper(sa._attention_delta_kernel, delta, {"num_warps": 4, "num_stages": 1}) >= 0
 
 
 def test_sparse_attention_in_interpreter():
