@@ -22,7 +22,8 @@ The attention itself is a backend chosen by name:
   * "triton": the same causal prefix; all later queries in one call of the masked flash
     kernels (`triton_attention.py`), which read the top-k mask per tile and skip tiles with
     no allowed key. CUDA only (the kernels' CPU tests run in Triton's interpreter).
-  * "auto" (the default): "triton" on CUDA tensors (when Triton is installed), "sdpa" elsewhere.
+  * "auto" (the default): "triton" for bf16/fp16 CUDA tensors (when Triton is installed),
+    "sdpa" elsewhere.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -155,7 +156,8 @@ class MLAttention(nn.Module):
         causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
         backend = self.backend
         if backend == "auto":
-            backend = "triton" if x_BSD.is_cuda and triton_attention_available() else "sdpa"
+            half = q_BNSK.dtype in (torch.bfloat16, torch.float16)  # fp32 on GPU: sdpa's exact fp32 math
+            backend = "triton" if x_BSD.is_cuda and half and triton_attention_available() else "sdpa"
         if backend == "eager":
             out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
         elif backend == "flex":

@@ -70,4 +70,8 @@ sparse_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def triton_masked_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale: float) -> torch.Tensor:
     """`attention.sdpa_attention`'s `masked` callable: queries are the last S of the T keys."""
+    if q_BNSK.is_cuda and q_BNSK.dtype not in (torch.bfloat16, torch.float16):
+        # Triton's GPU dots would round fp32 inputs to TF32: not the exact fp32 attention asked for.
+        raise ValueError(f"attention_backend 'triton' takes bf16 or fp16 on the GPU, got {q_BNSK.dtype}; "
+                         "use 'sdpa' (or 'auto') for fp32 models")
     return sparse_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale)[0]
