@@ -295,12 +295,17 @@ def _check(q_BNSK, k_BNTK, v_BNTV, mask_BST):
 
 
 def _launch(kernel, config, q, k, v, mask_BST, *tensors_and_scales, over_keys: bool = False, d_out_strides=(),
-            **constexprs):
+            flags_by_tile: dict | None = None, **constexprs):
     """Launches `kernel` on a grid of (query tiles, or key tiles when `over_keys`) x (B x N),
-    with the strides and sizes every kernel takes."""
+    with the strides and sizes every kernel takes. `flags_by_tile` shares the tile flags
+    between launches of one call that use the same tile shape."""
     batch, heads, queries, head_k = q.shape
     keys, head_v = k.shape[2], v.shape[-1]
-    flags = tile_flags(mask_BST, config["BLOCK_M"], config["BLOCK_N"])
+    tile = (config["BLOCK_M"], config["BLOCK_N"])
+    flags_by_tile = {} if flags_by_tile is None else flags_by_tile
+    if tile not in flags_by_tile:
+        flags_by_tile[tile] = tile_flags(mask_BST, *tile)
+    flags = flags_by_tile[tile]
     tiles = triton.cdiv(keys, config["BLOCK_N"]) if over_keys else triton.cdiv(queries, config["BLOCK_M"])
     _kernel(kernel)[(tiles, batch * heads)](
         q, k, v, mask_BST.view(torch.uint8), flags, *tensors_and_scales,
@@ -334,7 +339,8 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     d_out_strides = (d_out.stride(0), d_out.stride(1), d_out.stride(2))
     delta = torch.empty_like(lse_BNS)
     dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
-    common = dict(over_keys=True, d_out_strides=d_out_strides)
+    flags_by_tile = {}  # dK and dV (and dQ, if its tiles match) read the same flags
+    common = dict(over_keys=True, d_out_strides=d_out_strides, flags_by_tile=flags_by_tile)
     score_bytes = batch * heads * queries * keys * q.element_size()
     store_ds, store_p = score_bytes <= DS_MATERIALIZE_BYTES, score_bytes <= P_MATERIALIZE_BYTES
     ds = q.new_empty(batch, heads, queries, keys) if store_ds else dk  # (dk: an unused pointer)
@@ -346,7 +352,7 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     else:  # the dQ kernel writes delta for the dK launch
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,
-                scale, scale * LOG2E, d_out_strides=d_out_strides)
+                scale, scale * LOG2E, d_out_strides=d_out_strides, flags_by_tile=flags_by_tile)
     _launch(_sparse_attention_dkv_kernel, DK_CONFIG, q, k, v, mask_BST, d_out, lse_BNS, delta, dk, ds, probs,
             scale, scale * LOG2E, GRAD_K=True, STORE_DS=store_ds, STORE_P=store_p, FROM_ZERO=int(store_ds or store_p),
             **common)

@@ -91,26 +91,10 @@ def check_ops_registration_is_consistent():
 
 def check_model_backend_matches_eager():
     _small_tiles()
-    from glmtune.models.glm5.args import get_preset
-    from glmtune.models.glm5.model import build_model
+    from tests.models.test_attention_backends import assert_backend_matches_eager
 
-    args = get_preset("tiny").replace(index_topk=12)
-    x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
-    targets = torch.roll(x, -1, 1)
-    for positions in (None, torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0)):
-        eager = build_model(args, attention_backend="eager", seed=0)
-        fast = build_model(args, attention_backend="triton", seed=0)
-        logits = []
-        for model in (eager, fast):
-            out = model(x, position_ids=positions, targets=targets)
-            (out.loss_sum / out.num_targets).backward()
-            logits.append(out.logits.detach())
-        assert (logits[0] - logits[1]).abs().max().item() <= 1e-4
-        fast_params = dict(fast.named_parameters())
-        for name, param in eager.named_parameters():
-            if param.grad is not None:
-                rel = (fast_params[name].grad - param.grad).norm() / param.grad.norm().clamp_min(1e-12)
-                assert rel.item() <= 1e-4, (name, rel.item())
+    for packed in (False, True):
+        assert_backend_matches_eager("triton", packed)
 
 
 @pytest.mark.parametrize("rows, keys, offset", [(64, 128, 0), (60, 128, 8), (64, 130, 0), (128, 256, 3)])

@@ -97,11 +97,14 @@ def gemm_attention(q_BNSK: torch.Tensor, k_BNTK: torch.Tensor, v_BNTV: torch.Ten
     return out, lse
 
 
-@gemm_attention.register_fake
-def _(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+def attention_outputs_like(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+    """Empty (out [B, N, S, V], lse [B, N, S] fp32): the fake kernel of an attention op returning both."""
     batch, heads, queries, _ = q_BNSK.shape
     return (q_BNSK.new_empty(batch, heads, queries, v_BNTV.shape[-1]),
             q_BNSK.new_empty(batch, heads, queries, dtype=torch.float32))
+
+
+gemm_attention.register_fake(attention_outputs_like)
 
 
 @torch.library.custom_op("glmtune::gemm_attention_backward", mutates_args=())
@@ -136,20 +139,27 @@ def _(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, allowed_BST, sca
     return torch.empty_like(q_BNSK), torch.empty_like(k_BNTK), torch.empty_like(v_BNTV)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, allowed, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, allowed)
-    ctx.scale = scale
+def register_attention_autograd(forward_op, backward_op) -> None:
+    """Autograd for an op (q, k, v, allowed, scale) -> (out, lse) whose gradients come from
+    `backward_op(grad_out, q, k, v, out, lse, allowed, scale)`: saves exactly those (nothing
+    quadratic besides the mask the layer keeps anyway); lse gets no gradient."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, allowed, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, allowed)
+        ctx.scale = scale
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, allowed = ctx.saved_tensors
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, allowed, ctx.scale)
+        return dq, dk, dv, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, allowed = ctx.saved_tensors
-    dq, dk, dv = gemm_attention_backward(grad_out.contiguous(), q, k, v, out, lse, allowed, ctx.scale)
-    return dq, dk, dv, None, None
-
-
-gemm_attention.register_autograd(_backward, setup_context=_setup_context)
+register_attention_autograd(gemm_attention, gemm_attention_backward)
 
 
 def gemm_masked_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from glmtune.kernels import sparse_attention as kernels
 from glmtune.kernels.sparse_attention import sparse_attention_backward, sparse_attention_forward
+from glmtune.models.glm5.gemm_attention import attention_outputs_like, register_attention_autograd
 
 
 def triton_attention_available() -> bool:
@@ -30,11 +31,7 @@ def sparse_attention(q_BNSK: torch.Tensor, k_BNTK: torch.Tensor, v_BNTV: torch.T
     return sparse_attention_forward(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale)
 
 
-@sparse_attention.register_fake
-def _(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
-    batch, heads, queries, _ = q_BNSK.shape
-    return (q_BNSK.new_empty(batch, heads, queries, v_BNTV.shape[-1]),
-            q_BNSK.new_empty(batch, heads, queries, dtype=torch.float32))
+sparse_attention.register_fake(attention_outputs_like)
 
 
 @torch.library.custom_op("glmtune::sparse_attention_backward", mutates_args=())
@@ -51,21 +48,7 @@ def _(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, allowed_BST, sca
     return q_BNSK.new_empty(q_BNSK.shape), k_BNTK.new_empty(k_BNTK.shape), v_BNTV.new_empty(v_BNTV.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, allowed, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, allowed)
-    ctx.scale = scale
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, allowed = ctx.saved_tensors
-    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-    dq, dk, dv = sparse_attention_grads(grad_out, q, k, v, out, lse, allowed, ctx.scale)
-    return dq, dk, dv, None, None
-
-
-sparse_attention.register_autograd(_backward, setup_context=_setup_context)
+register_attention_autograd(sparse_attention, sparse_attention_grads)
 
 
 def triton_masked_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale: float) -> torch.Tensor:
