@@ -51,12 +51,16 @@ FORWARD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2
 DQ_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 DK_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 DV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
-# dQ as one cuBLAS GEMM over a materialized bf16 dS (written by the dK launch, which computes
-# it anyway) when dS takes at most this many bytes; otherwise (and by default, until measured
-# faster on the GPU) the dQ kernel recomputes scores and dP per query tile. Likewise dV from a
-# materialized P (also written by the dK launch) instead of the dV launch.
-DS_MATERIALIZE_BYTES = 0
-P_MATERIALIZE_BYTES = 0
+# dQ as one cuBLAS GEMM over a bf16 dS that the dK launch writes (it computes dS anyway), and
+# dV as one GEMM over its P, instead of the dQ and dV launches recomputing scores, while each
+# [B, N, S, T] buffer takes at most this many bytes. Measured on an H200 (docs/benchmarks.md):
+# a one-document row at seq 4096 (2048 tail queries: 1 GiB each) trains at 24,529 tok/s this
+# way against 23,668 with the kernels alone. The bound keeps the extra memory small: a packed
+# 4096 row (2 GiB each, most tiles empty and skipped by the kernels) is faster without
+# (26,248 vs 25,899), and seq 8192 gains 8% from 6 GiB buffers, which a memory-bound run of
+# the full model cannot spare; raise these for such a run where memory allows.
+DS_MATERIALIZE_BYTES = 1 << 30
+P_MATERIALIZE_BYTES = 1 << 30
 
 
 def _sparse_attention_forward_kernel(

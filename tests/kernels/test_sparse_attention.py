@@ -31,6 +31,7 @@ def check_kernels_match_float64_reference():
     48 keys) with the dK / dV kernels on 16 x 32 tiles (their grid runs over key tiles); then
     with dQ and / or dV from the dS and P the dK launch materializes."""
     sa = _small_tiles()
+    sa.DS_MATERIALIZE_BYTES = sa.P_MATERIALIZE_BYTES = 0  # the dQ and dV kernels
     _compare_with_reference(sa, seed=0, queries=37, keys=70)
     for config in (sa.DK_CONFIG, sa.DV_CONFIG):
         config.update(BLOCK_N=32)
