@@ -54,11 +54,12 @@ DV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 # dQ as one cuBLAS GEMM over a bf16 dS that the dK launch writes (it computes dS anyway), and
 # dV as one GEMM over its P, instead of the dQ and dV launches recomputing scores, while each
 # [B, N, S, T] buffer takes at most this many bytes. Measured on an H200 (docs/benchmarks.md):
-# a one-document row at seq 4096 (2048 tail queries: 1 GiB each) trains at 24,529 tok/s this
-# way against 23,668 with the kernels alone. The bound keeps the extra memory small: a packed
-# 4096 row (2 GiB each, most tiles empty and skipped by the kernels) is faster without
-# (26,248 vs 25,899), and seq 8192 gains 8% from 6 GiB buffers, which a memory-bound run of
-# the full model cannot spare; raise these for such a run where memory allows.
+# the tail's backward at seq 4096 (2048 queries x 4096 keys, 1 GiB each) takes 3.09 ms this way
+# against 4.73 with the kernels alone, and the proxy trains at 24,490 tok/s against 23,668. The
+# bound keeps the extra memory small: a packed 4096 row (2 GiB each; the kernels skip its empty
+# tiles) gains nothing measurable (25,899 tok/s against 25,776-26,248 without, +3.3 GiB), and
+# seq 8192 with activation checkpointing gains 8% (22,359 against 20,732) for 12 GiB, which a
+# memory-bound run of the full model cannot spare; raise these for a run that can.
 DS_MATERIALIZE_BYTES = 1 << 30
 P_MATERIALIZE_BYTES = 1 << 30
 
