@@ -15,6 +15,7 @@ Results print as JSON lines and append to $OUT/dsa_kernels.jsonl.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -79,25 +80,22 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
                 return sdpa_attention(q, k, v, mask, scale, prefix)
         return run
 
+    triton_kernels_only = functools.partial(triton_masked_attention, score_buffer_bytes=0)
+    triton_materialized = functools.partial(triton_masked_attention, score_buffer_bytes=1 << 40)
     variants = [("sdpa", lambda: sdpa_attention(q, k, v, mask, scale, prefix), None),
                 ("sdpa_cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION), None),
                 ("sdpa_efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION), None),
                 ("gemm", lambda: sdpa_attention(q, k, v, mask, scale, prefix, masked=gemm_masked_attention), None),
+                # the Triton backward with its dQ and dV kernels, and with dS and P materialized
                 ("triton", lambda: sdpa_attention(q, k, v, mask, scale, prefix, seq,
-                                                  masked=triton_masked_attention), None),
+                                                  masked=triton_kernels_only), None),
                 ("triton_materialized", lambda: sdpa_attention(q, k, v, mask, scale, prefix, seq,
-                                                               masked=triton_masked_attention), None),
+                                                               masked=triton_materialized), None),
                 ("causal_flash_no_topk", lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scale), None)]
     variants += [(f"flex_{key}", lambda: flex_sparse_attention(q, k, v, mask, scale, prefix), options)
                  for key, options in FLEX_VARIANTS.items() if flex]
-    from glmtune.kernels import sparse_attention as triton_kernels
-
-    default_limits = triton_kernels.DS_MATERIALIZE_BYTES, triton_kernels.P_MATERIALIZE_BYTES
     for name, fn, options in variants:
-        # dQ and dV from a materialized dS and P for that variant only (fwd and bwd run in the loop)
-        materialized = (1 << 40, 1 << 40) if name == "triton_materialized" else default_limits
-        triton_kernels.DS_MATERIALIZE_BYTES, triton_kernels.P_MATERIALIZE_BYTES = materialized
         flex_module.KERNEL_OPTIONS = options
         flex_module._compiled_flex.cache_clear()
         torch._dynamo.reset()
@@ -114,7 +112,6 @@ def check_attention(seq, topk=2048, heads=64, flex=True):
         except Exception as exc:  # a tile config this GPU cannot hold: report, try the next
             results.pop(name, None)
             results[name + "_error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
-    triton_kernels.DS_MATERIALIZE_BYTES, triton_kernels.P_MATERIALIZE_BYTES = default_limits
     ref_out, ref_grads = results["sdpa"]
     line = {"check": "attention", "seq": seq, "sdpa_fwd_bwd_ms": round(results["sdpa_ms"], 2)}
     flex_names = [f"flex_{k}" for k in FLEX_VARIANTS] if flex else []
@@ -194,22 +191,19 @@ def check_triton_sweep(seq, topk=2048, heads=64):
                 def fn():
                     kernels.sparse_attention_forward(q, k, v, mask, scale)
             else:
-                def fn():
-                    kernels.sparse_attention_backward(grad_out, q, k, v, out, lse, mask, scale)
+                def fn():  # the dQ and dV kernels too, whatever the default buffer bound
+                    kernels.sparse_attention_backward(grad_out, q, k, v, out, lse, mask, scale, 0, 0)
             try:
                 timings[f"m{block_m}n{block_n}w{warps}s{stages}"] = round(bench_ms(fn, 2, 5), 3)
             except Exception as exc:  # a tile config this GPU cannot hold: report, try the next
                 timings[f"m{block_m}n{block_n}w{warps}s{stages}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
         getattr(kernels, name).update(defaults[name])
         line[name + ("_ms" if name == "FORWARD_CONFIG" else "_backward_ms")] = timings
-    defaults = kernels.DS_MATERIALIZE_BYTES, kernels.P_MATERIALIZE_BYTES
     big = 1 << 40
     for label, limits in (("kernels_only", (0, 0)), ("materialized_ds", (big, 0)), ("materialized_p", (0, big)),
                           ("materialized_ds_and_p", (big, big))):  # dQ and dV from kernels or GEMMs
-        kernels.DS_MATERIALIZE_BYTES, kernels.P_MATERIALIZE_BYTES = limits
         line[f"backward_{label}_ms"] = round(bench_ms(
-            lambda: kernels.sparse_attention_backward(grad_out, q, k, v, out, lse, mask, scale), 2, 5), 3)
-    kernels.DS_MATERIALIZE_BYTES, kernels.P_MATERIALIZE_BYTES = defaults
+            lambda: kernels.sparse_attention_backward(grad_out, q, k, v, out, lse, mask, scale, *limits), 2, 5), 3)
     return line
 
 

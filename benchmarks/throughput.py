@@ -56,10 +56,9 @@ def parse_args(argv=None):
                    help="glmtune's AdamW: torch's fused kernel (what transformers gets) or glmtune's Triton kernel "
                         "(optim.fused: triton; the GPU default here)")
     p.add_argument("--query-block", type=int, default=None, help="sdpa backend: queries per masked block")
-    p.add_argument("--ds-bytes", type=int, default=None,
-                   help="Triton attention: dQ from a materialized dS up to this many bytes (0: the dQ kernel)")
-    p.add_argument("--p-bytes", type=int, default=None,
-                   help="Triton attention: dV from a materialized P up to this many bytes (0: the dV kernel)")
+    p.add_argument("--score-buffer-mib", type=int, default=None,
+                   help="Triton attention: dQ / dV as GEMMs over dS / P buffers of at most this many MiB each "
+                        "(model.attention_score_buffer_mib; default 1024, 0: the dQ and dV kernels)")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
     p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
@@ -179,6 +178,7 @@ def run_hf(cfg, state, batches, a):
 
 def run_glmtune(cfg, state, batches, a):
     from glmtune.models.glm5.args import Glm5Args
+    from glmtune.models.glm5.attention import set_attention_score_buffer
     from glmtune.models.glm5.masks import longest_document
     from glmtune.models.glm5.model import build_model
     from glmtune.models.glm5.moe import set_moe_dispatch_backend
@@ -193,12 +193,8 @@ def run_glmtune(cfg, state, batches, a):
     set_moe_dispatch_backend(model, a.dispatch)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
-    from glmtune.kernels import sparse_attention
-
-    if a.ds_bytes is not None:
-        sparse_attention.DS_MATERIALIZE_BYTES = a.ds_bytes
-    if a.p_bytes is not None:
-        sparse_attention.P_MATERIALIZE_BYTES = a.p_bytes
+    if a.score_buffer_mib is not None:
+        set_attention_score_buffer(model, a.score_buffer_mib)
     if a.query_block is not None:
         for layer in model.model.layers:
             layer.self_attn.query_block = a.query_block

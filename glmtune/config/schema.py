@@ -57,6 +57,7 @@ class ModelConfig:
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
+    attention_score_buffer_mib: int = 1024  # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never)
     indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
     validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable
 

@@ -53,15 +53,15 @@ DK_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 DV_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 # dQ as one cuBLAS GEMM over a bf16 dS that the dK launch writes (it computes dS anyway), and
 # dV as one GEMM over its P, instead of the dQ and dV launches recomputing scores, while each
-# [B, N, S, T] buffer takes at most this many bytes. Measured on an H200 (docs/benchmarks.md):
-# the tail's backward at seq 4096 (2048 queries x 4096 keys, 1 GiB each) takes 3.09 ms this way
-# against 4.73 with the kernels alone, and the proxy trains at 24,490 tok/s against 23,668. The
-# bound keeps the extra memory small: a packed 4096 row (2 GiB each; the kernels skip its empty
-# tiles) gains nothing measurable (25,899 tok/s against 25,776-26,248 without, +3.3 GiB), and
-# seq 8192 with activation checkpointing gains 8% (22,359 against 20,732) for 12 GiB, which a
-# memory-bound run of the full model cannot spare; raise these for a run that can.
-DS_MATERIALIZE_BYTES = 1 << 30
-P_MATERIALIZE_BYTES = 1 << 30
+# [B, N, S, T] buffer takes at most this many bytes (`model.attention_score_buffer_mib`).
+# Measured on an H200 (docs/benchmarks.md): the tail's backward at seq 4096 (2048 queries x
+# 4096 keys, 1 GiB each) takes 3.09 ms this way against 4.73 with the kernels alone, and the
+# proxy trains at 24,490 tok/s against 23,668. The default bound keeps the extra memory small:
+# a packed 4096 row (2 GiB each; the kernels skip its empty tiles) gains nothing measurable
+# (25,899 tok/s against 25,776-26,248 without, +3.3 GiB), and seq 8192 with activation
+# checkpointing gains 8% (22,359 against 20,732) for 12 GiB, which a memory-bound run of the
+# full model cannot spare; a run that can raises the bound.
+SCORE_BUFFER_BYTES = 1 << 30
 
 
 def _sparse_attention_forward_kernel(
@@ -334,8 +334,12 @@ def sparse_attention_forward(q_BNSK, k_BNTK, v_BNTV, mask_BST, scale: float):
     return out, lse
 
 
-def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, mask_BST, scale: float):
-    """(dq, dk, dv), contiguous, of `sparse_attention_forward` (whose out and lse these are)."""
+def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, mask_BST, scale: float,
+                              ds_buffer_bytes: int = SCORE_BUFFER_BYTES, p_buffer_bytes: int = SCORE_BUFFER_BYTES):
+    """(dq, dk, dv), contiguous, of `sparse_attention_forward` (whose out and lse these are).
+
+    dQ comes from a materialized dS when [B, N, S, T] fits `ds_buffer_bytes`, dV from a
+    materialized P when it fits `p_buffer_bytes`; otherwise from their own kernel launches."""
     _check(q_BNSK, k_BNTK, v_BNTV, mask_BST)
     assert grad_out_BNSV.stride(-1) == 1 and out_BNSV.is_contiguous() and lse_BNS.is_contiguous()
     q, k, v, d_out = q_BNSK, k_BNTK, v_BNTV, grad_out_BNSV
@@ -347,7 +351,7 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     flags_by_tile = {}  # dK and dV (and dQ, if its tiles match) read the same flags
     common = dict(over_keys=True, d_out_strides=d_out_strides, flags_by_tile=flags_by_tile)
     score_bytes = batch * heads * queries * keys * q.element_size()
-    store_ds, store_p = score_bytes <= DS_MATERIALIZE_BYTES, score_bytes <= P_MATERIALIZE_BYTES
+    store_ds, store_p = score_bytes <= ds_buffer_bytes, score_bytes <= p_buffer_bytes
     ds = q.new_empty(batch, heads, queries, keys) if store_ds else dk  # (dk: an unused pointer)
     probs = q.new_empty(batch, heads, queries, keys) if store_p else dk
     if store_ds:

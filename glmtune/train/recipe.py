@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from glmtune.config import JobConfig, dump_config, model_dims, validate_config
 from glmtune.models.glm5.args import PRESETS, get_preset
+from glmtune.models.glm5.attention import set_attention_score_buffer
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import set_moe_dispatch_backend
 
@@ -74,12 +75,14 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
         model = build_model(args, dtype, device, m.attention_backend, m.moe_backend,
                             seed=cfg.train.seed if seed is None else seed, indexer_backend=m.indexer_backend)
         set_moe_dispatch_backend(model, m.moe_dispatch_backend)
+        set_attention_score_buffer(model, m.attention_score_buffer_mib)
         return model, None
     if m.overrides:
         raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
     path = Path(m.name_or_path)
     model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend, indexer_backend=m.indexer_backend)
     set_moe_dispatch_backend(model, m.moe_dispatch_backend)
+    set_attention_score_buffer(model, m.attention_score_buffer_mib)
     return model, path
 
 

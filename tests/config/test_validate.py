@@ -95,13 +95,14 @@ def test_batch_divisibility_names_keys():
 
 def test_range_checks_are_reported_together():
     job = load_config(None, ["--data.synthetic.rows=3", "--optim.lr=0", "--optim.warmup_steps=500",
-                             "--train.max_steps=100", "--peft.method=lora", "--peft.target_modules=[]"])
+                             "--train.max_steps=100", "--peft.method=lora", "--peft.target_modules=[]",
+                             "--model.attention_score_buffer_mib=-1"])
     with pytest.raises(ValueError) as exc:
         validate_config(job, 8, 4)
     message = str(exc.value)
-    assert message.startswith("3 config errors")
+    assert message.startswith("4 config errors")
     for needle in ("optim.lr must be > 0", "optim.warmup_steps (500) must be between 0 and train.max_steps (100)",
-                   "peft.target_modules is empty"):
+                   "peft.target_modules is empty", "model.attention_score_buffer_mib must be >= 0"):
         assert needle in message
 
 

@@ -31,20 +31,17 @@ def check_kernels_match_float64_reference():
     48 keys) with the dK / dV kernels on 16 x 32 tiles (their grid runs over key tiles); then
     with dQ and / or dV from the dS and P the dK launch materializes."""
     sa = _small_tiles()
-    sa.DS_MATERIALIZE_BYTES = sa.P_MATERIALIZE_BYTES = 0  # the dQ and dV kernels
-    _compare_with_reference(sa, seed=0, queries=37, keys=70)
+    _compare_with_reference(sa, seed=0, queries=37, keys=70, buffers=(0, 0))  # the dQ and dV kernels
     for config in (sa.DK_CONFIG, sa.DV_CONFIG):
         config.update(BLOCK_N=32)
-    _compare_with_reference(sa, seed=1, queries=48, keys=48)
-    sa.DS_MATERIALIZE_BYTES = 1 << 30  # dQ from the dS the dK launch writes, as one GEMM
-    _compare_with_reference(sa, seed=2, queries=37, keys=70)
-    sa.P_MATERIALIZE_BYTES = 1 << 30  # and dV from its P
-    _compare_with_reference(sa, seed=3, queries=48, keys=48)
-    sa.DS_MATERIALIZE_BYTES = 0
-    _compare_with_reference(sa, seed=4, queries=37, keys=70)
+    _compare_with_reference(sa, seed=1, queries=48, keys=48, buffers=(0, 0))
+    fits = 2 * 3 * 37 * 70 * 2  # [B, N, S, T] fp16 bytes of the tail case (each buffer's size)
+    _compare_with_reference(sa, seed=2, queries=37, keys=70, buffers=(fits, fits - 1))  # dQ = dS K, one GEMM
+    _compare_with_reference(sa, seed=3, queries=48, keys=48, buffers=(1 << 30, 1 << 30))  # and dV = P^T dO
+    _compare_with_reference(sa, seed=4, queries=37, keys=70, buffers=(fits - 1, fits))  # dV alone
 
 
-def _compare_with_reference(sa, seed, queries, keys):
+def _compare_with_reference(sa, seed, queries, keys, buffers):
     g = torch.Generator().manual_seed(seed)
     b, n, s, t, kd, vd = 2, 3, queries, keys, 64, 32
     dtype = torch.float16
@@ -67,7 +64,7 @@ def _compare_with_reference(sa, seed, queries, keys):
     assert (lse[live].double() - ref_lse[live]).abs().max() < 1e-5 and (lse[~live] == float("inf")).all()
     grad = torch.randn(b, n, s, vd, generator=g).to(dtype)
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad.double())
-    grads = sa.sparse_attention_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, allowed, scale)
+    grads = sa.sparse_attention_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, allowed, scale, *buffers)
     for mine, theirs in zip(grads, ref_grads):
         assert mine.shape == theirs.shape and mine.is_contiguous()
         assert (mine.double() - theirs).abs().max() < 3e-3 * max(1.0, theirs.abs().max().item())
@@ -85,17 +82,21 @@ def check_ops_registration_is_consistent():
     kv = torch.randn(1, 12, 2, 48, generator=g).transpose(1, 2)
     k, v = kv[..., :32], kv[..., 32:]
     allowed = torch.ones(8, 12, dtype=torch.bool).tril(4).unsqueeze(0)
-    torch.library.opcheck(ta.sparse_attention, (q, k, v, allowed, 0.2))
     out, lse = sa.sparse_attention_forward(q, k, v, allowed, 0.2)
-    torch.library.opcheck(ta.sparse_attention_grads, (torch.randn_like(out), q, k, v, out, lse, allowed, 0.2))
+    for buffer_bytes in (0, 1 << 30):  # dQ and dV from their kernels, then from materialized dS and P
+        torch.library.opcheck(ta.sparse_attention, (q, k, v, allowed, 0.2, buffer_bytes))
+        torch.library.opcheck(ta.sparse_attention_grads,
+                              (torch.randn_like(out), q, k, v, out, lse, allowed, 0.2, buffer_bytes))
 
 
 def check_model_backend_matches_eager():
     _small_tiles()
+    from glmtune.models.glm5.attention import set_attention_score_buffer
     from tests.models.test_attention_backends import assert_backend_matches_eager
 
     for packed in (False, True):
-        assert_backend_matches_eager("triton", packed)
+        assert_backend_matches_eager("triton", packed)  # the default bound: dS and P materialized
+        assert_backend_matches_eager("triton", packed, lambda model: set_attention_score_buffer(model, 0))
 
 
 @pytest.mark.parametrize("rows, keys, offset", [(64, 128, 0), (60, 128, 8), (64, 130, 0), (128, 256, 3)])

@@ -8,15 +8,15 @@ from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 
 
-def assert_backend_matches_eager(backend: str, packed: bool, query_block: int | None = None) -> None:
+def assert_backend_matches_eager(backend: str, packed: bool, configure=None) -> None:
     """Tiny model, 2 rows of 40 tokens, top-12 active: logits and every gradient of `backend`
-    against "eager" (also run by tests/kernels/test_sparse_attention.py for "triton")."""
+    (its model first passed to `configure`, if given) against "eager" (also run by
+    tests/kernels/test_sparse_attention.py for "triton")."""
     args = get_preset("tiny").replace(index_topk=12)
     eager = build_model(args, attention_backend="eager", seed=0)
     fast = build_model(args, attention_backend=backend, seed=0)
-    if query_block is not None:
-        for layer in fast.model.layers:
-            layer.self_attn.query_block = query_block
+    if configure is not None:
+        configure(fast)
     x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
     targets = torch.roll(x, -1, 1)
     positions = torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0) if packed else None
@@ -37,7 +37,11 @@ def assert_backend_matches_eager(backend: str, packed: bool, query_block: int | 
 @pytest.mark.parametrize("backend", ["sdpa", "gemm"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_blocked_backends_match_eager_reference(packed, backend):
-    assert_backend_matches_eager(backend, packed, query_block=7)
+    def seven_query_blocks(model):
+        for layer in model.model.layers:
+            layer.self_attn.query_block = 7
+
+    assert_backend_matches_eager(backend, packed, seven_query_blocks)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -30,10 +30,13 @@ Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmtune.kernels.sparse_attention import SCORE_BUFFER_BYTES
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import apply_interleaved_rope, softmax_scale_for
 from glmtune.models.glm5.args import Glm5Args
@@ -110,6 +113,7 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale_for(args.rope_parameters, self.qk_dim)
         self.index_topk = args.index_topk
         self.query_block = 1024  # sdpa backend: queries per masked block (keys beyond a block are skipped)
+        self.score_buffer_bytes = SCORE_BUFFER_BYTES  # triton backend: bound on its backward's dS / P buffers
         self.indexer = Indexer(args, indexer_backend) if has_indexer else None
 
     def forward(
@@ -165,8 +169,11 @@ class MLAttention(nn.Module):
         else:
             # The Triton kernels skip future keys per tile themselves: the whole tail is one block.
             query_block = seq_len if backend == "triton" else self.query_block
+            masked = MASKED_BLOCK_FUNCTIONS[backend]
+            if backend == "triton":
+                masked = functools.partial(masked, score_buffer_bytes=self.score_buffer_bytes)
             out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix,
-                                      query_block, MASKED_BLOCK_FUNCTIONS[backend])
+                                      query_block, masked)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         return self.o_proj(out_BSX), selection
 
@@ -179,3 +186,13 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm.reset_parameters()
         if self.indexer is not None:
             self.indexer.reset_parameters(std)
+
+
+def set_attention_score_buffer(model: nn.Module, mib: int) -> None:
+    """Bounds the dS and P buffers (MiB each) that every layer's Triton attention backward may
+    materialize (`model.attention_score_buffer_mib`; 0: always recompute them in the kernels)."""
+    if mib < 0:
+        raise ValueError(f"model.attention_score_buffer_mib must be >= 0, got {mib}")
+    for module in model.modules():
+        if isinstance(module, MLAttention):
+            module.score_buffer_bytes = mib << 20

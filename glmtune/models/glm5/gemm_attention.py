@@ -97,7 +97,7 @@ def gemm_attention(q_BNSK: torch.Tensor, k_BNTK: torch.Tensor, v_BNTV: torch.Ten
     return out, lse
 
 
-def attention_outputs_like(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
+def attention_outputs_like(q_BNSK, k_BNTK, v_BNTV, allowed_BST, *options):
     """Empty (out [B, N, S, V], lse [B, N, S] fp32): the fake kernel of an attention op returning both."""
     batch, heads, queries, _ = q_BNSK.shape
     return (q_BNSK.new_empty(batch, heads, queries, v_BNTV.shape[-1]),
@@ -140,21 +140,22 @@ def _(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, lse_BNS, allowed_BST, sca
 
 
 def register_attention_autograd(forward_op, backward_op) -> None:
-    """Autograd for an op (q, k, v, allowed, scale) -> (out, lse) whose gradients come from
-    `backward_op(grad_out, q, k, v, out, lse, allowed, scale)`: saves exactly those (nothing
-    quadratic besides the mask the layer keeps anyway); lse gets no gradient."""
+    """Autograd for an op (q, k, v, allowed, *options) -> (out, lse) whose gradients come from
+    `backward_op(grad_out, q, k, v, out, lse, allowed, *options)` (options: non-tensor
+    arguments such as the softmax scale): saves exactly those tensors (nothing quadratic
+    besides the mask the layer keeps anyway); lse gets no gradient."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, allowed, scale = inputs
+        q, k, v, allowed, *options = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, allowed)
-        ctx.scale = scale
+        ctx.options = options
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, allowed = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, allowed, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, allowed, *ctx.options)
+        return dq, dk, dv, None, *(None for _ in ctx.options)
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 

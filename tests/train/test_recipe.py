@@ -1,0 +1,26 @@
+"""The model a config builds carries the config's kernel settings into every layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmtune.config import load_config
+from glmtune.models.glm5.attention import MLAttention, set_attention_score_buffer
+from glmtune.models.glm5.moe import MoE
+from glmtune.train.recipe import build_model_from_config
+
+
+def test_attention_and_moe_settings_reach_every_layer_including_mtp():
+    cfg = load_config(None, ["--model.attention_score_buffer_mib=3", "--model.moe_dispatch_backend=torch"])
+    model, _ = build_model_from_config(cfg, "cpu")
+    attentions = [m for m in model.modules() if isinstance(m, MLAttention)]
+    assert len(attentions) == model.args.num_hidden_layers + len(model.mtp)  # MTP layers too
+    assert {m.score_buffer_bytes for m in attentions} == {3 << 20}
+    assert {m.dispatcher.backend for m in model.modules() if isinstance(m, MoE)} == {"torch"}
+
+
+def test_default_score_buffer_is_one_gib_and_negative_is_refused():
+    model, _ = build_model_from_config(load_config(None, []), "cpu")
+    assert {m.score_buffer_bytes for m in model.modules() if isinstance(m, MLAttention)} == {1 << 30}
+    with pytest.raises(ValueError, match="attention_score_buffer_mib must be >= 0, got -1"):
+        set_attention_score_buffer(model, -1)
