@@ -205,11 +205,13 @@ def _sparse_attention_dkv_kernel(
         grad = tl.zeros([BLOCK_N, V_PAD], dtype=tl.float32)
     # Queries before the tile's first key never see it.
     lo = (tl.maximum(pid_n * BLOCK_N - (keys - queries), 0) // BLOCK_M) * BLOCK_M
-    ds_cols = ds_ptr + bh * queries * keys + cols[:, None]
+    ds_cols = ds_ptr + bh * queries * keys + cols[:, None]  # this key tile's columns of dS and P
+    p_cols = p_ptr + bh * queries * keys + cols[:, None]
     # Writing dS / P (FROM_ZERO = 1) visits every query tile, storing zeros for the unseen ones.
     for start in range(lo * (1 - FROM_ZERO), queries, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < queries
+        tile_ok = row_ok[None, :] & col_ok[:, None]
         flag = tl.load(flags_ptr + b * stride_fb + (start // BLOCK_M) * stride_fm + pid_n)
         if (start >= lo) & (flag != 0):
             stats = bh * queries + rows
@@ -218,8 +220,7 @@ def _sparse_attention_dkv_kernel(
             d_out = tl.load(do_base + rows[:, None] * stride_ds + dim_v[None, :],
                             mask=row_ok[:, None] & v_in[None, :], other=0.0)
             lse2 = tl.load(lse_ptr + stats, mask=row_ok, other=float("inf")) * LOG2E_CONST
-            allowed_t = tl.load(mask_cols + rows[None, :] * stride_ms, mask=row_ok[None, :] & col_ok[:, None],
-                                other=0)
+            allowed_t = tl.load(mask_cols + rows[None, :] * stride_ms, mask=tile_ok, other=0)
             s_t = tl.dot(k, tl.trans(q)) * scale_log2
             p_t = tl.where(allowed_t != 0, tl.exp2(s_t - lse2[None, :]), 0.0)
             if GRAD_K:
@@ -228,21 +229,18 @@ def _sparse_attention_dkv_kernel(
                 ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q.dtype)
                 grad += tl.dot(ds_t, q)
                 if STORE_DS:
-                    tl.store(ds_cols + rows[None, :] * keys, ds_t, mask=row_ok[None, :] & col_ok[:, None])
+                    tl.store(ds_cols + rows[None, :] * keys, ds_t, mask=tile_ok)
                 if STORE_P:
-                    tl.store(p_ptr + bh * queries * keys + cols[:, None] + rows[None, :] * keys,
-                             p_t.to(p_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+                    tl.store(p_cols + rows[None, :] * keys, p_t.to(p_ptr.dtype.element_ty), mask=tile_ok)
             else:
                 grad += tl.dot(p_t.to(d_out.dtype), d_out)
         else:
             if STORE_DS:
-                tl.store(ds_cols + rows[None, :] * keys,
-                         tl.zeros([BLOCK_N, BLOCK_M], dtype=ds_ptr.dtype.element_ty),
-                         mask=row_ok[None, :] & col_ok[:, None])
+                tl.store(ds_cols + rows[None, :] * keys, tl.zeros([BLOCK_N, BLOCK_M], dtype=ds_ptr.dtype.element_ty),
+                         mask=tile_ok)
             if STORE_P:
-                tl.store(p_ptr + bh * queries * keys + cols[:, None] + rows[None, :] * keys,
-                         tl.zeros([BLOCK_N, BLOCK_M], dtype=p_ptr.dtype.element_ty),
-                         mask=row_ok[None, :] & col_ok[:, None])
+                tl.store(p_cols + rows[None, :] * keys, tl.zeros([BLOCK_N, BLOCK_M], dtype=p_ptr.dtype.element_ty),
+                         mask=tile_ok)
     if GRAD_K:
         tl.store(grad_ptr + (bh * keys + cols[:, None]) * HEAD_K + dim_k[None, :], grad.to(grad_ptr.dtype.element_ty),
                  mask=col_ok[:, None] & k_in[None, :])
