@@ -13,7 +13,7 @@ from typing import Any
 
 def _validate(args: argparse.Namespace) -> int:
     from glmtune.data.contract import load_schema, validate_row
-    from glmtune.data.sources import read_rows
+    from glmtune.data.sources import no_rows_message, read_rows
 
     schema = load_schema(args.schema) if args.schema else None
     num_rows = num_violations = num_bad_rows = 0
@@ -24,6 +24,8 @@ def _validate(args: argparse.Namespace) -> int:
         num_violations += len(violations)
         for violation in violations:
             print(violation)
+    if not num_rows:  # an empty dataset would otherwise pass as "OK: 0 row(s)"
+        raise ValueError(f"{no_rows_message(args.paths)}: nothing to validate")
     if num_violations:
         print(f"{num_violations} violation(s) in {num_bad_rows} of {num_rows} row(s)")
         return 1

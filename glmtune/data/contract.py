@@ -299,10 +299,11 @@ def check_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None, ma
     rows = list(rows)
     violations = validate_rows(rows, schema)
     if violations:
-        shown = "\n  ".join(str(v) for v in violations[:max_shown])
+        # The first line names the first violation: a one-line error display keeps file:line.
+        shown = "".join(f"\n  {v}" for v in violations[1:max_shown])
         more = f"\n  ... and {len(violations) - max_shown} more" if len(violations) > max_shown else ""
-        raise ValueError(f"{len(violations)} data contract violation(s) "
-                         f"(run `glmtune data validate` for all):\n  {shown}{more}")
+        raise ValueError(f"{len(violations)} data contract violation(s) (run `glmtune data validate` for all); "
+                         f"the first: {violations[0]}{shown}{more}")
     return [Row(normalize_row(row.data), row.origin) for row in rows]
 
 

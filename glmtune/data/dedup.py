@@ -6,6 +6,10 @@ called. The normalized key lowercases, removes punctuation and collapses
 whitespace, so rows that differ only in casing, spacing or punctuation count as
 duplicates too. The first occurrence (input order) is kept, which makes the result
 independent of anything but the input.
+
+`glmtune data prepare` drops both kinds; `glmtune train` drops exact duplicates only,
+since rows that match only after normalization can differ in what the model learns
+(the casing or punctuation of an answer) and a recipe trains on its data as given.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ class DedupStats:
     num_normalized_duplicates: int = 0
 
 
-def dedup_rows(rows: list[Row]) -> tuple[list[Row], DedupStats]:
-    """Drop exact duplicates, then normalized-text duplicates; keeps first occurrences.
+def dedup_rows(rows: list[Row], normalized: bool = True) -> tuple[list[Row], DedupStats]:
+    """Drop exact duplicates, then (unless `normalized` is False) normalized-text
+    duplicates; keeps first occurrences.
 
     Rows must be contract-normalized (text content), so equivalent encodings of the
     same conversation (text parts vs string, JSON-string arguments) compare equal.
@@ -70,10 +75,11 @@ def dedup_rows(rows: list[Row]) -> tuple[list[Row], DedupStats]:
             stats.num_exact_duplicates += 1
             continue
         seen_exact.add(key)
-        key = normalized_key(row.data)
-        if key in seen_normalized:
-            stats.num_normalized_duplicates += 1
-            continue
-        seen_normalized.add(key)
+        if normalized:
+            key = normalized_key(row.data)
+            if key in seen_normalized:
+                stats.num_normalized_duplicates += 1
+                continue
+            seen_normalized.add(key)
         kept.append(row)
     return kept, stats

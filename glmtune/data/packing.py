@@ -53,6 +53,7 @@ class PackingStats:
     num_rows: int = 0
     num_tokens: int = 0  # non-padding tokens in the packed rows
     num_padding: int = 0
+    longest_sample: int = 0  # tokens of the longest input sample, before truncation
 
     @property
     def efficiency(self) -> float:
@@ -101,6 +102,7 @@ def _prepare(samples: Sequence[TokenizedSample], size: int, policy: str,
     kept = []
     for sample in samples:
         input_ids, labels = list(sample.input_ids), list(sample.labels)
+        stats.longest_sample = max(stats.longest_sample, len(input_ids))
         if len(input_ids) > size:
             if policy == "drop":
                 stats.num_dropped_too_long += 1

@@ -2,7 +2,8 @@
 
 Pipeline, in order:
   1. read every input (sources.py) and enforce the data contract (contract.py);
-     rows are normalized to the canonical form;
+     rows are normalized to the canonical form; no rows at all is an error, raised
+     before anything is written;
   2. secrets/PII lint (pii.py), written to `pii_report.json`; the action decides
      what happens to rows with findings: `report` keeps them, `drop` removes them,
      `fail` raises after writing the report;
@@ -30,7 +31,7 @@ from glmtune import __version__
 from glmtune.data.contract import check_or_raise, load_schema
 from glmtune.data.dedup import dedup_rows
 from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows
-from glmtune.data.sources import Row, expand_inputs, file_sha256, read_rows
+from glmtune.data.sources import Row, expand_inputs, file_sha256, no_rows_message, read_rows
 from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
 
 MANIFEST_NAME = "manifest.json"
@@ -91,6 +92,8 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
         unit_rows = list(read_rows(unit))
         input_records.append({"path": str(unit), "sha256": file_sha256(unit), "rows": len(unit_rows)})
         rows.extend(unit_rows)
+    if not rows:  # refused before anything is written: an empty version is never what was meant
+        raise ValueError(f"{no_rows_message(inputs)}: nothing to prepare")
     rows = check_or_raise(rows, schema)
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,13 @@
 
 Every row keeps its origin so errors can point at it as `file:line`: the 1-based
 line number for JSONL (what editors show), the 0-based row index for Parquet and
-`datasets` (what `table[i]` / `ds[i]` take). A JSONL line that is not a JSON object is
-still yielded, with `parse_error` set, so `glmtune data validate` can list it next to
-the contract violations instead of stopping at the first bad line.
+`datasets` (what `table[i]` / `ds[i]` take). A JSONL line that is not valid UTF-8 (or
+escapes a lone surrogate), or not a JSON object, is still yielded, with `parse_error`
+set, so `glmtune data validate`
+can list it next to the contract violations instead of stopping at the first bad line
+(JSONL is read as bytes, one line at a time, so one bad byte costs one row, not the
+file). A file that cannot be read at all (a `.parquet` that is not Parquet, a damaged
+`datasets` directory) is a ValueError naming it.
 
 Row schema (checked by contract.py):
     {"messages": [{"role": "system|user|assistant|tool",
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +34,8 @@ PARQUET_SUFFIXES = (".parquet",)
 # Files `datasets.save_to_disk` writes: a Dataset has state.json, a DatasetDict dataset_dict.json.
 _HF_MARKERS = ("state.json", "dataset_dict.json")
 _HASH_CHUNK = 1 << 20
+# A JSON escape of a high or low surrogate: the only way a decoded line can hold text UTF-8 cannot encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 
 
 @dataclass(frozen=True)
@@ -51,12 +58,28 @@ class Row:
     parse_error: str | None = None
 
 
+def _decode_line(raw: bytes) -> tuple[str | None, str | None]:
+    """(text, None), or (None, reason) for a line that is not valid UTF-8."""
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        # The bytes before the bad one decode, so the column counts characters like JSON's colno.
+        column = len(raw[:exc.start].decode("utf-8")) + 1
+        return None, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {column})"
+
+
 def _read_jsonl(path: Path) -> Iterator[Row]:
-    with path.open("r", encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    # Bytes, split at b"\n" only: a decode error then names its line, and a stray
+    # b"\r" inside a line does not shift the line numbers editors show.
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            origin = Origin(str(path), line_number)
+            line, reason = _decode_line(raw)
+            if reason is not None:
+                yield Row(None, origin, reason)
+                continue
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not rows
-            origin = Origin(str(path), line_number)
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -65,30 +88,64 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
             if not isinstance(data, dict):
                 yield Row(None, origin, f"expected a JSON object, got {type(data).__name__}")
                 continue
+            if _SURROGATE_ESCAPE.search(line) and (reason := _lone_surrogate(data)):
+                yield Row(None, origin, reason)
+                continue
             yield Row(data, origin)
 
 
+def _lone_surrogate(data: Any) -> str | None:
+    """A reason when the parsed row holds a lone surrogate (JSON can escape one, e.g.
+    "\\ud800"; nothing downstream can encode it as UTF-8), else None."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid Unicode: lone surrogate \\u{ord(exc.object[exc.start]):04x} escaped in a JSON string"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message as one printable line (pyarrow appends context lines, and
+    a corrupt page's message can quote raw bytes)."""
+    line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in line)
+
+
 def _read_parquet(path: Path) -> Iterator[Row]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for data in batch.to_pylist():
-            yield Row(data, Origin(str(path), index))
-            index += 1
+    try:  # a damaged page can surface only when its batch is read, so the loop is covered too
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for data in batch.to_pylist():
+                yield Row(data, Origin(str(path), index))
+                index += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from exc
 
 
 def _read_hf_dataset(path: Path) -> Iterator[Row]:
-    import datasets  # optional dependency: only needed for save_to_disk directories
+    try:
+        import datasets  # optional dependency: only needed for save_to_disk directories
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"{path}: reading a `datasets` directory needs the datasets package "
+                         "(pip install datasets)") from exc
 
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        parts = [(f"{path}[{split}]", loaded[split]) for split in loaded]
-    else:
-        parts = [(str(path), loaded)]
-    for name, dataset in parts:
-        for index, data in enumerate(dataset):
-            yield Row(data, Origin(name, index))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            parts = [(f"{path}[{split}]", loaded[split]) for split in loaded]
+        else:
+            parts = [(str(path), loaded)]
+        for name, dataset in parts:
+            for index, data in enumerate(dataset):
+                yield Row(data, Origin(name, index))
+    # Any type: a damaged state.json, dataset_info.json or .arrow file raises KeyError,
+    # TypeError, JSONDecodeError, ArrowInvalid or FileNotFoundError from inside datasets.
+    except Exception as exc:
+        raise ValueError(f"{path}: not a readable `datasets` directory "
+                         f"({type(exc).__name__}: {_first_line(exc)})") from exc
 
 
 def is_hf_dataset_dir(path: Path) -> bool:
@@ -118,6 +175,11 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
         else:
             raise ValueError(f"{path}: unsupported data file (expected .jsonl, .parquet, or a save_to_disk directory)")
     return units
+
+
+def no_rows_message(paths: Iterable[str | Path]) -> str:
+    """The sentence every command gives for an empty dataset, naming the inputs as given."""
+    return f"no rows in {', '.join(str(p) for p in paths)} (empty, or only blank lines)"
 
 
 def read_rows(paths: str | Path | Iterable[str | Path]) -> Iterator[Row]:

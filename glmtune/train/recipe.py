@@ -2,9 +2,10 @@
 
 `run_training(cfg)` is what `glmtune train` calls: it saves the resolved config in
 the run directory, builds the model (a preset or a local HF directory), prepares
-the data (synthetic generation, contract check, group-aware split, tokenization
-through the cache, packing), trains, and exports. Each builder is usable alone
-(`build_model_from_config`, `prepare_data`) by other commands.
+the data (synthetic generation, contract check, PII policy, exact dedup,
+group-aware split, tokenization through the cache, packing), trains, and exports.
+Each builder is usable alone (`build_model_from_config`, `prepare_data`) by other
+commands.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class PreparedData:
     val_rows: list[dict[str, list[int]]]
     val_conversations: list[dict[str, Any]]
     manifest: dict[str, Any]
+    notes: list[str]  # one console line per thing the filters removed or changed (also in the manifest)
 
 
 def _write_jsonl(rows: list[dict[str, Any]], directory: Path, split: str) -> Path:
@@ -113,10 +115,20 @@ def _write_jsonl(rows: list[dict[str, Any]], directory: Path, split: str) -> Pat
 
 
 def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, vocab_size: int) -> PreparedData:
+    """Read, check, filter, split, tokenize and pack the recipe's data.
+
+    Every training row must pass the data contract (a bad row, an undecodable line
+    included, fails the run before anything trains, listed as file:line). Then, in
+    `glmtune data prepare`'s order: the PII policy, exact dedup (only exact: see
+    dedup.py), the group split, and packing with `data.too_long`. What each filter
+    removed is counted in the manifest and described in `notes`; a filter that
+    leaves nothing to train on is a ValueError naming it.
+    """
     from glmtune.data.cache import tokenize_dataset
     from glmtune.data.contract import check_or_raise, load_schema
+    from glmtune.data.dedup import dedup_rows
     from glmtune.data.packing import pack_samples
-    from glmtune.data.sources import check_format, read_rows
+    from glmtune.data.sources import check_format, no_rows_message, read_rows
     from glmtune.data.split import split_rows
     from glmtune.data.synthetic import generate_rows, write_jsonl
     from glmtune.data.tokenizer import load_tokenizer
@@ -137,16 +149,32 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     check_format([*d.train, *d.validation], d.format)
     schema = load_schema(d.json_schema) if d.json_schema else None
     rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
-    rows = _apply_pii_policy(rows, d.pii, run_dir)
+    if not rows:
+        raise ValueError(f"data.train: {no_rows_message(train_paths)}: nothing to train on")
+    notes: list[str] = []
+    num_input_rows = len(rows)
+    rows = _apply_pii_policy(rows, d.pii, run_dir, notes)
+    num_pii_dropped = num_input_rows - len(rows)
+    rows, dedup_stats = dedup_rows(rows, normalized=False)
+    if dedup_stats.num_exact_duplicates:
+        notes.append(f"removed {dedup_stats.num_exact_duplicates:,} exact duplicate conversations "
+                     f"(kept the first of each; {len(rows):,} left)")
     if d.validation:
         val_paths = [Path(p) for p in d.validation]
         val_data = [r.data for r in check_or_raise(read_rows(val_paths), schema)]
+        if not val_data:
+            raise ValueError(f"data.validation: {no_rows_message(val_paths)}; "
+                             "leave data.validation empty to carve validation rows from data.train")
         train_data = [r.data for r in rows]
     else:
         ratios = (d.split.get("train", 0.0), d.split.get("validation", 0.0), d.split.get("test", 0.0))
         parts = split_rows(rows, ratios, seed=cfg.train.seed)
         train_data = [r.data for r in parts["train"]]
         val_data = [r.data for r in parts["validation"]]
+        if not train_data:
+            raise ValueError(f"data.split {d.split} sent all {len(rows):,} rows to validation/test (rows of one "
+                             "`group` stay together, so few groups split coarsely): nothing left to train on; "
+                             "add rows or give data.validation files")
         val_paths = [_write_jsonl(val_data, data_dir, "validation")] if val_data else []
     train_file = _write_jsonl(train_data, data_dir, "train")
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -157,35 +185,70 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     train_tok = tokenize_dataset([train_file], **options)
     train_rows, train_stats = pack_samples(train_tok.samples, d.packed_sequence_size,
                                           pad_token_id=tokenizer.pad_token_id, long_samples=d.too_long)
+    packing_notes = _packing_notes(train_stats, "training", d.packed_sequence_size, d.too_long)
+    if not train_rows:
+        advice = "; raise data.packed_sequence_size" + (" or set data.too_long: truncate"
+                                                         if train_stats.num_dropped_too_long else "")
+        raise ValueError(f"nothing left to train on: {'; '.join(packing_notes)}{advice}")
+    notes += packing_notes
     val_rows, val_stats = [], None
     if val_paths:
         val_tok = tokenize_dataset(val_paths, **options)
         val_rows, val_stats = pack_samples(val_tok.samples, d.packed_sequence_size,
                                            pad_token_id=tokenizer.pad_token_id, long_samples=d.too_long)
+        notes += _packing_notes(val_stats, "validation", d.packed_sequence_size, d.too_long)
     manifest = {
         "train_file": str(train_file), "train_conversations": len(train_data),
         "validation_conversations": len(val_data), "tokenization_key": train_tok.key,
-        "cache_hit": train_tok.cache_hit, "train_packing": vars(train_stats),
-        "validation_packing": vars(val_stats) if val_stats else None,
+        "cache_hit": train_tok.cache_hit,
+        "filters": {"input_rows": num_input_rows, "pii_dropped": num_pii_dropped,
+                    "exact_duplicates": dedup_stats.num_exact_duplicates},
+        "train_packing": vars(train_stats), "validation_packing": vars(val_stats) if val_stats else None,
+        "notes": notes,
     }
-    return PreparedData(train_rows, val_rows, val_data, manifest)
+    return PreparedData(train_rows, val_rows, val_data, manifest, notes)
 
 
-def _apply_pii_policy(rows: list, action: str, run_dir: Path) -> list:
+def _packing_notes(stats: Any, split: str, size: int, too_long: str) -> list[str]:
+    """What packing (its PackingStats) removed or cut from one split's conversations, one line each."""
+    total, longest = f"{stats.num_samples:,} {split} conversations", f"longest {stats.longest_sample:,} tokens"
+    notes = []
+    if stats.num_dropped_too_long:
+        notes.append(f"dropped {stats.num_dropped_too_long:,} of {total} longer than data.packed_sequence_size "
+                     f"{size} (data.too_long: {too_long}; {longest})")
+    if stats.num_truncated:
+        notes.append(f"truncated {stats.num_truncated:,} of {total} longer than data.packed_sequence_size "
+                     f"{size} to their first {size} tokens (data.too_long: {too_long}; {longest})")
+    if stats.num_dropped_no_targets:
+        notes.append(f"dropped {stats.num_dropped_no_targets:,} of {total} with no assistant token left to train on"
+                     + (" after truncation" if stats.num_truncated else ""))
+    return notes
+
+
+def _apply_pii_policy(rows: list, action: str, run_dir: Path, notes: list[str]) -> list:
     """Secrets/PII lint on the training rows: report (write pii_report.json), drop the rows, or fail."""
     from glmtune.data.pii import build_report, lint_rows
 
     per_row = lint_rows(rows)
     report = build_report(per_row, action)
-    (run_dir / "pii_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report_path = run_dir / "pii_report.json"
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
     if not report["num_findings"]:
         return rows
     first = next(f for findings in per_row for f in findings)
+    num_flagged = report["num_rows_with_findings"]
     if action == "fail":
         raise ValueError(f"{first} (and {report['num_findings'] - 1} more findings; data.pii is 'fail'; "
-                         f"report in {run_dir / 'pii_report.json'})")
+                         f"report in {report_path})")
     if action == "drop":
+        if num_flagged == len(rows):
+            raise ValueError(f"data.pii is 'drop' and every one of the {len(rows):,} training rows has secret/PII "
+                             f"findings (report in {report_path}): nothing left to train on")
+        notes.append(f"dropped {num_flagged:,} of {len(rows):,} rows with secret/PII findings "
+                     f"(data.pii: drop; report in {report_path})")
         return [row for row, findings in zip(rows, per_row) if not findings]
+    notes.append(f"kept {num_flagged:,} rows with secret/PII findings (data.pii: report; "
+                 f"{report['num_findings']:,} findings in {report_path})")
     return rows
 
 
