@@ -10,8 +10,10 @@ unreadable shard, is a one-line `ValueError`/`FileNotFoundError` naming the key
 and the file.
 
 `save_pretrained` writes the same layout transformers writes (per-expert keys,
-`model.safetensors.index.json` when sharded, config.json), atomically: into a
-temporary directory renamed into place when complete.
+`model.safetensors.index.json` when sharded, config.json) through
+`glmtune.io.outputs.output_dir`: built in a temporary sibling directory, made visible
+in one step when complete, with the user's normal file permissions; never over an
+input (`source_dir`, `sources`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,6 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from glmtune.io.outputs import check_output, output_dir
+from glmtune.io.sizes import parse_size
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.state_dict_adapter import (
@@ -180,17 +183,6 @@ def _check_complete(model, state, filled, expert_parts, adapter) -> None:
         raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    text = size.strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
 def full_state_dict(model: Glm5ForCausalLM) -> dict[str, torch.Tensor]:
     """The unsharded state dict. Under FSDP2 this is collective (call it on every rank) and
     only rank 0 receives the tensors, on the CPU; elsewhere it is `model.state_dict()`."""
@@ -218,6 +210,8 @@ def save_pretrained(
     path: str | Path,
     max_shard_size: int | str = "5GB",
     source_dir: str | Path | None = None,
+    overwrite: bool = True,
+    sources: tuple[tuple[str, str | Path], ...] = (),
 ) -> Path:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
@@ -227,11 +221,19 @@ def save_pretrained(
         max_shard_size: bytes or a string like "5GB"; tensors are never split.
         source_dir: the checkpoint the model came from; its tokenizer and chat-template
             files are copied alongside.
+        overwrite: replace an existing non-empty `path` (atomically). The default keeps
+            re-exports of a run's own `hf/` working; pass False for a user-named path.
+        sources: (label, path) of inputs `path` must not be, be inside or contain
+            (`source_dir` is always one), even with `overwrite`.
     """
     import torch.distributed as dist
 
     path = Path(path)
-    limit = _parse_size(max_shard_size)
+    limit = parse_size(max_shard_size)
+    if source_dir is not None:
+        sources = (*sources, ("source_dir", source_dir))
+    target = {"overwrite": overwrite, "sources": sources, "what": "path", "option": "overwrite=True"}
+    check_output(path, **target)  # on every rank, before the collective: a refusal never hangs the others
     state = full_state_dict(model)  # collective under FSDP2: every rank calls save_pretrained
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
@@ -245,10 +247,7 @@ def save_pretrained(
             size = 0
         shards[-1].append((key, tensor))
         size += nbytes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a serving engine may run as another user
-    try:
+    with output_dir(path, **target) as tmp:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             name = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -270,21 +269,7 @@ def save_pretrained(
             for name in TOKENIZER_FILES:
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # the other ranks return once the export is complete
     return path
 
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    """Rename `tmp` to `path`; an existing `path` is moved aside first and removed after."""
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        path.rename(old)
-    tmp.rename(path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

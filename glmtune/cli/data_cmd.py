@@ -3,6 +3,7 @@
   glmtune data validate PATH... [--schema S]    every contract violation as file:line: field: reason
   glmtune data prepare PATH... --out DIR         dedup, PII lint, group split, versioned JSONL + manifest
   glmtune data synth OUT [--rows N --seed S]     the bundled support-ticket task as JSONL
+(prepare and synth refuse an existing non-empty output unless --overwrite)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from glmtune.data.split import parse_ratios
 
     result = prepare_dataset(args.paths, args.out, ratios=parse_ratios(args.ratios), pii_action=args.pii,
-                             schema_path=args.schema, split_seed=args.split_seed)
+                             schema_path=args.schema, split_seed=args.split_seed, overwrite=args.overwrite)
     counts, pii = result.manifest["counts"], result.manifest["pii"]
     print(f"read {counts['input_rows']} row(s); dropped {counts['exact_duplicates']} exact and "
           f"{counts['normalized_duplicates']} normalized duplicate(s), {counts['pii_dropped']} for PII "
@@ -51,8 +52,10 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _synth(args: argparse.Namespace) -> int:
     from glmtune.data.synthetic import SCHEMA_PATH, generate_rows, write_jsonl
+    from glmtune.io.outputs import check_output
 
-    path = write_jsonl(generate_rows(args.rows, seed=args.seed), args.out)
+    check_output(args.out, kind="file", overwrite=args.overwrite)  # before generating the rows
+    path = write_jsonl(generate_rows(args.rows, seed=args.seed), args.out, overwrite=args.overwrite)
     print(f"wrote {args.rows} row(s) to {path} (answer schema: {SCHEMA_PATH})")
     return 0
 
@@ -78,6 +81,8 @@ def register(subparsers: Any) -> None:
                     "{split}-{sha256[:12]}.jsonl files plus manifest.json and pii_report.json into --out.")
     prepare.add_argument("paths", nargs="+", metavar="PATH", help="input files or directories")
     prepare.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace DIR if it exists and is not empty (never an input)")
     prepare.add_argument("--ratios", default="0.9,0.05,0.05", metavar="T,V,E",
                          help="train,validation,test fractions summing to 1 (default: 0.9,0.05,0.05)")
     prepare.add_argument("--pii", choices=("report", "drop", "fail"), default="report",
@@ -90,6 +95,7 @@ def register(subparsers: Any) -> None:
         "synth", help="write the bundled synthetic support-ticket dataset",
         description="Generate the deterministic support-ticket triage task (JSON answers, ~20%% tool calls).")
     synth.add_argument("out", metavar="OUT", help="output .jsonl path")
+    synth.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     synth.add_argument("--rows", type=int, default=2000, help="number of rows (default: 2000)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.set_defaults(func=_synth)

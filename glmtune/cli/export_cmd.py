@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding config.yaml and checkpoints")
     parser.add_argument("--adapter", metavar="OUT", required=True, help="directory to write the adapter to")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT if it exists and is not empty (never RUN_DIR or anything in it)")
     parser.add_argument("--layout", choices=LAYOUTS, default="peft",
                         help="peft: PeftModel.from_pretrained on transformers (default); "
                              "per_expert: vLLM / SGLang per-expert keys")
@@ -100,6 +102,7 @@ def _run(ns: argparse.Namespace) -> int:
     # The checkpoint holds optimizer state too; DCP needs an optimizer of the same shape.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     manager.load(checkpoint, model, optimizer)
-    out = export_adapter(model, ns.adapter, ns.layout, cfg.model.name_or_path)
+    out = export_adapter(model, ns.adapter, ns.layout, cfg.model.name_or_path, overwrite=ns.overwrite,
+                         sources=(("RUN_DIR", run_dir), ("checkpoint", checkpoint.path)))
     print(f"exported {ns.layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
     return 0

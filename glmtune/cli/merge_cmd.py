@@ -3,12 +3,17 @@
 BASE_DIR is an HF GLM-5 directory (config.json + safetensors), ADAPTER_DIR an
 adapter written by `glmtune export` or at the end of a LoRA run (either layout).
 OUT_DIR receives a full HF checkpoint (transformers and serving engines load it
-like the base), with the base's tokenizer files copied alongside.
+like the base), with the base's tokenizer files copied alongside. A non-empty OUT_DIR
+is replaced only with --overwrite, and never when it is, is inside or contains
+BASE_DIR or ADAPTER_DIR. An adapter that records its base (glmtune_adapter.json) is
+merged only onto that base unless --force.
 """
 
 from __future__ import annotations
 
 import argparse
+
+from glmtune.io.sizes import size_arg
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -25,7 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the merged checkpoint")
     parser.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="merged weight dtype (default: the base checkpoint's)")
-    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 5GB")
+    parser.add_argument("--max-shard-size", type=size_arg, default="5GB",
+                        help="safetensors shard size: bytes or e.g. 500MB, 5GB (default: 5GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR if it exists and is not empty (never BASE_DIR or ADAPTER_DIR)")
+    parser.add_argument("--force", action="store_true",
+                        help="merge even if BASE_DIR is not the base the adapter was trained on")
     parser.set_defaults(func=_run)
 
 
@@ -35,6 +45,7 @@ def _run(ns: argparse.Namespace) -> int:
     from glmtune.peft.merge import merge_to_dir
 
     dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)
-    out = merge_to_dir(ns.base_dir, ns.adapter_dir, ns.out_dir, dtype=dtype, max_shard_size=ns.max_shard_size)
+    out = merge_to_dir(ns.base_dir, ns.adapter_dir, ns.out_dir, dtype=dtype, max_shard_size=ns.max_shard_size,
+                       overwrite=ns.overwrite, force=ns.force)
     print(f"merged {ns.adapter_dir} into {ns.base_dir}: {out}")
     return 0

@@ -16,13 +16,16 @@ Pipeline, in order:
 The data version is the sha256 of the output files' hashes: identical outputs give
 the same version whatever the inputs' paths or order of runs. The manifest has no
 timestamps, so re-running on the same inputs rewrites the same bytes.
+
+The output directory is written whole (`glmtune.io.outputs.output_dir`): staged beside
+--out and put in place in one step; an existing non-empty --out is replaced only with
+`overwrite`, and never one that is, is inside or contains an input.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from glmtune.data.dedup import dedup_rows
 from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows
 from glmtune.data.sources import Row, expand_inputs, file_sha256, no_rows_message, read_rows
 from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
+from glmtune.io.outputs import check_output, output_dir
 
 MANIFEST_NAME = "manifest.json"
 PII_REPORT_NAME = "pii_report.json"
@@ -49,15 +53,8 @@ class PrepareResult:
         return self.version[:12]
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # A crash mid-write must not leave a truncated file under a content-hash name.
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, value: Any) -> None:
-    _write_atomic(path, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode())
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _serialize(rows: list[Row]) -> bytes:
@@ -66,17 +63,20 @@ def _serialize(rows: list[Row]) -> bytes:
 
 def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
                     ratios: tuple[float, float, float] = DEFAULT_RATIOS, pii_action: str = "report",
-                    schema_path: str | Path | None = None, split_seed: int = 0) -> PrepareResult:
+                    schema_path: str | Path | None = None, split_seed: int = 0,
+                    overwrite: bool = False) -> PrepareResult:
     """Validate, lint, dedup, split and write a dataset version (see module docstring).
 
     Args:
         inputs: JSONL/Parquet files, `datasets` save_to_disk directories, or
             directories of JSONL/Parquet files.
         out_dir: created if missing; split files, the manifest and the PII report go here.
+            Must not be, be inside or contain an input.
         ratios: train/validation/test fractions summing to 1.
         pii_action: "report", "drop" or "fail" (see module docstring).
         schema_path: optional JSON Schema for final answers (contract check).
         split_seed: salt of the group hash; change it to draw a different split.
+        overwrite: replace an existing non-empty `out_dir`.
 
     Returns:
         The data version, the output directory and the manifest dict.
@@ -86,6 +86,8 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
     ratios = check_ratios(ratios)
     schema = load_schema(schema_path) if schema_path is not None else None
     out_dir = Path(out_dir)
+    target = {"overwrite": overwrite, "sources": [("input", path) for path in inputs], "what": "--out"}
+    check_output(out_dir, **target)  # before the inputs are read
 
     input_records, rows = [], []
     for unit in expand_inputs(inputs):
@@ -96,11 +98,11 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
         raise ValueError(f"{no_rows_message(inputs)}: nothing to prepare")
     rows = check_or_raise(rows, schema)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     per_row_findings = lint_rows(rows)
     report = build_report(per_row_findings, pii_action)
-    _write_json(out_dir / PII_REPORT_NAME, report)
     if pii_action == "fail" and report["num_findings"]:
+        with output_dir(out_dir, **target) as tmp:  # the report alone: the user needs it to fix the data
+            _write_json(tmp / PII_REPORT_NAME, report)
         raise ValueError(f"{report['num_findings']} secret/PII finding(s) in {report['num_rows_with_findings']} "
                          f"row(s); see {out_dir / PII_REPORT_NAME}")
     clean = [row for row, findings in zip(rows, per_row_findings) if not findings]
@@ -110,11 +112,12 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
     splits = split_rows(unique, ratios, split_seed)
 
     outputs: dict[str, dict[str, Any]] = {}
+    payloads: dict[str, bytes] = {}
     for name in SPLITS:
         payload = _serialize(splits[name])
         digest = hashlib.sha256(payload).hexdigest()
         file_name = f"{name}-{digest[:12]}.jsonl"
-        _write_atomic(out_dir / file_name, payload)
+        payloads[file_name] = payload
         outputs[name] = {"file": file_name, "sha256": digest, "rows": len(splits[name])}
     version = hashlib.sha256("".join(f"{name}:{outputs[name]['sha256']}\n" for name in SPLITS).encode()).hexdigest()
 
@@ -140,7 +143,11 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
                | {"report": PII_REPORT_NAME},
         "outputs": outputs,
     }
-    _write_json(out_dir / MANIFEST_NAME, manifest)
+    with output_dir(out_dir, **target) as tmp:
+        _write_json(tmp / PII_REPORT_NAME, report)
+        for file_name, payload in payloads.items():
+            (tmp / file_name).write_bytes(payload)
+        _write_json(tmp / MANIFEST_NAME, manifest)
     return PrepareResult(version=version, out_dir=out_dir, manifest=manifest)
 
 

@@ -21,6 +21,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from glmtune.io.outputs import output_file
+
 SCHEMA_PATH = Path(__file__).parent / "assets" / "support_ticket.schema.json"
 
 PRODUCTS = ("CloudSync", "PayFlow", "MailDesk", "PhotoVault", "TaskBoard", "SecureVPN")
@@ -175,11 +177,15 @@ def generate_rows(num_rows: int, seed: int = 0, num_customers: int | None = None
     return [generate_row(rng, i, seed=seed, num_customers=num_customers) for i in range(num_rows)]
 
 
-def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write rows as JSONL (one compact JSON object per line); returns the path."""
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path, *, overwrite: bool = True) -> Path:
+    """Write rows as JSONL (one compact JSON object per line), atomically; returns the path.
+
+    Args:
+        overwrite: replace an existing file at `path`. `glmtune data synth` passes its
+            --overwrite; the default serves callers that write their own temporary file.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
+    with output_file(path, overwrite=overwrite) as tmp, tmp.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path

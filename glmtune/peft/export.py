@@ -24,15 +24,16 @@ Two layouts of the same adapter, both with HF module names under the
 
 Both are exact: nothing is approximated or dropped. Anything trainable that a LoRA
 adapter cannot carry (an unfrozen norm, say) makes the export raise.
+
+Given the base's identity (`glmtune.io.fingerprint`), an export also writes
+`glmtune_adapter.json` ({"base": identity, "glmtune_version", "layout"}) beside the
+PEFT files, for `glmtune merge` to check its BASE_DIR against; PEFT never reads it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from glmtune import __version__
+from glmtune.io.outputs import Source, output_dir
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
 LAYOUTS = ("peft", "per_expert")
@@ -48,6 +51,7 @@ RUN_DIRS = {"peft": "adapter", "per_expert": "adapter_per_expert"}
 PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+META_NAME = "glmtune_adapter.json"  # glmtune's own record: the base's identity (not a PEFT file)
 # Leaf names PEFT (>= 0.19 with transformers v5) remaps from target_modules to the fused
 # expert parameters for glm_moe_dsa; such Linears must be targeted as parameters.
 _PEFT_REMAPPED_LEAVES = {"gate_proj", "up_proj", "down_proj", "gate"}
@@ -193,17 +197,21 @@ def adapter_state(model: nn.Module, layout: str = "peft",
     return config, tensors
 
 
-
 def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
-                   base_model_name_or_path: str | None = None) -> Path:
+                   base_model_name_or_path: str | None = None, *, overwrite: bool = False,
+                   sources: tuple[Source, ...] = (), base_identity: dict[str, Any] | None = None) -> Path:
     """Write `out_dir/{adapter_config.json, adapter_model.safetensors}` atomically.
 
     Args:
         model: the model `apply_lora` transformed (and trained).
-        out_dir: destination directory; replaced if it exists.
+        out_dir: destination directory (`glmtune.io.outputs.output_dir` rules).
         layout: "peft" (PeftModel.from_pretrained on transformers) or "per_expert"
             (vLLM / SGLang).
         base_model_name_or_path: recorded in adapter_config.json.
+        overwrite: replace a non-empty `out_dir`.
+        sources: (label, path) of inputs `out_dir` must not be, be inside or contain.
+        base_identity: the base's identity (`glmtune.io.fingerprint`), recorded in
+            glmtune_adapter.json for `glmtune merge` to check.
 
     Under FSDP2 call it on every rank (the adapters are gathered); rank 0 writes.
     """
@@ -211,32 +219,21 @@ def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
     out_dir = Path(out_dir)
     if dist.is_initialized() and dist.get_rank() != 0:
         return out_dir  # every rank gathers the shards above; rank 0 writes
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with output_dir(out_dir, overwrite=overwrite, sources=sources, what="--adapter") as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        # mkdtemp makes the directory owner-only; a serving engine often runs as another user.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for file in tmp.iterdir():
-            os.chmod(file, 0o666 & ~umask)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if base_identity is not None:
+            meta = {"base": base_identity, "glmtune_version": __version__, "layout": layout}
+            (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
 
-def export_run_adapters(model: nn.Module, run_dir: str | Path,
-                        base_model_name_or_path: str | None = None) -> dict[str, Path]:
-    """Both layouts into RUN_DIR/adapter (PEFT) and RUN_DIR/adapter_per_expert (engines)."""
-    return {layout: export_adapter(model, Path(run_dir) / sub, layout, base_model_name_or_path)
+def export_run_adapters(model: nn.Module, run_dir: str | Path, base_model_name_or_path: str | None = None,
+                        base_identity: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Both layouts into RUN_DIR/adapter (PEFT) and RUN_DIR/adapter_per_expert (engines).
+
+    These are the run's own outputs: a resumed run replaces its earlier export.
+    """
+    return {layout: export_adapter(model, Path(run_dir) / sub, layout, base_model_name_or_path,
+                                   overwrite=True, base_identity=base_identity)
             for layout, sub in RUN_DIRS.items()}

@@ -4,7 +4,9 @@
 its base weights and puts plain modules back, so `save_pretrained` writes an ordinary
 HF checkpoint. `merge_adapter_dir(model, ADAPTER_DIR)` adds the deltas an exported
 adapter directory describes (either layout of `export.py`) to a plain model;
-`merge_to_dir` is `glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`.
+`merge_to_dir` is `glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`: it never writes over
+BASE_DIR or ADAPTER_DIR, replaces a non-empty OUT_DIR only with `overwrite`, and checks
+that BASE_DIR is the base the adapter records in glmtune_adapter.json (`check_base`).
 
 Deltas are computed in fp32 and added to the fp32 value of the base weight, then
 rounded once to the base dtype.
@@ -15,14 +17,17 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.io.outputs import check_output
 from glmtune.models.glm5.moe import GroupedExperts
-from glmtune.peft.export import CONFIG_NAME, PREFIX, WEIGHTS_NAME, peft_match
+from glmtune.peft.export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
 
 _PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -55,6 +60,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """adapter_config.json and the tensors (keys without the `base_model.model.` prefix)."""
+    config = read_adapter_config(adapter_dir)
+    tensors = load_file(str(Path(adapter_dir) / WEIGHTS_NAME))
+    return config, {k.removeprefix(PREFIX): v for k, v in tensors.items()}
+
+
+def read_adapter_config(adapter_dir: str | Path) -> dict:
+    """adapter_config.json, checked for what merging supports (the weights file must exist)."""
     adapter_dir = Path(adapter_dir)
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (adapter_dir / name).is_file():
@@ -68,8 +80,7 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
             raise ValueError(f"{adapter_dir}: {key} is not supported by glmtune merge")
-    tensors = load_file(str(adapter_dir / WEIGHTS_NAME))
-    return config, {k.removeprefix(PREFIX): v for k, v in tensors.items()}
+    return config
 
 
 def _pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -157,16 +168,54 @@ def _config_dtype(base_dir: Path) -> torch.dtype:
     return dtype
 
 
+def check_base(base_dir: str | Path, adapter_dir: str | Path, force: bool = False) -> str | None:
+    """Is BASE_DIR the base the adapter was trained on (the identity in its glmtune_adapter.json)?
+
+    Returns:
+        None when the hashes match; otherwise one line for the user: the mismatch that
+        `force` lets through, or that the adapter records no base (written by another tool).
+
+    Raises:
+        ValueError: the config or weights differ and `force` is False.
+    """
+    meta_path = Path(adapter_dir) / META_NAME
+    recorded = None
+    if meta_path.is_file():
+        try:
+            recorded = json.loads(meta_path.read_text()).get("base")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"{meta_path}: not a glmtune adapter record ({exc})") from None
+    if not recorded:
+        return f"note: ADAPTER_DIR {adapter_dir} records no base ({META_NAME}); the base could not be checked"
+    reasons = identity_mismatch(recorded, base_identity_from_dir(base_dir))
+    if not reasons:
+        return None
+    problem = f"BASE_DIR {base_dir} is not the base this adapter was trained on ({'; '.join(reasons)})"
+    if not force:
+        raise ValueError(f"{problem}; pass --force to merge anyway")
+    return f"warning: {problem}; merging anyway (--force)"
+
+
 def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
-                 dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> Path:
+                 dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB", *,
+                 overwrite: bool = False, force: bool = False) -> Path:
     """Load BASE_DIR, add ADAPTER_DIR's deltas, write an HF checkpoint to OUT_DIR.
 
     Args:
         dtype: the merged weights' dtype; None keeps the base checkpoint's (config.json).
+        overwrite: replace a non-empty OUT_DIR (never BASE_DIR or ADAPTER_DIR).
+        force: merge even if BASE_DIR is not the base the adapter records (`check_base`).
     """
     from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 
     base_dir = Path(base_dir)
+    sources = (("BASE_DIR", base_dir), ("ADAPTER_DIR", adapter_dir))
+    check_output(out_dir, overwrite=overwrite, sources=sources, what="OUT_DIR")  # before hours of work
+    read_adapter_config(adapter_dir)  # not an adapter: fail before the base is hashed and loaded
+    note = check_base(base_dir, adapter_dir, force)
+    if note:
+        print(note, file=sys.stderr)
     model = load_pretrained(base_dir, dtype or _config_dtype(base_dir), "cpu", "eager", "loop")
     merge_adapter_dir(model, adapter_dir)
-    return save_pretrained(model, out_dir, max_shard_size=max_shard_size, source_dir=base_dir)
+    return save_pretrained(model, out_dir, max_shard_size=max_shard_size, source_dir=base_dir,
+                           overwrite=overwrite, sources=sources)

@@ -1,0 +1,8 @@
+"""Files a command writes and identities of what it reads.
+
+outputs      write an output directory or file atomically, never over an input or (without
+             `overwrite`) over anything that already holds data
+sizes        byte sizes such as "5GB" (`--max-shard-size`)
+fingerprint  the content identity of a base model (config and weight hashes), so merge can
+             check that an adapter meets the base it was trained on
+"""
