@@ -1,23 +1,37 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP): save, find, resume, retain.
+"""Training checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, retain.
 
 A checkpoint is a directory `RUN_DIR/checkpoints/step-00000123/` holding
   * the DCP shards of {"model": ..., "optim": ...} (sharded tensors stay sharded),
-  * `trainer_state.pt`: step, scheduler, data-loader position, counters (rank 0),
-  * `rng-rank{R}.pt`: every RNG state of rank R (python, torch CPU, CUDA).
-Router correction biases are persistent model buffers and travel with the model.
+  * `trainer_state.json`: step, run id, scheduler, data-loader position, counters (rank 0),
+  * `rng-rank{R}.pt`: every RNG state of rank R (python, torch CPU, CUDA): tensors, ints
+    and tuples only, read back with `weights_only=True`,
+  * `checksums.json`: size and sha256 of every other file (integrity.py), written last.
+Nothing is unpickled as code: DCP reads tensors, the trainer state is JSON, and the RNG
+files go through torch's weights-only unpickler, which refuses anything but tensors and
+plain containers. Router correction biases are persistent model buffers and travel with
+the model.
 
-Atomicity: everything is written under `.step-00000123.partial/`, which is renamed
-to its final name only after every file is on disk; a run killed mid-save leaves
-a `.partial` directory that is never picked up and is cleaned by the next save.
+Atomicity: everything is written under `.step-00000123.partial/`, renamed to its final
+name only after every file is on disk and checksummed; a run killed mid-save leaves a
+`.partial` directory that is never picked up and is cleaned by the next save. A save
+that fails (disk full, permissions) removes its partial directory and says why in one
+line (`CheckpointWriteError`).
+
+Ownership: each checkpoint records the id of the run that wrote it (run_dir.py).
+Resuming and retention consider only the manager's own run's checkpoints, so a
+checkpoint directory shared with another run is never pruned or resumed by mistake.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +39,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
+from glmtune.checkpoint.integrity import has_checksums, verify_checksums, write_checksums
+
 _STEP_RE = re.compile(r"^step-(\d+)$")
+STATE_NAME = "trainer_state.json"
+_LEGACY_STATE_NAME = "trainer_state.pt"  # checkpoints written before the trainer state was JSON
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint whose files do not match their checksums or cannot be read."""
+
+
+class CheckpointWriteError(OSError):
+    """A save that failed for a reason of the filesystem (no space, no permission)."""
 
 
 def _rank() -> int:
@@ -41,6 +68,17 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether every rank's `ok` is true (each rank learns the same answer)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def capture_rng() -> dict[str, Any]:
@@ -57,10 +95,48 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint directory `path` (JSON; legacy `.pt` weights-only)."""
+    if (path / STATE_NAME).is_file():
+        return json.loads((path / STATE_NAME).read_text(encoding="utf-8"))
+    return torch.load(path / _LEGACY_STATE_NAME, weights_only=True)
+
+
+def _has_state(path: Path) -> bool:
+    return (path / STATE_NAME).is_file() or (path / _LEGACY_STATE_NAME).is_file()
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The filesystem error behind a failed save, looking through DCP's per-rank wrapping."""
+    stack, seen = [exc], set()
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno:
+            return error
+        stack += [error.__cause__, error.__context__]
+        if isinstance(error, CheckpointException):
+            stack += [failure[0] for failure in error.failures.values()]
+        if isinstance(error, RuntimeError) and "unexpected pos" in str(error):
+            # torch.save's zip writer reports a short write this way (a full disk)
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not path.is_mount():
+        path = path.parent
+    return path
+
+
 @dataclass
 class Checkpoint:
     path: Path
     step: int
+    run_id: str | None = None  # None: written before checkpoints recorded their run
 
 
 class CheckpointManager:
@@ -68,43 +144,95 @@ class CheckpointManager:
 
     Args:
         root: directory holding `step-*` checkpoints.
-        keep_last: how many complete checkpoints to keep (0 keeps all).
+        keep_last: how many complete checkpoints of this run to keep (0 keeps all).
         trainable_only: save only trainable parameters and buffers (adapter runs);
             the frozen base is reloaded from its own checkpoint on resume.
+        run_id: the run this manager saves for (recorded in each checkpoint); None
+            accepts every checkpoint (tools that read a checkpoint they were pointed at).
     """
 
-    def __init__(self, root: str | Path, keep_last: int = 2, trainable_only: bool = False) -> None:
+    def __init__(self, root: str | Path, keep_last: int = 2, trainable_only: bool = False,
+                 run_id: str | None = None) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
         self.trainable_only = trainable_only
+        self.run_id = run_id
         self._pending: tuple | None = None  # an asynchronous save not yet made visible
 
     # -- discovery --------------------------------------------------------------------
     def complete(self) -> list[Checkpoint]:
+        """Every complete checkpoint under `root`, of any run, oldest first."""
         if not self.root.is_dir():
             return []
         found = []
         for child in self.root.iterdir():
             match = _STEP_RE.match(child.name)
-            if match and child.is_dir() and (child / "trainer_state.pt").is_file():
-                found.append(Checkpoint(child, int(match.group(1))))
+            if match and child.is_dir() and _has_state(child):
+                found.append(Checkpoint(child, int(match.group(1)), _recorded_run_id(child)))
         return sorted(found, key=lambda c: c.step)
 
+    def owned(self) -> list[Checkpoint]:
+        """This run's complete checkpoints (and unattributed legacy ones), oldest first."""
+        return [c for c in self.complete() if self.run_id is None or c.run_id in (None, self.run_id)]
+
     def latest(self) -> Checkpoint | None:
-        done = self.complete()
-        return done[-1] if done else None
+        mine = self.owned()
+        return mine[-1] if mine else None
 
     def resolve(self, resume: str) -> Checkpoint | None:
-        """`none` -> None, `auto` -> newest complete checkpoint (or None), else a path."""
+        """`none` -> None, `auto` -> newest complete checkpoint of this run (or None), else a path."""
         if resume in ("none", "", None):
             return None
         if resume == "auto":
             return self.latest()
         path = Path(resume)
         match = _STEP_RE.match(path.name)
-        if not (path / "trainer_state.pt").is_file() or not match:
+        if not match or not _has_state(path):
             raise ValueError(f"checkpoint.resume: {path} is not a complete glmtune checkpoint (step-N directory)")
-        return Checkpoint(path, int(match.group(1)))
+        return Checkpoint(path, int(match.group(1)), _recorded_run_id(path))
+
+    # -- integrity --------------------------------------------------------------------
+    def verify(self, checkpoint: Checkpoint) -> list[str]:
+        """Collective: what is wrong with `checkpoint` (empty when intact or unverifiable)."""
+        if not has_checksums(checkpoint.path):
+            return []
+        return verify_checksums(checkpoint.path)
+
+    def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                say: Callable[[str], None]) -> tuple[Checkpoint | None, dict[str, Any] | None]:
+        """Load what `checkpoint.resume` names and return it with its trainer state.
+
+        `auto` takes the newest intact checkpoint of this run: a damaged one is named
+        and skipped (falling back to the one before it); finding none is said, too. An
+        explicitly named checkpoint that is damaged is an error.
+        """
+        if resume in ("none", "", None):
+            return None, None
+        if resume != "auto":
+            checkpoint = self.resolve(resume)
+            problems = self.verify(checkpoint)
+            if problems:
+                raise DamagedCheckpointError(f"checkpoint.resume: {checkpoint.path} is damaged: {problems[0]}"
+                                             + _more(problems) + "; resume from another checkpoint")
+            return checkpoint, self.load(checkpoint, model, optimizer)
+        candidates = self.owned()
+        others = len(self.complete()) - len(candidates)
+        if others:
+            say(f"checkpoint.resume auto: ignoring {others} checkpoint(s) in {self.root} written by another run")
+        if not candidates:
+            say(f"checkpoint.resume auto: no checkpoint in {self.root}; starting at step 0")
+            return None, None
+        for checkpoint in reversed(candidates):
+            problems = self.verify(checkpoint)
+            if not problems:
+                try:
+                    return checkpoint, self.load(checkpoint, model, optimizer)
+                except DamagedCheckpointError as exc:
+                    problems = [str(exc)]
+            say(f"checkpoint {checkpoint.path} is damaged ({problems[0]}{_more(problems)}); "
+                "falling back to the checkpoint before it")
+        raise DamagedCheckpointError(f"checkpoint.resume auto: every checkpoint in {self.root} is damaged; "
+                                     "start over with --overwrite or resume from a copy")
 
     # -- state ------------------------------------------------------------------------
     def _options(self) -> StateDictOptions:
@@ -115,7 +243,12 @@ class CheckpointManager:
              trainer_state: dict[str, Any], async_save: bool = False) -> Path:
         """Write checkpoint `step`. With `async_save`, tensors are staged to host memory and
         written in the background; the checkpoint becomes visible (renamed) in `wait()`,
-        which the next save and the end of training call."""
+        which the next save and the end of training call.
+
+        Raises:
+            CheckpointWriteError: the filesystem refused (no space, no permission); the
+                partial checkpoint is removed first.
+        """
         self.wait()
         final = self.root / f"step-{step:08d}"
         partial = self.root / f".step-{step:08d}.partial"
@@ -128,13 +261,16 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
         state = {"model": model_sd, "optim": optim_sd}
         rng = capture_rng()
-        trainer_state = dict(trainer_state, step=step)
-        if async_save:
-            future = dcp.async_save(state, checkpoint_id=str(partial))
-            self._pending = (future, partial, final, rng, trainer_state)
-        else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(partial, final, rng, trainer_state)
+        trainer_state = dict(trainer_state, step=step, run_id=self.run_id)
+        try:
+            if async_save:
+                future = dcp.async_save(state, checkpoint_id=str(partial))
+                self._pending = (future, partial, final, rng, trainer_state)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
+                self._finalize(partial, final, rng, trainer_state)
+        except (Exception, CheckpointException) as exc:
+            raise self._failed(exc, partial, final) from None
         return final
 
     def wait(self) -> None:
@@ -144,41 +280,80 @@ class CheckpointManager:
             return
         self._pending = None
         future, partial, final, rng, trainer_state = pending
-        future.result()
-        self._finalize(partial, final, rng, trainer_state)
+        try:
+            future.result()
+            self._finalize(partial, final, rng, trainer_state)
+        except (Exception, CheckpointException) as exc:
+            raise self._failed(exc, partial, final) from None
 
     def _finalize(self, partial: Path, final: Path, rng: dict[str, Any], trainer_state: dict[str, Any]) -> None:
-        torch.save(rng, partial / f"rng-rank{_rank()}.pt")
-        _barrier()
+        error: BaseException | None = None
+        try:  # each rank's own small files; every rank must learn whether all of them succeeded
+            torch.save(rng, partial / f"rng-rank{_rank()}.pt")
+            if _rank() == 0:
+                _write_json(partial / STATE_NAME, trainer_state)
+        except (OSError, RuntimeError) as exc:
+            error = exc
+        if not _all_ok(error is None):
+            raise error or RuntimeError("another rank failed to write its checkpoint files")
+        write_checksums(partial)
         if _rank() == 0:
-            torch.save(trainer_state, partial / "trainer_state.pt")
             _fsync_dir(partial)
-            if final.exists():
+            if final.exists():  # a run re-saving its own step (after set_aside this cannot be another run's)
                 shutil.rmtree(final)
             partial.rename(final)
-            self._retain()
+            self._retain(trainer_state["step"])
         _barrier()
+
+    def _failed(self, exc: BaseException, partial: Path, final: Path) -> BaseException:
+        """Remove the partial checkpoint; a filesystem refusal becomes one sentence."""
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        cause = _os_error(exc)
+        if cause is None:
+            return exc  # not the filesystem: a bug, shown with its traceback
+        latest = self.latest()
+        kept = f"the last complete checkpoint is {latest.path}" if latest else "no checkpoint of this run exists yet"
+        if cause.errno == errno.ENOSPC:
+            where = _mount_point(self.root)
+            free = shutil.disk_usage(where).free
+            reason = f"no space left on {where} ({_human(free)} free)"
+        else:
+            reason = cause.strerror or str(cause)
+        return CheckpointWriteError(cause.errno, f"cannot write checkpoint {final}: {reason}; removed the "
+                                                 f"partial checkpoint; {kept}")
 
     def load(self, checkpoint: Checkpoint, model: torch.nn.Module,
              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restores model, optimizer and this rank's RNG; returns the trainer state."""
+        """Restores model, optimizer and this rank's RNG; returns the trainer state.
+
+        Raises:
+            DamagedCheckpointError: a file of the checkpoint cannot be read.
+        """
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(checkpoint.path))
+        try:
+            trainer_state = read_trainer_state(checkpoint.path)
+            dcp.load(state, checkpoint_id=str(checkpoint.path))
+            rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
+            rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+        except (Exception, CheckpointException) as exc:
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise DamagedCheckpointError(f"{checkpoint.path} cannot be read: {detail[:300]}") from exc
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=self._options())
-        rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
-        if rng_file.is_file():
-            restore_rng(torch.load(rng_file, weights_only=False))
-        return torch.load(checkpoint.path / "trainer_state.pt", weights_only=False)
+        if rng is not None:
+            restore_rng(rng)
+        return trainer_state
 
     def set_aside_after(self, step: int) -> list[Path]:
-        """Resuming from `step` abandons any newer checkpoint: rename those (never delete) so
-        that neither `resume auto` nor retention mistakes them for this run's latest."""
+        """Resuming from `step` abandons this run's newer checkpoints (a damaged one included):
+        rename them (never delete) so that neither `resume auto` nor retention mistakes them
+        for this run's latest."""
         moved = []
         if _rank() == 0:
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            for checkpoint in self.complete():
+            for checkpoint in self.owned():
                 if checkpoint.step > step:
                     target = checkpoint.path.with_name(f"abandoned-{checkpoint.path.name}-{stamp}")
                     checkpoint.path.rename(target)
@@ -186,11 +361,41 @@ class CheckpointManager:
         _barrier()
         return moved
 
-    def _retain(self) -> None:
+    def _retain(self, written_step: int) -> None:
+        """Delete this run's oldest checkpoints beyond `keep_last`, never one newer than the one
+        just written and never another run's."""
         if self.keep_last <= 0:
             return
-        for old in self.complete()[: -self.keep_last]:
+        mine = [c for c in self.owned() if c.step <= written_step]
+        for old in mine[: -self.keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _recorded_run_id(path: Path) -> str | None:
+    if not (path / STATE_NAME).is_file():
+        return None
+    try:
+        return json.loads((path / STATE_NAME).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError):
+        return None  # a damaged state file: verification names it at resume
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(value, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+
+
+def _more(problems: list[str]) -> str:
+    return f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    raise AssertionError
 
 
 def _fsync_dir(path: Path) -> None:

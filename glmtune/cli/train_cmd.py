@@ -1,8 +1,11 @@
 """`glmtune train RECIPE [--section.key value ...]`: run a training recipe.
 
-Exit status: 0 done, 2 bad recipe or data (one-line message), 3 stopped on a
-non-finite loss (last good checkpoint kept), 130 interrupted by SIGTERM/SIGINT
-after saving a checkpoint.
+Exit status: 0 done, 2 bad recipe, data or run directory (one-line message), 3
+stopped on a non-finite loss (last good checkpoint kept), 130 interrupted by
+SIGTERM/SIGINT (after saving a checkpoint when training had started).
+
+Flags among the overrides: `--overwrite` replaces an earlier run in the same run
+directory (its checkpoints and outputs); `--debug` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
     parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="dotted overrides: --optim.lr=2e-5 or --optim.lr 2e-5")
+                        help="dotted overrides: --optim.lr=2e-5 or --optim.lr 2e-5; also --overwrite (replace an "
+                             "earlier run in the run directory: its checkpoints and outputs) and --debug")
     parser.set_defaults(func=_run)
 
 
@@ -28,5 +32,12 @@ def _run(args: argparse.Namespace) -> int:
     from glmtune.config import load_config
     from glmtune.train.run import run_training
 
-    cfg = load_config(args.recipe, args.overrides)
-    return run_training(cfg)
+    # The flags sit among the dotted overrides (argparse hands everything after RECIPE over).
+    overrides = [o for o in args.overrides if o not in _FLAGS]
+    overwrite = "--overwrite" in args.overrides
+    args.debug = args.debug or "--debug" in args.overrides
+    cfg = load_config(args.recipe, overrides)
+    return run_training(cfg, overwrite=overwrite)
+
+
+_FLAGS = ("--overwrite", "--debug")

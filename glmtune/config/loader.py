@@ -96,7 +96,9 @@ def dump_config(cfg: JobConfig, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = f"# Resolved glmtune config of run '{cfg.name}'; a recipe in its own right (glmtune config show FILE).\n"
-    path.write_text(header + config_to_yaml(cfg), encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.tmp")  # a killed run never leaves half a config
+    tmp.write_text(header + config_to_yaml(cfg), encoding="utf-8")
+    tmp.replace(path)
 
 
 def _build(layer: Layer, default_where: str) -> JobConfig:

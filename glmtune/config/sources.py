@@ -42,9 +42,22 @@ def format_path(path: KeyPath) -> str:
 # --------------------------------------------------------------------------- YAML files
 
 
+def _check_utf8(path: Path, label: str) -> None:
+    """A recipe must be UTF-8: name the line and column of the first byte that is not."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(f"{label}:{line}: byte 0x{data[exc.start]:02x} at column {column} is not UTF-8; "
+                         "save the recipe as UTF-8") from None
+
+
 def read_yaml_layer(path: Path) -> Layer:
     """Parse one YAML file into a Layer, recording the line of every key and list item."""
     label = os.path.normpath(str(path))
+    _check_utf8(Path(path), label)
     try:
         with open(path, encoding="utf-8") as stream:  # a named stream puts the file name in YAML's own marks
             root = yaml.compose(stream, Loader=yaml.SafeLoader)

@@ -1,9 +1,11 @@
 """`glmtune train`: one run from a resolved config to checkpoints and an HF export.
 
-Order: validate the recipe -> save the resolved config -> build the model ->
-prepare data (contract check before anything trains) -> parallelize ->
-optimizer/scheduler -> resume -> "before" samples -> train -> "after" samples ->
-export. Rank 0 alone writes files other than DCP shards.
+Order: validate the recipe -> claim the run directory (lock, no mixed runs,
+writable; nothing is written before this) -> save the resolved config -> build the
+model -> prepare data (contract check before anything trains) -> parallelize ->
+optimizer/scheduler -> disk space for checkpoints and export -> resume -> "before"
+samples -> train -> "after" samples -> export. Rank 0 alone writes files other than
+DCP shards.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from rich.console import Console
 from rich.table import Table
 
 from glmtune.checkpoint.manager import CheckpointManager
-from glmtune.config import JobConfig, config_to_dict, grad_accum_steps
+from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
+from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps
+from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.models.glm5.parallelize import parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
+from glmtune.train.run_dir import RunDirectory, check_writable
 from glmtune.train.recipe import (
     build_model_from_config,
     check_recipe,
@@ -64,8 +69,38 @@ def _samples_table(before, after) -> Table:
     return table
 
 
-def run_training(cfg: JobConfig) -> int:
-    console = Console()
+def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console) -> str:
+    """Rank 0: lock the run directory, refuse a mixed run, prove it writable; the run id."""
+    claim = RunDirectory(cfg.logging.run_dir, cfg.checkpoint.dir, console.print)
+    claim.lock()
+    _held_claims.append(claim)  # released when run_training returns
+    run_id = claim.claim(config_to_yaml(cfg), cfg.checkpoint.resume, overwrite)
+    check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    return run_id
+
+
+_held_claims: list[RunDirectory] = []
+
+
+def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) -> None:
+    lora = cfg.peft.method != "none"
+    needs = [(Path(cfg.checkpoint.dir), checkpoint_bytes(model, trainable_only=lora), "one checkpoint")]
+    if cfg.checkpoint.export_hf and not lora:
+        needs.append((Path(cfg.logging.run_dir) / "hf", export_bytes(model), "the HF export"))
+    for warning in check_free_space(needs, cfg.checkpoint.keep_last):
+        console.print(f"[yellow]{warning}[/yellow]")
+
+
+def run_training(cfg: JobConfig, overwrite: bool = False) -> int:
+    """Train `cfg`. With `overwrite`, an earlier run in the same run directory is replaced."""
+    try:
+        return _run_training(cfg, overwrite, Console())
+    finally:
+        while _held_claims:
+            _held_claims.pop().release()
+
+
+def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     device = resolve_device(cfg.train.device)
     info = init_distributed(device)
     if device.type == "cuda":
@@ -73,6 +108,7 @@ def run_training(cfg: JobConfig) -> int:
     degrees = check_recipe(cfg, info.world_size)
     grad_accum = grad_accum_steps(cfg, degrees)
     run_dir = Path(cfg.logging.run_dir)
+    run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console))
     if info.is_main:
         save_run_config(cfg, run_dir)
     random.seed(cfg.train.seed)
@@ -101,6 +137,8 @@ def run_training(cfg: JobConfig) -> int:
                       f"{data.manifest['validation_conversations']} validation conversations -> "
                       f"{packing['num_rows']} packed rows of {cfg.data.packed_sequence_size} "
                       f"({packing['num_tokens']:,} tokens)")
+        for note in data.notes:  # rows the data pipeline dropped, truncated or deduplicated
+            console.print(f"data: {note}")
 
     from glmtune.data.chat_template import load_chat_template
     from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
@@ -125,7 +163,8 @@ def run_training(cfg: JobConfig) -> int:
         val_loader = PackedRowLoader(data.val_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
                                      shuffle=False)
     checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
-                                    trainable_only=cfg.peft.method != "none")
+                                    trainable_only=cfg.peft.method != "none", run_id=run_id)
+    decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
     metrics = MetricsWriter(run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
     settings = TrainerSettings(

@@ -95,12 +95,12 @@ class Trainer:
                 "tokens_seen": self.tokens_seen}
 
     def resume(self, resume: str) -> int:
-        checkpoint = self.checkpoints.resolve(resume)
+        """Load what `checkpoint.resume` names (see `CheckpointManager.restore`); the step reached."""
+        checkpoint, state = self.checkpoints.restore(resume, self.model, self.optimizer, self._print)
         if checkpoint is None:
             return 0
         for moved in self.checkpoints.set_aside_after(checkpoint.step):
             self._print(f"set aside newer checkpoint {moved.name} (resuming from step {checkpoint.step})")
-        state = self.checkpoints.load(checkpoint, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["loader"])
         self.tokens_seen = state["tokens_seen"]

@@ -37,7 +37,7 @@ def test_two_process_fsdp_matches_single_process(tmp_path):
         assert actual[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-4)
 
     # The sharded checkpoint holds every rank's part and the export is the full model.
-    assert (tmp_path / "fsdp" / "checkpoints" / "step-00000004" / "trainer_state.pt").is_file()
+    assert (tmp_path / "fsdp" / "checkpoints" / "step-00000004" / "trainer_state.json").is_file()
     exported = load_pretrained(tmp_path / "fsdp" / "hf", dtype=torch.float32)
     reference = load_pretrained(tmp_path / "single" / "hf", dtype=torch.float32)
     for (name, a), (_, b) in zip(exported.state_dict().items(), reference.state_dict().items()):

@@ -34,7 +34,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, recipe):
     killed_dir = tmp_path / "killed"
     proc = start(killed_dir, cache, recipe=recipe)
     ckpt = killed_dir / "checkpoints" / "step-00000004"
-    assert _wait_for(lambda: (ckpt / "trainer_state.pt").is_file(), proc), proc.communicate()[0]
+    assert _wait_for(lambda: (ckpt / "checksums.json").is_file(), proc), proc.communicate()[0]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL

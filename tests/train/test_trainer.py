@@ -83,7 +83,7 @@ def test_partial_checkpoints_are_never_picked_and_retention(tmp_path):
     manager = trainer.checkpoints
     assert [c.step for c in manager.complete()] == [5, 6]
     (manager.root / ".step-00000007.partial").mkdir()
-    (manager.root / "step-00000009").mkdir()  # no trainer_state.pt: incomplete
+    (manager.root / "step-00000009").mkdir()  # no trainer state: incomplete
     assert manager.latest().step == 6
 
 
