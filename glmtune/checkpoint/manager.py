@@ -31,7 +31,9 @@ import random
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,14 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every save and load without a process group; one process is a supported case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _all_ok(ok: bool) -> bool:
@@ -263,12 +273,13 @@ class CheckpointManager:
         rng = capture_rng()
         trainer_state = dict(trainer_state, step=step, run_id=self.run_id)
         try:
-            if async_save:
-                future = dcp.async_save(state, checkpoint_id=str(partial))
-                self._pending = (future, partial, final, rng, trainer_state)
-            else:
-                dcp.save(state, checkpoint_id=str(partial))
-                self._finalize(partial, final, rng, trainer_state)
+            with _quiet_single_process():
+                if async_save:
+                    future = dcp.async_save(state, checkpoint_id=str(partial))
+                    self._pending = (future, partial, final, rng, trainer_state)
+                else:
+                    dcp.save(state, checkpoint_id=str(partial))
+                    self._finalize(partial, final, rng, trainer_state)
         except (Exception, CheckpointException) as exc:
             raise self._failed(exc, partial, final) from None
         return final
@@ -334,7 +345,8 @@ class CheckpointManager:
         state = {"model": model_sd, "optim": optim_sd}
         try:
             trainer_state = read_trainer_state(checkpoint.path)
-            dcp.load(state, checkpoint_id=str(checkpoint.path))
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(checkpoint.path))
             rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
             rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         except (Exception, CheckpointException) as exc:

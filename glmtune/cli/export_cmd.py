@@ -80,12 +80,30 @@ def adapter_model(cfg):
     return model
 
 
+def _check_base_unchanged(cfg, recorded: dict | None) -> None:
+    """The run's base directory must still hold the model it trained on (by config: the
+    adapter's shapes follow it). Its weights are compared by `glmtune merge`, which reads them anyway."""
+    if not recorded or recorded.get("kind") != "hf_dir":
+        return
+    from glmtune.io.fingerprint import config_sha256
+    from glmtune.models.glm5.args import Glm5Args
+
+    base_dir = Path(cfg.model.name_or_path)
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(f"the run's base {base_dir} has no config.json any more; restore the base the run "
+                                "trained on (model.name_or_path in the run's config.yaml)")
+    if config_sha256(Glm5Args.from_hf_config(base_dir)) != recorded["config_sha256"]:
+        raise ValueError(f"the base {base_dir} changed since the run trained on it (its config.json describes another "
+                         "model); restore the base the run trained on, or the adapter will not fit it")
+
+
 def _run(ns: argparse.Namespace) -> int:
     import torch
 
     from glmtune.checkpoint.manager import CheckpointManager
     from glmtune.config import load_config
     from glmtune.peft import export_adapter
+    from glmtune.train.run_dir import read_run_record
 
     run_dir = Path(ns.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -94,15 +112,25 @@ def _run(ns: argparse.Namespace) -> int:
     if cfg.peft.method != "lora":
         raise ValueError(f"{run_dir}: peft.method is {cfg.peft.method!r}; only LoRA runs have an adapter "
                          "(full fine-tuning exports with checkpoint.export_hf)")
-    manager = CheckpointManager(checkpoint_root(cfg, run_dir), trainable_only=True)
+    record = read_run_record(run_dir)  # None for runs from before run records
+    run_id = record["run_id"] if record else None
+    manager = CheckpointManager(checkpoint_root(cfg, run_dir), trainable_only=True, run_id=run_id)
     checkpoint = manager.resolve(ns.checkpoint) if ns.checkpoint else manager.latest()
     if checkpoint is None:
-        raise FileNotFoundError(f"{manager.root}: no complete checkpoint to export from")
+        raise FileNotFoundError(f"{manager.root}: no complete checkpoint of this run to export from")
+    if run_id and checkpoint.run_id and checkpoint.run_id != run_id:
+        raise ValueError(f"--checkpoint {checkpoint.path} was written by another run (run id {checkpoint.run_id}) "
+                         f"than {run_dir} (run id {run_id}); export that checkpoint's own run directory")
+    base = record.get("base") if record else None
+    _check_base_unchanged(cfg, base)
+    problems = manager.verify(checkpoint)
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint.path} is damaged: {problems[0]}; choose another with --checkpoint")
     model = adapter_model(cfg)
     # The checkpoint holds optimizer state too; DCP needs an optimizer of the same shape.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     manager.load(checkpoint, model, optimizer)
     out = export_adapter(model, ns.adapter, ns.layout, cfg.model.name_or_path, overwrite=ns.overwrite,
-                         sources=(("RUN_DIR", run_dir), ("checkpoint", checkpoint.path)))
+                         sources=(("RUN_DIR", run_dir), ("checkpoint", checkpoint.path)), base_identity=base)
     print(f"exported {ns.layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,12 +24,14 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps
 from glmtune.distributed.agreement import decide_on_rank0
+from glmtune.io.fingerprint import base_identity_from_dir, base_identity_from_model
+from glmtune.models.glm5.args import PRESETS
 from glmtune.models.glm5.parallelize import parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
-from glmtune.train.run_dir import RunDirectory, check_writable
+from glmtune.train.run_dir import RunDirectory, check_writable, read_run_record, write_run_record
 from glmtune.train.recipe import (
     build_model_from_config,
     check_recipe,
@@ -114,7 +117,15 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
+    # An adapter names the exact base it was trained on (merge checks it): hash the base
+    # directory in the background while the model loads and the data is prepared.
+    lora = cfg.peft.method == "lora"
+    base_hashing, base_identity = None, None
+    if lora and info.is_main and cfg.model.name_or_path not in PRESETS:
+        base_hashing = ThreadPoolExecutor(1).submit(base_identity_from_dir, cfg.model.name_or_path)
     model, model_dir = build_model_from_config(cfg, device)
+    if lora and info.is_main and model_dir is None:
+        base_identity = base_identity_from_model(model, cfg.model.name_or_path)
     from glmtune.peft import apply_lora, build_inventory, print_inventory
 
     # LoRA is a transformation of the built model, before any parallel wrapping.
@@ -128,6 +139,10 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if not info.is_main:
         barrier()
     data = prepare_data(cfg, run_dir, tokenizer_dir, model.args.vocab_size)
+    if base_hashing is not None:
+        base_identity = base_hashing.result()
+    if lora and info.is_main:
+        write_run_record(run_dir, {**read_run_record(run_dir), "base": base_identity})
     if info.is_main:
         barrier()
     if info.is_main:
@@ -218,14 +233,15 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         from glmtune.peft import export_run_adapters
 
         base = str(model_dir) if model_dir is not None else cfg.model.name_or_path
-        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=base).items():
+        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=base,
+                                                      base_identity=base_identity).items():
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
         from glmtune.checkpoint.hf_io import save_pretrained
         from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
 
-        out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir))
+        out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir), overwrite=True)
         if info.is_main:
             console.print(f"exported HF checkpoint: {out}")
     return 0

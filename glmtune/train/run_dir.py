@@ -67,11 +67,16 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: value}
 
 
+# Where a run writes and whether it resumes are not what it trains: a run directory that
+# was moved, or a run resumed, is the same run.
+_NOT_THE_RUN = ("logging.run_dir", "checkpoint.dir", "checkpoint.resume", "data.cache_dir")
+
+
 def config_changes(saved_yaml: str, new_yaml: str) -> list[str]:
-    """`key: old -> new` for every resolved setting that differs."""
+    """`key: old -> new` for every resolved setting that differs (locations and resume aside)."""
     old, new = _flatten(yaml.safe_load(saved_yaml) or {}), _flatten(yaml.safe_load(new_yaml) or {})
     return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
-            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key) and key not in _NOT_THE_RUN]
 
 
 def check_writable(directory: Path, key: str, create: bool = False) -> None:

@@ -1,0 +1,156 @@
+"""One run per run directory, as a hostile user meets it: mixed runs, a second process, a
+read-only or full disk, Ctrl-C while starting. Each refusal is one sentence on stderr,
+exit status 2 (130 for Ctrl-C), no traceback, and changes nothing on disk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.run_helpers import losses, run, start
+from tests.tree_snapshot import changes, snapshot
+
+QUICK = ("--train.max_steps", "2", "--checkpoint.every_steps", "2")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished two-step run: run directory `run/` and tokenization cache `cache/`."""
+    root = tmp_path_factory.mktemp("finished")
+    done = run(root / "run", root / "cache", *QUICK)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root
+
+
+@pytest.fixture
+def copy(finished, tmp_path) -> Path:
+    shutil.copytree(finished, tmp_path / "w")
+    return tmp_path / "w"
+
+
+def _refused(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("glmtune train: error: ")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_fresh_start_into_a_finished_run_is_refused(copy):
+    before = snapshot(copy)
+    result = run(copy / "run", copy / "cache", *QUICK)
+    _refused(result, f"logging.run_dir {copy / 'run'} already holds another run",
+             "checkpoints up to step 2", "--checkpoint.resume auto", "--overwrite")
+    assert changes(before, snapshot(copy)) == []
+
+
+def test_different_config_without_checkpoints_is_refused(copy):
+    shutil.rmtree(copy / "run" / "checkpoints")
+    before = snapshot(copy)
+    result = run(copy / "run", copy / "cache", *QUICK, "--optim.lr", "2e-4")
+    _refused(result, "a different config (optim.lr: 0.001 -> 0.0002)")
+    assert changes(before, snapshot(copy)) == []
+
+
+def test_overwrite_replaces_the_earlier_run_and_keeps_foreign_files(copy):
+    (copy / "run" / "notes.txt").write_text("the user's own file\n")
+    old_id = json.loads((copy / "run" / "run.json").read_text())["run_id"]
+    result = run(copy / "run", copy / "cache", *QUICK, "--optim.lr", "2e-4", "--overwrite")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--overwrite: removed the previous run's files" in result.stdout
+    assert (copy / "run" / "notes.txt").read_text() == "the user's own file\n"
+    new_id = json.loads((copy / "run" / "run.json").read_text())["run_id"]
+    assert new_id != old_id
+    states = [json.loads((c / "trainer_state.json").read_text()) for c in (copy / "run" / "checkpoints").glob("step-*")]
+    assert [s["run_id"] for s in states] == [new_id]
+    assert sorted(losses(copy / "run")) == [1, 2]
+
+
+def test_resume_auto_continues_and_reports_changed_settings(copy):
+    result = run(copy / "run", copy / "cache", "--train.max_steps", "3", "--checkpoint.every_steps", "2",
+                 "--checkpoint.resume", "auto")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming with changed settings: train.max_steps: 2 -> 3" in result.stdout
+    assert "resumed from" in result.stdout
+    assert sorted(losses(copy / "run")) == [1, 2, 3]
+
+
+def test_second_run_into_a_running_directory_is_refused(tmp_path):
+    first = start(tmp_path / "run", tmp_path / "cache", "--train.max_steps", "200")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "run.json").is_file():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.05)
+        before = snapshot(tmp_path, ignore=("run", "cache"))
+        second = run(tmp_path / "run", tmp_path / "cache2", "--checkpoint.resume", "auto")
+        _refused(second, f"logging.run_dir {tmp_path / 'run'} is in use by glmtune train (pid {first.pid}")
+        assert changes(before, snapshot(tmp_path, ignore=("run", "cache"))) == []
+    finally:
+        first.kill()
+        first.wait()
+
+
+def _mount(where: Path, options: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    made = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        if not _mount(where, options):
+            pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+        made.append(where)
+        return where
+
+    yield mount
+    for where in made:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_read_only_run_dir_is_one_sentence(tmp_path, mounts):
+    readonly = mounts("ro", "ro,size=1m")
+    result = run(readonly / "run", tmp_path / "cache", *QUICK)
+    _refused(result, f"logging.run_dir {readonly / 'run'} is not writable (Read-only file system)")
+
+
+def test_read_only_checkpoint_dir_is_found_before_training(tmp_path, mounts):
+    readonly = mounts("ro", "ro,size=1m")
+    result = run(tmp_path / "run", tmp_path / "cache", *QUICK, "--checkpoint.dir", str(readonly / "ckpt"))
+    _refused(result, f"checkpoint.dir {readonly / 'ckpt'} is not writable (Read-only file system)")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+def test_too_little_disk_for_a_checkpoint_is_found_before_training(tmp_path, mounts):
+    small = mounts("small", "size=1m")
+    result = run(tmp_path / "run", tmp_path / "cache", *QUICK, "--checkpoint.dir", str(small / "ckpt"))
+    _refused(result, f"not enough disk space for {small / 'ckpt'}", "this run needs")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert list(small.iterdir()) == []
+
+
+def test_ctrl_c_while_starting_is_one_line(tmp_path):
+    proc = start(tmp_path / "run", tmp_path / "cache", *QUICK)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "config.yaml").is_file():  # past the claim, before training
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    if "finished step" in output:
+        pytest.skip("the run finished before the signal arrived")
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output, output
+    assert "glmtune train: interrupted" in output or "SIGINT: saved" in output, output
