@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
-	HF_HUB_OFFLINE=1 $(BIN)/glmtune train recipes/tiny/sft_support_json.yaml
+	HF_HUB_OFFLINE=1 $(BIN)/glmtune train recipes/tiny/sft_support_json.yaml --overwrite
 
 test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=15 tests

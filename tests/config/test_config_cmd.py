@@ -57,3 +57,11 @@ def test_help(argv, capsys):
 def test_bare_config_prints_help(capsys):
     assert main(["config"]) == 0
     assert "show" in capsys.readouterr().out
+
+
+def test_a_recipe_that_is_not_utf8_is_named_by_line(tmp_path, capsys):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes("name: demo\ndescription: caf\xe9\n".encode("latin-1"))
+    assert main(["config", "show", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"glmtune config: error: {recipe}:2: byte 0xe9 at column 17 is not UTF-8; save the recipe as UTF-8\n"
