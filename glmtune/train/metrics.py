@@ -1,9 +1,13 @@
 """Training metrics: one JSON object per optimizer step in `metrics.jsonl`, TensorBoard
 scalars, and per-MoE-layer routing statistics.
 
-Routing statistics per MoE layer, from the tokens each expert received in the step:
-  * `max_load` / `mean_load`: the busiest expert's share relative to a uniform share
-    (1.0 = perfectly balanced);
+Routing statistics per MoE layer, from the (token, expert) pairs each expert received in
+the step, summed over every micro-batch and rank:
+  * `max_load`: the busiest expert's pairs over the mean (1.0 = perfectly balanced; the
+    busiest expert bounds an expert-parallel step's time);
+  * `mean_load`: pairs per expert (tokens x top-k / experts): the scale `max_load` is relative to;
+  * `load_cv`: standard deviation over mean of the per-expert counts (0 = balanced);
+  * `idle_experts`: the share of experts that received no token;
   * `router_entropy`: entropy of the expert-load distribution divided by log(E)
     (1.0 = uniform, 0 = all tokens on one expert).
 """
@@ -30,12 +34,15 @@ def routing_stats(tokens_per_expert: torch.Tensor) -> dict[str, float]:
     total = counts.sum().item()
     num_experts = counts.numel()
     if total == 0:
-        return {"max_load": 0.0, "mean_load": 0.0, "router_entropy": 0.0}
+        return {"max_load": 0.0, "mean_load": 0.0, "load_cv": 0.0, "idle_experts": 0.0, "router_entropy": 0.0}
+    mean = total / num_experts
     share = counts / total
     entropy = -(share[share > 0] * share[share > 0].log()).sum().item()
     return {
-        "max_load": share.max().item() * num_experts,
-        "mean_load": share.mean().item() * num_experts,
+        "max_load": counts.max().item() / mean,
+        "mean_load": mean,
+        "load_cv": counts.std(unbiased=False).item() / mean,
+        "idle_experts": (counts == 0).double().mean().item(),
         "router_entropy": entropy / math.log(num_experts) if num_experts > 1 else 1.0,
     }
 

@@ -21,8 +21,11 @@ def test_sign_update_raises_underloaded_and_lowers_overloaded_experts():
 def test_routing_stats():
     balanced = routing_stats(torch.full((8,), 5.0))
     assert balanced["max_load"] == 1.0 and abs(balanced["router_entropy"] - 1.0) < 1e-9
+    assert balanced["mean_load"] == 5.0 and balanced["load_cv"] == 0.0 and balanced["idle_experts"] == 0.0
     skewed = routing_stats(torch.tensor([8.0, 0, 0, 0]))
     assert skewed["max_load"] == 4.0 and skewed["router_entropy"] == 0.0
+    assert skewed["mean_load"] == 2.0 and skewed["idle_experts"] == 0.75
+    assert abs(skewed["load_cv"] - 3 ** 0.5) < 1e-12  # std [6, 2, 2, 2] / 2
 
 
 def test_forward_records_tokens_per_expert():
