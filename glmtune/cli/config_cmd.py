@@ -4,9 +4,11 @@
     glmtune config validate recipes/glm5/*.yaml --world-size 256
 
 Overrides follow the recipe(s) as `--section.key=value` or `--section.key value`.
-`validate` checks each recipe's parallel degrees against the model's expert and
-layer counts (a preset's table, the model directory's config.json, or the preset
-named by `model.validate_as` when the directory is a placeholder).
+`validate` checks each recipe's parallel degrees against the world size and the
+model's expert and layer counts (a preset's table, the model directory's config.json,
+or the preset named by `model.validate_as` when the directory is a placeholder), and
+names any degree this version cannot run yet (pp, cp, tp > 1): the same checks
+`glmtune train` runs before it allocates or writes anything.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from glmtune.config import (
     model_dims,
     split_layers,
     validate_config,
+    validate_parallel,
 )
 
 _OVERRIDES_HELP = "dotted overrides after the recipe: --optim.lr=2e-5 or --optim.lr 2e-5"
@@ -53,8 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     validate = actions.add_parser(
         "validate",
         help="check recipes: types, parallel degrees, batch sizes",
-        description="Load each RECIPE with the overrides and run every config check, including parallel degrees "
-        "against the model's routed experts and layers. Exits 1 if any recipe fails.",
+        description="Load each RECIPE with the overrides and run every config check `glmtune train` runs before it "
+        "starts: parallel degrees against the world size and the model's routed experts and layers, degrees this "
+        "version cannot run yet (pp, cp, tp > 1), batch sizes, ranges. Exits 1 if any recipe fails.",
     )
     validate.add_argument("recipes", nargs="+", help="recipe YAML paths or names under recipes/")
     validate.add_argument(
@@ -84,14 +88,18 @@ def _validate(args: argparse.Namespace) -> int:
     overrides, world_size = _pop_world_size(args.overrides, args.world_size)
     failed = 0
     for recipe in args.recipes:
+        layout = None  # the resolved degrees, when the layout itself is valid
         try:
             cfg = load_config(recipe, overrides)
             dims = model_dims(cfg.model)
+            layout = validate_parallel(cfg, dims.num_experts, dims.num_layers, world_size)
             degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size)
         except (ValueError, FileNotFoundError) as exc:
             failed += 1
             detail = str(exc).replace("\n", "\n    ")
-            print(f"FAIL {recipe}\n    {detail}")
+            # A layout can be sound for its world size and model and still need degrees not built yet.
+            valid = f"\n    layout (valid for its world size and model): {layout.describe()}" if layout else ""
+            print(f"FAIL {recipe}\n    {detail}{valid}")
             continue
         stages = split_layers(dims.num_layers, degrees.pp * cfg.parallel.pp_stages_per_rank)
         layout = "/".join(map(str, stages)) if len(stages) <= 8 else f"{len(stages)} x {min(stages)}-{max(stages)}"

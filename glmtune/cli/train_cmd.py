@@ -5,7 +5,9 @@ stopped on a non-finite loss (last good checkpoint kept), 130 interrupted by
 SIGTERM/SIGINT (after saving a checkpoint when training had started).
 
 Flags among the overrides: `--overwrite` replaces an earlier run in the same run
-directory (its checkpoints and outputs); `--debug` shows tracebacks.
+directory (its checkpoints and outputs); `--debug` shows tracebacks;
+`--nproc-per-node N` starts N processes on this host with torchrun, each running the
+same command without it (glmtune/distributed/launch.py; exit status is torchrun's).
 """
 
 from __future__ import annotations
@@ -24,20 +26,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
     parser.add_argument("overrides", nargs=argparse.REMAINDER,
                         help="dotted overrides: --optim.lr=2e-5 or --optim.lr 2e-5; also --overwrite (replace an "
-                             "earlier run in the run directory: its checkpoints and outputs) and --debug")
+                             "earlier run in the run directory: its checkpoints and outputs), --debug, and "
+                             "--nproc-per-node N (start N processes on this host with torchrun)")
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from glmtune.config import load_config
-    from glmtune.train.run import run_training
+    from glmtune.distributed.launch import launch_torchrun, pop_nproc_per_node
 
     # The flags sit among the dotted overrides (argparse hands everything after RECIPE over).
-    overrides = [o for o in args.overrides if o not in _FLAGS]
-    overwrite = "--overwrite" in args.overrides
+    debug_before_train = args.debug  # `glmtune --debug train ...`: the ranks need it too
     args.debug = args.debug or "--debug" in args.overrides
+    passed_on, nproc = pop_nproc_per_node(args.overrides)
+    overrides = [o for o in passed_on if o not in _FLAGS]
     cfg = load_config(args.recipe, overrides)
-    return run_training(cfg, overwrite=overwrite)
+    if nproc is not None:
+        return launch_torchrun(cfg, nproc, [args.recipe, *passed_on], debug=debug_before_train)
+
+    from glmtune.train.run import run_training
+
+    return run_training(cfg, overwrite="--overwrite" in args.overrides)
 
 
 _FLAGS = ("--overwrite", "--debug")

@@ -8,7 +8,13 @@ Expert parallelism adds no ranks: the `ep` ranks that split the routed experts a
 carved out of the dp_shard x cp ranks of one replica and pipeline stage, and expert
 weights are FSDP-sharded over the remaining `dp_shard * cp / ep` ranks. Hence
 `dp_shard * cp % ep == 0` and `num_experts % ep == 0`. NVIDIA's GLM-5 recipe: 256
-ranks = dp_shard 64 x pp 4, with ep 64 over those 64 ranks, 4 experts per rank.
+ranks = dp_shard 64 x pp 4, with ep 64 over those 64 ranks, 4 experts per rank. These
+degree rules belong to the mesh (`glmtune.distributed.mesh.MeshDegrees`); this module
+adds the world-size sources, the model's layers, pipeline schedules, batches and ranges.
+
+Runnable rule: a layout can be valid and still need what this version has not built
+(pp, cp, tp > 1). `validate_parallel` checks the layout alone; `validate_config`, which
+`glmtune config validate` and `glmtune train` run, refuses those degrees by name.
 
 Pipeline rule: layers need not divide by pp (GLM-5 has 78 layers, NVIDIA runs pp 4).
 We only require `pp * pp_stages_per_rank <= num_layers` and split unevenly with
@@ -23,43 +29,15 @@ All failures are `ValueError`s naming the keys involved, reported together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from glmtune.config.schema import JobConfig, ParallelConfig
+from glmtune.distributed.mesh import MeshDegrees
+from glmtune.distributed.mesh import raise_config_errors as _raise
 
 # Schedules that place one stage per rank, and the V-shaped ones that need exactly two.
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 _TWO_STAGE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 _ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
-
-
-@dataclass(frozen=True)
-class MeshDegrees:
-    """The resolved degrees (dp_shard filled in) of one run."""
-
-    world_size: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-
-    @property
-    def dp(self) -> int:
-        """Ranks that see different rows of a batch (cp/tp/pp ranks share rows)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def expert_dp(self) -> int:
-        """FSDP degree of the expert weights: dp_shard x cp ranks left after EP."""
-        return self.dp_shard * self.cp // self.ep
-
-    def describe(self) -> str:
-        return (
-            f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}"
-            f" x tp {self.tp} x pp {self.pp}; ep {self.ep} (expert FSDP {self.expert_dp})"
-        )
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -97,45 +75,23 @@ def resolve_world_size(parallel: ParallelConfig, world_size: int | None = None) 
 
 
 def validate_parallel(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None) -> MeshDegrees:
-    """Check the mesh against the world size and the model; return the resolved degrees."""
+    """Check the layout against the world size and the model; return the resolved degrees.
+
+    This checks the layout as the schema defines it, pipeline schedules included;
+    `validate_config` also refuses the degrees this version cannot run yet.
+    """
     p = cfg.parallel
     errors = []
-    for key in ("dp_replicate", "tp", "pp", "ep", "cp", "pp_stages_per_rank"):
-        if getattr(p, key) < 1:
-            errors.append(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
-    if p.dp_shard < 1 and p.dp_shard != -1:
-        errors.append(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
+    if p.pp_stages_per_rank < 1:
+        errors.append(f"parallel.pp_stages_per_rank must be >= 1, got {p.pp_stages_per_rank}")
     if (p.nodes is None) != (p.gpus_per_node is None):
         errors.append("parallel.nodes and parallel.gpus_per_node must be set together")
     if p.launcher == "slurm" and p.nodes is None:
         errors.append("parallel.launcher slurm needs parallel.nodes and parallel.gpus_per_node")
     _raise(errors)
 
-    world = resolve_world_size(p, world_size)
-    others = p.dp_replicate * p.cp * p.tp * p.pp
-    if p.dp_shard == -1:
-        if world % others:
-            _raise([
-                f"world size {world} is not divisible by parallel.dp_replicate x cp x tp x pp "
-                f"= {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = {others}, so parallel.dp_shard cannot be filled"
-            ])
-        dp_shard = world // others
-    else:
-        dp_shard = p.dp_shard
-        if others * dp_shard != world:
-            _raise([
-                f"parallel.dp_replicate x dp_shard x cp x tp x pp = {p.dp_replicate} x {dp_shard} x {p.cp} x {p.tp}"
-                f" x {p.pp} = {others * dp_shard}, but the world size is {world} (set parallel.dp_shard: -1 to fill)"
-            ])
-    degrees = MeshDegrees(world, p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep)
-
-    if num_experts % p.ep:
-        errors.append(f"parallel.ep ({p.ep}) must divide the model's {num_experts} routed experts")
-    if (dp_shard * p.cp) % p.ep:
-        errors.append(
-            f"parallel.ep ({p.ep}) must divide parallel.dp_shard x parallel.cp ({dp_shard} x {p.cp} = "
-            f"{dp_shard * p.cp}): expert-parallel ranks are carved from the sharded data-parallel ranks"
-        )
+    degrees = MeshDegrees.resolve(p, resolve_world_size(p, world_size))
+    errors = degrees.layout_errors(num_experts)
     num_stages = p.pp * p.pp_stages_per_rank
     if num_stages > num_layers:
         errors.append(
@@ -206,9 +162,13 @@ def grad_accum_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
 
 
 def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None) -> MeshDegrees:
-    """All checks: parallel mesh, batch divisibility and per-field ranges."""
+    """All checks a run needs before anything is allocated: the parallel layout, the degrees
+    this version can run (pp, cp, tp > 1 cannot yet), batch divisibility and per-field ranges.
+
+    `glmtune config validate` and the start of `glmtune train` call this same function.
+    """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
-    errors = check_ranges(cfg)
+    errors = degrees.not_built_errors() + check_ranges(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -275,10 +235,3 @@ def _split_errors(split: dict[str, float]) -> list[str]:
     if not math.isclose(sum(split.values()), 1.0, abs_tol=1e-6):
         return [f"data.split ratios must sum to 1, got {sum(split.values())}"]
     return []
-
-
-def _raise(errors: list[str]) -> None:
-    if len(errors) == 1:
-        raise ValueError(errors[0])
-    if errors:
-        raise ValueError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors))

@@ -29,14 +29,33 @@ def test_show_reports_user_errors_without_traceback(capsys):
 
 
 def test_validate_many_recipes_and_world_size(capsys):
-    glm = str(RECIPES_DIR / "glm5" / "sft_4k.yaml")
+    glm = str(RECIPES_DIR / "glm5" / "lora_4k.yaml")
     assert main(["config", "validate", TINY, glm]) == 0
     out = capsys.readouterr().out
-    assert "ok   " + glm in out and "world 256 = dp_replicate 1 x dp_shard 64" in out
+    assert "ok   " + glm in out and "world 128 = dp_replicate 1 x dp_shard 128" in out
     # --world-size after the recipes is still the option, not an override.
-    argv = ["config", "validate", glm, "--world-size", "512", "--parallel.nodes=64", "--train.global_batch_size=512"]
+    argv = ["config", "validate", glm, "--world-size", "256", "--parallel.nodes=32", "--train.global_batch_size=256"]
     assert main(argv) == 0
-    assert "world 512" in capsys.readouterr().out
+    assert "world 256 = dp_replicate 1 x dp_shard 256" in capsys.readouterr().out
+
+
+def test_validate_names_the_degrees_this_version_cannot_run(capsys):
+    """NVIDIA's pp 4 / cp 8 topologies are sound layouts, but not runnable yet: FAIL, naming them."""
+    sft, long = str(RECIPES_DIR / "glm5" / "sft_4k.yaml"), str(RECIPES_DIR / "glm5" / "sft_32k_cp8.yaml")
+    assert main(["config", "validate", sft, long]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 2 and "ok " not in out
+    assert ("parallel.pp is 4, but pipeline parallelism is not built in this version yet; set parallel.pp: 1"
+            in out)
+    assert "parallel.cp is 8, but context parallelism is not built in this version yet" in out
+    assert "layout (valid for its world size and model): world 256 = dp_replicate 1 x dp_shard 64" in out
+    # Without pp the same recipe runs: 256 ranks of dp_shard, 64 of them per EP group.
+    assert main(["config", "validate", sft, "--parallel.pp=1", "--parallel.pp_schedule=1F1B",
+                 "--parallel.pp_stages_per_rank=1", "--train.micro_batch_size=1"]) == 0
+    assert "world 256 = dp_replicate 1 x dp_shard 256 x cp 1 x tp 1 x pp 1; ep 64 (expert FSDP 4)" in (
+        capsys.readouterr().out)
+    assert main(["config", "validate", TINY, "--parallel.tp=2", "--world-size", "2"]) == 1
+    assert "parallel.tp is 2, but tensor parallelism is not built in this version yet" in capsys.readouterr().out
 
 
 def test_validate_fails_with_named_keys(capsys):

@@ -29,9 +29,31 @@ def glm5_job(*overrides: str) -> JobConfig:
 
 
 def test_glm5_topology_resolves():
-    degrees = validate_config(glm5_job(), num_experts=256, num_layers=78)
-    assert (degrees.world_size, degrees.dp_shard, degrees.pp, degrees.ep, degrees.expert_dp) == (256, 64, 4, 64, 1)
+    degrees = validate_parallel(glm5_job(), num_experts=256, num_layers=78)
+    assert (degrees.world_size, degrees.dp_shard, degrees.pp, degrees.ep, degrees.efsdp) == (256, 64, 4, 64, 1)
     assert grad_accum_steps(glm5_job(), degrees) == 1
+
+
+def test_degrees_not_built_yet_are_refused_by_name():
+    """The layout is valid (validate_parallel), but a run needs pp, cp and tp at 1 (validate_config)."""
+    with pytest.raises(ValueError, match=r"^parallel.pp is 4, but pipeline parallelism is not built in this "
+                                         r"version yet; set parallel.pp: 1$"):
+        validate_config(glm5_job(), num_experts=256, num_layers=78)
+    job = glm5_job("--parallel.cp=8", "--parallel.tp=2", "--parallel.nodes=128")
+    assert validate_parallel(job, 256, 78).dp_shard == 16
+    with pytest.raises(ValueError) as exc:
+        validate_config(job, 256, 78)
+    assert str(exc.value).splitlines() == [
+        "3 config errors:",
+        "  parallel.pp is 4, but pipeline parallelism is not built in this version yet; set parallel.pp: 1",
+        "  parallel.cp is 8, but context parallelism is not built in this version yet; set parallel.cp: 1",
+        "  parallel.tp is 2, but tensor parallelism is not built in this version yet; set parallel.tp: 1",
+    ]
+    # ep and dp_replicate need no new degree: EP and HSDP are built on the FSDP2 mesh.
+    job = glm5_job("--parallel.pp=1", "--parallel.pp_schedule=1F1B", "--parallel.pp_stages_per_rank=1",
+                   "--parallel.dp_replicate=2", "--train.micro_batch_size=1")
+    degrees = validate_config(job, 256, 78)
+    assert (degrees.dp_replicate, degrees.dp_shard, degrees.ep, degrees.efsdp) == (2, 128, 64, 2)
 
 
 def test_layers_need_not_divide_by_pp():

@@ -1,0 +1,292 @@
+"""The device mesh of a run: degrees, their validation, and the torch DeviceMeshes built from them.
+
+`MeshDegrees` is the resolved layout (numbers only, no torch): `glmtune config
+validate` and the start of `glmtune train` check it against the world size and the
+model. `ParallelMesh` is the runtime object the rest of the code asks for meshes,
+process groups, ranks and sizes; it builds each torch `DeviceMesh` on first use.
+
+    world_size = pp x dp_replicate x dp_shard x cp x tp        (ranks, outer to inner)
+
+Expert parallelism adds no ranks: within one replica, the dp_shard x cp ranks are
+split into `ep` consecutive ranks that hold different experts, and the expert
+weights are FSDP-sharded over the `efsdp = dp_shard x cp / ep` ranks that hold the
+same experts. Example: 8 ranks, dp_replicate 2 x dp_shard 4, ep 2:
+
+    global rank    0  1  2  3 | 4  5  6  7
+    dp_replicate   0  0  0  0 | 1  1  1  1   HSDP replicas        {0,4} {1,5} {2,6} {3,7}
+    dp_shard       0  1  2  3 | 0  1  2  3   dense FSDP shards    {0,1,2,3} {4,5,6,7}
+    efsdp          0  0  1  1 | 0  0  1  1   expert FSDP shards   {0,2} {1,3} {4,6} {5,7}
+    ep             0  1  0  1 | 0  1  0  1   expert parallel      {0,1} {2,3} {4,5} {6,7}
+    dp, loss       0  1  2  3   4  5  6  7   different rows; token counts summed over all
+
+`ep` is the innermost split so that an all-to-all stays within neighbouring ranks
+(one host's NVLink when ep <= GPUs per host).
+
+API (every `get`/`group`/`*_mesh` call builds groups on first use, which is a
+collective: make the same calls in the same order on every rank):
+
+    mesh = ParallelMesh(degrees, device_type="cuda")   # rank from torch.distributed
+    mesh.size("ep"), mesh.rank("efsdp")                  # any axis in AXES; pure arithmetic
+    mesh.dp_size, mesh.dp_rank, mesh.ep_size, mesh.ep_rank
+    mesh.fsdp_mesh()         # dense FSDP2: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) = HSDP
+    mesh.expert_fsdp_mesh()  # experts' FSDP2: 1-D (efsdp) or 2-D (dp_replicate, efsdp); the dense one at ep 1
+    mesh.get("ep")           # a 1-D DeviceMesh of one axis (ep shares its root with the expert FSDP mesh,
+    mesh.group("loss")       #   as FSDP2 requires for DTensor experts); its ProcessGroup
+    mesh.cpu_group()         # a dedicated gloo group, e.g. for DCP async_save under NCCL
+
+Pipeline, context and tensor parallelism (pp, cp, tp > 1) are validated as layouts
+but not built yet: `MeshDegrees.not_built_errors` names them, and `ParallelMesh`
+refuses them. torch is imported only when a mesh is built, so validating a recipe
+stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from glmtune.config.schema import ParallelConfig
+
+# Axes a ParallelMesh answers `size`/`rank` for; "dp" (ranks that read different rows)
+# and "loss" (ranks whose token counts add up) are flattened views, not extra ranks.
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "efsdp", "dp", "loss")
+# Degrees the config accepts as a layout but this version cannot run yet.
+NOT_BUILT = {"pp": "pipeline", "cp": "context", "tp": "tensor"}
+
+
+def raise_config_errors(errors: list[str]) -> None:
+    """One ValueError for all `errors`: the message itself, or a count and one per line."""
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors))
+
+
+@dataclass(frozen=True)
+class MeshDegrees:
+    """The resolved degrees of one run (dp_shard filled in); see the module docstring."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+
+    @classmethod
+    def resolve(cls, parallel: ParallelConfig, world_size: int) -> MeshDegrees:
+        """Fill `dp_shard: -1` from the world size and check that the degrees multiply to it.
+
+        Raises ValueError naming the keys: a degree < 1, or a product other than the
+        world size. `layout_errors` checks what ep must divide.
+        """
+        p = parallel
+        errors = [f"parallel.{key} must be >= 1, got {getattr(p, key)}"
+                  for key in ("dp_replicate", "tp", "pp", "ep", "cp") if getattr(p, key) < 1]
+        if p.dp_shard < 1 and p.dp_shard != -1:
+            errors.append(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
+        raise_config_errors(errors)
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        if p.dp_shard == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by parallel.dp_replicate x cp x tp x pp "
+                    f"= {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = {others}, so parallel.dp_shard cannot be filled")
+            dp_shard = world_size // others
+        elif others * p.dp_shard != world_size:
+            raise ValueError(
+                f"parallel.dp_replicate x dp_shard x cp x tp x pp = {p.dp_replicate} x {p.dp_shard} x {p.cp} x "
+                f"{p.tp} x {p.pp} = {others * p.dp_shard}, but the world size is {world_size} "
+                "(set parallel.dp_shard: -1 to fill)")
+        else:
+            dp_shard = p.dp_shard
+        return cls(world_size, p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep)
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different rows of a batch (cp/tp/pp ranks share rows)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the expert weights: the dp_shard x cp ranks of a replica left after EP."""
+        return self.dp_shard * self.cp // self.ep
+
+    def layout_errors(self, num_experts: int | None = None) -> list[str]:
+        """What ep must divide: dp_shard x cp (the ranks it is carved from) and the routed experts."""
+        errors = []
+        if num_experts is not None and num_experts % self.ep:
+            errors.append(f"parallel.ep ({self.ep}) must divide the model's {num_experts} routed experts")
+        if (self.dp_shard * self.cp) % self.ep:
+            errors.append(
+                f"parallel.ep ({self.ep}) must divide parallel.dp_shard x parallel.cp ({self.dp_shard} x {self.cp} = "
+                f"{self.dp_shard * self.cp}): expert-parallel ranks are carved from the sharded data-parallel ranks")
+        return errors
+
+    def not_built_errors(self) -> list[str]:
+        """One message per degree this version cannot run yet (pp, cp, tp > 1)."""
+        return [f"parallel.{key} is {getattr(self, key)}, but {kind} parallelism is not built in this version "
+                f"yet; set parallel.{key}: 1" for key, kind in NOT_BUILT.items() if getattr(self, key) > 1]
+
+    def describe(self) -> str:
+        return (
+            f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}"
+            f" x tp {self.tp} x pp {self.pp}; ep {self.ep} (expert FSDP {self.efsdp})"
+        )
+
+
+class ParallelMesh:
+    """Sizes, ranks, DeviceMeshes and process groups of a run's layout (module docstring).
+
+    Args:
+        degrees: the resolved degrees (`MeshDegrees.resolve`, or the config's `validate_config`).
+        rank: this process's global rank; None = torch.distributed's (0 when not initialized).
+        device_type: "cuda" or "cpu": the device type of every DeviceMesh (NCCL or gloo groups).
+        num_experts: when given, the routed experts must divide by ep.
+
+    Raises:
+        ValueError: an ep that does not divide dp_shard x cp (or the experts), or a
+            degree this version cannot run (pp, cp, tp > 1); the message names the key.
+    """
+
+    def __init__(self, degrees: MeshDegrees, *, rank: int | None = None, device_type: str = "cpu",
+                 num_experts: int | None = None) -> None:
+        raise_config_errors(degrees.layout_errors(num_experts) + degrees.not_built_errors())
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        assert 0 <= rank < degrees.world_size, (rank, degrees)
+        self.degrees = degrees
+        self.global_rank = rank
+        self.device_type = device_type
+        self._roots: dict[str, DeviceMesh] = {}
+        self._cpu_group: ProcessGroup | None = None
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, *, world_size: int, num_experts: int | None = None,
+                    rank: int | None = None, device_type: str = "cpu") -> ParallelMesh:
+        """Resolve `parallel` against `world_size` and build the mesh object (no groups yet)."""
+        return cls(MeshDegrees.resolve(parallel, world_size), rank=rank, device_type=device_type,
+                   num_experts=num_experts)
+
+    # Sizes and ranks: arithmetic on the global rank (pp = cp = tp = 1 in this version).
+
+    def size(self, axis: str) -> int:
+        d = self.degrees
+        sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
+                 "ep": d.ep, "efsdp": d.efsdp, "dp": d.dp, "loss": d.dp * d.cp}
+        return sizes[_check_axis(axis)]
+
+    def rank(self, axis: str) -> int:
+        """This process's index along `axis` (its position in that axis's group)."""
+        d, r = self.degrees, self.global_rank
+        shard = r % d.dp_shard  # index within the replica's dp_shard x cp ranks (cp = 1)
+        ranks = {"pp": 0, "cp": 0, "tp": 0, "dp_replicate": r // d.dp_shard, "dp_shard": shard,
+                 "ep": shard % d.ep, "efsdp": shard // d.ep, "dp": r, "loss": r}
+        return ranks[_check_axis(axis)]
+
+    @property
+    def world_size(self) -> int:
+        return self.degrees.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
+
+    @property
+    def ep_size(self) -> int:
+        return self.size("ep")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank("ep")
+
+    # DeviceMeshes, built on first use. Three roots, each init_device_mesh over all ranks:
+    # dense (dp_replicate?, dp_shard), experts (dp_replicate?, efsdp, ep), loss (one flat
+    # axis). A size-1 dp_replicate is left out rather than built as world_size groups of one.
+
+    def get(self, axis: str) -> DeviceMesh:
+        """The 1-D DeviceMesh of `axis`: dp_replicate (needs > 1), dp_shard, ep, efsdp, loss."""
+        for root in ("dense", "experts", "loss"):
+            if axis in self._root_axes(root):
+                return self._root(root)[axis]
+        buildable = sorted({a for root in ("dense", "experts", "loss") for a in self._root_axes(root)})
+        raise ValueError(f"no DeviceMesh for axis {axis!r} in this layout ({self.degrees.describe()}); "
+                         f"built axes: {', '.join(buildable)}")
+
+    def group(self, axis: str) -> ProcessGroup:
+        """The process group of `axis` (see `get`)."""
+        return self.get(axis).get_group()
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh for dense parameters: (dp_shard,), or (dp_replicate, dp_shard) for HSDP."""
+        root = self._root("dense")
+        return root if root.ndim == 1 else root["dp_replicate", "dp_shard"]
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh for routed-expert parameters: (efsdp,) or (dp_replicate, efsdp) under EP.
+
+        It shares its root with `get("ep")`, so experts placed on the ep mesh can be
+        sharded on it. With ep 1 the experts are plain parameters: the dense mesh.
+        """
+        if self.degrees.ep == 1:
+            return self.fsdp_mesh()
+        root = self._root("experts")
+        return root["efsdp"] if self.degrees.dp_replicate == 1 else root["dp_replicate", "efsdp"]
+
+    def cpu_group(self) -> ProcessGroup:
+        """A gloo group over all ranks, created once (collective on first call).
+
+        DCP's async_save gathers its plan on a CPU-capable group from a background
+        thread; a dedicated group also keeps those collectives from interleaving with
+        the training step's on the default group (NCCL or gloo).
+        """
+        if self._cpu_group is None:
+            import torch.distributed as dist
+
+            self._check_world()
+            self._cpu_group = dist.new_group(backend="gloo")
+        return self._cpu_group
+
+    def describe(self) -> str:
+        return self.degrees.describe()
+
+    def _root_axes(self, root: str) -> tuple[str, ...]:
+        replicate = ("dp_replicate",) if self.degrees.dp_replicate > 1 else ()
+        return {"dense": (*replicate, "dp_shard"), "experts": (*replicate, "efsdp", "ep"), "loss": ("loss",)}[root]
+
+    def _root(self, root: str) -> DeviceMesh:
+        if root not in self._roots:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._check_world()
+            names = self._root_axes(root)
+            self._roots[root] = init_device_mesh(self.device_type, tuple(self.size(a) for a in names),
+                                                 mesh_dim_names=names)
+        return self._roots[root]
+
+    def _check_world(self) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialized: start the processes with torchrun "
+                               "(glmtune train ... --nproc-per-node N) before building a mesh")
+        if dist.get_world_size() != self.world_size or dist.get_rank() != self.global_rank:
+            raise RuntimeError(f"the mesh is for rank {self.global_rank} of {self.world_size}, but this process "
+                               f"is rank {dist.get_rank()} of {dist.get_world_size()}")
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
+    return axis

@@ -1,0 +1,83 @@
+"""`glmtune train RECIPE --nproc-per-node N`: torchrun started for the user, and refused early when it cannot run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from glmtune.cli import main
+from glmtune.distributed.launch import pop_nproc_per_node, torchrun_command
+from tests.train.run_helpers import env, losses, run, train_command
+
+# Four steps, one checkpoint at the end: the shortest run that still shows the loss curve.
+STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "0"]
+
+
+def test_both_spellings_are_taken_out_and_the_rest_passed_on():
+    assert pop_nproc_per_node(["--nproc-per-node", "2", "--optim.lr", "1e-3"]) == (["--optim.lr", "1e-3"], 2)
+    assert pop_nproc_per_node(["--overwrite", "--nproc-per-node=4"]) == (["--overwrite"], 4)
+    assert pop_nproc_per_node(["--nproc_per_node", "3", "--debug"]) == (["--debug"], 3)
+    assert pop_nproc_per_node(["--train.max_steps", "2"]) == (["--train.max_steps", "2"], None)
+    for tokens, message in ((["--nproc-per-node"], "--nproc-per-node expects a number of processes$"),
+                            (["--nproc-per-node=two"], "expects a number of processes, got 'two'"),
+                            (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            pop_nproc_per_node(tokens)
+    assert torchrun_command(2, ["tiny/sft_support_json", "--overwrite"], debug=True) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "glmtune", "--debug", "train", "tiny/sft_support_json", "--overwrite"]
+
+
+def test_refused_under_torchrun(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run_dir = tmp_path / "run"
+    assert main(["train", "tiny/sft_support_json", "--nproc-per-node", "2", "--logging.run_dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        "glmtune train: error: --nproc-per-node: this process is already one of 2 started by torchrun "
+        "(WORLD_SIZE is set); drop --nproc-per-node\n")
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--parallel.tp", "2"], "parallel.tp is 2, but tensor parallelism is not built in this version yet; "
+                             "set parallel.tp: 1"),
+    (["--parallel.dp_shard", "4"], "parallel.dp_replicate x dp_shard x cp x tp x pp = 1 x 4 x 1 x 1 x 1 = 4, "
+                                   "but the world size is 2 (set parallel.dp_shard: -1 to fill)"),
+    (["--parallel.launcher", "slurm", "--parallel.nodes", "1", "--parallel.gpus_per_node", "2"],
+     "--nproc-per-node starts torchrun on this host, but parallel.launcher is slurm; "
+     "set --parallel.launcher torchrun"),
+])
+def test_a_layout_that_cannot_run_starts_nothing(extra, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run_dir = tmp_path / "run"
+    argv = ["train", "tiny/sft_support_json", "--nproc-per-node", "2", "--logging.run_dir", str(run_dir), *extra]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"glmtune train: error: {message}\n"
+    assert not run_dir.exists()
+
+
+def test_direct_torchrun_refuses_before_writing(tmp_path):
+    """Each rank runs the same validation first: the refusal writes no run directory."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               *train_command(run_dir, cache, "--parallel.tp", "2")[1:]]
+    result = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "glmtune train: error: parallel.tp is 2, but tensor parallelism is not built" in result.stderr
+    assert not run_dir.exists() and not cache.exists()
+
+
+def test_nproc_per_node_trains_like_one_process(tmp_path):
+    """Two gloo ranks started by the launcher give the single-process losses (same global batch)."""
+    cache = tmp_path / "cache"
+    launched = run(tmp_path / "launched", cache, *STEPS, "--nproc-per-node", "2")
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "world 2 = dp_replicate 1 x dp_shard 2" in launched.stdout
+    single = run(tmp_path / "single", cache, *STEPS)
+    assert single.returncode == 0, single.stdout + single.stderr
+    expected, actual = losses(tmp_path / "single"), losses(tmp_path / "launched")
+    assert sorted(actual) == [1, 2, 3, 4]
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], rel=1e-5), step
