@@ -9,15 +9,17 @@ Routed experts are stored stacked — `gate_up_proj` [E, 2I, D] (gate rows first
 and `down_proj` [E, D, I], the in-memory layout of transformers — and computed over
 tokens sorted by expert, with a grouped GEMM (`grouped_mm` backend) or a loop over
 experts (`loop` backend, the reference). Token movement goes through a
-`TokenDispatcher`, so expert parallelism (all-to-all) can replace the local one
-without touching the model.
+`TokenDispatcher`, so expert parallelism (`glmtune/distributed/expert_parallel.py`)
+can replace the local one without touching the model.
 
-Legend: T tokens, D model dim, E experts, K experts per token, I expert width,
-N = T*K routed (token, expert) pairs.
+Legend: T tokens, D model dim, E experts, L experts computed on this rank (E without
+expert parallelism), K experts per token, I expert width, N = T*K routed (token, expert)
+pairs, R rows this rank's experts compute.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -122,19 +124,67 @@ class _RepeatRows(torch.autograd.Function):
         return per_pair.to(accumulate).sum(dim=1).to(grad_ND.dtype), None, None, None, None
 
 
+def permute_rows(x_ND: torch.Tensor, index_N: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+    """x[index] for a permutation `index` whose inverse is `inverse`; backward is a gather too."""
+    return _PermuteRows.apply(x_ND, index_N, inverse_N)
+
+
+def sort_permutation(keys_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stable sort of `keys`: (sorted keys, order: sorted position -> index, inverse: index -> position)."""
+    sorted_N, order_N = torch.sort(keys_N, stable=True)
+    inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
+    return sorted_N, order_N, inverse_N
+
+
+def count_per_expert(expert_ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs routed to each expert [E] (int64)."""
+    # scatter_add, not bincount: bincount sizes its output from the data (a host sync on GPU).
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_ids_N.device)
+    return counts_E.scatter_add_(0, expert_ids_N, torch.ones_like(expert_ids_N))
+
+
 @dataclass
 class DispatchState:
-    """What `combine` needs to undo `dispatch`."""
+    """What `combine` needs to undo `dispatch`; each dispatcher extends it."""
 
+    # This rank's routed (token, expert) pairs per expert, over all E experts (int64): what
+    # `MoE.tokens_per_expert` records; global load comes from all-reducing it.
+    tokens_per_expert_E: torch.Tensor
+
+
+@dataclass
+class LocalDispatchState(DispatchState):
     order_N: torch.Tensor  # position in the sorted list -> flat (token, k) pair index
     inverse_N: torch.Tensor  # flat (token, k) pair index -> position in the sorted list
     weights_TK: torch.Tensor  # routing weight of each (token, k) pair (fp32)
 
 
+class TokenDispatcher(ABC):
+    """Moves routed tokens to the experts that compute them and their outputs back.
+
+    The model calls only `dispatch` and `combine`; which experts live on this rank, and
+    how tokens travel between ranks, is the dispatcher's business (expert parallelism
+    installs its own, see `glmtune/distributed/expert_parallel.py`).
+    """
+
+    @abstractmethod
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """Returns the rows this rank's L experts compute, grouped by local expert [R, D]; rows
+        per local expert [L] (int64, for the grouped GEMM); and the state `combine` needs,
+        which carries this rank's routing counts over all E experts."""
+
+    @abstractmethod
+    def combine(self, y_RD: torch.Tensor, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
+        """Returns [T, D] in `out_dtype`: the sum of each token's experts' outputs weighted by
+        its routing weights, in fp32, differentiable in the weights (the router's gradient)."""
+
+
 DISPATCH_BACKENDS = ("auto", "torch", "triton")
 
 
-class LocalTokenDispatcher:
+class LocalTokenDispatcher(TokenDispatcher):
     """Sorts (token, expert) pairs by expert on one device; the single-rank dispatcher.
 
     Token movement in both directions, forward and backward, is a row gather through the
@@ -158,25 +208,21 @@ class LocalTokenDispatcher:
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
         """Returns tokens sorted by expert [N, D], tokens per expert [E] (int64), and the state."""
         top_k = topk_idx_TK.shape[1]
-        expert_ids_N = topk_idx_TK.reshape(-1)
-        sorted_experts_N, order_N = torch.sort(expert_ids_N, stable=True)
-        inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(),
-                                                                                device=order_N.device))
+        sorted_experts_N, order_N, inverse_N = sort_permutation(topk_idx_TK.reshape(-1))
         x_ND = _RepeatRows.apply(x_TD, order_N, inverse_N, top_k, self._fused(x_TD))
-        # scatter_add, not bincount: bincount sizes its output from the data (a host sync on GPU).
-        tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.long, device=x_TD.device)
-        tokens_per_expert_E.scatter_add_(0, sorted_experts_N, torch.ones_like(sorted_experts_N))
-        return x_ND, tokens_per_expert_E, DispatchState(order_N, inverse_N, topk_w_TK)
+        tokens_per_expert_E = count_per_expert(sorted_experts_N, num_experts)
+        state = LocalDispatchState(tokens_per_expert_E, order_N, inverse_N, topk_w_TK)
+        return x_ND, tokens_per_expert_E, state
 
-    def combine(self, y_ND: torch.Tensor, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, state: LocalDispatchState, out_dtype: torch.dtype) -> torch.Tensor:
         """Restores (token, k) order, weights each pair's output in fp32, sums over k in fp32."""
         if self._fused(y_ND):
             return moe_combine.moe_combine(y_ND, state.inverse_N, state.weights_TK).to(out_dtype)
         num_tokens, top_k = state.weights_TK.shape
-        y_TKD = _PermuteRows.apply(y_ND, state.inverse_N, state.order_N).view(num_tokens, top_k, -1)
+        y_TKD = permute_rows(y_ND, state.inverse_N, state.order_N).view(num_tokens, top_k, -1)
         return (y_TKD * state.weights_TK.unsqueeze(-1)).sum(dim=1).to(out_dtype)
 
 
@@ -238,7 +284,7 @@ class MoE(nn.Module):
         self.gate = Router(args)
         self.experts = GroupedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size, backend)
         self.shared_experts = DenseMLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
-        self.dispatcher = LocalTokenDispatcher()
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher()
         # Tokens routed to each expert in the latest forward: load metrics and the
         # aux-loss-free bias update read it. Overwritten, not accumulated, so an
         # activation-checkpointing recompute does not count tokens twice.
@@ -247,11 +293,11 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         _, topk_w_TK, topk_idx_TK = self.gate(x_TD)
-        x_ND, tokens_per_expert_E, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
+        x_RD, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
         with torch.no_grad():
-            self.tokens_per_expert.copy_(tokens_per_expert_E)
-        y_ND = self.experts(x_ND, tokens_per_expert_E)
-        routed_TD = self.dispatcher.combine(y_ND, state, x_TD.dtype)
+            self.tokens_per_expert.copy_(state.tokens_per_expert_E)
+        y_RD = self.experts(x_RD, tokens_per_expert_L)
+        routed_TD = self.dispatcher.combine(y_RD, state, x_TD.dtype)
         return routed_TD.view_as(x_BSD) + self.shared_experts(x_BSD)
 
     def reset_parameters(self, std: float) -> None:
@@ -262,7 +308,9 @@ class MoE(nn.Module):
 
 
 def set_moe_dispatch_backend(model: nn.Module, backend: str) -> None:
-    """Selects the token-movement backend of every MoE layer of a built model."""
+    """Selects the token-movement backend of every MoE layer of a built model (before
+    expert parallelism, whose dispatchers keep the backend they find)."""
     for module in model.modules():
         if isinstance(module, MoE):
+            assert isinstance(module.dispatcher, LocalTokenDispatcher), "set the backend before expert parallelism"
             module.dispatcher = LocalTokenDispatcher(backend)

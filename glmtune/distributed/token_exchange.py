@@ -1,0 +1,179 @@
+"""Token dispatchers for expert parallelism: routed tokens travel to the rank that holds
+their expert, and the experts' outputs travel back, with autograd through both trips.
+
+The experts of a layer are split evenly over the ranks of an ep group: rank r holds the
+L = E / ep experts [r*L, (r+1)*L). Both dispatchers hand the experts the same rows in the
+same order (grouped by local expert, then by source rank, then by (token, k) pair) and
+apply the routing weights in fp32 before any sum, as the local dispatcher does:
+
+- `AllToAllTokenDispatcher` (the default): per-expert counts exchanged, then each row sent
+  only where its expert lives (`all_to_all_single_autograd`, uneven splits); the way back
+  is the same exchange reversed, and the weights are applied on the rank that routed the
+  token. Traffic ~ T*K rows per rank.
+- `AllGatherTokenDispatcher` (fallback and reference): every rank gathers every rank's
+  tokens and routing, computes its experts on the rows routed to them, and the fp32
+  partial sums are reduce-scattered back. Traffic ~ ep*T rows per rank.
+
+Legend: T tokens of this rank, D model dim, E experts, L local experts, K experts per
+token, N = T*K routed pairs of this rank, R rows this rank's experts compute, P ep
+ranks, G = P*Tmax gathered tokens (each rank's tokens padded to the largest T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import (
+    all_gather_single,
+    all_gather_single_autograd,
+    all_to_all_single,
+    all_to_all_single_autograd,
+    reduce_scatter_single_autograd,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+from glmtune.models.glm5.moe import (
+    DispatchState,
+    LocalDispatchState,
+    LocalTokenDispatcher,
+    TokenDispatcher,
+    count_per_expert,
+    permute_rows,
+    sort_permutation,
+)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+class _EpGroup:
+    """The ep process group of a dispatcher, from a group or a 1-D device mesh."""
+
+    def __init__(self, ep_group: dist.ProcessGroup | DeviceMesh, num_local_experts: int) -> None:
+        if isinstance(ep_group, DeviceMesh):
+            assert ep_group.ndim == 1, f"an ep mesh is 1-D, got {ep_group.mesh_dim_names}"
+            ep_group = ep_group.get_group()
+        self.group = ep_group
+        self.size = dist.get_world_size(ep_group)
+        self.rank = dist.get_rank(ep_group)
+        self.num_local_experts = num_local_experts
+
+
+@dataclass
+class AllToAllState(DispatchState):
+    local: LocalDispatchState  # the on-rank sort by global expert, undone last
+    send_splits: list[int]  # rows sent to each ep rank (host ints)
+    recv_splits: list[int]  # rows received from each ep rank
+    order_R: torch.Tensor  # expert-major position -> received row
+    inverse_R: torch.Tensor  # received row -> expert-major position
+
+
+class AllToAllTokenDispatcher(TokenDispatcher):
+    """Expert parallelism with two all-to-alls per layer, forward and backward alike.
+
+    Args:
+        ep_group: the ep process group, or a 1-D device mesh of it.
+        num_local_experts: L, experts per rank (E / ep).
+        local: the on-rank sort and weighted combine (its backend: torch or triton).
+    """
+
+    def __init__(self, ep_group: dist.ProcessGroup | DeviceMesh, num_local_experts: int,
+                 local: LocalTokenDispatcher | None = None) -> None:
+        self.ep = _EpGroup(ep_group, num_local_experts)
+        self.local = local if local is not None else LocalTokenDispatcher()
+
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
+        ep, num_local = self.ep.size, self.ep.num_local_experts
+        assert num_experts == ep * num_local, (num_experts, ep, num_local)
+        # Sorted by global expert id, the rows are already grouped by destination rank.
+        x_ND, tokens_per_expert_E, local = self.local.dispatch(x_TD, topk_idx_TK, topk_w_TK, num_experts)
+        # recv_PL[s, l]: rows that rank s sends to this rank's local expert l.
+        recv_PL = _wait(all_to_all_single(tokens_per_expert_E, None, None, group=self.ep.group)).view(ep, num_local)
+        # The one device-to-host sync of the layer: the collectives take split sizes as host
+        # ints. Both count tables come over in a single copy.
+        counts_host = torch.stack([tokens_per_expert_E.view(ep, num_local), recv_PL]).sum(2).cpu()
+        send_splits, recv_splits = counts_host.tolist()
+        num_rows = sum(recv_splits)
+        x_RD = all_to_all_single_autograd(x_ND, recv_splits, send_splits, self.ep.group)
+        # Received rows come as [source rank][local expert]; the grouped GEMM wants them
+        # local-expert-major. A stable sort by local expert keeps the source ranks in order.
+        block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_TD.device), recv_PL.reshape(-1),
+                                          output_size=num_rows)
+        _, order_R, inverse_R = sort_permutation(block_R % num_local)
+        x_RD = permute_rows(x_RD, order_R, inverse_R)
+        tokens_per_expert_L = recv_PL.sum(0)
+        state = AllToAllState(tokens_per_expert_E, local, send_splits, recv_splits, order_R, inverse_R)
+        return x_RD, tokens_per_expert_L, state
+
+    def combine(self, y_RD: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
+        y_RD = permute_rows(y_RD, state.inverse_R, state.order_R)
+        y_ND = all_to_all_single_autograd(y_RD, state.send_splits, state.recv_splits, self.ep.group)
+        return self.local.combine(y_ND, state.local, out_dtype)
+
+
+@dataclass
+class AllGatherState(DispatchState):
+    num_tokens: int  # T of this rank
+    max_tokens: int  # the largest T in the ep group: every rank's share of the gathered rows
+    token_R: torch.Tensor  # gathered token index of each computed row
+    weight_R: torch.Tensor  # its routing weight (fp32, gathered with autograd)
+
+
+class AllGatherTokenDispatcher(TokenDispatcher):
+    """Expert parallelism by gathering every rank's tokens: simple, ep times the traffic.
+
+    Args:
+        ep_group: the ep process group, or a 1-D device mesh of it.
+        num_local_experts: L, experts per rank (E / ep).
+    """
+
+    def __init__(self, ep_group: dist.ProcessGroup | DeviceMesh, num_local_experts: int) -> None:
+        self.ep = _EpGroup(ep_group, num_local_experts)
+
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AllGatherState]:
+        ep, num_local = self.ep.size, self.ep.num_local_experts
+        assert num_experts == ep * num_local, (num_experts, ep, num_local)
+        num_tokens, top_k = topk_idx_TK.shape
+        tokens_per_expert_E = count_per_expert(topk_idx_TK.reshape(-1), num_experts)
+        # Every rank's token count and routing counts, in one gather and one host sync (the
+        # gathers below need the largest T; the local rows' place in the sort, the counts).
+        meta = torch.cat([tokens_per_expert_E.new_tensor([num_tokens]), tokens_per_expert_E])
+        meta_P1E = _wait(all_gather_single(meta, 0, self.ep.group)).view(ep, 1 + num_experts)
+        meta_host = meta_P1E.cpu()
+        first, last = 1 + self.ep.rank * num_local, 1 + (self.ep.rank + 1) * num_local
+        max_tokens = int(meta_host[:, 0].max())
+        rows_before = int(meta_host[:, 1:first].sum())  # pairs routed to experts below ours
+        num_rows = int(meta_host[:, first:last].sum())
+
+        # Pad every rank to the largest T; padded pairs get expert id E and sort last.
+        pad = max_tokens - num_tokens
+        x_GD = all_gather_single_autograd(F.pad(x_TD, (0, 0, 0, pad)), 0, self.ep.group)
+        # Gathered with autograd: the router's gradient comes back through the weights.
+        w_GK = all_gather_single_autograd(F.pad(topk_w_TK, (0, 0, 0, pad)), 0, self.ep.group)
+        idx_GK = _wait(all_gather_single(F.pad(topk_idx_TK, (0, 0, 0, pad), value=num_experts), 0, self.ep.group))
+
+        # Sorted by expert, then source rank, then pair: the all-to-all dispatcher's row order.
+        _, order = torch.sort(idx_GK.reshape(-1), stable=True)
+        pair_R = order[rows_before:rows_before + num_rows]
+        token_R = pair_R // top_k
+        x_RD = x_GD.index_select(0, token_R)
+        weight_R = w_GK.reshape(-1).index_select(0, pair_R)
+        tokens_per_expert_L = meta_P1E[:, first:last].sum(0)
+        return x_RD, tokens_per_expert_L, AllGatherState(tokens_per_expert_E, num_tokens, max_tokens, token_R, weight_R)
+
+    def combine(self, y_RD: torch.Tensor, state: AllGatherState, out_dtype: torch.dtype) -> torch.Tensor:
+        weighted_RD = y_RD.float() * state.weight_R.unsqueeze(-1)
+        # fp32 partial sums over this rank's experts (index_add: atomics on CUDA, so the order
+        # of a token's terms may vary run to run), summed over the ranks by the reduce-scatter.
+        partial_GD = weighted_RD.new_zeros(self.ep.size * state.max_tokens, y_RD.shape[-1])
+        partial_GD = partial_GD.index_add(0, state.token_R, weighted_RD)
+        out_TD = reduce_scatter_single_autograd(partial_GD, "sum", 0, self.ep.group)
+        return out_TD[:state.num_tokens].to(out_dtype)
