@@ -14,6 +14,11 @@ memory; then the glmtune/transformers ratio and the largest per-step loss differ
     python benchmarks/throughput.py --seq 8192 --ckpt
     python benchmarks/throughput.py --seq 16384 --ckpt --impl glmtune
     python benchmarks/throughput.py --seq 4096 --docs 4     # packed rows of 4 documents
+    python benchmarks/throughput.py --seq 4096 --impl glmtune --master-weights both   # + fp32 master weights
+
+`--master-weights fp32` trains glmtune's proxy as `train.master_weights: fp32` does: fp32
+parameters, gradients and AdamW state, the layers computing on bf16 copies (FSDP2 mixed
+precision on a one-rank mesh); `both` reports it beside the bf16-only figure.
 
 Results append to $OUT/throughput.jsonl (or --out) as JSON lines.
 """
@@ -61,6 +66,8 @@ def parse_args(argv=None):
                         "(model.attention_score_buffer_mib; default 1024, 0: the dQ and dV kernels)")
     p.add_argument("--compile", action="store_true", help="torch.compile each glmtune decoder layer")
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
+    p.add_argument("--master-weights", choices=["none", "fp32", "both"], default="none",
+                   help="glmtune's parameters: bf16 only (none), fp32 masters with bf16 compute, or both runs")
     p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
     p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
     p.add_argument("--dispatch", default="auto", help="glmtune MoE token movement (auto: Triton kernels on GPU)")
@@ -176,20 +183,22 @@ def run_hf(cfg, state, batches, a):
         _free()
 
 
-def run_glmtune(cfg, state, batches, a):
+def run_glmtune(cfg, state, batches, a, master_weights="none"):
     from glmtune.models.glm5.args import Glm5Args
     from glmtune.models.glm5.attention import set_attention_score_buffer
     from glmtune.models.glm5.masks import longest_document
     from glmtune.models.glm5.model import build_model
     from glmtune.models.glm5.moe import set_moe_dispatch_backend
-    from glmtune.models.glm5.parallelize import parallelize_glm5
+    from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
 
     ids, positions, _ = batches
     ids = ids.to(DEVICE)
     longest = longest_document(a.seq, positions)  # on the host, as glmtune's data loader does
     args = Glm5Args.from_hf_dict(cfg.to_dict())
-    model = build_model(args, torch.bfloat16, DEVICE, a.attention, "grouped_mm", init=False,
-                        indexer_backend=a.indexer)
+    fp32_masters = master_weights == "fp32"
+    # fp32 masters hold the same bf16 starting weights exactly (load_state_dict upcasts).
+    model = build_model(args, torch.float32 if fp32_masters else torch.bfloat16, DEVICE, a.attention, "grouped_mm",
+                        init=False, indexer_backend=a.indexer)
     set_moe_dispatch_backend(model, a.dispatch)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
@@ -198,8 +207,9 @@ def run_glmtune(cfg, state, batches, a):
     if a.query_block is not None:
         for layer in model.model.layers:
             layer.self_attn.query_block = a.query_block
+    own_group = fp32_masters and one_rank_process_group(DEVICE)
     parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
-                     ac_keep_matmul_min_k=a.ac_min_k)
+                     ac_keep_matmul_min_k=a.ac_min_k, param_dtype=torch.bfloat16 if fp32_masters else None)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if a.optimizer == "triton":
@@ -230,6 +240,8 @@ def run_glmtune(cfg, state, batches, a):
     finally:
         model = opt = None  # drop the last references before freeing GPU memory
         _free()
+        if own_group:
+            torch.distributed.destroy_process_group()
 
 
 def profile(step, a) -> None:
@@ -268,11 +280,22 @@ def report(name, cfg, a, lengths, measured):
     tokens = a.batch * a.seq
     tok_s = tokens / seconds
     tflops = flops_per_token(cfg, a.layers, a.dense, lengths) * tok_s / 1e12
-    return {"impl": name, "seq": a.seq, "optimizer": a.optimizer if name == "glmtune" else "torch",
+    ours = name.startswith("glmtune")
+    return {"impl": name, "seq": a.seq, "optimizer": a.optimizer if ours else "torch",
+            "master_weights": ("fp32" if name.endswith("fp32-master") else "none") if ours else "none",
             "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
             "layers": a.layers, "experts": a.experts, "step_s": round(seconds, 4), "tok_s": round(tok_s, 1),
             "tflops": round(tflops, 1), "mfu": round(tflops / PEAK_BF16_TFLOPS, 4), "peak_gib": round(peak, 2),
             "losses": [round(x, 5) for x in losses]}
+
+
+def compare(name, a, ours, base):
+    """ours / base: tokens/s and peak memory; the largest per-step loss difference."""
+    diffs = [abs(x - y) for x, y in zip(base["losses"], ours["losses"])]
+    return {"impl": name, "seq": a.seq, "ckpt": a.ckpt, "docs": a.docs,
+            "speedup": round(ours["tok_s"] / base["tok_s"], 3),
+            "memory_ratio": round(ours["peak_gib"] / base["peak_gib"], 3) if base["peak_gib"] else None,
+            "max_loss_diff": round(max(diffs), 5)}
 
 
 def main(argv=None) -> int:
@@ -288,15 +311,15 @@ def main(argv=None) -> int:
             results["transformers"] = {"impl": "transformers", "seq": a.seq, "ckpt": a.ckpt, "oom": True}
             _free()
     if a.impl in ("both", "glmtune"):
-        results["glmtune"] = report("glmtune", cfg, a, batches[2], run_glmtune(cfg, state, batches, a))
+        for master in ("none", "fp32") if a.master_weights == "both" else (a.master_weights,):
+            name = "glmtune" if master == "none" else "glmtune-fp32-master"
+            results[name] = report(name, cfg, a, batches[2], run_glmtune(cfg, state, batches, a, master))
     lines = list(results.values())
-    hf, ours = results.get("transformers"), results.get("glmtune")
+    hf, ours, masters = results.get("transformers"), results.get("glmtune"), results.get("glmtune-fp32-master")
     if hf and ours and not hf.get("oom"):
-        diffs = [abs(x - y) for x, y in zip(hf["losses"], ours["losses"])]
-        lines.append({"impl": "ratio", "seq": a.seq, "ckpt": a.ckpt, "docs": a.docs,
-                      "speedup": round(ours["tok_s"] / hf["tok_s"], 3),
-                      "memory_ratio": round(ours["peak_gib"] / hf["peak_gib"], 3) if hf["peak_gib"] else None,
-                      "max_loss_diff": round(max(diffs), 5)})
+        lines.append(compare("ratio", a, ours, hf))
+    if ours and masters:  # what fp32 master weights cost against bf16 only
+        lines.append(compare("fp32_master_vs_bf16", a, masters, ours))
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     meta = {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     out = a.out or (os.path.join(os.environ["OUT"], "throughput.jsonl") if os.environ.get("OUT") else None)

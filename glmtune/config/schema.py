@@ -51,7 +51,7 @@ class ModelConfig:
     """Which model to build and how its kernels run."""
 
     name_or_path: str = "tiny"  # a preset (tiny|glm5|glm5.1|glm5.2|glm5.3) or a local HF directory with config.json
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameter dtype
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; parameters too unless train.master_weights
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
     attention_backend: Literal["auto", "sdpa", "eager", "flex", "gemm", "triton"] = "auto"  # auto: triton on GPU, sdpa on CPU
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
@@ -107,7 +107,11 @@ class TrainConfig:
     router_bias_update: Literal["none", "sign"] = "none"  # aux-loss-free balancing: bias += rate*sign(mean-load); off for SFT
     router_bias_update_rate: float = 1e-3  # step size of the router bias update
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
-    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto = bf16 on cuda with float32 params, none elsewhere
+    # fp32: AdamW updates fp32 parameters; layers compute in model.dtype on bf16 copies (FSDP2 mixed precision,
+    # one process included; gradients reduced in fp32). none: parameters in model.dtype (bf16-only: the one-GPU
+    # fast path, warned at start). auto: fp32 for full fine-tuning with model.dtype bfloat16, none otherwise.
+    master_weights: Literal["auto", "fp32", "none"] = "auto"
+    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto = none; bf16 is refused (for bf16 compute: model.dtype)
     generate_samples: int = 0  # held-out prompts answered greedily before and after training, scored (3 printed)
 
 

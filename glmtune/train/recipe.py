@@ -25,8 +25,7 @@ from glmtune.models.glm5.args import PRESETS, get_preset
 from glmtune.models.glm5.attention import set_attention_score_buffer
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import set_moe_dispatch_backend
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from glmtune.train.precision import resolve_precision
 
 
 @dataclass
@@ -61,14 +60,15 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
 
 def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
                             seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
-    """The model `cfg.model` names and the HF directory it came from (None for presets)."""
+    """The model `cfg.model` names and the HF directory it came from (None for presets), its
+    parameters in the run's parameter dtype (fp32 under fp32 master weights: `precision.py`)."""
     from glmtune.checkpoint.hf_io import load_pretrained
 
     m = cfg.model
     if m.indexer_trainable:
         raise ValueError("model.indexer_trainable: true needs an indexer loss, which this version does not "
                          "have (transformers trains none either); leave it false")
-    dtype = DTYPES[m.dtype]
+    dtype = resolve_precision(cfg).param_dtype
     if m.name_or_path in PRESETS:
         args = get_preset(m.name_or_path)
         if m.overrides:

@@ -26,11 +26,12 @@ from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.io.fingerprint import base_identity_from_dir, base_identity_from_model
 from glmtune.models.glm5.args import PRESETS
-from glmtune.models.glm5.parallelize import parallelize_glm5
+from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
+from glmtune.train.precision import bf16_only_warning, bf16_rounded_away, resolve_precision
 from glmtune.train.run_dir import RunDirectory, check_writable, read_run_record, write_run_record
 from glmtune.train.recipe import (
     build_model_from_config,
@@ -49,15 +50,6 @@ from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
 def barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def _autocast_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype | None:
-    choice = cfg.train.autocast
-    if choice == "bf16":
-        return torch.bfloat16
-    if choice == "auto" and device.type == "cuda" and cfg.model.dtype == "float32":
-        return torch.bfloat16
-    return None
 
 
 def _samples_table(before, after) -> Table:
@@ -101,6 +93,12 @@ def run_training(cfg: JobConfig, overwrite: bool = False) -> int:
     finally:
         while _held_claims:
             _held_claims.pop().release()
+        if _own_process_group:  # the one-rank group of a one-process mixed-precision run
+            torch.distributed.destroy_process_group()
+            _own_process_group.clear()
+
+
+_own_process_group: list[bool] = []
 
 
 def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
@@ -109,6 +107,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if device.type == "cuda":
         device = resolve_device(cfg.train.device, info.local_rank)
     degrees = check_recipe(cfg, info.world_size)
+    precision = resolve_precision(cfg)
     grad_accum = grad_accum_steps(cfg, degrees)
     run_dir = Path(cfg.logging.run_dir)
     run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console))
@@ -163,11 +162,18 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     prompts = prompts_from(data.val_conversations, cfg.train.generate_samples)
     before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main else []
 
+    # fp32 master weights are FSDP2's mixed precision, in one process too (on a one-rank group).
+    if precision.mixed and info.world_size == 1 and one_rank_process_group(device.type):
+        _own_process_group.append(True)
     parallelize_glm5(
         model, world_size=info.world_size, ep=degrees.ep, cp=degrees.cp, tp=degrees.tp, pp=degrees.pp,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        dp_replicate=degrees.dp_replicate, activation_checkpointing=cfg.parallel.activation_checkpointing,
         ac_keep_matmul_min_k=cfg.parallel.ac_keep_matmul_min_k, compile=cfg.parallel.compile,
+        param_dtype=precision.compute_dtype if precision.mixed else None,
     )
+    rounded_away = bf16_rounded_away(model, cfg.optim.lr)  # collective: every rank counts its shard
+    if rounded_away is not None and info.is_main:
+        console.print(f"[yellow]{bf16_only_warning(rounded_away, cfg.optim.lr)}[/yellow]")
     o = cfg.optim
     optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
     scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
@@ -186,8 +192,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         max_steps=cfg.train.max_steps, grad_accum=grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
         log_every=cfg.train.log_every, val_every=cfg.train.val_every, val_steps=cfg.train.val_steps,
         checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
-        router_bias_rate=cfg.train.router_bias_update_rate, autocast_dtype=_autocast_dtype(cfg, device),
-        device=device, progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
+        router_bias_rate=cfg.train.router_bias_update_rate, device=device,
+        progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
@@ -197,7 +203,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     initial_val = trainer.validate() if trainer.step == 0 else None  # every rank: sharded forward
     if info.is_main:
         console.print(f"model: {cfg.model.name_or_path}, {trainable:,} trainable parameters (this rank's "
-                      f"shard when sharded); {degrees.describe()}; grad_accum {grad_accum}; run dir {run_dir}")
+                      f"shard when sharded); {precision.describe()}; {degrees.describe()}; grad_accum {grad_accum}; "
+                      f"run dir {run_dir}")
         if initial_val is not None:
             console.print(f"validation loss before training: {initial_val:.4f}")
     try:

@@ -6,13 +6,19 @@ Transformations apply in this fixed order, each one optional:
   3. activation checkpointing (AC) - per decoder layer: "full", or "selective" (keeps top-k
                                      masks, attention and wide matmul outputs)
   4. torch.compile                 - per decoder layer (the unit AC and FSDP wrap)
-  5. FSDP2 (`fully_shard`)         - per decoder layer, then the root
+  5. FSDP2 (`fully_shard`)         - per router, per decoder and MTP layer, then the root;
+                                     HSDP (replicate x shard) when dp_replicate > 1
 
 EP and CP come first because they change what a layer computes and which
 tensors exist; AC and compile wrap the resulting layer; FSDP2 goes last so it
 shards the final parameters and its hooks wrap everything else. This version
 runs 3-5; EP, CP, TP and PP degrees > 1 are parsed and validated by the config
 and rejected here with a clear message until their transformations land.
+
+FSDP2 also carries the mixed precision of fp32 master weights (`param_dtype`
+bf16: each unit computes on a bf16 copy of its fp32 parameters, gradients are
+reduced in fp32), so it applies in one process too when `param_dtype` is given,
+on a one-rank mesh (`one_rank_process_group`).
 """
 
 from __future__ import annotations
@@ -90,13 +96,63 @@ def apply_compile(model: Glm5ForCausalLM) -> None:
         layer.compile()
 
 
-def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def one_rank_process_group(device_type: str) -> bool:
+    """Join a process group of this process alone when none exists, so FSDP2's mixed
+    precision can run in a one-process run; True when one was created (the caller
+    destroys it with `torch.distributed.destroy_process_group()`)."""
+    import torch.distributed as dist
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    return True
+
+
+def data_parallel_mesh(device_type: str, dp_replicate: int = 1):
+    """The FSDP2 mesh over every rank of the (initialized) process group: ("dp_shard",),
+    or ("dp_replicate", "dp_shard") for HSDP; the ranks of one shard group are adjacent."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    if dp_replicate == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (dp_replicate, world_size // dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Shard with FSDP2: each router, each decoder and MTP layer, then the root (embedding,
+    final norm, head).
+
+    Routers are units of their own that keep their fp32 weight (no `param_dtype` cast):
+    routing runs in fp32 whatever the layers compute in, and a unit needs one parameter
+    dtype (a bf16 layer around an fp32 router is refused by `fully_shard`). MTP layers
+    take no part in the forward pass: as their own units they are never gathered.
+
+    Gradient arithmetic: the trainer divides each rank's loss sum by the global count of
+    supervised tokens, so the gradient of the step's loss is the plain sum of the ranks'
+    gradients. Every unit therefore sums (divide factor 1, no averaging), with sum-only
+    collectives (gloo has no pre-multiplied sum), the same over every mesh.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from glmtune.models.glm5.moe import Router
+
+    compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    for layer in [*model.model.layers, *model.mtp]:
+        for module in layer.modules():
+            if isinstance(module, Router):
+                fully_shard(module, mesh=mesh, mp_policy=keep_own_dtype)
+        fully_shard(layer, mesh=mesh, mp_policy=compute)
+    fully_shard(model, mesh=mesh, mp_policy=compute)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize_glm5(
@@ -107,6 +163,7 @@ def parallelize_glm5(
     cp: int = 1,
     tp: int = 1,
     pp: int = 1,
+    dp_replicate: int = 1,
     activation_checkpointing: str = "none",
     ac_keep_matmul_min_k: int = KEEP_MATMUL_MIN_K,
     compile: bool = False,
@@ -114,7 +171,13 @@ def parallelize_glm5(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Apply EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring)."""
+    """Apply EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring).
+
+    FSDP2 applies when `world_size > 1`, or in one process when `param_dtype` (the dtype
+    the layers compute in, when it is not the parameters': fp32 master weights) is given;
+    a process group must exist then (`one_rank_process_group`). `mesh`: the FSDP2 mesh;
+    None builds `data_parallel_mesh` (HSDP when `dp_replicate > 1`).
+    """
     for name, degree in (("parallel.ep", ep), ("parallel.cp", cp), ("parallel.tp", tp), ("parallel.pp", pp)):
         if degree != 1:
             raise ValueError(f"{name}={degree}: this glmtune version trains with FSDP2 data parallelism only; "
@@ -123,11 +186,8 @@ def parallelize_glm5(
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
-    if world_size > 1:
+    if world_size > 1 or param_dtype is not None:
         if mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-            mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+            mesh = data_parallel_mesh(next(model.parameters()).device.type, dp_replicate)
         apply_fsdp(model, mesh, param_dtype, reduce_dtype)
     return model
