@@ -159,11 +159,13 @@ class CheckpointManager:
             the frozen base is reloaded from its own checkpoint on resume.
         run_id: the run this manager saves for (recorded in each checkpoint); None
             accepts every checkpoint (tools that read a checkpoint they were pointed at).
+        async_group: a gloo process group for `async_save` under NCCL (ParallelMesh.cpu_group()).
     """
 
     def __init__(self, root: str | Path, keep_last: int = 2, trainable_only: bool = False,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, async_group=None) -> None:
         self.root = Path(root)
+        self.async_group = async_group
         self.keep_last = keep_last
         self.trainable_only = trainable_only
         self.run_id = run_id
@@ -275,7 +277,7 @@ class CheckpointManager:
         try:
             with _quiet_single_process():
                 if async_save:
-                    future = dcp.async_save(state, checkpoint_id=str(partial))
+                    future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
                     self._pending = (future, partial, final, rng, trainer_state)
                 else:
                     dcp.save(state, checkpoint_id=str(partial))

@@ -157,6 +157,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages (ranks)
     ep: int = 1  # expert parallel; must divide dp_shard x cp and the number of experts
     cp: int = 1  # context parallel (packed rows are split along the sequence)
+    ep_dispatcher: Literal["all_to_all", "all_gather"] = "all_to_all"  # EP token movement; all_gather: the simple reference
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)

@@ -24,6 +24,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps
 from glmtune.distributed.agreement import decide_on_rank0
+from glmtune.distributed.mesh import ParallelMesh
 from glmtune.io.fingerprint import base_identity_from_dir, base_identity_from_model
 from glmtune.models.glm5.args import PRESETS
 from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
@@ -165,11 +166,11 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     # fp32 master weights are FSDP2's mixed precision, in one process too (on a one-rank group).
     if precision.mixed and info.world_size == 1 and one_rank_process_group(device.type):
         _own_process_group.append(True)
+    mesh = ParallelMesh(degrees, device_type=device.type) if torch.distributed.is_initialized() else None
     parallelize_glm5(
-        model, world_size=info.world_size, ep=degrees.ep, cp=degrees.cp, tp=degrees.tp, pp=degrees.pp,
-        dp_replicate=degrees.dp_replicate, activation_checkpointing=cfg.parallel.activation_checkpointing,
+        model, mesh=mesh, activation_checkpointing=cfg.parallel.activation_checkpointing,
         ac_keep_matmul_min_k=cfg.parallel.ac_keep_matmul_min_k, compile=cfg.parallel.compile,
-        param_dtype=precision.compute_dtype if precision.mixed else None,
+        param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=cfg.parallel.ep_dispatcher,
     )
     rounded_away = bf16_rounded_away(model, cfg.optim.lr)  # collective: every rank counts its shard
     if rounded_away is not None and info.is_main:
@@ -183,8 +184,11 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if data.val_rows and len(data.val_rows) >= cfg.train.micro_batch_size * dp_size:
         val_loader = PackedRowLoader(data.val_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
                                      shuffle=False)
+    # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
+    async_group = mesh.cpu_group() if cfg.checkpoint.async_save and mesh is not None else None
     checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
-                                    trainable_only=cfg.peft.method != "none", run_id=run_id)
+                                    trainable_only=cfg.peft.method != "none", run_id=run_id,
+                                    async_group=async_group)
     decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
     metrics = MetricsWriter(run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))

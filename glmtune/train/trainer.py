@@ -72,15 +72,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
     same norm and the same clipping factor. Squares are summed in fp64: CPU's fp32 norm
     sums sequentially (2e-4 relative error on the tiny model's 524k-entry head gradient),
     which would make the norm depend on how the gradients are sharded."""
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
     for param in params:
-        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     norms = []
-    for grads in by_mesh.values():
+    for group in by_mesh.values():
+        grads = [p.grad for p in group]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)))
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    for group in by_mesh.values():  # one foreach per mesh: DTensors of different meshes do not mix
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

@@ -12,8 +12,8 @@ Transformations apply in this fixed order, each one optional:
 EP and CP come first because they change what a layer computes and which
 tensors exist; AC and compile wrap the resulting layer; FSDP2 goes last so it
 shards the final parameters and its hooks wrap everything else. This version
-runs 3-5; EP, CP, TP and PP degrees > 1 are parsed and validated by the config
-and rejected here with a clear message until their transformations land.
+runs 1 and 3-5; CP, TP and PP degrees > 1 are refused by the mesh
+(glmtune/distributed/mesh.py) until their transformations land.
 
 FSDP2 also carries the mixed precision of fp32 master weights (`param_dtype`
 bf16: each unit computes on a bf16 copy of its fp32 parameters, gradients are
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from glmtune.config.schema import ParallelConfig
 from glmtune.models.glm5.model import Glm5ForCausalLM
 
 
@@ -109,37 +110,37 @@ def one_rank_process_group(device_type: str) -> bool:
     return True
 
 
-def data_parallel_mesh(device_type: str, dp_replicate: int = 1):
-    """The FSDP2 mesh over every rank of the (initialized) process group: ("dp_shard",),
-    or ("dp_replicate", "dp_shard") for HSDP; the ranks of one shard group are adjacent."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _expert_placement(num_experts: int, shards: int):
+    """Shard experts' FSDP2 dim 1 when there are more shards than (local) experts."""
+    from torch.distributed.tensor import Shard
 
-    world_size = dist.get_world_size()
-    if dp_replicate == 1:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, (dp_replicate, world_size // dp_replicate),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    return (lambda param: Shard(1)) if shards > num_experts else None
 
 
 def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Shard with FSDP2: each router, each decoder and MTP layer, then the root (embedding,
-    final norm, head).
+               reduce_dtype: torch.dtype = torch.float32, expert_mesh=None) -> None:
+    """Shard with FSDP2: each router, the routed experts (under EP), each decoder and MTP
+    layer, then the root (embedding, final norm, head).
 
     Routers are units of their own that keep their fp32 weight (no `param_dtype` cast):
     routing runs in fp32 whatever the layers compute in, and a unit needs one parameter
     dtype (a bf16 layer around an fp32 router is refused by `fully_shard`). MTP layers
     take no part in the forward pass: as their own units they are never gathered.
+    Under expert parallelism (`expert_mesh` given) the routed experts, already split
+    over the ep ranks, are a unit of their own sharded over the ranks that hold the
+    same experts (efsdp); everything else is sharded over the dense mesh.
 
     Gradient arithmetic: the trainer divides each rank's loss sum by the global count of
     supervised tokens, so the gradient of the step's loss is the plain sum of the ranks'
     gradients. Every unit therefore sums (divide factor 1, no averaging), with sum-only
-    collectives (gloo has no pre-multiplied sum), the same over every mesh.
+    collectives (gloo has no pre-multiplied sum), the same over every mesh — FSDP2's
+    default averaging would divide expert gradients by efsdp and the others by dp_shard.
+    Expert gradients are complete on the rank that holds the expert and are summed over
+    efsdp only, never over ep.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    from glmtune.models.glm5.moe import Router
+    from glmtune.models.glm5.moe import MoE, Router
 
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
@@ -147,6 +148,11 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
         for module in layer.modules():
             if isinstance(module, Router):
                 fully_shard(module, mesh=mesh, mp_policy=keep_own_dtype)
+            if isinstance(module, MoE) and expert_mesh is not None:
+                local_experts = module.experts.gate_up_proj.to_local().shape[0] \
+                    if hasattr(module.experts.gate_up_proj, "to_local") else module.num_experts
+                fully_shard(module.experts, mesh=expert_mesh, mp_policy=compute,
+                            shard_placement_fn=_expert_placement(local_experts, expert_mesh.size()))
         fully_shard(layer, mesh=mesh, mp_policy=compute)
     fully_shard(model, mesh=mesh, mp_policy=compute)
     for module in model.modules():
@@ -158,36 +164,42 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
 def parallelize_glm5(
     model: Glm5ForCausalLM,
     *,
-    world_size: int = 1,
-    ep: int = 1,
-    cp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    dp_replicate: int = 1,
+    mesh=None,
     activation_checkpointing: str = "none",
     ac_keep_matmul_min_k: int = KEEP_MATMUL_MIN_K,
     compile: bool = False,
-    mesh=None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    ep_dispatcher: str = "all_to_all",
 ) -> nn.Module:
     """Apply EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring).
 
-    FSDP2 applies when `world_size > 1`, or in one process when `param_dtype` (the dtype
-    the layers compute in, when it is not the parameters': fp32 master weights) is given;
-    a process group must exist then (`one_rank_process_group`). `mesh`: the FSDP2 mesh;
-    None builds `data_parallel_mesh` (HSDP when `dp_replicate > 1`).
+    Args:
+        mesh: the run's `ParallelMesh` (glmtune/distributed/mesh.py); None = one process
+            and no process group (a one-rank mesh is made when `param_dtype` needs FSDP2).
+        param_dtype: the dtype the layers compute in when it is not the parameters'
+            (fp32 master weights): FSDP2 then applies in one process too, which needs a
+            process group (`one_rank_process_group`).
+        ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
     """
-    for name, degree in (("parallel.ep", ep), ("parallel.cp", cp), ("parallel.tp", tp), ("parallel.pp", pp)):
-        if degree != 1:
-            raise ValueError(f"{name}={degree}: this glmtune version trains with FSDP2 data parallelism only; "
-                             f"set {name}: 1 (expert/context/tensor/pipeline parallelism are not built yet)")
+    from glmtune.distributed.mesh import ParallelMesh
+
+    if mesh is None and param_dtype is not None:
+        mesh = ParallelMesh.from_config(ParallelConfig(), world_size=1, device_type=_device_type(model))
+    expert_parallel = mesh is not None and mesh.ep_size > 1
+    if expert_parallel:
+        from glmtune.distributed.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
     if activation_checkpointing != "none":
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
-    if world_size > 1 or param_dtype is not None:
-        if mesh is None:
-            mesh = data_parallel_mesh(next(model.parameters()).device.type, dp_replicate)
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype)
+    if mesh is not None and (mesh.world_size > 1 or param_dtype is not None):
+        apply_fsdp(model, mesh.fsdp_mesh(), param_dtype, reduce_dtype,
+                   expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None)
     return model
+
+
+def _device_type(model: nn.Module) -> str:
+    return next(model.parameters()).device.type
