@@ -10,7 +10,9 @@ unreadable shard, is a one-line `ValueError`/`FileNotFoundError` naming the key
 and the file.
 
 `save_pretrained` writes the same layout transformers writes (per-expert keys,
-`model.safetensors.index.json` when sharded, config.json) through
+`model.safetensors.index.json` when sharded, config.json), in the parameters' dtype
+or in an explicit `dtype` (a run with fp32 master weights exports in `model.dtype`,
+the dtype it computed in and its base checkpoint's), cast one shard at a time, through
 `glmtune.io.outputs.output_dir`: built in a temporary sibling directory, made visible
 in one step when complete, with the user's normal file permissions; never over an
 input (`source_dir`, `sources`).
@@ -205,6 +207,13 @@ def hf_tensors(model: Glm5ForCausalLM, state: dict[str, torch.Tensor] | None = N
         yield from adapter.to_hf(key, tensor)
 
 
+def written_dtypes(args: Glm5Args, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """HF key -> the dtype a model built in `dtype` holds the tensor in (the routers stay fp32),
+    read off a model on the meta device (no memory)."""
+    reference = build_model(args, dtype, device="meta")
+    return {key: tensor.dtype for key, tensor in hf_tensors(reference)}
+
+
 def save_pretrained(
     model: Glm5ForCausalLM,
     path: str | Path,
@@ -212,6 +221,7 @@ def save_pretrained(
     source_dir: str | Path | None = None,
     overwrite: bool = True,
     sources: tuple[tuple[str, str | Path], ...] = (),
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
@@ -225,6 +235,10 @@ def save_pretrained(
             re-exports of a run's own `hf/` working; pass False for a user-named path.
         sources: (label, path) of inputs `path` must not be, be inside or contain
             (`source_dir` is always one), even with `overwrite`.
+        dtype: write the tensors and config.json's dtype as a model built in `dtype`
+            holds them (its routers stay fp32, as in transformers); under fp32 master
+            weights pass `model.dtype`'s. Each shard is cast as it is written, so the
+            extra memory is one shard. None: as the parameters are.
     """
     import torch.distributed as dist
 
@@ -238,20 +252,22 @@ def save_pretrained(
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return path
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    written = None if dtype is None else written_dtypes(model.args, dtype)
+    shards: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
     size = 0
     for key, tensor in hf_tensors(model, state):
-        nbytes = tensor.numel() * tensor.element_size()
+        cast = tensor.dtype if written is None else written[key]
+        nbytes = tensor.numel() * cast.itemsize  # shards are sized as written
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
-        shards[-1].append((key, tensor))
+        shards[-1].append((key, tensor, cast))
         size += nbytes
     with output_dir(path, **target) as tmp:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             name = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {k: t.detach().to("cpu").contiguous() for k, t in shard}
+            tensors = {k: t.detach().to("cpu", cast).contiguous() for k, t, cast in shard}
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
             for key, t in tensors.items():
                 weight_map[key] = name
@@ -261,7 +277,7 @@ def save_pretrained(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         config = model.args.to_hf_dict()
-        config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        config["dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         config.pop("torch_dtype", None)
         config.pop("quantization_config", None)  # weights are written dequantized
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

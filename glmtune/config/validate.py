@@ -16,6 +16,12 @@ Runnable rule: a layout can be valid and still need what this version has not bu
 (pp, cp, tp > 1). `validate_parallel` checks the layout alone; `validate_config`, which
 `glmtune config validate` and `glmtune train` run, refuses those degrees by name.
 
+Precision rule: `precision_errors` refuses the dtype settings a run cannot honour
+(`train.autocast: bf16`; fp32 master weights under LoRA) and `fp32_master_weights`
+decides what `train.master_weights: auto` means, both without torch, so that
+`glmtune config validate` refuses what `glmtune train` refuses and stays fast;
+`glmtune.train.precision.resolve_precision` turns the same decision into dtypes.
+
 Pipeline rule: layers need not divide by pp (GLM-5 has 78 layers, NVIDIA runs pp 4).
 We only require `pp * pp_stages_per_rank <= num_layers` and split unevenly with
 `split_layers`: the earliest stages take the extra layers, so the last stage, which
@@ -163,18 +169,40 @@ def grad_accum_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
 
 def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None) -> MeshDegrees:
     """All checks a run needs before anything is allocated: the parallel layout, the degrees
-    this version can run (pp, cp, tp > 1 cannot yet), batch divisibility and per-field ranges.
+    this version can run (pp, cp, tp > 1 cannot yet), batch divisibility, per-field ranges
+    and the precision settings.
 
     `glmtune config validate` and the start of `glmtune train` call this same function.
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
-    errors = degrees.not_built_errors() + check_ranges(cfg)
+    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
         errors.append(str(exc))
     _raise(errors)
     return degrees
+
+
+def precision_errors(cfg: JobConfig) -> list[str]:
+    """The dtype settings a run cannot honour, each naming its keys (why: `glmtune/train/precision.py`)."""
+    errors = []
+    if cfg.train.autocast == "bf16":
+        errors.append("train.autocast: bf16 is not supported: torch.autocast over float32 parameters fails in the "
+                      "fused loss and would route tokens in bf16. For bf16 compute set model.dtype: bfloat16 "
+                      "(with fp32 master weights by default, see train.master_weights)")
+    if cfg.train.master_weights == "fp32" and cfg.peft.method != "none":
+        errors.append("train.master_weights: fp32 with peft.method: lora: the LoRA adapters are fp32 already and "
+                      "the base is frozen (fp32 copies of it would only double its memory); use auto or none")
+    return errors
+
+
+def fp32_master_weights(cfg: JobConfig) -> bool:
+    """Whether the parameters are fp32 (masters under bf16 compute when model.dtype is bfloat16):
+    `train.master_weights: fp32`, or `auto` for full fine-tuning with model.dtype bfloat16 (LoRA's
+    adapters are fp32 already and its base is frozen)."""
+    choice = cfg.train.master_weights
+    return choice == "fp32" or (choice == "auto" and cfg.model.dtype == "bfloat16" and cfg.peft.method == "none")
 
 
 def check_ranges(cfg: JobConfig) -> list[str]:

@@ -15,7 +15,10 @@ moments), divided by the shard count.
 
 torch.autocast is not used for this: over fp32 parameters it fails in the fused loss
 (a bf16 logit gradient against the fp32 head weight) and it would route tokens in
-bf16, so `train.autocast: bf16` is refused here, before anything is allocated.
+bf16, so `train.autocast: bf16` is refused before anything is allocated. The rules
+themselves need no torch and live with the config checks
+(`glmtune.config.validate.precision_errors`, `fp32_master_weights`), so that
+`glmtune config validate` refuses what `glmtune train` refuses.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from glmtune.config import JobConfig
+from glmtune.config.validate import fp32_master_weights, precision_errors
+from glmtune.distributed.mesh import raise_config_errors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CHUNK = 1 << 26  # elements compared at a time when counting (bounds the temporary memory)
@@ -52,18 +57,9 @@ class Precision:
 
 def resolve_precision(cfg: JobConfig) -> Precision:
     """The run's dtypes; a ValueError naming the keys for a combination that cannot work."""
-    if cfg.train.autocast == "bf16":
-        raise ValueError("train.autocast: bf16 is not supported: torch.autocast over float32 parameters fails in "
-                         "the fused loss and would route tokens in bf16. For bf16 compute set model.dtype: "
-                         "bfloat16 (with fp32 master weights by default, see train.master_weights)")
+    raise_config_errors(precision_errors(cfg))
     compute = DTYPES[cfg.model.dtype]
-    lora = cfg.peft.method != "none"
-    choice = cfg.train.master_weights
-    if choice == "fp32" and lora:
-        raise ValueError("train.master_weights: fp32 with peft.method: lora: the LoRA adapters are fp32 already and "
-                         "the base is frozen (fp32 copies of it would only double its memory); use auto or none")
-    fp32_masters = choice == "fp32" or (choice == "auto" and compute == torch.bfloat16 and not lora)
-    return Precision(torch.float32 if fp32_masters else compute, compute)
+    return Precision(torch.float32 if fp32_master_weights(cfg) else compute, compute)
 
 
 def rounding_threshold(lr: float) -> float:

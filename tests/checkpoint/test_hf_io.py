@@ -167,3 +167,40 @@ def test_more_experts_on_disk_than_in_config_is_named(tiny_dir, tmp_path):
     adapter = Glm5StateDictAdapter(Glm5Args.from_hf_config(bad))
     assert adapter.from_hf_key("model.layers.2.mlp.experts.4.down_proj.weight") is None
     assert adapter.from_hf_key("model.layers.2.mlp.experts.3.down_proj.weight").expert == 3
+
+
+def test_fp32_master_weights_export_in_the_compute_dtype(tiny_dir, tmp_path):
+    """Under fp32 master weights the parameters are fp32 but the run computes in bf16 (model.dtype):
+    save_pretrained(dtype=bfloat16) writes what a bf16 model holding the rounded weights writes,
+    and transformers loads it as bf16 with the fp32 weights rounded to bf16 (routers fp32, exact)."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = tiny_dir  # fp32 parameters
+    out = save_pretrained(model, tmp_path / "bf16", max_shard_size="300KB", dtype=torch.bfloat16)
+    # What a bf16 model (routers fp32, as build_model keeps them) with these weights writes.
+    bf16 = build_model(get_preset("tiny"), torch.bfloat16, init=False)
+    bf16.load_state_dict(model.state_dict())  # copy_ rounds to each parameter's dtype
+    reference = save_pretrained(bf16, tmp_path / "reference", max_shard_size="300KB")
+    assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    # Shards sized as written (bf16), not as held (fp32): the same files as the bf16 model's.
+    assert index == json.loads((reference / "model.safetensors.index.json").read_text())
+    for name in sorted(set(index["weight_map"].values())):
+        written, expected = load_file(out / name), load_file(reference / name)
+        assert written.keys() == expected.keys()
+        for key, tensor in expected.items():
+            assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
+
+    hf = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert hf.dtype == torch.bfloat16
+    fp32 = model.state_dict()  # transformers holds the experts stacked, as glmtune does
+    loaded = hf.state_dict()
+    assert len(loaded) > 50 and loaded.keys() <= fp32.keys()  # the MTP layer is glmtune's only
+    rounded = 0
+    for key, tensor in loaded.items():
+        router = key.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+        expected = fp32[key].to(torch.float32 if router else torch.bfloat16)
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), key
+        rounded += int(not torch.equal(expected.float(), fp32[key]))
+    assert rounded > 20  # the fp32 weights are not bf16-exact: the cast is real

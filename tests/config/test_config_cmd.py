@@ -84,3 +84,14 @@ def test_a_recipe_that_is_not_utf8_is_named_by_line(tmp_path, capsys):
     assert main(["config", "show", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert err == f"glmtune config: error: {recipe}:2: byte 0xe9 at column 17 is not UTF-8; save the recipe as UTF-8\n"
+
+
+def test_validate_refuses_the_precision_settings_train_refuses(capsys):
+    assert main(["config", "validate", TINY, "--train.autocast", "bf16"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL {TINY}\n") and "train.autocast: bf16 is not supported" in out
+    lora = str(RECIPES_DIR / "glm5" / "lora_4k.yaml")
+    assert main(["config", "validate", lora, "--train.master_weights=fp32"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL {lora}\n") and "train.master_weights: fp32 with peft.method: lora" in out
+    assert "layout (valid for its world size and model): world 128" in out

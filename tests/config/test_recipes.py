@@ -16,7 +16,7 @@ from glmtune.config import (
     validate_config,
     validate_parallel,
 )
-from glmtune.config.validate import grad_accum_steps
+from glmtune.config.validate import fp32_master_weights, grad_accum_steps, precision_errors
 
 RECIPES = sorted(RECIPES_DIR.glob("**/*.yaml"))
 
@@ -77,3 +77,15 @@ def test_tiny_default_is_cpu_float32_synthetic():
     lora = load_config(RECIPES_DIR / "tiny" / "lora_support_json.yaml")
     assert lora.peft.method == "lora" and lora.data == cfg.data
     assert lora.train.max_steps == 150 and dataclasses.replace(lora.train, max_steps=cfg.train.max_steps) == cfg.train
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("glm5*/*.yaml")),
+                         ids=lambda p: str(p.relative_to(RECIPES_DIR)))
+def test_glm_recipes_say_which_precision_they_train_with(path: Path):
+    """bf16 compute everywhere; fp32 master weights for full SFT, a bf16 base under fp32 LoRA adapters."""
+    cfg = load_config(path)
+    assert cfg.model.dtype == "bfloat16" and precision_errors(cfg) == []
+    full = cfg.peft.method == "none"
+    assert fp32_master_weights(cfg) is full
+    header = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
+    assert ("fp32 master weights, bf16 compute" if full else "bf16 frozen base, fp32 adapters") in header

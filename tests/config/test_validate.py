@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +17,7 @@ from glmtune.config import (
     validate_config,
     validate_parallel,
 )
-from glmtune.config.validate import grad_accum_steps
+from glmtune.config.validate import fp32_master_weights, grad_accum_steps
 
 
 def glm5_job(*overrides: str) -> JobConfig:
@@ -146,3 +148,37 @@ def test_model_dims_from_presets_directories_and_overrides(tmp_path):
     assert (model_dims(placeholder.model).num_experts, model_dims(placeholder.model).num_layers) == (256, 78)
     with pytest.raises(ValueError, match="set model.validate_as"):
         model_dims(load_config(None, ["--model.name_or_path=/path/to/GLM-5"]).model)
+
+
+def test_precision_settings_a_run_cannot_honour_are_refused_by_name():
+    """The refusals of `resolve_precision` (glmtune train), in the checks config validate runs too."""
+    tiny = ["--model.dtype=bfloat16", "--data.train=[x.jsonl]"]
+    with pytest.raises(ValueError, match=r"^train.autocast: bf16 is not supported: .* set model.dtype: bfloat16"):
+        validate_config(load_config(None, [*tiny, "--train.autocast=bf16"]), 8, 4)
+    lora = [*tiny, "--peft.method=lora"]
+    with pytest.raises(ValueError, match=r"^train.master_weights: fp32 with peft.method: lora: .*use auto or none$"):
+        validate_config(load_config(None, [*lora, "--train.master_weights=fp32"]), 8, 4)
+    with pytest.raises(ValueError) as exc:  # reported with the other errors, not one at a time
+        validate_config(load_config(None, [*lora, "--train.master_weights=fp32", "--train.autocast=bf16",
+                                           "--optim.lr=0"]), 8, 4)
+    assert str(exc.value).startswith("3 config errors:")
+    for choice in ("auto", "none"):
+        validate_config(load_config(None, [*lora, f"--train.master_weights={choice}"]), 8, 4)
+    validate_config(load_config(None, [*tiny, "--train.master_weights=fp32", "--train.autocast=none"]), 8, 4)
+
+
+@pytest.mark.parametrize("overrides, fp32", [
+    (["--model.dtype=bfloat16"], True),  # auto: full fine-tuning in bf16 gets fp32 masters
+    (["--model.dtype=bfloat16", "--peft.method=lora"], False),  # adapters are fp32 already
+    (["--model.dtype=float32"], False),  # nothing to be master of: fp32 throughout
+    (["--model.dtype=bfloat16", "--train.master_weights=none"], False),
+    (["--model.dtype=float32", "--train.master_weights=fp32"], True),
+])
+def test_fp32_master_weights_decides_auto(overrides, fp32):
+    assert fp32_master_weights(load_config(None, overrides)) is fp32
+
+
+def test_config_checks_import_no_torch():
+    """`glmtune config validate` stays fast: the config layer, precision rules included, needs no torch."""
+    code = "import sys, glmtune.config.validate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
