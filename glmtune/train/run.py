@@ -252,7 +252,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         from glmtune.checkpoint.hf_io import save_pretrained
         from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
 
-        out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir), overwrite=True)
+        out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir), overwrite=True,
+                              dtype=precision.compute_dtype)  # fp32 masters export in the dtype trained in
         if info.is_main:
             console.print(f"exported HF checkpoint: {out}")
     return 0
