@@ -37,6 +37,7 @@ from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.state_dict_adapter import (
     SCALE_SUFFIX,
     Glm5StateDictAdapter,
+    Target,
     dequantize_fp8_block,
     is_fp8,
 )
@@ -129,26 +130,14 @@ def _check_shard_sizes(files: dict[str, Path]) -> None:
 def load_state_into(model: Glm5ForCausalLM, files: dict[str, Path]) -> None:
     adapter = Glm5StateDictAdapter(model.args)
     state = model.state_dict()
-    filled: set[str] = set()
-    expert_parts: dict[str, set] = defaultdict(set)
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for key, file in files.items():
-        by_file[file].append(key)
-    for file, keys in sorted(by_file.items()):
+    plan = read_plan(files, adapter, state.keys())
+    check_complete(model.args, {key: tensor.shape for key, tensor in state.items()}, plan, adapter)
+    for file, entries in plan:
         handle = _open(file)
-        for hf_key in sorted(keys):
-            if hf_key.endswith(SCALE_SUFFIX):
-                if hf_key[: -len(SCALE_SUFFIX)] not in files:
-                    raise ValueError(f"{file}: unexpected tensor {hf_key} (no weight it scales)")
-                continue
-            target = adapter.from_hf_key(hf_key)
-            if target is None or target.key not in state:
-                raise ValueError(f"{file}: unexpected tensor {hf_key} (not part of this model's config)")
+        for hf_key, target in entries:
             tensor = _read(handle, file, hf_key)
             if is_fp8(tensor):
-                scale_key = hf_key + SCALE_SUFFIX
-                if scale_key not in files:
-                    raise ValueError(f"{file}: FP8 tensor {hf_key} has no {scale_key}")
+                scale_key = fp8_scale_key(files, file, hf_key)
                 scale = _read(_open(files[scale_key]), files[scale_key], scale_key)
                 try:
                     tensor = dequantize_fp8_block(tensor, scale, torch.float32)
@@ -159,27 +148,72 @@ def load_state_into(model: Glm5ForCausalLM, files: dict[str, Path]) -> None:
                 dest = dest[target.expert]
                 if target.rows is not None:
                     dest = dest[target.rows[0] : target.rows[1]]
-                expert_parts[target.key].add((target.expert, target.rows))
-            else:
-                filled.add(target.key)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"{file}: tensor {hf_key} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}")
             dest.copy_(tensor)
-    _check_complete(model, state, filled, expert_parts, adapter)
 
 
-def _check_complete(model, state, filled, expert_parts, adapter) -> None:
-    tied = {"lm_head.weight"} if model.args.tie_word_embeddings else set()
+ReadPlan = list[tuple[Path, list[tuple[str, Target]]]]
+
+
+def read_plan(files: dict[str, Path], adapter: Glm5StateDictAdapter, model_keys) -> ReadPlan:
+    """(file, [(HF key, its target in the model)]) file by file, in a fixed order (the same on
+    every rank); FP8 scales are left out (read with their weight: `fp8_scale_key`).
+
+    Raises ValueError naming the file and the key for a tensor the model has no place for.
+    The sharded loader (glmtune/checkpoint/sharded_load.py) reads the same plan.
+    """
+    model_keys = set(model_keys)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key, file in files.items():
+        by_file[file].append(key)
+    plan: ReadPlan = []
+    for file, keys in sorted(by_file.items()):
+        entries = []
+        for hf_key in sorted(keys):
+            if hf_key.endswith(SCALE_SUFFIX):
+                if hf_key[: -len(SCALE_SUFFIX)] not in files:
+                    raise ValueError(f"{file}: unexpected tensor {hf_key} (no weight it scales)")
+                continue
+            target = adapter.from_hf_key(hf_key)
+            if target is None or target.key not in model_keys:
+                raise ValueError(f"{file}: unexpected tensor {hf_key} (not part of this model's config)")
+            entries.append((hf_key, target))
+        plan.append((file, entries))
+    return plan
+
+
+def fp8_scale_key(files: dict[str, Path], file: Path, hf_key: str) -> str:
+    """The HF key of an FP8 weight's block scales; ValueError naming the file when absent."""
+    scale_key = hf_key + SCALE_SUFFIX
+    if scale_key not in files:
+        raise ValueError(f"{file}: FP8 tensor {hf_key} has no {scale_key}")
+    return scale_key
+
+
+def check_complete(args: Glm5Args, shapes: dict[str, tuple[int, ...]], plan: ReadPlan,
+                   adapter: Glm5StateDictAdapter) -> None:
+    """Every model tensor (`shapes`: key -> global shape) is filled by the plan, each expert
+    of a stacked expert tensor included; ValueError naming the first missing HF key."""
+    filled: set[str] = set()
+    expert_parts: dict[str, set] = defaultdict(set)
+    for _, entries in plan:
+        for _, target in entries:
+            if target.expert is None:
+                filled.add(target.key)
+            else:
+                expert_parts[target.key].add((target.expert, target.rows))
+    tied = {"lm_head.weight"} if args.tie_word_embeddings else set()
     missing = []
-    for key, tensor in state.items():
+    for key, shape in shapes.items():
         if key in filled or key in tied:
             continue
         if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
             parts_per_expert = 2 if key.endswith("gate_up_proj") else 1
-            if len(expert_parts.get(key, ())) == tensor.shape[0] * parts_per_expert:
+            if len(expert_parts.get(key, ())) == shape[0] * parts_per_expert:
                 continue
-        missing.append(next(iter(adapter.to_hf(key, tensor)))[0])
+        missing.append(next(iter(adapter.to_hf(key, torch.empty(shape, device="meta"))))[0])
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")

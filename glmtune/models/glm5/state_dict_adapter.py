@@ -115,12 +115,32 @@ def is_fp8(tensor: torch.Tensor) -> bool:
     return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def fp8_scale_shape(weight_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The shape of the `weight_scale_inv` of a 2-D FP8 weight: one scale per 128x128 block."""
+    rows, cols = weight_shape
+    return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+
+
+def check_fp8_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+    expected = fp8_scale_shape(weight_shape)
+    if tuple(scale_shape) != expected:
+        raise ValueError(f"weight_scale_inv shape {tuple(scale_shape)} does not match weight "
+                         f"{tuple(weight_shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks (expected {expected})")
+
+
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w[i, j] * scale_inv[i // 128, j // 128] in fp32, cast to `dtype` (DeepSeek/GLM FP8 layout)."""
+    check_fp8_scale(tuple(weight.shape), tuple(scale_inv.shape))
+    return dequantize_fp8_region(weight, scale_inv, (0, 0), dtype)
+
+
+def dequantize_fp8_region(weight: torch.Tensor, scale_inv: torch.Tensor, start: tuple[int, int],
+                          dtype: torch.dtype) -> torch.Tensor:
+    """The rows/cols of an FP8 weight that begin at `start`, dequantized with the scales of
+    the blocks that cover them (`scale_inv` starts at block `start // 128`): the same
+    values, bit for bit, as those entries of the whole weight's `dequantize_fp8_block`."""
     rows, cols = weight.shape
-    expected = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
-                         f"{(rows, cols)} in {FP8_BLOCK}x{FP8_BLOCK} blocks (expected {expected})")
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    row0, col0 = start[0] % FP8_BLOCK, start[1] % FP8_BLOCK
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[row0 : row0 + rows]
+    scale = scale.repeat_interleave(FP8_BLOCK, 1)[:, col0 : col0 + cols]
     return (weight.float() * scale).to(dtype)
