@@ -20,6 +20,7 @@ input (`source_dir`, `sources`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -248,6 +249,39 @@ def written_dtypes(args: Glm5Args, dtype: torch.dtype) -> dict[str, torch.dtype]
     return {key: tensor.dtype for key, tensor in hf_tensors(reference)}
 
 
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a DTensor (FSDP2 and EP shards; a collective, every rank calls it in
+    the same order), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _shard_plan(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
+                written: dict[str, torch.dtype] | None, limit: int) -> list[list[tuple[str, torch.dtype]]]:
+    """(HF key, dtype as written) of every tensor, grouped into shard files of at most `limit`
+    bytes as written (a larger tensor alone). From global shapes on the meta device: no gather."""
+    meta = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in state.items()}
+    shards: list[list[tuple[str, torch.dtype]]] = [[]]
+    size = 0
+    for key, tensor in hf_tensors(model, meta):
+        cast = tensor.dtype if written is None else written[key]
+        nbytes = tensor.numel() * cast.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, cast))
+        size += nbytes
+    return shards
+
+
+def _host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` on the CPU in `dtype`, owning exactly its bytes: a slice of a stacked expert
+    tensor is copied out, so keeping it never keeps the whole stack alive."""
+    out = tensor.detach().to("cpu", dtype).contiguous()
+    if out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        out = out.clone()
+    return out
+
+
 def save_pretrained(
     model: Glm5ForCausalLM,
     path: str | Path,
@@ -259,7 +293,11 @@ def save_pretrained(
 ) -> Path:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-    Under FSDP2 call it on every rank: the full tensors are gathered and rank 0 writes.
+    Under FSDP2 and EP call it on every rank: tensors are gathered one at a time, in state
+    dict order (every rank takes part in each gather), and rank 0 writes each shard file as
+    soon as its last tensor arrives, then frees it. Rank 0 holds at most one shard file's
+    tensors plus the tensor being gathered (a stacked routed-experts tensor is gathered
+    whole, then split into per-expert keys); the others hold one gathered tensor at a time.
 
     Args:
         max_shard_size: bytes or a string like "5GB"; tensors are never split.
@@ -271,8 +309,8 @@ def save_pretrained(
             (`source_dir` is always one), even with `overwrite`.
         dtype: write the tensors and config.json's dtype as a model built in `dtype`
             holds them (its routers stay fp32, as in transformers); under fp32 master
-            weights pass `model.dtype`'s. Each shard is cast as it is written, so the
-            extra memory is one shard. None: as the parameters are.
+            weights pass `model.dtype`'s. Each tensor is cast as it is gathered. None: as
+            the parameters are.
     """
     import torch.distributed as dist
 
@@ -281,45 +319,54 @@ def save_pretrained(
     if source_dir is not None:
         sources = (*sources, ("source_dir", source_dir))
     target = {"overwrite": overwrite, "sources": sources, "what": "path", "option": "overwrite=True"}
-    check_output(path, **target)  # on every rank, before the collective: a refusal never hangs the others
-    state = full_state_dict(model)  # collective under FSDP2: every rank calls save_pretrained
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-        return path
+    check_output(path, **target)  # on every rank, before the collectives: a refusal never hangs the others
+    distributed = dist.is_available() and dist.is_initialized()
+    writes = not distributed or dist.get_rank() == 0
+    state = model.state_dict()  # FSDP2 keeps the names; sharded parameters are DTensors
     written = None if dtype is None else written_dtypes(model.args, dtype)
-    shards: list[list[tuple[str, torch.Tensor, torch.dtype]]] = [[]]
-    size = 0
-    for key, tensor in hf_tensors(model, state):
-        cast = tensor.dtype if written is None else written[key]
-        nbytes = tensor.numel() * cast.itemsize  # shards are sized as written
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((key, tensor, cast))
-        size += nbytes
-    with output_dir(path, **target) as tmp:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            name = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {k: t.detach().to("cpu", cast).contiguous() for k, t, cast in shard}
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-            for key, t in tensors.items():
-                weight_map[key] = name
-                total += t.numel() * t.element_size()
-            del tensors
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        config = model.args.to_hf_dict()
-        config["dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        config.pop("torch_dtype", None)
-        config.pop("quantization_config", None)  # weights are written dequantized
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if source_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(source_dir) / name).is_file():
-                    shutil.copy2(Path(source_dir) / name, tmp / name)
-    if dist.is_available() and dist.is_initialized():
+    plan = _shard_plan(model, state, written, limit)
+    names = [SINGLE_NAME] if len(plan) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    shard_of = {key: (i, cast) for i, shard in enumerate(plan) for key, cast in shard}
+    adapter = Glm5StateDictAdapter(model.args)
+    with (output_dir(path, **target) if writes else contextlib.nullcontext()) as tmp:
+        weight_map, total, pending = {}, 0, {}
+        for key, tensor in state.items():
+            if model.args.tie_word_embeddings and key == "lm_head.weight":
+                continue
+            full = _gathered(tensor)
+            if not writes:
+                del full
+                continue
+            for hf_key, part in adapter.to_hf(key, full):  # a view of `full`, copied out
+                i, cast = shard_of[hf_key]
+                pending[hf_key] = _host_copy(part, cast)
+                if len(pending) == len(plan[i]):  # the shard's last tensor: write it, free it
+                    save_file(pending, str(tmp / names[i]), metadata={"format": "pt"})
+                    for name, t in pending.items():
+                        weight_map[name] = names[i]
+                        total += t.numel() * t.element_size()
+                    pending = {}
+                del part
+            del full
+        if writes:
+            assert not pending and len(weight_map) == len(shard_of), "every planned tensor written"
+            _write_metadata(model, tmp, plan, weight_map, total, dtype, source_dir)
+    if distributed:
         dist.barrier()  # the other ranks return once the export is complete
     return path
 
+
+def _write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, source_dir) -> None:
+    if len(plan) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = model.args.to_hf_dict()
+    config["dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    config.pop("quantization_config", None)  # weights are written dequantized
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, tmp / name)

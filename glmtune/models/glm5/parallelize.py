@@ -130,6 +130,14 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
     over the ep ranks, are a unit of their own sharded over the ranks that hold the
     same experts (efsdp); everything else is sharded over the dense mesh.
 
+    LoRA needs no unit of its own: `fully_shard` asks one dtype of a unit's *trainable*
+    parameters only. A LoRA layer over a frozen bf16 base (the GLM-5 LoRA recipes;
+    `param_dtype` None) holds bf16 base weights and fp32 adapters, the routed experts
+    (`LoRAGroupedExperts`) their bf16 stacks and fp32 stacked adapters: the trainable ones
+    are all fp32, FSDP2 all-gathers the mixed unit through one byte buffer and reduces the
+    adapters' gradients in fp32, and the adapters compute in fp32 as in one process
+    (tests/distributed/test_lora_bf16_train.py).
+
     Gradient arithmetic: the trainer divides each rank's loss sum by the global count of
     supervised tokens, so the gradient of the step's loss is the plain sum of the ranks'
     gradients. Every unit therefore sums (divide factor 1, no averaging), with sum-only

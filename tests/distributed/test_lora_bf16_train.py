@@ -1,0 +1,56 @@
+"""LoRA with a bf16 base under torchrun (gloo, CPU): `glmtune train tiny/lora_support_json
+--model.dtype bfloat16` on 2 ranks, FSDP2 (dp_shard 2) and EP 2, against the one-process bf16 run.
+
+The GLM-5 LoRA recipes' precision: a frozen bf16 base, fp32 adapters (`train.master_weights`
+resolves to none). An FSDP2 unit then holds bf16 and fp32 parameters (a layer with its
+adapters; under EP the routed experts with theirs); `fully_shard` asks one dtype of the
+*trainable* parameters only, which are all fp32 adapters, and all-gathers the mixed unit
+through one byte buffer, so no unit has to be split.
+
+Tolerance: losses and gradient norms within relative 4e-3 (2**-8, one bf16 rounding step
+of the base's activations), adapters within rtol 4e-3 / atol 1e-5. The ranks compute the
+same bf16 kernels on the same rows as the one process's micro-batches, so the runs agree far
+closer than that in practice; the tolerance leaves room for reduction order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.test_expert_parallel_train import _records, _torchrun
+from tests.train.run_helpers import run
+
+RECIPE = "tiny/lora_support_json"
+STEPS = ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.dtype", "bfloat16"]
+BF16_REL = 2.0 ** -8
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())  # the console wraps long lines
+
+
+def test_bf16_lora_trains_under_fsdp2_and_ep2_like_one_process(tmp_path):
+    cache = tmp_path / "cache"
+    single = run(tmp_path / "single", cache, *STEPS, recipe=RECIPE)
+    assert single.returncode == 0, single.stdout + single.stderr
+    assert "bf16 parameters and compute" in _words(single.stdout)
+    expected = _records(tmp_path / "single")
+    assert sorted(expected) == [1, 2, 3]
+    for name, extra in (("fsdp2", ()), ("ep2", ("--parallel.ep", "2"))):
+        done = _torchrun(2, tmp_path / name, cache, *STEPS, *extra, recipe=RECIPE)
+        assert "bf16 parameters and compute" in _words(done.stdout), name
+        assert "exported LoRA adapter" in _words(done.stdout), name
+        actual = _records(tmp_path / name)
+        assert sorted(actual) == sorted(expected), name
+        for step, (loss, norm) in expected.items():
+            assert actual[step][0] == pytest.approx(loss, rel=BF16_REL), (name, step)
+            assert actual[step][1] == pytest.approx(norm, rel=BF16_REL), (name, step)
+        for layout in ("adapter", "adapter_per_expert"):
+            ours = load_file(tmp_path / name / layout / "adapter_model.safetensors")
+            theirs = load_file(tmp_path / "single" / layout / "adapter_model.safetensors")
+            assert ours.keys() == theirs.keys(), (name, layout)
+            for key, tensor in theirs.items():
+                assert ours[key].dtype == tensor.dtype == torch.float32, key  # fp32 adapters
+                torch.testing.assert_close(ours[key], tensor, rtol=BF16_REL, atol=1e-5, msg=f"{name} {key}")
