@@ -17,7 +17,7 @@ STEPS = ["--train.max_steps", "4", "--checkpoint.export_hf", "true"]
 
 
 def _torchrun(run_dir, cache, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, *STEPS, "--logging.run_dir", str(run_dir),
            "--data.cache_dir", str(cache), *extra]
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)

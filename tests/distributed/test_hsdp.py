@@ -30,7 +30,7 @@ def test_hsdp_2x2_matches_single_process_losses_and_grad_norms(tmp_path):
     cache = tmp_path / "cache"
     single = run(tmp_path / "single", cache, *BATCH)
     assert single.returncode == 0, single.stdout + single.stderr
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29543",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
            "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, *BATCH, "--parallel.dp_replicate", "2",
            "--logging.run_dir", str(tmp_path / "hsdp"), "--data.cache_dir", str(cache)]
     hsdp = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)

@@ -7,6 +7,7 @@ run's loss curve; sharded over 2 processes it gives the one-process losses exact
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.config import load_config
 from glmtune.train.recipe import build_model_from_config
 from tests.train.run_helpers import SMALL, env, losses, run
@@ -25,23 +26,28 @@ BF16 = ["--model.dtype", "bfloat16"]
 BF16_ONLY = [*BF16, "--train.master_weights", "none"]
 
 
-def _torchrun(port: int, run_dir: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+def _torchrun(run_dir: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, *LR_1E5, "--logging.run_dir", str(run_dir),
            "--data.cache_dir", str(cache), *extra]
     return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
 
 
 def _changed(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
-    """Per trainable parameter, which entries the run changed (its HF export vs the initial model)."""
+    """Per trainable parameter, which entries the run changed: the parameters its last
+    checkpoint holds (the fp32 masters when there are any; the HF export is cast to
+    model.dtype) against the initial model."""
+    # Built in the run's parameter dtype: fp32 masters of the same start under train.master_weights fp32.
     initial, _ = build_model_from_config(load_config("tiny/sft_support_json", list(overrides)), "cpu")
-    dtype = next(initial.parameters()).dtype
-    final = dict(load_pretrained(run_dir / "hf", dtype=dtype).named_parameters())
-    return {name: final[name] != param for name, param in initial.named_parameters() if param.requires_grad}
+    final = copy.deepcopy(initial)
+    manager = CheckpointManager(run_dir / "checkpoints")
+    manager.load(manager.latest(), final, torch.optim.AdamW(final.parameters()))
+    finals = dict(final.named_parameters())
+    return {name: finals[name] != param for name, param in initial.named_parameters() if param.requires_grad}
 
 
 def test_bf16_only_parameters_train_under_fsdp2_warn_and_leave_most_weights_unchanged(tmp_path):
-    result = _torchrun(29541, tmp_path / "run", tmp_path / "cache", *BF16_ONLY)
+    result = _torchrun(tmp_path / "run", tmp_path / "cache", *BF16_ONLY)
     assert result.returncode == 0, result.stdout + result.stderr
     out = " ".join(result.stdout.split())  # rich wraps long lines
     assert "bf16 parameters and compute; world 2" in out
@@ -63,7 +69,7 @@ def test_default_fp32_master_weights_move_every_weight_and_follow_the_fp32_curve
     assert reference.returncode == 0, reference.stdout + reference.stderr
     single = run(tmp_path / "single", cache, *LR_1E5, *BF16)  # one process: FSDP2 on a one-rank mesh
     assert single.returncode == 0, single.stdout + single.stderr
-    sharded = _torchrun(29542, tmp_path / "sharded", cache, *BF16)
+    sharded = _torchrun(tmp_path / "sharded", cache, *BF16)
     assert sharded.returncode == 0, sharded.stdout + sharded.stderr
     assert "fp32 master weights, bf16 compute; world 2" in " ".join(sharded.stdout.split())
     assert "round away" not in sharded.stdout
