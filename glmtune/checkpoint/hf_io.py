@@ -249,6 +249,7 @@ def written_dtypes(args: Glm5Args, dtype: torch.dtype) -> dict[str, torch.dtype]
     return {key: tensor.dtype for key, tensor in hf_tensors(reference)}
 
 
+@torch.no_grad()  # no autograd graph: a gathered tensor is freed as soon as it is dropped
 def _gathered(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a DTensor (FSDP2 and EP shards; a collective, every rank calls it in
     the same order), or the tensor itself."""
