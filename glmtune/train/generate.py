@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glmtune.distributed.fsdp_state import release_gathered
+
 
 @torch.no_grad()
 def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
@@ -31,4 +33,5 @@ def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
             out.append(next_id)
     finally:
         model.train(was_training)
+        release_gathered(model)  # FSDP2 would otherwise keep the root's gathered weights registered
     return out

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.metrics import MetricsWriter, moe_layers, routing_stats
 from glmtune.train.router_balance import update_router_biases
@@ -215,6 +216,7 @@ class Trainer:
             count += batch_count
         self.val_loader.load_state_dict(saved)
         self.model.train()
+        release_gathered(self.model)  # the next training step must gather the weights afresh
         return (_all_reduce_sum(loss_sum) / _all_reduce_sum(count).clamp_min(1)).item()
 
     # -- loop -------------------------------------------------------------------------
