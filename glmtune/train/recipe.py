@@ -61,7 +61,11 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
 def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
                             seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
     """The model `cfg.model` names and the HF directory it came from (None for presets), its
-    parameters in the run's parameter dtype (fp32 under fp32 master weights: `precision.py`)."""
+    parameters in the run's parameter dtype (fp32 under fp32 master weights: `precision.py`).
+
+    With `device="meta"` and an HF directory nothing is read: the model has the
+    checkpoint's architecture and no storage, for `load_sharded` after `parallelize_glm5`.
+    """
     from glmtune.checkpoint.hf_io import load_pretrained
 
     m = cfg.model
@@ -81,7 +85,14 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
     if m.overrides:
         raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
     path = Path(m.name_or_path)
-    model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend, indexer_backend=m.indexer_backend)
+    if str(device) == "meta":
+        from glmtune.models.glm5.args import Glm5Args
+
+        model = build_model(Glm5Args.from_hf_config(path), dtype, "meta", m.attention_backend, m.moe_backend,
+                            indexer_backend=m.indexer_backend)
+    else:
+        model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
+                                indexer_backend=m.indexer_backend)
     set_moe_dispatch_backend(model, m.moe_dispatch_backend)
     set_attention_score_buffer(model, m.attention_score_buffer_mib)
     return model, path

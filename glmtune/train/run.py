@@ -2,7 +2,8 @@
 
 Order: validate the recipe -> claim the run directory (lock, no mixed runs,
 writable; nothing is written before this) -> save the resolved config -> build the
-model -> prepare data (contract check before anything trains) -> parallelize ->
+model (on the meta device under torchrun for an HF checkpoint: each rank reads only
+its shards after parallelize) -> prepare data (contract check before anything trains) -> parallelize ->
 optimizer/scheduler -> disk space for checkpoints and export -> resume -> "before"
 samples -> train -> "after" samples -> export. Rank 0 alone writes files other than
 DCP shards.
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.checkpoint.sharded_load import load_sharded
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps
 from glmtune.distributed.agreement import decide_on_rank0
@@ -123,7 +125,10 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     base_hashing, base_identity = None, None
     if lora and info.is_main and cfg.model.name_or_path not in PRESETS:
         base_hashing = ThreadPoolExecutor(1).submit(base_identity_from_dir, cfg.model.name_or_path)
-    model, model_dir = build_model_from_config(cfg, device)
+    # Never the whole model on one rank: under torchrun a full fine-tune of an HF checkpoint is
+    # built on the meta device and each rank reads only its own shards after parallelize.
+    sharded_load = info.world_size > 1 and cfg.model.name_or_path not in PRESETS and not lora
+    model, model_dir = build_model_from_config(cfg, "meta" if sharded_load else device)
     if lora and info.is_main and model_dir is None:
         base_identity = base_identity_from_model(model, cfg.model.name_or_path)
     from glmtune.peft import apply_lora, build_inventory, print_inventory
@@ -161,7 +166,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     tokenizer = load_tokenizer(tokenizer_dir)
     template = load_chat_template(resolve_tokenizer_dir(tokenizer_dir))
     prompts = prompts_from(data.val_conversations, cfg.train.generate_samples)
-    before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main else []
+    before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main and not sharded_load \
+        else []
 
     # fp32 master weights are FSDP2's mixed precision, in one process too (on a one-rank group).
     if precision.mixed and info.world_size == 1 and one_rank_process_group(device.type):
@@ -172,6 +178,11 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         ac_keep_matmul_min_k=cfg.parallel.ac_keep_matmul_min_k, compile=cfg.parallel.compile,
         param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=cfg.parallel.ep_dispatcher,
     )
+    if sharded_load:
+        stats = load_sharded(model, model_dir, device)
+        if info.is_main:
+            console.print(f"loaded {model_dir}, rank 0: {stats.describe()}")
+        before = run_samples(model, tokenizer, template, prompts) if prompts else []  # every rank: sharded
     rounded_away = bf16_rounded_away(model, cfg.optim.lr)  # collective: every rank counts its shard
     if rounded_away is not None and info.is_main:
         console.print(f"[yellow]{bf16_only_warning(rounded_away, cfg.optim.lr)}[/yellow]")

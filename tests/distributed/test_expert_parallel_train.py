@@ -57,7 +57,8 @@ def test_ep2_matches_one_process_and_exports_the_same_model(tmp_path):
     reference = load_pretrained(tmp_path / "single" / "hf", dtype=torch.float32).state_dict()
     assert exported.keys() == reference.keys()
     for name, tensor in reference.items():
-        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+        # Adam normalizes: reduction-order noise (1e-7) in a tiny gradient moves a weight by ~1e-6
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path):
