@@ -236,6 +236,9 @@ def check_ranges(cfg: JobConfig) -> list[str]:
          f"data.synthetic.rows must be >= 1, got {d.synthetic.rows if d.synthetic else None}"),
         (d.packed_sequence_size >= 1, f"data.packed_sequence_size must be >= 1, got {d.packed_sequence_size}"),
         (bool(cfg.model.name_or_path), "model.name_or_path is empty"),
+        (cfg.parallel.ep != 1 or cfg.parallel.ep_dispatcher == "all_to_all",
+         f"parallel.ep_dispatcher: {cfg.parallel.ep_dispatcher} moves tokens between expert-parallel ranks and "
+         "has no effect with parallel.ep: 1; remove it or set parallel.ep"),
         (cfg.model.attention_score_buffer_mib >= 0,
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
         (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),

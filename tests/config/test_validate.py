@@ -182,3 +182,12 @@ def test_config_checks_import_no_torch():
     """`glmtune config validate` stays fast: the config layer, precision rules included, needs no torch."""
     code = "import sys, glmtune.config.validate; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_ep_dispatcher_without_expert_parallelism_is_refused():
+    from glmtune.config import load_config
+    from glmtune.config.validate import check_ranges
+
+    cfg = load_config("tiny/sft_support_json", ["--parallel.ep_dispatcher", "all_gather"])
+    assert any(e.startswith("parallel.ep_dispatcher: all_gather moves tokens") for e in check_ranges(cfg))
+    assert not any("ep_dispatcher" in e for e in check_ranges(load_config("tiny/sft_support_json")))
