@@ -141,7 +141,8 @@ def _read_region(handle, file: Path, hf_key: str, index: list[torch.Tensor], sta
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.device | None = None) -> LoadStats:
+def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.device | None = None,
+                 not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
     """Fill a meta-built, parallelized model from the HF directory `hf_dir`, each rank reading
     only its own shards. Call it on every rank after `parallelize_glm5` (no collectives).
 
@@ -150,6 +151,9 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
             config the checkpoint's (`Glm5Args.from_hf_config(hf_dir)`), then parallelized.
         device: where the local shards live; None: the current CUDA device when the
             parameters' mesh is on CUDA, else the CPU.
+        not_in_checkpoint: state-dict keys the base checkpoint does not hold (LoRA adapters,
+            `peft.init.adapter_parameter_names`): materialized but left for the caller to
+            initialise (`reset_lora_parameters`).
 
     Returns the rank's `LoadStats` (also logged at INFO).
     Raises ValueError naming the file and the HF key for a missing shard file, a missing,
@@ -164,7 +168,7 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
         raise ValueError(str(exc)) from None
     _check_shard_sizes(files)
     adapter = Glm5StateDictAdapter(model.args)
-    shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items() if key not in not_in_checkpoint}
     plan = read_plan(files, adapter, shapes)
     check_complete(model.args, shapes, plan, adapter)
 
@@ -174,7 +178,8 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
     model.to_empty(device=device)
     _reset_non_persistent_buffers(model)
     state = model.state_dict()  # after to_empty: the materialized DTensors and buffers
-    destinations = {key: (tensor, local_indices(tensor)) for key, tensor in state.items()}
+    destinations = {key: (tensor, local_indices(tensor)) for key, tensor in state.items()
+                    if key not in not_in_checkpoint}
     stats.local_param_bytes = sum(_local(t).numel() * t.element_size() for t, _ in destinations.values())
     for file, entries in plan:
         handle = _open(file)

@@ -3,7 +3,8 @@
 Per-step losses and gradient norms equal the single-process run with the same global
 batch (relative 1e-5, fp32); the HF export of an EP run is the single-process model; a
 checkpoint saved at dp_shard 4 x ep 2 resumes at ep 1 and at ep 4 with the same next
-losses (DCP reshards the experts); LoRA on expert-parallel experts trains the same.
+losses (DCP reshards the experts); LoRA on expert-parallel experts, loaded shard by
+shard from an HF checkpoint, trains the same.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune.models.glm5 import build_model, get_preset
 from tests.train.run_helpers import SMALL, env, run
 
 
@@ -80,12 +82,18 @@ def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path):
 
 
 def test_lora_on_expert_parallel_experts_matches_one_process(tmp_path):
+    """From an HF checkpoint: under torchrun the base is built on meta and each rank reads
+    only its shards, then the adapters get the values the one-process run draws."""
+    base = tmp_path / "base"
+    save_pretrained(build_model(get_preset("tiny"), seed=0), base, max_shard_size="1MB")
     cache = tmp_path / "cache"
     recipe = "tiny/lora_support_json"
-    steps = ["--train.max_steps", "3", "--checkpoint.every_steps", "3"]
+    steps = ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.name_or_path", str(base),
+             "--data.tokenizer", "glmtune/data/assets/tiny_tokenizer"]
     single = run(tmp_path / "single", cache, *steps, recipe=recipe)
     assert single.returncode == 0, single.stdout + single.stderr
-    _torchrun(2, tmp_path / "ep2", cache, *steps, "--parallel.ep", "2", recipe=recipe)
+    done = _torchrun(2, tmp_path / "ep2", cache, *steps, "--parallel.ep", "2", recipe=recipe)
+    assert f"loaded {base}, rank 0: read" in " ".join(done.stdout.split())
     _assert_same(_records(tmp_path / "ep2"), _records(tmp_path / "single"))
     for layout in ("adapter", "adapter_per_expert"):  # every expert's adapter, gathered from both ranks
         ours = load_file(tmp_path / "ep2" / layout / "adapter_model.safetensors")
