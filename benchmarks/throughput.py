@@ -26,7 +26,6 @@ Results append to $OUT/throughput.jsonl (or --out) as JSON lines.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -38,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.flops import flops_per_token  # noqa: E402
+from benchmarks.timing import DEVICE, free_memory, profile, time_training  # noqa: E402
 
 PEAK_BF16_TFLOPS = 989.0
 
@@ -68,6 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--impl", choices=["both", "glmtune", "hf"], default="both")
     p.add_argument("--master-weights", choices=["none", "fp32", "both"], default="none",
                    help="glmtune's parameters: bf16 only (none), fp32 masters with bf16 compute, or both runs")
+    p.add_argument("--lora", action="store_true",
+                   help="LoRA instead of full fine-tuning: glmtune against transformers + PEFT (benchmarks/lora_bench.py)")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-alpha", type=float, default=64.0)
+    p.add_argument("--lora-experts", action=argparse.BooleanOptionalAction, default=True,
+                   help="target the routed experts too (the default targets); --no-lora-experts leaves them out")
+    p.add_argument("--lora-compute", choices=["base", "fp32"], default="base",
+                   help="glmtune's peft.adapter_compute: adapter products in bf16 (base) or fp32")
     p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
     p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
     p.add_argument("--dispatch", default="auto", help="glmtune MoE token movement (auto: Triton kernels on GPU)")
@@ -102,24 +110,6 @@ def make_batches(a, vocab: int):
     return ids, positions, lengths
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak_gib():
-    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
-
-
-def _free():
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
 def init_weights(cfg):
     """The shared starting point: transformers' model with every matrix ~ N(0, 0.02), on the host."""
     from transformers import AutoModelForCausalLM
@@ -136,34 +126,21 @@ def init_weights(cfg):
     return state
 
 
-def time_training(step_fn, a):
-    losses = []
-    for i in range(a.warmup):
-        losses.append(step_fn(i))
-    _sync()
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for i in range(a.warmup, a.warmup + a.steps):
-        losses.append(step_fn(i))
-    _sync()
-    seconds = (time.perf_counter() - start) / a.steps
-    return seconds, [float(x) for x in losses], _peak_gib()
-
-
-def run_hf(cfg, state, batches, a):
+def build_hf(cfg, state):
+    """transformers' proxy on the device with `state`'s bf16 weights."""
     from transformers import AutoModelForCausalLM
 
-    ids, positions, _ = batches
-    ids = ids.to(DEVICE)  # staged before timing, as a prefetching loader would (no sync in the step)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                  experts_implementation="grouped_mm")
     model.load_state_dict(state)
-    if a.ckpt:
-        model.gradient_checkpointing_enable()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=DEVICE == "cuda")
+    return model
+
+
+def hf_step(model, opt, batches, a):
+    """One training step of transformers' proxy on batch i: the loss, detached."""
+    ids, positions, _ = batches
+    ids = ids.to(DEVICE)  # staged before timing, as a prefetching loader would (no sync in the step)
     pos = positions.to(DEVICE) if a.docs > 1 else None
 
     def step(i):
@@ -176,29 +153,32 @@ def run_hf(cfg, state, batches, a):
         opt.zero_grad(set_to_none=True)
         return out.loss.detach()
 
+    return step
+
+
+def run_hf(cfg, state, batches, a):
+    model = build_hf(cfg, state)
+    if a.ckpt:
+        model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=DEVICE == "cuda")
+    step = hf_step(model, opt, batches, a)
     try:
         return time_training(step, a)
     finally:
-        model = opt = None  # drop the last references before freeing GPU memory
-        _free()
+        model = opt = step = None  # drop the last references before freeing GPU memory
+        free_memory()
 
 
-def run_glmtune(cfg, state, batches, a, master_weights="none"):
+def build_glmtune(cfg, state, a, dtype):
+    """glmtune's proxy on the device with `state`'s weights (cast to `dtype`), not yet parallelized."""
     from glmtune.models.glm5.args import Glm5Args
     from glmtune.models.glm5.attention import set_attention_score_buffer
-    from glmtune.models.glm5.masks import longest_document
     from glmtune.models.glm5.model import build_model
     from glmtune.models.glm5.moe import set_moe_dispatch_backend
-    from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
 
-    ids, positions, _ = batches
-    ids = ids.to(DEVICE)
-    longest = longest_document(a.seq, positions)  # on the host, as glmtune's data loader does
     args = Glm5Args.from_hf_dict(cfg.to_dict())
-    fp32_masters = master_weights == "fp32"
-    # fp32 masters hold the same bf16 starting weights exactly (load_state_dict upcasts).
-    model = build_model(args, torch.float32 if fp32_masters else torch.bfloat16, DEVICE, a.attention, "grouped_mm",
-                        init=False, indexer_backend=a.indexer)
+    model = build_model(args, dtype, DEVICE, a.attention, "grouped_mm", init=False, indexer_backend=a.indexer)
     set_moe_dispatch_backend(model, a.dispatch)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
@@ -207,18 +187,16 @@ def run_glmtune(cfg, state, batches, a, master_weights="none"):
     if a.query_block is not None:
         for layer in model.model.layers:
             layer.self_attn.query_block = a.query_block
-    own_group = fp32_masters and one_rank_process_group(DEVICE)
-    parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
-                     ac_keep_matmul_min_k=a.ac_min_k, param_dtype=torch.bfloat16 if fp32_masters else None)
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if a.optimizer == "triton":
-        from glmtune.train.optim import TritonAdamW
+    return model
 
-        opt = TritonAdamW(trainable, lr=1e-5)
-    else:
-        opt = torch.optim.AdamW(trainable, lr=1e-5, fused=DEVICE == "cuda")
-    pos = positions.to(DEVICE)
+
+def glmtune_step(model, opt, batches, a):
+    """One training step of glmtune's proxy on batch i: the loss, detached."""
+    from glmtune.models.glm5.masks import longest_document
+
+    ids, positions, _ = batches
+    ids, pos = ids.to(DEVICE), positions.to(DEVICE)
+    longest = longest_document(a.seq, positions)  # on the host, as glmtune's data loader does
 
     def step(i):
         x = ids[i]
@@ -232,47 +210,37 @@ def run_glmtune(cfg, state, batches, a, master_weights="none"):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step
+
+
+def run_glmtune(cfg, state, batches, a, master_weights="none"):
+    from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
+
+    fp32_masters = master_weights == "fp32"
+    # fp32 masters hold the same bf16 starting weights exactly (load_state_dict upcasts).
+    model = build_glmtune(cfg, state, a, torch.float32 if fp32_masters else torch.bfloat16)
+    own_group = fp32_masters and one_rank_process_group(DEVICE)
+    parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
+                     ac_keep_matmul_min_k=a.ac_min_k, param_dtype=torch.bfloat16 if fp32_masters else None)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if a.optimizer == "triton":
+        from glmtune.train.optim import TritonAdamW
+
+        opt = TritonAdamW(trainable, lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(trainable, lr=1e-5, fused=DEVICE == "cuda")
+    step = glmtune_step(model, opt, batches, a)
     try:
         result = time_training(step, a)
         if a.profile:
             profile(step, a)
         return result
     finally:
-        model = opt = None  # drop the last references before freeing GPU memory
-        _free()
+        model = opt = step = None  # drop the last references before freeing GPU memory
+        free_memory()
         if own_group:
             torch.distributed.destroy_process_group()
-
-
-def profile(step, a) -> None:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(2):
-            step(a.warmup + i)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
-    out_dir = os.environ.get("OUT") or "."
-    stem = f"profile_seq{a.seq}{'_ckpt' if a.ckpt else ''}"
-    Path(out_dir, f"{stem}.txt").write_text(table + "\n\n" + kernel_table(prof, steps=2))
-    prof.export_chrome_trace(str(Path(out_dir, f"{stem}.json.gz")))
-
-
-def kernel_table(prof, steps: int, rows: int = 80) -> str:
-    """GPU kernels only, ms per step, largest first: what the device actually spent its time on."""
-    per_kernel: dict[str, list[float]] = {}
-    for event in prof.events():
-        # GPU-side user annotations (e.g. "Optimizer.step#...") span kernels already counted.
-        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
-            entry = per_kernel.setdefault(event.name, [0.0, 0])
-            entry[0] += event.device_time / 1e3 / steps
-            entry[1] += 1
-    total = sum(ms for ms, _ in per_kernel.values())
-    lines = [f"GPU kernel time per step: {total:.2f} ms", f"{'ms/step':>9} {'calls':>6}  kernel"]
-    for name, (ms, calls) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:rows]:
-        lines.append(f"{ms:9.3f} {calls // steps:6d}  {name[:160]}")
-    return "\n".join(lines)
 
 
 def report(name, cfg, a, lengths, measured):
@@ -304,12 +272,16 @@ def main(argv=None) -> int:
     batches = make_batches(a, cfg.vocab_size)
     state = init_weights(cfg)
     results = {}
+    if a.lora:
+        from benchmarks.lora_bench import run_lora
+
+        return _emit(run_lora(cfg, state, batches, a), a)
     if a.impl in ("both", "hf"):
         try:
             results["transformers"] = report("transformers", cfg, a, batches[2], run_hf(cfg, state, batches, a))
         except torch.OutOfMemoryError:
             results["transformers"] = {"impl": "transformers", "seq": a.seq, "ckpt": a.ckpt, "oom": True}
-            _free()
+            free_memory()
     if a.impl in ("both", "glmtune"):
         for master in ("none", "fp32") if a.master_weights == "both" else (a.master_weights,):
             name = "glmtune" if master == "none" else "glmtune-fp32-master"
@@ -320,6 +292,11 @@ def main(argv=None) -> int:
         lines.append(compare("ratio", a, ours, hf))
     if ours and masters:  # what fp32 master weights cost against bf16 only
         lines.append(compare("fp32_master_vs_bf16", a, masters, ours))
+    return _emit(lines, a)
+
+
+def _emit(lines, a) -> int:
+    """Print each result line with the GPU, torch and date; append them to --out or $OUT/throughput.jsonl."""
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     meta = {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     out = a.out or (os.path.join(os.environ["OUT"], "throughput.jsonl") if os.environ.get("OUT") else None)

@@ -182,6 +182,8 @@ class PeftConfig:
     # fnmatch globs over module names (HF names, e.g. model.layers.3.self_attn.q_a_proj).
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     exclude_modules: list[str] = field(default_factory=list)  # globs removed from the matches
+    # fp32 adapters; their products in the base's dtype (base: bf16 GEMMs, the fast path) or in fp32 (PEFT's way)
+    adapter_compute: Literal["base", "fp32"] = "base"
 
 
 @dataclass

@@ -34,9 +34,10 @@ All failures are `ValueError`s naming the keys involved, reported together.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from glmtune.config.schema import JobConfig, ParallelConfig
+from glmtune.config.schema import JobConfig, ParallelConfig, PeftConfig
 from glmtune.distributed.mesh import MeshDegrees
 from glmtune.distributed.mesh import raise_config_errors as _raise
 
@@ -251,7 +252,17 @@ def check_ranges(cfg: JobConfig) -> list[str]:
             (peft.alpha > 0, f"peft.alpha must be > 0, got {peft.alpha}"),
             (0 <= peft.dropout < 1, f"peft.dropout must be in [0, 1), got {peft.dropout}"),
             (bool(peft.target_modules), "peft.target_modules is empty: LoRA would train nothing"),
+            # The correction biases are base buffers an adapter cannot carry: PEFT, vLLM and SGLang
+            # would serve the old routing, not the model that was trained.
+            (t.router_bias_update == "none",
+             f"train.router_bias_update: {t.router_bias_update} with peft.method: lora would change the "
+             "routers' correction biases, which no LoRA adapter carries (PEFT, vLLM and SGLang would route "
+             "with the base's biases, not the trained ones); set train.router_bias_update: none"),
         ) if not ok]
+    else:  # LoRA settings without LoRA would be validated and then ignored
+        errors += [f"peft.{f.name} is set but peft.method is none; set peft.method: lora or remove it"
+                   for f in dataclasses.fields(PeftConfig)
+                   if f.name != "method" and getattr(peft, f.name) != getattr(PeftConfig(), f.name)]
     return errors
 
 

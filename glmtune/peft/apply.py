@@ -21,7 +21,6 @@ bypassed).
 
 from __future__ import annotations
 
-import contextlib
 from fnmatch import fnmatchcase
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from glmtune.config.schema import PeftConfig
 from glmtune.models.glm5.moe import GroupedExperts, Router
+from glmtune.peft.init import reset_lora_parameters
 from glmtune.peft.inventory import LoraInventory, build_inventory, module_kind
 from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
@@ -47,7 +47,8 @@ def lora_spec(peft_cfg: PeftConfig) -> LoraSpec:
         raise ValueError(f"peft.dropout must be in [0, 1), got {peft_cfg.dropout!r}")
     if not peft_cfg.target_modules:
         raise ValueError("peft.target_modules is empty: nothing would train")
-    return LoraSpec(peft_cfg.rank, float(peft_cfg.alpha), float(peft_cfg.dropout), bool(peft_cfg.rslora))
+    return LoraSpec(peft_cfg.rank, float(peft_cfg.alpha), float(peft_cfg.dropout), bool(peft_cfg.rslora),
+                    peft_cfg.adapter_compute)
 
 
 def _frozen_reason(name: str, module: nn.Module) -> str | None:
@@ -128,7 +129,9 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig, seed: int | None = None) 
         model: a built GLM-5 model, not yet wrapped for parallelism.
         peft_cfg: the `peft` section; `method` must be `lora`.
         seed: seeds the adapters' A initialisation (the global RNG is left untouched);
-            None draws from the global RNG.
+            None draws from the global CPU RNG. A model on the meta device gets
+            uninitialised adapters: call `reset_lora_parameters(model, seed)` once it is
+            materialized (same values as here).
 
     Returns:
         The trainable-parameter inventory of the transformed model.
@@ -139,19 +142,17 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig, seed: int | None = None) 
     targets = select_targets(model, peft_cfg)
     for param in model.parameters():
         param.requires_grad_(False)
-    rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
-    with rng:
-        if seed is not None:
-            torch.manual_seed(seed)
-        for name, projs in targets.items():
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            module = getattr(parent, child)
-            if projs is None:
-                new = LoRALinear.from_linear(module, spec)
-            else:
-                new = LoRAGroupedExperts.from_experts(module, spec, projs)
-            setattr(parent, child, new)
+    for name, projs in targets.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, child)
+        if projs is None:
+            new = LoRALinear.from_linear(module, spec, init=False)
+        else:
+            new = LoRAGroupedExperts.from_experts(module, spec, projs, init=False)
+        setattr(parent, child, new)
+    if not any(p.is_meta for p in model.parameters()):
+        reset_lora_parameters(model, seed)  # on meta: after materializing (load_sharded's caller)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable), trainable[:5]
     return build_inventory(model)

@@ -4,8 +4,10 @@ the stacked routed experts.
 Both keep the *same* base `Parameter` objects as the module they replace (no copy,
 same names: `...q_a_proj.weight`, `...experts.gate_up_proj`), so checkpoints of the
 base, FSDP plans keyed by name and `save_pretrained` see the base unchanged. The
-adapters are fp32 whatever the base dtype; their output is cast to the base output's
-dtype before it is added.
+adapters are fp32 whatever the base dtype (master weights: updates of 1e-4 relative do
+not round away); their products run in the base's dtype by default (`LoraSpec.compute`:
+"base", bf16 GEMMs, grouped for the experts) or in fp32 as PEFT does ("fp32", the
+reference the fast path is tested against).
 
     LoRALinear          y = x W^T (+ b) + s * B(A(dropout(x)))       A [r, in], B [out, r]
     LoRAGroupedExperts  per expert e, on the tokens routed to e only:
@@ -23,7 +25,10 @@ the fast path, and an expert that receives no token gets no gradient.
 
 s = alpha / r, or alpha / sqrt(r) with rsLoRA. A is kaiming-uniform (a = sqrt(5),
 i.e. U(-1/sqrt(in), 1/sqrt(in)), as PEFT initialises it) and B is zero, so a fresh
-adapter leaves the model's output unchanged.
+adapter leaves the model's output unchanged. A module initialises its own adapters
+from the global RNG unless built with `init=False`: `apply_lora` draws them for the
+whole model from one seeded generator instead (`peft/init.py`), the same values for a
+sharded model as for a whole one.
 
 Legend: N routed (token, expert) pairs, D model dim, I expert width, E experts, r rank.
 """
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from glmtune.models.glm5.moe import GroupedExperts, grouped_linear
 
@@ -50,6 +56,13 @@ class LoraSpec:
     alpha: float
     dropout: float = 0.0
     rslora: bool = False
+    # "base": the fp32 adapters are cast to the base's dtype for their products (bf16
+    # GEMMs: the fast path, grouped GEMMs for experts under torch.compile); "fp32": inputs
+    # are cast up and the products run in fp32, as PEFT computes (the reference).
+    compute: str = "base"
+
+    def compute_dtype(self, base_dtype: torch.dtype) -> torch.dtype:
+        return base_dtype if self.compute == "base" else torch.float32
 
     @property
     def scaling(self) -> float:
@@ -61,12 +74,10 @@ def _dropout(p: float) -> nn.Module:
 
 
 @torch.no_grad()
-def _init_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+def init_pair(a: torch.Tensor, b: torch.Tensor, generator: torch.Generator | None = None) -> None:
     """A kaiming-uniform per (expert) matrix with fan_in = its last dim; B zero."""
-    if a.is_meta:
-        return
     # A 2-D view makes fan_in the input width even for stacked [E, r, in] tensors.
-    nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))
+    nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5), generator=generator)
     b.zero_()
 
 
@@ -76,32 +87,41 @@ class LoRALinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, spec: LoraSpec, bias: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._add_adapter(spec)
+        self._add_adapter(spec, init=True)
 
-    def _add_adapter(self, spec: LoraSpec) -> None:
+    def _add_adapter(self, spec: LoraSpec, init: bool) -> None:
         self.spec = spec
         self.scaling = spec.scaling
         device = self.weight.device
         self.lora_dropout = _dropout(spec.dropout)
-        self.lora_A = nn.Linear(self.in_features, spec.rank, bias=False, device=device, dtype=torch.float32)
-        self.lora_B = nn.Linear(spec.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
-        _init_pair(self.lora_A.weight, self.lora_B.weight)
+        # skip_init: nn.Linear's own initialisation would draw from the global RNG.
+        self.lora_A = skip_init(nn.Linear, self.in_features, spec.rank, bias=False, device=device,
+                                dtype=torch.float32)
+        self.lora_B = skip_init(nn.Linear, spec.rank, self.out_features, bias=False, device=device,
+                                dtype=torch.float32)
+        if init and device.type != "meta":
+            init_pair(self.lora_A.weight, self.lora_B.weight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: LoraSpec) -> "LoRALinear":
-        """A LoRALinear that owns `linear`'s weight and bias Parameters (shared, not copied)."""
+    def from_linear(cls, linear: nn.Linear, spec: LoraSpec, init: bool = True) -> "LoRALinear":
+        """A LoRALinear that owns `linear`'s weight and bias Parameters (shared, not copied);
+        `init=False` leaves the adapters uninitialised (`peft.init.reset_lora_parameters`)."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.weight = linear.weight
         module.register_parameter("bias", linear.bias)
-        module._add_adapter(spec)
+        module._add_adapter(spec, init)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        delta = self.lora_B(self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype))))
-        return out + (delta * self.scaling).to(out.dtype)
+        dtype = self.spec.compute_dtype(out.dtype)
+        # The scale folds into the [out, r] factor: no extra pass over the activations.
+        a_rI = self.lora_A.weight.to(dtype)
+        b_Or = (self.lora_B.weight * self.scaling).to(dtype)
+        delta = F.linear(F.linear(self.lora_dropout(x.to(dtype)), a_rI), b_Or)
+        return out + delta.to(out.dtype)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -130,7 +150,8 @@ class LoRAGroupedExperts(GroupedExperts):
     """
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, spec: LoraSpec, targets: tuple[str, ...]) -> "LoRAGroupedExperts":
+    def from_experts(cls, experts: GroupedExperts, spec: LoraSpec, targets: tuple[str, ...],
+                     init: bool = True) -> "LoRAGroupedExperts":
         assert targets and set(targets) <= set(EXPERT_PARAMS), targets
         module = cls.__new__(cls)
         nn.Module.__init__(module)
@@ -152,7 +173,8 @@ class LoRAGroupedExperts(GroupedExperts):
             num_experts, out_dim, in_dim = base.shape
             a = torch.empty(num_experts, spec.rank, in_dim, device=base.device, dtype=torch.float32)
             b = torch.empty(num_experts, out_dim, spec.rank, device=base.device, dtype=torch.float32)
-            _init_pair(a, b)
+            if init and base.device.type != "meta":
+                init_pair(a, b)
             module.register_parameter(a_name, nn.Parameter(a))
             module.register_parameter(b_name, nn.Parameter(b))
         return module
@@ -166,9 +188,11 @@ class LoRAGroupedExperts(GroupedExperts):
         pair = self.adapter(proj)
         if pair is None:
             return None
-        a_ErX, b_EOr = pair
-        h_Nr = grouped_linear(self.lora_dropout(x_NX.to(a_ErX.dtype)), a_ErX, offsets_E, self.backend)
-        return grouped_linear(h_Nr, b_EOr, offsets_E, self.backend) * self.scaling
+        dtype = self.spec.compute_dtype(x_NX.dtype)
+        a_ErX = pair[0].to(dtype)
+        b_EOr = (pair[1] * self.scaling).to(dtype)  # the scale folds into the small factor
+        h_Nr = grouped_linear(self.lora_dropout(x_NX.to(dtype)), a_ErX, offsets_E, self.backend)
+        return grouped_linear(h_Nr, b_EOr, offsets_E, self.backend)
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0)

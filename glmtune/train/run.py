@@ -27,7 +27,7 @@ from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.io.fingerprint import base_identity_from_dir, base_identity_from_model
+from glmtune.io.fingerprint import base_identity_from_dir
 from glmtune.models.glm5.args import PRESETS
 from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
@@ -89,6 +89,22 @@ def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) 
         console.print(f"[yellow]{warning}[/yellow]")
 
 
+BASE_DIR = "base"  # RUN_DIR/base: the HF checkpoint of a preset base that LoRA trained on
+
+
+def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, console: Console) -> dict:
+    """Rank 0, before LoRA and parallel wrapping: the preset's weights as an HF directory
+    (with the tokenizer) that PEFT, `glmtune merge` and serving engines can load; its identity."""
+    from glmtune.checkpoint.hf_io import save_pretrained
+    from glmtune.data.tokenizer import resolve_tokenizer_dir
+
+    for warning in check_free_space([(out, export_bytes(model), "the preset base")], keep_last=0):
+        console.print(f"[yellow]{warning}[/yellow]")
+    save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
+    console.print(f"wrote the {cfg.model.name_or_path} preset's base (the adapter's base model): {out}")
+    return base_identity_from_dir(out)
+
+
 def run_training(cfg: JobConfig, overwrite: bool = False) -> int:
     """Train `cfg`. With `overwrite`, an earlier run in the same run directory is replaced."""
     try:
@@ -125,12 +141,17 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     base_hashing, base_identity = None, None
     if lora and info.is_main and cfg.model.name_or_path not in PRESETS:
         base_hashing = ThreadPoolExecutor(1).submit(base_identity_from_dir, cfg.model.name_or_path)
-    # Never the whole model on one rank: under torchrun a full fine-tune of an HF checkpoint is
-    # built on the meta device and each rank reads only its own shards after parallelize.
-    sharded_load = info.world_size > 1 and cfg.model.name_or_path not in PRESETS and not lora
+    # Never the whole model on one rank: under torchrun a run from an HF checkpoint is built on
+    # the meta device and each rank reads only its own shards after parallelize (LoRA adapters
+    # are then initialised to the values a one-process run draws).
+    sharded_load = info.world_size > 1 and cfg.model.name_or_path not in PRESETS
     model, model_dir = build_model_from_config(cfg, "meta" if sharded_load else device)
-    if lora and info.is_main and model_dir is None:
-        base_identity = base_identity_from_model(model, cfg.model.name_or_path)
+    adapter_base = str(model_dir) if model_dir is not None else None
+    if lora and model_dir is None:
+        # A preset's random base exists nowhere else: the run writes it, and the adapter names it.
+        adapter_base = str((run_dir / BASE_DIR).resolve())
+        if info.is_main:
+            base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console)
     from glmtune.peft import apply_lora, build_inventory, print_inventory
 
     # LoRA is a transformation of the built model, before any parallel wrapping.
@@ -179,7 +200,11 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=cfg.parallel.ep_dispatcher,
     )
     if sharded_load:
-        stats = load_sharded(model, model_dir, device)
+        from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
+
+        stats = load_sharded(model, model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
+        if lora:
+            reset_lora_parameters(model, cfg.train.seed)
         if info.is_main:
             console.print(f"loaded {model_dir}, rank 0: {stats.describe()}")
         before = run_samples(model, tokenizer, template, prompts) if prompts else []  # every rank: sharded
@@ -254,8 +279,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if cfg.peft.method == "lora":
         from glmtune.peft import export_run_adapters
 
-        base = str(model_dir) if model_dir is not None else cfg.model.name_or_path
-        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=base,
+        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=adapter_base,
                                                       base_identity=base_identity).items():
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")

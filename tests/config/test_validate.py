@@ -191,3 +191,24 @@ def test_ep_dispatcher_without_expert_parallelism_is_refused():
     cfg = load_config("tiny/sft_support_json", ["--parallel.ep_dispatcher", "all_gather"])
     assert any(e.startswith("parallel.ep_dispatcher: all_gather moves tokens") for e in check_ranges(cfg))
     assert not any("ep_dispatcher" in e for e in check_ranges(load_config("tiny/sft_support_json")))
+
+
+def test_lora_refuses_a_router_bias_update_no_adapter_can_carry():
+    from glmtune.config.validate import check_ranges
+
+    cfg = load_config("tiny/lora_support_json", ["--train.router_bias_update", "sign"])
+    assert any(e.startswith("train.router_bias_update: sign with peft.method: lora") for e in check_ranges(cfg))
+    assert not any("router_bias" in e for e in check_ranges(load_config("tiny/lora_support_json")))
+    # Full fine-tuning trains the biases into the exported checkpoint: allowed.
+    full = load_config("tiny/sft_support_json", ["--train.router_bias_update", "sign"])
+    assert not any("router_bias" in e for e in check_ranges(full))
+
+
+def test_lora_settings_without_lora_are_refused_by_name():
+    from glmtune.config.validate import check_ranges
+
+    cfg = load_config("tiny/sft_support_json", ["--peft.rank", "16", "--peft.adapter_compute", "fp32"])
+    errors = check_ranges(cfg)
+    assert any(e.startswith("peft.rank is set but peft.method is none") for e in errors)
+    assert any(e.startswith("peft.adapter_compute is set but peft.method is none") for e in errors)
+    assert not any(e.startswith("peft.") for e in check_ranges(load_config("tiny/sft_support_json")))
