@@ -50,14 +50,16 @@ def profile(step, a, stem: str | None = None) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for i in range(2):
             step(a.warmup + i)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
     out_dir = os.environ.get("OUT") or "."
     stem = stem or f"profile_seq{a.seq}{'_ckpt' if a.ckpt else ''}"
-    Path(out_dir, f"{stem}.txt").write_text(table + "\n\n" + kernel_table(prof, steps=2))
+    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=60,
+                                                                   max_shapes_column_width=120)
+    Path(out_dir, f"{stem}.txt").write_text(table + "\n\n" + kernel_table(prof, steps=2) + "\n\n" + by_shape)
     prof.export_chrome_trace(str(Path(out_dir, f"{stem}.json.gz")))
 
 

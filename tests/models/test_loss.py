@@ -82,3 +82,23 @@ def test_fused_bf16_close_to_fp32_reference():
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-2
     assert (h16.grad.float() - h32.grad).norm() / h32.grad.norm() < 2e-2
     assert (w16.grad.float() - w32.grad).norm() / w32.grad.norm() < 2e-2
+
+
+def test_frozen_head_gets_no_weight_gradient_and_the_same_hidden_gradient(monkeypatch):
+    """LoRA freezes the LM head: the fused loss then skips the V x D weight-gradient GEMM."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 21, 16, requires_grad=True)
+    weight = torch.randn(50, 16)
+    targets = torch.randint(0, 50, (2, 21))
+    loss_f, n_f = full_cross_entropy(hidden @ weight.T, targets)
+    (loss_f / n_f).backward()
+    expected, hidden.grad = hidden.grad.clone(), None
+
+    calls = []
+    original = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    loss_c, n_c = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, backend="fused")
+    (loss_c / n_c).backward()
+    assert calls == [] and weight.grad is None
+    torch.testing.assert_close(loss_c, loss_f, rtol=1e-6, atol=0)
+    torch.testing.assert_close(hidden.grad, expected, rtol=1e-5, atol=1e-6)

@@ -76,11 +76,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size, grad_scale):
-        grad_hidden = torch.empty_like(hidden_ND)
+        # Only the gradients autograd will ask for: a frozen head (LoRA) skips the V x D
+        # weight-gradient GEMM and its buffer (a third of the head's cost).
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden_ND) if need_hidden else None
         # Accumulated in the weight's dtype with one rounding per slice (what autograd would do
         # across slices); an fp32 buffer would cost 4 bytes x V x D (3.8 GB for GLM-5's head).
         # The first slice writes it (no zero fill, no read of zeros), later ones add to it.
-        grad_weight = torch.empty_like(weight_VD) if hidden_ND.shape[0] else torch.zeros_like(weight_VD)
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.empty_like(weight_VD) if hidden_ND.shape[0] else torch.zeros_like(weight_VD)
         total = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
         alpha = 1.0 if grad_scale is None else grad_scale
         for start in range(0, hidden_ND.shape[0], chunk_size):
@@ -88,9 +93,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             t = targets_N[start : start + chunk_size]
             loss, dlogits = slice_loss_and_grad(F.linear(h, weight_VD), t)
             total += loss
-            grad_hidden[start : start + chunk_size] = dlogits @ weight_VD
-            # beta=0 on the first slice: the uninitialized output is ignored (no NaN propagated).
-            grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype), beta=0 if start == 0 else 1, alpha=alpha)
+            if need_hidden:
+                grad_hidden[start : start + chunk_size] = dlogits @ weight_VD
+            if need_weight:
+                # beta=0 on the first slice: the uninitialized output is ignored (no NaN propagated).
+                grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype), beta=0 if start == 0 else 1, alpha=alpha)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.grad_scale = grad_scale
         return total
@@ -99,10 +106,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale_in_place((grad_hidden,), grad_total)
-        # The head gradient already carries grad_scale; what is left is 1 when the caller's
-        # factor was the announced one (the scaling kernel then skips the 1.9 GB pass).
-        scale_in_place((grad_weight,), grad_total if ctx.grad_scale is None else grad_total / ctx.grad_scale)
+        if grad_hidden is not None:
+            scale_in_place((grad_hidden,), grad_total)
+        if grad_weight is not None:
+            # The head gradient already carries grad_scale; what is left is 1 when the caller's
+            # factor was the announced one (the scaling kernel then skips the 1.9 GB pass).
+            scale_in_place((grad_weight,), grad_total if ctx.grad_scale is None else grad_total / ctx.grad_scale)
         return grad_hidden, grad_weight, None, None, None
 
 
