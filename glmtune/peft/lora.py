@@ -115,12 +115,17 @@ class LoRALinear(nn.Linear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        dtype = self.spec.compute_dtype(out.dtype)
+        dtype = self.spec.compute_dtype(self.weight.dtype)
         # The scale folds into the [out, r] factor: no extra pass over the activations.
         a_rI = self.lora_A.weight.to(dtype)
         b_Or = (self.lora_B.weight * self.scaling).to(dtype)
         delta = F.linear(F.linear(self.lora_dropout(x.to(dtype)), a_rI), b_Or)
+        if delta.dtype == self.weight.dtype and self.bias is None and x.dtype == self.weight.dtype:
+            # The base GEMM adds the update in its epilogue (beta = 1): one rounding, and no
+            # separate pass reading two [tokens, out] tensors and writing a third.
+            out = torch.addmm(delta.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
+            return out.view(*x.shape[:-1], self.out_features)
+        out = F.linear(x, self.weight, self.bias)
         return out + delta.to(out.dtype)
 
     @torch.no_grad()

@@ -77,11 +77,14 @@ def test_expert_fast_path_matches_fp32_reference(backend):
         assert _rel(g_fast, g_ref) < 2e-2, name
 
 
-def test_fp32_base_paths_are_the_same_function():
-    """On an fp32 base both settings compute in fp32: the scale folded into B is the only
-    difference (rounding order)."""
+@pytest.mark.parametrize("bias", [True, False])  # without a bias the base GEMM adds the update (addmm)
+def test_fp32_base_paths_are_the_same_function(bias):
+    """On an fp32 base both settings compute in fp32: where the update is added and the scale
+    folded into B are the only differences (rounding order)."""
     torch.manual_seed(0)
-    base = nn.Linear(64, 96, bias=True)
+    base = nn.Linear(64, 96, bias=bias)
     fast, ref = _pair(lambda spec: LoRALinear.from_linear(copy.deepcopy(base), spec))
-    x = torch.randn(10, 64)
-    torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-6)
+    x = torch.randn(2, 10, 64)
+    torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-5)
+    expected = base(x) + fast.scaling * (x @ fast.lora_A.weight.T @ fast.lora_B.weight.T)
+    torch.testing.assert_close(fast(x), expected, rtol=1e-5, atol=1e-5)
