@@ -92,15 +92,22 @@ def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) 
 BASE_DIR = "base"  # RUN_DIR/base: the HF checkpoint of a preset base that LoRA trained on
 
 
-def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, console: Console) -> dict:
-    """Rank 0, before LoRA and parallel wrapping: the preset's weights as an HF directory
-    (with the tokenizer) that PEFT, `glmtune merge` and serving engines can load; its identity."""
+def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, console: Console,
+                       is_main: bool) -> dict | None:
+    """Every rank (collective under torchrun; rank 0 writes), before LoRA and parallel wrapping:
+    the preset's weights as an HF directory (with the tokenizer) that PEFT, `glmtune merge` and
+    serving engines can load. Returns its identity on rank 0."""
     from glmtune.checkpoint.hf_io import save_pretrained
     from glmtune.data.tokenizer import resolve_tokenizer_dir
 
-    for warning in check_free_space([(out, export_bytes(model), "the preset base")], keep_last=0):
-        console.print(f"[yellow]{warning}[/yellow]")
+    def check_space() -> None:  # rank 0; a refusal (ValueError) stops every rank alike
+        for warning in check_free_space([(out, export_bytes(model), "the preset base")], keep_last=0):
+            console.print(f"[yellow]{warning}[/yellow]")
+
+    decide_on_rank0(check_space)
     save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
+    if not is_main:
+        return None
     console.print(f"wrote the {cfg.model.name_or_path} preset's base (the adapter's base model): {out}")
     return base_identity_from_dir(out)
 
@@ -150,8 +157,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if lora and model_dir is None:
         # A preset's random base exists nowhere else: the run writes it, and the adapter names it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
-        if info.is_main:
-            base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console)
+        base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console, info.is_main)
     from glmtune.peft import apply_lora, build_inventory, print_inventory
 
     # LoRA is a transformation of the built model, before any parallel wrapping.

@@ -8,9 +8,14 @@ adapters; under EP the routed experts with theirs); `fully_shard` asks one dtype
 through one byte buffer, so no unit has to be split.
 
 Tolerance: losses and gradient norms within relative 4e-3 (2**-8, one bf16 rounding step
-of the base's activations), adapters within rtol 4e-3 / atol 1e-5. The ranks compute the
-same bf16 kernels on the same rows as the one process's micro-batches, so the runs agree far
-closer than that in practice; the tolerance leaves room for reduction order.
+of the base's activations). Under FSDP2 the ranks compute the same bf16 kernels on the same
+rows as the one process's micro-batches, and the adapters agree too (rtol 4e-3 / atol 1e-5;
+measured: bit for bit). Under EP 2 the routed rows reach the experts in another order
+(token exchange), so the bf16 adapter products round differently; AdamW normalizes each
+gradient entry, so an entry whose gradient is mostly rounding noise may step the other way
+(measured: up to 3e-3 on B after three steps at lr 2e-3; with `peft.adapter_compute: fp32`
+the same runs differ by 3e-5 at most), and the adapters are not compared there. EP's adapters are compared to one process in fp32 (tests/distributed/
+test_expert_parallel_train.py, rtol 1e-4).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ def test_bf16_lora_trains_under_fsdp2_and_ep2_like_one_process(tmp_path):
         for step, (loss, norm) in expected.items():
             assert actual[step][0] == pytest.approx(loss, rel=BF16_REL), (name, step)
             assert actual[step][1] == pytest.approx(norm, rel=BF16_REL), (name, step)
+        if name == "ep2":
+            continue  # bf16 products in another row order: see the module docstring
         for layout in ("adapter", "adapter_per_expert"):
             ours = load_file(tmp_path / name / layout / "adapter_model.safetensors")
             theirs = load_file(tmp_path / "single" / layout / "adapter_model.safetensors")

@@ -1,7 +1,8 @@
 """An adapter reproduces the trained model: a tiny LoRA run on the preset base writes that
 base as an HF directory (RUN_DIR/base) and names it in the adapter; transformers + PEFT,
 loading nothing but RUN_DIR/base and RUN_DIR/adapter, give the logits of the model the
-run trained (its base plus the adapters of its last checkpoint)."""
+run trained (its base plus the adapters of its last checkpoint), and so does
+`glmtune merge RUN_DIR/base RUN_DIR/adapter OUT` (the recorded base identity matches)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from glmtune.checkpoint.hf_io import load_pretrained  # noqa: E402
 from glmtune.checkpoint.manager import CheckpointManager  # noqa: E402
+from glmtune.cli import main  # noqa: E402
 from glmtune.config import load_config  # noqa: E402
 from glmtune.io.fingerprint import base_identity_from_dir  # noqa: E402
 from glmtune.peft import apply_lora  # noqa: E402
@@ -55,3 +57,9 @@ def test_peft_on_the_written_base_gives_the_trained_models_logits(tmp_path):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
     with served.disable_adapter(), torch.no_grad():
         assert (served(x).logits - expected).abs().max() > 1e-3  # the adapter is what makes them equal
+
+    assert main(["merge", str(base), str(adapter), str(tmp_path / "merged")]) == 0  # no --force needed
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager",
+                                                  dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, expected, rtol=1e-4, atol=1e-4)
