@@ -260,9 +260,10 @@ def check_ranges(cfg: JobConfig) -> list[str]:
              "with the base's biases, not the trained ones); set train.router_bias_update: none"),
         ) if not ok]
     else:  # LoRA settings without LoRA would be validated and then ignored
+        defaults = PeftConfig()
         errors += [f"peft.{f.name} is set but peft.method is none; set peft.method: lora or remove it"
                    for f in dataclasses.fields(PeftConfig)
-                   if f.name != "method" and getattr(peft, f.name) != getattr(PeftConfig(), f.name)]
+                   if f.name != "method" and getattr(peft, f.name) != getattr(defaults, f.name)]
     return errors
 
 

@@ -6,8 +6,8 @@
 `weights_sha256` is one sha256 over a line per tensor, in sorted HF-name order:
 `name dtype shape sha256(raw bytes)`, with dtype as safetensors spells it (BF16, F32,
 F8_E4M3). It depends only on the tensors, not on how they are split into shard files
-or on the file names, and a model saved with `save_pretrained` in its own dtype has
-the digest of the in-memory model (`base_identity_from_model`).
+or on the file names. A LoRA run on a built-in preset writes the preset as an HF
+directory (RUN_DIR/base) and records that directory's identity.
 
 `config_sha256` is the sha256 of the canonical JSON (sorted keys) of the config as
 glmtune reads it (`Glm5Args.to_hf_dict()`), without the keys that describe how a file
@@ -30,16 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 
 COSMETIC_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
                  "output_router_logits", "quantization_config")
 _CHUNK_BYTES = 8 << 20
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
 
 
 def config_sha256(args) -> str:
@@ -103,26 +97,6 @@ def base_identity_from_dir(hf_dir: str | Path, num_threads: int | None = None) -
         shas = dict(zip(jobs, pool.map(lambda job: _file_range_sha256(*job[2:]), jobs.values())))
     entries = {name: (dtype, shape, shas[name]) for name, (dtype, shape, *_) in jobs.items()}
     return {"kind": "hf_dir", "path": str(hf_dir.resolve()), "config_sha256": config_sha256(args),
-            "weights_sha256": _weights_sha256(entries), "num_tensors": len(entries)}
-
-
-@torch.no_grad()
-def base_identity_from_model(model, preset: str) -> dict[str, Any]:
-    """The identity of a model built from `preset` (no directory), from its HF-named tensors.
-
-    LoRA factors are left out, so it may be called before or after `apply_lora` (but
-    before training changes the base, i.e. full fine-tuning). Not under FSDP: call it
-    before `parallelize_glm5`.
-    """
-    from glmtune.checkpoint.hf_io import hf_tensors
-
-    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
-    entries = {}
-    for name, tensor in hf_tensors(model, state):
-        tensor = tensor.detach().to("cpu").contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8).numpy()
-        entries[name] = (_SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), hashlib.sha256(raw).hexdigest())
-    return {"kind": "preset", "preset": preset, "config_sha256": config_sha256(model.args),
             "weights_sha256": _weights_sha256(entries), "num_tensors": len(entries)}
 
 

@@ -41,12 +41,7 @@ def adapter_pairs(model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Paramete
 
 def adapter_parameter_names(model: nn.Module) -> set[str]:
     """State-dict keys of the adapters (what an HF base checkpoint does not hold)."""
-    names = set()
-    for name, module in lora_modules(model):
-        for pname, _ in module.named_parameters(recurse=True):
-            if pname.startswith("lora_"):
-                names.add(f"{name}.{pname}")
-    return names
+    return {name for name, _ in model.named_parameters() if ".lora_" in name}
 
 
 @torch.no_grad()
