@@ -54,7 +54,7 @@ def peft_config(a):
 
     exclude = [] if a.lora_experts else ["*.mlp.experts"]
     return PeftConfig(method="lora", rank=a.lora_rank, alpha=a.lora_alpha, exclude_modules=exclude,
-                      adapter_compute=a.lora_compute)
+                      adapter_compute=a.lora_compute, adapter_kernel=a.lora_kernel)
 
 
 def run_glmtune_lora(cfg, state, batches, a, adapter_dir: Path):
@@ -114,6 +114,7 @@ def _report(name, a, measured, groups):
     return {"impl": name, "mode": "lora", "seq": a.seq, "ckpt": a.ckpt, "compile": a.compile, "docs": a.docs,
             "rank": a.lora_rank, "alpha": a.lora_alpha, "experts_targeted": a.lora_experts,
             "adapter_compute": a.lora_compute if name == "glmtune-lora" else "fp32",
+            "adapter_kernel": a.lora_kernel if name == "glmtune-lora" else None,
             "layers": a.layers, "experts": a.experts, "trainable": sum(groups.values()), "inventory": groups,
             "step_s": round(seconds, 4), "tok_s": round(tok_s, 1), "peak_gib": round(peak, 2),
             "losses": [round(x, 5) for x in losses]}

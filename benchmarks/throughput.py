@@ -76,6 +76,8 @@ def parse_args(argv=None):
                    help="target the routed experts too (the default targets); --no-lora-experts leaves them out")
     p.add_argument("--lora-compute", choices=["base", "fp32"], default="base",
                    help="glmtune's peft.adapter_compute: adapter products in bf16 (base) or fp32")
+    p.add_argument("--lora-kernel", choices=["auto", "torch", "triton"], default="auto",
+                   help="glmtune's peft.adapter_kernel: the experts' base + update sums fused (triton) or not (torch)")
     p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
     p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
     p.add_argument("--dispatch", default="auto", help="glmtune MoE token movement (auto: Triton kernels on GPU)")

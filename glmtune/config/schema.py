@@ -184,6 +184,8 @@ class PeftConfig:
     exclude_modules: list[str] = field(default_factory=list)  # globs removed from the matches
     # fp32 adapters; their products in the base's dtype (base: bf16 GEMMs, the fast path) or in fp32 (PEFT's way)
     adapter_compute: Literal["base", "fp32"] = "base"
+    # the routed experts' base + update sums: triton (one fused pass) or torch; auto: triton on cuda
+    adapter_kernel: Literal["auto", "torch", "triton"] = "auto"
 
 
 @dataclass

@@ -48,7 +48,7 @@ def lora_spec(peft_cfg: PeftConfig) -> LoraSpec:
     if not peft_cfg.target_modules:
         raise ValueError("peft.target_modules is empty: nothing would train")
     return LoraSpec(peft_cfg.rank, float(peft_cfg.alpha), float(peft_cfg.dropout), bool(peft_cfg.rslora),
-                    peft_cfg.adapter_compute)
+                    peft_cfg.adapter_compute, peft_cfg.adapter_kernel)
 
 
 def _frozen_reason(name: str, module: nn.Module) -> str | None:

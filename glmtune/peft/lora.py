@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from glmtune.kernels.lowrank_add import resolve_backend
 from glmtune.models.glm5.moe import GroupedExperts, grouped_linear
+from glmtune.peft.products import expert_lora_linear, lora_linear
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -60,6 +62,9 @@ class LoraSpec:
     # GEMMs: the fast path, grouped GEMMs for experts under torch.compile); "fp32": inputs
     # are cast up and the products run in fp32, as PEFT computes (the reference).
     compute: str = "base"
+    # The routed experts' sums of base and update (`glmtune/kernels/lowrank_add.py`): "triton"
+    # fuses them into one pass, "torch" is a grouped GEMM and an add; "auto": triton on CUDA.
+    kernel: str = "auto"
 
     def compute_dtype(self, base_dtype: torch.dtype) -> torch.dtype:
         return base_dtype if self.compute == "base" else torch.float32
@@ -119,12 +124,12 @@ class LoRALinear(nn.Linear):
         # The scale folds into the [out, r] factor: no extra pass over the activations.
         a_rI = self.lora_A.weight.to(dtype)
         b_Or = (self.lora_B.weight * self.scaling).to(dtype)
+        if (dtype == self.weight.dtype == x.dtype and self.bias is None and not self.weight.requires_grad
+                and isinstance(self.lora_dropout, nn.Identity)):
+            # The fast path: the base GEMM accumulates onto the update in place (one rounding,
+            # no pass reading two [tokens, out] tensors), and the same in the backward.
+            return lora_linear(x, self.weight, a_rI, b_Or)
         delta = F.linear(F.linear(self.lora_dropout(x.to(dtype)), a_rI), b_Or)
-        if delta.dtype == self.weight.dtype and self.bias is None and x.dtype == self.weight.dtype:
-            # The base GEMM adds the update in its epilogue (beta = 1): one rounding, and no
-            # separate pass reading two [tokens, out] tensors and writing a third.
-            out = torch.addmm(delta.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
-            return out.view(*x.shape[:-1], self.out_features)
         out = F.linear(x, self.weight, self.bias)
         return out + delta.to(out.dtype)
 
@@ -199,19 +204,28 @@ class LoRAGroupedExperts(GroupedExperts):
         h_Nr = grouped_linear(self.lora_dropout(x_NX.to(dtype)), a_ErX, offsets_E, self.backend)
         return grouped_linear(h_Nr, b_EOr, offsets_E, self.backend)
 
+    def _fused(self, x_NX: torch.Tensor) -> bool:
+        """Whether base and adapter products run together (`expert_lora_linear`)."""
+        return (self.spec.compute_dtype(self.gate_up_proj.dtype) == self.gate_up_proj.dtype == x_NX.dtype
+                and isinstance(self.lora_dropout, nn.Identity) and self.backend == "grouped_mm")
+
+    def _project(self, x_NX: torch.Tensor, proj: str, counts_E: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """x through one stacked projection, its adapter's update included."""
+        pair = self.adapter(proj)
+        if pair is None:
+            return grouped_linear(x_NX, getattr(self, proj), offsets_E, self.backend)
+        if self._fused(x_NX):
+            b_EOr = (pair[1] * self.scaling).to(x_NX.dtype)
+            return expert_lora_linear(x_NX, getattr(self, proj), pair[0].to(x_NX.dtype), b_EOr, counts_E,
+                                      resolve_backend(self.spec.kernel, x_NX.device))
+        out = grouped_linear(x_NX, getattr(self, proj), offsets_E, self.backend)
+        return out + self._lora(x_NX, proj, offsets_E).to(out.dtype)
+
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0)
-        gate_up_N2I = grouped_linear(x_ND, self.gate_up_proj, offsets_E, self.backend)
-        delta = self._lora(x_ND, "gate_up_proj", offsets_E)
-        if delta is not None:
-            gate_up_N2I = gate_up_N2I + delta.to(gate_up_N2I.dtype)
+        gate_up_N2I = self._project(x_ND, "gate_up_proj", tokens_per_expert_E, offsets_E)
         gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-        h_NI = F.silu(gate_NI) * up_NI
-        out_ND = grouped_linear(h_NI, self.down_proj, offsets_E, self.backend)
-        delta = self._lora(h_NI, "down_proj", offsets_E)
-        if delta is not None:
-            out_ND = out_ND + delta.to(out_ND.dtype)
-        return out_ND
+        return self._project(F.silu(gate_NI) * up_NI, "down_proj", tokens_per_expert_E, offsets_E)
 
     @torch.no_grad()
     def delta_weight(self, proj: str) -> torch.Tensor:

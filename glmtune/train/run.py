@@ -133,6 +133,10 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if device.type == "cuda":
         device = resolve_device(cfg.train.device, info.local_rank)
     degrees = check_recipe(cfg, info.world_size)
+    if cfg.peft.method == "lora":
+        from glmtune.kernels.lowrank_add import resolve_backend
+
+        resolve_backend(cfg.peft.adapter_kernel, device)  # triton without CUDA: refused before anything is written
     precision = resolve_precision(cfg)
     grad_accum = grad_accum_steps(cfg, degrees)
     run_dir = Path(cfg.logging.run_dir)
