@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from glmtune.config.schema import ParallelConfig
 from glmtune.models.glm5.model import Glm5ForCausalLM
+from glmtune.peft import products as _lora_products  # noqa: F401  (registers glmtune::lora_linear)
 
 
 def _saved_under_checkpointing():
@@ -48,7 +49,8 @@ def _saved_under_checkpointing():
 _SAVED = _saved_under_checkpointing()
 
 
-_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1}
+# Operand whose last dim is the reduction dim; the LoRA op's base product reduces over x's width.
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.glmtune.lora_linear.default: 0}
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _MATMULS[torch.ops.aten._grouped_mm.default] = 0
 # Matmul outputs are kept when their reduction dim is at least this: recomputing one kept
