@@ -100,4 +100,6 @@ def test_lora_on_expert_parallel_experts_matches_one_process(tmp_path):
         theirs = load_file(tmp_path / "single" / layout / "adapter_model.safetensors")
         assert ours.keys() == theirs.keys(), layout
         for name, tensor in theirs.items():
-            torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+            # As above: Adam turns reduction-order noise in a near-zero gradient into ~1e-6 moves
+            # (measured 4.5e-6 on one routed expert's B, whose entries reach 5e-3).
+            torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
