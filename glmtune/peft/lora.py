@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from glmtune.kernels.fp8_matmul import linear_fp8
 from glmtune.kernels.lowrank_add import resolve_backend
 from glmtune.models.glm5.moe import GroupedExperts, grouped_linear
 from glmtune.peft.products import expert_lora_linear, lora_linear
@@ -116,11 +117,14 @@ class LoRALinear(nn.Linear):
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.weight = linear.weight
         module.register_parameter("bias", linear.bias)
+        _share_fp8_scales(linear, module)
+        module.fp8_backend = getattr(linear, "fp8_backend", None)
         module._add_adapter(spec, init)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.spec.compute_dtype(self.weight.dtype)
+        scale = getattr(self, "weight_scale_inv", None)
+        dtype = self.spec.compute_dtype(x.dtype if scale is not None else self.weight.dtype)
         # The scale folds into the [out, r] factor: no extra pass over the activations.
         a_rI = self.lora_A.weight.to(dtype)
         b_Or = (self.lora_B.weight * self.scaling).to(dtype)
@@ -130,7 +134,10 @@ class LoRALinear(nn.Linear):
             # no pass reading two [tokens, out] tensors), and the same in the backward.
             return lora_linear(x, self.weight, a_rI, b_Or)
         delta = F.linear(F.linear(self.lora_dropout(x.to(dtype)), a_rI), b_Or)
-        out = F.linear(x, self.weight, self.bias)
+        if scale is not None:  # a frozen FP8 base (glmtune/models/glm5/fp8_base.py)
+            out = linear_fp8(x, self.weight, scale, self.fp8_backend)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         return out + delta.to(out.dtype)
 
     @torch.no_grad()
@@ -139,12 +146,19 @@ class LoRALinear(nn.Linear):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def base_module(self) -> nn.Linear:
-        """A plain nn.Linear over the same Parameters (the adapter dropped, not merged)."""
-        linear = nn.Linear.__new__(nn.Linear)
+        """A plain nn.Linear (an Fp8Linear on an FP8 base) over the same Parameters (the
+        adapter dropped, not merged)."""
+        from glmtune.models.glm5.fp8_base import Fp8Linear
+
+        kind = Fp8Linear if getattr(self, "weight_scale_inv", None) is not None else nn.Linear
+        linear = kind.__new__(kind)
         nn.Module.__init__(linear)
         linear.in_features, linear.out_features = self.in_features, self.out_features
         linear.weight = self.weight
         linear.register_parameter("bias", self.bias)
+        _share_fp8_scales(self, linear)
+        if kind is Fp8Linear:
+            linear.fp8_backend = self.fp8_backend
         return linear
 
     def extra_repr(self) -> str:
@@ -169,6 +183,7 @@ class LoRAGroupedExperts(GroupedExperts):
         module.num_experts = experts.num_experts
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
+        _share_fp8_scales(experts, module)
         module.spec = spec
         module.scaling = spec.scaling
         module.targets = tuple(p for p in EXPERT_PARAMS if p in targets)
@@ -213,12 +228,12 @@ class LoRAGroupedExperts(GroupedExperts):
         """x through one stacked projection, its adapter's update included."""
         pair = self.adapter(proj)
         if pair is None:
-            return grouped_linear(x_NX, getattr(self, proj), offsets_E, self.backend)
+            return self.project(x_NX, proj, offsets_E)
         if self._fused(x_NX):
             b_EOr = (pair[1] * self.scaling).to(x_NX.dtype)
             return expert_lora_linear(x_NX, getattr(self, proj), pair[0].to(x_NX.dtype), b_EOr, counts_E,
                                       resolve_backend(self.spec.kernel, x_NX.device))
-        out = grouped_linear(x_NX, getattr(self, proj), offsets_E, self.backend)
+        out = self.project(x_NX, proj, offsets_E)
         return out + self._lora(x_NX, proj, offsets_E).to(out.dtype)
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -239,10 +254,18 @@ class LoRAGroupedExperts(GroupedExperts):
         nn.Module.__init__(experts)
         experts.backend, experts.num_experts = self.backend, self.num_experts
         experts.gate_up_proj, experts.down_proj = self.gate_up_proj, self.down_proj
+        _share_fp8_scales(self, experts)
         return experts
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, rank={self.spec.rank}, scaling={self.scaling:g}"
+
+
+def _share_fp8_scales(source: nn.Module, target: nn.Module) -> None:
+    """A frozen FP8 base's block scales (`<weight>_scale_inv`) go with its weights."""
+    for name, param in source.named_parameters(recurse=False):
+        if name.endswith("_scale_inv"):
+            target.register_parameter(name, param)
 
 
 def _short(proj: str) -> str:

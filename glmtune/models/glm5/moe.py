@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmtune.kernels import moe_combine
+from glmtune.kernels.fp8_matmul import grouped_linear_fp8
 from glmtune.models.glm5.args import Glm5Args
 
 MOE_BACKENDS = ("grouped_mm", "loop")
@@ -264,11 +265,19 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
+    def project(self, x_NX: torch.Tensor, proj: str, offsets_E: torch.Tensor) -> torch.Tensor:
+        """x through the stacked projection `proj`; a frozen FP8 base (`glmtune/models/glm5/
+        fp8_base.py`) carries its block scales as `<proj>_scale_inv`."""
+        scale = getattr(self, f"{proj}_scale_inv", None)
+        if scale is not None:
+            return grouped_linear_fp8(x_NX, getattr(self, proj), scale, offsets_E)
+        return grouped_linear(x_NX, getattr(self, proj), offsets_E, self.backend)
+
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0)
-        gate_up_N2I = grouped_linear(x_ND, self.gate_up_proj, offsets_E, self.backend)
+        gate_up_N2I = self.project(x_ND, "gate_up_proj", offsets_E)
         gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate_NI) * up_NI, self.down_proj, offsets_E, self.backend)
+        return self.project(F.silu(gate_NI) * up_NI, "down_proj", offsets_E)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)

@@ -21,13 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import Glm5Args
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _INTERNAL_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _INTERNAL_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-FP8_BLOCK = 128
+FP8_BLOCK = fp8_blocks.BLOCK
+is_fp8 = fp8_blocks.is_fp8
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -111,14 +113,9 @@ class Glm5StateDictAdapter:
 _TOP_LEVEL_KEYS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 
 
-def is_fp8(tensor: torch.Tensor) -> bool:
-    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def fp8_scale_shape(weight_shape: tuple[int, ...]) -> tuple[int, int]:
     """The shape of the `weight_scale_inv` of a 2-D FP8 weight: one scale per 128x128 block."""
-    rows, cols = weight_shape
-    return -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    return fp8_blocks.scale_shape(weight_shape)
 
 
 def check_fp8_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
@@ -130,8 +127,7 @@ def check_fp8_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...])
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w[i, j] * scale_inv[i // 128, j // 128] in fp32, cast to `dtype` (DeepSeek/GLM FP8 layout)."""
-    check_fp8_scale(tuple(weight.shape), tuple(scale_inv.shape))
-    return dequantize_fp8_region(weight, scale_inv, (0, 0), dtype)
+    return fp8_blocks.dequantize(weight, scale_inv, dtype)
 
 
 def dequantize_fp8_region(weight: torch.Tensor, scale_inv: torch.Tensor, start: tuple[int, int],

@@ -1,0 +1,77 @@
+"""The blockwise FP8 format of GLM-5's (and DeepSeek-V3's) FP8 checkpoints, in torch.
+
+Weights are float8_e4m3fn with one fp32 `scale_inv` per 128 x 128 block of the last two
+dims (w = q * scale_inv; the last block of a dim may be partial); stacked expert weights
+[E, R, C] carry scales [E, ceil(R/128), ceil(C/128)]. Activations (and output gradients)
+for blockwise-scaled GEMMs are quantized per 1 x 128 block along the reduction dim. A
+block's scale is its absolute maximum over 448 (e4m3's largest finite value), so every
+quantized value is finite and the block's largest entry round-trips exactly.
+
+Pure torch: runs on CPU (the tests' reference) and is fused by torch.compile on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+_TINY = 1e-12  # an all-zero block gets this scale, not 0 (no 0/0)
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def scale_shape(weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight of `weight_shape`: one scale per 128 x 128 block."""
+    *lead, rows, cols = weight_shape
+    return (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
+
+
+def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [..., R, C] zero-padded to multiples of 128 and viewed as [..., R/128, 128, C/128, 128]."""
+    *lead, rows, cols = x.shape
+    pad_r, pad_c = -rows % BLOCK, -cols % BLOCK
+    if pad_r or pad_c:
+        x = F.pad(x, (0, pad_c, 0, pad_r))
+    return x.view(*lead, (rows + pad_r) // BLOCK, BLOCK, (cols + pad_c) // BLOCK, BLOCK)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale_inv per 128 x 128 block, computed in fp32, in `dtype`; [..., R, C] like `weight`."""
+    if tuple(scale_inv.shape) != scale_shape(tuple(weight.shape)):
+        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+                         f"{tuple(weight.shape)} in {BLOCK}x{BLOCK} blocks (expected {scale_shape(tuple(weight.shape))})")
+    *lead, rows, cols = weight.shape
+    blocks = _padded_blocks(weight.float()) * scale_inv.float()[..., :, None, :, None]
+    return blocks.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].to(dtype)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale_inv) per 128 x 128 block of the last two dims."""
+    *lead, rows, cols = weight.shape
+    blocks = _padded_blocks(weight.float())
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_TINY) / E4M3_MAX
+    q = (blocks / scale[..., :, None, :, None]).to(E4M3)
+    return q.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous(), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, fp32 scale [M, ceil(K/128)]) per 1 x 128 block of each row of x [M, K]."""
+    rows, cols = x.shape
+    pad = -cols % BLOCK
+    blocks = F.pad(x.float(), (0, pad)).view(rows, -1, BLOCK)
+    scale = blocks.abs().amax(dim=-1).clamp_min(_TINY) / E4M3_MAX
+    q = (blocks / scale[..., None]).to(E4M3)
+    return q.view(rows, -1)[:, :cols], scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_rows` (up to e4m3 rounding)."""
+    rows, cols = q.shape
+    pad = -cols % BLOCK
+    blocks = F.pad(q.float(), (0, pad)).view(rows, -1, BLOCK) * scale[..., None]
+    return blocks.view(rows, -1)[:, :cols].to(dtype)

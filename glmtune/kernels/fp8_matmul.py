@@ -1,0 +1,121 @@
+"""Products with a frozen blockwise-FP8 weight (`fp8_blocks`): forward and input gradient.
+
+A frozen weight needs two of a linear layer's three products: y = x W^T and dx = dy W.
+Neither saves a dequantized copy of W for the backward: the autograd functions keep the
+e4m3 weight and its scales only, so a model stored in FP8 stays FP8 through the step,
+and the input gradient always flows (a frozen FP8 layer that dropped dx would silently
+starve every LoRA adapter upstream of it).
+
+Dense backends (`linear_fp8`):
+  dequant     W dequantized to x's dtype (a transient), then the plain GEMM: the reference;
+              runs everywhere.
+  emulated    x (and dy) quantized per 1 x 128 block and dequantized again, W dequantized,
+              GEMM in fp32: the arithmetic of the FP8 GEMM on any device (its CPU reference).
+  scaled_mm   blockwise-scaled FP8 GEMMs on the GPU (`torch.nn.functional.scaled_mm`, x per
+              1 x 128, W per 128 x 128; the input gradient through an FP8 transposed copy of
+              W); dims that are not multiples of 128 take the dequant path.
+
+Routed experts (`grouped_linear_fp8`): the layer's stacked weight dequantized into a
+transient in the activations' dtype and the grouped bf16 GEMM (torch 2.11 has no
+blockwise-scaled grouped GEMM); the backward dequantizes again.
+
+Legend: M rows, I input width, O output width, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glmtune.kernels import fp8_blocks
+
+BACKENDS = ("dequant", "emulated", "scaled_mm")
+
+
+def _scaled_mm_usable(w_q: torch.Tensor) -> bool:
+    rows, cols = w_q.shape[-2:]
+    return (w_q.is_cuda and hasattr(F, "scaled_mm") and rows % fp8_blocks.BLOCK == 0
+            and cols % fp8_blocks.BLOCK == 0 and torch.cuda.get_device_capability(w_q.device) == (9, 0))
+
+
+def _rhs_scale(scale: torch.Tensor) -> torch.Tensor:
+    """[out blocks, reduction blocks] -> cuBLAS's layout: [round_up(red, 4), out], stride (1, ·)."""
+    out_blocks, red_blocks = scale.shape
+    padded = scale.new_zeros(out_blocks, -(-red_blocks // 4) * 4)
+    padded[:, :red_blocks] = scale
+    return padded.t()
+
+
+def _fp8_gemm(a_MK: torch.Tensor, b_q_NK: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """a @ b^T with a quantized here per 1 x 128 and b an e4m3 [N, K] (row-major) with 128 x 128 scales."""
+    a_q, a_scale = fp8_blocks.quantize_rows(a_MK)
+    return F.scaled_mm(a_q.contiguous(), b_q_NK.t(), a_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                       _rhs_scale(b_scale), F.ScalingType.BlockWise128x128, output_dtype=a_MK.dtype)
+
+
+def _emulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
+    a = fp8_blocks.dequantize_rows(*fp8_blocks.quantize_rows(a_MK), torch.float32)
+    return (a @ b_NK.float().t()).to(a_MK.dtype)
+
+
+def _forward(x_MI, w_q, w_scale, backend):
+    if backend == "scaled_mm" and _scaled_mm_usable(w_q):
+        return _fp8_gemm(x_MI, w_q, w_scale)
+    if backend == "emulated":
+        return _emulated(x_MI, fp8_blocks.dequantize(w_q, w_scale, torch.float32))
+    return x_MI @ fp8_blocks.dequantize(w_q, w_scale, x_MI.dtype).t()
+
+
+def _input_grad(grad_MO, w_q, w_scale, backend):
+    if backend == "scaled_mm" and _scaled_mm_usable(w_q):
+        # dx = dy W: W as the [I, O] right operand in row-major e4m3, its block scales transposed.
+        return _fp8_gemm(grad_MO, w_q.t().contiguous(), w_scale.t())
+    if backend == "emulated":
+        return _emulated(grad_MO, fp8_blocks.dequantize(w_q, w_scale, torch.float32).t())
+    return grad_MO @ fp8_blocks.dequantize(w_q, w_scale, grad_MO.dtype)
+
+
+class _LinearFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MI, w_q, w_scale, backend):
+        ctx.save_for_backward(w_q, w_scale)
+        ctx.backend = backend
+        return _forward(x_MI, w_q, w_scale, backend)
+
+    @staticmethod
+    def backward(ctx, grad_MO):
+        w_q, w_scale = ctx.saved_tensors
+        return _input_grad(grad_MO.contiguous(), w_q, w_scale, ctx.backend), None, None, None
+
+
+def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, backend: str = "dequant") -> torch.Tensor:
+    """x W^T for a frozen e4m3 W [O, I] with 128 x 128 `w_scale`; x [..., I] -> [..., O] in x's dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 matmul backend {backend!r} unknown; choose from {BACKENDS}")
+    assert not w_q.requires_grad and fp8_blocks.is_fp8(w_q), "linear_fp8 takes a frozen FP8 weight"
+    y = _LinearFp8.apply(x.reshape(-1, x.shape[-1]), w_q, w_scale, backend)
+    return y.view(*x.shape[:-1], w_q.shape[0])
+
+
+class _GroupedLinearFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, w_q, w_scale, offsets_E):
+        from glmtune.models.glm5.moe import grouped_linear
+
+        ctx.save_for_backward(w_q, w_scale, offsets_E)
+        return grouped_linear(x_NI, fp8_blocks.dequantize(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        from glmtune.models.glm5.moe import grouped_linear
+
+        w_q, w_scale, offsets_E = ctx.saved_tensors
+        w = fp8_blocks.dequantize(w_q, w_scale, grad_NO.dtype)
+        return grouped_linear(grad_NO.contiguous(), w.transpose(1, 2), offsets_E, "grouped_mm"), None, None, None
+
+
+def grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                       offsets_E: torch.Tensor) -> torch.Tensor:
+    """y[n] = x[n] @ W[e(n)]^T for a frozen stacked e4m3 W [E, O, I] (rows grouped by expert)."""
+    assert not w_q.requires_grad and fp8_blocks.is_fp8(w_q), "grouped_linear_fp8 takes a frozen FP8 weight"
+    return _GroupedLinearFp8.apply(x_NI, w_q, w_scale, offsets_E)
