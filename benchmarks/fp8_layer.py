@@ -43,7 +43,7 @@ def parse_args(argv=None):
 
 
 def build(a, base: str):
-    from glmtune.config.schema import PeftConfig
+    from glmtune.config.schema import DEFAULT_LORA_TARGETS, PeftConfig
     from glmtune.models.glm5.args import get_preset
     from glmtune.models.glm5.fp8_base import convert_to_fp8_base
     from glmtune.models.glm5.model import build_model
@@ -51,14 +51,16 @@ def build(a, base: str):
     from glmtune.peft import apply_lora
 
     args = get_preset("glm5").replace(num_hidden_layers=1, first_k_dense_replace=0, vocab_size=2048,
-                                      n_routed_experts=a.experts, num_nextn_predict_layers=0,
+                                      n_routed_experts=a.experts, num_nextn_predict_layers=0, pad_token_id=0,
                                       indexer_types=["full"], max_position_embeddings=max(4096, 2 * a.seq))
     model = build_model(args, torch.bfloat16, "cuda", seed=0)
     if base != "bf16":
         convert_to_fp8_base(model, base)
         torch.cuda.empty_cache()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    apply_lora(model, PeftConfig(method="lora", rank=a.rank, alpha=2.0 * a.rank), seed=0)
+    # The default targets but the dense MLP's (a MoE layer has none).
+    targets = [t for t in DEFAULT_LORA_TARGETS if not t.startswith("*.mlp.") or "experts" in t]
+    apply_lora(model, PeftConfig(method="lora", rank=a.rank, alpha=2.0 * a.rank, target_modules=targets), seed=0)
     parallelize_glm5(model, activation_checkpointing="selective" if a.ckpt else "none", compile=a.compile)
     model.train()
     return model, weights

@@ -24,6 +24,8 @@ Legend: M rows, I input width, O output width, E experts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -58,12 +60,24 @@ def _emulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     return (a @ b_NK.float().t()).to(a_MK.dtype)
 
 
+def _dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_blocks.dequantize`, compiled into one kernel on the GPU (eager it is five passes)."""
+    if w_q.is_cuda:
+        return _compiled_dequantize()(w_q, w_scale, dtype)
+    return fp8_blocks.dequantize(w_q, w_scale, dtype)
+
+
+@functools.cache
+def _compiled_dequantize():
+    return torch.compile(fp8_blocks.dequantize, dynamic=False)
+
+
 def _forward(x_MI, w_q, w_scale, backend):
     if backend == "scaled_mm" and _scaled_mm_usable(w_q):
         return _fp8_gemm(x_MI, w_q, w_scale)
     if backend == "emulated":
         return _emulated(x_MI, fp8_blocks.dequantize(w_q, w_scale, torch.float32))
-    return x_MI @ fp8_blocks.dequantize(w_q, w_scale, x_MI.dtype).t()
+    return x_MI @ _dequantize(w_q, w_scale, x_MI.dtype).t()
 
 
 def _input_grad(grad_MO, w_q, w_scale, backend):
@@ -72,20 +86,45 @@ def _input_grad(grad_MO, w_q, w_scale, backend):
         return _fp8_gemm(grad_MO, w_q.t().contiguous(), w_scale.t())
     if backend == "emulated":
         return _emulated(grad_MO, fp8_blocks.dequantize(w_q, w_scale, torch.float32).t())
-    return grad_MO @ fp8_blocks.dequantize(w_q, w_scale, grad_MO.dtype)
+    return grad_MO @ _dequantize(w_q, w_scale, grad_MO.dtype)
 
 
-class _LinearFp8(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MI, w_q, w_scale, backend):
-        ctx.save_for_backward(w_q, w_scale)
-        ctx.backend = backend
-        return _forward(x_MI, w_q, w_scale, backend)
+# Opaque to torch.compile on purpose: traced, the partitioner may keep the dequantized
+# weight (an intermediate of the forward) for the backward instead of dequantizing again,
+# and a model stored in FP8 would hold a bf16 copy of every layer until its backward.
+@torch.library.custom_op("glmtune::linear_fp8", mutates_args=())
+def _linear_fp8(x_MI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, backend: str) -> torch.Tensor:
+    return _forward(x_MI, w_q, w_scale, backend)
 
-    @staticmethod
-    def backward(ctx, grad_MO):
-        w_q, w_scale = ctx.saved_tensors
-        return _input_grad(grad_MO.contiguous(), w_q, w_scale, ctx.backend), None, None, None
+
+@_linear_fp8.register_fake
+def _(x_MI, w_q, w_scale, backend):
+    return x_MI.new_empty(x_MI.shape[0], w_q.shape[0])
+
+
+@torch.library.custom_op("glmtune::linear_fp8_input_grad", mutates_args=())
+def _linear_fp8_input_grad(grad_MO: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                           backend: str) -> torch.Tensor:
+    return _input_grad(grad_MO.contiguous(), w_q, w_scale, backend)
+
+
+@_linear_fp8_input_grad.register_fake
+def _(grad_MO, w_q, w_scale, backend):
+    return grad_MO.new_empty(grad_MO.shape[0], w_q.shape[1])
+
+
+def _linear_setup(ctx, inputs, output):
+    _, w_q, w_scale, backend = inputs
+    ctx.save_for_backward(w_q, w_scale)
+    ctx.backend = backend
+
+
+def _linear_grad(ctx, grad_MO):
+    w_q, w_scale = ctx.saved_tensors
+    return _linear_fp8_input_grad(grad_MO, w_q, w_scale, ctx.backend), None, None, None
+
+
+_linear_fp8.register_autograd(_linear_grad, setup_context=_linear_setup)
 
 
 def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, backend: str = "dequant") -> torch.Tensor:
@@ -93,29 +132,52 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, backen
     if backend not in BACKENDS:
         raise ValueError(f"fp8 matmul backend {backend!r} unknown; choose from {BACKENDS}")
     assert not w_q.requires_grad and fp8_blocks.is_fp8(w_q), "linear_fp8 takes a frozen FP8 weight"
-    y = _LinearFp8.apply(x.reshape(-1, x.shape[-1]), w_q, w_scale, backend)
+    y = _linear_fp8(x.reshape(-1, x.shape[-1]), w_q, w_scale, backend)
     return y.view(*x.shape[:-1], w_q.shape[0])
 
 
-class _GroupedLinearFp8(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_NI, w_q, w_scale, offsets_E):
-        from glmtune.models.glm5.moe import grouped_linear
+@torch.library.custom_op("glmtune::grouped_linear_fp8", mutates_args=())
+def _grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        offsets_E: torch.Tensor) -> torch.Tensor:
+    from glmtune.models.glm5.moe import grouped_linear
 
-        ctx.save_for_backward(w_q, w_scale, offsets_E)
-        return grouped_linear(x_NI, fp8_blocks.dequantize(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
+    return grouped_linear(x_NI, _dequantize(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
 
-    @staticmethod
-    def backward(ctx, grad_NO):
-        from glmtune.models.glm5.moe import grouped_linear
 
-        w_q, w_scale, offsets_E = ctx.saved_tensors
-        w = fp8_blocks.dequantize(w_q, w_scale, grad_NO.dtype)
-        return grouped_linear(grad_NO.contiguous(), w.transpose(1, 2), offsets_E, "grouped_mm"), None, None, None
+@_grouped_linear_fp8.register_fake
+def _(x_NI, w_q, w_scale, offsets_E):
+    return x_NI.new_empty(x_NI.shape[0], w_q.shape[1])
+
+
+@torch.library.custom_op("glmtune::grouped_linear_fp8_input_grad", mutates_args=())
+def _grouped_linear_fp8_input_grad(grad_NO: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                                   offsets_E: torch.Tensor) -> torch.Tensor:
+    from glmtune.models.glm5.moe import grouped_linear
+
+    w = _dequantize(w_q, w_scale, grad_NO.dtype)
+    return grouped_linear(grad_NO.contiguous(), w.transpose(1, 2), offsets_E, "grouped_mm")
+
+
+@_grouped_linear_fp8_input_grad.register_fake
+def _(grad_NO, w_q, w_scale, offsets_E):
+    return grad_NO.new_empty(grad_NO.shape[0], w_q.shape[2])
+
+
+def _grouped_setup(ctx, inputs, output):
+    _, w_q, w_scale, offsets_E = inputs
+    ctx.save_for_backward(w_q, w_scale, offsets_E)
+
+
+def _grouped_grad(ctx, grad_NO):
+    w_q, w_scale, offsets_E = ctx.saved_tensors
+    return _grouped_linear_fp8_input_grad(grad_NO, w_q, w_scale, offsets_E), None, None, None
+
+
+_grouped_linear_fp8.register_autograd(_grouped_grad, setup_context=_grouped_setup)
 
 
 def grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                        offsets_E: torch.Tensor) -> torch.Tensor:
     """y[n] = x[n] @ W[e(n)]^T for a frozen stacked e4m3 W [E, O, I] (rows grouped by expert)."""
     assert not w_q.requires_grad and fp8_blocks.is_fp8(w_q), "grouped_linear_fp8 takes a frozen FP8 weight"
-    return _GroupedLinearFp8.apply(x_NI, w_q, w_scale, offsets_E)
+    return _grouped_linear_fp8(x_NI, w_q, w_scale, offsets_E)

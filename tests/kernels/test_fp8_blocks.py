@@ -103,3 +103,24 @@ def test_grouped_linear_fp8_matches_dequantized_experts():
     ref.backward(grad)
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(x.grad, xr.grad)
+
+
+def test_fp8_products_compile_as_opaque_ops():
+    """Under torch.compile the products stay ops of their own (the partitioner cannot keep a
+    dequantized weight for the backward) and compute what eager does."""
+    q, scale, _ = _frozen_fp8(128, 256)
+    gq, gscale, _ = _frozen_fp8(136, 128, lead=(3,))
+    offsets = torch.tensor([4, 4, 12])
+
+    def layer(x):
+        return grouped_linear_fp8(linear_fp8(x, q, scale).repeat(1, 1), gq, gscale, offsets)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (layer, compiled):
+        x = _rand(12, 256, seed=6).requires_grad_()
+        y = fn(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad))
+    for mine, reference in zip(*results):
+        torch.testing.assert_close(mine, reference)
