@@ -25,11 +25,19 @@ Legend: M rows, I input width, O output width, E experts.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from glmtune.kernels import fp8_blocks
+from glmtune.kernels.moe_combine import _interpreting
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 BACKENDS = ("dequant", "emulated", "scaled_mm")
 
@@ -60,16 +68,42 @@ def _emulated(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     return (a @ b_NK.float().t()).to(a_MK.dtype)
 
 
-def _dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`fp8_blocks.dequantize`, compiled into one kernel on the GPU (eager it is five passes)."""
-    if w_q.is_cuda:
-        return _compiled_dequantize()(w_q, w_scale, dtype)
-    return fp8_blocks.dequantize(w_q, w_scale, dtype)
+def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, rows, cols, scale_rows, scale_cols, BLOCK: tl.constexpr):
+    # One program per 128 x 128 block: program 0 runs over (leading index, block row).
+    lead, block_row = tl.program_id(0) // scale_rows, tl.program_id(0) % scale_rows
+    block_col = tl.program_id(1)
+    r = block_row * BLOCK + tl.arange(0, BLOCK)
+    c = block_col * BLOCK + tl.arange(0, BLOCK)
+    inside = (r < rows)[:, None] & (c < cols)[None, :]
+    offsets = lead.to(tl.int64) * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+    scale = tl.load(scale_ptr + (lead * scale_rows + block_row) * scale_cols + block_col)
+    q = tl.load(q_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (q * scale).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @functools.cache
-def _compiled_dequantize():
-    return torch.compile(fp8_blocks.dequantize, dynamic=False)
+def _jit():
+    return triton.jit(_dequantize_kernel)  # the CPU interpreter under TRITON_INTERPRET=1
+
+
+def dequantize_fast(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_blocks.dequantize` as one pass (a Triton kernel) where it can run; eager torch is
+    five passes with an fp32 intermediate of the weight's size."""
+    if triton is None or not (w_q.is_cuda or _interpreting()):
+        return fp8_blocks.dequantize(w_q, w_scale, dtype)
+    if tuple(w_scale.shape) != fp8_blocks.scale_shape(tuple(w_q.shape)):
+        return fp8_blocks.dequantize(w_q, w_scale, dtype)  # raises, naming the shapes
+    *lead, rows, cols = w_q.shape
+    scale_rows, scale_cols = w_scale.shape[-2:]
+    out = torch.empty(w_q.shape, dtype=dtype, device=w_q.device)
+    if out.numel():
+        grid = (math.prod(lead) * scale_rows, scale_cols)
+        _jit()[grid](w_q.contiguous(), w_scale.float().contiguous(), out, rows, cols, scale_rows, scale_cols,
+                     BLOCK=fp8_blocks.BLOCK)
+    return out
+
+
+_dequantize = dequantize_fast
 
 
 def _forward(x_MI, w_q, w_scale, backend):
