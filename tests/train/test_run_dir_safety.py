@@ -154,3 +154,11 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
     assert proc.returncode == 130, output
     assert "Traceback" not in output, output
     assert "glmtune train: interrupted" in output or "SIGINT: saved" in output, output
+
+
+def test_triton_adapter_kernel_without_cuda_is_refused_before_anything_is_written(tmp_path):
+    before = snapshot(tmp_path)
+    result = run(tmp_path / "run", tmp_path / "cache", *QUICK, "--peft.adapter_kernel", "triton",
+                 recipe="tiny/lora_support_json")
+    _refused(result, "peft.adapter_kernel: triton needs triton and a CUDA device")
+    assert changes(before, snapshot(tmp_path)) == []
