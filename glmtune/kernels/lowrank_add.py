@@ -127,11 +127,11 @@ def _grad(ctx, grad_NO):
     if ctx.needs_input_grad[1]:
         grad_h = grouped_linear(grad_NO, b_EOr.transpose(1, 2), offsets_E, "grouped_mm").to(h_Nr.dtype)
     if ctx.needs_input_grad[2]:
-        grad_b = _per_expert_outer(grad_NO, h_Nr.to(grad_NO.dtype), offsets_E).to(b_EOr.dtype)
+        grad_b = per_expert_outer(grad_NO, h_Nr.to(grad_NO.dtype), offsets_E).to(b_EOr.dtype)
     return grad_NO, grad_h, grad_b, None
 
 
-def _per_expert_outer(grad_NO: torch.Tensor, h_Nr: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def per_expert_outer(grad_NO: torch.Tensor, h_Nr: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """[E, O, r]: sum over expert e's rows of grad[n]^T h[n] (the weight gradient of b)."""
     if grad_NO.is_cuda and hasattr(torch.nn.functional, "grouped_mm"):
         return torch.nn.functional.grouped_mm(grad_NO.t(), h_Nr, offs=offsets_E)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from glmtune.kernels.lowrank_add import _per_expert_outer, lowrank_grouped_add
+from glmtune.kernels.lowrank_add import lowrank_grouped_add, per_expert_outer
 from glmtune.models.glm5.moe import grouped_linear
 
 
@@ -104,9 +104,9 @@ class _ExpertLoRA(torch.autograd.Function):
             base_grad = grouped_linear(grad_NO, w_EOI.transpose(1, 2), offsets_E, "grouped_mm")
             grad_x = lowrank_grouped_add(base_grad, g_Nr, a_ErI.transpose(1, 2), counts_E, ctx.backend)
         if ctx.needs_input_grad[1]:
-            grad_w = _per_expert_outer(grad_NO, x_NI, offsets_E.int())
-        grad_a = _per_expert_outer(g_Nr, x_NI, offsets_E.int())
-        grad_b = _per_expert_outer(grad_NO, h_Nr, offsets_E.int())
+            grad_w = per_expert_outer(grad_NO, x_NI, offsets_E.int())
+        grad_a = per_expert_outer(g_Nr, x_NI, offsets_E.int())
+        grad_b = per_expert_outer(grad_NO, h_Nr, offsets_E.int())
         return grad_x, grad_w, grad_a, grad_b, None, None
 
 
