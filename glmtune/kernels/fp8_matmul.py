@@ -103,15 +103,12 @@ def dequantize_fast(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
     return out
 
 
-_dequantize = dequantize_fast
-
-
 def _forward(x_MI, w_q, w_scale, backend):
     if backend == "scaled_mm" and _scaled_mm_usable(w_q):
         return _fp8_gemm(x_MI, w_q, w_scale)
     if backend == "emulated":
         return _emulated(x_MI, fp8_blocks.dequantize(w_q, w_scale, torch.float32))
-    return x_MI @ _dequantize(w_q, w_scale, x_MI.dtype).t()
+    return x_MI @ dequantize_fast(w_q, w_scale, x_MI.dtype).t()
 
 
 def _input_grad(grad_MO, w_q, w_scale, backend):
@@ -120,7 +117,7 @@ def _input_grad(grad_MO, w_q, w_scale, backend):
         return _fp8_gemm(grad_MO, w_q.t().contiguous(), w_scale.t())
     if backend == "emulated":
         return _emulated(grad_MO, fp8_blocks.dequantize(w_q, w_scale, torch.float32).t())
-    return grad_MO @ _dequantize(w_q, w_scale, grad_MO.dtype)
+    return grad_MO @ dequantize_fast(w_q, w_scale, grad_MO.dtype)
 
 
 # Opaque to torch.compile on purpose: traced, the partitioner may keep the dequantized
@@ -175,7 +172,7 @@ def _grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Te
                         offsets_E: torch.Tensor) -> torch.Tensor:
     from glmtune.models.glm5.moe import grouped_linear
 
-    return grouped_linear(x_NI, _dequantize(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
+    return grouped_linear(x_NI, dequantize_fast(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
 
 
 @_grouped_linear_fp8.register_fake
@@ -188,7 +185,7 @@ def _grouped_linear_fp8_input_grad(grad_NO: torch.Tensor, w_q: torch.Tensor, w_s
                                    offsets_E: torch.Tensor) -> torch.Tensor:
     from glmtune.models.glm5.moe import grouped_linear
 
-    w = _dequantize(w_q, w_scale, grad_NO.dtype)
+    w = dequantize_fast(w_q, w_scale, grad_NO.dtype)
     return grouped_linear(grad_NO.contiguous(), w.transpose(1, 2), offsets_E, "grouped_mm")
 
 
