@@ -7,7 +7,8 @@ for blockwise-scaled GEMMs are quantized per 1 x 128 block along the reduction d
 block's scale is its absolute maximum over 448 (e4m3's largest finite value), so every
 quantized value is finite and the block's largest entry round-trips exactly.
 
-Pure torch: runs on CPU (the tests' reference) and is fused by torch.compile on GPU.
+Pure torch: runs on CPU and is the reference of the GPU's one-pass dequantization
+(`fp8_matmul.dequantize_fast`).
 """
 
 from __future__ import annotations
@@ -40,11 +41,17 @@ def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
     return x.view(*lead, (rows + pad_r) // BLOCK, BLOCK, (cols + pad_c) // BLOCK, BLOCK)
 
 
+def check_scale(weight_shape: tuple[int, ...], scale_inv_shape: tuple[int, ...]) -> None:
+    """ValueError naming both shapes unless the scales cover the weight in 128 x 128 blocks."""
+    expected = scale_shape(tuple(weight_shape))
+    if tuple(scale_inv_shape) != expected:
+        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv_shape)} does not match weight "
+                         f"{tuple(weight_shape)} in {BLOCK}x{BLOCK} blocks (expected {expected})")
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q * scale_inv per 128 x 128 block, computed in fp32, in `dtype`; [..., R, C] like `weight`."""
-    if tuple(scale_inv.shape) != scale_shape(tuple(weight.shape)):
-        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
-                         f"{tuple(weight.shape)} in {BLOCK}x{BLOCK} blocks (expected {scale_shape(tuple(weight.shape))})")
+    check_scale(tuple(weight.shape), tuple(scale_inv.shape))
     *lead, rows, cols = weight.shape
     blocks = _padded_blocks(weight.float()) * scale_inv.float()[..., :, None, :, None]
     return blocks.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].to(dtype)

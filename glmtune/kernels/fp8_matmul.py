@@ -91,8 +91,7 @@ def dequantize_fast(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
     five passes with an fp32 intermediate of the weight's size."""
     if triton is None or not (w_q.is_cuda or _interpreting()):
         return fp8_blocks.dequantize(w_q, w_scale, dtype)
-    if tuple(w_scale.shape) != fp8_blocks.scale_shape(tuple(w_q.shape)):
-        return fp8_blocks.dequantize(w_q, w_scale, dtype)  # raises, naming the shapes
+    fp8_blocks.check_scale(tuple(w_q.shape), tuple(w_scale.shape))
     *lead, rows, cols = w_q.shape
     scale_rows, scale_cols = w_scale.shape[-2:]
     out = torch.empty(w_q.shape, dtype=dtype, device=w_q.device)

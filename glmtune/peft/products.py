@@ -97,6 +97,7 @@ class _ExpertLoRA(torch.autograd.Function):
     def backward(ctx, grad_NO):
         x_NI, w_EOI, a_ErI, b_EOr, counts_E, h_Nr = ctx.saved_tensors
         offsets_E = torch.cumsum(counts_E, 0)
+        offsets_i32 = offsets_E.int()  # grouped_mm's weight-gradient form takes int32 offsets
         grad_NO = grad_NO.contiguous()
         g_Nr = grouped_linear(grad_NO, b_EOr.transpose(1, 2), offsets_E, "grouped_mm")
         grad_x = grad_w = None
@@ -104,9 +105,9 @@ class _ExpertLoRA(torch.autograd.Function):
             base_grad = grouped_linear(grad_NO, w_EOI.transpose(1, 2), offsets_E, "grouped_mm")
             grad_x = lowrank_grouped_add(base_grad, g_Nr, a_ErI.transpose(1, 2), counts_E, ctx.backend)
         if ctx.needs_input_grad[1]:
-            grad_w = per_expert_outer(grad_NO, x_NI, offsets_E.int())
-        grad_a = per_expert_outer(g_Nr, x_NI, offsets_E.int())
-        grad_b = per_expert_outer(grad_NO, h_Nr, offsets_E.int())
+            grad_w = per_expert_outer(grad_NO, x_NI, offsets_i32)
+        grad_a = per_expert_outer(g_Nr, x_NI, offsets_i32)
+        grad_b = per_expert_outer(grad_NO, h_Nr, offsets_i32)
         return grad_x, grad_w, grad_a, grad_b, None, None
 
 

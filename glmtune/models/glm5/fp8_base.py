@@ -83,7 +83,7 @@ def _quantized(name: str, module: nn.Module) -> bool:
 def convert_to_fp8_base(model: nn.Module, backend: str = "dequant") -> list[str]:
     """Makes `model`'s quantizable layers frozen FP8 in place; returns their names."""
     if backend not in BACKENDS:
-        raise ValueError(f"model.fp8_matmul {backend!r} unknown; choose from {BACKENDS}")
+        raise ValueError(f"fp8 matmul backend {backend!r} unknown; choose from {BACKENDS}")
     converted = []
     for name, module in list(model.named_modules()):
         if not _quantized(name, module):
@@ -95,7 +95,4 @@ def convert_to_fp8_base(model: nn.Module, backend: str = "dequant") -> list[str]
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module, backend))
         converted.append(name)
-    for name, param in model.named_parameters():
-        if fp8_blocks.is_fp8(param) or name.endswith("_scale_inv"):
-            param.requires_grad_(False)
     return converted

@@ -118,11 +118,7 @@ def fp8_scale_shape(weight_shape: tuple[int, ...]) -> tuple[int, int]:
     return fp8_blocks.scale_shape(weight_shape)
 
 
-def check_fp8_scale(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
-    expected = fp8_scale_shape(weight_shape)
-    if tuple(scale_shape) != expected:
-        raise ValueError(f"weight_scale_inv shape {tuple(scale_shape)} does not match weight "
-                         f"{tuple(weight_shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks (expected {expected})")
+check_fp8_scale = fp8_blocks.check_scale
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
