@@ -32,13 +32,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glmtune.io.outputs import check_output, output_dir
+from glmtune.kernels import fp8_blocks
 from glmtune.io.sizes import parse_size
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.state_dict_adapter import (
+    FP8_BLOCK,
     SCALE_SUFFIX,
     Glm5StateDictAdapter,
     Target,
+    check_fp8_scale,
     dequantize_fp8_block,
     is_fp8,
 )
@@ -100,14 +103,27 @@ def load_pretrained(
     attention_backend: str = "auto",
     moe_backend: str = "grouped_mm",
     indexer_backend: str = "auto",
+    fp8_base: str | None = None,
 ) -> Glm5ForCausalLM:
-    """Load a local HF GLM-5 directory (config.json + safetensors) into a glmtune model."""
+    """Load a local HF GLM-5 directory (config.json + safetensors) into a glmtune model.
+
+    `fp8_base` (an FP8 matmul backend, `glmtune/kernels/fp8_matmul.py`) keeps the base frozen
+    in FP8 (`glmtune/models/glm5/fp8_base.py`): FP8 tensors of the checkpoint are copied with
+    their block scales as they are, bf16 ones are quantized; None dequantizes FP8 tensors."""
     path = Path(path)
     args = Glm5Args.from_hf_config(path)
     files = checkpoint_files(path)
     _check_shard_sizes(files)
-    model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
-                        indexer_backend=indexer_backend)
+    if fp8_base is None:
+        model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
+                            indexer_backend=indexer_backend)
+    else:
+        from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+
+        model = build_model(args, dtype, "meta", attention_backend, moe_backend, indexer_backend=indexer_backend)
+        convert_to_fp8_base(model, fp8_base)
+        model.to_empty(device=device)
+        model.model.rotary_emb.reset_parameters()
     load_state_into(model, files)
     return model
 
@@ -137,22 +153,45 @@ def load_state_into(model: Glm5ForCausalLM, files: dict[str, Path]) -> None:
         handle = _open(file)
         for hf_key, target in entries:
             tensor = _read(handle, file, hf_key)
+            scale = None
             if is_fp8(tensor):
                 scale_key = fp8_scale_key(files, file, hf_key)
                 scale = _read(_open(files[scale_key]), files[scale_key], scale_key)
                 try:
-                    tensor = dequantize_fp8_block(tensor, scale, torch.float32)
+                    check_fp8_scale(tuple(tensor.shape), tuple(scale.shape))
                 except ValueError as exc:
                     raise ValueError(f"{file}: {hf_key}: {exc}") from None
-            dest = state[target.key]
-            if target.expert is not None:
-                dest = dest[target.expert]
-                if target.rows is not None:
-                    dest = dest[target.rows[0] : target.rows[1]]
+            dest, dest_scale = _destination(state, target)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"{file}: tensor {hf_key} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}")
+            if dest_scale is None:  # a bf16/fp32 model tensor
+                dest.copy_(tensor if scale is None else dequantize_fp8_block(tensor, scale, torch.float32))
+                continue
+            if target.rows is not None and target.rows[0] % FP8_BLOCK:
+                raise ValueError(f"{file}: {hf_key}: an FP8 base keeps gate and up rows in separate "
+                                 f"{FP8_BLOCK}-row blocks; moe_intermediate_size {target.rows[1] - target.rows[0]} "
+                                 f"is not a multiple of {FP8_BLOCK}")
+            if scale is None:  # a bf16 checkpoint tensor onto an FP8 base: quantized here
+                tensor, scale = fp8_blocks.quantize_weight(tensor)
             dest.copy_(tensor)
+            dest_scale.copy_(scale)
+
+
+def _destination(state: dict[str, torch.Tensor], target: Target) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model tensor (slice) an HF tensor fills and, on a frozen FP8 base, the slice of
+    block scales that goes with it (None for a bf16/fp32 tensor)."""
+    dest = state[target.key]
+    scales = state.get(target.key + SCALE_SUFFIX) if is_fp8(dest) else None
+    if target.expert is not None:
+        dest = dest[target.expert]
+        scales = None if scales is None else scales[target.expert]
+        if target.rows is not None:
+            dest = dest[target.rows[0] : target.rows[1]]
+            if scales is not None:
+                scales = scales[target.rows[0] // FP8_BLOCK : -(-target.rows[1] // FP8_BLOCK)]
+    assert not is_fp8(dest) or scales is not None, target
+    return dest, scales
 
 
 ReadPlan = list[tuple[Path, list[tuple[str, Target]]]]
@@ -208,7 +247,7 @@ def check_complete(args: Glm5Args, shapes: dict[str, tuple[int, ...]], plan: Rea
     tied = {"lm_head.weight"} if args.tie_word_embeddings else set()
     missing = []
     for key, shape in shapes.items():
-        if key in filled or key in tied:
+        if key in filled or key in tied or key.endswith(SCALE_SUFFIX):  # FP8 scales come with their weights
             continue
         if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
             parts_per_expert = 2 if key.endswith("gate_up_proj") else 1
