@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from glmtune.checkpoint.integrity import has_checksums, verify_checksums, write_checksums
+from glmtune.io.sizes import human_bytes
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 STATE_NAME = "trainer_state.json"
@@ -330,7 +331,7 @@ class CheckpointManager:
         if cause.errno == errno.ENOSPC:
             where = _mount_point(self.root)
             free = shutil.disk_usage(where).free
-            reason = f"no space left on {where} ({_human(free)} free)"
+            reason = f"no space left on {where} ({human_bytes(free)} free)"
         else:
             reason = cause.strerror or str(cause)
         return CheckpointWriteError(cause.errno, f"cannot write checkpoint {final}: {reason}; removed the "
@@ -402,14 +403,6 @@ def _write_json(path: Path, value: Any) -> None:
 
 def _more(problems: list[str]) -> str:
     return f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-
-
-def _human(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if num_bytes < 1024 or unit == "TiB":
-            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
-        num_bytes /= 1024
-    raise AssertionError
 
 
 def _fsync_dir(path: Path) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from glmtune.config.schema import JobConfig, ParallelConfig, PeftConfig
+from glmtune.config.schema import MODEL_PRESETS, JobConfig, ParallelConfig, PeftConfig
 from glmtune.distributed.mesh import MeshDegrees
 from glmtune.distributed.mesh import raise_config_errors as _raise
 
@@ -176,7 +176,7 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     `glmtune config validate` and the start of `glmtune train` call this same function.
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
-    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg)
+    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg, degrees)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -195,6 +195,22 @@ def precision_errors(cfg: JobConfig) -> list[str]:
     if cfg.train.master_weights == "fp32" and cfg.peft.method != "none":
         errors.append("train.master_weights: fp32 with peft.method: lora: the LoRA adapters are fp32 already and "
                       "the base is frozen (fp32 copies of it would only double its memory); use auto or none")
+    return errors
+
+
+def fp8_base_errors(cfg: JobConfig, degrees: MeshDegrees) -> list[str]:
+    """What a frozen FP8 base (`model.fp8_base`) cannot run with in this version."""
+    if cfg.model.fp8_base == "none":
+        return []
+    key, errors = f"model.fp8_base: {cfg.model.fp8_base}", []
+    if cfg.peft.method != "lora":
+        errors.append(f"{key} needs peft.method: lora (an FP8 base is frozen: only adapters train on it)")
+    if cfg.model.name_or_path in MODEL_PRESETS:
+        errors.append(f"{key} needs an HF checkpoint directory in model.name_or_path, not the preset "
+                      f"{cfg.model.name_or_path!r} (the adapter must name the FP8 base it trained on)")
+    if degrees.world_size > 1:
+        errors.append(f"{key} runs in one process in this version (the sharded loader dequantizes); "
+                      f"world size is {degrees.world_size}")
     return errors
 
 

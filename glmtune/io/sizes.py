@@ -35,3 +35,12 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def human_bytes(num_bytes: float) -> str:
+    """`1.5 GiB`-style, binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    raise AssertionError

@@ -92,7 +92,7 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
                             indexer_backend=m.indexer_backend)
     else:
         model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
-                                indexer_backend=m.indexer_backend)
+                                indexer_backend=m.indexer_backend, fp8_base=None if m.fp8_base == "none" else m.fp8_base)
     set_moe_dispatch_backend(model, m.moe_dispatch_backend)
     set_attention_score_buffer(model, m.attention_score_buffer_mib)
     return model, path

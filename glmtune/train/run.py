@@ -127,6 +127,16 @@ def run_training(cfg: JobConfig, overwrite: bool = False) -> int:
 _own_process_group: list[bool] = []
 
 
+def _fp8_summary(model) -> str:
+    from glmtune.io.sizes import human_bytes
+    from glmtune.kernels.fp8_blocks import is_fp8
+
+    fp8 = [p for p in model.parameters() if is_fp8(p)]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (f"model: frozen FP8 base, {len(fp8)} e4m3 tensors with 128x128 scales "
+            f"({human_bytes(sum(p.numel() for p in fp8))} of {human_bytes(total)} of parameters)")
+
+
 def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     device = resolve_device(cfg.train.device)
     info = init_distributed(device)
@@ -169,6 +179,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         else build_inventory(model)
     if info.is_main:
         print_inventory(inventory, console)  # what trains, by group: logged at the start of every run
+        if cfg.model.fp8_base != "none":
+            console.print(_fp8_summary(model))
         (run_dir / "trainable.json").write_text(json.dumps(inventory.to_dict(), indent=2) + "\n")
     tokenizer_dir = tokenizer_dir_for(cfg, model_dir)
     # Rank 0 writes the data files and the tokenization cache first; the others then read them.

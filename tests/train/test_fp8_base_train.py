@@ -1,0 +1,52 @@
+"""`glmtune train` with `model.fp8_base: dequant` on an FP8 checkpoint: the LoRA run keeps
+the base in e4m3 (said at start), trains, and leaves an adapter that `glmtune merge`
+folds into the (dequantized) base; the settings it cannot run with are refused by
+`glmtune config validate` naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from glmtune.cli import main
+from tests.checkpoint.test_fp8_base_load import _fp8_checkpoint
+from tests.train.run_helpers import run
+
+
+def test_lora_on_an_fp8_checkpoint_trains_and_merges(tmp_path):
+    base, _ = _fp8_checkpoint(tmp_path / "fp8")
+    run_dir = tmp_path / "run"
+    done = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.every_steps", "2",
+               "--model.name_or_path", str(base), "--data.tokenizer", "glmtune/data/assets/tiny_tokenizer",
+               "--model.fp8_base", "dequant", recipe="tiny/lora_support_json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "model: frozen FP8 base" in done.stdout
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert any(".experts." in k for k in adapter) and any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
+    assert main(["merge", str(base), str(run_dir / "adapter"), str(tmp_path / "merged")]) == 0
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert merged["model.layers.0.self_attn.q_b_proj.weight"].dtype != torch.float8_e4m3fn  # merged in bf16
+
+
+def test_fp8_base_settings_it_cannot_run_are_refused(capsys):
+    code = main(["config", "validate", "recipes/tiny/sft_support_json.yaml", "--model.fp8_base", "dequant"])
+    out = capsys.readouterr().out
+    assert code != 0
+    assert "model.fp8_base: dequant needs peft.method: lora" in out
+    assert "needs an HF checkpoint directory in model.name_or_path, not the preset 'tiny'" in out
+
+
+def test_fp8_base_with_more_than_one_process_is_refused():
+    import pytest
+
+    from glmtune.config import load_config
+    from glmtune.config.validate import validate_config
+
+    cfg = load_config("tiny/lora_support_json", ["--model.fp8_base", "dequant"])
+    with pytest.raises(ValueError, match="model.fp8_base: dequant runs in one process in this version"):
+        validate_config(cfg, 8, 4, world_size=2)
