@@ -391,13 +391,19 @@ def save_pretrained(
             del full
         if writes:
             assert not pending and len(weight_map) == len(shard_of), "every planned tensor written"
-            _write_metadata(model, tmp, plan, weight_map, total, dtype, source_dir)
+            fp8 = any(is_fp8(tensor) for tensor in state.values())
+            _write_metadata(model, tmp, plan, weight_map, total, dtype, source_dir, fp8)
     if distributed:
         dist.barrier()  # the other ranks return once the export is complete
     return path
 
 
-def _write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, source_dir) -> None:
+# How GLM-5's (and DeepSeek-V3's) FP8 releases describe their weights in config.json.
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+
+
+def _write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, source_dir, fp8: bool) -> None:
     if len(plan) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -405,6 +411,9 @@ def _write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, sourc
     config["dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     config.pop("quantization_config", None)  # weights are written dequantized
+    if fp8:  # a frozen FP8 base, or `glmtune merge --fp8`: e4m3 weights with 128x128 scales
+        config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if source_dir is not None:
         for name in TOKENIZER_FILES:

@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="safetensors shard size: bytes or e.g. 500MB, 5GB (default: 5GB)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT_DIR if it exists and is not empty (never BASE_DIR or ADAPTER_DIR)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="write the merged projections and experts as FP8 (e4m3, 128x128 block scales, as "
+                             "GLM-5's FP8 releases) and print the re-quantization error")
     parser.add_argument("--force", action="store_true",
                         help="merge even if BASE_DIR is not the base the adapter was trained on")
     parser.set_defaults(func=_run)
@@ -46,6 +49,6 @@ def _run(ns: argparse.Namespace) -> int:
 
     dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)
     out = merge_to_dir(ns.base_dir, ns.adapter_dir, ns.out_dir, dtype=dtype, max_shard_size=ns.max_shard_size,
-                       overwrite=ns.overwrite, force=ns.force)
+                       overwrite=ns.overwrite, force=ns.force, fp8=ns.fp8)
     print(f"merged {ns.adapter_dir} into {ns.base_dir}: {out}")
     return 0

@@ -198,11 +198,14 @@ def check_base(base_dir: str | Path, adapter_dir: str | Path, force: bool = Fals
 
 def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
                  dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB", *,
-                 overwrite: bool = False, force: bool = False) -> Path:
+                 overwrite: bool = False, force: bool = False, fp8: bool = False) -> Path:
     """Load BASE_DIR, add ADAPTER_DIR's deltas, write an HF checkpoint to OUT_DIR.
 
     Args:
         dtype: the merged weights' dtype; None keeps the base checkpoint's (config.json).
+        fp8: re-quantize the merged weights of the layers GLM-5's FP8 releases store in e4m3
+            into that format (128 x 128 blocks, `glmtune/models/glm5/fp8_base.py`) and print
+            the re-quantization error; the merge itself is done in fp32 on the dequantized base.
         overwrite: replace a non-empty OUT_DIR (never BASE_DIR or ADAPTER_DIR).
         force: merge even if BASE_DIR is not the base the adapter records (`check_base`).
     """
@@ -217,5 +220,19 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
         print(note, file=sys.stderr)
     model = load_pretrained(base_dir, dtype or _config_dtype(base_dir), "cpu", "eager", "loop")
     merge_adapter_dir(model, adapter_dir)
+    if fp8:
+        print(_requantize(model))
     return save_pretrained(model, out_dir, max_shard_size=max_shard_size, source_dir=base_dir,
                            overwrite=overwrite, sources=sources)
+
+
+def _requantize(model: nn.Module) -> str:
+    """Makes the merged model's quantizable layers FP8; one line with the relative error."""
+    from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+
+    errors: list[tuple[float, float]] = []
+    convert_to_fp8_base(model, errors=errors)
+    overall = math.sqrt(sum(e for e, _ in errors) / max(sum(n for _, n in errors), 1e-300))
+    worst = max(math.sqrt(e / n) for e, n in errors if n > 0)
+    return (f"re-quantized {len(errors)} merged weights to FP8 (e4m3, 128x128 block scales): relative error "
+            f"{overall:.2e} overall, {worst:.2e} in the worst tensor")

@@ -40,12 +40,12 @@ class Fp8Linear(nn.Linear):
         self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: str) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, backend: str, errors: list | None = None) -> "Fp8Linear":
         assert linear.bias is None, "GLM-5's quantized projections have no bias"
         module = cls(linear.in_features, linear.out_features, backend, device=linear.weight.device)
         if linear.weight.device.type != "meta":
             with torch.no_grad():
-                q, scale = fp8_blocks.quantize_weight(linear.weight)
+                q, scale = _quantize(linear.weight, errors)
                 module.weight.copy_(q)
                 module.weight_scale_inv.copy_(scale)
         return module
@@ -57,15 +57,24 @@ class Fp8Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128, {self.fp8_backend}"
 
 
-def _quantize_experts(experts: GroupedExperts) -> None:
+@torch.no_grad()
+def _quantize(weight: torch.Tensor, errors: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_weight`, adding (squared error, squared norm) in fp64 to `errors` when given."""
+    q, scale = fp8_blocks.quantize_weight(weight)
+    if errors is not None:
+        back = fp8_blocks.dequantize(q, scale, torch.float64)
+        errors.append(((back - weight.double()).square().sum().item(), weight.double().square().sum().item()))
+    return q, scale
+
+
+def _quantize_experts(experts: GroupedExperts, errors: list | None) -> None:
     for proj in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, proj)
         if weight.device.type == "meta":
             q = torch.empty(weight.shape, dtype=fp8_blocks.E4M3, device="meta")
             scale = torch.empty(fp8_blocks.scale_shape(tuple(weight.shape)), device="meta")
         else:
-            with torch.no_grad():
-                q, scale = fp8_blocks.quantize_weight(weight)
+            q, scale = _quantize(weight, errors)
         setattr(experts, proj, nn.Parameter(q, requires_grad=False))
         experts.register_parameter(f"{proj}_scale_inv", nn.Parameter(scale, requires_grad=False))
 
@@ -80,8 +89,9 @@ def _quantized(name: str, module: nn.Module) -> bool:
     return (".self_attn." in dotted and ".indexer." not in dotted) or ".mlp." in dotted
 
 
-def convert_to_fp8_base(model: nn.Module, backend: str = "dequant") -> list[str]:
-    """Makes `model`'s quantizable layers frozen FP8 in place; returns their names."""
+def convert_to_fp8_base(model: nn.Module, backend: str = "dequant", errors: list | None = None) -> list[str]:
+    """Makes `model`'s quantizable layers frozen FP8 in place; returns their names. With
+    `errors` (a list), each quantized weight appends its (squared error, squared norm)."""
     if backend not in BACKENDS:
         raise ValueError(f"fp8 matmul backend {backend!r} unknown; choose from {BACKENDS}")
     converted = []
@@ -90,9 +100,9 @@ def convert_to_fp8_base(model: nn.Module, backend: str = "dequant") -> list[str]
             continue
         if isinstance(module, GroupedExperts):
             if getattr(module, "gate_up_proj_scale_inv", None) is None:
-                _quantize_experts(module)
+                _quantize_experts(module, errors)
         else:
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module, backend))
+            setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module, backend, errors))
         converted.append(name)
     return converted

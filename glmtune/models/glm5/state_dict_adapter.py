@@ -27,7 +27,7 @@ from glmtune.models.glm5.args import Glm5Args
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _INTERNAL_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
-_INTERNAL_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_INTERNAL_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?$")
 FP8_BLOCK = fp8_blocks.BLOCK
 is_fp8 = fp8_blocks.is_fp8
 SCALE_SUFFIX = "_scale_inv"
@@ -92,13 +92,15 @@ class Glm5StateDictAdapter:
         if experts is None:
             yield key, tensor
             return
-        base, kind = experts.groups()
+        base, kind, scale = experts.groups()
+        # A frozen FP8 base's block scales split like their weights, in 128-row blocks.
+        suffix, split = ("weight" + SCALE_SUFFIX, self.expert_dim // FP8_BLOCK) if scale else ("weight", self.expert_dim)
         for index in range(tensor.shape[0]):
             if kind == "down_proj":
-                yield f"{base}.{index}.down_proj.weight", tensor[index]
+                yield f"{base}.{index}.down_proj.{suffix}", tensor[index]
             else:
-                yield f"{base}.{index}.gate_proj.weight", tensor[index, : self.expert_dim]
-                yield f"{base}.{index}.up_proj.weight", tensor[index, self.expert_dim :]
+                yield f"{base}.{index}.gate_proj.{suffix}", tensor[index, :split]
+                yield f"{base}.{index}.up_proj.{suffix}", tensor[index, split:]
 
     def hf_shapes(self, internal_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """Expected HF key -> shape for a model whose internal tensors have these shapes."""
