@@ -50,10 +50,12 @@ from glmtune.checkpoint.hf_io import (
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.state_dict_adapter import (
     FP8_BLOCK,
+    SCALE_SUFFIX,
     Glm5StateDictAdapter,
     Target,
     check_fp8_scale,
     dequantize_fp8_region,
+    is_fp8,
 )
 
 log = logging.getLogger(__name__)
@@ -190,6 +192,8 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
         for hf_key, target in entries:
             tensor, index = destinations[target.key]
             load_tensor(handle, file, files, hf_key, target, tensor, index, stats)
+            if is_fp8(tensor):  # a frozen FP8 base: the block scales are a parameter of their own
+                _load_scales(handle, file, files, hf_key, target, destinations, stats)
         del handle
     stats.seconds = time.perf_counter() - start
     stats.peak_rss_bytes = max(stats.peak_rss_bytes, _rss())
@@ -221,7 +225,12 @@ def load_tensor(handle, file: Path, files: dict[str, Path], hf_key: str, target:
     if any(len(p) == 0 for p in local_pos):
         stats.tensors_skipped += 1  # another rank's expert: not read at all
         return
-    if meta.get_dtype().startswith("F8"):
+    if is_fp8(tensor):  # kept as stored; its scales are read by `_load_scales`
+        if not meta.get_dtype().startswith("F8"):
+            raise ValueError(f"{file}: {hf_key} is {meta.get_dtype()}; a sharded FP8 base loads FP8 checkpoints "
+                             f"only (one process quantizes other weights on load)")
+        part = _read_region(handle, file, hf_key, hf_index, stats)
+    elif meta.get_dtype().startswith("F8"):
         part = _read_fp8(handle, file, files, hf_key, hf_shape, hf_index, stats)
     else:
         part = _read_region(handle, file, hf_key, hf_index, stats)
@@ -235,6 +244,26 @@ def load_tensor(handle, file: Path, files: dict[str, Path], hf_key: str, target:
     else:
         grids = torch.meshgrid(*local_pos, indexing="ij")
         local.index_put_(tuple(grids), part.to(local.dtype))
+
+
+def _load_scales(handle, file: Path, files, hf_key: str, target: Target, destinations, stats: LoadStats) -> None:
+    """This rank's part of the block scales of the FP8 weight `hf_key`, into `<weight>_scale_inv`."""
+    scale_key = fp8_scale_key(files, file, hf_key)
+    scale_file = files[scale_key]
+    scale_handle = handle if scale_file == file else _open(scale_file)
+    try:
+        check_fp8_scale(tuple(handle.get_slice(hf_key).get_shape()), tuple(scale_handle.get_slice(scale_key).get_shape()))
+    except ValueError as exc:
+        raise ValueError(f"{file}: {hf_key}: {exc}") from None
+    rows = target.rows
+    if rows is not None:
+        if rows[0] % FP8_BLOCK:
+            raise ValueError(f"{file}: {hf_key}: an FP8 base keeps gate and up rows in separate {FP8_BLOCK}-row "
+                             f"blocks; moe_intermediate_size {rows[1] - rows[0]} is not a multiple of {FP8_BLOCK}")
+        rows = (rows[0] // FP8_BLOCK, -(-rows[1] // FP8_BLOCK))
+    scale_target = Target(target.key + SCALE_SUFFIX, target.expert, rows)
+    scale, index = destinations[scale_target.key]
+    load_tensor(scale_handle, scale_file, files, scale_key, scale_target, scale, index, stats)
 
 
 def _read_fp8(handle, file: Path, files, hf_key: str, hf_shape, hf_index, stats: LoadStats) -> torch.Tensor:

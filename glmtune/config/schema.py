@@ -60,7 +60,7 @@ class ModelConfig:
     attention_score_buffer_mib: int = 1024  # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never)
     indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
     # keep the frozen base in FP8 (e4m3, 128x128 block scales, as GLM-5's FP8 checkpoints store it; LoRA
-    # only, an HF directory, one process for now): dequant = each layer's weight dequantized into a
+    # only, an HF directory): dequant = each layer's weight dequantized into a
     # transient for a bf16 GEMM (docs/benchmarks.md); none = FP8 checkpoints are dequantized on load
     fp8_base: Literal["none", "dequant"] = "none"
     validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable

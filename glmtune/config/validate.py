@@ -176,7 +176,7 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     `glmtune config validate` and the start of `glmtune train` call this same function.
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
-    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg, degrees)
+    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -198,7 +198,7 @@ def precision_errors(cfg: JobConfig) -> list[str]:
     return errors
 
 
-def fp8_base_errors(cfg: JobConfig, degrees: MeshDegrees) -> list[str]:
+def fp8_base_errors(cfg: JobConfig) -> list[str]:
     """What a frozen FP8 base (`model.fp8_base`) cannot run with in this version."""
     if cfg.model.fp8_base == "none":
         return []
@@ -208,9 +208,6 @@ def fp8_base_errors(cfg: JobConfig, degrees: MeshDegrees) -> list[str]:
     if cfg.model.name_or_path in MODEL_PRESETS:
         errors.append(f"{key} needs an HF checkpoint directory in model.name_or_path, not the preset "
                       f"{cfg.model.name_or_path!r} (the adapter must name the FP8 base it trained on)")
-    if degrees.world_size > 1:
-        errors.append(f"{key} runs in one process in this version (the sharded loader dequantizes); "
-                      f"world size is {degrees.world_size}")
     return errors
 
 

@@ -90,6 +90,10 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
 
         model = build_model(Glm5Args.from_hf_config(path), dtype, "meta", m.attention_backend, m.moe_backend,
                             indexer_backend=m.indexer_backend)
+        if m.fp8_base != "none":  # load_sharded fills the e4m3 weights and their scales as stored
+            from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+
+            convert_to_fp8_base(model, m.fp8_base)
     else:
         model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
                                 indexer_backend=m.indexer_backend, fp8_base=None if m.fp8_base == "none" else m.fp8_base)

@@ -25,7 +25,8 @@ def test_recipes_exist():
     names = {str(p.relative_to(RECIPES_DIR)) for p in RECIPES}
     expected = {"tiny/sft_support_json.yaml", "tiny/lora_support_json.yaml"}
     for family in ("glm5", "glm5.2", "glm5.3"):
-        expected |= {f"{family}/sft_4k.yaml", f"{family}/sft_32k_cp8.yaml", f"{family}/lora_4k.yaml"}
+        expected |= {f"{family}/sft_4k.yaml", f"{family}/sft_32k_cp8.yaml", f"{family}/lora_4k.yaml",
+                     f"{family}/lora_fp8_1node.yaml"}
     assert expected <= names
 
 
@@ -65,6 +66,9 @@ def test_glm_recipes_mirror_nvidia_topology(family: str):
     assert (long.parallel.cp, long.data.packed_sequence_size) == (8, 32768)
     lora = load_config(RECIPES_DIR / family / "lora_4k.yaml")
     assert lora.peft.method == "lora" and "*.mlp.experts" in lora.peft.target_modules
+    one_node = load_config(RECIPES_DIR / family / "lora_fp8_1node.yaml")  # the frozen FP8 base on 8 GPUs
+    assert (one_node.parallel.nodes, one_node.parallel.gpus_per_node, one_node.parallel.ep) == (1, 8, 8)
+    assert one_node.model.fp8_base == "dequant" and one_node.model.validate_as == family
     # Inherited recipes differ from the base only where they say so.
     diff = {k for k, v in config_to_dict(long).items() if v != config_to_dict(sft)[k]}
     assert diff <= {"name", "description", "data", "train", "parallel", "logging", "checkpoint"}
@@ -82,10 +86,11 @@ def test_tiny_default_is_cpu_float32_synthetic():
 @pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("glm5*/*.yaml")),
                          ids=lambda p: str(p.relative_to(RECIPES_DIR)))
 def test_glm_recipes_say_which_precision_they_train_with(path: Path):
-    """bf16 compute everywhere; fp32 master weights for full SFT, a bf16 base under fp32 LoRA adapters."""
+    """bf16 compute everywhere; fp32 master weights for full SFT, a bf16 (or FP8) base under fp32 LoRA adapters."""
     cfg = load_config(path)
     assert cfg.model.dtype == "bfloat16" and precision_errors(cfg) == []
     full = cfg.peft.method == "none"
     assert fp32_master_weights(cfg) is full
     header = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
-    assert ("fp32 master weights, bf16 compute" if full else "bf16 frozen base, fp32 adapters") in header
+    base = "frozen FP8 base" if cfg.model.fp8_base != "none" else "bf16 frozen base"
+    assert ("fp32 master weights, bf16 compute" if full else f"{base}, fp32 adapters") in header

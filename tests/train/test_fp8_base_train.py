@@ -59,14 +59,3 @@ def test_fp8_base_settings_it_cannot_run_are_refused(capsys):
     assert code != 0
     assert "model.fp8_base: dequant needs peft.method: lora" in out
     assert "needs an HF checkpoint directory in model.name_or_path, not the preset 'tiny'" in out
-
-
-def test_fp8_base_with_more_than_one_process_is_refused():
-    import pytest
-
-    from glmtune.config import load_config
-    from glmtune.config.validate import validate_config
-
-    cfg = load_config("tiny/lora_support_json", ["--model.fp8_base", "dequant"])
-    with pytest.raises(ValueError, match="model.fp8_base: dequant runs in one process in this version"):
-        validate_config(cfg, 8, 4, world_size=2)

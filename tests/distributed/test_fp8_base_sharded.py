@@ -1,0 +1,52 @@
+"""A frozen FP8 base under torchrun (gloo, CPU): each rank reads only its slices of the
+e4m3 weights and of their block scales (`load_sharded`), expert parallelism shards both,
+and LoRA on it trains step by step like one process, exporting the same adapters; a bf16
+checkpoint onto a sharded FP8 base is refused with glmtune's one-line error (torchrun then
+adds its own report of the failed ranks; one process quantizes such a checkpoint)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune.models.glm5 import build_model, get_preset
+from tests.checkpoint.test_fp8_base_load import ARGS, _fp8_checkpoint
+from tests.distributed.test_expert_parallel_train import _assert_same, _records, _torchrun
+from tests.train.run_helpers import SMALL, env, run
+
+RECIPE = "tiny/lora_support_json"
+
+
+def _steps(base):
+    return ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.name_or_path", str(base),
+            "--data.tokenizer", "glmtune/data/assets/tiny_tokenizer", "--model.fp8_base", "dequant"]
+
+
+def test_lora_on_a_sharded_fp8_base_matches_one_process(tmp_path):
+    base, _ = _fp8_checkpoint(tmp_path / "fp8")
+    cache = tmp_path / "cache"
+    single = run(tmp_path / "single", cache, *_steps(base), recipe=RECIPE)
+    assert single.returncode == 0, single.stdout + single.stderr
+    done = _torchrun(2, tmp_path / "ep2", cache, *_steps(base), "--parallel.ep", "2", recipe=RECIPE)
+    assert "model: frozen FP8 base" in done.stdout and f"loaded {base}, rank 0: read" in " ".join(done.stdout.split())
+    _assert_same(_records(tmp_path / "ep2"), _records(tmp_path / "single"))
+    ours = load_file(tmp_path / "ep2" / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "single" / "adapter" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        # As in the bf16 EP test: Adam turns reduction-order noise in near-zero gradients into ~1e-6 moves.
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bf16_checkpoint_onto_a_sharded_fp8_base_is_refused(tmp_path):
+    base = save_pretrained(build_model(get_preset("tiny").replace(**ARGS), seed=1), tmp_path / "bf16")
+    cmd = [sys.executable, "-m", "glmtune", "train", RECIPE, "--nproc-per-node", "2", *SMALL, "--logging.run_dir",
+           str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "cache"), *_steps(base)]
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "glmtune train: error: " in output and "a sharded FP8 base loads FP8 checkpoints only" in output, output
