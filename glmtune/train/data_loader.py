@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from glmtune.data.packing import next_token_targets
-from glmtune.models.glm5.masks import longest_document
+from glmtune.models.glm5.masks import longest_document, single_document_rows
 
 
 def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Stack packed rows; `targets[t]` is the token that should follow position t (-100: none).
 
-    `longest_document` and `num_supervised` (ints) are computed here, on the host, so the
+    `longest_document`, `single_document` and `num_supervised` (ints, a bool) are computed here, on the host, so the
     model's forward needs no host sync to pick its attention path or its loss rows.
     """
     batch = {
@@ -28,7 +28,9 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
         "position_ids": torch.tensor([r["position_ids"] for r in rows], dtype=torch.long),
         "document_ids": torch.tensor([r["document_ids"] for r in rows], dtype=torch.long),
     }
-    batch["longest_document"] = longest_document(batch["input_ids"].shape[1], document_ids_BS=batch["document_ids"])
+    seq_len = batch["input_ids"].shape[1]
+    batch["longest_document"] = longest_document(seq_len, document_ids_BS=batch["document_ids"])
+    batch["single_document"] = single_document_rows(seq_len, document_ids_BS=batch["document_ids"])
     batch["num_supervised"] = int((batch["targets"] != -100).sum())
     return batch
 

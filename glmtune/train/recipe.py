@@ -270,7 +270,8 @@ def _apply_pii_policy(rows: list, action: str, run_dir: Path, notes: list[str]) 
 def glm5_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
                 compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
-                num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"))
+                num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"),
+                single_document=batch.get("single_document"))
     return out.loss_sum, out.num_targets
 
 

@@ -31,3 +31,21 @@ def test_non_contiguous_document_ids_and_plain_rows():
                                                                                         batch=1, seq=8)
     assert longest_document(8) == 8  # no ids: one causal document per row
     assert longest_document(8, torch.arange(8)[None]) == 8
+
+
+def test_one_single_document_row_does_not_make_a_packed_row_plain_causal():
+    # A truncated conversation fills its row; a packed row beside it must keep its document
+    # boundaries (the plain causal path is for batches whose every row is one document).
+    from glmtune.models.glm5 import build_model, get_preset
+    from glmtune.models.glm5.masks import single_document_rows
+
+    seq = 320  # above the tiny preset's top-k (256): the sparse path and its causal prefix both run
+    positions = torch.stack([torch.arange(seq), torch.cat([torch.arange(100), torch.arange(seq - 100)])])
+    assert longest_document(seq, positions) == seq and not single_document_rows(seq, positions)
+    assert single_document_rows(seq, positions[:1])
+    model = build_model(get_preset("tiny"), torch.float32, seed=0).eval()
+    ids = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        both = model(ids, position_ids=positions).logits
+        alone = model(ids[1:], position_ids=positions[1:]).logits
+    torch.testing.assert_close(both[1], alone[0], rtol=1e-5, atol=1e-5)

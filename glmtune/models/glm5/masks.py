@@ -41,9 +41,9 @@ def longest_document(
     seq_len: int, position_ids_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None
 ) -> int:
     """The most keys any query may attend: the longest document of any row (tokens sharing
-    an id, contiguous or not). It picks the attention code path: equal to `seq_len` means
-    every row is one document (the plain causal mask); at most the indexer's top-k means no
-    query needs sparse selection.
+    an id, contiguous or not). At most the indexer's top-k means no query needs sparse
+    selection; below `seq_len` means no row is a single document (`single_document_rows`
+    says whether all are).
 
     Compute it where the ids are on the host (the data loader's batch) and pass it to the
     model's forward: on the GPU it costs a host sync, which stalls the launch queue.
@@ -52,8 +52,24 @@ def longest_document(
         document_ids_BS = documents_from_positions(position_ids_BS)
     if document_ids_BS is None:
         return seq_len
+    return max(_row_longest(document_ids_BS, seq_len))
+
+
+def single_document_rows(
+    seq_len: int, position_ids_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None
+) -> bool:
+    """Whether *every* row is one document, so the plain causal mask is the whole mask.
+
+    Not the same as `longest_document(...) == seq_len`, which holds as soon as one row is a
+    single document: a batch can mix such a row (a truncated conversation) with packed ones.
+    """
+    if document_ids_BS is None and position_ids_BS is not None:
+        document_ids_BS = documents_from_positions(position_ids_BS)
+    if document_ids_BS is None:
+        return True
+    return min(_row_longest(document_ids_BS, seq_len)) == seq_len
+
+
+def _row_longest(document_ids_BS: torch.Tensor, seq_len: int) -> list[int]:
     assert document_ids_BS.shape[-1] == seq_len, (document_ids_BS.shape, seq_len)
-    longest = 0
-    for row in document_ids_BS.reshape(-1, seq_len):
-        longest = max(longest, int(torch.unique(row, return_counts=True)[1].max()))
-    return longest
+    return [int(torch.unique(row, return_counts=True)[1].max()) for row in document_ids_BS.reshape(-1, seq_len)]

@@ -27,7 +27,7 @@ from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
-from glmtune.models.glm5.masks import allowed_mask, longest_document
+from glmtune.models.glm5.masks import allowed_mask, longest_document, single_document_rows
 from glmtune.models.glm5.moe import DenseMLP, MoE
 
 
@@ -98,6 +98,19 @@ class MTPLayer(DecoderLayer):
         nn.init.normal_(self.eh_proj.weight, mean=0.0, std=std)
 
 
+@dataclass
+class LayerInputs:
+    """What every decoder layer of one forward shares, computed once per forward from the
+    positions and documents (`Glm5Model.layer_inputs`): a pipeline stage computes it for
+    its own layers from the same host facts."""
+
+    cos: torch.Tensor  # [B, S, rope dim] rotary tables of the queries' positions
+    sin: torch.Tensor
+    allowed_BST: torch.Tensor  # bool: causal and same document
+    plain_causal: bool  # every row is one document: `allowed_BST` is the causal mask
+    sparse_needed: bool  # some query has more allowed keys than the indexer's top-k
+
+
 class Glm5Model(nn.Module):
     """Embedding, decoder stack and final norm (transformers' `GlmMoeDsaModel`)."""
 
@@ -114,20 +127,43 @@ class Glm5Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings)
 
-    def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None, longest: int | None = None):
+    def layer_inputs(self, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype,
+                     position_ids_BS=None, document_ids_BS=None, longest: int | None = None,
+                     single_document: bool | None = None) -> LayerInputs:
+        """The shared inputs of the decoder layers for rows of `seq_len` tokens.
+
+        `longest` (`masks.longest_document`) and `single_document` (`masks.single_document_rows`)
+        are host facts of the ids: omitted, they are computed here (a host sync when the ids
+        are on the GPU; callers pass them from the host batch).
+        """
+        allowed_BST = allowed_mask(batch, seq_len, device, position_ids_BS, document_ids_BS)
+        if longest is None:
+            longest = longest_document(seq_len, position_ids_BS, document_ids_BS)
+        if single_document is None:  # no row is one document when none is as long as the row
+            single_document = longest == seq_len and single_document_rows(seq_len, position_ids_BS, document_ids_BS)
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(seq_len, device=device).unsqueeze(0)
+        cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), dtype)
+        # does any query have more allowed keys than top-k?
+        return LayerInputs(cos, sin, allowed_BST, single_document, longest > self.index_topk)
+
+    @staticmethod
+    def run_layers(layers, h_BSD: torch.Tensor, inputs: LayerInputs, selection=None):
+        """`layers` in order over `h_BSD`; `selection` is the (sparse mask, selects-everything)
+        of the latest full-indexer layer before them (None at the first layer). Returns the
+        hidden states and the selection after the last of them."""
+        for layer in layers:
+            h_BSD, selection = layer(h_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, selection,
+                                     inputs.plain_causal, inputs.sparse_needed)
+        return h_BSD, selection
+
+    def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None, longest: int | None = None,
+                single_document: bool | None = None):
         batch, seq_len = input_ids_BS.shape
         h_BSD = self.embed_tokens(input_ids_BS)
-        allowed_BST = allowed_mask(batch, seq_len, h_BSD.device, position_ids_BS, document_ids_BS)
-        if longest is None:  # a host sync when the ids are on the GPU (callers pass it from the host batch)
-            longest = longest_document(seq_len, position_ids_BS, document_ids_BS)
-        plain_causal = longest == seq_len
-        sparse_needed = longest > self.index_topk  # does any query have more allowed keys than top-k?
-        if position_ids_BS is None:
-            position_ids_BS = torch.arange(seq_len, device=h_BSD.device).unsqueeze(0)
-        cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), h_BSD.dtype)
-        selection = None  # (sparse mask, selects-everything) of the latest full-indexer layer
-        for layer in self.layers:
-            h_BSD, selection = layer(h_BSD, cos, sin, allowed_BST, selection, plain_causal, sparse_needed)
+        inputs = self.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids_BS, document_ids_BS,
+                                   longest, single_document)
+        h_BSD, _ = self.run_layers(self.layers, h_BSD, inputs)
         return self.norm(h_BSD)
 
 
@@ -150,7 +186,8 @@ class Glm5ForCausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
                 targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None,
-                num_supervised: int | None = None, loss_grad_scale: float | None = None) -> Glm5Output:
+                num_supervised: int | None = None, loss_grad_scale: float | None = None,
+                single_document: bool | None = None) -> Glm5Output:
         """Args:
             input_ids: [B, S] token ids.
             position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
@@ -161,13 +198,15 @@ class Glm5ForCausalLM(nn.Module):
                 forward so that sharded wrappers (FSDP2) have the head weight gathered.
             longest_document: `masks.longest_document` of these ids, computed on the host;
                 omitted, the model computes it (a host sync when the ids are on the GPU).
+            single_document: `masks.single_document_rows` of these ids (every row one
+                document), from the host like `longest_document`.
             num_supervised: the number of targets != -100, counted on the host; omitted, the
                 loss finds the supervised rows with a host sync.
             loss_grad_scale: the factor the caller multiplies `loss_sum` by before backward
                 (e.g. 1 / supervised tokens of the step), if known on the host: the fused loss
                 folds it into its gradient GEMMs instead of a scaling pass in backward.
         """
-        hidden_BSD = self.model(input_ids, position_ids, document_ids, longest_document)
+        hidden_BSD = self.model(input_ids, position_ids, document_ids, longest_document, single_document)
         logits = self.lm_head(hidden_BSD) if compute_logits else None
         out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
         if targets is not None:
