@@ -165,6 +165,7 @@ class ParallelConfig:
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)
+    pp_layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; empty = balanced by cost
     # recompute layers in backward; "selective" keeps top-k masks, attention and wide matmul outputs
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_keep_matmul_min_k: int = 4096  # selective AC keeps matmul outputs whose reduction dim is >= this

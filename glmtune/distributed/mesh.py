@@ -7,6 +7,12 @@ process groups, ranks and sizes; it builds each torch `DeviceMesh` on first use.
 
     world_size = pp x dp_replicate x dp_shard x cp x tp        (ranks, outer to inner)
 
+Pipeline stages are the outermost split: each stage's ranks are one contiguous block
+holding the same layers, and everything below happens within a stage. Context-parallel
+ranks (cp) read the same rows and split each row's queries; they are FSDP shards like
+dp_shard ranks, so dense parameters are sharded over the `dp_shard x cp` ranks of a
+replica (`dp_shard_cp`; `dp_shard` itself when cp is 1).
+
 Expert parallelism adds no ranks: within one replica, the dp_shard x cp ranks are
 split into `ep` consecutive ranks that hold different experts, and the expert
 weights are FSDP-sharded over the `efsdp = dp_shard x cp / ep` ranks that hold the
@@ -19,6 +25,17 @@ same experts. Example: 8 ranks, dp_replicate 2 x dp_shard 4, ep 2:
     ep             0  1  0  1 | 0  1  0  1   expert parallel      {0,1} {2,3} {4,5} {6,7}
     dp, loss       0  1  2  3   4  5  6  7   different rows; token counts summed over all
 
+And 8 ranks = pp 2 x dp_shard 2 x cp 2, ep 2 (the shape of NVIDIA's GLM-5 recipes):
+
+    global rank    0  1  2  3 | 4  5  6  7
+    pp             0  0  0  0 | 1  1  1  1   pipeline             {0,4} {1,5} {2,6} {3,7}
+    dp (rows)      0  0  1  1 | 0  0  1  1   data parallel        {0,2} {1,3} {4,6} {5,7}
+    cp             0  1  0  1 | 0  1  0  1   context parallel     {0,1} {2,3} {4,5} {6,7}
+    dp_shard_cp    0  1  2  3 | 0  1  2  3   dense FSDP shards    {0,1,2,3} {4,5,6,7}
+    ep             0  1  0  1 | 0  1  0  1   expert parallel      {0,1} {2,3} {4,5} {6,7}
+    efsdp          0  0  1  1 | 0  0  1  1   expert FSDP shards   {0,2} {1,3} {4,6} {5,7}
+    loss           0  1  2  3 | 0  1  2  3   one stage's loss sums {0,1,2,3} {4,5,6,7}
+
 `ep` is the innermost split so that an all-to-all stays within neighbouring ranks
 (one host's NVLink when ep <= GPUs per host).
 
@@ -28,16 +45,15 @@ collective: make the same calls in the same order on every rank):
     mesh = ParallelMesh(degrees, device_type="cuda")   # rank from torch.distributed
     mesh.size("ep"), mesh.rank("efsdp")                  # any axis in AXES; pure arithmetic
     mesh.dp_size, mesh.dp_rank, mesh.ep_size, mesh.ep_rank
-    mesh.fsdp_mesh()         # dense FSDP2: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) = HSDP
+    mesh.fsdp_mesh()         # dense FSDP2: 1-D (dp_shard[_cp]) or 2-D (dp_replicate, dp_shard[_cp]) = HSDP
     mesh.expert_fsdp_mesh()  # experts' FSDP2: 1-D (efsdp) or 2-D (dp_replicate, efsdp); the dense one at ep 1
     mesh.get("ep")           # a 1-D DeviceMesh of one axis (ep shares its root with the expert FSDP mesh,
     mesh.group("loss")       #   as FSDP2 requires for DTensor experts); its ProcessGroup
     mesh.cpu_group()         # a dedicated gloo group, e.g. for DCP async_save under NCCL
 
-Pipeline, context and tensor parallelism (pp, cp, tp > 1) are validated as layouts
-but not built yet: `MeshDegrees.not_built_errors` names them, and `ParallelMesh`
-refuses them. torch is imported only when a mesh is built, so validating a recipe
-stays fast.
+Tensor parallelism (tp > 1) is validated as a layout but not built: `MeshDegrees.
+not_built_errors` names it, and `ParallelMesh` refuses it. torch is imported only
+when a mesh is built, so validating a recipe stays fast.
 """
 
 from __future__ import annotations
@@ -53,9 +69,9 @@ if TYPE_CHECKING:
 
 # Axes a ParallelMesh answers `size`/`rank` for; "dp" (ranks that read different rows)
 # and "loss" (ranks whose token counts add up) are flattened views, not extra ranks.
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "efsdp", "dp", "loss")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp_shard_cp", "ep", "efsdp", "dp", "loss")
 # Degrees the config accepts as a layout but this version cannot run yet.
-NOT_BUILT = {"pp": "pipeline", "cp": "context", "tp": "tensor"}
+NOT_BUILT = {"tp": "tensor"}
 
 
 def raise_config_errors(errors: list[str]) -> None:
@@ -129,7 +145,7 @@ class MeshDegrees:
         return errors
 
     def not_built_errors(self) -> list[str]:
-        """One message per degree this version cannot run yet (pp, cp, tp > 1)."""
+        """One message per degree this version cannot run yet (tp > 1)."""
         return [f"parallel.{key} is {getattr(self, key)}, but {kind} parallelism is not built in this version "
                 f"yet; set parallel.{key}: 1" for key, kind in NOT_BUILT.items() if getattr(self, key) > 1]
 
@@ -151,7 +167,7 @@ class ParallelMesh:
 
     Raises:
         ValueError: an ep that does not divide dp_shard x cp (or the experts), or a
-            degree this version cannot run (pp, cp, tp > 1); the message names the key.
+            degree this version cannot run (tp > 1); the message names the key.
     """
 
     def __init__(self, degrees: MeshDegrees, *, rank: int | None = None, device_type: str = "cpu",
@@ -175,20 +191,27 @@ class ParallelMesh:
         return cls(MeshDegrees.resolve(parallel, world_size), rank=rank, device_type=device_type,
                    num_experts=num_experts)
 
-    # Sizes and ranks: arithmetic on the global rank (pp = cp = tp = 1 in this version).
+    # Sizes and ranks: arithmetic on the global rank (tp = 1 in this version).
 
     def size(self, axis: str) -> int:
         d = self.degrees
         sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
-                 "ep": d.ep, "efsdp": d.efsdp, "dp": d.dp, "loss": d.dp * d.cp}
+                 "dp_shard_cp": d.dp_shard * d.cp, "ep": d.ep, "efsdp": d.efsdp, "dp": d.dp, "loss": d.dp * d.cp}
         return sizes[_check_axis(axis)]
 
     def rank(self, axis: str) -> int:
         """This process's index along `axis` (its position in that axis's group)."""
-        d, r = self.degrees, self.global_rank
-        shard = r % d.dp_shard  # index within the replica's dp_shard x cp ranks (cp = 1)
-        ranks = {"pp": 0, "cp": 0, "tp": 0, "dp_replicate": r // d.dp_shard, "dp_shard": shard,
-                 "ep": shard % d.ep, "efsdp": shard // d.ep, "dp": r, "loss": r}
+        d = self.degrees
+        stage_size = d.world_size // d.pp
+        within = self.global_rank % stage_size  # (dp_replicate, dp_shard, cp, tp) of this stage
+        cp_index = (within // d.tp) % d.cp
+        shard = (within // (d.tp * d.cp)) % d.dp_shard
+        replica = within // (d.tp * d.cp * d.dp_shard)
+        sharded = shard * d.cp + cp_index  # index within the replica's dp_shard x cp ranks
+        dp = replica * d.dp_shard + shard
+        ranks = {"pp": self.global_rank // stage_size, "cp": cp_index, "tp": self.global_rank % d.tp,
+                 "dp_replicate": replica, "dp_shard": shard, "dp_shard_cp": sharded, "ep": sharded % d.ep,
+                 "efsdp": sharded // d.ep, "dp": dp, "loss": dp * d.cp + cp_index}
         return ranks[_check_axis(axis)]
 
     @property
@@ -211,16 +234,20 @@ class ParallelMesh:
     def ep_rank(self) -> int:
         return self.rank("ep")
 
-    # DeviceMeshes, built on first use. Three roots, each init_device_mesh over all ranks:
-    # dense (dp_replicate?, dp_shard), experts (dp_replicate?, efsdp, ep), loss (one flat
-    # axis). A size-1 dp_replicate is left out rather than built as world_size groups of one.
+    # DeviceMeshes, built on first use. Four roots, each init_device_mesh over all ranks, each
+    # with the pp axis outermost when there is one: data (pp, dp, cp), dense (dp_replicate?,
+    # dp_shard[_cp]), experts (dp_replicate?, efsdp, ep), loss (one flat axis per stage). A
+    # size-1 dp_replicate or cp is left out rather than built as world_size groups of one.
+
+    _ROOTS = ("data", "dense", "experts", "loss")
 
     def get(self, axis: str) -> DeviceMesh:
-        """The 1-D DeviceMesh of `axis`: dp_replicate (needs > 1), dp_shard, ep, efsdp, loss."""
-        for root in ("dense", "experts", "loss"):
+        """The 1-D DeviceMesh of `axis`: pp, dp, cp (each needs > 1, dp excepted), dp_replicate
+        (needs > 1), the dense FSDP axis (dp_shard, or dp_shard_cp under cp), ep, efsdp, loss."""
+        for root in self._ROOTS:
             if axis in self._root_axes(root):
                 return self._root(root)[axis]
-        buildable = sorted({a for root in ("dense", "experts", "loss") for a in self._root_axes(root)})
+        buildable = sorted({a for root in self._ROOTS for a in self._root_axes(root)})
         raise ValueError(f"no DeviceMesh for axis {axis!r} in this layout ({self.degrees.describe()}); "
                          f"built axes: {', '.join(buildable)}")
 
@@ -230,8 +257,11 @@ class ParallelMesh:
 
     def fsdp_mesh(self) -> DeviceMesh:
         """FSDP2's mesh for dense parameters: (dp_shard,), or (dp_replicate, dp_shard) for HSDP."""
-        root = self._root("dense")
-        return root if root.ndim == 1 else root["dp_replicate", "dp_shard"]
+        if "fsdp" not in self._roots:  # one object: sub-meshes are new objects on every slicing
+            names = tuple(a for a in self._root_axes("dense") if a != "pp")
+            root = self._root("dense")
+            self._roots["fsdp"] = root if names == root.mesh_dim_names else root[names]
+        return self._roots["fsdp"]
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
         """FSDP2's mesh for routed-expert parameters: (efsdp,) or (dp_replicate, efsdp) under EP.
@@ -243,6 +273,11 @@ class ParallelMesh:
             return self.fsdp_mesh()
         root = self._root("experts")
         return root["efsdp"] if self.degrees.dp_replicate == 1 else root["dp_replicate", "efsdp"]
+
+    @property
+    def dense_axis(self) -> str:
+        """The axis dense parameters are sharded over within a replica: dp_shard, or dp_shard_cp under cp."""
+        return "dp_shard_cp" if self.degrees.cp > 1 else "dp_shard"
 
     def cpu_group(self) -> ProcessGroup:
         """A gloo group over all ranks, created once (collective on first call).
@@ -262,8 +297,13 @@ class ParallelMesh:
         return self.degrees.describe()
 
     def _root_axes(self, root: str) -> tuple[str, ...]:
-        replicate = ("dp_replicate",) if self.degrees.dp_replicate > 1 else ()
-        return {"dense": (*replicate, "dp_shard"), "experts": (*replicate, "efsdp", "ep"), "loss": ("loss",)}[root]
+        d = self.degrees
+        stage = ("pp",) if d.pp > 1 else ()
+        replicate = ("dp_replicate",) if d.dp_replicate > 1 else ()
+        return {"data": (*stage, "dp", *(("cp",) if d.cp > 1 else ())),
+                "dense": (*stage, *replicate, self.dense_axis),
+                "experts": (*stage, *replicate, "efsdp", "ep"),
+                "loss": (*stage, "loss")}[root]
 
     def _root(self, root: str) -> DeviceMesh:
         if root not in self._roots:

@@ -66,16 +66,31 @@ def test_ep_must_divide_dp_shard_times_cp_and_the_experts():
     assert ParallelMesh(degrees(3, ep=3), rank=2).rank("ep") == 2  # no model given: experts unchecked
 
 
-@pytest.mark.parametrize(("parallel", "message"), [
-    ({"pp": 2}, "parallel.pp is 2, but pipeline parallelism is not built in this version yet; set parallel.pp: 1"),
-    ({"cp": 2}, "parallel.cp is 2, but context parallelism is not built in this version yet; set parallel.cp: 1"),
-    ({"tp": 2}, "parallel.tp is 2, but tensor parallelism is not built in this version yet; set parallel.tp: 1"),
-])
-def test_degrees_not_built_yet_are_refused_by_name(parallel, message):
-    layout = degrees(4, **parallel)  # a valid layout ...
+def test_tensor_parallelism_is_refused_by_name():
+    layout = degrees(4, tp=2)  # a valid layout ...
     with pytest.raises(ValueError) as exc:  # ... that this version cannot build
         ParallelMesh(layout, rank=0)
-    assert str(exc.value) == message
+    assert str(exc.value) == "parallel.tp is 2, but tensor parallelism is not built in this version yet; " \
+                             "set parallel.tp: 1"
+
+
+def test_the_pipeline_and_context_layout_rank_by_rank():
+    """8 ranks = pp 2 x dp_shard 2 x cp 2 with ep 2 (the docstring's second table)."""
+    table = {
+        "pp": [0, 0, 0, 0, 1, 1, 1, 1],
+        "dp": [0, 0, 1, 1, 0, 0, 1, 1],
+        "cp": [0, 1, 0, 1, 0, 1, 0, 1],
+        "dp_shard_cp": [0, 1, 2, 3, 0, 1, 2, 3],
+        "ep": [0, 1, 0, 1, 0, 1, 0, 1],
+        "efsdp": [0, 0, 1, 1, 0, 0, 1, 1],
+        "loss": [0, 1, 2, 3, 0, 1, 2, 3],
+    }
+    d = degrees(8, pp=2, cp=2, ep=2)
+    assert (d.dp_shard, d.efsdp) == (2, 2)
+    meshes = [ParallelMesh(d, rank=r, num_experts=NUM_EXPERTS) for r in range(8)]
+    for axis, expected in table.items():
+        assert [m.rank(axis) for m in meshes] == expected, axis
+    assert meshes[0].dense_axis == "dp_shard_cp" and ParallelMesh(degrees(2), rank=0).dense_axis == "dp_shard"
 
 
 def test_unknown_axis_and_no_process_group():
@@ -90,14 +105,17 @@ def test_unknown_axis_and_no_process_group():
 LAYOUTS = {
     1: [{}],
     2: [{}, {"ep": 2}],
-    4: [{"dp_replicate": 2}, {"ep": 2}, {"ep": 4}, {"dp_replicate": 2, "ep": 2}],
+    4: [{"dp_replicate": 2}, {"ep": 2}, {"ep": 4}, {"dp_replicate": 2, "ep": 2}, {"pp": 2}, {"cp": 2},
+        {"pp": 2, "cp": 2, "ep": 2}, {"cp": 2, "ep": 4}],
 }
 
 
 def _members(mesh: ParallelMesh, axis: str) -> list[int]:
     """The global ranks whose indices on every other axis equal this rank's: `axis`'s group."""
-    others = {"dp_replicate": ("dp_shard",), "dp_shard": ("dp_replicate",), "ep": ("dp_replicate", "efsdp"),
-              "efsdp": ("dp_replicate", "ep"), "loss": ()}[axis]
+    others = {"dp_replicate": ("pp", "dp_shard_cp"), "dp_shard": ("pp", "dp_replicate", "cp"),
+              "dp_shard_cp": ("pp", "dp_replicate"), "ep": ("pp", "dp_replicate", "efsdp"),
+              "efsdp": ("pp", "dp_replicate", "ep"), "loss": ("pp",), "pp": ("loss",), "cp": ("pp", "dp"),
+              "dp": ("pp", "cp")}[axis]
     peers = [ParallelMesh(mesh.degrees, rank=r) for r in range(mesh.world_size)]
     return [p.global_rank for p in peers if all(p.rank(a) == mesh.rank(a) for a in others)]
 
@@ -112,7 +130,8 @@ def _check_layouts(rank: int, world_size: int, store_path: str) -> None:
             mesh = ParallelMesh.from_config(ParallelConfig(**parallel), world_size=world_size,
                                             num_experts=NUM_EXPERTS)
             d = mesh.degrees
-            axes = ["dp_shard", "ep", "efsdp", "loss"] + (["dp_replicate"] if d.dp_replicate > 1 else [])
+            axes = [mesh.dense_axis, "ep", "efsdp", "loss", "dp"] + (["dp_replicate"] if d.dp_replicate > 1 else []) \
+                + (["pp"] if d.pp > 1 else []) + (["cp"] if d.cp > 1 else [])
             for axis in axes:
                 group = mesh.group(axis)
                 members = _members(mesh, axis)
@@ -123,7 +142,8 @@ def _check_layouts(rank: int, world_size: int, store_path: str) -> None:
                 assert total.item() == sum(members), (parallel, axis)
 
             dense = mesh.fsdp_mesh()
-            assert dense.mesh_dim_names == (("dp_replicate", "dp_shard") if d.dp_replicate > 1 else ("dp_shard",))
+            inner = mesh.dense_axis
+            assert dense.mesh_dim_names == (("dp_replicate", inner) if d.dp_replicate > 1 else (inner,))
             experts = mesh.expert_fsdp_mesh()
             if d.ep == 1:
                 assert experts is dense

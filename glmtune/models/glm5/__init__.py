@@ -1,6 +1,17 @@
-"""GLM-5 family model (`GlmMoeDsaForCausalLM`): args, modules, HF key adapter."""
+"""GLM-5 family model (`GlmMoeDsaForCausalLM`): args, modules, HF key adapter.
+
+The model classes import torch; they load on first use, so that what needs only the
+architecture's numbers (`glmtune config validate`, the pipeline plan) stays torch-free.
+"""
 
 from glmtune.models.glm5.args import PRESETS, Glm5Args, get_preset, resolve_args
-from glmtune.models.glm5.model import Glm5ForCausalLM, Glm5Output, build_model
 
 __all__ = ["PRESETS", "Glm5Args", "Glm5ForCausalLM", "Glm5Output", "build_model", "get_preset", "resolve_args"]
+
+
+def __getattr__(name: str):
+    if name in ("Glm5ForCausalLM", "Glm5Output", "build_model"):
+        from glmtune.models.glm5 import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

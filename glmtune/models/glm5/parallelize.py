@@ -1,6 +1,9 @@
 """`parallelize_glm5`: turns a built (plain PyTorch) GLM-5 into a training-ready one.
 
 Transformations apply in this fixed order, each one optional:
+  0. pipeline split (PP)           - the model pruned to this pp rank's stages (consecutive
+                                     layers; `glmtune/distributed/pipeline.py`); everything
+                                     below applies to what is left, each stage its own FSDP root
   1. expert parallelism (EP)       - routed experts sharded over an `ep` mesh axis
   2. context parallelism (CP)      - sequence sharded over a `cp` mesh axis
   3. activation checkpointing (AC) - per decoder layer: "full", or "selective" (keeps top-k
@@ -9,11 +12,11 @@ Transformations apply in this fixed order, each one optional:
   5. FSDP2 (`fully_shard`)         - per router, per decoder and MTP layer, then the root;
                                      HSDP (replicate x shard) when dp_replicate > 1
 
-EP and CP come first because they change what a layer computes and which
+The pipeline split comes first because it decides which layers this process holds at
+all. EP and CP come next because they change what a layer computes and which
 tensors exist; AC and compile wrap the resulting layer; FSDP2 goes last so it
-shards the final parameters and its hooks wrap everything else. This version
-runs 1 and 3-5; CP, TP and PP degrees > 1 are refused by the mesh
-(glmtune/distributed/mesh.py) until their transformations land.
+shards the final parameters and its hooks wrap everything else. Tensor parallelism
+is refused by the mesh (glmtune/distributed/mesh.py).
 
 FSDP2 also carries the mixed precision of fp32 master weights (`param_dtype`
 bf16: each unit computes on a bf16 copy of its fp32 parameters, gradients are
@@ -24,6 +27,7 @@ on a one-rank mesh (`one_rank_process_group`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,12 +94,16 @@ def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selectiv
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
     keep = keep_matmul_min_k if mode == "selective" else None
-    for layer in model.model.layers:
+    from glmtune.models.glm5.stages import decoder_layers
+
+    for layer in decoder_layers(model):
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, keep)
 
 
 def apply_compile(model: Glm5ForCausalLM) -> None:
-    for layer in model.model.layers:
+    from glmtune.models.glm5.stages import decoder_layers
+
+    for layer in decoder_layers(model):
         layer.compile()
 
 
@@ -120,7 +128,7 @@ def _expert_placement(num_experts: int, shards: int):
 
 
 def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype = torch.float32, expert_mesh=None) -> None:
+               reduce_dtype: torch.dtype = torch.float32, expert_mesh=None, stages=None) -> None:
     """Shard with FSDP2: each router, the routed experts (under EP), each decoder and MTP
     layer, then the root (embedding, final norm, head).
 
@@ -147,28 +155,52 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
     default averaging would divide expert gradients by efsdp and the others by dp_shard.
     Expert gradients are complete on the rank that holds the expert and are summed over
     efsdp only, never over ep.
+
+    Under pipeline parallelism (`stages` given) each stage is a root unit of its own (its
+    embedding, final norm and head): the schedule runs stages, not the model. Units keep
+    their gathered parameters from forward to backward (no reshard after forward):
+    resharding would all-gather every layer again for every microbatch.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from glmtune.models.glm5.moe import MoE, Router
 
+    from glmtune.models.glm5.stages import decoder_layers
+
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
-    for layer in [*model.model.layers, *model.mtp]:
+    reshard = stages is None
+    for layer in [*decoder_layers(model), *model.mtp]:
         for module in layer.modules():
             if isinstance(module, Router):
-                fully_shard(module, mesh=mesh, mp_policy=keep_own_dtype)
+                fully_shard(module, mesh=mesh, mp_policy=keep_own_dtype, reshard_after_forward=reshard)
             if isinstance(module, MoE) and expert_mesh is not None:
                 local_experts = module.experts.gate_up_proj.to_local().shape[0] \
                     if hasattr(module.experts.gate_up_proj, "to_local") else module.num_experts
-                fully_shard(module.experts, mesh=expert_mesh, mp_policy=compute,
+                fully_shard(module.experts, mesh=expert_mesh, mp_policy=compute, reshard_after_forward=reshard,
                             shard_placement_fn=_expert_placement(local_experts, expert_mesh.size()))
-        fully_shard(layer, mesh=mesh, mp_policy=compute)
-    fully_shard(model, mesh=mesh, mp_policy=compute)
-    for module in model.modules():
+        fully_shard(layer, mesh=mesh, mp_policy=compute, reshard_after_forward=reshard)
+    roots = [model] if stages is None else stages
+    for root in roots:
+        fully_shard(root, mesh=mesh, mp_policy=compute, reshard_after_forward=reshard)
+    for module in [*model.modules(), *(m for root in roots for m in root.modules())]:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How a pipelined run splits and schedules (the `parallel.pp_*` keys, resolved)."""
+
+    schedule: str
+    stages_per_rank: int
+    microbatches: int  # per micro batch
+    micro_batch: int  # rows per micro batch
+    seq_len: int  # tokens per packed row
+    layer_split: list[int] | None = None  # layers per stage; None = balanced by cost
+    dtype: torch.dtype = torch.float32  # the activations' dtype between stages
+    device: torch.device | None = None  # where the stages run; None = the model's parameters'
 
 
 def parallelize_glm5(
@@ -181,8 +213,10 @@ def parallelize_glm5(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     ep_dispatcher: str = "all_to_all",
+    cp_balance: str = "head_tail",
+    pipeline: PipelineOptions | None = None,
 ) -> nn.Module:
-    """Apply EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring).
+    """Apply PP split -> EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring).
 
     Args:
         mesh: the run's `ParallelMesh` (glmtune/distributed/mesh.py); None = one process
@@ -191,24 +225,57 @@ def parallelize_glm5(
             (fp32 master weights): FSDP2 then applies in one process too, which needs a
             process group (`one_rank_process_group`).
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
+        cp_balance: which queries each context-parallel rank keeps (`parallel.cp_balance`).
+        pipeline: the schedule and split when the mesh has pp > 1; the built
+            `glmtune.distributed.pipeline.Pipeline` is then `model.pipeline` (else None).
     """
     from glmtune.distributed.mesh import ParallelMesh
 
     if mesh is None and param_dtype is not None:
         mesh = ParallelMesh.from_config(ParallelConfig(), world_size=1, device_type=_device_type(model))
+    stages = None
+    model.pipeline = None
+    if mesh is not None and mesh.size("pp") > 1:
+        from glmtune.distributed.pipeline import split_model
+
+        assert pipeline is not None, "a pipelined mesh needs PipelineOptions"
+        stages = split_model(model, pp=mesh.size("pp"), pp_rank=mesh.rank("pp"), schedule=pipeline.schedule,
+                             stages_per_rank=pipeline.stages_per_rank, seq_len=pipeline.seq_len,
+                             explicit_split=pipeline.layer_split)
     expert_parallel = mesh is not None and mesh.ep_size > 1
     if expert_parallel:
         from glmtune.distributed.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
+    if mesh is not None and mesh.size("cp") > 1:
+        from glmtune.distributed.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh.group("cp"), cp_balance)
     if activation_checkpointing != "none":
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
     if mesh is not None and (mesh.world_size > 1 or param_dtype is not None):
         apply_fsdp(model, mesh.fsdp_mesh(), param_dtype, reduce_dtype,
-                   expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None)
+                   expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None, stages=stages)
+    if stages is not None:
+        from glmtune.distributed.pipeline import Pipeline
+        from glmtune.distributed.pipeline_plan import stage_ids_for_rank
+
+        queries = pipeline.seq_len // mesh.size("cp")
+        model.pipeline = Pipeline(
+            stages, stage_ids_for_rank(pipeline.schedule, mesh.rank("pp"), mesh.size("pp"), pipeline.stages_per_rank),
+            mesh.size("pp") * pipeline.stages_per_rank, mesh.group("pp"), pipeline.device or _device(model),
+            pipeline.schedule,
+            pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
+            pipeline.dtype)
     return model
+
+
+def _device(model: nn.Module) -> torch.device:
+    param = next(model.parameters())
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.device
 
 
 def _device_type(model: nn.Module) -> str:

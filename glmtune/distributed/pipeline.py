@@ -1,0 +1,191 @@
+"""Pipeline parallelism: a GLM-5's stages on this pp rank, their schedule, and one step through it.
+
+`split_model` prunes the model to this rank's stages (`glmtune/models/glm5/stages.py`,
+split by `pipeline_plan.py`) before the other transformations apply to its layers;
+`Pipeline` then wraps each stage in a `torch.distributed.pipelining.PipelineStage` on
+the pp group and runs the configured schedule:
+
+    loss_sum = pipeline.train_step(batch, loss_scale)   # forward + backward of one micro batch
+    loss_sum, count = pipeline.evaluate(batch)           # forward only (validation)
+
+Loss: the last stage computes each microbatch's summed token loss and multiplies it
+by `loss_scale` (1 / the step's supervised tokens over every rank): the schedule's
+backward starts there, so gradients add up over microbatches, micro batches and ranks
+exactly as in one process (schedules built with `scale_grads=False`). The loss sums
+a rank reports are its own last stages' (0 elsewhere): summed over all ranks they are
+the step's.
+
+Activations between stages: hidden states [mb, S, D] in the compute dtype, plus the
+top-k selection where a stage starts on a shared-indexer layer. Their shapes are
+given to each PipelineStage up front (static metadata), so no trial microbatch runs
+before the first step. Every microbatch of a run has the same shape (packed rows).
+
+Evaluation runs the stages in order with plain point-to-point sends (no backward,
+no schedule): each stage's activations go to the next stage's rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
+from glmtune.models.glm5.stages import Glm5Stage, MicrobatchFacts, split_into_stages
+from glmtune.models.glm5.masks import longest_document, single_document_rows
+
+
+def split_model(model: nn.Module, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int, seq_len: int,
+                explicit_split: list[int] | None = None, loss_chunk_size: int = 2048) -> list[Glm5Stage]:
+    """Prune `model` to this pp rank's stages and return them (module docstring)."""
+    layers_per_stage = plan_stages(model.args, pp * stages_per_rank, seq_len, explicit_split)
+    stage_ids = stage_ids_for_rank(schedule, pp_rank, pp, stages_per_rank)
+    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size)
+    model.layers_per_stage = layers_per_stage  # for the run's description
+    return stages
+
+
+def _identity_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    # The last stage returns its scaled loss already (it needs the targets inside its FSDP unit),
+    # as a [1] tensor: the schedule concatenates the last stage's outputs over microbatches.
+    return output.sum()
+
+
+class Pipeline:
+    """The schedule over this rank's stages (module docstring).
+
+    Args:
+        stages: this rank's `Glm5Stage`s (after FSDP2, which wraps each as a root unit).
+        stage_ids: their indices in the pipeline; num_stages: the pipeline's stages.
+        group: the pp process group; device: this rank's device.
+        schedule: a `torch.distributed.pipelining` schedule name; microbatches per micro batch.
+        micro_batch: rows per micro batch; seq_len: tokens per row; queries: this rank's
+            queries per row (seq_len, or its slice under context parallelism).
+        hidden_size, dtype: the activations' width and dtype.
+    """
+
+    def __init__(self, stages: list[Glm5Stage], stage_ids: list[int], num_stages: int, group, device: torch.device,
+                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
+                 dtype: torch.dtype) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        assert micro_batch % microbatches == 0, (micro_batch, microbatches)
+        self.stages, self.stage_ids, self.num_stages = stages, stage_ids, num_stages
+        self.group, self.device, self.microbatches = group, device, microbatches
+        rows = micro_batch // microbatches
+        meta = torch.device("meta")
+        # requires_grad: a stage sends its input's gradient back only for inputs that require it
+        hidden = torch.empty(rows, queries, hidden_size, dtype=dtype, device=meta, requires_grad=True)
+        carry = (torch.empty(rows, queries, seq_len, dtype=torch.uint8, device=meta),
+                 torch.empty(1, dtype=torch.uint8, device=meta))
+        self.pipeline_stages, self.input_metas = [], []
+        self.schedule_name = schedule
+        for stage, index in zip(stages, stage_ids):
+            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device=meta),) if stage.is_first \
+                else (hidden, *(carry if stage.carry_in else ()))
+            outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last \
+                else (hidden, *(carry if stage.carry_out else ()))
+            self.input_metas.append(inputs)
+            self.pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
+                                                      output_args=outputs, group=group))
+        schedule_class = get_schedule_class(schedule)
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        assert single == (len(stages) == 1), (schedule, len(stages))
+        self.schedule = schedule_class(self.pipeline_stages[0] if single else self.pipeline_stages,
+                                       n_microbatches=microbatches, loss_fn=_identity_loss, scale_grads=False)
+        self.has_first = 0 in stage_ids
+        self.has_last = num_stages - 1 in stage_ids
+
+    # -- host facts -------------------------------------------------------------------------
+    def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local) -> None:
+        """Each stage's per-microbatch host facts, from the host copies of the ids."""
+        rows = batch["input_ids"].shape[0] // self.microbatches
+        seq_len = batch["input_ids"].shape[1]
+        facts = []
+        for m in range(self.microbatches):
+            part = slice(m * rows, (m + 1) * rows)
+            documents = batch["document_ids"][part]
+            supervised = int((local(batch["targets"][part]) != -100).sum())
+            facts.append(MicrobatchFacts(longest_document(seq_len, document_ids_BS=documents),
+                                         single_document_rows(seq_len, document_ids_BS=documents), supervised,
+                                         loss_scale))
+        for stage in self.stages:
+            stage.microbatch_facts = list(facts)
+            stage.loss_sums = []
+
+    def _device_kwargs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {key: batch[key].to(self.device, non_blocking=True)
+                for key in ("position_ids", "document_ids", "targets")}
+
+    def _local(self):
+        core = self.stages[0].core[0]
+        return getattr(core, "local_tokens", lambda t: t)
+
+    # -- steps ------------------------------------------------------------------------------
+    def train_step(self, batch: dict[str, Any], loss_scale: float) -> torch.Tensor:
+        """Forward and backward of one micro batch (host tensors); this rank's summed token loss."""
+        self._queue_facts(batch, loss_scale, self._local())
+        kwargs = self._device_kwargs(batch)
+        args = (batch["input_ids"].to(self.device, non_blocking=True),) if self.has_first else ()
+        # The loss needs no target of the schedule's (the last stage has the targets as a keyword
+        # argument); the schedule still splits one per microbatch.
+        target = torch.zeros(batch["input_ids"].shape[0], device=self.device) if self.has_last else None
+        self.schedule.step(*args, target=target, **kwargs)
+        return self._loss_sum()
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only: (this rank's summed token loss, its supervised tokens; 0 without the last stage)."""
+        local = self._local()
+        self._queue_facts(batch, None, local)
+        kwargs = self._device_kwargs(batch)
+        rows = batch["input_ids"].shape[0] // self.microbatches
+        pp_rank = dist.get_rank(self.group)
+        pp_size = dist.get_world_size(self.group)
+        owner = {i: None for i in range(self.num_stages)}  # stage -> pp rank
+        for rank in range(pp_size):
+            for s in stage_ids_for_rank(self.schedule_name, rank, pp_size, len(self.stages)):
+                owner[s] = rank
+        count = torch.zeros((), dtype=torch.int64, device=self.device)
+        for m in range(self.microbatches):
+            part = slice(m * rows, (m + 1) * rows)
+            mb_kwargs = {k: v[part] for k, v in kwargs.items()}
+            carried: tuple = ()
+            for index in range(self.num_stages):
+                if owner[index] != pp_rank:
+                    continue
+                position = self.stage_ids.index(index)
+                stage = self.stages[position]
+                if stage.is_first:
+                    inputs = (batch["input_ids"][part].to(self.device),)
+                elif owner[index - 1] == pp_rank:
+                    inputs = carried
+                else:
+                    inputs = tuple(self._recv_like(t, owner[index - 1]) for t in self.input_metas[position])
+                out = stage(*inputs, **mb_kwargs)
+                if stage.is_last:
+                    count += (local(mb_kwargs["targets"]) != -100).sum()
+                    continue
+                carried = out if isinstance(out, tuple) else (out,)
+                if owner[index + 1] != pp_rank:
+                    for tensor in carried:
+                        dist.send(tensor.contiguous(), dist.get_global_rank(self.group, owner[index + 1]),
+                                  group=self.group)
+        return self._loss_sum(), count
+
+    def _recv_like(self, meta: torch.Tensor, source: int) -> torch.Tensor:
+        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        dist.recv(buffer, dist.get_global_rank(self.group, source), group=self.group)
+        return buffer
+
+    def _loss_sum(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for stage in self.stages:
+            for value in stage.loss_sums:
+                total += value
+            stage.loss_sums = []
+        return total
+

@@ -1,0 +1,168 @@
+"""Pipeline stages of a GLM-5: consecutive decoder layers as modules of their own, in plain PyTorch.
+
+A stage runs layers [first, last) of a `Glm5ForCausalLM` and shares the model's own
+modules (no copy: the parameters a stage trains are the model's, under the model's
+names). The first stage also embeds the tokens; the last also applies the final norm,
+the LM head and the loss, and owns the MTP layers (kept for checkpoints; they take no
+part in the forward pass; they stay outside the stage module).
+
+    stage 0:        ids [B, T]              -> h [B, S, D] (+ carried selection)
+    stage i:        h (+ carried selection) -> h (+ carried selection)
+    last stage:     h (+ carried selection) -> loss_sum x loss_scale   ([1])
+
+Side inputs every stage needs (positions, documents, targets) come as keyword
+arguments; `torch.distributed.pipelining` hands each microbatch's keyword arguments to
+every stage, and only the activations travel between stages. Facts about a
+microbatch counted on the host (longest document, one-document rows, supervised
+targets: they pick the attention path and size the loss without a host sync) are
+queued by the caller in `microbatch_facts`, one entry per microbatch in the order the
+schedule runs them (every schedule runs a stage's forwards in microbatch order).
+
+Shared-indexer layers (GLM-5.2/5.3 IndexShare) reuse the top-k selection of the
+latest full-indexer layer. When a stage starts on such a layer, the previous stage
+sends that selection along: the [B, S, T] mask as uint8 (what every transport carries)
+and one flag, "selects every allowed key" (then the mask is the allowed mask itself).
+
+The model knows nothing of parallelism: which stages exist, on which rank, and how
+their activations move is `glmtune/distributed/pipeline.py`'s business.
+
+Legend: B rows in a microbatch, S queries on this rank, T tokens of a row, D model dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from glmtune.models.common.loss import chunked_cross_entropy
+from glmtune.models.glm5.model import Glm5ForCausalLM
+from glmtune.models.glm5.moe import MoE
+
+
+@dataclass(frozen=True)
+class MicrobatchFacts:
+    """Host-side facts of one microbatch's rows (`masks.longest_document`, `single_document_rows`)."""
+
+    longest: int
+    single_document: bool
+    supervised: int | None = None  # targets != -100 among this rank's queries (None: counted on the device)
+    loss_scale: float | None = None  # the last stage returns loss_sum x this (1 / the step's supervised tokens)
+
+
+def decoder_layers(model: Glm5ForCausalLM) -> list[nn.Module]:
+    """The decoder layers this process holds, in order: all of them, or a pipeline rank's own."""
+    layers = model.model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def needs_carry(indexer_types: list[str], first_layer: int) -> bool:
+    """Whether a stage starting at `first_layer` needs the previous stage's top-k selection."""
+    return 0 < first_layer < len(indexer_types) and indexer_types[first_layer] == "shared"
+
+
+class Glm5Stage(nn.Module):
+    """Layers `layer_ids` (consecutive) of `model`, and the embedding / head when first / last.
+
+    Args:
+        model: the full model (its modules are shared, not copied).
+        layer_ids: the decoder layers of this stage, e.g. range(0, 20).
+        is_first / is_last: whether the stage embeds the tokens / computes the loss.
+        loss_chunk_size: tokens per slice of the chunked cross-entropy (last stage).
+    """
+
+    def __init__(self, model: Glm5ForCausalLM, layer_ids: range, is_first: bool, is_last: bool,
+                 loss_chunk_size: int = 2048) -> None:
+        super().__init__()
+        assert len(layer_ids) > 0 and layer_ids.step == 1, layer_ids
+        core = model.model
+        self.layer_ids = layer_ids
+        self.is_first, self.is_last = is_first, is_last
+        self.carry_in = needs_carry(model.args.indexer_types, layer_ids.start)
+        self.carry_out = not is_last and needs_carry(model.args.indexer_types, layer_ids.stop)
+        self.loss_chunk_size = loss_chunk_size
+        self.core = [core]  # a list: the shared model core must not be registered as a submodule
+        self.layers = nn.ModuleDict({str(i): core.layers[i] for i in layer_ids})
+        self.rotary_emb = core.rotary_emb
+        if is_first:
+            self.embed_tokens = core.embed_tokens
+        if is_last:
+            self.norm = core.norm
+            self.lm_head = model.lm_head
+        # The MTP layers stay on the model (the last stage's rank keeps them), not in the stage:
+        # never run, they must not be units of the stage's FSDP tree, whose no-sync microbatches
+        # touch every unit's gradients.
+        self.loss_sums: list[torch.Tensor] = []  # unscaled loss sums of the microbatches, for logging
+        # Tokens routed to each expert, summed over the training microbatches since the caller
+        # last cleared it (read right after the layers ran: a recompute in backward overwrites
+        # the MoE's own record).
+        self.moe = [(f"model.layers.{i}.mlp", core.layers[i].mlp) for i in layer_ids
+                    if isinstance(core.layers[i].mlp, MoE)]
+        self.expert_load: dict[str, torch.Tensor] = {}
+        self.microbatch_facts: list[MicrobatchFacts] = []
+
+    def forward(self, x, carried_mask=None, carried_all=None, *, position_ids, document_ids, targets=None):
+        """One microbatch through this stage.
+
+        Args:
+            x: token ids [B, T] on the first stage, hidden states [B, S, D] after it.
+            carried_mask / carried_all: the previous stage's selection (uint8 [B, S, T] and
+                uint8 [1]) when this stage starts on a shared-indexer layer.
+            position_ids, document_ids: [B, T] of the full rows.
+            targets: [B, T] next-token ids (-100: no loss), used by the last stage.
+        The next entry of `microbatch_facts` describes this microbatch.
+        """
+        assert self.microbatch_facts, "queue the microbatch's host facts before running the stage"
+        facts = self.microbatch_facts.pop(0)
+        core = self.core[0]
+        local = getattr(core, "local_tokens", lambda t: t)  # the query slice under context parallelism
+        if self.is_first:
+            h_BSD = self.embed_tokens(local(x))
+        else:
+            h_BSD = x
+        batch, seq_len = position_ids.shape
+        inputs = core.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids, document_ids,
+                                   facts.longest, facts.single_document)
+        selection = None
+        if self.carry_in:
+            selection = (carried_mask.bool(), bool(carried_all.item()))
+        h_BSD, selection = core.run_layers(self.layers.values(), h_BSD, inputs, selection)
+        if torch.is_grad_enabled():
+            for name, moe in self.moe:
+                self.expert_load[name] = self.expert_load.get(name, 0) + moe.tokens_per_expert
+        if self.carry_out:
+            mask_BST, every = selection
+            return h_BSD, mask_BST.to(torch.uint8), torch.tensor([int(every)], dtype=torch.uint8,
+                                                                  device=h_BSD.device)
+        if not self.is_last:
+            return h_BSD
+        hidden_BSD = self.norm(h_BSD)
+        loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(targets), self.loss_chunk_size,
+                                            num_supervised=facts.supervised, grad_scale=facts.loss_scale)
+        self.loss_sums.append(loss_sum.detach())
+        scaled = loss_sum * facts.loss_scale if facts.loss_scale is not None else loss_sum
+        return scaled.reshape(1)  # [1]: the schedule concatenates the microbatches' outputs
+
+
+def split_into_stages(model: Glm5ForCausalLM, layers_per_stage: list[int], stage_ids: list[int],
+                      loss_chunk_size: int = 2048) -> list[Glm5Stage]:
+    """This process's stages (`stage_ids`, in order) of the split `layers_per_stage`, and the
+    model pruned to them: layers, embedding, norm, head and MTP of other stages are removed,
+    so its state dict names exactly what this process holds, under the full model's names
+    (`model.layers.{i}` keeps its index: the decoder layers become a ModuleDict)."""
+    assert sum(layers_per_stage) == model.args.num_hidden_layers, layers_per_stage
+    starts = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
+    last = len(layers_per_stage) - 1
+    stages = [Glm5Stage(model, range(starts[i], starts[i] + layers_per_stage[i]), i == 0, i == last,
+                        loss_chunk_size) for i in stage_ids]
+    kept = {i for stage in stages for i in stage.layer_ids}
+    core = model.model
+    core.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(core.layers) if i in kept})
+    if 0 not in stage_ids:
+        core.embed_tokens = None
+    if last not in stage_ids:
+        core.norm = None
+        model.lm_head = None
+        model.mtp = nn.ModuleList()
+    return stages
