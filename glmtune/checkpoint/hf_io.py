@@ -330,6 +330,7 @@ def save_pretrained(
     overwrite: bool = True,
     sources: tuple[tuple[str, str | Path], ...] = (),
     dtype: torch.dtype | None = None,
+    pp_group=None,
 ) -> Path:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
@@ -351,6 +352,8 @@ def save_pretrained(
             holds them (its routers stay fp32, as in transformers); under fp32 master
             weights pass `model.dtype`'s. Each tensor is cast as it is gathered. None: as
             the parameters are.
+        pp_group: under pipeline parallelism, the pp group: each stage's tensors are
+            gathered within the stage and sent to rank 0 (`glmtune.distributed.pipeline_state`).
     """
     import torch.distributed as dist
 
@@ -364,17 +367,26 @@ def save_pretrained(
     writes = not distributed or dist.get_rank() == 0
     state = model.state_dict()  # FSDP2 keeps the names; sharded parameters are DTensors
     written = None if dtype is None else written_dtypes(model.args, dtype)
-    plan = _shard_plan(model, state, written, limit)
+    if pp_group is not None:  # every stage's tensors, each gathered onto rank 0 in turn
+        from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
+
+        everything = {key: torch.empty(shape, dtype=dt, device="meta")
+                      for key, shape, dt, _ in pipeline_entries(state, pp_group)}
+        plan = _shard_plan(model, everything, written, limit)
+        device = next((t.device for t in state.values() if t.device.type != "meta"), torch.device("cpu"))
+        items = gathered_to_rank0(state, pp_group, device)
+    else:
+        plan = _shard_plan(model, state, written, limit)
+        items = ((key, _gathered(tensor)) for key, tensor in state.items())
     names = [SINGLE_NAME] if len(plan) == 1 else \
         [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     shard_of = {key: (i, cast) for i, shard in enumerate(plan) for key, cast in shard}
     adapter = Glm5StateDictAdapter(model.args)
     with (output_dir(path, **target) if writes else contextlib.nullcontext()) as tmp:
         weight_map, total, pending = {}, 0, {}
-        for key, tensor in state.items():
+        for key, full in items:
             if model.args.tie_word_embeddings and key == "lm_head.weight":
                 continue
-            full = _gathered(tensor)
             if not writes:
                 del full
                 continue

@@ -157,9 +157,12 @@ def _config(spec: LoraSpec, target_modules: list[str], target_parameters: list[s
     }
 
 
-def adapter_state(model: nn.Module, layout: str = "peft",
-                  base_model_name_or_path: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(adapter_config dict, tensors keyed as on disk) for `layout` ("peft" or "per_expert")."""
+def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_path: str | None = None,
+                  pp_group=None) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """(adapter_config dict, tensors keyed as on disk) for `layout` ("peft" or "per_expert").
+
+    Under pipeline parallelism (`pp_group`) each rank holds its stages' adapters: the
+    pieces are merged on global rank 0, which alone gets the result (None elsewhere)."""
     if layout not in LAYOUTS:
         raise ValueError(f"adapter layout {layout!r} unknown; choose from {', '.join(LAYOUTS)}")
     adapted = check_exportable(model)
@@ -183,6 +186,16 @@ def adapter_state(model: nn.Module, layout: str = "peft",
             modules.extend(f"{name}.{leaf}" for proj in module.targets for leaf in leaves[proj])
     hf_modules = [n for n, _ in model.named_modules() if n and not n.startswith("mtp")]
     hf_params = [n for n, _ in model.named_parameters() if not n.startswith("mtp.") and ".lora_" not in n]
+    tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
+    if pp_group is not None:
+        from glmtune.distributed.pipeline_state import merge_on_rank0
+
+        parts = merge_on_rank0({"tensors": tensors, "modules": modules, "parameters": parameters,
+                                "hf_modules": hf_modules, "hf_params": hf_params}, pp_group, merge=_merge_parts)
+        if parts is None:
+            return None
+        tensors, modules, parameters = parts["tensors"], parts["modules"], parts["parameters"]
+        hf_modules, hf_params = parts["hf_modules"], parts["hf_params"]
     if layout == "peft":
         # PEFT ParamWrapper refuses lora_dropout != 0; dropout is a training-time op only.
         config = _config(spec, compress_targets(modules, hf_modules),
@@ -193,13 +206,27 @@ def adapter_state(model: nn.Module, layout: str = "peft",
         leaves = sorted({m.rpartition(".")[2] for m in modules})
         config = _config(spec, leaves, None, spec.dropout, base_model_name_or_path)
         config.pop("target_parameters")
-    tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
     return config, tensors
+
+
+def _merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pipeline rank's adapter pieces per entry of `parts`, joined in model order."""
+    from glmtune.distributed.pipeline_state import model_order
+
+    def ordered(names):
+        return sorted(names, key=lambda n: model_order(n.removeprefix(PREFIX)))
+
+    tensors = {k: v for part in parts for k, v in part["tensors"].items()}
+    merged = {"tensors": {k: tensors[k] for k in ordered(tensors)}}
+    for key in ("modules", "parameters", "hf_modules", "hf_params"):
+        merged[key] = ordered(dict.fromkeys(n for part in parts for n in part[key]))
+    return merged
 
 
 def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
                    base_model_name_or_path: str | None = None, *, overwrite: bool = False,
-                   sources: tuple[Source, ...] = (), base_identity: dict[str, Any] | None = None) -> Path:
+                   sources: tuple[Source, ...] = (), base_identity: dict[str, Any] | None = None,
+                   pp_group=None) -> Path:
     """Write `out_dir/{adapter_config.json, adapter_model.safetensors}` atomically.
 
     Args:
@@ -213,12 +240,14 @@ def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
         base_identity: the base's identity (`glmtune.io.fingerprint`), recorded in
             glmtune_adapter.json for `glmtune merge` to check.
 
-    Under FSDP2 call it on every rank (the adapters are gathered); rank 0 writes.
+    Under FSDP2 call it on every rank (the adapters are gathered); rank 0 writes. Under
+    pipeline parallelism pass the pp group: every stage's adapters reach rank 0.
     """
-    config, tensors = adapter_state(model, layout, base_model_name_or_path)
+    state = adapter_state(model, layout, base_model_name_or_path, pp_group)
     out_dir = Path(out_dir)
     if dist.is_initialized() and dist.get_rank() != 0:
         return out_dir  # every rank gathers the shards above; rank 0 writes
+    config, tensors = state
     with output_dir(out_dir, overwrite=overwrite, sources=sources, what="--adapter") as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
@@ -229,11 +258,11 @@ def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
 
 
 def export_run_adapters(model: nn.Module, run_dir: str | Path, base_model_name_or_path: str | None = None,
-                        base_identity: dict[str, Any] | None = None) -> dict[str, Path]:
+                        base_identity: dict[str, Any] | None = None, pp_group=None) -> dict[str, Path]:
     """Both layouts into RUN_DIR/adapter (PEFT) and RUN_DIR/adapter_per_expert (engines).
 
     These are the run's own outputs: a resumed run replaces its earlier export.
     """
     return {layout: export_adapter(model, Path(run_dir) / sub, layout, base_model_name_or_path,
-                                   overwrite=True, base_identity=base_identity)
+                                   overwrite=True, base_identity=base_identity, pp_group=pp_group)
             for layout, sub in RUN_DIRS.items()}

@@ -98,14 +98,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if need_weight:
                 # beta=0 on the first slice: the uninitialized output is ignored (no NaN propagated).
                 grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype), beta=0 if start == 0 else 1, alpha=alpha)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        # Kept as attributes, not saved tensors: backward scales them in place, and zero-bubble
+        # pipeline schedules run backward twice (input gradients, then weight gradients); the
+        # second call returns what the first computed (`scaled`).
+        ctx.grads, ctx.scaled = (grad_hidden, grad_weight), False
         ctx.grad_scale = grad_scale
         return total
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.grads
+        if ctx.scaled:
+            return grad_hidden, grad_weight, None, None, None
+        ctx.scaled = True
         if grad_hidden is not None:
             scale_in_place((grad_hidden,), grad_total)
         if grad_weight is not None:
