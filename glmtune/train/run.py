@@ -256,6 +256,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
         router_bias_rate=cfg.train.router_bias_update_rate, device=device,
         progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
+        stop_file=run_dir / "STOP_REQUESTED",
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)

@@ -7,8 +7,10 @@ the micro-batch split does not change the update. Each step:
   LR schedule -> optional router-bias update -> metrics -> maybe validate/save.
 
 Safety: a non-finite loss stops the run before the optimizer step, keeping the
-last good checkpoint untouched; SIGTERM/SIGINT finish the current step, save a
-checkpoint and exit, so a preempted job resumes where it stopped.
+last good checkpoint untouched; SIGTERM/SIGINT/SIGUSR1 (Slurm's warning before the time
+limit) or the stop file (`settings.stop_file`, created by the Slurm batch script) finish
+the current step, save one checkpoint on every rank and exit, so a preempted job resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.metrics import MetricsWriter, moe_layers, routing_stats
+from glmtune.train.progress import StepProgress
 from glmtune.train.router_balance import update_router_biases
 
 LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]
@@ -52,6 +56,10 @@ class TrainerSettings:
     autocast_dtype: torch.dtype | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: bool = True
+    # Its appearance asks for a stop like a signal: a file on the shared run directory reaches
+    # every rank, with no time limit (torchrun gives workers ~30 s after its SIGTERM). Nothing
+    # removes it at start: a request made while a job starts up is honoured after the first step.
+    stop_file: Path | None = None
 
 
 @dataclass
@@ -110,7 +118,7 @@ class Trainer:
         self.console = console
         self.step = 0
         self.tokens_seen = 0
-        self._stop_signal: int | None = None
+        self._stop_reason: str | None = None  # what asked to stop: a signal's name or the stop file
         self._moe = moe_layers(model)
 
     # -- state ------------------------------------------------------------------------
@@ -221,16 +229,17 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
+        self._stop_reason = self._stop_reason or signal.Signals(signum).name
 
     def fit(self) -> TrainResult:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # USR1: Slurm's time-limit warning
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals}
         losses: list[float] = []
         val_loss = None
         checkpoint = None
         start_tokens, train_seconds, last_record = self.tokens_seen, 0.0, None
         try:
-            with _progress(self.s.progress, self.s.max_steps, self.step) as bar:
+            with StepProgress(self.s.progress, self.s.max_steps, self.step, self.s.log_every) as bar:
                 while self.step < self.s.max_steps:
                     step_start = time.perf_counter()
                     record = self.train_step()
@@ -250,56 +259,45 @@ class Trainer:
                     if stop or due or self.step == self.s.max_steps:
                         checkpoint = self.save()
                     if stop:
-                        name = signal.Signals(self._stop_signal).name
-                        self._print(f"{name}: saved {checkpoint}; continue with --checkpoint.resume auto")
+                        self._acknowledge_stop(checkpoint)
                         break
         finally:
             self.checkpoints.wait()  # an asynchronous save becomes visible before we return
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return TrainResult(self.step, self._stop_signal is not None,
+        return TrainResult(self.step, self._stop_reason is not None,
                            last_record["loss"] if last_record else None, val_loss, checkpoint, losses)
 
     def _stop_requested(self) -> bool:
-        """A signal may reach ranks at different steps: agree, so that all save together."""
-        flag = torch.tensor(float(self._stop_signal is not None), device=self.s.device)
+        """A signal or the stop file may reach ranks at different steps: agree, so that all save together.
+
+        Every rank looks for the stop file (one stat per step): on a shared filesystem some
+        rank sees it first, and one is enough."""
+        stop_file = self.s.stop_file
+        if self._stop_reason is None and stop_file is not None and stop_file.exists():
+            self._stop_reason = f"stop file {stop_file}"
+        flag = torch.tensor(float(self._stop_reason is not None), device=self.s.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM  # another rank was signalled
+        if flag.item() and self._stop_reason is None:
+            self._stop_reason = "a stop request on another rank"
         return bool(flag.item())
+
+    def _acknowledge_stop(self, checkpoint: str) -> None:
+        """Once the stop's checkpoint is complete, rank 0 removes the stop file, then every rank returns.
+
+        The removal is the acknowledgement the Slurm batch script waits for before it requeues
+        (torchrun turns the ranks' exit status 130 into its own 1), and a requeued run must not
+        stop again at once. No rank returns before it: torchrun kills the other workers as soon
+        as one exits with a non-zero status."""
+        self.checkpoints.wait()  # an asynchronous save becomes the complete checkpoint first
+        distributed = dist.is_available() and dist.is_initialized()
+        if self.s.stop_file is not None and (not distributed or dist.get_rank() == 0):
+            self.s.stop_file.unlink(missing_ok=True)
+        if distributed:
+            dist.barrier()
+        self._print(f"{self._stop_reason}: saved {checkpoint}; continue with --checkpoint.resume auto")
 
     def _print(self, message: str) -> None:
         if self.console is not None:
             self.console.print(message)
-
-
-class _progress:
-    """A rich progress bar showing loss, tokens/s and ETA (a no-op when disabled)."""
-
-    def __init__(self, enabled: bool, total: int, completed: int) -> None:
-        self.enabled, self.total, self.completed = enabled, total, completed
-        self.progress = None
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            )
-            self.progress.start()
-            self.task = self.progress.add_task("train", total=self.total, completed=self.completed,
-                                               loss="-", tps="-")
-        return self
-
-    def update(self, record: dict[str, Any]) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}",
-                                 tps=f"{record['tokens_per_s']:.0f}")
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()

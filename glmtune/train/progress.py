@@ -1,0 +1,81 @@
+"""What rank 0 shows while it trains: rich's live bar on a terminal, plain lines elsewhere.
+
+A Slurm log, a pipe or a file cannot show a bar that is redrawn in place (rich prints
+nothing until it stops), so when stdout is not a terminal each logged step (the
+steps written to metrics.jsonl) becomes one line:
+
+    step 12/100  loss 2.3456  grad_norm 0.812  lr 1.00e-05  tok/s 12345  eta 0:03:12
+
+`logging.progress: false` shows neither.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+
+class StepProgress:
+    """Progress of one `Trainer.fit`: a context manager fed every step's metrics record.
+
+    Args:
+        enabled: show anything at all (rank 0 and `logging.progress`).
+        total: `train.max_steps`.
+        completed: the step training starts from (non-zero after a resume).
+        log_every: `train.log_every`; plain lines follow the metrics file's steps.
+    """
+
+    def __init__(self, enabled: bool, total: int, completed: int, log_every: int = 1) -> None:
+        self.enabled, self.total, self.completed, self.log_every = enabled, total, completed, log_every
+        self.progress = None
+        self.plain = False
+        self._start = time.perf_counter()
+
+    def __enter__(self) -> StepProgress:
+        if not self.enabled:
+            return self
+        self._start = time.perf_counter()
+        if not sys.stdout.isatty():
+            self.plain = True
+            return self
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=self.total, completed=self.completed, loss="-", tps="-")
+        return self
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}",
+                                 tps=f"{record['tokens_per_s']:.0f}")
+        elif self.plain and self._logged(record):
+            # flush: a Slurm log is a file, block-buffered; the line must be there when the step is
+            print(self.line(record), flush=True)
+
+    def _logged(self, record: dict[str, Any]) -> bool:
+        # The steps `Trainer.fit` writes to the metrics file.
+        step = record["step"]
+        return step % self.log_every == 0 or step == self.total or "val_loss" in record
+
+    def line(self, record: dict[str, Any]) -> str:
+        """One step as text; the ETA extrapolates this process's wall time per step (saves included)."""
+        step = record["step"]
+        done = step - self.completed
+        eta = (time.perf_counter() - self._start) / done * (self.total - step) if done > 0 else 0.0
+        parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}"]
+        if "val_loss" in record and record["val_loss"] is not None:
+            parts.append(f"val_loss {record['val_loss']:.4f}")
+        parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
+                  f"tok/s {record['tokens_per_s']:.0f}", f"eta {timedelta(seconds=round(eta))}"]
+        return "  ".join(parts)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()

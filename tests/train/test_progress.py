@@ -1,0 +1,52 @@
+"""What `glmtune train` shows while it trains: one plain line per logged step when stdout is
+not a terminal (a Slurm log, a pipe), rich's live bar on a terminal, nothing with
+`logging.progress: false`."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import subprocess
+
+from tests.train.run_helpers import env, run, train_command
+
+PLAIN = re.compile(r"^step (\d+)/8  loss \d+\.\d{4}  grad_norm \d+\.\d{3}  lr \d\.\d\de[-+]\d\d  tok/s \d+  "
+                   r"eta \d+:\d\d:\d\d$")
+
+
+def test_plain_lines_for_logged_steps_when_stdout_is_not_a_terminal(tmp_path):
+    cache = tmp_path / "cache"
+    shown = run(tmp_path / "shown", cache, "--logging.progress", "true", "--train.log_every", "3")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    lines = [line for line in shown.stdout.splitlines() if line.startswith("step ")]
+    assert all(PLAIN.match(line) for line in lines), lines
+    assert [int(PLAIN.match(line).group(1)) for line in lines] == [3, 6, 8]  # the metrics file's steps
+    assert "\x1b[" not in shown.stdout  # no bar drawn into the pipe
+
+
+def test_no_progress_output_when_switched_off(tmp_path):
+    quiet = run(tmp_path / "quiet", tmp_path / "cache", "--train.max_steps", "2")  # SMALL: logging.progress false
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert not [line for line in quiet.stdout.splitlines() if line.startswith("step ")]
+
+
+def test_a_terminal_gets_the_live_bar_instead(tmp_path):
+    leader, follower = pty.openpty()
+    command = train_command(tmp_path / "run", tmp_path / "cache", "--logging.progress", "true")
+    proc = subprocess.Popen(command, env=env(), stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:  # read as it comes: a full pty buffer would block the run
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the run closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0
+    shown = b"".join(chunks).decode(errors="replace")
+    assert "step 8/8" in shown and "tok/s" in shown  # the bar's columns
+    assert "grad_norm" not in shown  # and no plain lines

@@ -1,0 +1,54 @@
+"""Stop requests: SIGUSR1 (Slurm's warning before the time limit) stops like SIGTERM, and so
+does the stop file, which rank 0 removes once the checkpoint is saved. Each finishes the
+step, saves one checkpoint and ends the run as interrupted (exit status 130)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.train.run_helpers import start
+from tests.train.test_resume import _wait_for
+from tests.train.test_trainer import _loss, _trainer
+
+
+def test_a_stop_file_present_at_start_stops_after_the_first_step_and_is_removed(tmp_path):
+    """Not removed at start: a request that came while the job started up still counts."""
+    trainer = _trainer(tmp_path, micro=2, accum=1, steps=4)
+    trainer.s.stop_file = tmp_path / "STOP_REQUESTED"
+    trainer.s.stop_file.touch()
+    result = trainer.fit()
+    assert result.interrupted and result.step == 1
+    assert [c.step for c in trainer.checkpoints.complete()] == [1]
+    assert not trainer.s.stop_file.exists()  # a requeued run must not stop at once
+
+
+def test_sigusr1_finishes_the_step_and_saves(tmp_path):
+    calls = {"n": 0}
+
+    def signalled_in_step_2(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return _loss(model, batch)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=signalled_in_step_2, steps=5)
+    trainer.s.stop_file = tmp_path / "STOP_REQUESTED"  # absent: only the signal asks
+    result = trainer.fit()
+    assert result.interrupted and result.step == 2 and len(result.losses) == 2
+    assert [c.step for c in trainer.checkpoints.complete()] == [2]
+    assert signal.getsignal(signal.SIGUSR1) is before  # the handler is the loop's only
+
+
+def test_sigusr1_to_a_run_saves_and_exits_130(tmp_path):
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    proc = start(run_dir, cache, "--checkpoint.every_steps", "0")
+    metrics = run_dir / "metrics.jsonl"
+    assert _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, output
+    assert "SIGUSR1: saved" in output
+    saved = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert len(saved) == 1 and int(saved[0].name.split("-")[1]) < 8
