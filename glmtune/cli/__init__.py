@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.data_cmd",
     "glmtune.cli.config_cmd",
     "glmtune.cli.train_cmd",
+    "glmtune.cli.slurm_cmd",
     "glmtune.cli.export_cmd",
     "glmtune.cli.merge_cmd",
 )
