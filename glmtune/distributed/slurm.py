@@ -217,6 +217,8 @@ trap 'request_stop USR1' USR1
 trap 'request_stop TERM' TERM
 
 # srun in the background: bash runs a trap only between commands, and `wait` is one it interrupts.
+# --cpus-per-task: a node's one task gets the node's CPUs, not the default one CPU that
+# binding would put torchrun and all its ranks on.
 {torchrun}
 SRUN_PID=$!
 
