@@ -194,7 +194,7 @@ export PYTHONUNBUFFERED=1  # the per-step lines reach the log when they are prin
 # requeued job (same id, new allocation) meets afresh.
 MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 RDZV_PORT={job.rdzv_port}
-echo "glmtune slurm: job $SLURM_JOB_ID on $SLURM_NNODES nodes x {job.gpus_per_node} GPUs, rendezvous at $MASTER_HOST:$RDZV_PORT"
+echo "glmtune slurm: job $SLURM_JOB_ID, $SLURM_NNODES nodes x {job.gpus_per_node} GPUs, rendezvous $MASTER_HOST:$RDZV_PORT"
 
 # USR1 (the time limit is {job.signal_lead} s away) or TERM: ask every rank to save and stop
 # through the stop file, not a signal (torchrun gives its workers ~30 s after SIGTERM).
