@@ -20,7 +20,6 @@ from glmtune.config import (
     grad_accum_steps,
     load_config,
     model_dims,
-    split_layers,
     validate_config,
     validate_parallel,
 )
@@ -101,8 +100,7 @@ def _validate(args: argparse.Namespace) -> int:
             valid = f"\n    layout (valid for its world size and model): {layout.describe()}" if layout else ""
             print(f"FAIL {recipe}\n    {detail}{valid}")
             continue
-        stages = split_layers(dims.num_layers, degrees.pp * cfg.parallel.pp_stages_per_rank)
-        layout = "/".join(map(str, stages)) if len(stages) <= 8 else f"{len(stages)} x {min(stages)}-{max(stages)}"
+        layout = pipeline_split_description(cfg, degrees)
         print(
             f"ok   {recipe}\n    {degrees.describe()}\n"
             f"    model: {dims.num_experts} experts ({dims.num_experts // degrees.ep} per EP rank), "
@@ -111,6 +109,16 @@ def _validate(args: argparse.Namespace) -> int:
             f" x grad_accum {grad_accum_steps(cfg, degrees)}, {cfg.data.packed_sequence_size} tokens/row"
         )
     return 1 if failed else 0
+
+
+def pipeline_split_description(cfg, degrees) -> str:
+    """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the model's architecture."""
+    from glmtune.config.model_dims import model_args
+    from glmtune.distributed.pipeline_plan import describe_split, plan_stages
+
+    stages = degrees.pp * cfg.parallel.pp_stages_per_rank
+    return describe_split(plan_stages(model_args(cfg.model), stages, cfg.data.packed_sequence_size,
+                                      cfg.parallel.pp_layer_split or None))
 
 
 def _pop_world_size(tokens: list[str], world_size: int | None) -> tuple[list[str], int | None]:

@@ -55,20 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def recipe_model_args(cfg) -> Glm5Args:
     """The architecture a recipe's `model` section names, without reading any weights."""
-    from glmtune.models.glm5.args import get_preset
+    from glmtune.config.model_dims import model_args
 
-    name = cfg.model.name_or_path
-    if name not in PRESETS and not Path(name).exists() and cfg.model.validate_as is not None:
-        name = cfg.model.validate_as  # a placeholder path: inspect the preset the recipe validates as
-    if name in PRESETS:
-        args = get_preset(name)
-        if cfg.model.overrides:
-            args = args.replace(**cfg.model.overrides)
-    else:
-        if cfg.model.overrides:
-            raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
-        args = resolve_args(name)
-    return args
+    return model_args(cfg.model)
 
 
 def trainable_inventory(recipe: str):

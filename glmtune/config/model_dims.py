@@ -73,3 +73,20 @@ def _override_int(model: ModelConfig, key: str, value: int) -> int:
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"model.overrides.{key}: expected a positive int, got {new!r}")
     return new
+
+
+def model_args(model: ModelConfig):
+    """The full architecture (`Glm5Args`) `model` names, without reading weights or importing torch:
+    a preset (after `model.overrides`), an HF directory's config.json, or `model.validate_as`
+    for a placeholder path. The pipeline split is planned from it."""
+    from glmtune.models.glm5.args import PRESETS, get_preset, resolve_args
+
+    name = model.name_or_path
+    if name not in PRESETS and not Path(name).exists() and model.validate_as is not None:
+        name = model.validate_as  # a placeholder path: the preset the recipe validates as
+    if name in PRESETS:
+        args = get_preset(name)
+        return args.replace(**model.overrides) if model.overrides else args
+    if model.overrides:
+        raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
+    return resolve_args(name)

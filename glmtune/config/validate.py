@@ -13,8 +13,9 @@ degree rules belong to the mesh (`glmtune.distributed.mesh.MeshDegrees`); this m
 adds the world-size sources, the model's layers, pipeline schedules, batches and ranges.
 
 Runnable rule: a layout can be valid and still need what this version has not built
-(pp, cp, tp > 1). `validate_parallel` checks the layout alone; `validate_config`, which
-`glmtune config validate` and `glmtune train` run, refuses those degrees by name.
+(tp > 1). `validate_parallel` checks the layout alone; `validate_config`, which
+`glmtune config validate` and `glmtune train` run, refuses that degree by name, and what
+pipeline or context parallelism cannot do (`pipeline_context_errors`).
 
 Precision rule: `precision_errors` refuses the dtype settings a run cannot honour
 (`train.autocast: bf16`; fp32 master weights under LoRA) and `fp32_master_weights`
@@ -23,11 +24,10 @@ decides what `train.master_weights: auto` means, both without torch, so that
 `glmtune.train.precision.resolve_precision` turns the same decision into dtypes.
 
 Pipeline rule: layers need not divide by pp (GLM-5 has 78 layers, NVIDIA runs pp 4).
-We only require `pp * pp_stages_per_rank <= num_layers` and split unevenly with
-`split_layers`: the earliest stages take the extra layers, so the last stage, which
-also runs the final norm and the 154,880-way lm_head (about two decoder layers of
-matmul per token), is never one with more layers; the first stage's embedding is a
-lookup and costs little. 78 layers over 4 stages -> 20/20/19/19.
+We only require `pp * pp_stages_per_rank <= num_layers`; the run splits the layers by
+their training cost (`glmtune/distributed/pipeline_plan.py`: dense and MoE layers, full
+and shared indexers, the LM head on the last stage; GLM-5 over 4 stages -> 20/20/20/18),
+or as `parallel.pp_layer_split` says. `split_layers` is the plain even split.
 
 All failures are `ValueError`s naming the keys involved, reported together.
 """
@@ -176,13 +176,39 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     `glmtune config validate` and the start of `glmtune train` call this same function.
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
-    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg)
+    errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
+        + pipeline_context_errors(cfg, num_layers)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
         errors.append(str(exc))
     _raise(errors)
     return degrees
+
+
+def pipeline_context_errors(cfg: JobConfig, num_layers: int) -> list[str]:
+    """Pipeline and context-parallel settings that would not take effect or cannot run."""
+    p, errors = cfg.parallel, []
+    split = p.pp_layer_split
+    if p.pp == 1:
+        defaults = ParallelConfig()
+        for key in ("pp_schedule", "pp_microbatches", "pp_layer_split"):
+            if getattr(p, key) != getattr(defaults, key):
+                errors.append(f"parallel.{key} is set but parallel.pp is 1 (no pipeline); remove it or set parallel.pp")
+    elif split:
+        stages = p.pp * p.pp_stages_per_rank
+        if len(split) != stages:
+            errors.append(f"parallel.pp_layer_split has {len(split)} entries, but the pipeline has parallel.pp x "
+                          f"parallel.pp_stages_per_rank = {p.pp} x {p.pp_stages_per_rank} = {stages} stages")
+        elif min(split) < 1 or sum(split) != num_layers:
+            errors.append(f"parallel.pp_layer_split {split} must give every stage at least one layer and sum to "
+                          f"the model's {num_layers} layers (it sums to {sum(split)})")
+    degrees = [f"parallel.{key}: {getattr(p, key)}" for key in ("pp", "cp") if getattr(p, key) > 1]
+    if degrees and cfg.train.generate_samples:
+        errors.append(f"train.generate_samples ({cfg.train.generate_samples}) answers prompts greedily with the whole "
+                      f"model in each process, which {' and '.join(degrees)} split; set train.generate_samples: 0 "
+                      "(score the run with the exported model instead)")
+    return errors
 
 
 def precision_errors(cfg: JobConfig) -> list[str]:

@@ -24,12 +24,13 @@ from rich.table import Table
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.sharded_load import load_sharded
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
-from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps
+from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.io.fingerprint import base_identity_from_dir
 from glmtune.models.glm5.args import PRESETS
-from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
+from glmtune.distributed.pipeline_plan import describe_split
+from glmtune.models.glm5.parallelize import PipelineOptions, one_rank_process_group, parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
@@ -216,11 +217,20 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     if precision.mixed and info.world_size == 1 and one_rank_process_group(device.type):
         _own_process_group.append(True)
     mesh = ParallelMesh(degrees, device_type=device.type) if torch.distributed.is_initialized() else None
+    p = cfg.parallel
+    pipeline = PipelineOptions(p.pp_schedule, p.pp_stages_per_rank, pipeline_microbatches(cfg),
+                               cfg.train.micro_batch_size, cfg.data.packed_sequence_size, p.pp_layer_split or None,
+                               precision.compute_dtype, device) if degrees.pp > 1 else None
     parallelize_glm5(
-        model, mesh=mesh, activation_checkpointing=cfg.parallel.activation_checkpointing,
-        ac_keep_matmul_min_k=cfg.parallel.ac_keep_matmul_min_k, compile=cfg.parallel.compile,
-        param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=cfg.parallel.ep_dispatcher,
+        model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
+        ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
+        param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=p.ep_dispatcher,
+        cp_balance=getattr(p, "cp_balance", "head_tail"), pipeline=pipeline,
     )
+    if model.pipeline is not None and info.is_main:
+        console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "
+                      f"{describe_split(model.layers_per_stage)} layers, {p.pp_schedule}, "
+                      f"{pipeline.microbatches} microbatches per micro batch")
     if sharded_load:
         from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
 
@@ -236,12 +246,13 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     o = cfg.optim
     optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
     scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
-    dp_rank, dp_size = info.rank, degrees.dp
+    dp_rank, dp_size = (mesh.dp_rank if mesh is not None else 0), degrees.dp
     train_loader = PackedRowLoader(data.train_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size)
     val_loader = None
     if data.val_rows and len(data.val_rows) >= cfg.train.micro_batch_size * dp_size:
         val_loader = PackedRowLoader(data.val_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
                                      shuffle=False)
+    shared_rows = degrees.pp > 1 or degrees.cp > 1  # ranks beyond the data-parallel ones read the same rows
     # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
     async_group = mesh.cpu_group() if cfg.checkpoint.async_save and mesh is not None else None
     checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
@@ -257,6 +268,9 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         router_bias_rate=cfg.train.router_bias_update_rate, device=device,
         progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
         stop_file=run_dir / "STOP_REQUESTED",
+        row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
+        pp_group=mesh.group("pp") if degrees.pp > 1 else None,
+        local_targets=model.model.local_tokens if degrees.cp > 1 else None,
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
@@ -283,6 +297,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         return 130
     # Everything below runs on every rank (sharded forwards and gathers are collective);
     # only rank 0 prints and writes.
+    pp_group = mesh.group("pp") if degrees.pp > 1 else None
     after = run_samples(model, tokenizer, template, prompts) if prompts else []
     if result.last_loss is None:  # resumed at max_steps: nothing was trained in this process
         if info.is_main:
@@ -303,7 +318,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         from glmtune.peft import export_run_adapters
 
         for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=adapter_base,
-                                                      base_identity=base_identity).items():
+                                                      base_identity=base_identity, pp_group=pp_group).items():
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
@@ -311,7 +326,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
 
         out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir), overwrite=True,
-                              dtype=precision.compute_dtype)  # fp32 masters export in the dtype trained in
+                              dtype=precision.compute_dtype,  # fp32 masters export in the dtype trained in
+                              pp_group=pp_group)
         if info.is_main:
             console.print(f"exported HF checkpoint: {out}")
     return 0

@@ -60,6 +60,17 @@ class TrainerSettings:
     # every rank, with no time limit (torchrun gives workers ~30 s after its SIGTERM). Nothing
     # removes it at start: a request made while a job starts up is honoured after the first step.
     stop_file: Path | None = None
+    # Process groups beyond one process (None: all ranks): `row_group` joins the ranks that read
+    # different rows (data parallel; context- and pipeline-parallel ranks share rows), whose
+    # token counts add up; `stage_group` the ranks holding the same layers (pipeline stage),
+    # whose expert loads add up; `pp_group` the ranks of one pipeline, each holding different
+    # layers, whose gradient norms add up (None without pipeline parallelism).
+    row_group: Any = None
+    stage_group: Any = None
+    pp_group: Any = None
+    # The targets this rank computes the loss of, from a batch's host targets (context
+    # parallelism keeps a slice of each row's queries); None: all of them.
+    local_targets: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -72,7 +83,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip the gradients of `params` to a global 2-norm of at most `max_norm`; that norm.
 
     Sharded gradients are DTensors, on as many meshes as the parameters were sharded over
@@ -80,7 +91,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
     ranks (`full_tensor`), then the squares of all of them are summed. Every rank gets the
     same norm and the same clipping factor. Squares are summed in fp64: CPU's fp32 norm
     sums sequentially (2e-4 relative error on the tiny model's 524k-entry head gradient),
-    which would make the norm depend on how the gradients are sharded."""
+    which would make the norm depend on how the gradients are sharded. Under pipeline
+    parallelism each stage holds other parameters: the squared norms are summed over the
+    pipeline (`pp_group`) too."""
     by_mesh: dict[Any, list[nn.Parameter]] = {}
     for param in params:
         by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
@@ -89,16 +102,26 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
         grads = [p.grad for p in group]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)))
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
+    if pp_group is not None:
+        squared = total.square()
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
     for group in by_mesh.values():  # one foreach per mesh: DTensors of different meshes do not mix
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
-def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    # "moe/model.layers.12.mlp/max_load" -> (12, key): layer 12 after layer 3, not between 1 and 2
+    parts = key.split(".")
+    return (int(parts[2]), key) if len(parts) > 2 and parts[2].isdigit() else (-1, key)
 
 
 class Trainer:
@@ -120,6 +143,7 @@ class Trainer:
         self.tokens_seen = 0
         self._stop_reason: str | None = None  # what asked to stop: a signal's name or the stop file
         self._moe = moe_layers(model)
+        self.pipeline = getattr(model, "pipeline", None)  # set by parallelize_glm5 under pipeline parallelism
 
     # -- state ------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -148,6 +172,8 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------
     def _forward_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.s.local_targets is not None:  # the loss counts this rank's queries only
+            batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()))
         # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
         batch = {k: v.to(self.s.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in batch.items()}
@@ -159,18 +185,27 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         self.model.train()
         batches = [self.train_loader.next_batch() for _ in range(self.s.grad_accum)]
-        local_targets = sum(b["num_supervised"] for b in batches)  # counted on the host by the loader
+        row_targets = sum(b["num_supervised"] for b in batches)  # counted on the host by the loader
         # int64: a float32 count is exact only up to 2**24 tokens per step.
-        total_targets = _all_reduce_sum(torch.tensor(local_targets, dtype=torch.int64, device=self.s.device))
+        total_targets = _all_reduce_sum(torch.tensor(row_targets, dtype=torch.int64, device=self.s.device),
+                                        self.s.row_group)
         denominator = total_targets.clamp_min(1).float()
         loss_sum = torch.zeros((), device=self.s.device)
         load = {name: torch.zeros_like(m.tokens_per_expert) for name, m in self._moe}
         # The factor each micro-loss is divided by, announced to the fused loss (its head
         # gradient comes out already scaled). Across processes the total is needed on the host:
         # one sync at the step's start, where the GPU is idle anyway after the last step's .item().
-        total_on_host = int(total_targets.item()) if dist.is_initialized() else local_targets
-        batches = [dict(b, loss_grad_scale=1.0 / max(total_on_host, 1)) for b in batches]
-        for batch in batches:
+        total_on_host = int(total_targets.item()) if dist.is_initialized() else row_targets
+        if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
+            for batch in batches:
+                loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1))
+            for stage in self.pipeline.stages:
+                for name, counts in stage.expert_load.items():
+                    load[name] += counts
+                stage.expert_load = {}
+        else:
+            batches = [dict(b, loss_grad_scale=1.0 / max(total_on_host, 1)) for b in batches]
+        for batch in batches if self.pipeline is None else ():
             micro_loss, _ = self._forward_loss(batch)
             (micro_loss / denominator).backward()
             loss_sum += micro_loss.detach()
@@ -183,7 +218,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         # Clips when configured; with max_norm=inf it only measures. The norm is checked either way:
         # a finite loss can still come with inf/nan gradients (bf16 overflow in backward).
-        grad_norm = float(clip_grad_norm_(params, self.s.clip_grad_norm or math.inf))
+        grad_norm = float(clip_grad_norm_(params, self.s.clip_grad_norm or math.inf, self.s.pp_group))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {self.step + 1} (loss {loss:.4f})")
@@ -192,18 +227,24 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         for name in load:
-            _all_reduce_sum(load[name])
+            _all_reduce_sum(load[name], self.s.stage_group)
         if self.s.router_bias_update == "sign":
             update_router_biases(self._moe, load, self.s.router_bias_rate)
         self.step += 1
         tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        self.tokens_seen += int(_all_reduce_sum(torch.tensor(tokens, dtype=torch.int64, device=self.s.device)).item())
+        self.tokens_seen += int(_all_reduce_sum(torch.tensor(tokens, dtype=torch.int64, device=self.s.device),
+                                                self.s.row_group).item())
         record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen,
                                   "supervised_tokens": int(total_targets.item())}
         record["grad_norm"] = grad_norm
-        for name, counts in load.items():
-            for key, value in routing_stats(counts).items():
-                record[f"moe/{name}/{key}"] = value
+        stats = {f"moe/{name}/{key}": value for name, counts in load.items()
+                 for key, value in routing_stats(counts).items()}
+        if self.s.pp_group is not None:  # rank 0 writes the metrics: every stage's layers, in layer order
+            gathered: list[dict] = [{} for _ in range(dist.get_world_size(self.s.pp_group))]
+            dist.all_gather_object(gathered, stats, group=self.s.pp_group)
+            stats = {k: v for part in gathered for k, v in part.items()}
+            stats = dict(sorted(stats.items(), key=lambda item: _layer_order(item[0])))
+        record.update(stats)
         return record
 
     @torch.no_grad()
@@ -219,12 +260,18 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.s.device)
         count = torch.zeros((), device=self.s.device)
         for _ in range(num_batches):
-            batch_loss, batch_count = self._forward_loss(self.val_loader.next_batch())
+            batch = self.val_loader.next_batch()
+            if self.pipeline is not None:
+                batch_loss, batch_count = self.pipeline.evaluate(batch)
+            else:
+                batch_loss, batch_count = self._forward_loss(batch)
             loss_sum += batch_loss.float()
             count += batch_count
         self.val_loader.load_state_dict(saved)
         self.model.train()
         release_gathered(self.model)  # the next training step must gather the weights afresh
+        for stage in self.pipeline.stages if self.pipeline is not None else ():
+            release_gathered(stage)
         return (_all_reduce_sum(loss_sum) / _all_reduce_sum(count).clamp_min(1)).item()
 
     # -- loop -------------------------------------------------------------------------

@@ -39,19 +39,20 @@ def test_validate_many_recipes_and_world_size(capsys):
     assert "world 256 = dp_replicate 1 x dp_shard 256" in capsys.readouterr().out
 
 
-def test_validate_names_the_degrees_this_version_cannot_run(capsys):
-    """NVIDIA's pp 4 / cp 8 topologies are sound layouts, but not runnable yet: FAIL, naming them."""
+def test_validate_prints_nvidias_pipeline_and_context_layouts(capsys):
+    """NVIDIA's pp 4 / cp 8 topologies validate at their own world sizes, with the cost-balanced split."""
     sft, long = str(RECIPES_DIR / "glm5" / "sft_4k.yaml"), str(RECIPES_DIR / "glm5" / "sft_32k_cp8.yaml")
-    assert main(["config", "validate", sft, long]) == 1
+    assert main(["config", "validate", sft, long]) == 0
     out = capsys.readouterr().out
-    assert out.count("FAIL") == 2 and "ok " not in out
-    assert ("parallel.pp is 4, but pipeline parallelism is not built in this version yet; set parallel.pp: 1"
-            in out)
-    assert "parallel.cp is 8, but context parallelism is not built in this version yet" in out
-    assert "layout (valid for its world size and model): world 256 = dp_replicate 1 x dp_shard 64" in out
+    assert out.count("ok   ") == 2 and "FAIL" not in out
+    assert "world 256 = dp_replicate 1 x dp_shard 64 x cp 1 x tp 1 x pp 4; ep 64 (expert FSDP 1)" in out
+    assert "world 512 = dp_replicate 1 x dp_shard 16 x cp 8 x tp 1 x pp 4; ep 64 (expert FSDP 2)" in out
+    assert main(["config", "validate", sft, "--parallel.pp_stages_per_rank=1", "--parallel.pp_schedule=1F1B"]) == 0
+    assert "pp stages 20/20/20/18" in capsys.readouterr().out  # dense layers cost less; the head sits last
     # Without pp the same recipe runs: 256 ranks of dp_shard, 64 of them per EP group.
     assert main(["config", "validate", sft, "--parallel.pp=1", "--parallel.pp_schedule=1F1B",
-                 "--parallel.pp_stages_per_rank=1", "--train.micro_batch_size=1"]) == 0
+                 "--parallel.pp_stages_per_rank=1", "--parallel.pp_microbatches=null",
+                 "--train.micro_batch_size=1"]) == 0
     assert "world 256 = dp_replicate 1 x dp_shard 256 x cp 1 x tp 1 x pp 1; ep 64 (expert FSDP 4)" in (
         capsys.readouterr().out)
     assert main(["config", "validate", TINY, "--parallel.tp=2", "--world-size", "2"]) == 1

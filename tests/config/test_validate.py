@@ -36,26 +36,41 @@ def test_glm5_topology_resolves():
     assert grad_accum_steps(glm5_job(), degrees) == 1
 
 
-def test_degrees_not_built_yet_are_refused_by_name():
-    """The layout is valid (validate_parallel), but a run needs pp, cp and tp at 1 (validate_config)."""
-    with pytest.raises(ValueError, match=r"^parallel.pp is 4, but pipeline parallelism is not built in this "
-                                         r"version yet; set parallel.pp: 1$"):
-        validate_config(glm5_job(), num_experts=256, num_layers=78)
+def test_tensor_parallelism_is_refused_and_pipeline_and_context_run():
+    """The layout is valid (validate_parallel); a run needs tp at 1 (validate_config); pp and cp run."""
+    assert validate_config(glm5_job(), num_experts=256, num_layers=78).pp == 4
     job = glm5_job("--parallel.cp=8", "--parallel.tp=2", "--parallel.nodes=128")
     assert validate_parallel(job, 256, 78).dp_shard == 16
     with pytest.raises(ValueError) as exc:
         validate_config(job, 256, 78)
-    assert str(exc.value).splitlines() == [
-        "3 config errors:",
-        "  parallel.pp is 4, but pipeline parallelism is not built in this version yet; set parallel.pp: 1",
-        "  parallel.cp is 8, but context parallelism is not built in this version yet; set parallel.cp: 1",
-        "  parallel.tp is 2, but tensor parallelism is not built in this version yet; set parallel.tp: 1",
-    ]
+    assert str(exc.value) == "parallel.tp is 2, but tensor parallelism is not built in this version yet; " \
+                             "set parallel.tp: 1"
+    assert validate_config(glm5_job("--parallel.cp=8", "--parallel.nodes=64"), 256, 78).cp == 8
     # ep and dp_replicate need no new degree: EP and HSDP are built on the FSDP2 mesh.
     job = glm5_job("--parallel.pp=1", "--parallel.pp_schedule=1F1B", "--parallel.pp_stages_per_rank=1",
-                   "--parallel.dp_replicate=2", "--train.micro_batch_size=1")
+                   "--parallel.pp_microbatches=null", "--parallel.dp_replicate=2", "--train.micro_batch_size=1")
     degrees = validate_config(job, 256, 78)
     assert (degrees.dp_replicate, degrees.dp_shard, degrees.ep, degrees.efsdp) == (2, 128, 64, 2)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--parallel.pp=1", "--parallel.pp_stages_per_rank=1", "--parallel.pp_microbatches=null",
+      "--train.micro_batch_size=1"],
+     "parallel.pp_schedule is set but parallel.pp is 1 (no pipeline); remove it or set parallel.pp"),
+    (["--parallel.pp_layer_split=[20,20,38]"],
+     "parallel.pp_layer_split has 3 entries, but the pipeline has parallel.pp x parallel.pp_stages_per_rank = "
+     "4 x 1 = 4 stages"),
+    (["--parallel.pp_stages_per_rank=1", "--parallel.pp_schedule=1F1B", "--parallel.pp_layer_split=[20,20,20,20]"],
+     "parallel.pp_layer_split [20, 20, 20, 20] must give every stage at least one layer and sum to the model's 78 "
+     "layers (it sums to 80)"),
+    (["--train.generate_samples=4"],
+     "train.generate_samples (4) answers prompts greedily with the whole model in each process, which "
+     "parallel.pp: 4 split; set train.generate_samples: 0 (score the run with the exported model instead)"),
+])
+def test_pipeline_settings_that_cannot_take_effect_are_refused(extra, message):
+    with pytest.raises(ValueError) as exc:
+        validate_config(glm5_job(*extra), 256, 78)
+    assert str(exc.value) == message
 
 
 def test_layers_need_not_divide_by_pp():
