@@ -18,8 +18,10 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from glmtune.config import JobConfig, model_dims, validate_config
+from glmtune.train.run_dir import STOP_FILE
 
 # torchrun spells it both ways; so do we.
 NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
@@ -75,7 +77,10 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
 
     torchrun runs in its own session: a Ctrl-C reaches this process only and is passed
     on once, as is SIGTERM or SIGHUP (a signal delivered twice would cut short torchrun's
-    own shutdown, which gives each rank time to save a checkpoint). The status is 130
+    own shutdown, which gives each rank time to save a checkpoint). SIGUSR1 (a scheduler's
+    warning before a time limit) is not passed on, torchrun has no handler for it: it
+    creates the run's stop file, which every rank honours at the end of its step (no
+    time limit on the save). The status is 130
     after such a signal (as `glmtune train`'s), else torchrun's: 0, or 1 when a rank
     failed (torchrun's report names the rank and that rank's own status).
     """
@@ -86,12 +91,18 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
 
     def forward(signum: int, frame) -> None:
         received.append(signum)
+        if signum == signal.SIGUSR1:  # torchrun would die of it: ask the ranks through the stop file
+            stop_file = Path(cfg.logging.run_dir) / STOP_FILE
+            if stop_file.parent.is_dir():
+                stop_file.touch()
+            return
         if process is None:
             pending.append(signum)
         else:
             process.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, forward)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
     try:
         process = subprocess.Popen(torchrun_command(nproc, train_args, debug), start_new_session=True)
         if pending:

@@ -36,7 +36,7 @@ from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import bf16_only_warning, bf16_rounded_away, resolve_precision
-from glmtune.train.run_dir import RunDirectory, check_writable, read_run_record, write_run_record
+from glmtune.train.run_dir import STOP_FILE, RunDirectory, check_writable, read_run_record, write_run_record
 from glmtune.train.recipe import (
     build_model_from_config,
     check_recipe,
@@ -267,7 +267,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
         router_bias_rate=cfg.train.router_bias_update_rate, device=device,
         progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
-        stop_file=run_dir / "STOP_REQUESTED",
+        stop_file=run_dir / STOP_FILE,
         row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
         pp_group=mesh.group("pp") if degrees.pp > 1 else None,
         local_targets=model.model.local_tokens if degrees.cp > 1 else None,

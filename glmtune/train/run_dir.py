@@ -34,8 +34,11 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".glmtune.lock"
 # What `glmtune train` writes into a run directory besides checkpoints; `--overwrite`
 # removes these and nothing else (data/ is content-addressed and safe to reuse).
+# Its appearance asks a running training to save a checkpoint and stop (the Slurm batch script's
+# trap and `glmtune train --nproc-per-node`'s SIGUSR1 create it; rank 0 removes it once saved).
+STOP_FILE = "STOP_REQUESTED"
 RUN_OUTPUTS = ("config.yaml", RUN_FILE, "metrics.jsonl", "tensorboard", "trainable.json", "data_manifest.json",
-               "pii_report.json", "samples.json", "hf", "adapter", "adapter_per_expert")
+               "pii_report.json", "samples.json", "hf", "adapter", "adapter_per_expert", STOP_FILE)
 
 
 def read_run_record(run_dir: Path) -> dict[str, Any] | None:

@@ -81,3 +81,25 @@ def test_nproc_per_node_trains_like_one_process(tmp_path):
     assert sorted(actual) == [1, 2, 3, 4]
     for step in expected:
         assert actual[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_sigusr1_to_the_launcher_stops_every_rank_through_the_stop_file(tmp_path):
+    """torchrun has no SIGUSR1 handler: the launcher turns the signal into the run's stop file."""
+    import signal
+    import time
+
+    from tests.train.run_helpers import start
+
+    run_dir = tmp_path / "run"
+    process = start(run_dir, tmp_path / "cache", "--train.max_steps", "200", "--checkpoint.every_steps", "0",
+                    "--nproc-per-node", "2")
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGUSR1)
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 130, output
+    assert "stop file" in output and "continue with --checkpoint.resume auto" in output
+    assert list((run_dir / "checkpoints").glob("step-*")) and not (run_dir / "STOP_REQUESTED").exists()
