@@ -25,6 +25,12 @@ The attention itself is a backend chosen by name:
   * "auto" (the default): "triton" for bf16/fp16 CUDA tensors (when Triton is installed),
     "sdpa" elsewhere.
 
+Under context parallelism (a `SequenceShard` passed to the layer) this rank's queries are
+a few pieces of the row: the compressed KV (normed latent | roped k_rot) of every token is
+all-gathered, kv_b runs over the keys up to the last local query, and each piece
+[o, o + n) attends keys [0, o + n) through the same backend (its queries are the last n of
+those keys); the is_causal prefix applies only to the piece at o = 0, where query i is key i.
+
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
 
@@ -43,6 +49,7 @@ from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention
 from glmtune.models.glm5.indexer import Indexer
+from glmtune.models.glm5.sequence_shard import SequenceShard
 from glmtune.models.glm5.triton_attention import triton_attention_available, triton_masked_attention
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton")
@@ -68,13 +75,17 @@ def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int
                    masked=_sdpa_masked):
     """SDPA over a causal sparse mask, skipping keys no query of a block can see.
 
-    `causal_prefix` queries (from the start) attend exactly their causal past: they run
-    with `is_causal=True` (flash, no mask tensor). The remaining queries run in blocks of
-    `query_block` through `masked` (SDPA with the boolean mask, or the GEMM backend); a
-    block [a, b) only reads keys [0, b), since later keys are in every one of its queries'
-    future. Both are exact: they drop only masked-out keys.
+    The S queries are the last S of the T keys (T == S in one process; a context-parallel
+    piece at row offset T - S otherwise). `causal_prefix` queries (from the start; only
+    when T == S) attend exactly their causal past: they run with `is_causal=True` (flash,
+    no mask tensor). The remaining queries run in blocks of `query_block` through `masked`
+    (SDPA with the boolean mask, or the GEMM backend); a block [a, b) only reads keys
+    [0, offset + b), since later keys are in every one of its queries' future. Both are
+    exact: they drop only masked-out keys.
     """
     seq_len = q_BNSK.shape[2]
+    offset = k_BNTK.shape[2] - seq_len
+    assert offset == 0 or causal_prefix == 0, "is_causal aligns query i with key i"
     if causal_prefix >= seq_len:
         return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, is_causal=True, scale=scale)
     parts = []
@@ -84,8 +95,9 @@ def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int
                                                     is_causal=True, scale=scale))
     for start in range(causal_prefix, seq_len, query_block):
         end = min(start + query_block, seq_len)
-        parts.append(masked(q_BNSK[:, :, start:end], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
-                            sparse_BST[:, start:end, :end], scale))
+        keys = offset + end
+        parts.append(masked(q_BNSK[:, :, start:end], k_BNTK[:, :, :keys], v_BNTV[:, :, :keys],
+                            sparse_BST[:, start:end, :keys], scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -125,6 +137,7 @@ class MLAttention(nn.Module):
         shared: tuple[torch.Tensor, bool] | None = None,
         plain_causal: bool = False,
         sparse_needed: bool = True,
+        shard: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, bool]]:
         """Returns the attention output [B, S, D] and the sparse selection this layer used
         (mask [B, S, T], whether it selects every allowed key).
@@ -132,6 +145,12 @@ class MLAttention(nn.Module):
         `shared` is the previous full layer's selection; layers without an indexer
         ("shared" in GLM-5.2+) reuse it. `plain_causal` says `allowed_BST` is the
         ordinary causal mask (one document per row).
+
+        Under context parallelism (`shard`) the S queries are this rank's share of rows
+        of T tokens (cos/sin and `allowed_BST` [B, S, T] of those queries): the compressed
+        KV of every token (normed latent | roped k_rot) is all-gathered, kv_b runs over the
+        keys up to the last local query, and each piece of local queries attends its
+        causal past through the backend.
         """
         batch, seq_len, _ = x_BSD.shape
         q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
@@ -144,38 +163,66 @@ class MLAttention(nn.Module):
         rope_cos, rope_sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q_rot = apply_interleaved_rope(q_rot, rope_cos, rope_sin)
         k_rot_B1SK = apply_interleaved_rope(k_rot_BSK.unsqueeze(1), rope_cos, rope_sin)
+        if shard is None:
+            latent_BTR, k_rot_B1TK = latent_BSR, k_rot_B1SK
+        else:
+            latent_BTR, k_rot_B1TK = self._gathered_keys(latent_BSR, k_rot_B1SK, shard, allowed_BST.shape[-1])
+        num_keys = latent_BTR.shape[1]
 
-        kv_BNTX = self.kv_b_proj(latent_BSR).view(batch, seq_len, self.num_heads, -1).transpose(1, 2)
+        kv_BNTX = self.kv_b_proj(latent_BTR).view(batch, num_keys, self.num_heads, -1).transpose(1, 2)
         k_nope, v_BNTV = kv_BNTX.split([self.nope_dim, self.v_dim], dim=-1)
-        k_BNTK = torch.cat([k_nope, k_rot_B1SK.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        k_BNTK = torch.cat([k_nope, k_rot_B1TK.expand(-1, self.num_heads, -1, -1)], dim=-1)
         q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
 
         if self.indexer is not None:
-            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal)
+            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal, shard)
         else:
             assert shared is not None, "a shared-indexer layer needs an earlier full layer"
             selection = shared
         sparse_BST, all_selected = selection
 
-        causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
+        if shard is None:
+            causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
+            out_BNSV = self._attend(q_BNSK, k_BNTK, v_BNTV, sparse_BST, causal_prefix)
+        else:
+            parts, local = [], 0
+            for start, length in shard.pieces(allowed_BST.shape[-1]):
+                end, rows = start + length, slice(local, local + length)
+                # is_causal pairs query i with key i: only the piece at the row's start has that.
+                causal_prefix = (length if all_selected else self.index_topk) if plain_causal and start == 0 else 0
+                parts.append(self._attend(q_BNSK[:, :, rows], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
+                                          sparse_BST[:, rows, :end], causal_prefix))
+                local += length
+            out_BNSV = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
+        return self.o_proj(out_BSX), selection
+
+    def _gathered_keys(self, latent_BSR, k_rot_B1SK, shard: SequenceShard, seq_len: int):
+        """Every token's normed latent [B, T', R] and roped k_rot [B, 1, T', K] from all cp ranks,
+        T' = one past this rank's last query (later keys are in every local query's future):
+        one all-gather of R + K values per token."""
+        compressed_BSC = torch.cat([latent_BSR, k_rot_B1SK.squeeze(1)], dim=-1)
+        compressed_BTC = shard.gather(compressed_BSC)[:, :shard.key_end(seq_len)]
+        latent_BTR, k_rot_BTK = compressed_BTC.split([self.kv_rank, self.rope_dim], dim=-1)
+        return latent_BTR, k_rot_BTK.unsqueeze(1)
+
+    def _attend(self, q_BNSK, k_BNTK, v_BNTV, sparse_BST, causal_prefix: int):
+        """The backend over queries that are the last S of the T keys (`sdpa_attention`)."""
+        seq_len = q_BNSK.shape[2]
         backend = self.backend
         if backend == "auto":
             half = q_BNSK.dtype in (torch.bfloat16, torch.float16)  # fp32 on GPU: sdpa's exact fp32 math
-            backend = "triton" if x_BSD.is_cuda and half and triton_attention_available() else "sdpa"
+            backend = "triton" if q_BNSK.is_cuda and half and triton_attention_available() else "sdpa"
         if backend == "eager":
-            out_BNSV = eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
-        elif backend == "flex":
-            out_BNSV = flex_sparse_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
-        else:
-            # The Triton kernels skip future keys per tile themselves: the whole tail is one block.
-            query_block = seq_len if backend == "triton" else self.query_block
-            masked = MASKED_BLOCK_FUNCTIONS[backend]
-            if backend == "triton":
-                masked = functools.partial(masked, score_buffer_bytes=self.score_buffer_bytes)
-            out_BNSV = sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix,
-                                      query_block, masked)
-        out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
-        return self.o_proj(out_BSX), selection
+            return eager_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale)
+        if backend == "flex":
+            return flex_sparse_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix)
+        # The Triton kernels skip future keys per tile themselves: the whole tail is one block.
+        query_block = seq_len if backend == "triton" else self.query_block
+        masked = MASKED_BLOCK_FUNCTIONS[backend]
+        if backend == "triton":
+            masked = functools.partial(masked, score_buffer_bytes=self.score_buffer_bytes)
+        return sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, self.scale, causal_prefix, query_block, masked)
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):

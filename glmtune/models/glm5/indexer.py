@@ -38,6 +38,7 @@ from glmtune.kernels.indexer_scores import available as indexer_scores_available
 from glmtune.kernels.indexer_scores import indexer_scores
 from glmtune.models.common.rope import apply_interleaved_rope
 from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.sequence_shard import SequenceShard
 
 INDEXER_BACKENDS = ("auto", "reference", "chunked", "fused")
 _CHUNK_SCORE_BYTES = 256 * 2**20
@@ -93,6 +94,7 @@ class Indexer(nn.Module):
         allowed_BST: torch.Tensor,
         sparse_needed: bool = True,
         plain_causal: bool = False,
+        shard: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """The sparse attention mask, bool [B, S, T] (True where allowed and selected), and
         whether it selects every allowed key (then it *is* `allowed_BST`).
@@ -102,21 +104,36 @@ class Indexer(nn.Module):
         forward): top-k would then select every allowed key, so the mask is the
         block-causal one. Exact, and it skips the [B, S, H, T] scores. `plain_causal`
         says the rows are single documents: then the first k queries are not scored.
+
+        Under context parallelism (`shard`) the S queries are this rank's share of rows of
+        T tokens: the keys [B, T, D] are all-gathered from every rank (with a gradient only
+        when the indexer trains) and each local query's top-k is taken over all of them,
+        exactly as in one process. `sparse_needed` must be the same on every rank (the
+        model derives it from the full rows): the gather is a collective.
         """
         if not sparse_needed:
             return allowed_BST, True
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
-            if self.backend == "reference":
+            if self.backend == "reference" and shard is None:
                 scores_BST = self.scores(x_BSD, q_resid_BSR, cos, sin)
-                scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)
-                topk_BSK = scores_BST.topk(self.index_topk, dim=-1).indices
-                selected_BST = torch.zeros_like(allowed_BST).scatter(-1, topk_BSK, True)
-                return allowed_BST & selected_BST, False
+                return self._reference_mask(scores_BST, allowed_BST), False
             q_BSHD, k_BTD, weights_BSH = self.project(x_BSD, q_resid_BSR, cos, sin)
+            if shard is not None:
+                k_BTD = shard.gather(k_BTD)
+            if self.backend == "reference":
+                return self._reference_mask(self.combine(q_BSHD, k_BTD, weights_BSH, self.softmax_scale),
+                                            allowed_BST), False
         first_query = self.index_topk if plain_causal else 0
+        pieces = None if shard is None else [n for piece in shard.pieces(k_BTD.shape[1]) for n in piece]
         mask_BST = torch.ops.glmtune.dsa_topk_mask(q_BSHD, k_BTD, weights_BSH, allowed_BST, self.softmax_scale,
-                                                    self.index_topk, first_query, self._fused_for(q_BSHD))
+                                                    self.index_topk, first_query, self._fused_for(q_BSHD), pieces)
         return mask_BST, False
+
+    def _reference_mask(self, scores_BST: torch.Tensor, allowed_BST: torch.Tensor) -> torch.Tensor:
+        scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)
+        topk_BSK = scores_BST.topk(self.index_topk, dim=-1).indices
+        selected_BST = torch.zeros_like(allowed_BST).scatter(-1, topk_BSK, True)
+        return allowed_BST & selected_BST
 
     def _fused_for(self, q_BSHD: torch.Tensor) -> bool:
         if self.backend == "auto":
@@ -131,34 +148,53 @@ class Indexer(nn.Module):
 
 @torch.library.custom_op("glmtune::dsa_topk_mask", mutates_args=())
 def dsa_topk_mask(q_BSHD: torch.Tensor, k_BTD: torch.Tensor, weights_BSH: torch.Tensor, allowed_BST: torch.Tensor,
-                  softmax_scale: float, topk: int, first_query: int, fused: bool) -> torch.Tensor:
+                  softmax_scale: float, topk: int, first_query: int, fused: bool,
+                  query_pieces: list[int] | None = None) -> torch.Tensor:
     """Bool [B, S, T]: allowed and among the query's top-k index scores.
 
-    Queries before `first_query` keep every allowed key (the caller knows they have at
-    most k). Later queries are scored in chunks [a, b) over keys [0, b) only: the
-    allowed mask is causal, so later keys can never be chosen.
+    Queries at key index below `first_query` keep every allowed key (the caller knows they
+    have at most k). Later queries are scored in chunks: the queries at key indices [a, b)
+    over keys [0, b) only (the allowed mask is causal, so later keys can never be chosen).
+
+    `query_pieces` places the queries among the T keys (context parallelism): flat
+    (start, length) pairs, the local queries being keys [start, start + length) of each
+    pair in turn; None means query i is key i (S == T). The chunks are those of one
+    process over all T queries, cut to the local pieces, and each still reads keys
+    [0, b) of its whole chunk: a query's top-k then sees the very row of scores it sees
+    in one process, so ties at the k-th score break the same way and the selection is
+    that of one process, bit for bit.
     """
     batch, seq_len, num_heads, _ = q_BSHD.shape
+    num_keys = k_BTD.shape[1]
+    if query_pieces is None:
+        query_pieces = [0, seq_len]
     mask_BST = allowed_BST.clone()
     heads_held = 1 if fused else num_heads  # the reference holds every head's fp32 scores
-    chunk = max(1, _CHUNK_SCORE_BYTES // (4 * batch * heads_held * k_BTD.shape[1]))
-    for start in range(first_query, seq_len, chunk):
-        end = min(start + chunk, seq_len)
-        if end <= topk:  # no query here has more than k allowed keys: all selected
-            continue
-        q_chunk, w_chunk, k_keys = q_BSHD[:, start:end], weights_BSH[:, start:end], k_BTD[:, :end]
-        if fused:
-            scores = indexer_scores(q_chunk, k_keys, w_chunk, softmax_scale, causal_offset=start)
-        else:
-            scores = Indexer.combine(q_chunk, k_keys, w_chunk, softmax_scale)
-        allowed_chunk = allowed_BST[:, start:end, :end]
-        scores = scores.masked_fill(~allowed_chunk, torch.finfo(scores.dtype).min)
-        top = scores.topk(topk, dim=-1, sorted=False).indices
-        selected = torch.zeros_like(allowed_chunk).scatter_(-1, top, True)
-        mask_BST[:, start:end, :end] &= selected
+    chunk = max(1, _CHUNK_SCORE_BYTES // (4 * batch * heads_held * num_keys))
+    local = 0  # local index of the piece's first query
+    for piece_start, piece_length in zip(query_pieces[::2], query_pieces[1::2]):
+        piece_end = piece_start + piece_length
+        first = max(first_query, piece_start)
+        for chunk_start in range(first - (first - first_query) % chunk, piece_end, chunk):
+            end = min(chunk_start + chunk, num_keys)
+            if end <= topk:  # no query here has more than k allowed keys: all selected
+                continue
+            start = max(chunk_start, first)
+            rows = slice(local + start - piece_start, local + min(end, piece_end) - piece_start)
+            q_chunk, w_chunk, k_keys = q_BSHD[:, rows], weights_BSH[:, rows], k_BTD[:, :end]
+            if fused:
+                scores = indexer_scores(q_chunk, k_keys, w_chunk, softmax_scale, causal_offset=start)
+            else:
+                scores = Indexer.combine(q_chunk, k_keys, w_chunk, softmax_scale)
+            allowed_chunk = allowed_BST[:, rows, :end]
+            scores = scores.masked_fill(~allowed_chunk, torch.finfo(scores.dtype).min)
+            top = scores.topk(topk, dim=-1, sorted=False).indices
+            selected = torch.zeros_like(allowed_chunk).scatter_(-1, top, True)
+            mask_BST[:, rows, :end] &= selected
+        local += piece_length
     return mask_BST
 
 
 @dsa_topk_mask.register_fake
-def _(q_BSHD, k_BTD, weights_BSH, allowed_BST, softmax_scale, topk, first_query, fused):
+def _(q_BSHD, k_BTD, weights_BSH, allowed_BST, softmax_scale, topk, first_query, fused, query_pieces=None):
     return torch.empty(allowed_BST.shape, dtype=torch.bool, device=allowed_BST.device)

@@ -5,7 +5,8 @@ when the key is not in its future and both belong to the same document. Document
 are given explicitly (`document_ids`) or found, as transformers does, where
 `position_ids` do not step by exactly one.
 
-Legend: B batch, S query length, T key length (S == T in training).
+Legend: B batch, S query length, T key length (S == T in one process; S = T / cp under
+context parallelism).
 """
 
 from __future__ import annotations
@@ -26,11 +27,24 @@ def allowed_mask(
     device: torch.device,
     position_ids_BS: torch.Tensor | None = None,
     document_ids_BS: torch.Tensor | None = None,
+    query_index_S: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool [B, S, T]: True where query s may attend key t (causal, same document)."""
-    causal_ST = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    """Bool [B, S, T]: True where query s may attend key t (causal, same document).
+
+    The ids describe the full rows of `seq_len` tokens. `query_index_S` (context
+    parallelism) picks the queries by their index in the row: the mask is then
+    [B, len(query_index_S), seq_len], never the full [B, T, T].
+    """
     if document_ids_BS is None and position_ids_BS is not None:
         document_ids_BS = documents_from_positions(position_ids_BS.expand(batch_size, -1))
+    if query_index_S is not None:
+        causal_ST = query_index_S[:, None] >= torch.arange(seq_len, device=device)[None, :]
+        if document_ids_BS is None:
+            return causal_ST.expand(batch_size, -1, -1)
+        documents_BS = document_ids_BS.expand(batch_size, -1)
+        same_doc_BST = documents_BS[:, query_index_S, None] == documents_BS[:, None, :]
+        return same_doc_BST & causal_ST
+    causal_ST = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     if document_ids_BS is None:
         return causal_ST.expand(batch_size, seq_len, seq_len)
     same_doc_BST = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]

@@ -9,9 +9,13 @@ mapping itself lives only in `state_dict_adapter.py`. Multi-token-prediction
 (MTP) layers are built (under `mtp`) so checkpoints keep their weights through a
 load/save round trip; they take no part in the forward pass of the main model.
 
-The model knows nothing of parallelism; `parallelize_glm5()` transforms it.
+The model knows nothing of parallelism; `parallelize_glm5()` transforms it. Under
+context parallelism it is handed a `SequenceShard` (`Glm5Model.sequence_shard`): it
+then takes the full rows, computes only this rank's queries of them, and gathers keys
+through the shard's injected `gather` (`sequence_shard.py`).
 
-Legend: B batch, S sequence, D model dim, V vocab.
+Legend: B batch, S queries (this rank's: T / cp under context parallelism, else T),
+T tokens of a row, D model dim, V vocab.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
 from glmtune.models.glm5.masks import allowed_mask, longest_document, single_document_rows
 from glmtune.models.glm5.moe import DenseMLP, MoE
+from glmtune.models.glm5.sequence_shard import SequenceShard
 
 
 @dataclass
@@ -54,9 +59,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MoE(args, moe_backend) if sparse_mlp else DenseMLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, h_BSD, cos, sin, allowed_BST, shared=None, plain_causal=False, sparse_needed=True):
+    def forward(self, h_BSD, cos, sin, allowed_BST, shared=None, plain_causal=False, sparse_needed=True,
+                shard=None):
         attn_out, selection = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared,
-                                             plain_causal, sparse_needed)
+                                             plain_causal, sparse_needed, shard)
         h_BSD = h_BSD + attn_out
         h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
         return h_BSD, selection
@@ -106,9 +112,10 @@ class LayerInputs:
 
     cos: torch.Tensor  # [B, S, rope dim] rotary tables of the queries' positions
     sin: torch.Tensor
-    allowed_BST: torch.Tensor  # bool: causal and same document
+    allowed_BST: torch.Tensor  # bool [B, S, T]: causal and same document
     plain_causal: bool  # every row is one document: `allowed_BST` is the causal mask
-    sparse_needed: bool  # some query has more allowed keys than the indexer's top-k
+    sparse_needed: bool  # some query of the rows has more allowed keys than the indexer's top-k
+    shard: SequenceShard | None = None  # context parallelism: this rank's queries S of the T tokens
 
 
 class Glm5Model(nn.Module):
@@ -126,6 +133,14 @@ class Glm5Model(nn.Module):
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings)
+        # Context parallelism: which queries of each row this process computes (None: all of
+        # them). Set by `glmtune.distributed.context_parallel.apply_context_parallel`.
+        self.sequence_shard: SequenceShard | None = None
+
+    def local_tokens(self, t_BT: torch.Tensor) -> torch.Tensor:
+        """This process's tokens of a per-token tensor of the full rows ([B, T, ...] ->
+        [B, S, ...]: ids, targets, positions); itself when there is no sequence shard."""
+        return t_BT if self.sequence_shard is None else self.sequence_shard.local(t_BT)
 
     def layer_inputs(self, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype,
                      position_ids_BS=None, document_ids_BS=None, longest: int | None = None,
@@ -135,17 +150,29 @@ class Glm5Model(nn.Module):
         `longest` (`masks.longest_document`) and `single_document` (`masks.single_document_rows`)
         are host facts of the ids: omitted, they are computed here (a host sync when the ids
         are on the GPU; callers pass them from the host batch).
+
+        Under a sequence shard, `seq_len` and the ids are those of the FULL rows (the same
+        on every cp rank) and so are `longest` and `single_document`; the result describes
+        this rank's S queries: cos/sin [B, S, rope dim] of their positions, `allowed_BST`
+        [B, S, T] (causal by index in the row, same document) and the shard itself, which
+        the layers use to gather keys. The hidden states fed to `run_layers` must then be
+        the local tokens' ([B, S, D], e.g. `embed_tokens(local_tokens(ids))`).
         """
-        allowed_BST = allowed_mask(batch, seq_len, device, position_ids_BS, document_ids_BS)
+        shard = self.sequence_shard
+        query_index_S = None if shard is None else shard.query_index(seq_len, device)
+        allowed_BST = allowed_mask(batch, seq_len, device, position_ids_BS, document_ids_BS, query_index_S)
         if longest is None:
             longest = longest_document(seq_len, position_ids_BS, document_ids_BS)
         if single_document is None:  # no row is one document when none is as long as the row
             single_document = longest == seq_len and single_document_rows(seq_len, position_ids_BS, document_ids_BS)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(seq_len, device=device).unsqueeze(0)
+        if shard is not None:
+            position_ids_BS = shard.local(position_ids_BS)
         cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), dtype)
-        # does any query have more allowed keys than top-k?
-        return LayerInputs(cos, sin, allowed_BST, single_document, longest > self.index_topk)
+        # does any query have more allowed keys than top-k? Asked of the full rows, so that
+        # every cp rank takes the same path (the indexer's key gather is a collective).
+        return LayerInputs(cos, sin, allowed_BST, single_document, longest > self.index_topk, shard)
 
     @staticmethod
     def run_layers(layers, h_BSD: torch.Tensor, inputs: LayerInputs, selection=None):
@@ -154,13 +181,15 @@ class Glm5Model(nn.Module):
         hidden states and the selection after the last of them."""
         for layer in layers:
             h_BSD, selection = layer(h_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, selection,
-                                     inputs.plain_causal, inputs.sparse_needed)
+                                     inputs.plain_causal, inputs.sparse_needed, inputs.shard)
         return h_BSD, selection
 
     def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None, longest: int | None = None,
                 single_document: bool | None = None):
+        """Final-normed hidden states [B, S, D] of the rows `input_ids_BS` [B, T] (this rank's
+        queries under a sequence shard; every query otherwise)."""
         batch, seq_len = input_ids_BS.shape
-        h_BSD = self.embed_tokens(input_ids_BS)
+        h_BSD = self.embed_tokens(self.local_tokens(input_ids_BS))
         inputs = self.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids_BS, document_ids_BS,
                                    longest, single_document)
         h_BSD, _ = self.run_layers(self.layers, h_BSD, inputs)
@@ -189,19 +218,22 @@ class Glm5ForCausalLM(nn.Module):
                 num_supervised: int | None = None, loss_grad_scale: float | None = None,
                 single_document: bool | None = None) -> Glm5Output:
         """Args:
-            input_ids: [B, S] token ids.
-            position_ids: [B, S] or [1, S]; restarts at 0 mark document starts in packed rows.
-            document_ids: [B, S] document index per token; overrides the position-based split.
+            input_ids: [B, T] token ids. Under context parallelism (`model.sequence_shard`) every
+                argument describes the full rows and the outputs (hidden states, logits, loss
+                sum and count) only this rank's queries: [B, S, ...], S = T / cp.
+            position_ids: [B, T] or [1, T]; restarts at 0 mark document starts in packed rows.
+            document_ids: [B, T] document index per token; overrides the position-based split.
             compute_logits: False returns only hidden states.
-            targets: [B, S] next-token ids (-100 = no loss). When given, the loss is computed
+            targets: [B, T] next-token ids (-100 = no loss). When given, the loss is computed
                 here by the chunked cross-entropy (never all fp32 logits at once), inside
                 forward so that sharded wrappers (FSDP2) have the head weight gathered.
             longest_document: `masks.longest_document` of these ids, computed on the host;
                 omitted, the model computes it (a host sync when the ids are on the GPU).
             single_document: `masks.single_document_rows` of these ids (every row one
                 document), from the host like `longest_document`.
-            num_supervised: the number of targets != -100, counted on the host; omitted, the
-                loss finds the supervised rows with a host sync.
+            num_supervised: the number of targets != -100 (of this rank's queries under context
+                parallelism: `model.model.local_tokens(targets)`), counted on the host;
+                omitted, the loss finds the supervised rows with a host sync.
             loss_grad_scale: the factor the caller multiplies `loss_sum` by before backward
                 (e.g. 1 / supervised tokens of the step), if known on the host: the fused loss
                 folds it into its gradient GEMMs instead of a scaling pass in backward.
@@ -210,6 +242,7 @@ class Glm5ForCausalLM(nn.Module):
         logits = self.lm_head(hidden_BSD) if compute_logits else None
         out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
         if targets is not None:
+            targets = self.model.local_tokens(targets)
             out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
                                                                   loss_chunk_size, num_supervised=num_supervised,
                                                                   grad_scale=loss_grad_scale)
