@@ -161,6 +161,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages (ranks)
     ep: int = 1  # expert parallel; must divide dp_shard x cp and the number of experts
     cp: int = 1  # context parallel (packed rows are split along the sequence)
+    cp_balance: Literal["head_tail", "contiguous"] = "head_tail"  # queries per cp rank: head_tail = equal causal work
     ep_dispatcher: Literal["all_to_all", "all_gather"] = "all_to_all"  # EP token movement; all_gather: the simple reference
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
