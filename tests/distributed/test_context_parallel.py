@@ -2,7 +2,7 @@
 rows, add up to one process exactly.
 
 The tiny model (GLM-5.2-shaped: shared-indexer layers, MoE) in fp32 with its top-256
-indexer on rows of 512 tokens, so the sparse selection is active; micro batch 2. For each
+indexer on rows of 512 (one case 640) tokens, so the sparse selection is active; micro batch 2. For each
 case the per-rank loss sums and target counts add up to the one-process ones, every
 parameter's gradient summed over the ranks is the one-process gradient, and each full
 indexer layer selects, for this rank's queries, exactly the keys it selects in one process.
@@ -26,12 +26,15 @@ ROWS = {
     "packed": [[300, 212], [40, 280, 192]],
     "one_document": [[SEQ], [SEQ]],
     "mixed": [[SEQ], [100, 412]],  # a one-document row next to a packed one: no plain-causal path
+    # 320 queries a contiguous cp-2 slice: the first rank's piece runs is_causal for its first
+    # 256 queries and the top-k mask for the rest
+    "one_document_640": [[640], [640]],
 }
 
 
 def _batch(rows: str):
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 4000, (2, SEQ), generator=generator)
+    ids = torch.randint(0, 4000, (2, sum(ROWS[rows][0])), generator=generator)
     targets = torch.roll(ids, -1, 1)
     targets[:, -1] = -100
     targets[0, :17] = -100  # unsupervised prompt tokens: counts differ between ranks
@@ -82,7 +85,7 @@ def _cp_worker(rank: int, world_size: int, out_dir: str, backend: str, balance: 
     shard = model.model.sequence_shard
     loss, count, grads, masks = _forward_backward(model, rows)
     result = {"loss": loss, "count": count, "grads": grads, "masks": list(masks),
-              "query_index": shard.query_index(SEQ)}
+              "query_index": shard.query_index(sum(ROWS[rows][0]))}
     if stages:
         ids, targets, positions = _batch(rows)
         with torch.no_grad():
@@ -96,7 +99,7 @@ CASES = [  # backend, balance, cp, rows
     ("sdpa", "head_tail", 2, "packed"),
     ("sdpa", "contiguous", 2, "packed"),
     ("sdpa", "head_tail", 2, "one_document"),
-    ("gemm", "contiguous", 2, "one_document"),
+    ("gemm", "contiguous", 2, "one_document_640"),
     ("gemm", "head_tail", 2, "mixed"),
     ("eager", "head_tail", 2, "packed"),
     ("sdpa", "head_tail", 4, "packed"),
@@ -123,11 +126,12 @@ def test_cp_ranks_add_up_to_one_process(tmp_path, backend, balance, cp, rows):
     assert all(set(r["grads"]) == set(ref_grads) for r in results)
 
     # the sparse path ran: each full indexer layer (0 and 2) dropped allowed keys
-    allowed = reference.model.layer_inputs(2, SEQ, torch.device("cpu"), torch.float32, _batch(rows)[2]).allowed_BST
+    seq = sum(ROWS[rows][0])
+    allowed = reference.model.layer_inputs(2, seq, torch.device("cpu"), torch.float32, _batch(rows)[2]).allowed_BST
     assert len(ref_masks) == 2 and all(mask.sum() < allowed.sum() for mask in ref_masks)
     for r in results:
         for ref_mask, mask in zip(ref_masks, r["masks"], strict=True):
-            assert mask.shape == (2, SEQ // cp, SEQ)
+            assert mask.shape == (2, seq // cp, seq)
             assert torch.equal(mask, ref_mask[:, r["query_index"]])
 
     if stages:
