@@ -106,11 +106,12 @@ def validate_parallel(cfg: JobConfig, num_experts: int, num_layers: int, world_s
             f"exceeds the model's {num_layers} layers"
         )
     errors += _schedule_errors(cfg)
-    if p.cp > 1 and cfg.data.packed_sequence_size % p.cp:
-        errors.append(
-            f"data.packed_sequence_size ({cfg.data.packed_sequence_size}) must be divisible by parallel.cp ({p.cp}): "
-            "context parallelism splits each packed row into cp contiguous chunks"
-        )
+    chunks = 2 * p.cp if p.cp_balance == "head_tail" else p.cp
+    if p.cp > 1 and cfg.data.packed_sequence_size % chunks:
+        how = (f"2 x parallel.cp ({chunks}): parallel.cp_balance head_tail cuts each packed row into 2 x cp chunks "
+               "and gives each rank a first and a last one" if p.cp_balance == "head_tail" else
+               f"parallel.cp ({p.cp}): parallel.cp_balance contiguous cuts each packed row into cp chunks")
+        errors.append(f"data.packed_sequence_size ({cfg.data.packed_sequence_size}) must be divisible by {how}")
     _raise(errors)
     return degrees
 
@@ -203,6 +204,9 @@ def pipeline_context_errors(cfg: JobConfig, num_layers: int) -> list[str]:
         elif min(split) < 1 or sum(split) != num_layers:
             errors.append(f"parallel.pp_layer_split {split} must give every stage at least one layer and sum to "
                           f"the model's {num_layers} layers (it sums to {sum(split)})")
+    if p.cp == 1 and p.cp_balance != ParallelConfig().cp_balance:
+        errors.append("parallel.cp_balance is set but parallel.cp is 1 (no context parallelism); remove it or set "
+                      "parallel.cp")
     degrees = [f"parallel.{key}: {getattr(p, key)}" for key in ("pp", "cp") if getattr(p, key) > 1]
     if degrees and cfg.train.generate_samples:
         errors.append(f"train.generate_samples ({cfg.train.generate_samples}) answers prompts greedily with the whole "

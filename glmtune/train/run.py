@@ -225,7 +225,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
         ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
         param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=p.ep_dispatcher,
-        cp_balance=getattr(p, "cp_balance", "head_tail"), pipeline=pipeline,
+        cp_balance=p.cp_balance, pipeline=pipeline,
     )
     if model.pipeline is not None and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "

@@ -63,6 +63,12 @@ def test_tensor_parallelism_is_refused_and_pipeline_and_context_run():
     (["--parallel.pp_stages_per_rank=1", "--parallel.pp_schedule=1F1B", "--parallel.pp_layer_split=[20,20,20,20]"],
      "parallel.pp_layer_split [20, 20, 20, 20] must give every stage at least one layer and sum to the model's 78 "
      "layers (it sums to 80)"),
+    (["--parallel.cp=8", "--parallel.nodes=64", "--data.packed_sequence_size=32760"],
+     "data.packed_sequence_size (32760) must be divisible by 2 x parallel.cp (16): parallel.cp_balance head_tail "
+     "cuts each packed row into 2 x cp chunks and gives each rank a first and a last one"),
+    (["--parallel.pp=1", "--parallel.pp_schedule=1F1B", "--parallel.pp_microbatches=null", "--parallel.ep=64",
+      "--train.micro_batch_size=1", "--parallel.cp_balance=contiguous"],
+     "parallel.cp_balance is set but parallel.cp is 1 (no context parallelism); remove it or set parallel.cp"),
     (["--train.generate_samples=4"],
      "train.generate_samples (4) answers prompts greedily with the whole model in each process, which "
      "parallel.pp: 4 split; set train.generate_samples: 0 (score the run with the exported model instead)"),
@@ -123,8 +129,12 @@ def test_pipeline_schedule_rules():
 
 
 def test_cp_needs_divisible_packed_rows():
-    with pytest.raises(ValueError, match=r"data.packed_sequence_size \(4100\) must be divisible by parallel.cp \(8\)"):
-        validate_parallel(glm5_job("--parallel.cp=8", "--parallel.nodes=64", "--data.packed_sequence_size=4100"), 256, 78)
+    job = ["--parallel.cp=8", "--parallel.nodes=64", "--data.packed_sequence_size=4100"]
+    with pytest.raises(ValueError, match=r"data.packed_sequence_size \(4100\) must be divisible by parallel.cp \(8\): "
+                                         "parallel.cp_balance contiguous cuts"):
+        validate_parallel(glm5_job(*job, "--parallel.cp_balance=contiguous"), 256, 78)
+    assert validate_parallel(glm5_job(*job[:2], "--data.packed_sequence_size=4112",
+                                      "--parallel.cp_balance=contiguous"), 256, 78).cp == 8
 
 
 def test_batch_divisibility_names_keys():

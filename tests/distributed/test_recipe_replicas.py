@@ -1,0 +1,82 @@
+"""NVIDIA's GLM-5.x topologies, scaled down: each GLM recipe's own settings (schedule, activation
+checkpointing, router-bias update, asynchronous checkpoints, LoRA) at degrees of 2 on the tiny
+model, under torchrun (gloo, CPU), equal one process step by step (fp32, relative 1e-5).
+
+    recipes/glm5*/sft_4k.yaml       pp 4 x dp_shard 64, ep 64, Interleaved1F1B  -> pp 2 x dp_shard 2, ep 2
+    recipes/glm5*/sft_32k_cp8.yaml  pp 4 x dp_shard 16 x cp 8, ep 64            -> pp 2 x dp_shard 2 x cp 2, ep 2
+    recipes/glm5*/lora_4k.yaml      dp_shard 128, ep 128, LoRA                  -> dp_shard 2, ep 2, LoRA
+
+GLM-5.2/5.3's recipes are GLM-5's with another model; the tiny model has their shared-indexer
+layers. The FP8 one-node LoRA recipe's layout (dp_shard 8, ep 8 over an FP8 base) is the one of
+tests/distributed/test_fp8_base_sharded.py at ep 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glmtune.config import load_config
+from glmtune.config.loader import RECIPES_DIR
+from tests.train.run_helpers import env
+
+# What makes a 256-GPU recipe a CPU-sized one; everything else stays as the recipe says.
+TINY = [
+    "--model.name_or_path", "tiny", "--model.validate_as", "null", "--model.dtype", "float32",
+    "--train.device", "cpu", "--data.train", "[]", "--data.synthetic.rows", "240",
+    "--data.packed_sequence_size", "256", "--data.too_long", "drop", "--parallel.nodes", "null",
+    "--parallel.gpus_per_node", "null", "--parallel.launcher", "torchrun", "--train.max_steps", "4",
+    "--checkpoint.every_steps", "2", "--checkpoint.export_hf", "false", "--train.val_every", "0",
+    "--logging.progress", "false", "--logging.tensorboard", "false", "--train.log_every", "1",
+]
+
+
+def _replica(recipe: Path) -> tuple[int, list[str], list[str]]:
+    """(world size, the replica's parallel overrides, the batch overrides both runs share)."""
+    p = load_config(recipe).parallel
+    pp, cp, ep = (2 if p.pp > 1 else 1), (2 if p.cp > 1 else 1), (2 if p.ep > 1 else 1)
+    dp = 2
+    layout = ["--parallel.pp", str(pp), "--parallel.cp", str(cp), "--parallel.ep", str(ep)]
+    if pp > 1:  # the recipe's schedule, two virtual stages per rank, one row per microbatch
+        layout += ["--parallel.pp_stages_per_rank", str(min(p.pp_stages_per_rank, 2)),
+                   "--parallel.pp_microbatches", "2"]
+    batch = ["--train.micro_batch_size", "2", "--train.global_batch_size", str(2 * dp * 2)]
+    return pp * cp * dp, layout, batch
+
+
+def _one_process() -> list[str]:
+    # The same recipe without its parallel degrees (and the pipeline keys that need pp).
+    return ["--parallel.pp", "1", "--parallel.cp", "1", "--parallel.ep", "1", "--parallel.pp_schedule", "1F1B",
+            "--parallel.pp_stages_per_rank", "1", "--parallel.pp_microbatches", "null",
+            "--parallel.ep_dispatcher", "all_to_all"]
+
+
+def _train(nproc: int, recipe: Path, run_dir: Path, cache: Path, *extra: str) -> None:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    cmd = [*launch, "-m", "glmtune", "train", str(recipe), *TINY, "--logging.run_dir", str(run_dir),
+           "--data.cache_dir", str(cache), *extra]
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows}
+
+
+@pytest.mark.parametrize("name", ["sft_4k", "sft_32k_cp8", "lora_4k"])
+def test_scaled_down_glm5_topology_equals_one_process(name, tmp_path):
+    recipe = RECIPES_DIR / "glm5" / f"{name}.yaml"
+    world, layout, batch = _replica(recipe)
+    _train(1, recipe, tmp_path / "single", tmp_path / "cache", *batch, *_one_process())
+    _train(world, recipe, tmp_path / "replica", tmp_path / "cache", *batch, *layout)
+    expected, actual = _records(tmp_path / "single"), _records(tmp_path / "replica")
+    assert sorted(actual) == [1, 2, 3, 4]
+    for step, (loss, norm) in expected.items():
+        assert actual[step][0] == pytest.approx(loss, rel=1e-5), step
+        assert actual[step][1] == pytest.approx(norm, rel=1e-5), step
