@@ -183,6 +183,7 @@ class ParallelMesh:
         self.device_type = device_type
         self._roots: dict[str, DeviceMesh] = {}
         self._cpu_group: ProcessGroup | None = None
+        self._second_pp: ProcessGroup | None = None
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, *, world_size: int, num_experts: int | None = None,
@@ -278,6 +279,22 @@ class ParallelMesh:
     def dense_axis(self) -> str:
         """The axis dense parameters are sharded over within a replica: dp_shard, or dp_shard_cp under cp."""
         return "dp_shard_cp" if self.degrees.cp > 1 else "dp_shard"
+
+    def second_pp_group(self) -> ProcessGroup:
+        """A second process group over this rank's pipeline (the pp axis), created once (collective:
+        every rank creates every pipeline's group, in the same order). Messages the pipeline
+        schedule does not move travel on it without interleaving with the schedule's own."""
+        if self._second_pp is None:
+            import torch.distributed as dist
+
+            self._check_world()
+            stage_size = self.world_size // self.degrees.pp
+            for first in range(stage_size):
+                ranks = [first + s * stage_size for s in range(self.degrees.pp)]
+                group = dist.new_group(ranks)
+                if self.global_rank in ranks:
+                    self._second_pp = group
+        return self._second_pp
 
     def cpu_group(self) -> ProcessGroup:
         """A gloo group over all ranks, created once (collective on first call).

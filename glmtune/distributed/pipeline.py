@@ -15,10 +15,16 @@ exactly as in one process (schedules built with `scale_grads=False`). The loss s
 a rank reports are its own last stages' (0 elsewhere): summed over all ranks they are
 the step's.
 
-Activations between stages: hidden states [mb, S, D] in the compute dtype, plus the
-top-k selection where a stage starts on a shared-indexer layer. Their shapes are
-given to each PipelineStage up front (static metadata), so no trial microbatch runs
-before the first step. Every microbatch of a run has the same shape (packed rows).
+Activations between stages: hidden states [mb, S, D] in the compute dtype. Their
+shapes are given to each PipelineStage up front (static metadata), so no trial
+microbatch runs before the first step. Every microbatch of a run has the same shape
+(packed rows). The top-k selection a stage starting on a shared-indexer layer needs
+does not go through the schedule (torch 2.11's stages mark every received tensor as
+requiring a gradient, which a bool mask cannot): the sending stage posts it on a
+process group of its own (`carry_group`, the pp ranks again) as its forward runs, the
+receiving stage takes it at the start of its forward. Both run a stage's microbatches
+in order, so the n-th message is the n-th microbatch's; stages on one rank (V schedules)
+hand it over in memory.
 
 Evaluation runs the stages in order with plain point-to-point sends (no backward,
 no schedule): each stage's activations go to the next stage's rank.
@@ -64,11 +70,12 @@ class Pipeline:
         micro_batch: rows per micro batch; seq_len: tokens per row; queries: this rank's
             queries per row (seq_len, or its slice under context parallelism).
         hidden_size, dtype: the activations' width and dtype.
+        carry_group: a second group of the same pp ranks, for the carried top-k selections.
     """
 
     def __init__(self, stages: list[Glm5Stage], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, carry_group=None) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -79,15 +86,23 @@ class Pipeline:
         meta = torch.device("meta")
         # requires_grad: a stage sends its input's gradient back only for inputs that require it
         hidden = torch.empty(rows, queries, hidden_size, dtype=dtype, device=meta, requires_grad=True)
-        carry = (torch.empty(rows, queries, seq_len, dtype=torch.uint8, device=meta),
-                 torch.empty(1, dtype=torch.uint8, device=meta))
         self.pipeline_stages, self.input_metas = [], []
         self.schedule_name = schedule
+        self._carry_shape = (rows, queries, seq_len)
+        self._carry_group = carry_group
+        self._pending: list = []  # (work, buffer) of posted sends, completed at the step's end
+        self._in_memory: dict[int, list] = {}  # stage -> selections from a stage on this rank
+        owner = {}
+        for rank in range(dist.get_world_size(group)):
+            for s in stage_ids_for_rank(schedule, rank, dist.get_world_size(group), len(stages)):
+                owner[s] = rank
         for stage, index in zip(stages, stage_ids):
-            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device=meta),) if stage.is_first \
-                else (hidden, *(carry if stage.carry_in else ()))
-            outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last \
-                else (hidden, *(carry if stage.carry_out else ()))
+            if stage.carry_out:
+                stage.send_selection = self._sender(index + 1, owner[index + 1])
+            if stage.carry_in:
+                stage.receive_selection = self._receiver(index, owner[index - 1])
+            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device=meta),) if stage.is_first else (hidden,)
+            outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last else (hidden,)
             self.input_metas.append(inputs)
             self.pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
                                                       output_args=outputs, group=group))
@@ -98,6 +113,34 @@ class Pipeline:
                                        n_microbatches=microbatches, loss_fn=_identity_loss, scale_grads=False)
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
+
+    # -- the carried top-k selection ------------------------------------------------------
+    def _sender(self, next_stage: int, next_rank: int):
+        def send(mask, flag):
+            if next_rank == dist.get_rank(self.group):
+                self._in_memory.setdefault(next_stage, []).append((mask, flag))
+                return
+            destination = dist.get_global_rank(self.group, next_rank)
+            for tensor in (mask, flag):
+                self._pending.append((dist.isend(tensor, destination, group=self._carry_group), tensor))
+        return send
+
+    def _receiver(self, stage: int, previous_rank: int):
+        def receive():
+            if previous_rank == dist.get_rank(self.group):
+                return self._in_memory[stage].pop(0)
+            source = dist.get_global_rank(self.group, previous_rank)
+            mask = torch.empty(self._carry_shape, dtype=torch.uint8, device=self.device)
+            flag = torch.empty(1, dtype=torch.uint8, device=self.device)
+            dist.recv(mask, source, group=self._carry_group)
+            dist.recv(flag, source, group=self._carry_group)
+            return mask, flag
+        return receive
+
+    def _complete_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
 
     # -- host facts -------------------------------------------------------------------------
     def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local) -> None:
@@ -134,6 +177,7 @@ class Pipeline:
         # argument); the schedule still splits one per microbatch.
         target = torch.zeros(batch["input_ids"].shape[0], device=self.device) if self.has_last else None
         self.schedule.step(*args, target=target, **kwargs)
+        self._complete_sends()
         return self._loss_sum()
 
     @torch.no_grad()
@@ -169,11 +213,10 @@ class Pipeline:
                 if stage.is_last:
                     count += (local(mb_kwargs["targets"]) != -100).sum()
                     continue
-                carried = out if isinstance(out, tuple) else (out,)
+                carried = (out,)
                 if owner[index + 1] != pp_rank:
-                    for tensor in carried:
-                        dist.send(tensor.contiguous(), dist.get_global_rank(self.group, owner[index + 1]),
-                                  group=self.group)
+                    dist.send(out.contiguous(), dist.get_global_rank(self.group, owner[index + 1]), group=self.group)
+        self._complete_sends()
         return self._loss_sum(), count
 
     def _recv_like(self, meta: torch.Tensor, source: int) -> torch.Tensor:

@@ -20,8 +20,11 @@ schedule runs them (every schedule runs a stage's forwards in microbatch order).
 
 Shared-indexer layers (GLM-5.2/5.3 IndexShare) reuse the top-k selection of the
 latest full-indexer layer. When a stage starts on such a layer, the previous stage
-sends that selection along: the [B, S, T] mask as uint8 (what every transport carries)
+hands that selection on: the [B, S, T] mask as uint8 (what every transport carries)
 and one flag, "selects every allowed key" (then the mask is the allowed mask itself).
+By default they are extra outputs / inputs of the stages; a caller that moves them
+itself (a pipeline schedule only moves tensors that can carry a gradient) sets
+`send_selection` / `receive_selection`, and the stages then pass hidden states only.
 
 The model knows nothing of parallelism: which stages exist, on which rank, and how
 their activations move is `glmtune/distributed/pipeline.py`'s business.
@@ -101,6 +104,9 @@ class Glm5Stage(nn.Module):
                     if isinstance(core.layers[i].mlp, MoE)]
         self.expert_load: dict[str, torch.Tensor] = {}
         self.microbatch_facts: list[MicrobatchFacts] = []
+        # (mask uint8 [B, S, T], flag uint8 [1]) -> None, and () -> the same pair: see the module docstring
+        self.send_selection = None
+        self.receive_selection = None
 
     def forward(self, x, carried_mask=None, carried_all=None, *, position_ids, document_ids, targets=None):
         """One microbatch through this stage.
@@ -126,6 +132,8 @@ class Glm5Stage(nn.Module):
                                    facts.longest, facts.single_document)
         selection = None
         if self.carry_in:
+            if self.receive_selection is not None:
+                carried_mask, carried_all = self.receive_selection()
             selection = (carried_mask.bool(), bool(carried_all.item()))
         h_BSD, selection = core.run_layers(self.layers.values(), h_BSD, inputs, selection)
         if torch.is_grad_enabled():
@@ -133,8 +141,11 @@ class Glm5Stage(nn.Module):
                 self.expert_load[name] = self.expert_load.get(name, 0) + moe.tokens_per_expert
         if self.carry_out:
             mask_BST, every = selection
-            return h_BSD, mask_BST.to(torch.uint8), torch.tensor([int(every)], dtype=torch.uint8,
-                                                                  device=h_BSD.device)
+            carried = (mask_BST.to(torch.uint8), torch.tensor([int(every)], dtype=torch.uint8, device=h_BSD.device))
+            if self.send_selection is None:
+                return (h_BSD, *carried)
+            self.send_selection(*carried)
+            return h_BSD
         if not self.is_last:
             return h_BSD
         hidden_BSD = self.norm(h_BSD)
