@@ -277,7 +277,25 @@ def glm5_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
 
 def check_recipe(cfg: JobConfig, world_size: int):
     dims = model_dims(cfg.model)
-    return validate_config(cfg, dims.num_experts, dims.num_layers, world_size=world_size)
+    degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size=world_size)
+    _check_torch_supports(cfg)
+    return degrees
+
+
+# The V-shaped schedules train exactly on torch 2.13 (tests/distributed/test_pipeline_train.py);
+# on torch 2.11 ZBVZeroBubble failed in its stage initialisation (gloo, 2 ranks, H200 image).
+V_SCHEDULES_FROM = (2, 13)
+
+
+def _check_torch_supports(cfg: JobConfig) -> None:
+    from glmtune.distributed.pipeline_plan import V_SCHEDULES
+
+    p = cfg.parallel
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if p.pp > 1 and p.pp_schedule in V_SCHEDULES and version < V_SCHEDULES_FROM:
+        raise ValueError(f"parallel.pp_schedule {p.pp_schedule} needs torch >= 2.13 here (this is torch "
+                         f"{torch.__version__}: on 2.11 its stage initialisation fails); use Interleaved1F1B or "
+                         "InterleavedZeroBubble, or upgrade torch")
 
 
 def save_run_config(cfg: JobConfig, run_dir: Path) -> None:

@@ -11,40 +11,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.run_helpers import SMALL, env, run
+from tests.train.run_helpers import assert_same_steps, run, step_records, torchrun
 
 STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2", "--train.val_every", "2"]
-
-
-def _torchrun(nproc: int, run_dir: Path, cache: Path, *extra: str, recipe: str = "tiny/sft_support_json"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "glmtune", "train", recipe, *SMALL, "--logging.run_dir", str(run_dir),
-           "--data.cache_dir", str(cache), *extra]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
-
-
-def _records(run_dir: Path) -> dict[int, tuple]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {r["step"]: (r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows}
-
-
-def _assert_same(actual: dict, expected: dict) -> None:
-    assert sorted(actual) == sorted(expected)
-    for step, values in expected.items():
-        for got, want in zip(actual[step], values):
-            assert (got is None) == (want is None), step
-            if want is not None:
-                assert got == pytest.approx(want, rel=1e-5), step
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +37,9 @@ def single(tmp_path_factory):
     ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
 ], ids=["1F1B-carry", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_pp2_schedules_match_one_process(layout, single, tmp_path):
-    done = _torchrun(2, tmp_path / "pp", single / "cache", *STEPS, "--parallel.pp", "2", *layout)
+    done = torchrun(2, tmp_path / "pp", single / "cache", *STEPS, "--parallel.pp", "2", *layout)
     assert "pipeline: " in done.stdout
-    _assert_same(_records(tmp_path / "pp"), _records(single / "run"))
+    assert_same_steps(step_records(tmp_path / "pp"), step_records(single / "run"))
 
 
 def test_pp2_fsdp2_ep2_trains_and_exports_as_one_process(tmp_path):
@@ -73,9 +48,9 @@ def test_pp2_fsdp2_ep2_trains_and_exports_as_one_process(tmp_path):
     batch = ["--train.global_batch_size", "8", "--checkpoint.export_hf", "true", "--train.val_every", "0"]
     reference = run(tmp_path / "single", cache, *STEPS, *batch)
     assert reference.returncode == 0, reference.stdout + reference.stderr
-    done = _torchrun(4, tmp_path / "pp", cache, *STEPS, *batch, "--parallel.pp", "2", "--parallel.ep", "2")
+    done = torchrun(4, tmp_path / "pp", cache, *STEPS, *batch, "--parallel.pp", "2", "--parallel.ep", "2")
     assert "dp_shard 2" in done.stdout and "pp 2; ep 2" in done.stdout
-    _assert_same(_records(tmp_path / "pp"), _records(tmp_path / "single"))
+    assert_same_steps(step_records(tmp_path / "pp"), step_records(tmp_path / "single"))
     exported = load_file(tmp_path / "pp" / "hf" / "model.safetensors")
     expected = load_file(tmp_path / "single" / "hf" / "model.safetensors")
     assert list(exported) == list(expected)  # every stage's tensors, in the one-process order
@@ -88,16 +63,16 @@ def test_pp2_fsdp2_ep2_trains_and_exports_as_one_process(tmp_path):
 
 def test_checkpoints_resume_across_pipeline_layouts(single, tmp_path):
     pp = tmp_path / "pp"
-    _torchrun(2, pp, single / "cache", *STEPS, "--parallel.pp", "2")
-    expected = _records(single / "run")
+    torchrun(2, pp, single / "cache", *STEPS, "--parallel.pp", "2")
+    expected = step_records(single / "run")
     for source, nproc, extra in ((pp, 1, []), (single / "run", 2, ["--parallel.pp", "2"])):
         layout = tmp_path / f"resume-from-{source.name}"
         shutil.copytree(source, layout)
         shutil.rmtree(layout / "checkpoints" / "step-00000004")
         args = [*STEPS, "--checkpoint.resume", "auto", *extra]
-        done = _torchrun(nproc, layout, single / "cache", *args) if nproc > 1 else run(layout, single / "cache", *args)
+        done = torchrun(nproc, layout, single / "cache", *args) if nproc > 1 else run(layout, single / "cache", *args)
         assert done.returncode == 0 and "resumed from" in done.stdout and "step-00000002" in done.stdout
-        _assert_same(_records(layout), expected)
+        assert_same_steps(step_records(layout), expected)
 
 
 def test_lora_under_pp2_writes_the_one_process_adapters(tmp_path):
@@ -105,7 +80,7 @@ def test_lora_under_pp2_writes_the_one_process_adapters(tmp_path):
     lora = ["--train.max_steps", "2", "--checkpoint.every_steps", "0"]
     reference = run(tmp_path / "single", cache, *lora, recipe="tiny/lora_support_json")
     assert reference.returncode == 0, reference.stdout + reference.stderr
-    _torchrun(2, tmp_path / "pp", cache, *lora, "--parallel.pp", "2", recipe="tiny/lora_support_json")
+    torchrun(2, tmp_path / "pp", cache, *lora, "--parallel.pp", "2", recipe="tiny/lora_support_json")
     for layout in ("adapter", "adapter_per_expert"):
         got = load_file(tmp_path / "pp" / layout / "adapter_model.safetensors")
         want = load_file(tmp_path / "single" / layout / "adapter_model.safetensors")
