@@ -169,7 +169,8 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
 
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
-    reshard = stages is None
+    # FSDP2's own default (None: reshard every unit but the root) without a pipeline; False under one.
+    reshard = None if stages is None else False
     for layer in [*decoder_layers(model), *model.mtp]:
         for module in layer.modules():
             if isinstance(module, Router):
