@@ -1,4 +1,4 @@
-"""Model FLOPs per trained token of a GLM-5 proxy, one formula for every implementation.
+"""Model FLOPs per trained token of a GLM-5 proxy: the package's formula (glmtune/models/glm5/flops.py).
 
     6 x (active matmul parameters: MLA projections, dense MLP, top-k + shared experts,
          router, lm_head; the input embedding is a lookup, not a matmul)
@@ -10,25 +10,5 @@ anchor figures in ../shared/bench, so MFU numbers are comparable.
 
 from __future__ import annotations
 
-
-def active_matmul_params(cfg, layers: int, dense_layers: int) -> int:
-    heads, qk, v = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    d = cfg.hidden_size
-    mla = (d * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-           + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + v) + heads * v * d)
-    dense = 3 * d * cfg.intermediate_size
-    moe = 3 * d * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + d * cfg.n_routed_experts
-    return layers * mla + dense_layers * dense + (layers - dense_layers) * moe + d * cfg.vocab_size
-
-
-def attention_flops_forward(cfg, layers: int, doc_lengths: list[int]) -> float:
-    """Per token: 2 matmuls (QK^T, PV) over the mean number of keys a query attends
-    (causal within its document, at most index_topk)."""
-    k = cfg.index_topk
-    mean_keys = sum(min(i + 1, k) for n in doc_lengths for i in range(n)) / sum(doc_lengths)
-    qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    return layers * 2 * cfg.num_attention_heads * mean_keys * (qk + v)
-
-
-def flops_per_token(cfg, layers: int, dense_layers: int, doc_lengths: list[int]) -> float:
-    return 6 * active_matmul_params(cfg, layers, dense_layers) + 3 * attention_flops_forward(cfg, layers, doc_lengths)
+# The formula lives in the package: the trainer reports TFLOP/s and MFU with the same one.
+from glmtune.models.glm5.flops import active_matmul_params, attention_flops_forward, flops_per_token  # noqa: F401

@@ -4,7 +4,7 @@ A Slurm log, a pipe or a file cannot show a bar that is redrawn in place (rich p
 nothing until it stops), so when stdout is not a terminal each logged step (the
 steps written to metrics.jsonl) becomes one line:
 
-    step 12/100  loss 2.3456  grad_norm 0.812  lr 1.00e-05  tok/s 12345  eta 0:03:12
+    step 12/100  loss 2.3456  grad_norm 0.812  lr 1.00e-05  tok/s 12345  mfu 41.2%  mem 52.1 GiB  eta 0:03:12
 
 `logging.progress: false` shows neither.
 """
@@ -73,7 +73,12 @@ class StepProgress:
         if "val_loss" in record and record["val_loss"] is not None:
             parts.append(f"val_loss {record['val_loss']:.4f}")
         parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
-                  f"tok/s {record['tokens_per_s']:.0f}", f"eta {timedelta(seconds=round(eta))}"]
+                  f"tok/s {record['tokens_per_s']:.0f}"]
+        if record.get("mfu") is not None:
+            parts.append(f"mfu {record['mfu']:.1%}")
+        if record.get("peak_memory_gib") is not None:
+            parts.append(f"mem {record['peak_memory_gib']:.1f} GiB")
+        parts.append(f"eta {timedelta(seconds=round(eta))}")
         return "  ".join(parts)
 
     def __exit__(self, *exc) -> None:

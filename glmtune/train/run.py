@@ -11,6 +11,7 @@ DCP shards.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.io.fingerprint import base_identity_from_dir
 from glmtune.models.glm5.args import PRESETS
+from glmtune.models.glm5.flops import flops_per_token, peak_tflops
 from glmtune.distributed.pipeline_plan import describe_split
 from glmtune.models.glm5.parallelize import PipelineOptions, one_rank_process_group, parallelize_glm5
 from glmtune.train.data_loader import PackedRowLoader
@@ -111,6 +113,15 @@ def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, consol
         return None
     console.print(f"wrote the {cfg.model.name_or_path} preset's base (the adapter's base model): {out}")
     return base_identity_from_dir(out)
+
+
+def step_model_flops(args, batches: list[dict]) -> float:
+    """Model FLOPs of micro batches (glmtune/models/glm5/flops.py's formula over their real documents;
+    padding counts as one more document per row: the GPU computes it)."""
+    lengths = [int(n) for b in batches for row in b["document_ids"]
+               for n in torch.unique(row, return_counts=True)[1]]
+    dense = args.mlp_layer_types.count("dense")
+    return flops_per_token(args, args.num_hidden_layers, dense, lengths) * sum(lengths)
 
 
 def run_training(cfg: JobConfig, overwrite: bool = False) -> int:
@@ -271,6 +282,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
         pp_group=mesh.group("pp") if degrees.pp > 1 else None,
         local_targets=model.model.local_tokens if degrees.cp > 1 else None,
+        step_flops=functools.partial(step_model_flops, model.args),
+        peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)

@@ -71,6 +71,10 @@ class TrainerSettings:
     # The targets this rank computes the loss of, from a batch's host targets (context
     # parallelism keeps a slice of each row's queries); None: all of them.
     local_targets: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Model FLOPs of a step's micro batches on this rank (glmtune/models/glm5/flops.py), and the
+    # GPU's dense bf16 peak: the throughput record's TFLOP/s and MFU (None: not reported).
+    step_flops: Callable[[list[dict[str, Any]]], float] | None = None
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Trainer:
         self.tokens_seen = 0
         self._stop_reason: str | None = None  # what asked to stop: a signal's name or the stop file
         self._moe = moe_layers(model)
+        self._window: dict[str, float] = {}  # throughput since the last logged step (`_throughput`)
         self.pipeline = getattr(model, "pipeline", None)  # set by parallelize_glm5 under pipeline parallelism
 
     # -- state ------------------------------------------------------------------------
@@ -184,7 +189,9 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         self.model.train()
+        data_start = time.perf_counter()
         batches = [self.train_loader.next_batch() for _ in range(self.s.grad_accum)]
+        data_seconds = time.perf_counter() - data_start
         row_targets = sum(b["num_supervised"] for b in batches)  # counted on the host by the loader
         # int64: a float32 count is exact only up to 2**24 tokens per step.
         total_targets = _all_reduce_sum(torch.tensor(row_targets, dtype=torch.int64, device=self.s.device),
@@ -231,9 +238,14 @@ class Trainer:
         if self.s.router_bias_update == "sign":
             update_router_biases(self._moe, load, self.s.router_bias_rate)
         self.step += 1
-        tokens = sum(int(b["input_ids"].numel()) for b in batches)
-        self.tokens_seen += int(_all_reduce_sum(torch.tensor(tokens, dtype=torch.int64, device=self.s.device),
-                                                self.s.row_group).item())
+        # Over the data-parallel ranks (the others share rows): all tokens, non-padding ones, model FLOPs.
+        local = [sum(int(b["input_ids"].numel()) for b in batches),
+                 sum(int((b["document_ids"] >= 0).sum()) for b in batches),
+                 self.s.step_flops(batches) if self.s.step_flops is not None else 0.0]
+        tokens, real_tokens, flops = _all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.s.device),
+                                                     self.s.row_group).tolist()
+        self.tokens_seen += int(tokens)
+        self._window_add(tokens=tokens, real_tokens=real_tokens, flops=flops, data_s=data_seconds)
         record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen,
                                   "supervised_tokens": int(total_targets.item())}
         record["grad_norm"] = grad_norm
@@ -274,6 +286,32 @@ class Trainer:
             release_gathered(stage)
         return (_all_reduce_sum(loss_sum) / _all_reduce_sum(count).clamp_min(1)).item()
 
+    # -- throughput over the logging window ---------------------------------------------
+    def _window_add(self, **amounts: float) -> None:
+        for key, value in amounts.items():
+            self._window[key] = self._window.get(key, 0.0) + value
+
+    def _throughput(self, step_seconds: float) -> dict[str, Any]:
+        """What the window since the last logged step measured: tokens/s with and without padding,
+        model TFLOP/s and MFU per GPU, the last step's time, time waiting for data, peak memory.
+        The window excludes validation and checkpoints; it starts after the step that compiles."""
+        w = self._window
+        seconds = max(w.get("seconds", 0.0), 1e-9)
+        out: dict[str, Any] = {"tokens_per_s": w.get("tokens", 0.0) / seconds,
+                               "tokens_per_s_no_padding": w.get("real_tokens", 0.0) / seconds,
+                               "step_s": step_seconds, "data_wait_s": w.get("data_s", 0.0)}
+        if self.s.step_flops is not None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            tflops = w.get("flops", 0.0) / seconds / world / 1e12  # per GPU
+            out["tflops"] = tflops
+            if self.s.peak_tflops:
+                out["mfu"] = tflops / self.s.peak_tflops
+        if self.s.device.type == "cuda":
+            out["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.s.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.s.device)
+        self._window = {}
+        return out
+
     # -- loop -------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
         self._stop_reason = self._stop_reason or signal.Signals(signum).name
@@ -284,23 +322,32 @@ class Trainer:
         losses: list[float] = []
         val_loss = None
         checkpoint = None
-        start_tokens, train_seconds, last_record = self.tokens_seen, 0.0, None
+        last_record = None
+        self._window: dict[str, float] = {}
+        first_step, first_window, throughput = True, {}, {"tokens_per_s": 0.0}
         try:
             with StepProgress(self.s.progress, self.s.max_steps, self.step, self.s.log_every) as bar:
                 while self.step < self.s.max_steps:
                     step_start = time.perf_counter()
                     record = self.train_step()
-                    train_seconds += time.perf_counter() - step_start
+                    step_seconds = time.perf_counter() - step_start
+                    self._window_add(seconds=step_seconds)
+                    if first_step:  # compilation and warm-up: kept out of the window once another step is in
+                        first_step = False
+                        first_window, self._window = self._window, {}
                     losses.append(record["loss"])
-                    # Training throughput since this process started (validation and saves excluded).
-                    record["tokens_per_s"] = (self.tokens_seen - start_tokens) / max(train_seconds, 1e-9)
                     if self.s.val_every and self.step % self.s.val_every == 0:
                         val_loss = self.validate()
                         record["val_loss"] = val_loss
-                    if self.step % self.s.log_every == 0 or self.step == self.s.max_steps or "val_loss" in record:
+                    logged = self.step % self.s.log_every == 0 or self.step == self.s.max_steps or "val_loss" in record
+                    if logged:
+                        if not self._window:  # only the first step so far: it is all there is to report
+                            self._window = first_window
+                        throughput = self._throughput(step_seconds)
+                        record.update(throughput)
                         self.metrics.write(record)
                     last_record = record
-                    bar.update(record)
+                    bar.update({**throughput, **record})
                     stop = self._stop_requested()
                     due = self.s.checkpoint_every and self.step % self.s.checkpoint_every == 0
                     if stop or due or self.step == self.s.max_steps:

@@ -23,6 +23,19 @@ def test_plain_lines_for_logged_steps_when_stdout_is_not_a_terminal(tmp_path):
     assert all(PLAIN.match(line) for line in lines), lines
     assert [int(PLAIN.match(line).group(1)) for line in lines] == [3, 6, 8]  # the metrics file's steps
     assert "\x1b[" not in shown.stdout  # no bar drawn into the pipe
+    # The metrics file's throughput is the logging window's (the first step's compile left out).
+    import json
+
+    from glmtune.models.glm5 import get_preset
+    from glmtune.models.glm5.flops import active_matmul_params, flops_per_token
+
+    record = [json.loads(line) for line in (tmp_path / "shown" / "metrics.jsonl").read_text().splitlines()][1]
+    assert record["step"] == 6 and record["step_s"] > 0 and record["data_wait_s"] >= 0
+    assert 0 < record["tokens_per_s_no_padding"] < record["tokens_per_s"]  # rows are padded to 256
+    args = get_preset("tiny")  # model FLOPs per token: the matmuls plus at most 256-token causal attention
+    per_token = record["tflops"] * 1e12 / record["tokens_per_s"]
+    assert 6 * active_matmul_params(args, 4, 2) < per_token <= flops_per_token(args, 4, 2, [256])
+    assert "mfu" not in record and "peak_memory_gib" not in record  # a CPU has no bf16 peak or CUDA allocator
 
 
 def test_no_progress_output_when_switched_off(tmp_path):
