@@ -92,7 +92,7 @@ class Pipeline:
         self._carry_group = carry_group
         self._pending: list = []  # (work, buffer) of posted sends, completed at the step's end
         self._in_memory: dict[int, list] = {}  # stage -> selections from a stage on this rank
-        owner = {}
+        owner = self.owner = {}  # stage -> the pp rank that runs it
         for rank in range(dist.get_world_size(group)):
             for s in stage_ids_for_rank(schedule, rank, dist.get_world_size(group), len(stages)):
                 owner[s] = rank
@@ -188,11 +188,7 @@ class Pipeline:
         kwargs = self._device_kwargs(batch)
         rows = batch["input_ids"].shape[0] // self.microbatches
         pp_rank = dist.get_rank(self.group)
-        pp_size = dist.get_world_size(self.group)
-        owner = {i: None for i in range(self.num_stages)}  # stage -> pp rank
-        for rank in range(pp_size):
-            for s in stage_ids_for_rank(self.schedule_name, rank, pp_size, len(self.stages)):
-                owner[s] = rank
+        owner = self.owner
         count = torch.zeros((), dtype=torch.int64, device=self.device)
         for m in range(self.microbatches):
             part = slice(m * rows, (m + 1) * rows)

@@ -269,20 +269,17 @@ def parallelize_glm5(
             mesh.size("pp") * pipeline.stages_per_rank, mesh.group("pp"), pipeline.device or _device(model),
             pipeline.schedule,
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
-            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model, mesh, pipeline) else None)
+            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None)
     return model
 
 
-def _any_carry(model, mesh, pipeline) -> bool:
+def _any_carry(model) -> bool:
     """Whether any stage of the pipeline (not only this rank's) starts on a shared-indexer layer:
-    creating the carry group is collective, so every rank must agree."""
-    from glmtune.distributed.pipeline_plan import plan_stages
+    creating the carry group is collective, so every rank must agree (all know the whole split)."""
     from glmtune.models.glm5.stages import needs_carry
 
-    split = plan_stages(model.args, mesh.size("pp") * pipeline.stages_per_rank, pipeline.seq_len,
-                        pipeline.layer_split)
-    starts = [sum(split[:i]) for i in range(len(split))]
-    return any(needs_carry(model.args.indexer_types, start) for start in starts)
+    split = model.layers_per_stage
+    return any(needs_carry(model.args.indexer_types, sum(split[:i])) for i in range(len(split)))
 
 
 def _device(model: nn.Module) -> torch.device:
