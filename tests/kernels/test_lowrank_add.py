@@ -75,7 +75,9 @@ def check_expert_lora_matches_unfused():
     for fused in grads[:2]:
         assert len(fused) == 6
         for mine, reference in zip(fused, grads[2]):
-            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+            # fp32 sums over rows in another order (grouped GEMM vs per-expert products): the
+            # adapters' gradients (|g| ~ 15) differ by up to ~2e-4, as in the check above.
+            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-4)
 
 
 if __name__ == "__main__":
