@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import json
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,10 +126,20 @@ def step_model_flops(args, batches: list[dict]) -> float:
     return flops_per_token(args, args.num_hidden_layers, dense, lengths) * sum(lengths)
 
 
-def run_training(cfg: JobConfig, overwrite: bool = False) -> int:
+@dataclass
+class RunHooks:
+    """Callbacks into one run, for tools that watch it from inside (`glmtune preflight`)."""
+
+    # The built model (LoRA applied), before data, parallel wrapping and training.
+    on_model: Callable[[torch.nn.Module], None] | None = None
+    # (step, model) once a step's gradients are complete: `TrainerSettings.on_gradients`.
+    on_gradients: Callable[[int, torch.nn.Module], None] | None = None
+
+
+def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None = None) -> int:
     """Train `cfg`. With `overwrite`, an earlier run in the same run directory is replaced."""
     try:
-        return _run_training(cfg, overwrite, Console())
+        return _run_training(cfg, overwrite, Console(), hooks or RunHooks())
     finally:
         while _held_claims:
             _held_claims.pop().release()
@@ -149,7 +161,7 @@ def _fp8_summary(model) -> str:
             f"({human_bytes(sum(p.numel() for p in fp8))} of {human_bytes(total)} of parameters)")
 
 
-def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
+def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunHooks) -> int:
     device = resolve_device(cfg.train.device)
     info = init_distributed(device)
     if device.type == "cuda":
@@ -189,6 +201,8 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
     # LoRA is a transformation of the built model, before any parallel wrapping.
     inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
         else build_inventory(model)
+    if hooks.on_model is not None:
+        hooks.on_model(model)
     if info.is_main:
         print_inventory(inventory, console)  # what trains, by group: logged at the start of every run
         if cfg.model.fp8_base != "none":
@@ -284,6 +298,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console) -> int:
         local_targets=model.model.local_tokens if degrees.cp > 1 else None,
         step_flops=functools.partial(step_model_flops, model.args),
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
+        on_gradients=hooks.on_gradients,
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)

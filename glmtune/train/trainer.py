@@ -75,6 +75,10 @@ class TrainerSettings:
     # GPU's dense bf16 peak: the throughput record's TFLOP/s and MFU (None: not reported).
     step_flops: Callable[[list[dict[str, Any]]], float] | None = None
     peak_tflops: float | None = None
+    # Called with (step, model) once a step's gradients are complete, before they are checked,
+    # clipped and applied: `glmtune preflight` reads the gradient of every path there, even
+    # when the trainer is about to refuse a non-finite one.
+    on_gradients: Callable[[int, nn.Module], None] | None = None
 
 
 @dataclass
@@ -218,6 +222,8 @@ class Trainer:
             loss_sum += micro_loss.detach()
             for name, module in self._moe:
                 load[name] += module.tokens_per_expert
+        if self.s.on_gradients is not None:
+            self.s.on_gradients(self.step + 1, self.model)
         loss = (_all_reduce_sum(loss_sum) / denominator).item()
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
