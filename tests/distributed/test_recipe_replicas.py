@@ -22,37 +22,17 @@ import pytest
 
 from glmtune.config import load_config
 from glmtune.config.loader import RECIPES_DIR
+from glmtune.preflight.layout import ONE_PROCESS, UNPINNED_TOPOLOGY, scaled_replica
 from tests.train.run_helpers import env
 
 # What makes a 256-GPU recipe a CPU-sized one; everything else stays as the recipe says.
 TINY = [
     "--model.name_or_path", "tiny", "--model.validate_as", "null", "--model.dtype", "float32",
     "--train.device", "cpu", "--data.train", "[]", "--data.synthetic.rows", "240",
-    "--data.packed_sequence_size", "256", "--data.too_long", "drop", "--parallel.nodes", "null",
-    "--parallel.gpus_per_node", "null", "--parallel.launcher", "torchrun", "--train.max_steps", "4",
+    "--data.packed_sequence_size", "256", "--data.too_long", "drop", *UNPINNED_TOPOLOGY, "--train.max_steps", "4",
     "--checkpoint.every_steps", "2", "--checkpoint.export_hf", "false", "--train.val_every", "0",
     "--logging.progress", "false", "--logging.tensorboard", "false", "--train.log_every", "1",
 ]
-
-
-def _replica(recipe: Path) -> tuple[int, list[str], list[str]]:
-    """(world size, the replica's parallel overrides, the batch overrides both runs share)."""
-    p = load_config(recipe).parallel
-    pp, cp, ep = (2 if p.pp > 1 else 1), (2 if p.cp > 1 else 1), (2 if p.ep > 1 else 1)
-    dp = 2
-    layout = ["--parallel.pp", str(pp), "--parallel.cp", str(cp), "--parallel.ep", str(ep)]
-    if pp > 1:  # the recipe's schedule, two virtual stages per rank, one row per microbatch
-        layout += ["--parallel.pp_stages_per_rank", str(min(p.pp_stages_per_rank, 2)),
-                   "--parallel.pp_microbatches", "2"]
-    batch = ["--train.micro_batch_size", "2", "--train.global_batch_size", str(2 * dp * 2)]
-    return pp * cp * dp, layout, batch
-
-
-def _one_process() -> list[str]:
-    # The same recipe without its parallel degrees (and the pipeline keys that need pp).
-    return ["--parallel.pp", "1", "--parallel.cp", "1", "--parallel.ep", "1", "--parallel.pp_schedule", "1F1B",
-            "--parallel.pp_stages_per_rank", "1", "--parallel.pp_microbatches", "null",
-            "--parallel.ep_dispatcher", "all_to_all"]
 
 
 def _train(nproc: int, recipe: Path, run_dir: Path, cache: Path, *extra: str) -> None:
@@ -72,9 +52,9 @@ def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
 @pytest.mark.parametrize("name", ["sft_4k", "sft_32k_cp8", "lora_4k"])
 def test_scaled_down_glm5_topology_equals_one_process(name, tmp_path):
     recipe = RECIPES_DIR / "glm5" / f"{name}.yaml"
-    world, layout, batch = _replica(recipe)
-    _train(1, recipe, tmp_path / "single", tmp_path / "cache", *batch, *_one_process())
-    _train(world, recipe, tmp_path / "replica", tmp_path / "cache", *batch, *layout)
+    replica = scaled_replica(load_config(recipe).parallel)  # the recipe's axes at 2, 2 data-parallel ranks
+    _train(1, recipe, tmp_path / "single", tmp_path / "cache", *replica.batch, *ONE_PROCESS)
+    _train(replica.world, recipe, tmp_path / "replica", tmp_path / "cache", *replica.batch, *replica.layout)
     expected, actual = _records(tmp_path / "single"), _records(tmp_path / "replica")
     assert sorted(actual) == [1, 2, 3, 4]
     for step, (loss, norm) in expected.items():
