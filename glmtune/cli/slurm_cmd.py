@@ -20,20 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from glmtune.cli.arg_types import count_arg as _count
+
 _EXAMPLES = """examples:
   glmtune slurm recipes/glm5/sft_4k.yaml --nodes 32 --partition gpu --time 24:00:00 --dry-run
   glmtune slurm tiny/sft_support_json --nodes 2 --gpus-per-node 4 --train.max_steps 100
 """
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
