@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.slurm_cmd",
     "glmtune.cli.export_cmd",
     "glmtune.cli.merge_cmd",
+    "glmtune.cli.preflight_cmd",
 )
 
 

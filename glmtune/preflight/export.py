@@ -1,0 +1,166 @@
+"""Check 8: the reference run's export, reloaded by transformers (and PEFT), gives glmtune's logits.
+
+The reference run exported as `glmtune train` does at its end: full fine-tuning writes
+RUN_DIR/hf (`save_pretrained`, in the dtype the run computed in), LoRA writes RUN_DIR/adapter
+(PEFT) and RUN_DIR/adapter_per_expert (vLLM / SGLang), on RUN_DIR/base for a preset. Two
+comparisons, each of which can fail on its own:
+
+1. Tensor by tensor, the export holds what the last checkpoint holds (`trained.py`): every HF
+   tensor of the trained model cast to the dtype written, or every adapter tensor of both
+   layouts (`glmtune.peft.adapter_state`), bit for bit, no tensor missing or extra.
+2. Logits: transformers' `AutoModelForCausalLM.from_pretrained` on the export (LoRA: on the
+   base the adapter names, with `peft.PeftModel.from_pretrained` on the adapter) against
+   glmtune's model (full fine-tuning: glmtune reading the same export, whose tensors step 1
+   tied to the checkpoint; LoRA: the checkpoint's model) on the first training row's tokens,
+   at most `index_topk` of them, so that the DSA top-k keeps every key and no tie can be
+   broken differently. In float32 the largest logit difference must be at most 1e-4 (the
+   parity tests' bound); in bfloat16, the relative error at most 1e-2 and the top-1 tokens
+   the same at 98% of the positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from glmtune.checkpoint.hf_io import checkpoint_files, hf_tensors, load_pretrained, written_dtypes
+from glmtune.peft.export import CONFIG_NAME, RUN_DIRS, WEIGHTS_NAME, adapter_state
+from glmtune.preflight.context import Preflight
+from glmtune.preflight.result import CheckResult, verdict
+from glmtune.preflight.runs import ReferenceRun
+from glmtune.preflight.trained import trained_model
+from glmtune.train.precision import resolve_precision
+
+FP32_BOUND = 1e-4
+BF16_REL_BOUND, BF16_TOP1 = 1e-2, 0.98
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load reports (a view's unused layers are 'unexpected keys'), progress bars and warnings, silenced."""
+    from transformers.utils import logging
+
+    previous, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(previous)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def tensor_problems(expected: dict[str, torch.Tensor], files: dict[str, Path], what: str,
+                    dtypes: dict[str, torch.dtype] | None = None) -> list[str]:
+    """Every tensor of `expected` (HF key -> tensor) stored in `files` (key -> file) with the same bits,
+    in `dtypes[key]` when given (each cast as it is compared: no copy of the model is held)."""
+    problems = [f"{what}{key} is missing" for key in expected if key not in files]
+    problems += [f"{what}{key} is not part of the trained model" for key in files if key not in expected]
+    handles = {}
+    for key, want in expected.items():
+        if key not in files:
+            continue
+        file = files[key]
+        handles.setdefault(file, safe_open(str(file), framework="pt", device="cpu"))
+        got = handles[file].get_tensor(key)
+        if dtypes is not None and got.dtype != dtypes[key]:
+            problems.append(f"{what}{file.name}: {key} is stored as {got.dtype}, the run computes it in {dtypes[key]}")
+        want = want.detach().to("cpu", got.dtype)
+        if got.shape != want.shape or not torch.equal(got, want):
+            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else "shape"
+            problems.append(f"{what}{file.name}: {key} differs from the checkpoint's (max difference {diff})")
+    return problems
+
+
+def logit_problems(actual: torch.Tensor, expected: torch.Tensor, dtype: str) -> tuple[list[str], dict[str, Any]]:
+    actual, expected = actual.float(), expected.float()
+    diff = (actual - expected).abs()
+    top1 = (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    rel = (diff.norm() / expected.norm().clamp_min(1e-30)).item()
+    stats = {"max_abs_difference": diff.max().item(), "relative_error": rel, "top1_agreement": top1,
+             "positions": expected.shape[1]}
+    if dtype == "float32":
+        stats["bound"] = f"max |difference| <= {FP32_BOUND}"
+        problems = [] if stats["max_abs_difference"] <= FP32_BOUND else [
+            f"logits differ by up to {stats['max_abs_difference']:.3g} (> {FP32_BOUND}, float32)"]
+    else:
+        stats["bound"] = f"relative error <= {BF16_REL_BOUND} and top-1 agreement >= {BF16_TOP1}"
+        problems = [] if rel <= BF16_REL_BOUND and top1 >= BF16_TOP1 else [
+            f"logits differ: relative error {rel:.3g}, top-1 agreement {top1:.1%} ({dtype})"]
+    return problems, stats
+
+
+def probe_tokens(pf: Preflight, top_k: int) -> torch.Tensor:
+    """[1, S] tokens of the first training row, S <= the DSA top-k."""
+    row = pf.data().train_rows[0]
+    return torch.tensor([row["input_ids"][:top_k]])
+
+
+def _adapter_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: dict[str, Any]):
+    """LoRA: both adapter layouts against the checkpoint; PEFT on the base the adapter names."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    ours, checkpoint = trained_model(pf, ref.run_dir)
+    problems, count = [], 0
+    for layout, sub in RUN_DIRS.items():
+        _, tensors = adapter_state(ours, layout)
+        weights = ref.run_dir / sub / WEIGHTS_NAME
+        with safe_open(str(weights), framework="pt", device="cpu") as handle:
+            files = dict.fromkeys(handle.keys(), weights)
+        problems += tensor_problems(tensors, files, f"{sub}/")
+        count += len(tensors)
+    adapter_dir = ref.run_dir / RUN_DIRS["peft"]
+    base = json.loads((adapter_dir / CONFIG_NAME).read_text())["base_model_name_or_path"]
+    with _quiet_transformers():
+        hf = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="eager")
+        served = peft.PeftModel.from_pretrained(hf, adapter_dir).to(pf.device).eval()
+    evidence.update(checkpoint=str(checkpoint.path), export=[str(ref.run_dir / sub) for sub in RUN_DIRS.values()],
+                    base=base, tensors=count, reloaded_by=f"transformers {type(hf).__name__} on {base} + PEFT "
+                                                         f"{peft.__version__} on {adapter_dir}")
+    return problems, served, ours
+
+
+def _hf_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: dict[str, Any]):
+    """Full fine-tuning: RUN_DIR/hf against the checkpoint; transformers and glmtune reading RUN_DIR/hf."""
+    from transformers import AutoModelForCausalLM
+
+    export = ref.run_dir / "hf"
+    trained, checkpoint = trained_model(pf, ref.run_dir)
+    expected = dict(hf_tensors(trained))
+    problems = tensor_problems(expected, checkpoint_files(export), "hf/", written_dtypes(trained.args, dtype))
+    evidence.update(checkpoint=str(checkpoint.path), export=str(export), tensors=len(expected))
+    del trained, expected  # the checkpoint's copy is no longer needed: two models are enough at once
+    with _quiet_transformers():
+        served = AutoModelForCausalLM.from_pretrained(export, dtype=dtype, attn_implementation="eager")
+    served = served.to(pf.device).eval()
+    m = pf.scratch().model
+    ours = load_pretrained(export, dtype, pf.device, m.attention_backend, m.moe_backend,
+                           indexer_backend=m.indexer_backend).eval()
+    evidence["reloaded_by"] = f"transformers {type(served).__name__} and glmtune on {export}"
+    return problems, served, ours
+
+
+@torch.no_grad()
+def check_export(pf: Preflight, ref: ReferenceRun) -> CheckResult:
+    dtype = resolve_precision(pf.scratch()).compute_dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    evidence: dict[str, Any] = {"dtype": dtype_name}
+    problems, served, ours = (_adapter_models if pf.lora else _hf_models)(pf, ref, dtype, evidence)
+    ids = probe_tokens(pf, ours.args.index_topk).to(pf.device)
+    evidence["probe"] = f"the first {ids.shape[1]} tokens of the first training row (<= index_topk)"
+    logit_issues, logits = logit_problems(served(ids).logits, ours(ids).logits, dtype_name)
+    evidence["logits"] = logits
+    message = (f"{evidence['tensors']} exported tensors equal the checkpoint's; {evidence['reloaded_by']}: logits "
+               f"over {ids.shape[1]} tokens within {logits['bound']} (max difference "
+               f"{logits['max_abs_difference']:.3g}, top-1 {logits['top1_agreement']:.0%})")
+    return verdict(8, problems + logit_issues, message, evidence)

@@ -1,0 +1,107 @@
+"""Check 9: base and trained outputs on fixed prompts under one decoding, side by side.
+
+Prompts: the first `NUM_PROMPTS` conversations of the scratch data's validation split (the
+training split when it has none), cut before their final assistant answer
+(`glmtune.train.samples.prompts_from`), rendered with the run's chat template and a
+generation prompt. Decoding: greedy (`glmtune.train.generate.greedy_generate` through
+`run_samples`), at most `MAX_NEW_TOKENS` new tokens, stopping at `<|endoftext|>`,
+`<|user|>` or `<|observation|>`, thinking disabled. The base is the model the reference run
+started from; the trained model is the base with the reference run's last checkpoint.
+
+Two steps of training promise nothing about quality, so the criterion is about the decoding
+itself, and it can fail: (1) both models complete a generation for every prompt; (2) each
+model decoded twice gives the same outputs (greedy decoding of the same weights must be
+deterministic); (3) the decoding settings and the prompt token ids are the same for both
+models (a comparison under different settings proves nothing). How many outputs changed
+is recorded, not judged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from glmtune.data.chat_template import load_chat_template, render_conversation
+from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
+from glmtune.preflight.context import Preflight
+from glmtune.preflight.result import CheckResult, verdict
+from glmtune.preflight.runs import ReferenceRun
+from glmtune.preflight.trained import base_model, trained_model
+from glmtune.train.recipe import tokenizer_dir_for
+from glmtune.train.samples import SampleResult, prompts_from, run_samples
+
+NUM_PROMPTS = 3
+MAX_NEW_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Everything that decides what a model generates for a prompt, besides its weights."""
+
+    max_new_tokens: int
+    template_sha256: str
+    prompt_ids_sha256: str  # the rendered, tokenized prompts
+    strategy: str = "greedy"
+    stop_tokens: tuple[str, ...] = ("<|endoftext|>", "<|user|>", "<|observation|>")
+    enable_thinking: bool = False
+
+
+def fixed_prompts(pf: Preflight) -> list[tuple[dict[str, Any], str]]:
+    data = pf.data()
+    conversations = data.val_conversations or [json.loads(line) for line in
+                                                 open(data.manifest["train_file"], encoding="utf-8")]
+    return prompts_from(conversations, NUM_PROMPTS)
+
+
+def decoding_for(tokenizer, template: str, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> Decoding:
+    ids = [tokenizer(render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
+                                         enable_thinking=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"] for row, _ in prompts]
+    return Decoding(max_new_tokens, hashlib.sha256(template.encode()).hexdigest(),
+                    hashlib.sha256(json.dumps(ids).encode()).hexdigest())
+
+
+def decode_twice(model: nn.Module, tokenizer, template: str, prompts, decoding: Decoding
+                 ) -> tuple[list[SampleResult], list[SampleResult]]:
+    return tuple(run_samples(model, tokenizer, template, prompts, decoding.max_new_tokens) for _ in range(2))
+
+
+def check_generation(pf: Preflight, ref: ReferenceRun, base: nn.Module | None = None,
+                     trained: nn.Module | None = None, trained_decoding: Decoding | None = None) -> CheckResult:
+    """Check 9 on the reference run's base and trained models (or the ones given), with one decoding
+    (or `trained_decoding` for the trained model: a test's planted mismatch)."""
+    directory = resolve_tokenizer_dir(tokenizer_dir_for(pf.scratch(), pf.scratch_model_dir()))
+    tokenizer, template = load_tokenizer(directory), load_chat_template(directory)
+    prompts = fixed_prompts(pf)
+    if not prompts:
+        return CheckResult(9, "fail", "no conversation of the data ends with an assistant answer to prompt with")
+    decoding = decoding_for(tokenizer, template, prompts)
+    trained_decoding = trained_decoding or decoding
+    base = base if base is not None else base_model(pf)
+    trained = trained if trained is not None else trained_model(pf, ref.run_dir)[0]
+    problems, results = [], {}
+    for label, model, settings in (("base", base, decoding), ("trained", trained, trained_decoding)):
+        first, second = decode_twice(model, tokenizer, template, prompts, settings)
+        results[label] = first
+        differ = [i for i, (a, b) in enumerate(zip(first, second)) if a.output != b.output]
+        if differ:
+            problems.append(f"{label} model: decoding prompt {differ[0] + 1} twice gave different outputs "
+                            f"({first[differ[0]].output[:40]!r} vs {second[differ[0]].output[:40]!r}): "
+                            "decoding is not deterministic")
+    if decoding != trained_decoding:
+        changed = {k: (v, asdict(trained_decoding)[k]) for k, v in asdict(decoding).items()
+                   if asdict(trained_decoding)[k] != v}
+        problems.append(f"base and trained models were decoded differently: {changed}")
+    side_by_side = [{"prompt": b.prompt, "reference": b.reference, "base": b.output, "trained": t.output}
+                    for b, t in zip(results["base"], results["trained"])]
+    num_changed = sum(row["base"] != row["trained"] for row in side_by_side)
+    evidence = {"decoding": asdict(decoding), "trained_decoding": asdict(trained_decoding),
+                "samples": side_by_side, "changed_by_training": num_changed}
+    message = (f"{len(prompts)} prompts decoded greedily (max {decoding.max_new_tokens} new tokens), twice per "
+               f"model, the same outputs each time; same settings and prompt ids for both; training changed "
+               f"{num_changed} of {len(prompts)} outputs")
+    return verdict(9, problems, message, evidence)

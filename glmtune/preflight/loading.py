@@ -1,0 +1,140 @@
+"""Check 3: the config and tokenizer load without the weights; the architecture and chat template are GLM-5's.
+
+The model is built on the meta device from the recipe's model (an HF directory's
+config.json, or a preset with its overrides): no weight is read and no memory allocated.
+For an HF directory, config.json must name `GlmMoeDsaForCausalLM` and transformers must read
+it (`AutoConfig`, as its own loading would); a preset's dimensions are reported as they are.
+
+The tokenizer is the one the run loads (data.tokenizer, else the model directory's, else
+the bundled tiny one), with GLM-5's role tokens as single tokens and a vocabulary that fits
+the model. The chat template is the one the run renders with (the tokenizer directory's,
+else the bundled GLM-5 template); it must render the first conversation of the recipe's
+data with GLM-5's markers: `[gMASK]<sop>` first, the role token of every message
+(`<|system|>`, `<|user|>`, `<|assistant|>`, `<|observation|>` for tool results), a
+generation prompt ending in `<|assistant|>` (then `</think>` or `<think>`), and assistant
+tokens to train on under `data.loss_on`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+from glmtune.cli.inspect_cmd import architecture_summary
+from glmtune.config.model_dims import model_args
+from glmtune.data.chat_template import BUNDLED_TEMPLATE_PATH, load_chat_template, render_conversation, tokenize_row
+from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
+from glmtune.models.glm5.model import build_model
+from glmtune.preflight.context import Preflight
+from glmtune.preflight.result import CheckResult, verdict
+from glmtune.train.recipe import tokenizer_dir_for
+
+ARCHITECTURE = "GlmMoeDsaForCausalLM"
+PREFIX = "[gMASK]<sop>"
+ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|observation|>"}
+assert set(ROLE_MARKERS.values()) == set(ROLE_TOKENS)
+
+
+def first_conversation(pf: Preflight) -> dict[str, Any]:
+    """The first conversation of the recipe's training data, normalized as the pipeline reads it."""
+    from glmtune.data.contract import check_or_raise, normalize_row
+    from glmtune.data.sources import read_rows
+    from glmtune.data.synthetic import generate_rows
+
+    d = pf.cfg.data
+    if d.train:
+        return check_or_raise(itertools.islice(read_rows(d.train), 1))[0].data
+    if d.synthetic is None:
+        raise ValueError("data.train is empty and data.synthetic is not set: no conversation to render")
+    return normalize_row(generate_rows(min(d.synthetic.rows, pf.rows), d.synthetic.seed)[0])
+
+
+def architecture_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
+    args = model_args(pf.cfg.model)
+    meta = build_model(args, device="meta")
+    evidence["meta_model"] = {"parameters": sum(p.numel() for p in meta.parameters()), "bytes_allocated": 0}
+    evidence["architecture"] = architecture_summary(args)
+    if pf.model_dir is None:
+        evidence["source"] = f"preset {pf.cfg.model.name_or_path}"
+        return []
+    from transformers import AutoConfig
+
+    config = json.loads((pf.model_dir / "config.json").read_text())
+    evidence["config_architectures"] = config.get("architectures")
+    problems = [] if ARCHITECTURE in (config.get("architectures") or []) else [
+        f"{pf.model_dir}/config.json: architectures {config.get('architectures')}, expected [{ARCHITECTURE}]"]
+    evidence["transformers_config"] = type(AutoConfig.from_pretrained(pf.model_dir, local_files_only=True)).__name__
+    return problems
+
+
+def template_source(directory: Path) -> str:
+    """Which file `load_chat_template(directory)` read the template from."""
+    if (directory / "chat_template.jinja").is_file():
+        return str(directory / "chat_template.jinja")
+    config = directory / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("chat_template"):
+        return str(config)
+    return f"{BUNDLED_TEMPLATE_PATH} (bundled GLM-5 template)"
+
+
+def template_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
+    tokenizer_dir = tokenizer_dir_for(pf.cfg, pf.model_dir)
+    directory = resolve_tokenizer_dir(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocab = model_args(pf.cfg.model).vocab_size
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (*ROLE_TOKENS, EOS_TOKEN, "[gMASK]", "<sop>")}
+    evidence["tokenizer"] = {"directory": str(directory), "size": len(tokenizer), "special_token_ids": ids}
+    problems = [f"tokenizer {directory}: {token} is not one token" for token, i in ids.items()
+                if i in (None, tokenizer.unk_token_id)]
+    if len(tokenizer) > vocab:
+        problems.append(f"tokenizer {directory} has {len(tokenizer)} tokens, the model's vocab_size is {vocab}")
+    template = load_chat_template(directory)
+    source = template_source(directory)
+    row = first_conversation(pf)
+    d = pf.cfg.data
+    text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
+                               enable_thinking=d.enable_thinking)
+    prompt = render_conversation(row["messages"][:-1], tools=row.get("tools") or None, template=template,
+                                 enable_thinking=False, add_generation_prompt=True)
+    evidence["chat_template"] = rendered = {
+        "source": source, "sha256": hashlib.sha256(template.encode()).hexdigest(), "rendered_head": text[:400],
+        "generation_prompt_tail": prompt[-60:], "roles": [m["role"] for m in row["messages"]]}
+    if not text.startswith(PREFIX):
+        problems.append(f"chat template {source} does not start the conversation with {PREFIX}: {text[:40]!r}")
+    missing = sorted({ROLE_MARKERS[m["role"]] for m in row["messages"]} - {t for t in ROLE_TOKENS if t in text})
+    if missing:
+        problems.append(f"chat template {source} renders no {', '.join(missing)} for the data's messages")
+    if not prompt.removesuffix("</think>").removesuffix("<think>").endswith("<|assistant|>"):
+        problems.append(f"chat template {source}: the generation prompt ends {prompt[-30:]!r}, not <|assistant|>")
+    try:
+        sample = tokenize_row(row, tokenizer, template=template, loss_on=d.loss_on, enable_thinking=d.enable_thinking)
+    except ValueError as exc:  # the loss mask cannot be found: role tokens missing or not atomic
+        return problems + [f"chat template {source}: {exc}"]
+    rendered.update(tokens=len(sample.input_ids), supervised_tokens=sample.num_targets)
+    if not sample.num_targets:
+        problems.append(f"chat template {source}: the conversation has no assistant token to train on")
+    return problems
+
+
+def check_model(pf: Preflight) -> CheckResult:
+    evidence: dict[str, Any] = {}
+    try:
+        problems = architecture_problems(pf, evidence)
+    except (OSError, ValueError) as exc:
+        return CheckResult(3, "fail", f"model config does not load: {exc}", evidence)
+    try:
+        problems += template_problems(pf, evidence)
+    except (OSError, ValueError) as exc:
+        problems.append(f"tokenizer or chat template: {exc}")
+    arch = evidence["architecture"]
+    template = evidence.get("chat_template", {})
+    message = (f"{ARCHITECTURE} on meta ({evidence['meta_model']['parameters']:,} parameters, nothing read): "
+               f"{arch['num_hidden_layers']} layers ({arch['num_dense_layers']} dense, {arch['num_moe_layers']} MoE), "
+               f"{arch['moe']['n_routed_experts']} experts, hidden {arch['hidden_size']}; tokenizer "
+               f"{evidence.get('tokenizer', {}).get('size')} tokens; template renders "
+               f"{'/'.join(template.get('roles', []))} with GLM-5 markers, "
+               f"{template.get('supervised_tokens')} of {template.get('tokens')} tokens supervised")
+    return verdict(3, problems, message, evidence)

@@ -1,0 +1,85 @@
+"""Check 10: a short multi-process run of the recipe's layout scaled down to this machine.
+
+The scratch recipe runs under torchrun (gloo on CPUs, NCCL on GPUs) with `Preflight.nproc`
+processes (the GPUs of this host; 2 on a CPU machine) and the recipe's parallel layout
+scaled down to them (`layout.scaled_replica`: each axis the recipe uses at 2, FSDP over the
+rest). The layout is validated for that world first (`check_launch`, what
+`glmtune train --nproc-per-node` runs). It trains the reference run's steps on the same
+global batch, so each step's loss and gradient norm must equal the one-process reference
+run's: relative 1e-5 on CPU in float32 (sums over ranks run in another order), 1e-3 in
+bfloat16 or on GPUs.
+
+The checkpoint layout: the run's last checkpoint, written sharded by every rank, is loaded
+(resharded by DCP) into one process's model, and so is the reference run's. Both must
+give the same loss on the first training row, within the same tolerance; their largest
+parameter difference is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glmtune.distributed.launch import check_launch
+from glmtune.preflight.context import Preflight
+from glmtune.preflight.result import CheckResult, skipped, verdict
+from glmtune.preflight.resume import compare_steps, same
+from glmtune.preflight.runs import ReferenceRun, log_line, read_records, run
+from glmtune.preflight.trained import trained_model
+from glmtune.train.data_loader import collate
+from glmtune.train.recipe import glm5_loss
+
+
+def tolerance(pf: Preflight) -> tuple[float, str]:
+    if pf.device.type == "cpu" and pf.cfg.model.dtype == "float32":
+        return 1e-5, "relative 1e-5: CPU, float32, sums over ranks in another order"
+    return 1e-3, f"relative 1e-3: {pf.device.type}, {pf.cfg.model.dtype}"
+
+
+@torch.no_grad()
+def row_loss(model: torch.nn.Module, row: dict, device: torch.device) -> float:
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate([row]).items()}
+    loss_sum, count = glm5_loss(model, batch)
+    return (loss_sum / count).item()
+
+
+def check_multiprocess(pf: Preflight, ref: ReferenceRun, *extra: str) -> CheckResult:
+    """Check 10; `extra` overrides reach the multi-process run only (a test plants a difference there)."""
+    replica = pf.replica
+    if replica.world < 2:
+        return skipped(10, f"{pf.nproc} process available here ({pf.device.type}); a multi-process run needs 2 "
+                           "(give --nproc, or run on a host with more GPUs)")
+    run_dir = pf.work / "multiprocess"
+    layout = [*replica.layout, *extra]
+    evidence: dict[str, Any] = {"run_dir": str(run_dir), "layout": replica.describe(), "overrides": layout,
+                                "not_exercised": replica.not_exercised}
+    try:
+        check_launch(pf.run_config(run_dir, *layout), replica.world)
+    except ValueError as exc:
+        return CheckResult(10, "fail", f"the scaled layout does not validate: {exc}", evidence)
+    status, log = run(pf, run_dir, *layout, nproc=replica.world)
+    evidence["log"] = str(log)
+    if status != 0:
+        why = log_line(log, "error") or f"torchrun exit status {status}"
+        return CheckResult(10, "fail", f"the {replica.describe()} run failed: {why}", evidence)
+    rel, how = tolerance(pf)
+    evidence["tolerance"] = how
+    problems, evidence["steps"] = compare_steps(read_records(run_dir), ref.records, sorted(ref.records), rel,
+                                                replica.describe())
+    row = pf.data().train_rows[0]
+    (ours, saved), (theirs, reference) = trained_model(pf, run_dir), trained_model(pf, ref.run_dir)
+    losses = row_loss(ours, row, pf.device), row_loss(theirs, row, pf.device)
+    difference = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    evidence["checkpoint"] = {"multi_process": str(saved.path), "reference": str(reference.path),
+                              "files": sorted(f.name for f in saved.path.iterdir()),
+                              "loss_on_first_row": losses[0], "reference_loss_on_first_row": losses[1],
+                              "max_parameter_difference": difference}
+    if not same(*losses, rel):
+        problems.append(f"the {replica.world}-process checkpoint, loaded in one process, gives loss {losses[0]!r} on "
+                        f"the first row; the reference's gives {losses[1]!r}")
+    missing = f"; not exercised: {'; '.join(replica.not_exercised)}" if replica.not_exercised else ""
+    message = (f"{replica.describe()}: {len(evidence['steps'])} step losses and gradient norms equal the "
+               f"one-process run ({how}); its sharded checkpoint loads in one process with the reference's loss "
+               f"(max parameter difference {difference:.2g}){missing}")
+    return verdict(10, problems, message, evidence)

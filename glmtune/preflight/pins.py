@@ -1,0 +1,140 @@
+"""Check 1: pin what the run depends on, so a later run can be compared against this one.
+
+Recorded: glmtune's commit (`git rev-parse HEAD` of the checkout it runs from, "dirty" with
+the number of changed or untracked files when the tree has changes; the package version
+outside a git checkout), python, torch with its CUDA, cuDNN and NCCL versions and the GPUs
+(when there are any), transformers, peft, safetensors, triton; the model (an HF directory:
+the sha256 of its config.json, glmtune's hash of the model fields, and the revision the
+download recorded, if any: an HF cache snapshot's commit, huggingface-cli's
+`.cache/huggingface/download/config.json.metadata`, or a git checkout; a preset: its name,
+config hash and seed); the recipe's bytes (and those of the recipes it extends) and the
+resolved configuration's hash.
+
+Passes when each of those could be determined and the libraries later checks need are
+there: transformers with `GlmMoeDsaForCausalLM`, and peft for a LoRA recipe. A dirty tree
+passes, said in the message: it runs, but its commit does not reproduce it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+import glmtune
+from glmtune.config import config_to_yaml
+from glmtune.config.model_dims import model_args
+from glmtune.io.fingerprint import config_sha256
+from glmtune.preflight.context import Preflight
+from glmtune.preflight.result import CheckResult, verdict
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def sha256_bytes(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+
+
+def glmtune_pin() -> dict[str, Any]:
+    """glmtune's version and, in a git checkout, its commit and whether the tree has changes."""
+    root = Path(glmtune.__file__).resolve().parents[1]
+    pin: dict[str, Any] = {"version": glmtune.__version__, "source": str(root)}
+    try:
+        top = Path(_git(root, "rev-parse", "--show-toplevel")).resolve()
+        changed = _git(root, "status", "--porcelain").splitlines() if top == root else None
+    except (OSError, subprocess.SubprocessError):
+        changed = None
+    if changed is None:
+        return {**pin, "commit": None, "note": "not a git checkout: the package version is the pin"}
+    return {**pin, "commit": _git(root, "rev-parse", "HEAD"), "dirty": bool(changed), "changed_files": len(changed)}
+
+
+def library_pins() -> dict[str, Any]:
+    pins: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                            "torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        pins["cudnn"] = torch.backends.cudnn.version()
+        pins["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        pins["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    for name in ("transformers", "peft", "safetensors", "triton"):
+        try:
+            pins[name] = importlib.import_module(name).__version__
+        except ImportError:
+            pins[name] = None
+    return pins
+
+
+def model_revision(path: Path) -> tuple[str | None, str]:
+    """(revision, where it was read) of a downloaded HF directory; (None, why) when none is recorded."""
+    resolved = path.resolve()
+    if resolved.parent.name == "snapshots" and _COMMIT_RE.match(resolved.name):
+        return resolved.name, "HF cache snapshot directory"
+    metadata = path / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    if metadata.is_file():
+        first = metadata.read_text().splitlines()[:1]
+        if first and _COMMIT_RE.match(first[0].strip()):
+            return first[0].strip(), str(metadata)
+    if (path / ".git").exists():
+        try:
+            return _git(path, "rev-parse", "HEAD"), "git checkout"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return None, "no download metadata (HF cache snapshot, .cache/huggingface, .git): the config hash is the pin"
+
+
+def recipe_pins(recipe: Path) -> list[dict[str, str]]:
+    """sha256 of the recipe file and of every recipe it extends, bases first."""
+    data = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    bases = data.get("extends") or []
+    chain = [pin for base in ([bases] if isinstance(bases, str) else bases)
+             for pin in recipe_pins(recipe.parent / base)]
+    return [*chain, {"path": str(recipe), "sha256": sha256_bytes(recipe)}]
+
+
+def check_pins(pf: Preflight) -> CheckResult:
+    problems: list[str] = []
+    code, libs = glmtune_pin(), library_pins()
+    evidence: dict[str, Any] = {"glmtune": code, "libraries": libs}
+    import transformers
+
+    if getattr(transformers, "GlmMoeDsaForCausalLM", None) is None:
+        problems.append(f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM (GLM-5 needs >= 5.2)")
+    if pf.lora and libs["peft"] is None:
+        problems.append("peft is not installed; a LoRA recipe's adapter is checked by loading it with PEFT")
+    model: dict[str, Any] = {"name_or_path": pf.cfg.model.name_or_path}
+    try:
+        args = model_args(pf.cfg.model)
+        model["config_sha256"] = config_sha256(args)
+        if pf.model_dir is not None:
+            model["config_json_sha256"] = sha256_bytes(pf.model_dir / "config.json")
+            model["revision"], model["revision_source"] = model_revision(pf.model_dir)
+        else:
+            model["preset"], model["seed"] = pf.cfg.model.name_or_path, pf.cfg.train.seed
+            model["overrides"] = pf.cfg.model.overrides
+    except (OSError, ValueError) as exc:
+        problems.append(f"model.name_or_path {pf.cfg.model.name_or_path}: config cannot be pinned: {exc}")
+    evidence["model"] = model
+    evidence["recipe"] = recipe_pins(pf.recipe)
+    evidence["overrides"] = pf.overrides
+    evidence["resolved_config_sha256"] = hashlib.sha256(config_to_yaml(pf.cfg).encode()).hexdigest()
+    commit = (code["commit"][:10] + (f" dirty: {code['changed_files']} changed files" if code["dirty"] else "")
+              if code["commit"] else f"version {code['version']} (no git checkout)")
+    cuda = f", CUDA {libs['cuda']}, NCCL {libs['nccl']}" if "nccl" in libs else ""
+    revision = model.get("revision") or (f"preset {model['preset']}" if "preset" in model else "no revision recorded")
+    message = (f"glmtune {commit}; torch {libs['torch']}{cuda}; transformers {libs['transformers']}; "
+               f"peft {libs['peft']}; model {revision}, config {model.get('config_sha256', '?')[:12]}; "
+               f"recipe {evidence['recipe'][-1]['sha256'][:12]}; resolved config "
+               f"{evidence['resolved_config_sha256'][:12]}")
+    return verdict(1, problems, message, evidence)

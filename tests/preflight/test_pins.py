@@ -1,0 +1,37 @@
+"""Check 1: what is pinned, where a download's revision is read from, and a model that cannot be pinned."""
+
+from __future__ import annotations
+
+import shutil
+
+from glmtune.preflight.pins import check_pins, model_revision, recipe_pins
+from tests.preflight.conftest import LORA, SFT
+
+
+def test_pins_of_a_passing_run(sft_done):
+    evidence = sft_done.check(1)["evidence"]
+    assert evidence["libraries"]["torch"] and evidence["libraries"]["transformers"]
+    assert evidence["model"]["preset"] == "tiny" and len(evidence["model"]["config_sha256"]) == 64
+    assert evidence["glmtune"]["commit"] is None or len(evidence["glmtune"]["commit"]) == 40
+
+
+def test_recipe_pins_follow_extends():
+    assert [p["path"] for p in recipe_pins(LORA)] == [str(SFT), str(LORA)]
+
+
+def test_revision_of_a_cache_snapshot_and_of_download_metadata(ckpt, tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = shutil.copytree(ckpt, tmp_path / "models--zai-org--GLM-5" / "snapshots" / commit)
+    assert model_revision(snapshot) == (commit, "HF cache snapshot directory")
+    metadata = ckpt / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    metadata.parent.mkdir(parents=True)
+    metadata.write_text(f"{commit}\n{'b' * 40}\n1700000000.0\n")
+    assert model_revision(ckpt)[0] == commit
+    assert model_revision(tmp_path)[0] is None
+
+
+def test_unreadable_model_config_fails(ckpt, fresh):
+    (ckpt / "config.json").write_text("{ not json")
+    result = check_pins(fresh(SFT, "--model.name_or_path", str(ckpt)))
+    assert result.status == "fail"
+    assert "config cannot be pinned" in result.message and "config.json:1: invalid JSON" in result.message

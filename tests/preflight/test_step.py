@@ -1,0 +1,55 @@
+"""Checks 5 and 6 on real reference runs with faults planted through real hooks: a NaN gradient, a
+path whose gradient is zeroed, and data that leaves nothing to train on."""
+
+from __future__ import annotations
+
+import torch
+
+from glmtune.preflight.runs import run_reference
+from glmtune.preflight.step import check_gradients, check_step
+from tests.preflight.conftest import SFT
+
+EXPERTS = "model.layers.2.mlp.experts.gate_up_proj"
+
+
+def test_passing_run_records_its_step(sft_done):
+    evidence = sft_done.check(5)["evidence"]
+    assert evidence["step_1"]["supervised_tokens"] > 0 and evidence["data"]["train_conversations"] == 64
+    assert evidence["updated_tensors"]["moved"] == evidence["updated_tensors"]["with_gradient"] > 0
+
+
+def test_nan_gradient_fails_both_and_names_the_path(fresh):
+    pf = fresh()
+
+    def plant(model):
+        model.get_parameter(EXPERTS).register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+    ref = run_reference(pf, on_model=plant)
+    step, gradients = check_step(pf, ref), check_gradients(pf, ref)
+    assert step.status == "fail" and "gradient norm is nan at step 1" in step.message
+    assert gradients.status == "fail"
+    assert gradients.message.startswith(f"routed_experts: gradient norm nan at step 1 ({EXPERTS})")
+    assert gradients.evidence["paths"]["attention"]["state"] == "finite, non-zero"  # the others are fine
+
+
+def test_zero_gradient_on_a_trainable_path_fails(fresh):
+    pf = fresh()
+
+    def plant(model):
+        for name, param in model.named_parameters():
+            if ".mlp.experts." in name and param.requires_grad:  # the MTP layer's are frozen
+                param.register_hook(torch.zeros_like)
+
+    ref = run_reference(pf, on_model=plant)
+    assert check_step(pf, ref).status == "pass"  # the step ran; what has a gradient moved
+    result = check_gradients(pf, ref)
+    assert result.status == "fail"
+    assert result.message.startswith("routed_experts: gradient norm 0 at step 1 on a trainable path")
+
+
+def test_data_with_nothing_to_train_on_fails_the_step(fresh):
+    pf = fresh(SFT, "--data.packed_sequence_size", "64")
+    ref = run_reference(pf)
+    result = check_step(pf, ref)
+    assert result.status == "fail" and "nothing left to train on" in result.message
+    assert check_gradients(pf, ref).status == "skip"
