@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.inspect_cmd",
     "glmtune.cli.data_cmd",
     "glmtune.cli.config_cmd",
+    "glmtune.cli.plan_cmd",
     "glmtune.cli.train_cmd",
     "glmtune.cli.slurm_cmd",
     "glmtune.cli.export_cmd",

@@ -1,0 +1,88 @@
+"""`glmtune plan RECIPE [--gpus N] [--gpu KIND ...] [--price-per-gpu-hour P] [--json]`.
+
+Before a cluster is reserved: the model-state floor, the per-GPU memory of the recipe's
+layout, whether it fits each GPU kind and the smallest GPU count that does, the tokens of
+one epoch of the recipe's data, and the time and cost of the run from a measured speed
+(`--throughput`). Nothing is allocated: the model is built on the meta device
+(`glmtune/plan/`, docs/plan.md). Dotted overrides apply as in `glmtune train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from glmtune.plan.hardware import GPUS
+
+    parser = subparsers.add_parser(
+        "plan", help="memory, GPUs, time and cost of a recipe before running it",
+        description="Plan RECIPE: model-state floor, per-GPU memory of its layout, fit per GPU kind, the "
+                    "smallest GPU count that fits, tokens per epoch of its data, time and cost from a measurement.")
+    parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="plan the recipe's layout at N GPUs (its pp, cp and ep; dp_shard refilled)")
+    parser.add_argument("--gpu", action="append", choices=sorted(GPUS), default=None,
+                        help="GPU kind(s) to plan for (repeatable; default: h100-80g and h200-141g)")
+    parser.add_argument("--price-per-gpu-hour", type=float, default=None, help="price of one GPU-hour")
+    parser.add_argument("--throughput", default=None,
+                        help="a measured run: RUN_DIR, its metrics.jsonl, or a benchmark's JSON lines")
+    parser.add_argument("--tflops-per-gpu", type=float, default=None,
+                        help="a measured model TFLOP/s per GPU, instead of --throughput")
+    parser.add_argument("--measured-gpu", choices=sorted(GPUS), default=None,
+                        help="the GPU --tflops-per-gpu was measured on (default: the planned one)")
+    parser.add_argument("--epochs", type=float, default=None, help="plan this many epochs of the data "
+                        "instead of train.max_steps")
+    parser.add_argument("--write-gbps", type=float, default=1.0, help="checkpoint write GB/s per GPU")
+    parser.add_argument("--restarts", type=int, default=None, help="restarts to budget (default: one a day)")
+    parser.add_argument("--restart-minutes", type=float, default=20.0, help="minutes lost per restart")
+    parser.add_argument("--headroom-gib", type=float, default=2.5,
+                        help="per GPU, outside the allocator: CUDA context, NCCL and cuBLAS workspaces")
+    parser.add_argument("--fragmentation", type=float, default=0.05, help="allocator fragmentation, share of peak")
+    parser.add_argument("--max-gpus", type=int, default=2048, help="largest GPU count the fit search tries")
+    parser.add_argument("--no-data", action="store_true", help="do not read and pack the recipe's data")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="dotted overrides, as for glmtune train")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from glmtune.config import load_config
+    from glmtune.plan.assemble import PlanOptions, build_plan
+    from glmtune.plan.cost import FailureBudget
+    from glmtune.plan.hardware import gpu_spec
+    from glmtune.plan.report import print_report
+    from glmtune.plan.throughput_source import Measurement, read_measurement
+
+    for name in ("gpus", "max_gpus", "restarts"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "restarts" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'restarts' else 1}, got {value}")
+    for name in ("price_per_gpu_hour", "tflops_per_gpu", "write_gbps", "epochs"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.throughput and args.tflops_per_gpu:
+        raise ValueError("give --throughput or --tflops-per-gpu, not both")
+    if args.measured_gpu and not args.tflops_per_gpu:
+        raise ValueError("--measured-gpu describes --tflops-per-gpu; a --throughput source names its GPU itself")
+    cfg = load_config(args.recipe, args.overrides)
+    gpus = args.gpu or ["h100-80g", "h200-141g"]
+    measurement = read_measurement(args.throughput) if args.throughput else None
+    if args.tflops_per_gpu:
+        peak = gpu_spec(args.measured_gpu or gpus[0]).bf16_tflops
+        measurement = Measurement("--tflops-per-gpu", args.tflops_per_gpu, peak, 1)
+    options = PlanOptions(gpus=gpus, world_size=args.gpus, price_per_gpu_hour=args.price_per_gpu_hour,
+                          measurement=measurement, context_gib=args.headroom_gib, fragmentation=args.fragmentation,
+                          budget=FailureBudget(write_gbps=args.write_gbps, restart_minutes=args.restart_minutes,
+                                               restarts=args.restarts),
+                          epochs=args.epochs, read_data=not args.no_data, max_gpus=args.max_gpus)
+    report = build_plan(cfg, args.recipe, options)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, Console())
+    return 0

@@ -1,0 +1,179 @@
+"""Activation memory of one GLM-5 decoder layer, per micro-batch, from the model's shapes.
+
+What autograd keeps from forward to backward, tensor by tensor, as glmtune's eager GPU path
+saves it (bf16 compute, the Triton attention and fused indexer, grouped GEMMs, the Triton
+MoE combine, the fused loss). Bytes per micro-batch of `q` queries and `k` keys on this rank
+(q = k = rows x seq without context parallelism; q = rows x seq / cp and k = rows x seq
+under it). e is the compute dtype's size (2 for bf16).
+
+  RMSNorm(x: [q, w])      fp32 copy of x (4 q w; pow and mul need it), the bf16 normalized
+                          value (2 q w, only when the weight trains), rsqrt (4 q)
+  MLA                     input norm; its output (2 q D, read by q_a and kv_a); q_a norm and
+                          output (q_b's input); kv_a norm and output (kv_b's input); the
+                          roped query and the key, [N, qk] each (q and k); the kv_b output
+                          whose value half attention reads (k N (nope + v)); attention
+                          outputs (q N v) and fp32 log-sum-exp (4 q N); o_proj's input (q N v)
+  DSA                     the selected-key mask, bool [q, k], per full-indexer layer when a
+                          query has more allowed keys than top-k; the frozen indexer itself
+                          runs without a graph
+  MoE (K of E experts)    post-attention norm and output; the router's fp32 input (4 q D, when
+                          the router trains) and sigmoid scores (4 q E); the dispatched rows
+                          (q K D), the gate/up output (q K 2I), SiLU output and product (q K I
+                          each), the experts' output (q K D); routing indices (int64) and
+                          weights; the shared experts' four [q, Is] values
+  dense MLP               post-attention norm and output, gate/up/SiLU/product [q, I] each
+
+Activation checkpointing: "full" keeps each layer's input (e q D) and recomputes the rest in
+the layer's backward, where it is alive again; "selective" also keeps the top-k mask, the
+attention outputs and log-sum-exp, and every matmul output whose reduction dim is at least
+`parallel.ac_keep_matmul_min_k`.
+
+`backward_transient` is what one layer's backward allocates beyond its saved tensors: the
+activation gradients alive at once, and the attention backward's bf16 dS and P buffers
+(one [rows, N, tail queries, k] each, materialized only when each fits
+`model.attention_score_buffer_mib`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glmtune.models.glm5.args import Glm5Args
+
+F32, I64, BOOL = 4, 8, 1
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The tokens one rank computes per micro-batch."""
+
+    rows: int  # packed rows per micro-batch
+    seq: int  # tokens per packed row
+    cp: int = 1  # context-parallel degree (queries split, keys gathered)
+    one_document: bool = True  # rows hold one document each (the plain-causal prefix applies)
+
+    @property
+    def queries(self) -> int:
+        return self.rows * self.seq // self.cp
+
+    @property
+    def keys(self) -> int:
+        return self.rows * self.seq
+
+    def sparse_needed(self, args: Glm5Args) -> bool:
+        return self.seq > args.index_topk
+
+
+@dataclass(frozen=True)
+class Trainability:
+    """Which of a layer's weights receive gradients (they decide what autograd saves)."""
+
+    norms: bool = True
+    router: bool = True
+    lora_rank: int = 0  # adapters on the projections (0: none); the base inputs are saved either way
+
+    @classmethod
+    def of(cls, lora_rank: int) -> Trainability:
+        # LoRA trains adapters only (the schema's targets never include norms or the router).
+        return cls(norms=not lora_rank, router=not lora_rank, lora_rank=lora_rank)
+
+
+def _norm(q: int, width: int, e: int, weight_trains: bool) -> int:
+    return F32 * q * width + F32 * q + (e * q * width if weight_trains else 0)
+
+
+def attention_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+    q, k, n = mb.queries, mb.keys, args.num_attention_heads
+    d, rq, r = args.hidden_size, args.q_lora_rank, args.kv_lora_rank
+    qk, nope, v = args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
+    out = {
+        "norms": _norm(q, d, e, train.norms) + _norm(q, rq, e, train.norms) + _norm(q, r, e, train.norms),
+        "projection inputs": e * q * (d + rq) + e * k * r,
+        "query, key": e * q * n * qk + e * k * n * qk,
+        "kv_b output (values)": e * k * n * (nope + v),
+        "attention outputs": 2 * e * q * n * v + F32 * q * n,
+    }
+    if args.indexer_types[layer] == "full" and mb.sparse_needed(args):
+        out["top-k mask"] = BOOL * q * k
+    if train.lora_rank:  # each of the five adapted projections keeps x @ A.T [tokens, rank]
+        out["adapter products"] = e * train.lora_rank * (3 * q + 2 * k)
+    return out
+
+
+def mlp_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+    q, d = mb.queries, args.hidden_size
+    base = {"norms": _norm(q, d, e, train.norms), "mlp input": e * q * d}
+    adapters = 3 * e * q * train.lora_rank  # gate, up, down of the dense MLP or shared experts
+    if args.mlp_layer_types[layer] != "sparse":
+        return {**base, "dense MLP": 4 * e * q * args.intermediate_size + adapters}
+    kk, i, experts = args.num_experts_per_tok, args.moe_intermediate_size, args.n_routed_experts
+    shared = args.moe_intermediate_size * args.n_shared_experts
+    pairs = q * kk
+    router = F32 * q * experts + (F32 * q * d if train.router else 0)
+    routing = 3 * I64 * pairs + 2 * F32 * pairs + F32 * q  # order/inverse/top-k ids, weights
+    return {**base, "router": router + routing,
+            "routed experts": e * pairs * (2 * d + 4 * i + 2 * train.lora_rank),
+            "shared experts": 4 * e * q * shared + adapters}
+
+
+def layer_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+    """Saved bytes of decoder layer `layer` without checkpointing, by component."""
+    parts = {f"attention: {k}": v for k, v in attention_saved(args, mb, layer, e, train).items()}
+    parts.update({f"mlp: {k}": v for k, v in mlp_saved(args, mb, layer, e, train).items()})
+    return parts
+
+
+def selective_kept(args: Glm5Args, mb: MicroBatch, layer: int, e: int, min_k: int) -> int:
+    """What selective checkpointing keeps of a layer: its input, the top-k mask, the attention
+    outputs and log-sum-exp, and the outputs of matmuls reducing over >= min_k."""
+    q, k, d, n = mb.queries, mb.keys, args.hidden_size, args.num_attention_heads
+    kept = e * q * d + e * q * n * args.v_head_dim + F32 * q * n
+    if args.indexer_types[layer] == "full" and mb.sparse_needed(args):
+        kept += BOOL * q * k
+    # (reduction dim, output bytes) of each matmul of the layer
+    matmuls = [(d, e * q * args.q_lora_rank), (d, e * k * (args.kv_lora_rank + args.qk_rope_head_dim)),
+               (args.q_lora_rank, e * q * n * args.qk_head_dim),
+               (args.kv_lora_rank, e * k * n * (args.qk_nope_head_dim + args.v_head_dim)),
+               (n * args.v_head_dim, e * q * d)]
+    if args.mlp_layer_types[layer] == "sparse":
+        pairs, i = q * args.num_experts_per_tok, args.moe_intermediate_size
+        shared = i * args.n_shared_experts
+        matmuls += [(d, F32 * q * args.n_routed_experts), (d, e * pairs * 2 * i), (i, e * pairs * d),
+                    (d, 2 * e * q * shared), (shared, e * q * d)]
+    else:
+        matmuls += [(d, 2 * e * q * args.intermediate_size), (args.intermediate_size, e * q * d)]
+    return kept + sum(nbytes for width, nbytes in matmuls if width >= min_k)
+
+
+def backward_transient(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability,
+                       score_buffer_bytes: int) -> int:
+    """Peak bytes inside one layer's backward beyond the layer's saved tensors (module docstring).
+
+    The MLP's backward runs first, with every saved tensor still alive: the MoE's experts'
+    output gradient and then their SiLU input's (once the output and the product are freed,
+    the gate/up and dispatched-row gradients take their place). The attention's backward
+    runs once the MLP's saved tensors are freed: dq, dk, dv, the kv_b output's gradient, and
+    the dS and P buffers."""
+    q, k, n, d = mb.queries, mb.keys, args.num_attention_heads, args.hidden_size
+    attention = e * (q + 2 * k) * n * args.qk_head_dim + e * k * n * (args.qk_nope_head_dim + args.v_head_dim)
+    if mb.sparse_needed(args):
+        tail = (mb.seq - args.index_topk if mb.one_document and mb.cp == 1 else mb.seq // mb.cp) * mb.rows
+        buffer = e * n * tail * mb.seq
+        if 0 < buffer <= score_buffer_bytes:
+            attention += 2 * buffer
+    if args.mlp_layer_types[layer] == "sparse":
+        mlp = e * q * args.num_experts_per_tok * (d + args.moe_intermediate_size)
+    else:
+        mlp = 3 * e * q * args.intermediate_size
+    mlp_saved_bytes = sum(mlp_saved(args, mb, layer, e, train).values())
+    return max(mlp, attention - mlp_saved_bytes) + F32 * q * d  # + the residual's gradient
+
+
+def indexer_transient(args: Glm5Args, mb: MicroBatch, e: int, chunk_bytes: int = 256 * 2**20) -> int:
+    """The indexer's forward scratch: queries and keys, and one chunk of fp32 scores + top-k."""
+    if not mb.sparse_needed(args):
+        return 0
+    q, k = mb.queries, mb.keys
+    projections = e * q * args.index_n_heads * args.index_head_dim + e * k * args.index_head_dim
+    scores = min(chunk_bytes, F32 * q * k)  # one chunk of queries' fp32 scores (the fused kernel: one head)
+    return projections + 2 * scores + BOOL * q * k

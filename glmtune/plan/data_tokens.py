@@ -1,0 +1,81 @@
+"""What one epoch of the recipe's own data costs: its packed rows, real tokens and documents.
+
+The recipe's data goes through the training pipeline itself (`prepare_data`: contract, PII
+policy, dedup, split, tokenization with the recipe's tokenizer and chat template, packing
+at `data.packed_sequence_size` with `data.too_long`), into a temporary directory; the
+tokenization cache is shared with training, so a later `glmtune train` reuses it. The plan
+then counts from the packed rows, not from a nominal length:
+  rows per epoch (what the GPUs compute, padding included), real (non-padding) tokens,
+  documents per row, the share of one-document rows, and every document's length (for the
+  attention FLOPs, which depend on them).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glmtune.config import JobConfig
+
+
+@dataclass
+class EpochTokens:
+    rows: int
+    seq: int
+    real_tokens: int
+    documents: int
+    one_document_rows: int
+    document_lengths: list[int] = field(repr=False, default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the GPUs compute per epoch (padding included)."""
+        return self.rows * self.seq
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "seq": self.seq, "tokens": self.tokens, "real_tokens": self.real_tokens,
+                "documents": self.documents, "documents_per_row": round(self.documents / max(1, self.rows), 2),
+                "one_document_rows": self.one_document_rows}
+
+
+def unreadable_data(cfg: JobConfig) -> str | None:
+    """Why the recipe's training data cannot be read here (a placeholder path), else None."""
+    missing = [p for p in cfg.data.train if not Path(p).exists() and "/" in p]
+    if missing:
+        return f"data.train {missing[0]} does not exist here (a placeholder?)"
+    if not cfg.data.train and cfg.data.synthetic is None:
+        return "data.train is empty and data.synthetic is not set"
+    return None
+
+
+def epoch_tokens(cfg: JobConfig, vocab_size: int, model_dir: Path | None = None) -> EpochTokens:
+    """Pack the recipe's training data as `glmtune train` does and count it (module docstring)."""
+    from glmtune.train.recipe import prepare_data, tokenizer_dir_for
+
+    with tempfile.TemporaryDirectory(prefix="glmtune-plan-") as tmp:
+        data = prepare_data(cfg, Path(tmp), tokenizer_dir_for(cfg, model_dir), vocab_size)
+    lengths, one_document = [], 0
+    for row in data.train_rows:
+        docs = _document_lengths(row["document_ids"])
+        lengths += docs
+        one_document += len(docs) == 1
+    stats = data.manifest["train_packing"]
+    return EpochTokens(rows=len(data.train_rows), seq=cfg.data.packed_sequence_size,
+                       real_tokens=stats["num_tokens"], documents=len(lengths), one_document_rows=one_document,
+                       document_lengths=lengths)
+
+
+def _document_lengths(document_ids: list[int]) -> list[int]:
+    """Lengths of a row's documents in order (padding, id -1, is not a document)."""
+    lengths: list[int] = []
+    previous = None
+    for doc in document_ids:
+        if doc < 0:
+            previous = None
+            continue
+        if doc != previous:
+            lengths.append(0)
+            previous = doc
+        lengths[-1] += 1
+    return lengths

@@ -1,0 +1,204 @@
+"""Peak memory of one rank through a training step: model state, activations and transients.
+
+A step is walked phase by phase and the largest total is the planned peak (what
+`torch.cuda.max_memory_allocated` measures; the CUDA context, NCCL buffers and the
+allocator's fragmentation are the separate headroom line of the plan):
+
+  forward end     parameters + optimizer state (+ gradients already accumulated by earlier
+                  micro-batches) + the saved activations of every in-flight micro-batch +
+                  the masks and loss buffers (the fused loss computes the head's weight
+                  gradient and the hidden-state gradient during forward) + the largest
+                  forward scratch (indexer chunk, one slice of logits)
+  layer l backward  the activations of layers before l, layer l's own (recomputed under
+                  activation checkpointing) and its backward scratch, the gradients
+                  finished so far, and under FSDP2 this unit's and the next unit's gathered
+                  parameters, its unsharded gradients and the reduce-scatter's staging copy
+                  in the reduce dtype (fp32)
+  embedding backward, optimizer step: every gradient, plus the embedding's unsharded
+                  gradient and staging under FSDP2
+
+Activation bytes per layer come from `activations.py`. Pipeline schedules keep several
+micro-batches in flight on a rank: 1F1B's warm-up holds pp - r of them on pp rank r, the
+interleaved and zero-bubble schedules (v stages per rank) (v - 1) pp + 2 (pp - 1 - r) + 1
+stage-chunks, GPipe all of them; rank 0 holds the most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from glmtune.config import JobConfig
+from glmtune.distributed.mesh import MeshDegrees
+from glmtune.plan import activations as act
+from glmtune.plan.model_state import StateBytes, fsdp_applies, layer_stages
+
+GIB = 2**30
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class MemoryPlan:
+    """The planned peak of one rank and how it is made up."""
+
+    rank: int
+    state: StateBytes
+    peak: Phase
+    phases: list[Phase]
+    activations_per_layer: dict[int, int]  # saved bytes per micro-batch, by layer, as kept
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "peak_bytes": self.peak.total, "peak_phase": self.peak.name,
+                "peak_parts": self.peak.parts, "state": self.state.to_dict(),
+                "phases": {p.name: p.total for p in self.phases},
+                "activations_per_layer": self.activations_per_layer}
+
+
+def in_flight(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int) -> int:
+    """Stage-chunks of activations pp rank `pp_rank` holds at once (module docstring)."""
+    p = cfg.parallel
+    if degrees.pp == 1:
+        return 1
+    from glmtune.config.validate import pipeline_microbatches
+
+    microbatches = pipeline_microbatches(cfg)
+    v = p.pp_stages_per_rank
+    if p.pp_schedule == "GPipe":
+        return microbatches * v
+    if v == 1:
+        return min(microbatches, degrees.pp - pp_rank)
+    return min(microbatches * v, (v - 1) * degrees.pp + 2 * (degrees.pp - 1 - pp_rank) + 1)
+
+
+def _compute_size(cfg: JobConfig) -> int:
+    return 2 if cfg.model.dtype == "bfloat16" else 4
+
+
+def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, state: StateBytes,
+                     one_document: bool = True) -> MemoryPlan:
+    """The phases of one step on global rank `rank` holding `state` (module docstring)."""
+    from glmtune.distributed.mesh import ParallelMesh
+    from glmtune.train.precision import resolve_precision
+
+    args = model.args
+    e = _compute_size(cfg)
+    p = cfg.parallel
+    precision = resolve_precision(cfg)
+    fsdp = fsdp_applies(degrees, precision.mixed)
+    mesh = ParallelMesh(degrees, rank=rank)
+    pp_rank = mesh.rank("pp")
+    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    mine = stages_of_rank[pp_rank]
+    layers = [i for i in range(args.num_hidden_layers) if stage[i] in mine]
+    last_stage = max(max(s) for s in stages_of_rank)
+    last = last_stage in mine
+
+    rows = cfg.train.micro_batch_size
+    if degrees.pp > 1:
+        from glmtune.config.validate import pipeline_microbatches
+
+        rows = max(1, rows // pipeline_microbatches(cfg))
+    mb = act.MicroBatch(rows, cfg.data.packed_sequence_size, degrees.cp, one_document)
+    train = act.Trainability.of(cfg.peft.rank if cfg.peft.method == "lora" else 0)
+    score_buffer = cfg.model.attention_score_buffer_mib << 20
+
+    saved = {i: sum(act.layer_saved(args, mb, i, e, train).values()) for i in layers}
+    if p.activation_checkpointing == "full":
+        kept = {i: e * mb.queries * args.hidden_size for i in layers}
+    elif p.activation_checkpointing == "selective":
+        kept = {i: act.selective_kept(args, mb, i, e, p.ac_keep_matmul_min_k) for i in layers}
+    else:
+        kept = dict(saved)
+    # A checkpointed layer's backward runs its forward again: everything it saves comes back,
+    # but what selective checkpointing kept (beyond the layer input) is not recomputed.
+    layer_input = e * mb.queries * args.hidden_size
+    recompute = {i: 0 if p.activation_checkpointing == "none" else saved[i] - (kept[i] - layer_input)
+                 for i in layers}
+    chunks = in_flight(cfg, degrees, pp_rank)
+    stages_here = max(1, len(mine))
+    # Other in-flight stage-chunks hold about the rank's average stage of layers each.
+    other_chunks = (chunks - 1) * sum(kept.values()) // stages_here
+
+    static = {"parameters": state.params, "optimizer state": state.optimizer}
+    grads_all = state.grads
+    accumulating = _accumulation_steps(cfg, degrees) > 1 or degrees.pp > 1
+    units = state.units
+    gathered_root = 0
+    if fsdp:  # the root unit (embedding, final norm, head) stays gathered between forward and backward
+        gathered_root = sum(units[u].gathered for u in ("embed", "head") if u in units)
+        if degrees.pp > 1:  # stages keep every unit gathered (no reshard after forward)
+            gathered_root += sum(units[f"layer.{i}"].gathered for i in layers)
+        static["gathered parameters (kept)"] = gathered_root
+
+    fixed = {"masks": act.BOOL * mb.queries * mb.keys if not (one_document and mb.seq <= args.index_topk) else 0}
+    head = units.get("head")
+    head_grad = args.vocab_size * args.hidden_size * e if last and head is not None and head.grads else 0
+    loss = {}
+    if last:
+        loss["final norm"] = act._norm(mb.queries, args.hidden_size, e, train.norms)
+        loss["loss: hidden rows and their gradient"] = 2 * e * mb.queries * args.hidden_size
+    logits_slice = min(2048, mb.queries) * args.vocab_size * (e + act.F32) if last else 0
+    indexer_scratch = max((act.indexer_transient(args, mb, e) for i in layers if args.indexer_types[i] == "full"),
+                          default=0)
+
+    # The fused loss computes the head's weight gradient in forward. Under FSDP2 it stays an
+    # unsharded gradient of the root unit until the root reduces, after the embedding's backward.
+    held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
+    phases = [Phase("forward end", {
+        **static, "gradients (accumulated)": grads_all if accumulating else 0,
+        "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held,
+        "forward scratch": max(logits_slice, indexer_scratch)})]
+
+    done = 0  # sharded gradients finished (not accumulating); the head's is `held` until then
+    below = sum(kept.values())
+    order = list(reversed(layers))
+    for n, i in enumerate(order):
+        below -= kept[i]
+        unit = units.get(f"layer.{i}")
+        parts = {**static, "gradients": grads_all if accumulating else done + (unit.grads if unit else 0), **held,
+                 "activations (saved)": below + other_chunks, **fixed,
+                 f"layer {i}: saved + recomputed": kept[i] + recompute[i],
+                 f"layer {i}: backward scratch": act.backward_transient(args, mb, i, e, train, score_buffer)}
+        if fsdp and unit is not None:
+            parts.update(_fsdp_transient(units, order, n, e, gathered_root > 0 and degrees.pp > 1))
+        phases.append(Phase(f"layer {i} backward", parts))
+        if unit is not None:
+            done += unit.grads
+    if fsdp:  # the root's post-backward: embedding and head gradients unsharded, staged in fp32, reduced
+        root = sum(units[u].trainable_gathered for u in ("embed", "head") if u in units)
+        phases.append(Phase("root gradient reduction", {
+            **static, "gradients": grads_all, "root gradients (unsharded + fp32 staging)": root * (e + act.F32)}))
+    phases.append(Phase("optimizer step", {**static, "gradients": grads_all}))
+    peak = max(phases, key=lambda ph: ph.total)
+    return MemoryPlan(rank, state, peak, phases, {i: kept[i] for i in layers})
+
+
+def _fsdp_transient(units, order: list[int], n: int, e: int, kept_gathered: bool) -> dict[str, int]:
+    """Layer order[n]'s backward under FSDP2: its gathered parameters and the next unit's
+    (prefetched), its unsharded gradients in the compute dtype and their fp32 staging copy
+    (gradients are reduced in fp32)."""
+    unit = units[f"layer.{order[n]}"]
+    following = units.get(f"layer.{order[n + 1]}") if n + 1 < len(order) else None
+    gathered = 0 if kept_gathered else unit.gathered + (following.gathered if following else 0)
+    return {"FSDP: gathered parameters": gathered,
+            "FSDP: unsharded gradients + fp32 staging": unit.trainable_gathered * (e + act.F32)}
+
+
+def _accumulation_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
+    from glmtune.config.validate import grad_accum_steps
+
+    return grad_accum_steps(cfg, degrees)
+
+
+def describe(plan: MemoryPlan) -> list[tuple[str, float]]:
+    """(part, GiB) of the peak phase, largest first."""
+    return sorted(((k, v / GIB) for k, v in plan.peak.parts.items() if v), key=lambda kv: -kv[1])
+

@@ -1,0 +1,230 @@
+"""Model-state bytes: the guide's floor for a whole model, and what one rank holds under a layout.
+
+The model is built on the meta device exactly as `glmtune train` builds it (preset or HF
+config, parameter dtype from the precision rules, FP8 frozen base, LoRA applied), so the
+parameter list, shapes and dtypes are those of the run, not a formula.
+
+Per rank, each parameter is placed as `parallelize_glm5` places it:
+  * pipeline: decoder layer i lives on the pp rank whose stages hold it (the same split and
+    stage assignment as `glmtune/distributed/pipeline.py`); the embedding on stage 0; the
+    final norm, LM head and MTP layers on the last stage;
+  * expert parallelism: every parameter of a routed-experts module is split on dim 0 over ep;
+  * FSDP2 (whenever the world has more than one rank, or fp32 master weights need its mixed
+    precision): routed experts shard over the `efsdp` ranks holding the same experts (dim 1
+    when there are more shards than local experts), everything else over `dp_shard x cp`;
+    dp_replicate ranks hold copies (HSDP). A shard is `torch.chunk`'s piece: rows
+    [r*c, min((r+1)*c, n)) with c = ceil(n / shards), empty past the end (FSDP2's rule).
+Gradients exist for trainable parameters, in the parameter's dtype; AdamW keeps two moments
+of the same shape and dtype (the step counters are host scalars and are not counted).
+
+Counted bytes are the local shards (`DTensor.to_local()`); FSDP2's padded storage adds at
+most one row per tensor per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from glmtune.config import JobConfig
+from glmtune.distributed.mesh import MeshDegrees, ParallelMesh
+from glmtune.models.glm5.param_groups import param_group
+
+_EXPERTS = ".mlp.experts."
+
+
+@dataclass
+class UnitBytes:
+    """One FSDP unit's share on a rank, and what it takes while gathered."""
+
+    params: int = 0  # local shard bytes
+    grads: int = 0  # local gradient bytes
+    gathered: int = 0  # the unit's parameters unsharded, in the dtype the layers compute in
+    trainable_gathered: int = 0  # elements of trainable parameters, unsharded (gradients before reduction)
+
+
+@dataclass
+class StateBytes:
+    """Bytes of one rank's (or a whole model's) parameters, gradients and AdamW moments."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    trainable_params: int = 0  # elements
+    frozen_params: int = 0  # elements
+    by_group: dict[str, int] = field(default_factory=dict)  # parameter bytes per param group
+    units: dict[str, UnitBytes] = field(default_factory=dict)  # per FSDP unit (`unit_of`)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def add(self, group: str, numel: int, itemsize: int, trainable: bool) -> None:
+        nbytes = numel * itemsize
+        self.params += nbytes
+        self.by_group[group] = self.by_group.get(group, 0) + nbytes
+        if trainable:
+            self.grads += nbytes
+            self.optimizer += 2 * nbytes
+            self.trainable_params += numel
+        else:
+            self.frozen_params += numel
+
+    def to_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total,
+                "trainable_params": self.trainable_params, "frozen_params": self.frozen_params}
+
+
+def unit_of(name: str) -> str:
+    """The FSDP unit a parameter belongs to: `layer.{i}`, `mtp.{j}`, or the root's `embed` /
+    `head` (final norm and LM head; the root's two ends are gathered at different times)."""
+    layer = _layer_index(name)
+    if layer is not None:
+        return f"layer.{layer}"
+    if name.startswith("mtp."):
+        return "mtp." + name.split(".")[1]
+    return "embed" if name.startswith("model.embed_tokens") else "head"
+
+
+def build_meta_model(cfg: JobConfig) -> nn.Module:
+    """The run's model on the meta device: the architecture, dtypes and trainable set of
+    `glmtune train` with this config, and no storage (754B parameters cost nothing)."""
+    from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+    from glmtune.peft import apply_lora
+    from glmtune.train.recipe import build_model_from_config
+
+    model, _ = build_model_from_config(_readable(cfg), "meta")
+    if cfg.model.fp8_base != "none" and not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
+    if cfg.peft.method == "lora":
+        apply_lora(model, cfg.peft, seed=cfg.train.seed)
+    return model
+
+
+def _readable(cfg: JobConfig) -> JobConfig:
+    """`cfg` with a placeholder model path replaced by its `validate_as` preset (recipes ship
+    `/path/to/GLM-5`): the architecture is the preset's, which is what planning needs."""
+    import copy
+    from pathlib import Path
+
+    m = cfg.model
+    if m.validate_as and not (Path(m.name_or_path) / "config.json").is_file():
+        cfg = copy.deepcopy(cfg)
+        cfg.model.name_or_path = m.validate_as
+    return cfg
+
+
+def _chunk(n: int, shards: int, index: int) -> int:
+    """Length of piece `index` of `torch.chunk(range(n), shards)` (0 past the last piece)."""
+    size = math.ceil(n / shards) if n else 0
+    return max(0, min(size, n - index * size))
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+        return int(parts[2])
+    return None
+
+
+def _stage_of(name: str, layer_stage: list[int], last: int) -> int:
+    """The pipeline stage holding parameter `name`."""
+    layer = _layer_index(name)
+    if layer is not None:
+        return layer_stage[layer]
+    if name.startswith("model.embed_tokens"):
+        return 0
+    return last  # final norm, LM head, MTP layers
+
+
+def layer_stages(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[list[int], list[list[int]]]:
+    """(stage of each decoder layer, the stages each pp rank runs)."""
+    from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
+
+    args = model.args
+    p = cfg.parallel
+    if degrees.pp == 1:
+        return [0] * args.num_hidden_layers, [[0]]
+    split = plan_stages(args, degrees.pp * p.pp_stages_per_rank, cfg.data.packed_sequence_size // degrees.cp,
+                        p.pp_layer_split or None)
+    stage = [s for s, count in enumerate(split) for _ in range(count)]
+    ranks = [stage_ids_for_rank(p.pp_schedule, r, degrees.pp, p.pp_stages_per_rank) for r in range(degrees.pp)]
+    return stage, ranks
+
+
+def _after_ep(param: torch.Tensor, experts: bool, degrees: MeshDegrees) -> list[int]:
+    shape = list(param.shape)
+    if experts and degrees.ep > 1:
+        shape[0] //= degrees.ep
+    return shape
+
+
+def _local_numel(param: torch.Tensor, experts: bool, degrees: MeshDegrees, mesh: ParallelMesh,
+                 sharded: bool) -> int:
+    shape = _after_ep(param, experts, degrees)
+    if sharded and shape:
+        if experts and degrees.ep > 1:
+            shards, index = degrees.efsdp, mesh.rank("efsdp")
+            dim = 1 if shards > shape[0] and len(shape) > 1 else 0
+        else:
+            shards, index = degrees.dp_shard * degrees.cp, mesh.rank("dp_shard_cp")
+            dim = 0
+        shape[dim] = _chunk(shape[dim], shards, index)
+    return math.prod(shape)
+
+
+def fsdp_applies(degrees: MeshDegrees, mixed_precision: bool) -> bool:
+    """Whether parameters are FSDP2 shards (any multi-rank run, or fp32 masters in one process)."""
+    return degrees.world_size > 1 or mixed_precision
+
+
+def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int) -> StateBytes:
+    """What global rank `rank` holds under `degrees` (module docstring)."""
+    from glmtune.train.precision import resolve_precision
+
+    mesh = ParallelMesh(degrees, rank=rank)
+    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    mine = set(stages_of_rank[mesh.rank("pp")])
+    last = max(max(s) for s in stages_of_rank)
+    precision = resolve_precision(cfg)
+    sharded = fsdp_applies(degrees, precision.mixed)
+    compute_size = torch.empty((), dtype=precision.compute_dtype).element_size()
+    state = StateBytes()
+    for name, param in model.named_parameters():
+        if degrees.pp > 1 and _stage_of(name, stage, last) not in mine:
+            continue
+        experts = _EXPERTS in f"{name}."
+        numel = _local_numel(param, experts, degrees, mesh, sharded)
+        state.add(param_group(name), numel, param.element_size(), param.requires_grad)
+        unit = state.units.setdefault(unit_of(name), UnitBytes())
+        unit.params += numel * param.element_size()
+        full = math.prod(_after_ep(param, experts, degrees))
+        # FSDP2 casts floating parameters to the compute dtype for the all-gather (fp32 masters:
+        # the router keeps fp32); a frozen FP8 base travels as stored.
+        mixed_cast = precision.mixed and param.dtype == torch.float32 and ".mlp.gate." not in f"{name}."
+        unit.gathered += full * (compute_size if mixed_cast else param.element_size())
+        if param.requires_grad:
+            unit.grads += numel * param.element_size()
+            unit.trainable_gathered += full
+    return state
+
+
+def whole_model_state(model: nn.Module) -> StateBytes:
+    """Every parameter once, as one process holds it."""
+    state = StateBytes()
+    for name, param in model.named_parameters():
+        state.add(param_group(name), param.numel(), param.element_size(), param.requires_grad)
+    return state
+
+
+def busiest_rank(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[int, StateBytes]:
+    """The rank holding the most model-state bytes, and its bytes. Within a pipeline stage the
+    first rank is the busiest: shard 0 of every tensor is a full `torch.chunk` piece (later
+    pieces are shorter or empty) and every ep rank holds as many experts; so one rank per
+    stage is compared."""
+    stage_size = degrees.world_size // degrees.pp
+    return max(((pp * stage_size, rank_state(model, cfg, degrees, pp * stage_size)) for pp in range(degrees.pp)),
+               key=lambda rank_bytes: rank_bytes[1].total)

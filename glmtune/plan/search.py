@@ -1,0 +1,96 @@
+"""The smallest number of GPUs that fits a recipe, and the layout it would use.
+
+GPU counts are tried in whole nodes (`gpus_per_node`, 8 by default), doubling from one
+node. At each count the layouts keep what the recipe fixes about the step (model,
+sequence length, micro and global batch, context parallelism, checkpointing, precision,
+LoRA) and vary the split: pipeline stages pp in 1, 2, 4, 8 (the recipe's schedule and
+stages per rank when pp > 1, otherwise 1F1B), dp_shard filling the rest, and the largest
+expert-parallel degree that divides both the experts and dp_shard x cp (experts are most of
+GLM-5's bytes). A layout must pass `glmtune config validate`'s checks; it fits when its
+planned peak plus headroom is within the GPU's memory. Among the fitting layouts at the
+smallest count the one with the fewest pipeline stages is picked (no bubble to pay).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from torch import nn
+
+from glmtune.config import JobConfig
+from glmtune.plan.hardware import GpuSpec
+from glmtune.plan.memory import MemoryPlan
+from glmtune.plan.planner import degrees_for, plan_memory
+
+GIB = 2**30
+
+
+@dataclass
+class Candidate:
+    gpus: int
+    layout: dict[str, int]
+    plan: MemoryPlan | None
+    free_gib: float | None  # after headroom; None when the layout is invalid
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.free_gib is not None and self.free_gib >= 0
+
+
+def layout_config(cfg: JobConfig, gpus: int, pp: int, ep: int) -> JobConfig:
+    """`cfg` at `gpus` GPUs with `pp` stages and `ep`; dp_shard fills the rest."""
+    out = copy.deepcopy(cfg)
+    p = out.parallel
+    per_node = p.gpus_per_node or 8
+    if gpus % per_node == 0:  # whole nodes: the launcher (Slurm included) sees the same topology
+        p.world_size, p.nodes, p.gpus_per_node = None, gpus // per_node, per_node
+    else:
+        p.world_size, p.nodes, p.gpus_per_node = gpus, None, None
+    p.dp_shard, p.dp_replicate, p.pp, p.ep, p.pp_layer_split = -1, 1, pp, ep, []
+    if pp == 1:
+        p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches = "1F1B", 1, None
+    elif cfg.parallel.pp == 1:  # the recipe has no pipeline: 1F1B, one microbatch per stage at least
+        p.pp_schedule, p.pp_stages_per_rank, p.pp_microbatches = "1F1B", 1, pp
+    return out
+
+
+def _largest_ep(experts: int, sharded: int) -> int:
+    return max(e for e in range(1, min(experts, sharded) + 1) if experts % e == 0 and sharded % e == 0)
+
+
+def candidates_at(cfg: JobConfig, model: nn.Module, gpus: int, gpu: GpuSpec, context_gib: float,
+                  fragmentation: float, one_document: bool) -> list[Candidate]:
+    args = model.args
+    out = []
+    for pp in (1, 2, 4, 8):
+        if gpus % (pp * cfg.parallel.cp) or pp > args.num_hidden_layers:
+            continue
+        sharded = gpus // pp  # dp_shard x cp
+        ep = _largest_ep(args.n_routed_experts, sharded)
+        layout_cfg = layout_config(cfg, gpus, pp, ep)
+        layout = {"pp": pp, "dp_shard": sharded // cfg.parallel.cp, "cp": cfg.parallel.cp, "ep": ep}
+        try:
+            degrees = degrees_for(layout_cfg, gpus)
+        except ValueError as exc:
+            out.append(Candidate(gpus, layout, None, None, str(exc).splitlines()[0]))
+            continue
+        plan = plan_memory(layout_cfg, model, degrees, one_document)
+        free = gpu.usable_gib(plan.peak.total / GIB, context_gib, fragmentation)
+        out.append(Candidate(gpus, layout, plan, free))
+    return out
+
+
+def smallest_fit(cfg: JobConfig, model: nn.Module, gpu: GpuSpec, context_gib: float, fragmentation: float,
+                 one_document: bool = True, max_gpus: int = 2048) -> tuple[Candidate | None, list[Candidate]]:
+    """(the picked layout or None, every candidate tried at the count that fits or at the last count)."""
+    per_node = cfg.parallel.gpus_per_node or 8
+    gpus, tried = per_node, []
+    while gpus <= max_gpus:
+        tried = candidates_at(cfg, model, gpus, gpu, context_gib, fragmentation, one_document)
+        fitting = [c for c in tried if c.fits]
+        if fitting:
+            return min(fitting, key=lambda c: c.layout["pp"]), tried
+        gpus *= 2
+    return None, tried

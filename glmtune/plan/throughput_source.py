@@ -1,0 +1,71 @@
+"""A measured training speed, read from where glmtune writes one, as model TFLOP/s per GPU.
+
+A plan's time comes from a measurement, not from a datasheet: a run directory (its
+`metrics.jsonl`: the steady windows after the first, which holds compilation), a metrics
+file itself, or a benchmark's JSON lines (`benchmarks/throughput.py`: `tflops` and `gpu`).
+The speed travels as achieved model TFLOP/s per GPU (the one FLOPs formula,
+`glmtune/models/glm5/flops.py`) so that it transfers to another model size or sequence
+length at the same efficiency; tokens/s follow from the target's FLOPs per token. Between
+GPU kinds it is scaled by the ratio of their dense bf16 peaks (same MFU), which the plan
+states as an assumption.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmtune.plan.hardware import GPUS, spec_for_device_name
+
+
+@dataclass(frozen=True)
+class Measurement:
+    source: str
+    tflops_per_gpu: float
+    gpu_peak_tflops: float | None  # the measured GPU's dense bf16 peak, when known
+    windows: int  # how many measured windows/lines it averages
+
+    @property
+    def mfu(self) -> float | None:
+        return self.tflops_per_gpu / self.gpu_peak_tflops if self.gpu_peak_tflops else None
+
+
+def read_measurement(path: str | Path) -> Measurement:
+    """From a run directory, a metrics.jsonl or a benchmark's JSON lines (module docstring)."""
+    path = Path(path)
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"--throughput {path}: no metrics.jsonl or JSON-lines file there")
+    records = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}:{number}: not JSON ({exc.msg})") from None
+    timed = [r for r in records if isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0
+             and str(r.get("impl", "glmtune")).startswith("glmtune")]
+    if not timed:
+        raise ValueError(f"{file}: no record with a positive `tflops` (a GPU run of glmtune writes one per "
+                         "logged step; CPU runs report no model TFLOP/s)")
+    steady = timed[1:] if "step" in timed[0] and len(timed) > 1 else timed  # a run's first window compiles
+    tflops = sum(r["tflops"] for r in steady) / len(steady)
+    peak = None
+    if "mfu" in steady[-1] and steady[-1]["mfu"]:
+        peak = steady[-1]["tflops"] / steady[-1]["mfu"]
+    elif "gpu" in steady[-1]:
+        spec = spec_for_device_name(str(steady[-1]["gpu"]))
+        peak = spec.bf16_tflops if spec else None
+    return Measurement(str(file), tflops, peak, len(steady))
+
+
+def tokens_per_s_per_gpu(measurement: Measurement, flops_per_token: float, target_gpu: str) -> tuple[float, str]:
+    """(tokens/s per GPU for the target model, the assumption made to get there)."""
+    target_peak = GPUS[target_gpu].bf16_tflops
+    tflops, note = measurement.tflops_per_gpu, f"{measurement.tflops_per_gpu:.0f} TFLOP/s per GPU measured"
+    if measurement.gpu_peak_tflops and abs(measurement.gpu_peak_tflops - target_peak) > 1:
+        tflops *= target_peak / measurement.gpu_peak_tflops
+        note += f", scaled to {target_gpu} at the same MFU ({measurement.mfu:.1%})"
+    return tflops * 1e12 / flops_per_token, note
