@@ -13,14 +13,9 @@ import argparse
 import json
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def _add_options(parser: argparse.ArgumentParser) -> None:
     from glmtune.plan.hardware import GPUS
 
-    parser = subparsers.add_parser(
-        "plan", help="memory, GPUs, time and cost of a recipe before running it",
-        description="Plan RECIPE: model-state floor, per-GPU memory of its layout, fit per GPU kind, the "
-                    "smallest GPU count that fits, tokens per epoch of its data, time and cost from a measurement.")
-    parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
     parser.add_argument("--gpus", type=int, default=None,
                         help="plan the recipe's layout at N GPUs (its pp, cp and ep; dp_shard refilled)")
     parser.add_argument("--gpu", action="append", choices=sorted(GPUS), default=None,
@@ -43,8 +38,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-gpus", type=int, default=2048, help="largest GPU count the fit search tries")
     parser.add_argument("--no-data", action="store_true", help="do not read and pack the recipe's data")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="dotted overrides, as for glmtune train")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="memory, GPUs, time and cost of a recipe before running it",
+        description="Plan RECIPE: model-state floor, per-GPU memory of its layout, fit per GPU kind, the "
+                    "smallest GPU count that fits, tokens per epoch of its data, time and cost from a measurement.")
+    parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
+    _add_options(parser)
+    parser.add_argument("overrides", nargs=argparse.REMAINDER,
+                        help="dotted overrides, as for glmtune train (the options above may come among them)")
     parser.set_defaults(func=_run)
+
+
+def _split_options(args: argparse.Namespace) -> list[str]:
+    """The plan's own options given after RECIPE (argparse hands everything there over as
+    overrides) go into `args`; the rest are the dotted config overrides."""
+    late = argparse.ArgumentParser(add_help=False)
+    _add_options(late)
+    for action in late._actions:
+        action.default = argparse.SUPPRESS
+    given, overrides = late.parse_known_args(args.overrides)
+    for key, value in vars(given).items():
+        if key == "gpu" and args.gpu:
+            value = args.gpu + value
+        setattr(args, key, value)
+    return overrides
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -57,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     from glmtune.plan.report import print_report
     from glmtune.plan.throughput_source import Measurement, read_measurement
 
+    args.overrides = _split_options(args)
     for name in ("gpus", "max_gpus", "restarts"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "restarts" else 1):

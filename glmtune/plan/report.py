@@ -60,18 +60,18 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                       f"{data['one_document_rows']:,} one-document rows)")
     elif data:
         console.print(f"data: {data['note']}")
+    run = report["run"]
+    console.print(f"run: {run['steps']:,} steps = {run['tokens']:,} tokens ({run['source']})")
     time_rows = [g for g in report["gpus"] if g.get("time")]
     if time_rows:
         t = Table(title=f"Time and cost ({report['throughput']['source']})", title_justify="left")
-        for column in ("GPU", "GPUs", "tokens", "tok/s per GPU", "compute h", "checkpoints h", "restarts h",
-                       "wall h", "GPU-hours", "cost"):
+        for column in ("GPU", "GPUs", "tok/s/GPU", "compute h", "ckpt h", "restart h", "wall h", "GPU-h", "cost"):
             t.add_column(column, justify="right")
         for gpu in time_rows:
             c = gpu["time"]
-            t.add_row(gpu["gpu"], str(c["gpus"]), f"{c['tokens']:,}", f"{c['tokens_per_s_per_gpu']:,.0f}",
-                      f"{c['compute_hours']:.2f}", f"{c['checkpoint_hours']:.2f}", f"{c['restart_hours']:.2f}",
-                      f"{c['wall_hours']:.2f}", f"{c['gpu_hours']:,.0f}",
-                      f"{c['cost']:,.0f}" if c["cost"] is not None else "(no price)")
+            t.add_row(gpu["gpu"], str(c["gpus"]), f"{c['tokens_per_s_per_gpu']:,.0f}", f"{c['compute_hours']:.2f}",
+                      f"{c['checkpoint_hours']:.2f}", f"{c['restart_hours']:.2f}", f"{c['wall_hours']:.2f}",
+                      f"{c['gpu_hours']:,.0f}", f"{c['cost']:,.0f}" if c["cost"] is not None else "(no price)")
         console.print(t)
         for gpu in time_rows:
             console.print(f"{gpu['gpu']}: {gpu['time_assumption']}")

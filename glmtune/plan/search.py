@@ -1,7 +1,7 @@
 """The smallest number of GPUs that fits a recipe, and the layout it would use.
 
-GPU counts are tried in whole nodes (`gpus_per_node`, 8 by default), doubling from one
-node. At each count the layouts keep what the recipe fixes about the step (model,
+GPU counts are tried from one GPU (1, 2, 4 within a node), then in whole nodes
+(`gpus_per_node`, 8 by default), doubling. At each count the layouts keep what the recipe fixes about the step (model,
 sequence length, micro and global batch, context parallelism, checkpointing, precision,
 LoRA) and vary the split: pipeline stages pp in 1, 2, 4, 8 (the recipe's schedule and
 stages per rank when pp > 1, otherwise 1F1B), dp_shard filling the rest, and the largest
@@ -86,11 +86,12 @@ def smallest_fit(cfg: JobConfig, model: nn.Module, gpu: GpuSpec, context_gib: fl
                  one_document: bool = True, max_gpus: int = 2048) -> tuple[Candidate | None, list[Candidate]]:
     """(the picked layout or None, every candidate tried at the count that fits or at the last count)."""
     per_node = cfg.parallel.gpus_per_node or 8
-    gpus, tried = per_node, []
-    while gpus <= max_gpus:
+    counts = [n for n in (1, 2, 4) if n < per_node]
+    counts += [per_node * 2**k for k in range(12) if per_node * 2**k <= max_gpus]
+    tried: list[Candidate] = []
+    for gpus in counts:
         tried = candidates_at(cfg, model, gpus, gpu, context_gib, fragmentation, one_document)
         fitting = [c for c in tried if c.fits]
         if fitting:
             return min(fitting, key=lambda c: c.layout["pp"]), tried
-        gpus *= 2
     return None, tried
