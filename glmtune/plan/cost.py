@@ -49,9 +49,9 @@ class RunCost:
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "steps": self.steps, "gpus": self.gpus,
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
-                "compute_hours": round(self.compute_h, 3), "checkpoint_hours": round(self.checkpoint_h, 3),
-                "restart_hours": round(self.restart_h, 3), "restarts": self.restarts,
-                "wall_hours": round(self.wall_h, 3), "gpu_hours": round(self.gpu_hours, 1),
+                "compute_hours": round(self.compute_h, 6), "checkpoint_hours": round(self.checkpoint_h, 6),
+                "restart_hours": round(self.restart_h, 6), "restarts": self.restarts,
+                "wall_hours": round(self.wall_h, 6), "gpu_hours": round(self.gpu_hours, 4),
                 "price_per_gpu_hour": self.price_per_gpu_hour,
                 "cost": None if self.cost is None else round(self.cost, 2)}
 

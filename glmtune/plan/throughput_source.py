@@ -48,8 +48,8 @@ def read_measurement(path: str | Path) -> Measurement:
     timed = [r for r in records if isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0
              and str(r.get("impl", "glmtune")).startswith("glmtune")]
     if not timed:
-        raise ValueError(f"{file}: no record with a positive `tflops` (a GPU run of glmtune writes one per "
-                         "logged step; CPU runs report no model TFLOP/s)")
+        raise ValueError(f"{file}: no glmtune record with a positive `tflops` (every logged step of a "
+                         "glmtune run has one; throughput.py writes one per implementation)")
     steady = timed[1:] if "step" in timed[0] and len(timed) > 1 else timed  # a run's first window compiles
     tflops = sum(r["tflops"] for r in steady) / len(steady)
     peak = None

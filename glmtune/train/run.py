@@ -134,6 +134,9 @@ class RunHooks:
     on_model: Callable[[torch.nn.Module], None] | None = None
     # (step, model) once a step's gradients are complete: `TrainerSettings.on_gradients`.
     on_gradients: Callable[[int, torch.nn.Module], None] | None = None
+    # (step, model, optimizer) after the optimizer's update, gradients still held:
+    # `TrainerSettings.on_optimizer_step` (tests measure each rank's shards there).
+    on_optimizer_step: Callable[[int, torch.nn.Module, torch.optim.Optimizer], None] | None = None
 
 
 def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None = None) -> int:
@@ -299,6 +302,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
         step_flops=functools.partial(step_model_flops, model.args),
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
         on_gradients=hooks.on_gradients,
+        on_optimizer_step=hooks.on_optimizer_step,
     )
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)

@@ -79,6 +79,8 @@ class TrainerSettings:
     # clipped and applied: `glmtune preflight` reads the gradient of every path there, even
     # when the trainer is about to refuse a non-finite one.
     on_gradients: Callable[[int, nn.Module], None] | None = None
+    # Called with (step, model, optimizer) right after the update, before gradients are dropped.
+    on_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None
 
 
 @dataclass
@@ -248,6 +250,8 @@ class Trainer:
             raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {self.step + 1} (loss {loss:.4f})")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if self.s.on_optimizer_step is not None:
+            self.s.on_optimizer_step(self.step + 1, self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         for name in load:

@@ -1,0 +1,69 @@
+"""The plan's per-rank parameter, gradient and AdamW bytes against what the ranks of real
+multi-process runs hold (gloo, CPU, the tiny model), exactly; and the guide's floor for GLM-5."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glmtune.config import load_config
+from glmtune.plan.floor import floor_table
+from glmtune.plan.model_state import build_meta_model, rank_state, whole_model_state
+from glmtune.plan.planner import degrees_for
+from tests.train.run_helpers import env
+
+WORKER = Path(__file__).with_name("shard_bytes_worker.py")
+SHORT = ["--train.max_steps", "1", "--optim.warmup_steps", "0", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "256",
+         "--train.val_every", "0", "--train.generate_samples", "0", "--checkpoint.export_hf", "false",
+         "--logging.progress", "false", "--logging.tensorboard", "false", "--train.log_every", "1"]
+
+LAYOUTS = {
+    # pipeline placement, experts split over ep and sharded, dense FSDP chunks (odd dims included)
+    "pp2-fsdp2-ep2": (4, "tiny/sft_support_json", [
+        "--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_microbatches", "2",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
+    # LoRA: frozen base shards, fp32 adapters; experts FSDP-sharded with the dense mesh (ep 1)
+    "fsdp2-lora": (2, "tiny/lora_support_json", ["--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
+    # fp32 master weights over bf16 compute: FSDP2's mixed precision on a one-rank mesh
+    "one-process-fp32-masters": (1, "tiny/sft_support_json", [
+        "--model.dtype", "bfloat16", "--train.master_weights", "fp32", "--train.micro_batch_size", "2",
+        "--train.global_batch_size", "2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_per_rank_bytes_equal_what_the_ranks_hold(name, tmp_path):
+    nproc, recipe, layout = LAYOUTS[name]
+    overrides = [*SHORT, *layout, "--logging.run_dir", str(tmp_path / "run"),
+                 "--data.cache_dir", str(tmp_path / "cache")]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    done = subprocess.run([*launch, str(WORKER), str(tmp_path), recipe, *overrides], env=env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cfg = load_config(recipe, overrides)
+    degrees = degrees_for(cfg, nproc)
+    model = build_meta_model(cfg)
+    for rank in range(nproc):
+        measured = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        planned = rank_state(model, cfg, degrees, rank)
+        assert {"params": planned.params, "grads": planned.grads, "optimizer": planned.optimizer} == measured, \
+            f"{name} rank {rank}"
+
+
+def test_the_guides_floor_for_glm5():
+    model = build_meta_model(load_config("recipes/glm5/sft_4k.yaml"))
+    rows = {row.what: row.bytes / 1e12 for row in floor_table(model)}
+    # The guide: 753B x 2 bytes = 1.51 TB weights, 1.51 TB gradients, 6.02 TB Adam, 3.01 TB fp32 masters.
+    assert round(rows["bf16 weights"], 2) == 1.51 and round(rows["gradients (bf16)"], 2) == 1.51
+    assert 6.0 < rows["Adam moments (fp32)"] < 6.05 and 3.0 < rows["fp32 master weights"] < 3.03
+    assert 9.0 < rows["full fine-tuning, without fp32 masters"] < 9.1
+    assert 12.0 < rows["full fine-tuning, with fp32 masters"] < 12.1
+    # The recipe trains fp32 masters and fp32 AdamW moments: 16 bytes a trainable parameter.
+    state = whole_model_state(model)
+    trainable = state.trainable_params
+    assert state.grads == 4 * trainable and state.optimizer == 8 * trainable
