@@ -48,12 +48,17 @@ class RunCost:
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "steps": self.steps, "gpus": self.gpus,
-                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1),
-                "compute_hours": round(self.compute_h, 6), "checkpoint_hours": round(self.checkpoint_h, 6),
-                "restart_hours": round(self.restart_h, 6), "restarts": self.restarts,
-                "wall_hours": round(self.wall_h, 6), "gpu_hours": round(self.gpu_hours, 4),
+                "tokens_per_s_per_gpu": _sig(self.tokens_per_s_per_gpu),
+                "compute_hours": _sig(self.compute_h), "checkpoint_hours": _sig(self.checkpoint_h),
+                "restart_hours": _sig(self.restart_h), "restarts": self.restarts,
+                "wall_hours": _sig(self.wall_h), "gpu_hours": _sig(self.gpu_hours),
                 "price_per_gpu_hour": self.price_per_gpu_hour,
-                "cost": None if self.cost is None else round(self.cost, 2)}
+                "cost": None if self.cost is None else _sig(self.cost)}
+
+
+def _sig(value: float) -> float:
+    """Six significant digits: tiny runs take microhours, GLM-5 runs thousands of GPU-hours."""
+    return float(f"{value:.6g}")
 
 
 def run_cost(tokens: int, steps: int, gpus: int, tokens_per_s_per_gpu: float, checkpoint_bytes_per_rank: int,
