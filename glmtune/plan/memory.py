@@ -16,6 +16,7 @@ allocator's fragmentation are the separate headroom line of the plan):
                   in the reduce dtype (fp32)
   root reduction, optimizer step: every gradient, plus under FSDP2 the root unit's
                   (embedding, head) unsharded gradients and their fp32 staging
+An FP8 frozen base adds its largest projection dequantized to bf16 (one at a time).
 Under expert parallelism the all-to-all's send buffer (this rank's token-expert pairs at
 balanced routing, [q K, D]) is added in forward and in every MoE layer's backward.
 
@@ -151,17 +152,24 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     indexer_scratch = max((act.indexer_transient(args, mb, e) for i in layers if args.indexer_types[i] == "full"),
                           default=0)
 
+    if cfg.model.fp8_base != "none":  # each FP8 projection is dequantized into a transient bf16 weight
+        local_experts = args.n_routed_experts // degrees.ep
+        dequantized = {"FP8 weight dequantized (largest projection)":
+                        2 * local_experts * 2 * args.moe_intermediate_size * args.hidden_size}
+    else:
+        dequantized = {}
     # Expert parallelism: the all-to-all's send buffer beside the received rows (which the saved
     # activations count), at balanced routing: this rank's token-expert pairs, one direction at a time.
-    exchange = {"MoE all-to-all buffer": e * mb.queries * args.num_experts_per_tok * args.hidden_size} \
+    moe_transients = {"MoE all-to-all buffer": e * mb.queries * args.num_experts_per_tok * args.hidden_size} \
         if degrees.ep > 1 and any(kind == "sparse" for kind in args.mlp_layer_types) else {}
+    moe_transients = {**moe_transients, **dequantized}
     # The fused loss computes the head's weight gradient in forward. Under FSDP2 it stays an
     # unsharded gradient of the root unit until the root reduces, after the embedding's backward.
     held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
     phases = [Phase("forward end", {
         **static, "gradients (accumulated)": grads_all if accumulating else 0,
         "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held,
-        "forward scratch": max(logits_slice, indexer_scratch), **exchange})]
+        "forward scratch": max(logits_slice, indexer_scratch), **moe_transients})]
 
     done = 0  # sharded gradients finished (not accumulating); the head's is `held` until then
     below = sum(kept.values())
@@ -173,7 +181,7 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
                  "activations (saved)": below + other_chunks, **fixed,
                  f"layer {i}: saved + recomputed": kept[i] + recompute[i],
                  f"layer {i}: backward scratch": act.backward_transient(args, mb, i, e, train, score_buffer),
-                 **(exchange if args.mlp_layer_types[i] == "sparse" else {})}
+                 **(moe_transients if args.mlp_layer_types[i] == "sparse" else {})}
         if fsdp and unit is not None:
             parts.update(_fsdp_transient(units, order, n, e, gathered_root > 0 and degrees.pp > 1))
         phases.append(Phase(f"layer {i} backward", parts))
