@@ -100,6 +100,7 @@ def check_generation(pf: Preflight, ref: ReferenceRun, base: nn.Module | None = 
                     for b, t in zip(results["base"], results["trained"])]
     num_changed = sum(row["base"] != row["trained"] for row in side_by_side)
     evidence = {"decoding": asdict(decoding), "trained_decoding": asdict(trained_decoding),
+                "dtype": str(next(trained.parameters()).dtype).removeprefix("torch."), "device": str(pf.device),
                 "samples": side_by_side, "changed_by_training": num_changed}
     message = (f"{len(prompts)} prompts decoded greedily (max {decoding.max_new_tokens} new tokens), twice per "
                f"model, the same outputs each time; same settings and prompt ids for both; training changed "

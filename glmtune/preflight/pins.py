@@ -10,15 +10,17 @@ download recorded, if any: an HF cache snapshot's commit, huggingface-cli's
 config hash and seed); the recipe's bytes (and those of the recipes it extends) and the
 resolved configuration's hash.
 
-Passes when each of those could be determined and the libraries later checks need are
-there: transformers with `GlmMoeDsaForCausalLM`, and peft for a LoRA recipe. A dirty tree
-passes, said in the message: it runs, but its commit does not reproduce it.
+Passes when each of those could be determined, every requirement glmtune declares is
+installed at a version it accepts (and peft's extra for a LoRA recipe, whose adapter check 8
+loads with PEFT), and transformers has `GlmMoeDsaForCausalLM`. A dirty tree passes, said in
+the message: it runs, but its commit does not reproduce it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import platform
 import re
 import subprocess
@@ -76,6 +78,39 @@ def library_pins() -> dict[str, Any]:
     return pins
 
 
+def _declared_requirements() -> list[str]:
+    """glmtune's requirements as installed, else as its source tree's pyproject.toml declares them."""
+    try:
+        return importlib.metadata.requires("glmtune") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH)
+        import tomllib
+
+        project = tomllib.loads((Path(glmtune.__file__).parents[1] / "pyproject.toml").read_text())["project"]
+        return [*project["dependencies"], *(f'{r}; extra == "{extra}"' for extra, reqs in
+                                            project.get("optional-dependencies", {}).items() for r in reqs)]
+
+
+def dependency_problems(extras: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """Every requirement glmtune declares (and those of `extras`), installed at a version it accepts."""
+    from packaging.requirements import Requirement
+
+    problems, found = [], {}
+    for text in _declared_requirements():
+        req = Requirement(text)
+        if req.marker is not None and not any(req.marker.evaluate({"extra": extra}) for extra in extras):
+            continue
+        try:
+            version = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        found[req.name] = {"required": str(req.specifier) or "any", "installed": version}
+        if version is None:
+            problems.append(f"glmtune needs {req}: {req.name} is not installed")
+        elif not req.specifier.contains(version, prereleases=True):
+            problems.append(f"glmtune needs {req}: {req.name} {version} is installed")
+    return problems, found
+
+
 def model_revision(path: Path) -> tuple[str | None, str]:
     """(revision, where it was read) of a downloaded HF directory; (None, why) when none is recorded."""
     resolved = path.resolve()
@@ -104,15 +139,14 @@ def recipe_pins(recipe: Path) -> list[dict[str, str]]:
 
 
 def check_pins(pf: Preflight) -> CheckResult:
-    problems: list[str] = []
     code, libs = glmtune_pin(), library_pins()
     evidence: dict[str, Any] = {"glmtune": code, "libraries": libs}
+    # LoRA adapters are checked by loading them with PEFT (check 8): its extra is required then.
+    problems, evidence["dependencies"] = dependency_problems({"peft"} if pf.lora else set())
     import transformers
 
     if getattr(transformers, "GlmMoeDsaForCausalLM", None) is None:
         problems.append(f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM (GLM-5 needs >= 5.2)")
-    if pf.lora and libs["peft"] is None:
-        problems.append("peft is not installed; a LoRA recipe's adapter is checked by loading it with PEFT")
     model: dict[str, Any] = {"name_or_path": pf.cfg.model.name_or_path}
     try:
         args = model_args(pf.cfg.model)

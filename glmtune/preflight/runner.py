@@ -6,7 +6,6 @@ A check that raises fails with the exception's message (its traceback goes to
 OUT/work/preflight.log); it never stops the others. A check whose premise failed is
 skipped, saying which check it waited for, instead of being run on something meaningless:
 
-    4            needs the model config (check 3's architecture)
     5, 6         need complete shards (2), the config, tokenizer and template (3) and something
                  that trains (4); 6 reads the gradients of 5's run even when 5 failed
     7, 8, 9, 10  need the training step (5)
@@ -64,10 +63,7 @@ def run_checks(pf: Preflight, console: Console, hash_shards: bool = True) -> lis
     record(1, lambda: check_pins(pf))
     record(2, lambda: check_shards(pf, hash_shards))
     record(3, lambda: check_model(pf))
-    if "architecture" in results[3].evidence:
-        record(4, lambda: check_trainable(pf))
-    else:
-        record(4, lambda: skipped(4, "the model config did not load (check 3)"))
+    record(4, lambda: check_trainable(pf))  # on its own config read: it fails itself when that does not load
     blockers = [results[n] for n in (2, 3, 4) if not results[n].ok]
     reference: list[ReferenceRun] = []
     if blockers:

@@ -62,7 +62,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _sample(tensor: torch.Tensor) -> torch.Tensor:
+def sample(tensor: torch.Tensor) -> torch.Tensor:
     """A strided sample of `tensor` (a view), copied to the host: cheap for any tensor size."""
     flat = _local(tensor).detach().reshape(-1)
     return flat[:: max(1, flat.numel() // _SAMPLE)].float().cpu().clone()
@@ -83,7 +83,9 @@ class Gradients:
         everything = [(clean_name(n), p) for n, p in model.named_parameters()]
         named = [(n, p) for n, p in everything if p.requires_grad]
         with_grad = [(n, _local(p.grad)) for n, p in named if p.grad is not None]
-        norms = torch._foreach_norm([g for _, g in with_grad], 2.0, dtype=torch.float64) if with_grad else []
+        # fp64 on the CPU, fp32 on CUDA, as the trainer's norm (an fp64 norm copies bf16 gradients to fp64)
+        dtype = torch.float64 if with_grad and with_grad[0][1].device.type == "cpu" else torch.float32
+        norms = torch._foreach_norm([g for _, g in with_grad], 2.0, dtype=dtype) if with_grad else []
         squares, trainable, total = dict.fromkeys(GROUPS, 0.0), dict.fromkeys(GROUPS, 0), dict.fromkeys(GROUPS, 0)
         nonfinite, zero = [], [n for n, p in named if p.grad is None]
         for (name, _), norm in zip(with_grad, (float(x) for x in norms)):
@@ -122,7 +124,7 @@ def run_reference(pf: Preflight, on_model: Callable[[nn.Module], None] | None = 
     before: dict[str, torch.Tensor] = {}
 
     def model_built(model: nn.Module) -> None:
-        before.update({clean_name(n): _sample(p) for n, p in model.named_parameters() if p.requires_grad})
+        before.update({clean_name(n): sample(p) for n, p in model.named_parameters() if p.requires_grad})
         if on_model is not None:
             on_model(model)
 
@@ -130,7 +132,7 @@ def run_reference(pf: Preflight, on_model: Callable[[nn.Module], None] | None = 
         ref.gradients[step] = Gradients.of(model)
         if step == 2:  # the parameters now hold the first step's update
             now = {clean_name(n): p for n, p in model.named_parameters()}
-            ref.moved = {n: not torch.equal(sample, _sample(now[n])) for n, sample in before.items()}
+            ref.moved = {n: not torch.equal(was, sample(now[n])) for n, was in before.items()}
 
     start = time.perf_counter()
     with open(ref.log, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):

@@ -88,7 +88,7 @@ def check_trainable(pf: Preflight, model: nn.Module | None = None, inventory: Lo
     try:
         if model is None:
             model, inventory = transformed_meta_model(pf.cfg)
-    except ValueError as exc:  # a target glob that matches nothing, an invalid peft setting
+    except (OSError, ValueError) as exc:  # no readable config; a target glob that matches nothing
         return CheckResult(4, "fail", str(exc), {"peft": vars(pf.cfg.peft)})
     problems, evidence = inventory_problems(model, inventory, pf.cfg)
     trains = [f"{r.group} {r.trainable:,}" for r in inventory.rows if r.trainable]
