@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timing import DEVICE, free_memory, time_training  # noqa: E402
+from benchmarks.timing import DEVICE, emit, free_memory, results_path, time_training  # noqa: E402
 
 GIB = 2**30
 DEFAULT_SETUPS = [
@@ -189,7 +187,7 @@ def main(argv=None) -> int:
     first = bench_args(a, 4096, "none", False, False)
     hf_cfg = proxy_config(first)
     state = init_weights(hf_cfg)
-    out = a.out or (os.path.join(os.environ["OUT"], "plan_check.jsonl") if os.environ.get("OUT") else None)
+    out = results_path(a.out, "plan_check.jsonl")
     for setup in a.setups:
         seq, ac, master, mode, *rest = setup.split(":")
         compiled, lora = "compile" in rest, mode == "lora"
@@ -213,10 +211,7 @@ def main(argv=None) -> int:
             free_memory()
         line.update({"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
                      "date": time.strftime("%Y-%m-%d")})
-        print(json.dumps(line), flush=True)
-        if out:
-            with open(out, "a") as fh:
-                fh.write(json.dumps(line) + "\n")
+        emit([line], out)
     return 0
 
 

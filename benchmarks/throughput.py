@@ -26,8 +26,6 @@ Results append to $OUT/throughput.jsonl (or --out) as JSON lines.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.flops import flops_per_token  # noqa: E402
-from benchmarks.timing import DEVICE, free_memory, profile, time_training  # noqa: E402
+from benchmarks.timing import DEVICE, emit, free_memory, profile, results_path, time_training  # noqa: E402
 
 PEAK_BF16_TFLOPS = 989.0
 
@@ -301,15 +299,8 @@ def _emit(lines, a) -> int:
     """Print each result line with the GPU, torch and date; append them to --out or $OUT/throughput.jsonl."""
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     meta = {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    out = a.out or (os.path.join(os.environ["OUT"], "throughput.jsonl") if os.environ.get("OUT") else None)
-    for line in lines:
-        line = {**line, **meta}
-        print(json.dumps(line), flush=True)
-        if out:
-            with open(out, "a") as fh:
-                fh.write(json.dumps(line) + "\n")
+    emit([{**line, **meta} for line in lines], results_path(a.out, "throughput.jsonl"))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,12 @@
 """Timing, memory and profiling helpers shared by the benchmarks (one GPU, or the CPU for
 smoke tests): warm-up then timed steps with a device sync around them, peak allocator
-memory, and a per-kernel GPU time table from the torch profiler."""
+memory, a per-kernel GPU time table from the torch profiler, and result lines (JSON, printed
+and appended to a file)."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -12,6 +14,20 @@ from pathlib import Path
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def results_path(out: str | None, name: str) -> str | None:
+    """--out, else $OUT/NAME when $OUT is set (the device tool's folder), else None."""
+    return out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
+
+
+def emit(lines: list[dict], out: str | None) -> None:
+    """Print each result as a JSON line; append them to `out` too when given."""
+    for line in lines:
+        print(json.dumps(line), flush=True)
+        if out:
+            with open(out, "a") as fh:
+                fh.write(json.dumps(line) + "\n")
 
 
 def sync():

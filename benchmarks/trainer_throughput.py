@@ -140,13 +140,10 @@ def main(argv=None) -> int:
         ours = next(r for r in results if r["impl"] == "glmtune")
         lines.append({"impl": "throughput.py", "seq": a.seq, "tok_s": ours["tok_s"]})
         lines.append({"impl": "trainer / throughput.py", "ratio": round(trainer / ours["tok_s"], 3)})
-    out = a.out or (os.path.join(os.environ["OUT"], "trainer_throughput.jsonl") if os.environ.get("OUT") else None)
-    for entry in lines:
-        entry["date"] = time.strftime("%Y-%m-%d")
-        print(json.dumps(entry), flush=True)
-        if out:
-            with open(out, "a") as fh:
-                fh.write(json.dumps(entry) + "\n")
+    from benchmarks.timing import emit, results_path
+
+    date = time.strftime("%Y-%m-%d")
+    emit([{**entry, "date": date} for entry in lines], results_path(a.out, "trainer_throughput.jsonl"))
     return 0
 
 
