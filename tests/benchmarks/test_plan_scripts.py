@@ -1,0 +1,27 @@
+"""CPU smoke tests of the GPU benchmarks behind `glmtune plan` and the trainer's throughput:
+they run end to end on narrow widths and write what docs/benchmarks.md reads."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import plan_check, trainer_throughput
+
+
+def test_plan_check_runs_a_setup_and_counts_saved_tensors(tmp_path):
+    out = tmp_path / "plan.jsonl"
+    assert plan_check.main(["--tiny", "--in-process", "--setups", "256:none:none:full", "--steps", "1",
+                            "--warmup", "1", "--out", str(out)]) == 0
+    line = json.loads(out.read_text())
+    assert line["setup"] == "256:none:none:full" and line["planned_peak_gib"] > 0
+    assert set(line["saved_gib"]) >= {"layer 0", "layer 3"} and set(line["planned_saved_gib"]) == {
+        f"layer {i}" for i in range(4)}
+
+
+def test_trainer_throughput_reads_the_runs_windows(tmp_path):
+    out = tmp_path / "trainer.jsonl"
+    assert trainer_throughput.main(["--tiny", "--seq", "256", "--steps", "4", "--log-every", "2",
+                                    "--skip-reference", "--out", str(out), "--work", str(tmp_path)]) == 0
+    line = json.loads(out.read_text())
+    assert line["impl"] == "glmtune train" and len(line["windows_tok_s"]) == 2 and line["steady_tok_s"] > 0
+    assert line["packing"]["num_tokens"] == line["packing"]["num_rows"] * 256  # every row one truncated document
