@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from glmtune.cli.arg_types import count_arg
+from glmtune.cli.arg_types import RecipeOptions, count_arg
 
 _EXAMPLES = """examples:
   glmtune preflight recipes/tiny/sft_support_json.yaml
@@ -43,40 +43,35 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                              "directory); scratch runs go under DIR/work")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier preflight's --out (a directory holding preflight.json)")
-    parser.add_argument("--layers", type=_layers, default="auto",
-                        help="decoder layers checks 5-10 train: auto (an HF directory's fewest leading layers "
-                             "holding every kind of layer; a preset whole), all, or a number")
-    parser.add_argument("--nproc", type=count_arg, default=None,
+    parser.add_argument("--layers", type=_layers, default="auto", metavar="auto|all|K",
+                        help="decoder layers checks 5-10 train: auto (for an HF directory or a GLM-5-sized preset "
+                             "the fewest leading layers holding every kind of layer; a small preset whole), all, "
+                             "or a number")
+    parser.add_argument("--nproc", type=count_arg, default=None, metavar="N",
                         help="processes of the multi-process check (default: this host's GPUs; 2 on CPU)")
-    parser.add_argument("--rows", type=count_arg, default=64,
+    parser.add_argument("--rows", type=count_arg, default=64, metavar="N",
                         help="conversations of the recipe's data the scratch runs read (default 64)")
     parser.add_argument("--no-shard-hashes", action="store_true",
                         help="skip hashing shards against the download's recorded sha256 (headers are "
                              "still verified)")
 
 
-# The options again, for those given after RECIPE (argparse hands everything there to `overrides`).
-_OPTIONS = argparse.ArgumentParser(prog="glmtune preflight", add_help=False, allow_abbrev=False, exit_on_error=False)
-_add_options(_OPTIONS)
+_OPTIONS = RecipeOptions("glmtune preflight", _add_options)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "preflight",
+    _OPTIONS.register(
+        subparsers, "preflight",
         help="the ten checks before a real run, with their evidence (preflight.md / .json)",
         description="Check RECIPE (a YAML path or a name under recipes/) before a real run: pins, shards and "
                     "disk, config/tokenizer/chat template, what trains, one step on the data, gradients per "
                     "path, save/kill/resume, export and reload, base vs trained outputs, a multi-process run. "
                     "Exit 0 only when all ten pass.",
         epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        overrides_help="dotted overrides, as glmtune train takes them (--optim.lr 2e-5); the options above may "
+                       "appear among them",
+        func=_run,
     )
-    parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
-    _add_options(parser)
-    parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="dotted overrides, as glmtune train takes them (--optim.lr 2e-5); the options above "
-                             "may appear among them")
-    parser.set_defaults(func=_run)
 
 
 def default_out(run_dir: str) -> Path:
@@ -105,11 +100,7 @@ def _run(ns: argparse.Namespace) -> int:
     from glmtune.preflight.report import exit_status, results_table
     from glmtune.preflight.runner import run_checks
 
-    # What was given before RECIPE stays unless repeated after it.
-    try:
-        ns, overrides = _OPTIONS.parse_known_args(ns.overrides, namespace=ns)
-    except argparse.ArgumentError as exc:
-        raise ValueError(str(exc)) from None
+    overrides = _OPTIONS.parse(ns)
     ns.debug = ns.debug or "--debug" in overrides
     overrides = [o for o in overrides if o != "--debug"]
     pf = Preflight(ns.recipe, overrides, ns.out or ".", layers=ns.layers, nproc=ns.nproc, rows=ns.rows)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from glmtune.cli.arg_types import RecipeOptions
 from glmtune.cli.arg_types import count_arg as _count
 
 _EXAMPLES = """examples:
@@ -44,27 +45,21 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
 
 
-# The flags again, for those given after RECIPE (argparse hands everything there to `overrides`).
-_FLAGS = argparse.ArgumentParser(prog="glmtune slurm", add_help=False, allow_abbrev=False, exit_on_error=False)
-_add_flags(_FLAGS)
+_OPTIONS = RecipeOptions("glmtune slurm", _add_flags)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "slurm",
+    _OPTIONS.register(
+        subparsers, "slurm",
         help="write and submit the sbatch script of a multi-node run",
         description="Validate RECIPE for nodes x gpus-per-node ranks, write a complete sbatch script to "
                     "<run_dir>/slurm/ (srun: one torchrun per node, c10d rendezvous on the first node, "
                     "--checkpoint.resume auto; saves and requeues itself before the time limit) and submit it "
                     "with sbatch, or print it with --dry-run.",
         epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        overrides_help="dotted overrides for every rank (--optim.lr=2e-5 or --optim.lr 2e-5); also --debug",
+        func=_run,
     )
-    parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
-    _add_flags(parser)
-    parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="dotted overrides for every rank (--optim.lr=2e-5 or --optim.lr 2e-5); also --debug")
-    parser.set_defaults(func=_run)
 
 
 def _refuse_flags_a_requeue_breaks(overrides: list[str]) -> None:
@@ -87,10 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     from glmtune.config import load_config, resolve_recipe_path
     from glmtune.distributed.slurm import SlurmJob, check_job, check_slurm_launch, sbatch_script, write_script
 
-    try:
-        _, overrides = _FLAGS.parse_known_args(args.overrides, namespace=args)
-    except argparse.ArgumentError as exc:
-        raise ValueError(str(exc)) from None
+    overrides = _OPTIONS.parse(args)
     if args.nodes is None:
         raise ValueError("--nodes is required: the number of nodes to run on")
     _refuse_flags_a_requeue_breaks(overrides)
