@@ -72,7 +72,15 @@ class Preflight:
                                                micro_batch_size=2 if self.cfg.parallel.pp > 1 else 1)
         self._scratch: JobConfig | None = None
         self._data: PreparedData | None = None
+        self._layers: list[int | None] = []  # scratch_layers(), once known
         self.notes: list[str] = []  # how the scratch runs differ from the user's run
+        if isinstance(layers, int):  # a user error, refused before anything runs
+            try:
+                total = model_args(self.cfg.model).num_hidden_layers
+            except (OSError, ValueError):
+                total = layers  # an unreadable config: checks 1-4 say so
+            if layers > total:
+                raise ValueError(f"--layers {layers}: {self.cfg.model.name_or_path} has {total} decoder layers")
 
     @property
     def lora(self) -> bool:
@@ -94,22 +102,19 @@ class Preflight:
 
     # -- the scratch configuration ----------------------------------------------------------
     def scratch_layers(self) -> int | None:
-        """Decoder layers of the scratch model, None for the model as it is.
-
-        Raises:
-            ValueError: `--layers` above the model's layer count.
-        """
-        if self.layers == "all":
-            return None
-        args = model_args(self.cfg.model)
-        total = args.num_hidden_layers
-        if self.layers == "auto":
-            wanted = covering_layers(args) if self.model_dir or _num_params(args) > AUTO_TRUNCATE_PARAMS else total
-        else:
-            wanted = int(self.layers)
-        if wanted > total:
-            raise ValueError(f"--layers {wanted}: {self.cfg.model.name_or_path} has {total} decoder layers")
-        return wanted if wanted < total else None
+        """Decoder layers of the scratch model, None for the model as it is."""
+        if not self._layers:
+            args = model_args(self.cfg.model)
+            total = args.num_hidden_layers
+            if self.layers == "all":
+                wanted = total
+            elif self.layers == "auto":
+                large = self.model_dir is not None or _num_params(args) > AUTO_TRUNCATE_PARAMS
+                wanted = covering_layers(args) if large else total
+            else:
+                wanted = int(self.layers)
+            self._layers.append(wanted if wanted < total else None)
+        return self._layers[0]
 
     def scratch(self) -> JobConfig:
         """The scratch configuration (written to OUT/work/config.yaml on first use)."""

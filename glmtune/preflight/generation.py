@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -52,8 +53,8 @@ class Decoding:
 
 def fixed_prompts(pf: Preflight) -> list[tuple[dict[str, Any], str]]:
     data = pf.data()
-    conversations = data.val_conversations or [json.loads(line) for line in
-                                                 open(data.manifest["train_file"], encoding="utf-8")]
+    conversations = data.val_conversations or [
+        json.loads(line) for line in Path(data.manifest["train_file"]).read_text(encoding="utf-8").splitlines()]
     return prompts_from(conversations, NUM_PROMPTS)
 
 

@@ -71,10 +71,13 @@ def report_markdown(report: dict[str, Any], results: list[CheckResult]) -> str:
         f"FAIL: {report['counts']['fail']} failed, {report['counts']['skip']} skipped (exit status 1)"
     lines = [f"# glmtune preflight: {report['recipe']}", "",
              f"**{verdict}** — {report['started']}, {report['seconds']:.0f} s; overrides: "
-             f"`{' '.join(report['overrides']) or 'none'}`", "",
-             f"Checks 5-10 ran on {report['scratch']['model'] or '(not reached)'}, scratch configuration "
-             f"`{report['scratch']['config']}`; it differs from the recipe in:", ""]
-    lines += [f"- {note}" for note in report["scratch"]["differs_from_the_recipe"]] + [""]
+             f"`{' '.join(report['overrides']) or 'none'}`", ""]
+    if report["scratch"]["model"]:
+        lines += [f"Checks 5-10 ran on {report['scratch']['model']}, scratch configuration "
+                  f"`{report['scratch']['config']}`; it differs from the recipe in:", ""]
+        lines += [f"- {note}" for note in report["scratch"]["differs_from_the_recipe"]] + [""]
+    else:
+        lines += ["Checks 5-10 did not start (see their skip reasons).", ""]
     lines += ["| # | check | status | s | evidence |", "|---:|---|---|---:|---|"]
     lines += [f"| {r.number} | {r.title} | {r.status.upper()} | {r.seconds:.1f} | {_cell(r.message)} |"
               for r in results]

@@ -71,11 +71,11 @@ def run_checks(pf: Preflight, console: Console, hash_shards: bool = True) -> lis
         for number in (5, 6):
             record(number, lambda n=number: skipped(n, why))
     else:
-        def step() -> CheckResult:
+        def train_reference() -> CheckResult:
             reference.append(run_reference(pf))
             return check_step(pf, reference[0])
 
-        record(5, step)
+        record(5, train_reference)
         record(6, lambda: check_gradients(pf, reference[0]) if reference else
                skipped(6, "the training step did not run (check 5)"))
     later = {7: lambda: check_resume(pf, reference[0]), 8: lambda: check_export(pf, reference[0]),

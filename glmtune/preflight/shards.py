@@ -133,10 +133,12 @@ def check_shards(pf: Preflight, hash_shards: bool = True) -> CheckResult:
         hashed, evidence["sha256"] = hash_problems(pf.model_dir, hash_shards)
         problems += hashed
         verified = sum(isinstance(v, dict) for v in evidence["sha256"].values())
+        hashes = (f"sha256 verified for {verified} of {report.num_files}"
+                  + ("" if verified == report.num_files else
+                     " (the others have no hash recorded by the download: their bytes are not verified)")
+                  if hash_shards else "bytes after the headers not verified (--no-shard-hashes)")
         summary = (f"{report.num_files} shards, {report.num_tensors:,} tensors, {human_bytes(report.num_bytes)} "
-                   f"(headers, sizes, shapes, dtypes); sha256 verified for {verified} of {report.num_files}"
-                   + ("" if verified == report.num_files else
-                      " (the others have no hash recorded by the download: their bytes are not verified)"))
+                   f"(headers, sizes, shapes, dtypes); {hashes}")
     space, evidence["disk"] = space_problems(pf)
     problems += space
     disk = "; ".join(f"{label}: {human_bytes(sum(n['bytes'] for n in e['needs']))} of {e['free']} free"

@@ -69,7 +69,8 @@ def check_step(pf: Preflight, ref: ReferenceRun) -> CheckResult:
     data = evidence["data"] or {}
     rows = data.get("train_packing", {}).get("num_rows")
     message = (f"loss {first['loss']:.4f} over {first['tokens']:,} tokens ({first['supervised_tokens']:,} supervised) "
-               f"of {data.get('train_conversations')} conversations packed in {rows} rows; lr {first['lr']:.3g}, "
+               f"in {pf.replica.batch[-1]} of the data's {rows} packed rows ({data.get('train_conversations')} "
+               f"conversations); lr {first['lr']:.3g}, "
                f"grad norm {first['grad_norm']:.4g}; the step moved {len(expected) - len(stuck)} of {len(expected)} "
                f"tensors with gradients; {pf.describe_model()}, {pf.device.type} {pf.cfg.model.dtype}")
     return verdict(5, problems, message, evidence)

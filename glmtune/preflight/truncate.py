@@ -67,5 +67,7 @@ def truncated_view(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     index = {"metadata": {"truncated_from": str(src), "num_hidden_layers": num_layers}, "weight_map": weight_map}
     (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     for name in {*weight_map.values(), *(n for n in TOKENIZER_FILES if (src / n).is_file())}:
+        if (dst / name).is_symlink():  # a view written before (a preflight run again in its directory)
+            (dst / name).unlink()
         (dst / name).symlink_to(src / name)
     return dst
