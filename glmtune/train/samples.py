@@ -1,8 +1,10 @@
 """Before/after generations on held-out prompts, scored against the reference answer.
 
 For the prompts (validation conversations cut before their final assistant turn)
-the model generates greedily; each output is scored as parseable JSON and as an
-exact match of the reference answer's JSON. Running the same prompts before and
+the model generates greedily (with the decoding cache of `glmtune.generation` when
+the model is a plain unsharded `Glm5ForCausalLM`; else `greedy_generate`, which re-runs
+the prefix and works under every parallel wrapper); each output is scored as parseable
+JSON and as an exact match of the reference answer's JSON. Running the same prompts before and
 after training shows, in the terminal, what the fine-tune changed.
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from glmtune.generation.generator import cached_decoding_supported, generate
 from glmtune.train.generate import greedy_generate
 
 
@@ -63,7 +66,10 @@ def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[
         text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
                                    enable_thinking=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        output_ids = greedy_generate(model, ids, max_new_tokens, stop_ids)
+        if cached_decoding_supported(model):
+            output_ids = generate(model, [ids], max_new_tokens, stop_token_ids=stop_ids).token_ids[0]
+        else:
+            output_ids = greedy_generate(model, ids, max_new_tokens, stop_ids)
         user = next((m["content"] for m in reversed(row["messages"]) if m["role"] == "user"), "")
         results.append(SampleResult(str(user), reference, tokenizer.decode(output_ids, skip_special_tokens=False)))
     return results

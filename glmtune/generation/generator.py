@@ -1,0 +1,181 @@
+"""Batched incremental decoding with a `DecodeCache`: greedy or seeded sampling.
+
+    result = generate(model, [ids_a, ids_b], max_new_tokens=64, tokenizer=tok,
+                      temperature=0.7, top_p=0.9, seed=0, stop_strings=["}"])
+    result.token_ids[i], result.texts[i], result.finish_reasons[i], result.decode_tokens_per_s
+
+Prompts of different lengths are LEFT-padded to the longest: every row's next token is
+then the last column, and each row's rope positions count from its first real token
+(as transformers' `generate` does from the attention mask). Pad keys are masked out of
+attention and out of the indexer's top-k (`decode.forward_cached`).
+
+The prompt is prefilled in chunks of `prefill_chunk` positions through the same cached
+forward (bounding the [B, S, H, T] fp32 indexer scores); then one token per row per step.
+
+A row finishes at a stop token id (not included in its tokens: "stop_token"), when its
+text contains a stop string (the text is cut before it, the tokens kept up to the one
+that completed it: "stop_string"), or after `max_new_tokens` ("length"). Stop ids default
+to the model config's `eos_token_id` plus the tokenizer's eos.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from glmtune.generation.cache import DecodeCache
+from glmtune.generation.decode import forward_cached
+from glmtune.models.glm5.model import Glm5ForCausalLM
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated ids per row (without the prompt and the stop id)
+    texts: list[str] | None  # decoded (cut before a stop string); None without a tokenizer
+    finish_reasons: list[str]  # "stop_token" | "stop_string" | "length"
+    prompt_tokens: int  # real (unpadded) prompt tokens over all rows
+    new_tokens: int  # generated tokens over all rows (stop ids included: they were computed)
+    prefill_s: float  # prompt forward and the first token
+    decode_s: float  # every later step
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [B, V] per step, if asked
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.new_tokens - len(self.token_ids)  # the first token of each row is prefill's
+        return steps / self.decode_s if self.decode_s > 0 else float("inf")
+
+
+def default_stop_ids(model: Glm5ForCausalLM, tokenizer=None) -> set[int]:
+    eos = model.args.eos_token_id
+    ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next ids [B] from fp32 logits: argmax at temperature 0, else a draw from the
+    temperature-scaled distribution cut to the top_k most likely ids (0: all) and to the
+    smallest set whose probability reaches top_p (the most likely id is always kept)."""
+    if temperature == 0.0:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV / temperature
+    if top_k > 0:
+        kth_B1 = logits_BV.topk(min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        beyond_BV = probs_BV.cumsum(dim=-1) - probs_BV >= top_p  # the mass before this id already reaches top_p
+        sorted_BV = sorted_BV.masked_fill(beyond_BV, float("-inf"))
+        logits_BV = torch.full_like(logits_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
+    probs_BV = logits_BV.softmax(dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *, tokenizer=None,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             stop_token_ids: set[int] | None = None, stop_strings: tuple[str, ...] | list[str] = (),
+             prefill_chunk: int = 512, return_logits: bool = False) -> GenerationResult:
+    """Generates up to `max_new_tokens` after each prompt (see the module docstring).
+    `seed` seeds a torch.Generator on the model's device: the same seed, prompts and options
+    give the same tokens."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise ValueError(f"temperature must be >= 0, top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer")
+    if stop_token_ids is None:
+        stop_token_ids = default_stop_ids(model, tokenizer)
+    param = model.lm_head.weight
+    device = param.device
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+    pad_id = model.args.pad_token_id if model.args.pad_token_id is not None else 0
+
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    pads = [longest - len(p) for p in prompts]
+    ids_BP = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pads, prompts)], device=device)
+    pad_B1 = torch.tensor(pads, device=device)[:, None]
+    columns_P = torch.arange(longest, device=device)[None, :]
+    valid_BP = columns_P >= pad_B1
+    positions_BP = (columns_P - pad_B1).clamp(min=0)
+    cache = DecodeCache(model.args, batch, longest + max_new_tokens, param.dtype, device)
+
+    was_training = model.training
+    model.eval()
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    reasons: list[str | None] = [None] * batch
+    texts: list[str] | None = [""] * batch if tokenizer is not None else None
+    step_logits: list[torch.Tensor] = []
+    new_tokens, prefill_s = 0, 0.0
+    try:
+        start = time.perf_counter()
+        for chunk_start in range(0, longest, prefill_chunk):
+            cols = slice(chunk_start, chunk_start + prefill_chunk)
+            hidden_BSD = forward_cached(model, ids_BP[:, cols], positions_BP[:, cols], valid_BP[:, cols], cache)
+        next_pos_B1 = positions_BP[:, -1:] + 1
+        for step in range(max_new_tokens):
+            logits_BV = model.lm_head(hidden_BSD[:, -1]).float()
+            if return_logits:
+                step_logits.append(logits_BV)
+            next_B = sample_next(logits_BV, temperature, top_k, top_p, generator)
+            for row, token in enumerate(next_B.tolist()):
+                if reasons[row] is not None:
+                    continue
+                new_tokens += 1
+                if token in stop_token_ids:
+                    reasons[row] = "stop_token"
+                    continue
+                tokens[row].append(token)
+                if texts is not None:
+                    texts[row] = tokenizer.decode(tokens[row], skip_special_tokens=False)
+                    hits = [texts[row].find(s) for s in stop_strings if s in texts[row]]
+                    if hits:
+                        texts[row], reasons[row] = texts[row][:min(hits)], "stop_string"
+                if reasons[row] is None and len(tokens[row]) == max_new_tokens:
+                    reasons[row] = "length"
+            if step == 0:
+                prefill_s = time.perf_counter() - start
+                start = time.perf_counter()
+            if all(r is not None for r in reasons):
+                break
+            ones_B1 = torch.ones(batch, 1, dtype=torch.bool, device=device)
+            hidden_BSD = forward_cached(model, next_B[:, None], next_pos_B1, ones_B1, cache)
+            next_pos_B1 = next_pos_B1 + 1
+        decode_s = time.perf_counter() - start if max_new_tokens > 1 else 0.0
+    finally:
+        model.train(was_training)
+    reasons = [r or "length" for r in reasons]
+    return GenerationResult(tokens, texts, reasons, sum(map(len, prompts)), new_tokens, prefill_s, decode_s,
+                            step_logits)
+
+
+def cached_decoding_supported(model) -> bool:
+    """Whether `generate` can run `model`: a plain `Glm5ForCausalLM` in one process. It calls the
+    layers' submodules itself, so sharded parameters (FSDP2, expert parallelism: DTensors), a
+    sequence shard or pipeline stages, whose wrappers gather or route in their own forwards,
+    are not supported (`glmtune.train.generate.greedy_generate` runs those)."""
+    from torch.distributed.tensor import DTensor
+
+    from glmtune.models.glm5.model import DecoderLayer
+
+    if not isinstance(model, Glm5ForCausalLM) or model.model.sequence_shard is not None:
+        return False
+    layers = list(model.model.layers)
+    if len(layers) != model.args.num_hidden_layers:
+        return False
+    if not all(isinstance(getattr(layer, "_orig_mod", layer), DecoderLayer) for layer in layers):
+        return False
+    return not any(isinstance(p, DTensor) for p in model.parameters())
