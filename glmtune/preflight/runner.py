@@ -52,6 +52,8 @@ def run_checks(pf: Preflight, console: Console, hash_shards: bool = True) -> lis
             result = CheckResult(number, "fail", f"{type(exc).__name__}: {exc}",
                                  {"traceback": str(pf.work / "preflight.log")})
         result.seconds = round(time.perf_counter() - start, 2)
+        if number >= 5 and pf.has_scratch:  # what the scratch runs trained, in every check that used them
+            result.evidence.setdefault("model", pf.describe_model())
         results[number] = result
         style = STYLES[result.status]
         console.print(f"[{number}/10] {result.name}: [{style}]{result.status}[/{style}] ({result.seconds:.1f} s)",

@@ -143,4 +143,7 @@ def check_shards(pf: Preflight, hash_shards: bool = True) -> CheckResult:
     problems += space
     disk = "; ".join(f"{label}: {human_bytes(sum(n['bytes'] for n in e['needs']))} of {e['free']} free"
                      for label, e in evidence["disk"].items())
+    evidence["disk"]["source"] = ({"path": str(pf.model_dir), "bytes": evidence["verify"]["num_bytes"],
+                                   "note": "on disk already (verified above)"} if pf.model_dir is not None
+                                  else {"note": "a preset: nothing to store"})
     return verdict(2, problems, f"{summary}; {disk}", evidence)

@@ -10,7 +10,10 @@ real weights. `truncated_view(src, dst, K)` writes `dst/` with
     first K layers, the final norm and the head, with FP8 scales), each in its original file;
   * symbolic links to the original shard files and tokenizer files.
 Nothing is copied: glmtune's loaders read the index, so only the named tensors are read,
-and the other layers' bytes are never touched. Which HF keys belong to the smaller model
+and the other layers' bytes are never touched. (`model.overrides` cannot do this: the loader
+takes overrides for presets only, and refuses a tensor the config has no place for, which
+every layer after K would be.) transformers loads the view too, reporting the other layers'
+tensors in the shared files as unexpected keys. Which HF keys belong to the smaller model
 is decided by `Glm5StateDictAdapter` (the only place HF key names live).
 """
 
