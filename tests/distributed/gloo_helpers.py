@@ -1,8 +1,11 @@
-"""Run a function in N spawned CPU processes joined in one gloo process group.
+"""Run a function in N CPU processes joined in one gloo process group.
 
-The rendezvous is a file under the test's tmp_path (no port to collide with parallel
-test runs). A worker that raises fails the test with its traceback; a run that outlives
-its deadline (a rank stuck in a collective) is killed and fails the test.
+The processes are forked from this test process's multiprocessing fork server, which imports
+torch, its distributed packages and the model once (the preload below); a spawned process
+would spend seconds importing them again, for every rank of every run. The rendezvous is a
+file under the test's tmp_path (no port to collide with parallel test runs). A worker that
+raises fails the test with its traceback; a run that outlives its deadline (a rank stuck in a
+collective) is killed and fails the test.
 """
 
 from __future__ import annotations
@@ -13,6 +16,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# What the fork server imports before it forks any rank (a module it cannot import is skipped).
+# The server starts once per test process with the first preload set: tests/distributed/test_mesh.py
+# names the same modules, so whichever of its gloo runs and these comes first, both get them.
+PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "glmtune.models.glm5", "glmtune.models.glm5.parallelize", "glmtune.checkpoint.hf_io",
+           "glmtune.distributed.mesh", __name__]
+
+
+def start_forkserver_ranks(fn, args: tuple, world_size: int, preload: list[str] = PRELOAD) -> mp.ProcessContext:
+    """`fn(rank, *args)` on `world_size` processes forked from the (preloaded) fork server."""
+    mp.set_forkserver_preload(preload)  # read when this process first starts its server
+    return mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="forkserver")
 
 
 def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
@@ -31,8 +47,7 @@ def run_gloo(fn, world_size: int, tmp_path: Path, *args, timeout_s: float = 120.
     through files, e.g. under `tmp_path`.
     """
     init_file = tmp_path / f"gloo-rendezvous-{time.monotonic_ns()}"
-    context = mp.start_processes(_entry, args=(fn, world_size, str(init_file), args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+    context = start_forkserver_ranks(_entry, (fn, world_size, str(init_file), args), world_size)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -7,12 +7,12 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from glmtune.config import ParallelConfig
 from glmtune.distributed.mesh import MeshDegrees, ParallelMesh
+from tests.distributed.gloo_helpers import PRELOAD, start_forkserver_ranks
 
 NUM_EXPERTS = 8  # the tiny preset's routed experts
 
@@ -172,6 +172,7 @@ def _check_layouts(rank: int, world_size: int, store_path: str) -> None:
 def test_meshes_on_gloo(world_size, tmp_path):
     # Fresh processes forked from a server that has imported this module (torch, DTensor,
     # FSDP) once: each spawned process would spend ~10 s importing them again.
-    mp.set_forkserver_preload([__name__])
-    mp.start_processes(_check_layouts, args=(world_size, str(tmp_path / "store")), nprocs=world_size,
-                       start_method="forkserver")
+    context = start_forkserver_ranks(_check_layouts, (world_size, str(tmp_path / "store")), world_size,
+                                     preload=[*PRELOAD, __name__])
+    while not context.join():
+        pass
