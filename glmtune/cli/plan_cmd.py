@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from glmtune.cli.arg_types import RecipeOptions
+
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
     from glmtune.plan.hardware import GPUS
@@ -40,31 +42,15 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+_OPTIONS = RecipeOptions("glmtune plan", _add_options)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="memory, GPUs, time and cost of a recipe before running it",
+    _OPTIONS.register(
+        subparsers, "plan", help="memory, GPUs, time and cost of a recipe before running it",
         description="Plan RECIPE: model-state floor, per-GPU memory of its layout, fit per GPU kind, the "
-                    "smallest GPU count that fits, tokens per epoch of its data, time and cost from a measurement.")
-    parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
-    _add_options(parser)
-    parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="dotted overrides, as for glmtune train (the options above may come among them)")
-    parser.set_defaults(func=_run)
-
-
-def _split_options(args: argparse.Namespace) -> list[str]:
-    """The plan's own options given after RECIPE (argparse hands everything there over as
-    overrides) go into `args`; the rest are the dotted config overrides."""
-    late = argparse.ArgumentParser(add_help=False)
-    _add_options(late)
-    for action in late._actions:
-        action.default = argparse.SUPPRESS
-    given, overrides = late.parse_known_args(args.overrides)
-    for key, value in vars(given).items():
-        if key == "gpu" and args.gpu:
-            value = args.gpu + value
-        setattr(args, key, value)
-    return overrides
+                    "smallest GPU count that fits, tokens per epoch of its data, time and cost from a measurement.",
+        overrides_help="dotted overrides, as for glmtune train (the options above may come among them)", func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -77,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     from glmtune.plan.report import print_report
     from glmtune.plan.throughput_source import Measurement, read_measurement
 
-    args.overrides = _split_options(args)
+    args.overrides = _OPTIONS.parse(args)
     for name in ("gpus", "max_gpus", "restarts"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "restarts" else 1):
