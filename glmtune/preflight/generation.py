@@ -3,9 +3,10 @@
 Prompts: the first `NUM_PROMPTS` conversations of the scratch data's validation split (the
 training split when it has none), cut before their final assistant answer
 (`glmtune.train.samples.prompts_from`), rendered with the run's chat template and a
-generation prompt. Decoding: greedy (`glmtune.train.generate.greedy_generate` through
-`run_samples`), at most `MAX_NEW_TOKENS` new tokens, stopping at `<|endoftext|>`,
-`<|user|>` or `<|observation|>`, thinking disabled. The base is the model the reference run
+generation prompt. Decoding: greedy, through `glmtune.train.samples.run_samples` as a
+training run's samples are decoded (glmtune/generation's cached decoding for an unsharded
+model), at most `MAX_NEW_TOKENS` new tokens, stopping at `<|endoftext|>`, `<|user|>` or
+`<|observation|>`, thinking disabled. The base is the model the reference run
 started from; the trained model is the base with the reference run's last checkpoint.
 
 Two steps of training promise nothing about quality, so the criterion is about the decoding
