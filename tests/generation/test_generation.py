@@ -18,7 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.data.tokenizer import load_tokenizer
-from glmtune.generation import DecodeCache, bytes_per_token, generate, sample_next
+from glmtune.generation import DecodeCache, bytes_per_token, default_stop_ids, generate, sample_next
 from glmtune.generation.generator import cached_decoding_supported
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
@@ -131,8 +131,8 @@ def test_stops(model):
     batch = generate(model, [prompt, _prompts((9,), seed=2)[0]], NEW, stop_token_ids={stop})
     assert batch.finish_reasons[0] == "stop_token" and batch.token_ids[0] == tokens[:tokens.index(stop)]
     # the config's eos ids by default
-    assert generate(model, [prompt], 1).finish_reasons == ["length"]
-    assert ARGS.eos_token_id and all(t not in ARGS.eos_token_id for t in free.token_ids[0][:1])
+    assert default_stop_ids(model) == set(ARGS.eos_token_id) == {4064, 4071, 4073}
+    assert default_stop_ids(model, tokenizer) == set(ARGS.eos_token_id) | {tokenizer.eos_token_id}
 
 
 def test_timing_and_cache_size(model):
