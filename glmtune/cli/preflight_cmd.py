@@ -116,7 +116,8 @@ def _run(ns: argparse.Namespace) -> int:
     results = run_checks(pf, console, hash_shards=not ns.no_shard_hashes)
     console.print(results_table(results))
     status = exit_status(results)
+    counts = {s: sum(r.status == s for r in results) for s in ("fail", "skip")}
     verdict = "[green]all ten checks pass[/green]" if status == 0 else \
-        f"[red]{sum(r.status == 'fail' for r in results)} failed, {sum(r.status == 'skip' for r in results)} skipped[/red]"
+        f"[red]{counts['fail']} failed, {counts['skip']} skipped[/red]"
     console.print(f"{verdict}; report: {pf.out / 'preflight.md'}, {pf.out / REPORT_NAME}")
     return status

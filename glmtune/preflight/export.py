@@ -43,7 +43,8 @@ BF16_REL_BOUND, BF16_TOP1 = 1e-2, 0.98
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """transformers' load reports (a view's unused layers are 'unexpected keys'), progress bars and warnings, silenced."""
+    """transformers' load reports (a view's unused layers are "unexpected keys"), progress bars and
+    warnings, silenced."""
     from transformers.utils import logging
 
     previous, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()

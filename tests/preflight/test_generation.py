@@ -31,6 +31,7 @@ def test_mismatched_decoding_fails(sft_done, fresh):
     pf = fresh()
     prompts = fixed_prompts(pf)
     decoding = decoding_for(load_tokenizer(None), load_chat_template(TINY_TOKENIZER_DIR), prompts)
-    result = check_generation(pf, sft_done.reference(), trained_decoding=dataclasses.replace(decoding, max_new_tokens=8))
+    other = dataclasses.replace(decoding, max_new_tokens=8)
+    result = check_generation(pf, sft_done.reference(), trained_decoding=other)
     assert result.status == "fail"
     assert result.message == "base and trained models were decoded differently: {'max_new_tokens': (24, 8)}"

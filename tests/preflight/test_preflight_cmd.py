@@ -15,12 +15,14 @@ from tests.preflight.conftest import SFT
 @pytest.mark.parametrize("name", ["sft", "lora"])
 def test_tiny_recipe_passes_all_ten_checks(name, request):
     done = request.getfixturevalue(f"{name}_done")
-    failed = [(c["number"], c["status"], c["message"]) for c in done.report.get("checks", []) if c["status"] != "pass"]
+    checks = done.report.get("checks", [])
+    failed = [(c["number"], c["status"], c["message"]) for c in checks if c["status"] != "pass"]
     assert done.status == 0, failed
     assert [c["number"] for c in done.report["checks"]] == list(range(1, 11)) and not failed
     assert done.report["passed"] and done.report["exit_status"] == 0
     markdown = (done.out / "preflight.md").read_text()
-    assert "**PASS: all ten checks pass**" in markdown and "| 10 | multi-process run of the scaled layout | PASS" in markdown
+    assert "**PASS: all ten checks pass**" in markdown
+    assert "| 10 | multi-process run of the scaled layout | PASS" in markdown
     assert "| routed_experts |" in markdown and "| prompt | reference | base | trained |" in markdown
     # evidence behind the verdicts
     assert done.check(7)["evidence"]["killed"].startswith("SIGKILL")
