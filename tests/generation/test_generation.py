@@ -165,3 +165,29 @@ def test_run_samples_uses_the_cache(model, monkeypatch):
     prompt = _prompts((30,))[0]
     eos = set(ARGS.eos_token_id)
     assert generate(model, [prompt], NEW, stop_token_ids=eos).token_ids[0] == greedy_generate(model, prompt, NEW, eos)
+
+
+@pytest.mark.parametrize("style", ["glm5", "yarn"])  # every layer its own indexer; YaRN rope
+def test_greedy_equals_transformers_other_styles(style, tmp_path):
+    """transformers' tiny random models of tests/parity (index_topk 8, 16 indexer heads), loaded
+    into glmtune: cached greedy tokens equal transformers' generate, logits the full forward's."""
+    from glmtune.checkpoint.hf_io import load_pretrained
+    from tests.parity.hf_reference import make_hf_model
+
+    hf = make_hf_model(style)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, dtype=torch.float32, attention_backend="eager", moe_backend="loop").eval()
+    prompts = [[t % 500 + 1 for t in p] for p in _prompts((24, 6, 17), seed=4)]  # vocab 512
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    expected = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
+                           pad_token_id=0)[:, longest:].tolist()
+    result = generate(ours, prompts, NEW, stop_token_ids=set(), return_logits=True)
+    assert result.token_ids == expected
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            full_TV = ours(torch.tensor([prompt + result.token_ids[row]])).logits[0]
+        diffs = [(full_TV[len(prompt) - 1 + step] - logits_BV[row]).abs().max().item()
+                 for step, logits_BV in enumerate(result.step_logits)]
+        assert max(diffs) <= 1e-5, diffs
