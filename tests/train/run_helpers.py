@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 SMALL = [
     "--train.max_steps", "8", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "0",
@@ -15,6 +17,15 @@ SMALL = [
     "--train.generate_samples", "0", "--checkpoint.export_hf", "false", "--logging.progress", "false",
     "--logging.tensorboard", "false", "--train.log_every", "1", "--optim.warmup_steps", "2",
 ]
+
+
+# Four steps with a checkpoint after step 2, the flags of the one-process references that tests
+# in several files compare against (each such reference is one `shared_run`).
+FOUR_STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2"]
+WITH_VALIDATION = [*FOUR_STEPS, "--train.val_every", "2"]  # validation losses at steps 2 and 4
+WITH_EXPORT = [*FOUR_STEPS, "--checkpoint.export_hf", "true"]  # global batch 4, the HF export
+BATCH_8_WITH_EXPORT = [*WITH_EXPORT, "--train.global_batch_size", "8"]  # as 4 ranks x micro-batch 2
+TWO_STEPS = ["--train.max_steps", "2", "--checkpoint.every_steps", "2"]  # the shortest finished run
 
 
 def train_command(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json") -> list[str]:
@@ -68,3 +79,28 @@ def assert_same_steps(actual: dict, expected: dict, rel: float = 1e-5) -> None:
             assert (got is None) == (want is None), step
             if want is not None:
                 assert got == pytest.approx(want, rel=rel), step
+
+
+class SharedRun(NamedTuple):
+    run_dir: Path
+    cache_dir: Path
+    stdout: str
+
+
+def shared_run(shared, *extra: str, recipe: str = "tiny/sft_support_json", nproc: int = 1) -> SharedRun:
+    """`run` with these flags (`torchrun` on `nproc` ranks when nproc > 1), made once per test
+    session for every test asking for the same flags (`shared` is the `shared_results`
+    fixture). Read it only: copy the run directory before resuming it. Other runs may use
+    its data cache (entries are content-addressed and replaced atomically)."""
+    key = hashlib.sha256(json.dumps([recipe, nproc, *extra]).encode()).hexdigest()[:16]
+
+    def build(root: Path) -> None:
+        if nproc > 1:
+            done = torchrun(nproc, root / "run", root / "cache", *extra, recipe=recipe)
+        else:
+            done = run(root / "run", root / "cache", *extra, recipe=recipe)
+            assert done.returncode == 0, done.stdout + done.stderr
+        (root / "stdout.txt").write_text(done.stdout)
+
+    root = shared.get(f"run-{key}", build)
+    return SharedRun(root / "run", root / "cache", (root / "stdout.txt").read_text())
