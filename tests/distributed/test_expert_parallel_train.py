@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
-from tests.train.run_helpers import SMALL, env, run
+from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, SMALL, WITH_EXPORT, env, run, shared_run
 
 
 def _torchrun(nproc: int, run_dir: Path, cache: Path, *extra: str, recipe: str = "tiny/sft_support_json"):
@@ -45,38 +45,31 @@ def _assert_same(actual: dict, expected: dict) -> None:
         assert actual[step][1] == pytest.approx(norm, rel=1e-5), step
 
 
-STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2"]
-
-
-def test_ep2_matches_one_process_and_exports_the_same_model(tmp_path):
-    cache = tmp_path / "cache"
-    single = run(tmp_path / "single", cache, *STEPS, "--checkpoint.export_hf", "true")
-    assert single.returncode == 0, single.stdout + single.stderr
-    ep = _torchrun(2, tmp_path / "ep2", cache, *STEPS, "--checkpoint.export_hf", "true", "--parallel.ep", "2")
+def test_ep2_matches_one_process_and_exports_the_same_model(tmp_path, shared_results):
+    single = shared_run(shared_results, *WITH_EXPORT)
+    ep = _torchrun(2, tmp_path / "ep2", single.cache_dir, *WITH_EXPORT, "--parallel.ep", "2")
     assert "ep 2" in ep.stdout
-    _assert_same(_records(tmp_path / "ep2"), _records(tmp_path / "single"))
+    _assert_same(_records(tmp_path / "ep2"), _records(single.run_dir))
     exported = load_pretrained(tmp_path / "ep2" / "hf", dtype=torch.float32).state_dict()
-    reference = load_pretrained(tmp_path / "single" / "hf", dtype=torch.float32).state_dict()
+    reference = load_pretrained(single.run_dir / "hf", dtype=torch.float32).state_dict()
     assert exported.keys() == reference.keys()
     for name, tensor in reference.items():
         # Adam normalizes: reduction-order noise (1e-7) in a tiny gradient moves a weight by ~1e-6
         torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path):
-    cache = tmp_path / "cache"
+def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path, shared_results):
+    single = shared_run(shared_results, *BATCH_8_WITH_EXPORT)  # its HF export is not read here
+    expected, cache = _records(single.run_dir), single.cache_dir
     batch = ["--train.global_batch_size", "8"]  # 4 ranks x micro-batch 2
-    single = run(tmp_path / "single", cache, *STEPS, *batch)
-    assert single.returncode == 0, single.stdout + single.stderr
-    expected = _records(tmp_path / "single")
-    done = _torchrun(4, tmp_path / "ep2", cache, *STEPS, *batch, "--parallel.ep", "2")
+    done = _torchrun(4, tmp_path / "ep2", cache, *FOUR_STEPS, *batch, "--parallel.ep", "2")
     assert "dp_shard 4" in done.stdout and "ep 2 (expert FSDP 2)" in done.stdout
     _assert_same(_records(tmp_path / "ep2"), expected)
     for ep in ("1", "4"):  # the step-2 checkpoint of the ep 2 run, resharded onto another layout
         layout = tmp_path / f"resume-ep{ep}"
         shutil.copytree(tmp_path / "ep2", layout)
         shutil.rmtree(layout / "checkpoints" / "step-00000004")
-        done = _torchrun(4, layout, cache, *STEPS, *batch, "--parallel.ep", ep, "--checkpoint.resume", "auto")
+        done = _torchrun(4, layout, cache, *FOUR_STEPS, *batch, "--parallel.ep", ep, "--checkpoint.resume", "auto")
         assert "resumed from" in done.stdout and "step-00000002" in done.stdout
         _assert_same(_records(layout), expected)
 
