@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.run_helpers import assert_same_steps, run, step_records, torchrun
+from tests.train.run_helpers import (BATCH_8_WITH_EXPORT, FOUR_STEPS, WITH_VALIDATION, assert_same_steps, run,
+                                    shared_run, step_records, torchrun)
 
-STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2", "--train.val_every", "2"]
+STEPS = WITH_VALIDATION  # the one-process reference: tests/train/run_helpers.py
 
 
 @pytest.mark.parametrize("balance", ["head_tail", "contiguous"])
-def test_cp2_matches_one_process_and_resumes_without_cp(balance, tmp_path):
-    cache = tmp_path / "cache"
-    single = run(tmp_path / "single", cache, *STEPS)
-    assert single.returncode == 0, single.stdout + single.stderr
+def test_cp2_matches_one_process_and_resumes_without_cp(balance, tmp_path, shared_results):
+    single = shared_run(shared_results, *STEPS)
+    cache = single.cache_dir
     done = torchrun(2, tmp_path / "cp", cache, *STEPS, "--parallel.cp", "2", "--parallel.cp_balance", balance)
     assert "x cp 2 x" in " ".join(done.stdout.split())
-    expected = step_records(tmp_path / "single")
+    expected = step_records(single.run_dir)
     assert_same_steps(step_records(tmp_path / "cp"), expected)  # token counts too: cp ranks share rows
     if balance == "head_tail":  # the cp 2 checkpoint of step 2, continued in one process
         layout = tmp_path / "resume"
@@ -37,12 +37,10 @@ def test_cp2_matches_one_process_and_resumes_without_cp(balance, tmp_path):
         assert_same_steps(step_records(layout), expected)
 
 
-def test_cp2_with_ep2_over_the_sharded_ranks(tmp_path):
-    cache = tmp_path / "cache"
-    batch = ["--train.global_batch_size", "8", "--train.val_every", "0"]
-    single = run(tmp_path / "single", cache, *STEPS, *batch)
-    assert single.returncode == 0, single.stdout + single.stderr
-    done = torchrun(4, tmp_path / "cp", cache, *STEPS, *batch, "--parallel.cp", "2", "--parallel.ep", "2")
+def test_cp2_with_ep2_over_the_sharded_ranks(tmp_path, shared_results):
+    single = shared_run(shared_results, *BATCH_8_WITH_EXPORT)  # no validation; its HF export is not read here
+    batch = ["--train.global_batch_size", "8", "--parallel.cp", "2", "--parallel.ep", "2"]
+    done = torchrun(4, tmp_path / "cp", single.cache_dir, *FOUR_STEPS, *batch)
     described = " ".join(done.stdout.split())  # the console wraps long lines
     assert "dp_shard 2 x cp 2" in described and "ep 2 (expert FSDP 2)" in described
-    assert_same_steps(step_records(tmp_path / "cp"), step_records(tmp_path / "single"))
+    assert_same_steps(step_records(tmp_path / "cp"), step_records(single.run_dir))
