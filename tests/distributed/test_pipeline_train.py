@@ -17,44 +17,47 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.run_helpers import assert_same_steps, run, step_records, torchrun
+from tests.train.run_helpers import (BATCH_8_WITH_EXPORT, TWO_STEPS, WITH_VALIDATION, assert_same_steps, run,
+                                    shared_run, step_records, torchrun)
 
-STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2", "--train.val_every", "2"]
+STEPS = WITH_VALIDATION  # global batch 4 (2 micro batches of 2 rows) with validation every 2 steps
+
+LAYOUTS = {
+    "1F1B-carry": ["--parallel.pp_layer_split", "[3,1]"],  # stage 1 starts on layer 3, a shared-indexer layer
+    "Interleaved1F1B": ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"],
+    "ZBVZeroBubble": ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
+}
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The one-process reference: global batch 4 (2 micro batches of 2 rows)."""
-    root = tmp_path_factory.mktemp("pp-single")
-    done = run(root / "run", root / "cache", *STEPS)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return root
+def single(shared_results):
+    """The one-process reference (shared with tests/distributed/test_context_parallel_train.py)."""
+    return shared_run(shared_results, *STEPS)
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallel.pp_layer_split", "[3,1]"],  # stage 1 starts on layer 3, a shared-indexer layer
-    ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"],
-    ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
-], ids=["1F1B-carry", "Interleaved1F1B", "ZBVZeroBubble"])
-def test_pp2_schedules_match_one_process(layout, single, tmp_path):
-    done = torchrun(2, tmp_path / "pp", single / "cache", *STEPS, "--parallel.pp", "2", *layout)
+def _pp2(shared_results, layout: str):
+    """The pp 2 run of a layout (the resume test below continues the 1F1B-carry one)."""
+    return shared_run(shared_results, *STEPS, "--parallel.pp", "2", *LAYOUTS[layout], nproc=2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pp2_schedules_match_one_process(layout, single, shared_results):
+    done = _pp2(shared_results, layout)
     assert "pipeline: " in done.stdout
-    assert_same_steps(step_records(tmp_path / "pp"), step_records(single / "run"))
+    assert_same_steps(step_records(done.run_dir), step_records(single.run_dir))
 
 
 @pytest.mark.parametrize("ep", ["1", "2"], ids=["pp2-fsdp2", "pp2-fsdp2-ep2"])
-def test_pp2_fsdp2_trains_and_exports_as_one_process(ep, tmp_path):
-    cache = tmp_path / "cache"
-    # (no validation: 4 validation rows are too few for 2 data-parallel ranks x 2 rows)
-    batch = ["--train.global_batch_size", "8", "--checkpoint.export_hf", "true", "--train.val_every", "0"]
-    reference = run(tmp_path / "single", cache, *STEPS, *batch)
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    done = torchrun(4, tmp_path / "pp", cache, *STEPS, *batch, "--parallel.pp", "2", "--parallel.ep", ep)
+def test_pp2_fsdp2_trains_and_exports_as_one_process(ep, tmp_path, shared_results):
+    # Global batch 8, HF export; no validation: 4 validation rows are too few for 2 data-parallel ranks x 2 rows.
+    reference = shared_run(shared_results, *BATCH_8_WITH_EXPORT)
+    done = torchrun(4, tmp_path / "pp", reference.cache_dir, *BATCH_8_WITH_EXPORT, "--parallel.pp", "2",
+                    "--parallel.ep", ep)
     described = " ".join(done.stdout.split())  # the console wraps long lines
     assert "dp_shard 2" in described and f"pp 2; ep {ep}" in described
-    assert_same_steps(step_records(tmp_path / "pp"), step_records(tmp_path / "single"))
+    assert_same_steps(step_records(tmp_path / "pp"), step_records(reference.run_dir))
     exported = load_file(tmp_path / "pp" / "hf" / "model.safetensors")
-    expected = load_file(tmp_path / "single" / "hf" / "model.safetensors")
+    expected = load_file(reference.run_dir / "hf" / "model.safetensors")
     assert list(exported) == list(expected)  # every stage's tensors, in the one-process order
     for name, tensor in expected.items():
         # Measured: everything within 3e-7 but one embedding element (1.3e-5), a token row with a
@@ -63,34 +66,32 @@ def test_pp2_fsdp2_trains_and_exports_as_one_process(ep, tmp_path):
                                    msg=name)
 
 
-def test_checkpoints_resume_across_pipeline_layouts(single, tmp_path):
-    pp = tmp_path / "pp"
-    torchrun(2, pp, single / "cache", *STEPS, "--parallel.pp", "2")
-    expected = step_records(single / "run")
-    for source, nproc, extra in ((pp, 1, []), (single / "run", 2, ["--parallel.pp", "2"])):
-        layout = tmp_path / f"resume-from-{source.name}"
-        shutil.copytree(source, layout)
+def test_checkpoints_resume_across_pipeline_layouts(single, shared_results, tmp_path):
+    pp = _pp2(shared_results, "1F1B-carry")  # stages of 3 and 1 layers
+    expected = step_records(single.run_dir)
+    for name, source, nproc, extra in (("pp2", pp, 1, []), ("pp1", single, 2, ["--parallel.pp", "2"])):
+        layout = tmp_path / f"resume-from-{name}"
+        shutil.copytree(source.run_dir, layout)
         shutil.rmtree(layout / "checkpoints" / "step-00000004")
         args = [*STEPS, "--checkpoint.resume", "auto", *extra]
-        done = torchrun(nproc, layout, single / "cache", *args) if nproc > 1 else run(layout, single / "cache", *args)
+        cache = source.cache_dir
+        done = torchrun(nproc, layout, cache, *args) if nproc > 1 else run(layout, cache, *args)
         assert done.returncode == 0 and "resumed from" in done.stdout and "step-00000002" in done.stdout
         assert_same_steps(step_records(layout), expected)
 
 
-def test_lora_under_pp2_writes_the_one_process_adapters(tmp_path):
-    cache = tmp_path / "cache"
-    lora = ["--train.max_steps", "2", "--checkpoint.every_steps", "0"]
-    reference = run(tmp_path / "single", cache, *lora, recipe="tiny/lora_support_json")
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    torchrun(2, tmp_path / "pp", cache, *lora, "--parallel.pp", "2", recipe="tiny/lora_support_json")
+def test_lora_under_pp2_writes_the_one_process_adapters(tmp_path, shared_results):
+    lora = TWO_STEPS  # one checkpoint, at the end
+    reference = shared_run(shared_results, *lora, recipe="tiny/lora_support_json")  # also tests/train/test_run_e2e.py
+    torchrun(2, tmp_path / "pp", reference.cache_dir, *lora, "--parallel.pp", "2", recipe="tiny/lora_support_json")
     for layout in ("adapter", "adapter_per_expert"):
         got = load_file(tmp_path / "pp" / layout / "adapter_model.safetensors")
-        want = load_file(tmp_path / "single" / layout / "adapter_model.safetensors")
+        want = load_file(reference.run_dir / layout / "adapter_model.safetensors")
         assert list(got) == list(want), layout
         for name, tensor in want.items():
             torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
-        configs = [json.loads((tmp_path / run_dir / layout / "adapter_config.json").read_text())
-                   for run_dir in ("pp", "single")]
+        configs = [json.loads((run_dir / layout / "adapter_config.json").read_text())
+                   for run_dir in (tmp_path / "pp", reference.run_dir)]
         for config in configs:
             config.pop("base_model_name_or_path")  # each run's own preset base directory
         assert configs[0] == configs[1], layout
