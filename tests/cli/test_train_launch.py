@@ -9,10 +9,10 @@ import pytest
 
 from glmtune.cli import main
 from glmtune.distributed.launch import pop_nproc_per_node, torchrun_command
-from tests.train.run_helpers import env, losses, run, train_command
+from tests.train.run_helpers import WITH_EXPORT, env, losses, shared_run, train_command
 
-# Four steps, one checkpoint at the end: the shortest run that still shows the loss curve.
-STEPS = ["--train.max_steps", "4", "--checkpoint.every_steps", "0"]
+# Four steps: the launched run and its reference are shared with tests/distributed/test_fsdp_train.py.
+STEPS = WITH_EXPORT
 
 
 def test_both_spellings_are_taken_out_and_the_rest_passed_on():
@@ -69,15 +69,12 @@ def test_direct_torchrun_refuses_before_writing(tmp_path):
     assert not run_dir.exists() and not cache.exists()
 
 
-def test_nproc_per_node_trains_like_one_process(tmp_path):
+def test_nproc_per_node_trains_like_one_process(shared_results):
     """Two gloo ranks started by the launcher give the single-process losses (same global batch)."""
-    cache = tmp_path / "cache"
-    launched = run(tmp_path / "launched", cache, *STEPS, "--nproc-per-node", "2")
-    assert launched.returncode == 0, launched.stdout + launched.stderr
+    launched = shared_run(shared_results, *STEPS, "--nproc-per-node", "2")
     assert "world 2 = dp_replicate 1 x dp_shard 2" in launched.stdout
-    single = run(tmp_path / "single", cache, *STEPS)
-    assert single.returncode == 0, single.stdout + single.stderr
-    expected, actual = losses(tmp_path / "single"), losses(tmp_path / "launched")
+    single = shared_run(shared_results, *STEPS)
+    expected, actual = losses(single.run_dir), losses(launched.run_dir)
     assert sorted(actual) == [1, 2, 3, 4]
     for step in expected:
         assert actual[step] == pytest.approx(expected[step], rel=1e-5), step
