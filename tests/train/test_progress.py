@@ -9,7 +9,7 @@ import pty
 import re
 import subprocess
 
-from tests.train.run_helpers import env, run, train_command
+from tests.train.run_helpers import TWO_STEPS, env, run, shared_run, train_command
 
 PLAIN = re.compile(r"^step (\d+)/8  loss \d+\.\d{4}  grad_norm \d+\.\d{3}  lr \d\.\d\de[-+]\d\d  tok/s \d+  "
                    r"eta \d+:\d\d:\d\d$")
@@ -38,9 +38,8 @@ def test_plain_lines_for_logged_steps_when_stdout_is_not_a_terminal(tmp_path):
     assert "mfu" not in record and "peak_memory_gib" not in record  # a CPU has no bf16 peak or CUDA allocator
 
 
-def test_no_progress_output_when_switched_off(tmp_path):
-    quiet = run(tmp_path / "quiet", tmp_path / "cache", "--train.max_steps", "2")  # SMALL: logging.progress false
-    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+def test_no_progress_output_when_switched_off(shared_results):
+    quiet = shared_run(shared_results, *TWO_STEPS)  # SMALL: logging.progress false
     assert not [line for line in quiet.stdout.splitlines() if line.startswith("step ")]
 
 

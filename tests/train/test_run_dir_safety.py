@@ -13,19 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.run_helpers import losses, run, start
+from tests.train.run_helpers import TWO_STEPS, losses, run, shared_run, start
 from tests.tree_snapshot import changes, snapshot
 
-QUICK = ("--train.max_steps", "2", "--checkpoint.every_steps", "2")
+QUICK = TWO_STEPS
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
+def finished(shared_results) -> Path:
     """A finished two-step run: run directory `run/` and tokenization cache `cache/`."""
-    root = tmp_path_factory.mktemp("finished")
-    done = run(root / "run", root / "cache", *QUICK)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return root
+    return shared_run(shared_results, *QUICK).run_dir.parent
 
 
 @pytest.fixture

@@ -4,13 +4,14 @@ transformers loads with our logits, and a data-contract error that stops the run
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from glmtune.checkpoint.hf_io import load_pretrained
-from tests.train.run_helpers import losses, run
+from tests.train.run_helpers import TWO_STEPS, losses, run, shared_run
 
 
 def test_short_run_writes_everything_and_exports_loadable_hf(tmp_path):
@@ -64,10 +65,9 @@ def test_pii_fail_policy_names_the_row(tmp_path):
     assert report["num_findings"] == 1
 
 
-def test_lora_run_exports_adapters_and_saves_small_checkpoints(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", recipe="tiny/lora_support_json")
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_lora_run_exports_adapters_and_saves_small_checkpoints(shared_results):
+    # The run tests/distributed/test_pipeline_train.py compares pp 2 against.
+    run_dir = shared_run(shared_results, *TWO_STEPS, recipe="tiny/lora_support_json").run_dir
     inventory = json.loads((run_dir / "trainable.json").read_text())
     assert "routed_experts" in json.dumps(inventory)
     for sub in ("adapter", "adapter_per_expert"):
@@ -80,11 +80,10 @@ def test_lora_run_exports_adapters_and_saves_small_checkpoints(tmp_path):
     assert ckpt_bytes < 8 * model_bytes + 2_000_000
 
 
-def test_rerunning_a_finished_run_is_a_no_op(tmp_path):
-    run_dir = tmp_path / "run"
-    first = run(run_dir, tmp_path / "cache", "--train.max_steps", "2")
-    assert first.returncode == 0, first.stdout + first.stderr
-    again = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.resume", "auto")
+def test_rerunning_a_finished_run_is_a_no_op(tmp_path, shared_results):
+    first = shared_run(shared_results, *TWO_STEPS)  # also test_progress.py's and test_run_dir_safety.py's run
+    run_dir = shutil.copytree(first.run_dir, tmp_path / "run")
+    again = run(run_dir, first.cache_dir, *TWO_STEPS, "--checkpoint.resume", "auto")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already at train.max_steps (2)" in again.stdout
     assert sorted(losses(run_dir)) == [1, 2]
