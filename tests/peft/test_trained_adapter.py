@@ -22,26 +22,25 @@ from glmtune.config import load_config  # noqa: E402
 from glmtune.io.fingerprint import base_identity_from_dir  # noqa: E402
 from glmtune.peft import apply_lora  # noqa: E402
 from tests.peft.conftest import tokens  # noqa: E402
-from tests.train.run_helpers import run  # noqa: E402
+from tests.train.run_helpers import TWO_STEPS, shared_run  # noqa: E402
 
 
-def test_peft_on_the_written_base_gives_the_trained_models_logits(tmp_path):
-    run_dir = tmp_path / "run"
-    done = run(run_dir, tmp_path / "cache", "--train.max_steps", "4", recipe="tiny/lora_support_json")
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_peft_on_the_written_base_gives_the_trained_models_logits(tmp_path, shared_results):
+    # The two-step LoRA run of tests/train/test_run_e2e.py and the pp 2 test (read only).
+    run_dir = shared_run(shared_results, *TWO_STEPS, recipe="tiny/lora_support_json").run_dir
     base, adapter = run_dir / "base", run_dir / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
     recorded = json.loads((adapter / "glmtune_adapter.json").read_text())["base"]
     assert recorded["weights_sha256"] == base_identity_from_dir(base)["weights_sha256"]
 
-    # The trained model: the base plus the adapters of the last checkpoint (step 4).
+    # The trained model: the base plus the adapters of the last checkpoint (step 2).
     cfg = load_config("tiny/lora_support_json")
     trained = load_pretrained(base, dtype=torch.float32, attention_backend="eager", moe_backend="grouped_mm")
     apply_lora(trained, cfg.peft)
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad])
     checkpoints = CheckpointManager(run_dir / "checkpoints", trainable_only=True)
-    assert checkpoints.latest().step == 4
+    assert checkpoints.latest().step == 2
     checkpoints.load(checkpoints.latest(), trained, optimizer)
     assert any(p.abs().sum() > 0 for n, p in trained.named_parameters() if "_B" in n)  # trained
 
@@ -56,7 +55,7 @@ def test_peft_on_the_written_base_gives_the_trained_models_logits(tmp_path):
         expected, actual = trained(x).logits, served(x).logits
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
     with served.disable_adapter(), torch.no_grad():
-        assert (served(x).logits - expected).abs().max() > 1e-3  # the adapter is what makes them equal
+        assert (served(x).logits - expected).abs().max() > 1e-3  # the adapter is what makes them equal (0.5)
 
     assert main(["merge", str(base), str(adapter), str(tmp_path / "merged")]) == 0  # no --force needed
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager",
