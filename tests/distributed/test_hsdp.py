@@ -15,9 +15,10 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from glmtune.models.glm5 import build_model, get_preset
-from tests.train.run_helpers import SMALL, env, run
+from tests.train.run_helpers import SMALL, WITH_EXPORT, env, shared_run
 
-# Global batch 4: one row per rank and step here, four accumulated micro-batches in one process.
+# Global batch 4: one row per rank and step here; in one process two accumulated micro-batches of
+# 2 rows (the shared reference of tests/distributed/test_expert_parallel_train.py; its HF export is not read).
 BATCH = ["--train.max_steps", "4", "--train.global_batch_size", "4", "--train.micro_batch_size", "1"]
 
 
@@ -26,10 +27,9 @@ def _records(run_dir) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, lines)}
 
 
-def test_hsdp_2x2_matches_single_process_losses_and_grad_norms(tmp_path):
-    cache = tmp_path / "cache"
-    single = run(tmp_path / "single", cache, *BATCH)
-    assert single.returncode == 0, single.stdout + single.stderr
+def test_hsdp_2x2_matches_single_process_losses_and_grad_norms(tmp_path, shared_results):
+    single = shared_run(shared_results, *WITH_EXPORT)
+    cache = single.cache_dir
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
            "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, *BATCH, "--parallel.dp_replicate", "2",
            "--logging.run_dir", str(tmp_path / "hsdp"), "--data.cache_dir", str(cache)]
@@ -37,7 +37,7 @@ def test_hsdp_2x2_matches_single_process_losses_and_grad_norms(tmp_path):
     assert hsdp.returncode == 0, hsdp.stdout + hsdp.stderr
     assert "world 4 = dp_replicate 2 x dp_shard 2" in " ".join(hsdp.stdout.split())
 
-    expected, actual = _records(tmp_path / "single"), _records(tmp_path / "hsdp")
+    expected, actual = _records(single.run_dir), _records(tmp_path / "hsdp")
     assert sorted(actual) == [1, 2, 3, 4]
     for step, (loss, grad_norm) in expected.items():  # only the order of the fp32 sums differs
         assert actual[step][0] == pytest.approx(loss, rel=1e-5), step
