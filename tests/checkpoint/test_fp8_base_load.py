@@ -38,6 +38,11 @@ def _fp8_checkpoint(path):
     return path, tensors
 
 
+def shared_fp8_checkpoint(shared_results):
+    """`_fp8_checkpoint`, written once per session for the runs that train LoRA on it (read only)."""
+    return shared_results.get("fp8-checkpoint", lambda root: _fp8_checkpoint(root / "fp8")) / "fp8"
+
+
 def _tokens(vocab, seed=0):
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(seed))
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
-from tests.checkpoint.test_fp8_base_load import ARGS, _fp8_checkpoint
+from tests.checkpoint.test_fp8_base_load import ARGS, shared_fp8_checkpoint
 from tests.distributed.test_expert_parallel_train import _assert_same, _records, _torchrun
-from tests.train.run_helpers import SMALL, env, run
+from tests.train.run_helpers import SMALL, env, shared_run
 
 RECIPE = "tiny/lora_support_json"
 
@@ -26,16 +26,14 @@ def _steps(base):
             "--data.tokenizer", "glmtune/data/assets/tiny_tokenizer", "--model.fp8_base", "dequant"]
 
 
-def test_lora_on_a_sharded_fp8_base_matches_one_process(tmp_path):
-    base, _ = _fp8_checkpoint(tmp_path / "fp8")
-    cache = tmp_path / "cache"
-    single = run(tmp_path / "single", cache, *_steps(base), recipe=RECIPE)
-    assert single.returncode == 0, single.stdout + single.stderr
-    done = _torchrun(2, tmp_path / "ep2", cache, *_steps(base), "--parallel.ep", "2", recipe=RECIPE)
+def test_lora_on_a_sharded_fp8_base_matches_one_process(tmp_path, shared_results):
+    base = shared_fp8_checkpoint(shared_results)
+    single = shared_run(shared_results, *_steps(base), recipe=RECIPE)  # also tests/train/test_fp8_base_train.py
+    done = _torchrun(2, tmp_path / "ep2", single.cache_dir, *_steps(base), "--parallel.ep", "2", recipe=RECIPE)
     assert "model: frozen FP8 base" in done.stdout and f"loaded {base}, rank 0: read" in " ".join(done.stdout.split())
-    _assert_same(_records(tmp_path / "ep2"), _records(tmp_path / "single"))
+    _assert_same(_records(tmp_path / "ep2"), _records(single.run_dir))
     ours = load_file(tmp_path / "ep2" / "adapter" / "adapter_model.safetensors")
-    theirs = load_file(tmp_path / "single" / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(single.run_dir / "adapter" / "adapter_model.safetensors")
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         # As in the bf16 EP test: Adam turns reduction-order noise in near-zero gradients into ~1e-6 moves.

@@ -15,17 +15,16 @@ from safetensors.torch import load_file
 from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.cli import main
 from glmtune.kernels import fp8_blocks
-from tests.checkpoint.test_fp8_base_load import _fp8_checkpoint
-from tests.train.run_helpers import run
+from tests.checkpoint.test_fp8_base_load import shared_fp8_checkpoint
+from tests.distributed.test_fp8_base_sharded import RECIPE, _steps
+from tests.train.run_helpers import shared_run
 
 
-def test_lora_on_an_fp8_checkpoint_trains_and_merges(tmp_path, capsys):
-    base, _ = _fp8_checkpoint(tmp_path / "fp8")
-    run_dir = tmp_path / "run"
-    done = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.every_steps", "2",
-               "--model.name_or_path", str(base), "--data.tokenizer", "glmtune/data/assets/tiny_tokenizer",
-               "--model.fp8_base", "dequant", recipe="tiny/lora_support_json")
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_lora_on_an_fp8_checkpoint_trains_and_merges(tmp_path, capsys, shared_results):
+    base = shared_fp8_checkpoint(shared_results)
+    # Three steps on the FP8 base: the one-process run tests/distributed/test_fp8_base_sharded.py compares with.
+    done = shared_run(shared_results, *_steps(base), recipe=RECIPE)
+    run_dir = done.run_dir
     assert "model: frozen FP8 base" in done.stdout
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
