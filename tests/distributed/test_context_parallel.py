@@ -10,6 +10,8 @@ indexer layer selects, for this rank's queries, exactly the keys it selects in o
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,10 +108,17 @@ CASES = [  # backend, balance, cp, rows
 ]
 
 
+@functools.cache
+def _one_process(backend: str, rows: str):
+    """The one-process model and its loss sum, target count, gradients and selections (cases
+    that differ only in balance or cp compare against the same one)."""
+    reference = _model(backend)
+    return reference, *_forward_backward(reference, rows)
+
+
 @pytest.mark.parametrize("backend,balance,cp,rows", CASES)
 def test_cp_ranks_add_up_to_one_process(tmp_path, backend, balance, cp, rows):
-    reference = _model(backend)
-    ref_loss, ref_count, ref_grads, ref_masks = _forward_backward(reference, rows)
+    reference, ref_loss, ref_count, ref_grads, ref_masks = _one_process(backend, rows)
     stages = (backend, balance, cp, rows) == CASES[0]
     run_gloo(_cp_worker, cp, tmp_path, str(tmp_path), backend, balance, rows, stages)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(cp)]
