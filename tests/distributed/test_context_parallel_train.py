@@ -10,7 +10,6 @@ proofs (sparse top-k rows, every backend, cp 4) are tests/distributed/test_conte
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
