@@ -1,7 +1,8 @@
 """`glmtune train` with expert parallelism under torchrun (gloo, CPU), against one process.
 
 Per-step losses and gradient norms equal the single-process run with the same global
-batch (relative 1e-5, fp32); the HF export of an EP run is the single-process model; a
+batch (relative 1e-5, fp32); the HF export of an EP run (from an HF checkpoint: the run
+tests/distributed/test_sharded_load_train.py reads too) is the single-process model; a
 checkpoint saved at dp_shard 4 x ep 2 resumes at ep 1 and at ep 4 with the same next
 losses (DCP reshards the experts); LoRA on expert-parallel experts, loaded shard by
 shard from an HF checkpoint, trains the same.
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 
 from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
-from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, SMALL, WITH_EXPORT, env, run, shared_run
+from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, SMALL, env, run, shared_run
 
 
 def _torchrun(nproc: int, run_dir: Path, cache: Path, *extra: str, recipe: str = "tiny/sft_support_json"):
@@ -45,12 +46,31 @@ def _assert_same(actual: dict, expected: dict) -> None:
         assert actual[step][1] == pytest.approx(norm, rel=1e-5), step
 
 
-def test_ep2_matches_one_process_and_exports_the_same_model(tmp_path, shared_results):
-    single = shared_run(shared_results, *WITH_EXPORT)
-    ep = _torchrun(2, tmp_path / "ep2", single.cache_dir, *WITH_EXPORT, "--parallel.ep", "2")
+TOKENIZER = "glmtune/data/assets/tiny_tokenizer"
+
+
+def tiny_hf_checkpoint(shared_results) -> Path:
+    """The tiny model (seed 0) saved as an HF checkpoint of 1 MB shards, once per session (read only)."""
+    def build(root: Path) -> None:
+        save_pretrained(build_model(get_preset("tiny"), seed=0), root / "tiny", max_shard_size="1MB")
+
+    return shared_results.get("tiny-hf-1mb", build) / "tiny"
+
+
+def from_hf_checkpoint(base: Path) -> list[str]:
+    """Three steps from `base`, the HF export, and one held-out prompt answered before and after training
+    (under torchrun on the sharded model; prompts are decoded one at a time, so one covers the path)."""
+    return ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.name_or_path", str(base),
+            "--data.tokenizer", TOKENIZER, "--train.generate_samples", "1", "--checkpoint.export_hf", "true"]
+
+
+def test_ep2_matches_one_process_and_exports_the_same_model(shared_results):
+    flags = from_hf_checkpoint(tiny_hf_checkpoint(shared_results))
+    single = shared_run(shared_results, *flags)
+    ep = shared_run(shared_results, *flags, "--parallel.ep", "2", nproc=2)  # test_sharded_load_train.py's run
     assert "ep 2" in ep.stdout
-    _assert_same(_records(tmp_path / "ep2"), _records(single.run_dir))
-    exported = load_pretrained(tmp_path / "ep2" / "hf", dtype=torch.float32).state_dict()
+    _assert_same(_records(ep.run_dir), _records(single.run_dir))
+    exported = load_pretrained(ep.run_dir / "hf", dtype=torch.float32).state_dict()
     reference = load_pretrained(single.run_dir / "hf", dtype=torch.float32).state_dict()
     assert exported.keys() == reference.keys()
     for name, tensor in reference.items():
@@ -74,15 +94,14 @@ def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path, shared_r
         _assert_same(_records(layout), expected)
 
 
-def test_lora_on_expert_parallel_experts_matches_one_process(tmp_path):
+def test_lora_on_expert_parallel_experts_matches_one_process(tmp_path, shared_results):
     """From an HF checkpoint: under torchrun the base is built on meta and each rank reads
     only its shards, then the adapters get the values the one-process run draws."""
-    base = tmp_path / "base"
-    save_pretrained(build_model(get_preset("tiny"), seed=0), base, max_shard_size="1MB")
+    base = tiny_hf_checkpoint(shared_results)
     cache = tmp_path / "cache"
     recipe = "tiny/lora_support_json"
     steps = ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.name_or_path", str(base),
-             "--data.tokenizer", "glmtune/data/assets/tiny_tokenizer"]
+             "--data.tokenizer", TOKENIZER]
     single = run(tmp_path / "single", cache, *steps, recipe=recipe)
     assert single.returncode == 0, single.stdout + single.stderr
     done = _torchrun(2, tmp_path / "ep2", cache, *steps, "--parallel.ep", "2", recipe=recipe)
