@@ -14,8 +14,8 @@ per-tile flag computed once per call.
             lse, rounded like flash attention's).
 
 q, k, v and dO are read through their strides (the last dim contiguous), so the model's
-head-split views are never copied; outputs are contiguous. Head dims that are not powers
-of two are padded inside the kernels (masked loads).
+head-split views are never copied; outputs are contiguous. Head dims are padded inside the
+kernels to a power of two of at least 64 (masked loads; `_padded` says why).
 
 Queries are the last S of the T keys (query i sits at key T - S + i), so each query tile
 stops at its last query's key; the mask decides the rest, causality included. A query
@@ -291,6 +291,16 @@ def tile_flags(mask_BST: torch.Tensor, block_m: int, block_n: int) -> torch.Tens
     return (tiles != 0).view(torch.uint8)
 
 
+def _padded(head_dim: int) -> int:
+    """A head dim's width inside the kernels: the next power of two, at least 64. With 32
+    (the tiny preset's value head dim) Triton 3.6 on an H200 computed a wrong forward (max
+    error 1.05 against the eager reference in bf16) and, on the model's strided views, read
+    shared memory out of bounds (compute-sanitizer: an illegal memory access); from 64 up
+    the outputs and gradients match (docs/benchmarks.md, 2026-12-02). The padding is masked
+    on load and store, so only registers are spent."""
+    return max(64, triton.next_power_of_2(head_dim))
+
+
 def _check(q_BNSK, k_BNTK, v_BNTV, mask_BST):
     assert q_BNSK.stride(-1) == k_BNTK.stride(-1) == v_BNTV.stride(-1) == 1
     assert mask_BST.dtype == torch.bool and mask_BST.stride(-1) == 1
@@ -315,7 +325,7 @@ def _launch(kernel, config, q, k, v, mask_BST, *tensors_and_scales, over_keys: b
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask_BST.stride(0), mask_BST.stride(1), flags.stride(0), flags.stride(1),
         *d_out_strides, heads, queries, keys, HEAD_K=head_k, HEAD_V=head_v,
-        K_PAD=triton.next_power_of_2(head_k), V_PAD=triton.next_power_of_2(head_v),
+        K_PAD=_padded(head_k), V_PAD=_padded(head_v),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"],
         num_stages=config["num_stages"], **constexprs)
 
@@ -355,7 +365,7 @@ def sparse_attention_backward(grad_out_BNSV, q_BNSK, k_BNTK, v_BNTV, out_BNSV, l
     if store_ds:
         _kernel(_attention_delta_kernel)[(triton.cdiv(queries, 64), batch * heads)](
             out_BNSV, d_out, delta, *d_out_strides, heads, queries, HEAD_V=head_v,
-            V_PAD=triton.next_power_of_2(head_v), BLOCK_M=64)
+            V_PAD=_padded(head_v), BLOCK_M=64)
     else:  # the dQ kernel writes delta for the dK launch
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _launch(_sparse_attention_dq_kernel, DQ_CONFIG, q, k, v, mask_BST, out_BNSV, d_out, lse_BNS, delta, dq,

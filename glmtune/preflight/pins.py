@@ -86,8 +86,15 @@ def _declared_requirements() -> list[str]:
         import tomllib
 
         project = tomllib.loads((Path(glmtune.__file__).parents[1] / "pyproject.toml").read_text())["project"]
-        return [*project["dependencies"], *(f'{r}; extra == "{extra}"' for extra, reqs in
+        return [*project["dependencies"], *(_with_extra(r, extra) for extra, reqs in
                                             project.get("optional-dependencies", {}).items() for r in reqs)]
+
+
+def _with_extra(requirement: str, extra: str) -> str:
+    """`requirement` of optional group `extra` as installed metadata writes it: a marker the
+    requirement already has (`triton>=3.2; platform_system == 'Linux'`) joined with `and`."""
+    spec, _, marker = requirement.partition(";")
+    return f'{spec}; ({marker.strip()}) and extra == "{extra}"' if marker.strip() else f'{spec}; extra == "{extra}"'
 
 
 def dependency_problems(extras: set[str]) -> tuple[list[str], dict[str, Any]]:
