@@ -7,11 +7,16 @@ that satisfies `SCHEMA_PATH` (assets/support_ticket.schema.json).
 The mapping is deterministic given keywords, so a tiny model can learn it:
   * product: the product named in the ticket; when the ticket names no product but
     quotes an order id, the assistant first calls `lookup_order` and copies the
-    product from the tool response (the ~20% tool-calling subset);
+    product from the tool response (the ~20% tool-calling subset). `lookup_order`
+    is a real function of the order number (product, plan and status follow from it,
+    see `lookup_order`), so an evaluation can execute the model's call and compare
+    results: every order id in the data belongs to the row's product;
   * severity and next_action: fixed by the issue category, which is recognisable
     from the phrasing (each phrasing belongs to exactly one category).
 Greetings, dates, sign-offs and customer names are noise. Rows carry a `group`
-(the customer id) so splits can keep a customer's tickets together.
+(the customer id) so splits can keep a customer's tickets together, and a `category`
+for evaluation scorecards: "tool_call" for the rows solved through the lookup, else
+the issue category (training reads only messages and tools).
 """
 
 from __future__ import annotations
@@ -115,6 +120,31 @@ def load_schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text())
 
 
+def lookup_order(order_id: str) -> dict[str, str]:
+    """The order behind an id `ORD-<5 digits>`: its product, plan and status are fixed by the
+    number (product = PRODUCTS[n % 6], plan = _PLANS[n // 6 % 3], status = _STATUSES[n // 18 % 4]).
+
+    The tool responses of the generated data are exactly this function's results; the
+    bundled eval suite registers it as the `lookup_order` tool (`glmtune eval`).
+
+    Raises:
+        KeyError: an id that is not `ORD-` followed by five digits (no such order).
+    """
+    digits = order_id[4:] if isinstance(order_id, str) and order_id.startswith("ORD-") else ""
+    if len(digits) != 5 or not digits.isdigit() or digits[0] == "0":
+        raise KeyError(f"no order {order_id!r}")
+    number = int(digits)
+    return {"order_id": order_id, "product": PRODUCTS[number % len(PRODUCTS)],
+            "plan": _PLANS[number // len(PRODUCTS) % len(_PLANS)],
+            "status": _STATUSES[number // (len(PRODUCTS) * len(_PLANS)) % len(_STATUSES)]}
+
+
+def _order_id(rng: random.Random, product: str) -> str:
+    """A random five-digit order id whose order (`lookup_order`) is for `product`."""
+    number = rng.randrange(10000 // len(PRODUCTS) + 1, 100000 // len(PRODUCTS)) * len(PRODUCTS)
+    return f"ORD-{number + PRODUCTS.index(product)}"
+
+
 def _answer(product: str, category: str) -> str:
     severity, next_action, _ = ISSUES[category]
     return json.dumps({"product": product, "severity": severity, "next_action": next_action})
@@ -132,15 +162,16 @@ def generate_row(rng: random.Random, index: int, *, seed: int, num_customers: in
     product = rng.choice(PRODUCTS)
     category = rng.choice(sorted(ISSUES))
     customer = f"cust-{rng.randrange(num_customers):05d}"
-    order_id = f"ORD-{rng.randrange(10000, 100000)}"
+    order_id = _order_id(rng, product)
     kind = rng.random()
-    row: dict[str, Any] = {"id": f"synth-{seed}-{index:06d}", "group": customer}
+    row: dict[str, Any] = {"id": f"synth-{seed}-{index:06d}", "group": customer,
+                           "category": "tool_call" if kind < _TOOL_CALL_FRACTION else category}
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
     if kind < _TOOL_CALL_FRACTION:
         # The ticket never names the product: the only way to it is the order lookup.
         ticket = _ticket(rng, f"the product on order {order_id}", category, "")
-        response = {"order_id": order_id, "product": product, "plan": rng.choice(_PLANS),
-                    "status": rng.choice(_STATUSES)}
+        response = lookup_order(order_id)
+        assert response["product"] == product
         messages += [
             {"role": "user", "content": ticket},
             {"role": "assistant", "content": "", "tool_calls": [

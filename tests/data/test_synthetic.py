@@ -54,3 +54,28 @@ def test_generation_is_fast():
     start = time.perf_counter()
     generate_rows(2000, seed=1)
     assert time.perf_counter() - start < 2.0
+
+
+def test_lookup_order_is_the_tool_and_every_order_id_belongs_to_its_product():
+    import re
+
+    import pytest
+
+    from glmtune.data.synthetic import lookup_order
+
+    rows = generate_rows(1000, seed=2)
+    for row in rows:
+        answer = json.loads(row["messages"][-1]["content"])
+        for order_id in re.findall(r"ORD-\d+", row["messages"][1]["content"]):
+            assert lookup_order(order_id)["product"] == answer["product"]
+        if len(row["messages"]) == 5:  # the tool-calling subset: the response is the function's result
+            order_id = row["messages"][2]["tool_calls"][0]["function"]["arguments"]["order_id"]
+            assert json.loads(row["messages"][3]["content"]) == lookup_order(order_id)
+            assert row["category"] == "tool_call"
+        else:
+            assert row["category"] in ISSUES
+    assert lookup_order("ORD-10005") == {"order_id": "ORD-10005", "product": PRODUCTS[10005 % 6],
+                                         "plan": "enterprise", "status": "cancelled"}
+    for bad in ("ORD-1234", "ORD-01234", "ord-12345", "ORD-12a45", 12345):
+        with pytest.raises(KeyError):
+            lookup_order(bad)
