@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -43,3 +44,31 @@ def test_tampered_adapter_tensor_fails(lora_done, fresh, tmp_path):
     assert result.message.startswith(f"adapter/adapter_model.safetensors: {key} differs from the checkpoint's")
     assert any("logits differ by up to" in p for p in result.evidence["problems"])  # PEFT reads the change
     assert torch.isfinite(torch.tensor(result.evidence["logits"]["max_abs_difference"]))
+
+
+def _noisy(reference, scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return reference + scale * reference.std() * torch.randn(reference.shape, generator=generator)
+
+
+def test_bf16_bound_is_transformers_own_rounding():
+    """bf16 (GPU) criterion: glmtune's error against the float32 reference is judged by transformers'
+    own bf16 error; a float32 difference is a fault whatever the bf16 figures say."""
+    from glmtune.preflight.export import BF16_ERROR_RATIO, FP32_REL_BOUND, bf16_logit_problems
+
+    reference = torch.randn(1, 64, 500, generator=torch.Generator().manual_seed(0))
+    reference[0, torch.arange(64), torch.arange(64) * 7] += 6.0  # a clear top-1, as a trained model's
+    served = {"fp32": reference, "bf16": _noisy(reference, 0.02, 1)}
+    rounding_like_theirs = {"fp32": _noisy(reference, 1e-6, 2), "bf16": _noisy(reference, 0.03, 3)}
+    problems, stats = bf16_logit_problems(rounding_like_theirs, served)
+    assert problems == [], problems
+    assert stats["glmtune_bf16_vs_fp32"]["relative_error"] == pytest.approx(0.03, rel=0.1)
+    assert stats["transformers_bf16_vs_fp32"]["relative_error"] == pytest.approx(0.02, rel=0.1)
+
+    worse = {"fp32": rounding_like_theirs["fp32"], "bf16": _noisy(reference, 0.02 * BF16_ERROR_RATIO * 1.5, 4)}
+    problems, _ = bf16_logit_problems(worse, served)
+    assert len(problems) >= 1 and problems[0].startswith("bfloat16 logits are further from the float32 reference")
+
+    wrong_math = {"fp32": _noisy(reference, 10 * FP32_REL_BOUND, 5), "bf16": rounding_like_theirs["bf16"]}
+    problems, _ = bf16_logit_problems(wrong_math, served)
+    assert len(problems) == 1 and problems[0].startswith("float32 logits differ from transformers'")
