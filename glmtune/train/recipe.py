@@ -214,7 +214,8 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         notes += _packing_notes(val_stats, "validation", d.packed_sequence_size, d.too_long)
     manifest = {
         "train_file": str(train_file), "train_conversations": len(train_data),
-        "validation_conversations": len(val_data), "tokenization_key": train_tok.key,
+        "validation_conversations": len(val_data), "validation_files": [str(p) for p in val_paths],
+        "tokenization_key": train_tok.key,
         "cache_hit": train_tok.cache_hit,
         "filters": {"input_rows": num_input_rows, "pii_dropped": num_pii_dropped,
                     "exact_duplicates": dedup_stats.num_exact_duplicates},

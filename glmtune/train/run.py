@@ -94,14 +94,15 @@ def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) 
         console.print(f"[yellow]{warning}[/yellow]")
 
 
-BASE_DIR = "base"  # RUN_DIR/base: the HF checkpoint of a preset base that LoRA trained on
+BASE_DIR = "base"  # RUN_DIR/base: the HF checkpoint of the preset base a run (SFT or LoRA) started from
 
 
 def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, console: Console,
                        is_main: bool) -> dict | None:
     """Every rank (collective under torchrun; rank 0 writes), before LoRA and parallel wrapping:
     the preset's weights as an HF directory (with the tokenizer) that PEFT, `glmtune merge` and
-    serving engines can load. Returns its identity on rank 0."""
+    serving engines can load (the adapter's base), and `glmtune eval --base RUN_DIR` evaluates
+    (the model before training, SFT or LoRA). Returns its identity on rank 0."""
     from glmtune.checkpoint.hf_io import save_pretrained
     from glmtune.data.tokenizer import resolve_tokenizer_dir
 
@@ -113,7 +114,8 @@ def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, consol
     save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
     if not is_main:
         return None
-    console.print(f"wrote the {cfg.model.name_or_path} preset's base (the adapter's base model): {out}")
+    role = "the adapter's base model" if cfg.peft.method == "lora" else "the model before training"
+    console.print(f"wrote the {cfg.model.name_or_path} preset's base ({role}): {out}")
     return base_identity_from_dir(out)
 
 
@@ -195,8 +197,9 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
     sharded_load = info.world_size > 1 and cfg.model.name_or_path not in PRESETS
     model, model_dir = build_model_from_config(cfg, "meta" if sharded_load else device)
     adapter_base = str(model_dir) if model_dir is not None else None
-    if lora and model_dir is None:
-        # A preset's random base exists nowhere else: the run writes it, and the adapter names it.
+    if model_dir is None:
+        # A preset's random base exists nowhere else: the run writes it (before training changes
+        # it), an adapter names it, and an evaluation compares against it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
         base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console, info.is_main)
     from glmtune.peft import apply_lora, build_inventory, print_inventory
@@ -218,7 +221,7 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
     data = prepare_data(cfg, run_dir, tokenizer_dir, model.args.vocab_size)
     if base_hashing is not None:
         base_identity = base_hashing.result()
-    if lora and info.is_main:
+    if (lora or base_identity is not None) and info.is_main:
         write_run_record(run_dir, {**read_run_record(run_dir), "base": base_identity})
     if info.is_main:
         barrier()
