@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv chromium clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,20 @@ venv: $(BIN)/.installed
 demo: venv
 	HF_HUB_OFFLINE=1 $(BIN)/glmtune train recipes/tiny/sft_support_json.yaml --overwrite
 
-test: venv
+# The HTML scorecard's browser test drives Debian's chromium through Playwright (never a
+# browser Playwright downloads); installed here when missing, as root (CI, a fresh machine).
+# Elsewhere than Linux the test skips and nothing is installed.
+chromium:
+	@if [ "$$(uname -s)" = Linux ] && ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "make test: the HTML report's browser test needs chromium on PATH; install it as root (Debian: apt-get install -y chromium), then run make test again" >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "installing Debian's chromium (the HTML report's browser test)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	fi
+
+test: venv chromium
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
 clean:
