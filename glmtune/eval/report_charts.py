@@ -73,14 +73,14 @@ def _short(value: float) -> str:
     return f"{value:.3g}"
 
 
-def _ticks(lo: float, hi: float, unit: str | None) -> tuple[float, float, float]:
-    """(bottom, top, step) of an axis that holds [lo, hi] in about four 1/2/2.5/5 x 10^k steps
-    (whole steps for counts); ratios in [0, 1] get the full 0..100% axis."""
+def _ticks(lo: float, hi: float, unit: str | None, intervals: int = 4) -> tuple[float, float, float]:
+    """(bottom, top, step) of an axis that holds [lo, hi] in about `intervals` 1/2/2.5/5 x 10^k
+    steps (whole steps for counts); ratios in [0, 1] get the full 0..100% axis."""
     if unit == "ratio" and 0 <= lo and hi <= 1:
         return 0.0, 1.0, 0.25
     if hi <= lo:
         hi = lo + 1.0
-    raw = (hi - lo) / 4
+    raw = (hi - lo) / intervals
     base = 10 ** math.floor(math.log10(raw))
     multiples = (1, 2, 5, 10) if unit == "count" else (1, 2, 2.5, 5, 10)
     step = next(m * base for m in multiples if m * base >= raw * (1 - 1e-9))
@@ -174,7 +174,7 @@ def latency_boxes(*, chart_id: str, rows: Sequence[tuple[str, int, Sequence[floa
     row_h, label_w, plot_w, axis_h, top = 46, 120, 640, 30, 8
     width, height = label_w + plot_w + 20, top + max(1, len(rows)) * row_h + axis_h
     all_xs = [x for _, _, xs, _, _ in rows for x in xs if x is not None]
-    _, x_max, x_step = _ticks(0.0, max(all_xs, default=0.0), "seconds")
+    _, x_max, x_step = _ticks(0.0, max(all_xs, default=0.0), "seconds", intervals=6)
 
     def x_of(v: float) -> float:
         return label_w + plot_w * v / x_max
