@@ -1,0 +1,152 @@
+"""The evaluation a release rests on: an eval directory written by `glmtune eval` (docs/eval.md).
+
+    EVAL_DIR/scorecard.json   the scores, gates and the models that were compared
+    EVAL_DIR/suite.yaml       a byte copy of the suite file that ran
+    EVAL_DIR/sets/NAME.jsonl  the exact rows each set evaluated
+
+`load_eval` reads the scorecard and checks that the files beside it are the ones it names
+(suite.yaml and every set by sha256): a release must not cite scores for rows that were
+edited afterwards. `eval_section` is what the manifest keeps of it: the suite's name,
+version and hash, each set's hash, the scores of category "all" per model label with the
+deltas, the operations summary, the gates and whether they passed.
+
+`released_candidate` finds the candidate that is the run being released: the scorecard's
+candidate whose fingerprint equals the hashes of the run's own artifacts (full fine-tune:
+RUN_DIR/hf's config and weight hashes; LoRA: the adapter's), preferring an unmerged one
+(a LoRA release ships the adapter; a merged candidate's scores are recorded beside it).
+A candidate whose source is the run but whose fingerprint differs is the run as it was
+when evaluated, not as it is now: refused, like any other mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SCORECARD_FORMAT = "glmtune.scorecard/1"
+_REQUIRED = ("suite", "models", "metrics", "gates", "passed")
+
+
+def sha256_of(path: Path) -> str:
+    from glmtune.release.artifacts import hash_file
+
+    return hash_file(path)[1]
+
+
+def load_eval(eval_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """(scorecard, its sha256), after checking the eval directory (see the module docstring)."""
+    eval_dir = Path(eval_dir)
+    path = eval_dir / "scorecard.json"
+    if not eval_dir.is_dir():
+        raise ValueError(f"--eval {eval_dir}: no such directory (run glmtune eval SUITE --base ... --candidate "
+                         "RUN_DIR --out DIR first)")
+    if not path.is_file():
+        raise ValueError(f"--eval {eval_dir}: no scorecard.json (not a glmtune eval directory)")
+    raw = path.read_bytes()
+    try:
+        scorecard = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(scorecard, dict) or scorecard.get("format") != SCORECARD_FORMAT:
+        found = scorecard.get("format") if isinstance(scorecard, dict) else type(scorecard).__name__
+        raise ValueError(f"{path}: format {found!r}, expected {SCORECARD_FORMAT!r}")
+    for key in _REQUIRED:
+        if key not in scorecard:
+            raise ValueError(f"{path}: no {key!r} (an incomplete scorecard)")
+    suite = scorecard["suite"]
+    suite_copy = eval_dir / "suite.yaml"
+    if not suite_copy.is_file():
+        raise ValueError(f"--eval {eval_dir}: no suite.yaml (the copy of the suite that ran)")
+    if sha256_of(suite_copy) != suite.get("sha256"):
+        raise ValueError(f"{suite_copy}: sha256 differs from the suite the scorecard names "
+                         f"({str(suite.get('sha256'))[:12]}…): edited after the eval")
+    for entry in suite.get("sets", []):
+        rows = eval_dir / "sets" / f"{entry['name']}.jsonl"
+        if not rows.is_file():
+            raise ValueError(f"--eval {eval_dir}: set {entry['name']!r} has no rows file {rows}")
+        if sha256_of(rows) != entry.get("sha256"):
+            raise ValueError(f"{rows}: sha256 differs from the set the scorecard names "
+                             f"({str(entry.get('sha256'))[:12]}…): edited after the eval")
+    return scorecard, hashlib.sha256(raw).hexdigest()
+
+
+def failed_gates(scorecard: dict[str, Any]) -> list[str]:
+    return [f"{g.get('name')} ({g.get('model')}: {g.get('message')})" for g in scorecard["gates"]
+            if not g.get("passed")]
+
+
+def _same_path(a: str | None, b: Path) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def released_candidate(scorecard: dict[str, Any], run_dir: Path, fingerprint: dict[str, str],
+                       eval_dir: Path) -> dict[str, Any]:
+    """The scorecard's model entry for the run being released; ValueError naming the mismatch.
+
+    Args:
+        fingerprint: the hashes the run's deployable artifact has now, by the scorecard's
+            fingerprint key names.
+    """
+    candidates = [m for m in scorecard["models"] if m.get("role") == "candidate"]
+    if not candidates:
+        raise ValueError(f"{eval_dir / 'scorecard.json'}: no candidate model")
+    run_paths = [run_dir, *(run_dir / d for d in ("hf", "adapter", "adapter_per_expert"))]
+    reasons = []
+    for model in sorted(candidates, key=lambda m: bool(m.get("merged"))):  # unmerged first
+        theirs = model.get("fingerprint") or {}
+        common = sorted(k for k in fingerprint if theirs.get(k) is not None)
+        differing = [k for k in common if theirs[k] != fingerprint[k]]
+        from_run = any(_same_path(model.get("source"), p) for p in run_paths)
+        if common and not differing and not model.get("merged"):
+            return model
+        if model.get("merged") and common and not differing:
+            reasons.append(f"{model['label']!r} is the merged model")
+        elif differing:
+            key = differing[0]
+            reasons.append(f"{model['label']!r} ({model.get('source')}) has {key} {theirs[key][:12]}…, the run's "
+                           f"artifact {fingerprint[key][:12]}…" + (" (the run changed after the eval)"
+                                                                  if from_run else ""))
+        else:
+            reasons.append(f"{model['label']!r} ({model.get('source')}) has no fingerprint to compare "
+                           f"({', '.join(sorted(fingerprint))})")
+    raise ValueError(f"--eval {eval_dir} did not evaluate the run {run_dir}: " + "; ".join(reasons))
+
+
+def _score_summary(metric: dict[str, Any]) -> dict[str, Any]:
+    cell = (metric.get("by_category") or {}).get("all") or {}
+    return {"id": metric["id"], "unit": metric.get("unit"), "higher_is_better": metric.get("higher_is_better"),
+            "n": cell.get("n"), "values": cell.get("values") or {}, "delta": cell.get("delta") or {}}
+
+
+_OPERATION_KEYS = ("requests", "p50_s", "p95_s", "generated_tokens", "generated_tokens_per_s", "peak_memory_gib",
+                   "device")
+
+
+def eval_section(scorecard: dict[str, Any], scorecard_sha256: str, eval_dir: Path, candidate: dict[str, Any],
+                 allow_failed_gates: bool, stored_dir: str) -> dict[str, Any]:
+    """What the manifest keeps of the eval (see the module docstring)."""
+    suite = scorecard["suite"]
+    operations = {label: {k: ops.get(k) for k in _OPERATION_KEYS}
+                  for label, ops in (scorecard.get("operations") or {}).items()}
+    return {
+        "path": stored_dir,
+        "scorecard_sha256": scorecard_sha256,
+        "created": scorecard.get("created"),
+        "glmtune": scorecard.get("glmtune"),
+        "suite": {"name": suite.get("name"), "version": suite.get("version"), "sha256": suite.get("sha256"),
+                  "sets": [{k: s.get(k) for k in ("name", "sha256", "rows", "scorers", "source")}
+                           for s in suite.get("sets", [])]},
+        "decoding": scorecard.get("decoding"),
+        "models": [{k: m.get(k) for k in ("label", "role", "kind", "source", "fingerprint", "merged")}
+                   for m in scorecard["models"]],
+        "candidate": candidate["label"],
+        "scores": [_score_summary(m) for m in scorecard["metrics"]],
+        "operations": operations,
+        "gates": [{k: g.get(k) for k in ("name", "metric", "category", "model", "rule", "threshold", "value",
+                                         "base_value", "passed", "message")} for g in scorecard["gates"]],
+        "passed": bool(scorecard["passed"]),
+        "allowed_failed_gates": bool(allow_failed_gates and not scorecard["passed"]),
+    }

@@ -1,0 +1,287 @@
+"""`release.json`: one finished run, as evaluated, recorded as a versioned release (docs/release.md).
+
+    from glmtune.release import ReleaseRequest, create_release
+    manifest, path = create_release(ReleaseRequest(run_dir, eval_dir, engine="vllm==0.11.0"))
+
+Everything cheap is checked before any file is hashed: the run (finished, not training
+now), the eval directory (its scorecard, suite copy and sets intact), the gates (a failed
+eval is refused unless `allow_failed_gates`, which the manifest records), the engine, the
+approval, the rollback triggers' syntax, the previous release, and the output path (an
+existing file needs `overwrite`; a path that is, is inside or contains anything the release
+reads is refused). Then every artifact is hashed and the eval's candidate is matched with the
+run's artifacts as they are now.
+
+The release id is the first 16 hex digits of the sha256 of the manifest's canonical JSON
+(sorted keys) without `id` and `created`: the same inputs give the same id, and
+`glmtune release verify` recomputes it to notice a manifest edited by hand.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from glmtune.release import triggers
+from glmtune.release.artifacts import record_artifact, stored_root
+from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
+from glmtune.release.eval_record import eval_section, failed_gates, load_eval, released_candidate
+from glmtune.release.provenance import data_section, environment, tokenizer_section
+
+FORMAT = "glmtune.release/1"
+RELEASE_FILE = "release.json"
+_ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+_ENGINE_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]*$")
+
+
+@dataclass
+class ReleaseRequest:
+    """What `glmtune release RUN_DIR --eval EVAL_DIR ...` asks for (each field is its option)."""
+
+    run_dir: Path
+    eval_dir: Path
+    engine: str | None = None  # "NAME==VERSION", or NAME with `engine_version`
+    engine_version: str | None = None
+    out: Path | None = None  # default RUN_DIR/release.json
+    overwrite: bool = False
+    previous: Path | None = None
+    approved_by: str | None = None
+    approval_note: str | None = None
+    rollback: list[str] = field(default_factory=list)
+    rollback_margin: float = triggers.DEFAULT_MARGIN
+    allow_failed_gates: bool = False
+
+
+def canonical_sha256(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k not in ("id", "created")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def release_id(manifest: dict[str, Any]) -> str:
+    return canonical_sha256(manifest)[:16]
+
+
+def load_release(path: str | Path, what: str = "release") -> tuple[dict[str, Any], str]:
+    """(manifest, sha256 of the file) of a release.json; ValueError if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file")
+    raw = path.read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{what} {path}: not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{what} {path}: format {found!r}, expected {FORMAT!r} (not a glmtune release)")
+    return manifest, hashlib.sha256(raw).hexdigest()
+
+
+def parse_engine(engine: str | None, version: str | None) -> dict[str, str]:
+    if not engine:
+        raise ValueError("--engine is required: the inference engine and version that will serve this release, "
+                         "e.g. --engine vllm==0.11.0 (engines differ in how they read weights and templates)")
+    name, sep, pinned = engine.partition("==")
+    if sep and version:
+        raise ValueError(f"--engine {engine} already names a version; drop --engine-version {version}")
+    version = pinned if sep else version
+    if not version:
+        raise ValueError(f"--engine {engine}: give its version, --engine {engine}==VERSION or --engine-version VERSION")
+    if not _ENGINE_NAME.match(name):
+        raise ValueError(f"--engine {engine}: {name!r} is not an engine name (letters, digits, . _ + -)")
+    if not _ENGINE_VERSION.match(version):
+        raise ValueError(f"--engine {engine}: {version!r} is not a version (letters, digits, . _ + ! -)")
+    return {"name": name, "version": version}
+
+
+def _approval(by: str | None, note: str | None, at: str) -> dict[str, Any] | None:
+    if note is not None and by is None:
+        raise ValueError("--approval-note needs --approved-by (who approved the release)")
+    if by is None:
+        return None
+    if not by.strip():
+        raise ValueError("--approved-by is empty")
+    return {"approved_by": by, "note": note, "at": at}
+
+
+def _check_not_training(run_dir: Path) -> None:
+    lock = run_dir / ".glmtune.lock"  # glmtune/train/run_dir.py holds it exclusively while training
+    if not lock.is_file():
+        return
+    with open(lock, encoding="utf-8") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = fh.read().strip() or "another process"
+            raise ValueError(f"RUN_DIR {run_dir} is in use by {holder}: release the run once it has finished") \
+                from None
+
+
+def _read_run(run_dir: Path):
+    from glmtune.config import config_from_dict
+    from glmtune.train.run_dir import read_run_record
+
+    if not run_dir.is_dir():
+        raise ValueError(f"RUN_DIR {run_dir}: no such directory")
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise ValueError(f"RUN_DIR {run_dir}: no config.yaml (not a glmtune run directory)")
+    record = read_run_record(run_dir)
+    if record is None:
+        raise ValueError(f"RUN_DIR {run_dir}: no run.json (not a glmtune run directory)")
+    _check_not_training(run_dir)
+    text = config_path.read_text(encoding="utf-8")
+    resolved = yaml.safe_load(text) or {}
+    cfg = config_from_dict(resolved, source=str(config_path))
+    data_manifest = run_dir / "data_manifest.json"
+    if not data_manifest.is_file():
+        raise ValueError(f"RUN_DIR {run_dir}: no data_manifest.json (the run did not get past data preparation)")
+    return cfg, record, resolved, json.loads(data_manifest.read_text(encoding="utf-8"))
+
+
+def _deployable(run_dir: Path, lora: bool) -> list[tuple[str, Path, str]]:
+    """(artifact name, directory, what) of what ships: the adapters, or the full checkpoint."""
+    if lora:
+        if not (run_dir / "adapter").is_dir():
+            raise ValueError(f"RUN_DIR {run_dir} has no adapter/: the LoRA run has not finished (the adapter is "
+                             "written at its end)")
+        found = [("adapter", run_dir / "adapter", "LoRA adapter (PEFT layout)")]
+        if (run_dir / "adapter_per_expert").is_dir():
+            found.append(("adapter_per_expert", run_dir / "adapter_per_expert",
+                          "LoRA adapter (per-expert layout: vLLM, SGLang)"))
+        return found
+    if not (run_dir / "hf").is_dir():
+        raise ValueError(f"RUN_DIR {run_dir} has no hf/: the run has not finished or did not export an HF "
+                         "checkpoint (checkpoint.export_hf false)")
+    return [("checkpoint", run_dir / "hf", "full fine-tuned HF checkpoint")]
+
+
+def _previous(path: Path | None, manifest_dir: Path) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    previous, sha = load_release(path, "--previous")
+    if previous.get("id") != release_id(previous):
+        raise ValueError(f"--previous {path}: its content does not match its id {previous.get('id')} "
+                         "(edited after it was written)")
+    return {"path": stored_root(path, manifest_dir), "sha256": sha, "id": previous["id"],
+            "created": previous.get("created"), "run_id": (previous.get("run") or {}).get("run_id")}
+
+
+def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
+    """Build the manifest of `req` and write it atomically; returns (manifest, path)."""
+    from glmtune.io.outputs import check_output, output_file
+
+    run_dir, eval_dir = Path(req.run_dir), Path(req.eval_dir)
+    out = Path(req.out) if req.out is not None else run_dir / RELEASE_FILE
+    manifest_dir = out.absolute().parent
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    engine = parse_engine(req.engine, req.engine_version)
+    approval = _approval(req.approved_by, req.approval_note, created)
+    cfg, run_record, resolved, data_manifest = _read_run(run_dir)
+    lora = cfg.peft.method == "lora"
+    deployable = _deployable(run_dir, lora)
+    scorecard, scorecard_sha = load_eval(eval_dir)
+    if not scorecard["passed"] and not req.allow_failed_gates:
+        raise ValueError(f"--eval {eval_dir}: the eval failed its release gates: {'; '.join(failed_gates(scorecard))}"
+                         " (--allow-failed-gates releases anyway and records it)")
+    base_dir = (run_dir / BASE_DIR) if cfg.model.name_or_path in _presets() else Path(cfg.model.name_or_path)
+    tokenizer_dir = _tokenizer_dir(cfg, run_dir, lora, base_dir)
+    reads = [("RUN_DIR artifact", p) for _, p, _ in deployable] + [
+        ("EVAL_DIR", eval_dir), ("the base model", base_dir), ("the tokenizer", tokenizer_dir),
+        ("RUN_DIR data", run_dir / "data"), ("RUN_DIR config", run_dir / "config.yaml"),
+        ("RUN_DIR record", run_dir / "run.json"), ("RUN_DIR data manifest", run_dir / "data_manifest.json")]
+    if req.previous is not None:
+        reads.append(("--previous", Path(req.previous)))
+    check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out")
+    previous = _previous(req.previous, manifest_dir)
+
+    # Hashing: the deployable artifacts first (the candidate check needs them), then the rest.
+    artifacts, fingerprint = [], {}
+    for name, path, what in deployable:
+        if name == "checkpoint":
+            artifact, fingerprint = record_hf_dir(name, path, what, manifest_dir)
+        else:
+            artifact, _ = record_artifact(name, path, "dir", what, manifest_dir)
+        artifacts.append(artifact)
+    candidate = released_candidate(scorecard, run_dir, _fingerprint_keys(fingerprint, artifacts), eval_dir)
+    rollback = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback), req.rollback_margin)
+    base, base_artifact = record_base(cfg, run_dir, run_record, manifest_dir, lora)
+    if base_artifact is not None:
+        artifacts.append(base_artifact)
+    tokenizer, tokenizer_artifact = tokenizer_section(tokenizer_dir, manifest_dir)
+    _check_template(tokenizer, scorecard, eval_dir)
+    data, data_artifacts = data_section(cfg, run_dir, data_manifest, manifest_dir, approval)
+    artifacts += [tokenizer_artifact, *data_artifacts]
+    for name, path, what in (("config", run_dir / "config.yaml", "the resolved training config"),
+                             ("run_record", run_dir / "run.json", "the run's id (run.json)")):
+        artifacts.append(record_artifact(name, path, "file", what, manifest_dir)[0])
+    artifacts.append(record_artifact("eval", eval_dir, "dir", "the eval directory (scorecard, suite, sets)",
+                                     manifest_dir)[0])
+    by_name = {a["name"]: a for a in artifacts}
+    manifest = {
+        "format": FORMAT,
+        "id": None,
+        "created": created,
+        "run": {"path": stored_root(run_dir, manifest_dir), "run_id": run_record["run_id"],
+                "run_created": run_record.get("created"), "name": cfg.name,
+                "method": "lora" if lora else "full", "shipped": [name for name, _, _ in deployable]},
+        "base": base,
+        "engine": engine,
+        "tokenizer": tokenizer,
+        "prompt": {k: (scorecard.get("prompt") or {}).get(k)
+                   for k in ("system_prompt_sha256", "tool_schema_sha256", "chat_template_sha256")},
+        "eval": eval_section(scorecard, scorecard_sha, eval_dir, candidate, req.allow_failed_gates,
+                             by_name["eval"]["root"]),
+        "data": data,
+        "config": {"artifact": "config", "sha256": by_name["config"]["files"][0]["sha256"], "resolved": resolved},
+        "environment": environment(),
+        "previous": previous,
+        "rollback": {"margin": req.rollback_margin, "to": previous["id"] if previous else None,
+                     "triggers": rollback},
+        "artifacts": artifacts,
+    }
+    manifest["id"] = release_id(manifest)
+    with output_file(out, overwrite=req.overwrite, sources=reads, what="--out") as tmp:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest, out
+
+
+def _presets():
+    from glmtune.models.glm5.args import PRESETS
+
+    return PRESETS
+
+
+def _tokenizer_dir(cfg, run_dir: Path, lora: bool, base_dir: Path) -> Path:
+    """The tokenizer that ships: the full checkpoint's copy, else the one the run trained with."""
+    from glmtune.data.tokenizer import resolve_tokenizer_dir
+
+    if not lora:
+        return run_dir / "hf"
+    return resolve_tokenizer_dir(cfg.data.tokenizer or base_dir)
+
+
+def _fingerprint_keys(identity: dict[str, Any], artifacts: list[dict[str, Any]]) -> dict[str, str]:
+    """The run's deployable artifact under the names a scorecard fingerprint uses."""
+    found = {k: identity[k] for k in ("config_sha256", "weights_sha256") if k in identity}
+    for artifact in artifacts:
+        if artifact["name"] == "adapter":
+            files = {f["path"]: f["sha256"] for f in artifact["files"]}
+            found["adapter_sha256"] = files.get("adapter_model.safetensors")
+    return {k: v for k, v in found.items() if v}
+
+
+def _check_template(tokenizer: dict[str, Any], scorecard: dict[str, Any], eval_dir: Path) -> None:
+    evaluated = (scorecard.get("prompt") or {}).get("chat_template_sha256")
+    shipped = tokenizer["chat_template"]["sha256"]
+    if evaluated and evaluated != shipped:
+        raise ValueError(f"--eval {eval_dir}: the eval rendered prompts with chat template {evaluated[:12]}…, but "
+                         f"the release ships {shipped[:12]}… ({tokenizer['chat_template']['source']} in "
+                         f"{tokenizer['path']}): evaluate with the template that will serve")
