@@ -27,7 +27,7 @@ from glmtune.release.manifest import load_release
 
 SECTIONS = ("release", "base", "artifacts", "tokenizer", "engine", "prompt", "suite", "scores", "gates", "config",
             "data", "rollback", "environment")
-_MAX_CELL = 64
+_MAX_CELL = 44
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -90,7 +90,9 @@ def _artifact_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, An
     from glmtune.io.sizes import human_bytes
 
     def summary(entry):
-        return None if entry is None else f"{entry['num_files']} files, {human_bytes(entry['size'])}"
+        if entry is None:
+            return None
+        return f"{entry['num_files']} file{'' if entry['num_files'] == 1 else 's'}, {human_bytes(entry['size'])}"
 
     by_a = {x["name"]: x for x in a.get("artifacts", [])}
     by_b = {x["name"]: x for x in b.get("artifacts", [])}
