@@ -54,7 +54,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
             text = "; ".join(shown) + (f"; and {more} more" if more else "")
             lines.append(f"{r['name']:{width}}  DRIFT  {r['root']}: {text}")
         else:
-            lines.append(f"{r['name']:{width}}  ok     {r['root']} ({_files(r['num_files'])}, {human_bytes(r['size'])})")
+            size = f"{_files(r['num_files'])}, {human_bytes(r['size'])}"
+            lines.append(f"{r['name']:{width}}  ok     {r['root']} ({size})")
     drifted = sum(bool(r["problems"]) for r in result["artifacts"]) + bool(result["manifest"])
     if result["clean"]:
         lines.append(f"release {result['id']}: clean ({len(result['artifacts'])} artifacts, "
