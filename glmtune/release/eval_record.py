@@ -11,11 +11,13 @@ version and hash, each set's hash, the scores of category "all" per model label 
 deltas, the operations summary, the gates and whether they passed.
 
 `released_candidate` finds the candidate that is the run being released: the scorecard's
-candidate whose fingerprint equals the hashes of the run's own artifacts (full fine-tune:
-RUN_DIR/hf's config and weight hashes; LoRA: the adapter's), preferring an unmerged one
-(a LoRA release ships the adapter; a merged candidate's scores are recorded beside it).
+candidate whose fingerprint equals the hashes of the run's own artifacts as they are now
+(full fine-tune: RUN_DIR/hf's config and weight identity; LoRA: the sha256 of
+adapter_config.json and adapter_model.safetensors of either layout), preferring an unmerged
+one (a LoRA release ships the adapter; a merged candidate's scores are recorded beside it).
 A candidate whose source is the run but whose fingerprint differs is the run as it was
-when evaluated, not as it is now: refused, like any other mismatch.
+when evaluated, not as it is now: refused, like any other mismatch. An adapter candidate's
+fingerprint also names the base it ran on, which must be the release's base.
 """
 
 from __future__ import annotations
@@ -82,37 +84,58 @@ def _same_path(a: str | None, b: Path) -> bool:
     return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def released_candidate(scorecard: dict[str, Any], run_dir: Path, fingerprint: dict[str, str],
-                       eval_dir: Path) -> dict[str, Any]:
-    """The scorecard's model entry for the run being released; ValueError naming the mismatch.
+def _hash_keys(fingerprint: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in fingerprint.items() if k.endswith("sha256") and isinstance(v, str)}
+
+
+def released_candidate(scorecard: dict[str, Any], run_dir: Path, shipped: dict[str, dict[str, str]],
+                       eval_dir: Path) -> tuple[dict[str, Any], str]:
+    """(the scorecard's model entry for the run being released, the shipped artifact it matched);
+    ValueError naming the mismatch.
 
     Args:
-        fingerprint: the hashes the run's deployable artifact has now, by the scorecard's
-            fingerprint key names.
+        shipped: artifact name -> the hashes it has now, under the scorecard's fingerprint keys
+            (`glmtune eval`: an HF directory's config and weight identity; an adapter's
+            adapter_config.json and adapter_model.safetensors sha256). Either adapter layout
+            may have been evaluated: they hold the same adapter.
     """
     candidates = [m for m in scorecard["models"] if m.get("role") == "candidate"]
     if not candidates:
         raise ValueError(f"{eval_dir / 'scorecard.json'}: no candidate model")
     run_paths = [run_dir, *(run_dir / d for d in ("hf", "adapter", "adapter_per_expert"))]
+    primary = next(iter(shipped))
     reasons = []
     for model in sorted(candidates, key=lambda m: bool(m.get("merged"))):  # unmerged first
-        theirs = model.get("fingerprint") or {}
-        common = sorted(k for k in fingerprint if theirs.get(k) is not None)
-        differing = [k for k in common if theirs[k] != fingerprint[k]]
-        from_run = any(_same_path(model.get("source"), p) for p in run_paths)
-        if common and not differing and not model.get("merged"):
-            return model
-        if model.get("merged") and common and not differing:
-            reasons.append(f"{model['label']!r} is the merged model")
-        elif differing:
-            key = differing[0]
-            reasons.append(f"{model['label']!r} ({model.get('source')}) has {key} {theirs[key][:12]}…, the run's "
-                           f"artifact {fingerprint[key][:12]}…" + (" (the run changed after the eval)"
-                                                                  if from_run else ""))
+        theirs = _hash_keys(model.get("fingerprint") or {})
+        for name, ours in shipped.items():
+            if theirs and theirs == {k: ours.get(k) for k in theirs}:
+                if not model.get("merged"):
+                    return model, name
+                reasons.append(f"{model['label']!r} is the merged model")
+                break
         else:
-            reasons.append(f"{model['label']!r} ({model.get('source')}) has no fingerprint to compare "
-                           f"({', '.join(sorted(fingerprint))})")
+            ours = shipped[primary]
+            differing = [k for k in sorted(theirs) if k in ours and theirs[k] != ours[k]]
+            from_run = any(_same_path(model.get("source"), p) for p in run_paths)
+            if differing:
+                key = differing[0]
+                reasons.append(f"{model['label']!r} ({model.get('source')}) has {key} {theirs[key][:12]}…, the run's "
+                               f"{primary} {ours[key][:12]}…" + (" (the run changed after the eval)" if from_run
+                                                                  else ""))
+            else:
+                reasons.append(f"{model['label']!r} ({model.get('source')}) has no fingerprint to compare with the "
+                               f"run's {primary} ({', '.join(sorted(ours))})")
     raise ValueError(f"--eval {eval_dir} did not evaluate the run {run_dir}: " + "; ".join(reasons))
+
+
+def check_evaluated_base(candidate: dict[str, Any], base: dict[str, Any], eval_dir: Path) -> None:
+    """An adapter candidate's fingerprint names the base it ran on: it must be the release's base."""
+    ran_on = _hash_keys((candidate.get("fingerprint") or {}).get("base") or {})
+    differing = [k for k in sorted(ran_on) if base.get(k) and ran_on[k] != base[k]]
+    if differing:
+        key = differing[0]
+        raise ValueError(f"--eval {eval_dir} ran the adapter on a base with {key} {ran_on[key][:12]}…, but the "
+                         f"release's base has {base[key][:12]}…: evaluate on the base that will serve")
 
 
 def _score_summary(metric: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +148,7 @@ _OPERATION_KEYS = ("requests", "p50_s", "p95_s", "generated_tokens", "generated_
                    "device")
 
 
-def eval_section(scorecard: dict[str, Any], scorecard_sha256: str, eval_dir: Path, candidate: dict[str, Any],
+def eval_section(scorecard: dict[str, Any], scorecard_sha256: str, candidate: dict[str, Any], evaluated: str,
                  allow_failed_gates: bool, stored_dir: str) -> dict[str, Any]:
     """What the manifest keeps of the eval (see the module docstring)."""
     suite = scorecard["suite"]
@@ -143,6 +166,7 @@ def eval_section(scorecard: dict[str, Any], scorecard_sha256: str, eval_dir: Pat
         "models": [{k: m.get(k) for k in ("label", "role", "kind", "source", "fingerprint", "merged")}
                    for m in scorecard["models"]],
         "candidate": candidate["label"],
+        "evaluated_artifact": evaluated,
         "scores": [_score_summary(m) for m in scorecard["metrics"]],
         "operations": operations,
         "gates": [{k: g.get(k) for k in ("name", "metric", "category", "model", "rule", "threshold", "value",

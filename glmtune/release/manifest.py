@@ -32,7 +32,8 @@ import yaml
 from glmtune.release import triggers
 from glmtune.release.artifacts import record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
-from glmtune.release.eval_record import eval_section, failed_gates, load_eval, released_candidate
+from glmtune.release.eval_record import (check_evaluated_base, eval_section, failed_gates, load_eval,
+                                         released_candidate)
 from glmtune.release.provenance import data_section, environment, tokenizer_section
 
 FORMAT = "glmtune.release/1"
@@ -203,16 +204,21 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     previous = _previous(req.previous, manifest_dir)
 
     # Hashing: the deployable artifacts first (the candidate check needs them), then the rest.
-    artifacts, fingerprint = [], {}
+    artifacts, shipped = [], {}
     for name, path, what in deployable:
         if name == "checkpoint":
-            artifact, fingerprint = record_hf_dir(name, path, what, manifest_dir)
+            artifact, identity = record_hf_dir(name, path, what, manifest_dir)
+            shipped[name] = {k: identity[k] for k in ("config_sha256", "weights_sha256")}
         else:
             artifact, _ = record_artifact(name, path, "dir", what, manifest_dir)
+            files = {f["path"]: f["sha256"] for f in artifact["files"]}
+            shipped[name] = {"config_sha256": files.get("adapter_config.json"),
+                             "weights_sha256": files.get("adapter_model.safetensors")}
         artifacts.append(artifact)
-    candidate = released_candidate(scorecard, run_dir, _fingerprint_keys(fingerprint, artifacts), eval_dir)
+    candidate, evaluated = released_candidate(scorecard, run_dir, shipped, eval_dir)
     rollback = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback), req.rollback_margin)
     base, base_artifact = record_base(cfg, run_dir, run_record, manifest_dir, lora)
+    check_evaluated_base(candidate, base, eval_dir)
     if base_artifact is not None:
         artifacts.append(base_artifact)
     tokenizer, tokenizer_artifact = tokenizer_section(tokenizer_dir, manifest_dir)
@@ -235,9 +241,8 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         "base": base,
         "engine": engine,
         "tokenizer": tokenizer,
-        "prompt": {k: (scorecard.get("prompt") or {}).get(k)
-                   for k in ("system_prompt_sha256", "tool_schema_sha256", "chat_template_sha256")},
-        "eval": eval_section(scorecard, scorecard_sha, eval_dir, candidate, req.allow_failed_gates,
+        "prompt": dict(scorecard.get("prompt") or {}),  # system prompt, tool schema, template hashes
+        "eval": eval_section(scorecard, scorecard_sha, candidate, evaluated, req.allow_failed_gates,
                              by_name["eval"]["root"]),
         "data": data,
         "config": {"artifact": "config", "sha256": by_name["config"]["files"][0]["sha256"], "resolved": resolved},
@@ -266,16 +271,6 @@ def _tokenizer_dir(cfg, run_dir: Path, lora: bool, base_dir: Path) -> Path:
     if not lora:
         return run_dir / "hf"
     return resolve_tokenizer_dir(cfg.data.tokenizer or base_dir)
-
-
-def _fingerprint_keys(identity: dict[str, Any], artifacts: list[dict[str, Any]]) -> dict[str, str]:
-    """The run's deployable artifact under the names a scorecard fingerprint uses."""
-    found = {k: identity[k] for k in ("config_sha256", "weights_sha256") if k in identity}
-    for artifact in artifacts:
-        if artifact["name"] == "adapter":
-            files = {f["path"]: f["sha256"] for f in artifact["files"]}
-            found["adapter_sha256"] = files.get("adapter_model.safetensors")
-    return {k: v for k, v in found.items() if v}
 
 
 def _check_template(tokenizer: dict[str, Any], scorecard: dict[str, Any], eval_dir: Path) -> None:

@@ -53,13 +53,20 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def candidate_fingerprint(run_dir: Path) -> dict[str, str]:
-    """What the scorecard records for the run as a candidate: the full checkpoint's identity, or
-    the adapter's weights file hash for a LoRA run."""
+def candidate_fingerprint(run_dir: Path, layout: str = "adapter") -> dict[str, Any]:
+    """What `glmtune eval` records for the run as a candidate (glmtune/eval/models.py): the full
+    checkpoint's identity; for a LoRA run the sha256 of the adapter's two files and the identity
+    of the base it ran on."""
     if (run_dir / "adapter").is_dir():
-        return {"adapter_sha256": sha256_file(run_dir / "adapter" / "adapter_model.safetensors")}
+        base = base_identity_from_dir(run_dir / "base")
+        return {"config_sha256": sha256_file(run_dir / layout / "adapter_config.json"),
+                "weights_sha256": sha256_file(run_dir / layout / "adapter_model.safetensors"),
+                "path": str(run_dir / layout),
+                "base": {"config_sha256": base["config_sha256"], "weights_sha256": base["weights_sha256"],
+                         "path": str(run_dir / "base")}}
     identity = base_identity_from_dir(run_dir / "hf")
-    return {k: identity[k] for k in ("config_sha256", "weights_sha256")}
+    return {"config_sha256": identity["config_sha256"], "weights_sha256": identity["weights_sha256"],
+            "path": str(run_dir / "hf")}
 
 
 def _metric(metric_id: str, unit: str, higher: bool, n: int, base: float, cand: float,

@@ -73,7 +73,8 @@ def test_full_finetune_manifest(sft_run, capsys):
         "tickets": _sha(eval_dir / "sets" / "tickets.jsonl"), "refusal": _sha(eval_dir / "sets" / "refusal.jsonl")}
     exact = next(s for s in ev["scores"] if s["id"] == "tickets/task_success/exact")
     assert exact["values"] == {"base": 0.0, "candidate": 0.4} and exact["delta"] == {"candidate": 0.4}
-    assert ev["candidate"] == "candidate" and ev["passed"] and not ev["allowed_failed_gates"]
+    assert ev["candidate"] == "candidate" and ev["evaluated_artifact"] == "checkpoint"
+    assert ev["passed"] and not ev["allowed_failed_gates"]
     assert [g["passed"] for g in ev["gates"]] == [True] * 4
 
     # Data provenance, config, versions.
@@ -107,6 +108,7 @@ def test_lora_manifest(lora_run, tmp_path, capsys):
     assert "approval  Ana Ops" in capsys.readouterr().out
     m = json.loads(out.read_text())
     assert m["run"]["method"] == "lora" and m["run"]["shipped"] == ["adapter", "adapter_per_expert"]
+    assert m["eval"]["evaluated_artifact"] == "adapter"
     assert m["run"]["path"] == str(run)
     names = [a["name"] for a in m["artifacts"]]
     assert names[:3] == ["adapter", "adapter_per_expert", "base"] and "checkpoint" not in names

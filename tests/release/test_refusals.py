@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from glmtune.cli import main
-from tests.release.eval_fixture import make_eval_dir
+from tests.release.eval_fixture import candidate_fingerprint, make_eval_dir
 
 ENGINE = ["--engine", "vllm==0.11.0"]
 
@@ -120,3 +120,17 @@ def test_refused_candidate_mismatch_and_edited_eval(sft_run, lora_source, tmp_pa
     _refused(capsys, ["release", str(run), "--eval", str(edited), *ENGINE],
              "tickets.jsonl: sha256 differs from the set the scorecard names", "edited after the eval")
     assert not (run / "release.json").exists()
+
+
+def test_adapter_evaluated_on_another_base_or_layout(lora_run, tmp_path, capsys):
+    run, _ = lora_run
+    other_base = candidate_fingerprint(run)
+    other_base["base"]["weights_sha256"] = "ef" * 32
+    wrong = make_eval_dir(tmp_path / "wrong-base-eval", run, fingerprint=other_base)
+    _refused(capsys, ["release", str(run), "--eval", str(wrong), *ENGINE],
+             "ran the adapter on a base with weights_sha256 efefefefefef…", "evaluate on the base that will serve")
+    # The per-expert layout holds the same adapter: an eval of it stands for the release.
+    per_expert = make_eval_dir(tmp_path / "per-expert-eval", run,
+                               fingerprint=candidate_fingerprint(run, "adapter_per_expert"))
+    assert main(["release", str(run), "--eval", str(per_expert), *ENGINE]) == 0
+    assert json.loads((run / "release.json").read_text())["eval"]["evaluated_artifact"] == "adapter_per_expert"
