@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.export_cmd",
     "glmtune.cli.merge_cmd",
     "glmtune.cli.preflight_cmd",
+    "glmtune.cli.eval_cmd",
     "glmtune.cli.release_cmd",
 )
 

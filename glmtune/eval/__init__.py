@@ -1,1 +1,3 @@
-"""Evaluation: a suite of scored test sets run on a base and candidate models, release gates, and the report."""
+"""Evaluation: `glmtune eval SUITE --base B --candidate C` scores two (or three) models on one suite
+with the same prompt wrapper and decoding, gates a release on the scores, and writes a scorecard
+(docs/eval.md)."""

@@ -1,0 +1,108 @@
+"""`glmtune eval SUITE --base BASE --candidate CAND [--out DIR]`: a scorecard and release gates.
+
+Both (with --merged all three) models answer the suite's sets under one chat template, system
+prompt and decoding, one model in memory at a time; the scores, per category with the base's
+value, the delta and n, go to DIR/scorecard.{json,md,html} with the suite and the exact rows
+(docs/eval.md). Exit status: 0 every gate passed, 1 a gate failed (each failed gate is printed
+with its values), 2 a user error (one line: the suite, a row, a model or an option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_EXAMPLES = """examples:
+  glmtune eval recipes/tiny/eval_support_json.yaml --base runs/tiny-sft-support-json \\
+      --candidate runs/tiny-sft-support-json
+  glmtune eval SUITE.yaml --base /models/GLM-5 --candidate runs/glm5-lora --merged --device cuda
+  glmtune eval SUITE.yaml --base B --candidate C --out evals/c --overwrite --json > scorecard.json
+"""
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="score a candidate against its base on a suite; exit 1 when a release gate fails",
+        description="Run SUITE's test sets on the base and the candidate with the same prompt wrapper and "
+                    "decoding, score them (task success, format, tool execution, facts, refusal, general text "
+                    "loss, operations), check the suite's release gates and write the scorecard.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("suite", metavar="SUITE", help="suite YAML file (or a name under recipes/)")
+    parser.add_argument("--base", required=True, metavar="BASE",
+                        help="the base model: an HF directory, or a run directory (the model it started from)")
+    parser.add_argument("--candidate", required=True, metavar="CAND",
+                        help="the candidate: a run directory (its hf/ or adapter/), an HF directory or an adapter")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="eval directory to write (default: CAND/eval/<suite name> for a run directory, "
+                             "else ./eval/<suite name>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
+    parser.add_argument("--merged", action="store_true",
+                        help="also evaluate an adapter candidate merged into its base (label candidate-merged) "
+                             "beside the unmerged adapter (label candidate)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the models run (default: cuda when available)")
+    parser.add_argument("--dtype", choices=_DTYPES, default="auto",
+                        help="parameter dtype (default: each checkpoint's own)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the scorecard JSON on stdout instead of the table (progress goes to stderr)")
+    parser.set_defaults(func=_run)
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.1%}" if unit == "ratio" else f"{value:g}" if unit == "count" else f"{value:.4g}"
+
+
+def _delta(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 100:+.1f} pt" if unit == "ratio" else f"{value:+.4g}"
+
+
+def _table(card: dict):
+    from rich.table import Table
+
+    labels = [m["label"] for m in card["models"]]
+    table = Table(title=f"scorecard: {card['suite']['name']} v{card['suite']['version']} (category all)")
+    for column in ("metric", "category", "n", *labels, *[f"Δ {label}" for label in labels[1:]]):
+        table.add_column(column, justify="left" if column in ("metric", "category") else "right",
+                         no_wrap=column == "metric")
+    for metric in card["metrics"]:
+        entry = metric["by_category"]["all"]
+        values = [_fmt(entry["values"][label], metric["unit"]) for label in labels]
+        deltas = [_delta(entry["delta"][label], metric["unit"]) for label in labels[1:]]
+        table.add_row(metric["id"], "all", str(entry["n"]), *values, *deltas)
+    return table
+
+
+def _run(ns: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from glmtune.eval.evaluate import run_eval
+
+    progress = Console(stderr=True, highlight=False)
+    dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)
+    card, out = run_eval(ns.suite, ns.base, ns.candidate, ns.out, overwrite=ns.overwrite, device=ns.device,
+                         dtype=dtype, merged=ns.merged, log=progress.print)
+    failed = [g for g in card["gates"] if not g["passed"]]
+    if ns.json:
+        json.dump(card, sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+        for gate in failed:  # stdout holds only the JSON: say on stderr why the exit status is 1
+            progress.print(f"gate failed: {gate['name']}: {gate['message']}")
+    else:
+        console = Console(highlight=False)
+        console.print(_table(card))
+        for gate in card["gates"]:
+            mark = "[green]PASS[/green]" if gate["passed"] else "[red]FAIL[/red]"
+            console.print(f"{mark} {gate['name']}: {gate['message']}")
+        console.print(f"report: {out / 'scorecard.html'} (also scorecard.md, scorecard.json)")
+    return 1 if failed else 0

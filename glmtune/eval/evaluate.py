@@ -1,0 +1,226 @@
+"""`glmtune eval`: every check first, then one model at a time, then the scorecard on disk.
+
+Order: the suite (every key, scorer option, schema file and gate), the models it names, the
+output directory (refused before any work if it holds something and `overwrite` is off, or if
+it is, is inside or contains an input), one tokenizer and chat template for all models (the
+candidate's; a base with other tokenizer or template files is refused, naming both hashes), the
+sets (data contract, file:line), the models' fingerprints (an adapter or run whose recorded base
+differs is refused), the tool functions (each imports) and the reference tool calls, the
+scorers' row checks. Then each model in turn (base, candidate, candidate-merged): load, answer
+every set, score the general text, measure operations, free it, so memory holds one model.
+
+The output directory is written in one step (`glmtune.io.outputs.output_dir`): scorecard.json,
+scorecard.md, scorecard.html, suite.yaml (the suite file's bytes) and sets/<name>.jsonl (the
+rows each set evaluated; their sha256 is in the scorecard).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glmtune.data.chat_template import load_chat_template
+from glmtune.eval import aggregate
+from glmtune.eval.general_text import GENERAL_TEXT_METRIC, general_text_loss, text_windows
+from glmtune.eval.models import Fingerprints, ModelSource, load_model, merged_variant, resolve_model
+from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
+from glmtune.eval.runner import Prompting, run_rows
+from glmtune.eval.scorers.reference_loss import ReferenceLoss, row_losses
+from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
+from glmtune.eval.suite import Suite, load_suite
+from glmtune.eval.tools import ToolExecutor
+from glmtune.io.outputs import check_output, output_dir
+
+FORMAT = "glmtune.scorecard/1"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _sha256(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
+
+
+def tokenizer_sha256(directory: Path) -> str:
+    """One hash over a directory's tokenizer files (names and bytes; the chat template apart)."""
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        if (directory / name).is_file():
+            digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _check_same_prompting(base: ModelSource, candidate: ModelSource) -> tuple[Path, str]:
+    """The candidate's tokenizer directory and chat template, after checking the base uses the same."""
+    tok_base, tok_cand = base.tokenizer_dir, candidate.tokenizer_dir
+    for what, hash_of in (("tokenizer", tokenizer_sha256), ("chat template", lambda d: _sha256(load_chat_template(d)))):
+        a, b = hash_of(tok_base), hash_of(tok_cand)
+        if a != b:
+            raise ValueError(f"the base and the candidate use different {what}s (base {tok_base}: sha256 {a[:12]}…, "
+                             f"candidate {tok_cand}: sha256 {b[:12]}…); a scorecard compares models under one "
+                             "prompt wrapper")
+    return tok_cand, load_chat_template(tok_cand)
+
+
+def default_out(candidate: ModelSource, suite: Suite) -> Path:
+    """RUN_DIR/eval/<suite name> for a run directory candidate, else ./eval/<suite name>."""
+    root = candidate.source / "eval" if candidate.kind == "run" else Path("eval")
+    return root / suite.name
+
+
+def _glmtune_pin() -> dict[str, Any]:
+    from glmtune.preflight.pins import glmtune_pin
+
+    pin = glmtune_pin()
+    return {"version": pin["version"], "commit": pin.get("commit"), "dirty": pin.get("dirty")}
+
+
+def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | Path, out: str | Path | None = None,
+             *, overwrite: bool = False, device: str = "auto", dtype: torch.dtype | None = None,
+             merged: bool = False, log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
+    """Evaluate and write the eval directory; returns (scorecard, its directory). ValueError: user errors."""
+    suite = load_suite(suite_path)
+    base = resolve_model(base_arg, "base")
+    candidate = resolve_model(candidate_arg, "candidate")
+    models = [base, candidate] + ([merged_variant(candidate)] if merged else [])
+    labels = [m.label for m in models]
+    for i, gate in enumerate(suite.file.gates):
+        if gate.model is not None and gate.model not in labels:
+            raise ValueError(f"{suite.path}: gates[{i}].model: {gate.model} is not evaluated (pass --merged to "
+                             "evaluate candidate-merged)")
+    out = Path(out) if out is not None else default_out(candidate, suite)
+    reads = [("SUITE", suite.path)] + [(f"set {s.name}", s.path) for s in suite.sets if s.path is not None]
+    reads += [r for m in models for r in m.reads()]
+    check_output(out, overwrite=overwrite, sources=reads, what="--out")
+    tokenizer_dir, template = _check_same_prompting(base, candidate)
+    loaded = load_sets(suite, candidate)
+    fingerprints = Fingerprints()
+    prints = {m.label: fingerprints.of(m) for m in models}
+    torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                "cpu" if device == "auto" else device)
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+
+    from glmtune.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
+    windows = None
+    if suite.general_text_path is not None:
+        g = suite.file.general_text
+        windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window)
+    with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
+        executor.check()
+        for s in loaded:
+            if any(scorer.name == "tool_execution" for scorer in s.spec.scorers):
+                for row in s.rows:
+                    row.reference_results = [executor.run(c["name"], c["arguments"], row.tools)
+                                             for c in row.reference_calls]
+        check_rows(loaded)
+        results = {m.label: _evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
+                                            windows, torch_device, dtype, log) for m in models}
+    card = _scorecard(suite, loaded, models, prints, results, template, labels)
+    _write(out, overwrite, reads, suite, loaded, card)
+    return card, out
+
+
+def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
+                    device: torch.device, dtype, log) -> dict[str, Any]:
+    what = f"{model.label} ({model.kind}{', merged' if model.merged else ''}: {model.source})"
+    memory = PeakMemory(device)
+    memory.start()
+    net = load_model(model, device, dtype)
+    outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
+    try:
+        for index, s in enumerate(loaded):
+            outs, seconds = run_rows(net, s.rows, prompting, executor, index)
+            if any(isinstance(scorer, ReferenceLoss) for scorer in s.spec.scorers):
+                for out, loss in zip(outs, row_losses(net, s.rows, prompting)):
+                    out.reference_loss = loss
+            outputs[s.spec.name] = outs
+            scores[s.spec.name] = {scorer.name: [scorer.score(row, out) for row, out in zip(s.rows, outs)]
+                                   for scorer in s.spec.scorers}
+            latencies += [o.latency_s for o in outs]
+            tokens += sum(o.generated_tokens for o in outs)
+            generate_s += seconds
+            log(f"{what}: {s.spec.name}, {len(outs)} rows in {seconds:.1f} s")
+        loss = general_text_loss(net, windows) if windows is not None else None
+    finally:
+        del net
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ops = summarize(latencies, tokens, generate_s, memory.gib(), device)
+    return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops}
+
+
+def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource], prints: dict, results: dict,
+               template: str, labels: list[str]) -> dict[str, Any]:
+    scores = {label: results[label]["scores"] for label in labels}
+    outputs = {label: results[label]["outputs"] for label in labels}
+    metrics, fields, examples = [], [], []
+    for s in loaded:
+        name = s.spec.name
+        metrics += aggregate.set_metrics(name, s.rows, s.spec.scorers, scores, labels)
+        if any(scorer.name == "task_success" for scorer in s.spec.scorers):
+            fields += aggregate.field_records(name, s.rows, scores, labels)
+        examples += aggregate.example_records(name, s.rows, {lb: outputs[lb][name] for lb in labels}, scores, labels)
+    if suite.general_text_path is not None:
+        losses = {label: results[label]["loss"] for label in labels}
+        metrics.append(aggregate.single_metric("general_text/loss/loss", GENERAL_TEXT_METRIC,
+                                               {lb: loss[0] for lb, loss in losses.items()},
+                                               losses[labels[0]][1], labels))
+    operations = {label: results[label]["operations"] for label in labels}
+    for group, definition in OPERATIONS_METRICS:
+        values = {label: operations_values(operations[label])[definition.name] for label in labels}
+        metrics.append(aggregate.single_metric(f"operations/{group}/{definition.name}", definition, values,
+                                               operations[labels[0]]["requests"], labels))
+    from glmtune.eval.gates import evaluate_gates
+
+    gates = evaluate_gates(suite.file.gates, metrics, labels[1:])
+    offered = tools_offered(loaded)
+    system_prompt = suite.file.system_prompt
+    return {
+        "format": FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "glmtune": _glmtune_pin(),
+        "suite": {"name": suite.name, "version": suite.version, "path": str(suite.path), "sha256": suite.sha256,
+                  "sets": [{"name": s.spec.name, "source": s.source, "sha256": _sha256(s.jsonl), "rows": len(s.rows),
+                            "scorers": [scorer.name for scorer in s.spec.scorers]} for s in loaded]},
+        "decoding": dict(vars(suite.file.decoding)),
+        "prompt": {"system_prompt_sha256": _sha256(system_prompt) if system_prompt is not None else None,
+                   "chat_template_sha256": _sha256(template), "enable_thinking": suite.file.enable_thinking,
+                   "tool_schema_sha256": _sha256(json.dumps(offered, sort_keys=True, ensure_ascii=False))
+                   if offered else None,
+                   "tool_functions": dict(suite.file.tools.functions)},
+        "models": [{"label": m.label, "role": m.role, "source": str(m.source), "kind": m.kind,
+                    "fingerprint": prints[m.label], "merged": m.merged} for m in models],
+        "metrics": metrics,
+        "fields": fields,
+        "operations": operations,
+        "gates": gates,
+        "passed": all(g["passed"] for g in gates),
+        "examples": examples,
+    }
+
+
+def _write(out: Path, overwrite: bool, reads: list, suite: Suite, loaded: list[LoadedSet], card: dict) -> None:
+    from glmtune.eval.report_html import render_html
+    from glmtune.eval.report_md import render_markdown
+
+    html = render_html(card)
+    markdown = render_markdown(card)
+    with output_dir(out, overwrite=overwrite, sources=reads, what="--out") as tmp:
+        (tmp / "scorecard.json").write_text(json.dumps(card, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        (tmp / "scorecard.md").write_text(markdown, encoding="utf-8")
+        (tmp / "scorecard.html").write_text(html, encoding="utf-8")
+        (tmp / "suite.yaml").write_bytes(suite.data)
+        (tmp / "sets").mkdir()
+        for s in loaded:
+            (tmp / "sets" / f"{s.spec.name}.jsonl").write_bytes(s.jsonl)

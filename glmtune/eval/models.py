@@ -1,0 +1,197 @@
+"""What `--base` and `--candidate` name, how each is fingerprinted, and how it is loaded.
+
+A model argument is one of
+  * an HF directory (config.json + safetensors): "hf";
+  * a run directory (config.yaml): "run". As `--candidate` it is the run's result: `hf/` for full
+    fine-tuning, `adapter/` on the adapter's base for LoRA. As `--base` it is the model the run
+    started from: `base/` (the preset's initial weights every run on a preset writes), else the
+    HF directory its `model.name_or_path` names;
+  * a PEFT adapter directory (adapter_config.json + adapter_model.safetensors): "adapter", on
+    the base its glmtune_adapter.json records (else adapter_config.json's
+    base_model_name_or_path; else the run's base/ beside it).
+An adapter's recorded base identity is checked against the directory found (content hashes),
+and so is a run's base/ against run.json. With `--merged` an adapter candidate is evaluated
+twice: unmerged ("candidate": LoRA modules holding the adapter, `adapters.py`) and merged
+("candidate-merged": the deltas folded into the base weights, `glmtune.peft.merge`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.models.glm5.args import PRESETS
+from glmtune.peft.export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
+
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+
+
+@dataclass
+class ModelSource:
+    label: str  # "base" | "candidate" | "candidate-merged"
+    role: str  # "base" | "candidate"
+    source: Path  # the argument, absolute
+    kind: str  # "hf" | "run" | "adapter"
+    weights_dir: Path  # the HF directory loaded (an adapter's base)
+    adapter_dir: Path | None = None
+    merged: bool | None = None  # None: not an adapter
+    recorded_base: dict | None = None  # the base identity an adapter or run records
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        for directory in (self.adapter_dir, self.weights_dir):
+            if directory is not None and any((directory / n).is_file() for n in _TOKENIZER_NAMES):
+                return directory
+        raise ValueError(f"{self.source}: no tokenizer files in {self.weights_dir} (expected tokenizer.json); "
+                         "an evaluation needs the model's own tokenizer and chat template")
+
+    def reads(self) -> list[tuple[str, Path]]:
+        """(label, path) of every input this model's evaluation reads (output-safety checks)."""
+        paths = [(f"--{self.role}", self.source), (f"{self.label} weights", self.weights_dir)]
+        return paths + ([(f"{self.label} adapter", self.adapter_dir)] if self.adapter_dir else [])
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _adapter_base(adapter_dir: Path) -> tuple[Path, dict | None]:
+    """The base directory of an exported adapter and the identity it records (None if none)."""
+    config = _read_json(adapter_dir / CONFIG_NAME)
+    meta = _read_json(adapter_dir / META_NAME) if (adapter_dir / META_NAME).is_file() else {}
+    recorded = meta.get("base") if isinstance(meta.get("base"), dict) else None
+    named = [p for p in ((recorded or {}).get("path"), config.get("base_model_name_or_path")) if p]
+    beside = adapter_dir.parent / "base"  # a run directory moved since training: its base/ moved with it
+    for candidate in [Path(p) for p in named] + [beside]:
+        if (candidate / "config.json").is_file():
+            return candidate.resolve(), recorded
+    raise ValueError(f"{adapter_dir}: its base {named[0] if named else '(not recorded)'} is not a local HF "
+                     "directory; an adapter is evaluated on the base it was trained on")
+
+
+def resolve_model(arg: str | Path, role: str) -> ModelSource:
+    """What `--base` / `--candidate` ARG names (module docstring); ValueError when it is none of them."""
+    option = f"--{role}"
+    path = Path(arg).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(f"{option} {arg}: not a directory (an HF checkpoint, a run directory or an adapter)")
+    if (path / CONFIG_NAME).is_file():
+        if role == "base":
+            raise ValueError(f"{option} {arg} is a LoRA adapter; the base is a full model (its HF directory or "
+                             "the run directory it was trained in)")
+        base, recorded = _adapter_base(path)
+        return ModelSource(role, role, path, "adapter", base, path, False, recorded)
+    if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        return _from_run(path, role, option)
+    if (path / "config.json").is_file():
+        return ModelSource(role, role, path, "hf", path)
+    raise ValueError(f"{option} {arg}: neither an HF checkpoint (config.json), a run directory (config.yaml) "
+                     f"nor an adapter ({CONFIG_NAME})")
+
+
+def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
+    from glmtune.config import load_config
+    from glmtune.train.run_dir import read_run_record
+
+    cfg = load_config(run_dir / "config.yaml")
+    record = read_run_record(run_dir) or {}
+    if role == "base":
+        if (run_dir / "base" / "config.json").is_file():
+            return ModelSource(role, role, run_dir, "run", run_dir / "base", recorded_base=record.get("base"))
+        if cfg.model.name_or_path not in PRESETS and (Path(cfg.model.name_or_path) / "config.json").is_file():
+            return ModelSource(role, role, run_dir, "run", Path(cfg.model.name_or_path).resolve(),
+                               recorded_base=record.get("base"))
+        raise ValueError(f"{option} {run_dir}: the run records no base model to evaluate (no base/ and "
+                         f"model.name_or_path {cfg.model.name_or_path!r} is not an HF directory); pass the base's "
+                         "HF directory")
+    if cfg.peft.method == "lora":
+        adapter = run_dir / "adapter"
+        if not (adapter / CONFIG_NAME).is_file():
+            raise ValueError(f"{option} {run_dir}: the LoRA run has no adapter/ (it has not finished); export one "
+                             "with `glmtune export RUN_DIR --adapter OUT` and pass OUT")
+        base, recorded = _adapter_base(adapter)
+        return ModelSource(role, role, run_dir, "run", base, adapter, False, recorded)
+    if not (run_dir / "hf" / "config.json").is_file():
+        raise ValueError(f"{option} {run_dir}: the run has no hf/ export (it has not finished, or ran with "
+                         "checkpoint.export_hf: false)")
+    return ModelSource(role, role, run_dir, "run", run_dir / "hf")
+
+
+def merged_variant(candidate: ModelSource) -> ModelSource:
+    """The same adapter candidate, merged ("candidate-merged")."""
+    if candidate.adapter_dir is None:
+        raise ValueError(f"--merged: the candidate {candidate.source} is not a LoRA adapter (nothing to merge)")
+    return ModelSource("candidate-merged", "candidate", candidate.source, candidate.kind, candidate.weights_dir,
+                       candidate.adapter_dir, True, candidate.recorded_base)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Fingerprints:
+    """Content hashes of the evaluated models, each directory hashed once."""
+
+    def __init__(self) -> None:
+        self._identities: dict[Path, dict] = {}
+
+    def identity(self, hf_dir: Path) -> dict:
+        if hf_dir not in self._identities:
+            self._identities[hf_dir] = base_identity_from_dir(hf_dir)
+        return self._identities[hf_dir]
+
+    def of(self, model: ModelSource) -> dict:
+        """{"config_sha256", "weights_sha256", "path"} (+ "base" for adapters); checks recorded bases."""
+        weights = self.identity(model.weights_dir)
+        if model.recorded_base:
+            reasons = identity_mismatch(model.recorded_base, weights)
+            if reasons:
+                what = "adapter was trained on" if model.adapter_dir else "run started from"
+                raise ValueError(f"{model.weights_dir} is not the base the {what} ({'; '.join(reasons)}); restore "
+                                 "that base")
+        base = {"config_sha256": weights["config_sha256"], "weights_sha256": weights["weights_sha256"],
+                "path": str(model.weights_dir)}
+        if model.adapter_dir is None:
+            return base
+        return {"config_sha256": _file_sha256(model.adapter_dir / CONFIG_NAME),
+                "weights_sha256": _file_sha256(model.adapter_dir / WEIGHTS_NAME),
+                "path": str(model.adapter_dir), "base": base}
+
+
+def checkpoint_dtype(hf_dir: Path) -> torch.dtype:
+    from glmtune.peft.merge import _config_dtype
+
+    return _config_dtype(hf_dir)
+
+
+def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | None):
+    """The model in eval mode on `device` (dtype None: the checkpoint's own)."""
+    from glmtune.checkpoint.hf_io import load_pretrained
+
+    net = load_pretrained(model.weights_dir, dtype or checkpoint_dtype(model.weights_dir), device)
+    if model.adapter_dir is not None:
+        if model.merged:
+            from glmtune.peft.merge import merge_adapter_dir
+
+            merge_adapter_dir(net, model.adapter_dir)
+        else:
+            from glmtune.eval.adapters import apply_adapter
+
+            apply_adapter(net, model.adapter_dir)
+    return net.eval()

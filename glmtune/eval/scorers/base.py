@@ -1,0 +1,103 @@
+"""What every scorer shares: the evaluated row, a model's output for it, metric definitions and
+the per-row score a scorer returns.
+
+A scorer is a class with
+  * `Options`: a dataclass of its suite-file options (typed, unknown keys are errors);
+  * `metrics(options)`: the `MetricDef`s it reports (fixed per options, so a gate's metric id
+    is checked when the suite loads);
+  * `check_row(row)`: reasons a row cannot be scored (e.g. a refusal row without `must_refuse`),
+    reported as file:line before any model runs;
+  * `score(row, output)`: a `RowScore` for one model's output.
+Metric values per category are the mean (ratios, seconds) or the sum (counts) of the row
+values that are not None (`aggregate.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Reduce = Literal["mean", "sum"]
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    description: str
+    unit: str  # "ratio" | "count" | "seconds" | "tokens_per_s" | "gib" | "nats_per_token"
+    higher_is_better: bool
+    reduce: Reduce = "mean"
+
+
+@dataclass
+class EvalRow:
+    """One row of a test set, cut into what the models see and what they are scored against."""
+
+    set: str
+    id: str
+    category: str
+    origin: str  # file:line
+    data: dict[str, Any]  # the contract-normalized row (scorer fields such as must_refuse included)
+    prompt: list[dict[str, Any]]  # messages up to and including the last user turn (system prompt applied)
+    tools: list[dict[str, Any]] | None
+    reference: str | None  # the reference final answer (last assistant content), None if it only calls tools
+    reference_calls: list[dict[str, Any]]  # [{"name", "arguments"}] the reference makes after the last user turn
+    reference_turns: list[dict[str, Any]]  # the messages after the last user turn (assistant and tool turns)
+    reference_results: list["ToolCall"] = field(default_factory=list)  # those calls executed (tool_execution)
+
+    @property
+    def last_user_text(self) -> str:
+        return next((m["content"] for m in reversed(self.prompt) if m["role"] == "user"), "")
+
+
+@dataclass
+class ToolCall:
+    """One tool call a model made (or the reference makes), and what executing it gave."""
+
+    name: str
+    arguments: dict[str, Any] | None  # None: the call did not parse into arguments
+    ok: bool
+    result: str | None  # the tool's result as the tool turn shows it (JSON text for non-strings)
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": self.arguments, "ok": self.ok, "result": self.result,
+                "error": self.error}
+
+
+@dataclass
+class ModelOutput:
+    text: str  # the final answer: the visible text of the last turn (markup of an unfinished call removed)
+    transcript: str  # every generated turn with the tool calls and their results, as the template renders them
+    tool_calls: list[ToolCall]
+    latency_s: float  # model time for this request: the generate calls it took part in
+    generated_tokens: int
+    finish: str  # "answer" | "length" | "tool_rounds_exhausted" | "bad_tool_call"
+    reference_loss: float | None = None  # set when the set has the reference_loss scorer
+
+
+@dataclass
+class RowScore:
+    values: dict[str, float | None]  # metric name -> this row's value (None: does not apply to this row)
+    failures: list[str] = field(default_factory=list)  # short phrases; empty = the row passed this scorer
+    fields: dict[str, bool] = field(default_factory=dict)  # per-field correctness (task_success)
+
+
+def answer_text(text: str) -> str:
+    """The answer part of generated text: after any reasoning (`...</think>`), stripped."""
+    return text.split("</think>")[-1].strip()
+
+
+def parse_json(text: str) -> tuple[Any, str | None]:
+    """(value, None) when the answer parses as JSON, else (None, a short reason)."""
+    try:
+        return json.loads(answer_text(text)), None
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg} at column {exc.colno})" if answer_text(text) else "empty answer"
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """A value for a failure phrase: JSON, cut to `limit` characters."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 1] + "…"

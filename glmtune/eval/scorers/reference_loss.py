@@ -1,0 +1,71 @@
+"""reference_loss: how likely the model finds the reference answer (teacher-forced), in nats per token.
+
+Exact-match scores stay at 0 until a model gets answers wholly right; the reference's loss
+moves from the first steps of training, and per category it shows where a fine-tune helped or
+hurt (on task-free prompts: whether general answering degraded). The row is rendered whole
+with the chat template (the suite's system prompt applied), with training's loss mask
+(`glmtune.data.chat_template.tokenize_conversation`) cut to the assistant turns after the last
+user turn: the tool-call turn, if any, and the final answer, each with the token that ends it.
+The row's value is the mean loss over those tokens; the metric is the mean over rows.
+
+Unlike the other scorers it reads the model, not its generated output: the evaluation calls
+`row_losses` once per model and set, and `score` reads the value it left on the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmtune.data.chat_template import IGNORE_INDEX, tokenize_conversation
+from glmtune.data.packing import next_token_targets
+from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore
+
+
+class ReferenceLoss:
+    name = "reference_loss"
+
+    @dataclass
+    class Options:
+        pass
+
+    def __init__(self, options: "ReferenceLoss.Options", suite_dir: Path) -> None:
+        self.options = options
+
+    @staticmethod
+    def metrics(options: "ReferenceLoss.Options") -> list[MetricDef]:
+        return [MetricDef("loss", "mean loss of the reference answer's tokens given the prompt (teacher-forced)",
+                          "nats_per_token", False)]
+
+    def check_row(self, row: EvalRow) -> list[str]:
+        return []
+
+    def score(self, row: EvalRow, output: ModelOutput) -> RowScore:
+        assert output.reference_loss is not None, "row_losses runs before scoring"
+        return RowScore({"loss": output.reference_loss})
+
+
+def _sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
+    """(input ids, next-token targets) of the whole reference conversation, targets only on
+    the assistant turns after the last user turn."""
+    sample = tokenize_conversation(row.prompt + row.reference_turns, prompting.tokenizer, tools=row.tools,
+                                   template=prompting.template, enable_thinking=prompting.enable_thinking)
+    user_id = prompting.tokenizer.convert_tokens_to_ids("<|user|>")
+    last_user = max(i for i, token in enumerate(sample.input_ids) if token == user_id)
+    labels = [IGNORE_INDEX if i < last_user else label for i, label in enumerate(sample.labels)]
+    return sample.input_ids, next_token_targets(labels)
+
+
+@torch.no_grad()
+def row_losses(model, rows: list[EvalRow], prompting) -> list[float]:
+    """Each row's mean reference loss (nats per token) under `model`."""
+    device = model.lm_head.weight.device
+    losses = []
+    for row in rows:
+        ids, targets = _sample(row, prompting)
+        out = model(torch.tensor([ids], device=device), targets=torch.tensor([targets], device=device),
+                    compute_logits=False)
+        losses.append(float(out.loss_sum) / max(int(out.num_targets), 1))
+    return losses

@@ -1,0 +1,115 @@
+"""A suite's test sets as evaluated rows: read, checked by the data contract, cut into prompts.
+
+Rows are chat rows like training rows (JSONL or Parquet, `glmtune.data.sources`), each checked
+by the data contract (every violation named file:line before any model loads) and normalized.
+A `run_split: validation` set reads the candidate run directory's held-out split, the files its
+data_manifest.json names. `limit` keeps the first N rows.
+
+A row is cut at its last user turn: the messages up to it are the prompt (with the suite's
+`system_prompt`, when set, replacing any system turn), the assistant turns after it are the
+reference: its tool calls (`reference_calls`) and its final content (`reference`). The category
+is the row's `category` field, else "tool_call" when the reference calls a tool, else "other".
+Each scorer then checks the rows it needs fields from (`check_row`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glmtune.data.contract import check_or_raise
+from glmtune.data.sources import Row, no_rows_message, read_rows
+from glmtune.eval.models import ModelSource
+from glmtune.eval.scorers.base import EvalRow
+from glmtune.eval.suite import EvalSet, Suite
+
+
+@dataclass
+class LoadedSet:
+    spec: EvalSet
+    source: str  # the file, or "run:validation"
+    rows: list[EvalRow]
+    jsonl: bytes  # the exact rows evaluated (DIR/sets/<name>.jsonl)
+    files: list[Path]  # what was read
+
+
+def _split_files(candidate: ModelSource, split: str) -> list[Path]:
+    if candidate.kind != "run":
+        raise ValueError(f"run_split: {split} reads the candidate run directory's held-out split, but --candidate "
+                         f"{candidate.source} is not a run directory; give the set a path")
+    manifest_path = candidate.source / "data_manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"run_split: {split}: {manifest_path} not found (the run has not prepared its data)")
+    recorded = json.loads(manifest_path.read_text(encoding="utf-8")).get(f"{split}_files")
+    if recorded is None:
+        raise ValueError(f"run_split: {split}: {manifest_path} names no {split} files (a run from before "
+                         "glmtune eval); give the set a path to the split's JSONL")
+    if not recorded:
+        raise ValueError(f"run_split: {split}: the run {candidate.source} has no {split} split")
+    files = []
+    for name in recorded:
+        # A run directory that was moved keeps its data/ beside data_manifest.json.
+        local = candidate.source / "data" / Path(name).name
+        files.append(local if local.is_file() else Path(name))
+    return files
+
+
+def _eval_row(spec: EvalSet, row: Row, index: int, system_prompt: str | None) -> EvalRow:
+    data, origin = row.data, str(row.origin)
+    messages = data["messages"]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError(f"{origin}: set {spec.name}: the row has no user turn to prompt with")
+    prompt = messages[:last_user + 1]
+    if system_prompt is not None:
+        prompt = [{"role": "system", "content": system_prompt}] + [m for m in prompt if m["role"] != "system"]
+    after = messages[last_user + 1:]
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for m in after if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    final = after[-1] if after and after[-1]["role"] == "assistant" else None
+    reference = final["content"] if final is not None and final["content"].strip() else None
+    category = data.get("category")
+    if not isinstance(category, str) or not category:
+        category = "tool_call" if calls else "other"
+    return EvalRow(spec.name, str(data.get("id") or f"{spec.name}-{index + 1}"), category, origin, data, prompt,
+                   data.get("tools"), reference, calls, after)
+
+
+def load_sets(suite: Suite, candidate: ModelSource) -> list[LoadedSet]:
+    """Every set's rows (ValueError: the first problems, each as file:line)."""
+    loaded = []
+    for spec in suite.sets:
+        files = [spec.path] if spec.path is not None else _split_files(candidate, spec.run_split)
+        where = f"{spec.where}: set {spec.name}"
+        try:
+            rows = check_or_raise(read_rows(files))
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        rows = rows[:spec.limit] if spec.limit is not None else rows
+        if not rows:
+            raise ValueError(f"{where}: {no_rows_message(files)}")
+        evaluated = [_eval_row(spec, row, i, suite.file.system_prompt) for i, row in enumerate(rows)]
+        jsonl = "".join(json.dumps(row.data, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+        source = str(spec.path) if spec.path is not None else f"run:{spec.run_split}"
+        loaded.append(LoadedSet(spec, source, evaluated, jsonl, files))
+    return loaded
+
+
+def check_rows(loaded: list[LoadedSet], max_shown: int = 10) -> None:
+    """Every scorer's row requirements; one ValueError listing the first problems (file:line)."""
+    problems = [f"{row.origin}: set {s.spec.name}: {scorer.name}: {reason}"
+                for s in loaded for row in s.rows for scorer in s.spec.scorers for reason in scorer.check_row(row)]
+    if problems:
+        shown = "".join(f"\n  {p}" for p in problems[1:max_shown])
+        more = f"\n  ... and {len(problems) - max_shown} more" if len(problems) > max_shown else ""
+        raise ValueError(f"{len(problems)} row(s) the suite's scorers cannot score; the first: {problems[0]}"
+                         f"{shown}{more}")
+
+
+def tools_offered(loaded: list[LoadedSet]) -> list[dict[str, Any]]:
+    """The distinct tool specs the evaluated rows offer, sorted by name (for the prompt hash)."""
+    specs = {json.dumps(tool, sort_keys=True, ensure_ascii=False): tool
+             for s in loaded for row in s.rows for tool in row.tools or []}
+    return [specs[key] for key in sorted(specs)]

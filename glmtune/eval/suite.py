@@ -1,0 +1,273 @@
+"""The suite file: test sets with their scorers, decoding, tools, general text and release gates.
+
+    name: support-json            # required
+    version: "1"                  # required; recorded in the scorecard and the release manifest
+    system_prompt: null           # null: each row's own system turn; a string replaces it for every model
+    enable_thinking: false        # the chat template's thinking switch for every prompt
+    decoding: {max_new_tokens: 96, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0,
+               stop_strings: [], max_tool_rounds: 2, batch_size: 8}
+    tools: {timeout_s: 10, functions: {lookup_order: "glmtune.data.synthetic:lookup_order"}}
+    sets:
+      - name: tickets
+        run_split: validation     # or path: file.jsonl (relative to this file)
+        limit: 24
+        scorers: [{type: task_success, fields: [product]}, {type: format, schema: s.json}, tool_execution]
+    general_text: {path: general.txt, max_tokens: 2048, window: 512}
+    gates:
+      - {metric: tickets/task_success/exact, rule: improves}
+
+Loading is strict (docs/eval.md is the reference): unknown keys and wrong types are errors
+naming the file:line and key (the typed conversion of `glmtune.config.loader`), every scorer's
+options are typed the same way, schema files and regular expressions are read here, and every
+gate's metric id must be one the suite produces. Nothing runs before the whole file is valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from glmtune.config.loader import _Converter, resolve_recipe_path
+from glmtune.config.sources import format_path, read_yaml_layer
+from glmtune.eval.general_text import GENERAL_TEXT_METRIC
+from glmtune.eval.operations import OPERATIONS_METRICS
+from glmtune.eval.scorers import SCORERS, MetricDef
+
+RULES = ("improves", "no_regression", "min", "max", "max_increase")
+RESERVED_SETS = ("general_text", "operations")  # metric-id prefixes the suite itself produces
+_SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass
+class DecodingConfig:
+    max_new_tokens: int = 128  # per generation round
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed (each batch and round derives its own from it)
+    stop_strings: list[str] = field(default_factory=list)
+    max_tool_rounds: int = 2  # tool-call rounds a request may take before its answer
+    batch_size: int = 8  # prompts decoded together (left-padded)
+
+
+@dataclass
+class ToolsConfig:
+    timeout_s: float = 10.0  # per call; a call running longer is killed and counts as failed
+    functions: dict[str, str] = field(default_factory=dict)  # tool name -> "module:function"
+
+
+@dataclass
+class SetConfig:
+    name: str = ""
+    path: str | None = None  # JSONL, relative to the suite file
+    run_split: Literal["validation"] | None = None  # the candidate run directory's held-out split
+    limit: int | None = None  # the first N rows
+    scorers: list[Any] = field(default_factory=list)  # "type" or {type: ..., options...}
+
+
+@dataclass
+class GeneralTextConfig:
+    path: str = ""  # plain UTF-8 text, relative to the suite file
+    max_tokens: int = 4096  # the first N tokens are scored
+    window: int = 512  # tokens per forward (non-overlapping windows)
+
+
+@dataclass
+class GateConfig:
+    metric: str = ""  # "<set>/<scorer>/<name>"
+    rule: Literal["improves", "no_regression", "min", "max", "max_increase"] = "improves"
+    name: str | None = None  # shown in reports; default: metric, rule and threshold
+    threshold: float | None = None  # required for min, max and max_increase; default 0 for the others
+    category: str = "all"
+    model: str | None = None  # a candidate label ("candidate", "candidate-merged"); null: every candidate
+
+
+@dataclass
+class SuiteFile:
+    name: str | None = None
+    version: str | int | None = None
+    description: str = ""
+    system_prompt: str | None = None
+    enable_thinking: bool = False
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    sets: list[SetConfig] = field(default_factory=list)
+    general_text: GeneralTextConfig | None = None
+    gates: list[GateConfig] = field(default_factory=list)
+
+
+@dataclass
+class EvalSet:
+    name: str
+    path: Path | None  # resolved; None for run_split
+    run_split: str | None
+    limit: int | None
+    scorers: list[Any]  # scorer instances, in file order
+    where: str  # file:line of the set
+
+
+@dataclass
+class Suite:
+    path: Path
+    data: bytes  # the file's bytes
+    sha256: str
+    file: SuiteFile
+    sets: list[EvalSet]
+    metrics: dict[str, MetricDef]  # metric id -> definition, every metric the suite produces
+    general_text_path: Path | None
+
+    @property
+    def name(self) -> str:
+        return str(self.file.name)
+
+    @property
+    def version(self) -> str:
+        return str(self.file.version)
+
+    @property
+    def dir(self) -> Path:
+        return self.path.parent
+
+
+class _Errors:
+    def __init__(self, where: dict, label: str) -> None:
+        self.where, self.label, self.items = where, label, []
+
+    def at(self, path: tuple, message: str) -> None:
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.where:
+                self.items.append(f"{self.where[path[:n]]}: {format_path(path)}: {message}")
+                return
+        self.items.append(f"{self.label}: {format_path(path)}: {message}")
+
+    def raise_if_any(self) -> None:
+        if len(self.items) == 1:
+            raise ValueError(self.items[0])
+        if self.items:
+            raise ValueError(f"{len(self.items)} suite errors:\n  " + "\n  ".join(self.items))
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and check a suite file (a path, or a name under recipes/ as `glmtune train` takes)."""
+    path = resolve_recipe_path(path).resolve()
+    data = path.read_bytes()  # hashed and copied into the eval directory as read
+    layer = read_yaml_layer(path)
+    label = str(path)
+    converter = _Converter(layer.where, label)
+    file = converter.dataclass(layer.data, SuiteFile, ())
+    errors = _Errors(layer.where, label)
+    errors.items += converter.errors
+    errors.raise_if_any()  # the checks below read typed values
+    for key in ("name", "version"):
+        if getattr(file, key) in (None, ""):
+            errors.at((key,), "required")
+    _check_decoding(file.decoding, errors)
+    _check_tools(file.tools, errors)
+    sets = _build_sets(file, path.parent, converter, errors)
+    general_path = None
+    if file.general_text is not None:
+        general_path = path.parent / file.general_text.path
+        if not file.general_text.path or not general_path.is_file():
+            errors.at(("general_text", "path"), f"file not found: {general_path}")
+        for key in ("max_tokens", "window"):
+            if getattr(file.general_text, key) < 2:
+                errors.at(("general_text", key), "must be >= 2")
+    metrics = {f"{s.name}/{scorer.name}/{m.name}": m for s in sets for scorer in s.scorers
+               for m in scorer.metrics(scorer.options)}
+    metrics.update({f"operations/{group}/{m.name}": m for group, m in OPERATIONS_METRICS})
+    if file.general_text is not None:
+        metrics["general_text/loss/loss"] = GENERAL_TEXT_METRIC
+    _check_gates(file.gates, metrics, errors)
+    errors.raise_if_any()
+    return Suite(path, data, hashlib.sha256(data).hexdigest(), file, sets, metrics, general_path)
+
+
+def _check_decoding(d: DecodingConfig, errors: _Errors) -> None:
+    for key, ok, rule in (("max_new_tokens", d.max_new_tokens >= 1, ">= 1"),
+                          ("temperature", d.temperature >= 0, ">= 0"), ("top_k", d.top_k >= 0, ">= 0"),
+                          ("top_p", 0 < d.top_p <= 1, "in (0, 1]"), ("max_tool_rounds", d.max_tool_rounds >= 0, ">= 0"),
+                          ("batch_size", d.batch_size >= 1, ">= 1")):
+        if not ok:
+            errors.at(("decoding", key), f"must be {rule}, got {getattr(d, key)!r}")
+    for i, stop in enumerate(d.stop_strings):
+        if not stop:
+            errors.at(("decoding", "stop_strings", i), "an empty stop string would stop at once")
+
+
+def _check_tools(tools: ToolsConfig, errors: _Errors) -> None:
+    if not tools.timeout_s > 0:
+        errors.at(("tools", "timeout_s"), f"must be > 0, got {tools.timeout_s}")
+    for name, ref in tools.functions.items():
+        if not _FUNCTION_REF.match(ref):
+            errors.at(("tools", "functions", name),
+                      f"expected 'module:function' (e.g. mypkg.tools:lookup), got {ref!r}")
+
+
+def _build_sets(file: SuiteFile, suite_dir: Path, converter: _Converter, errors: _Errors) -> list[EvalSet]:
+    if not file.sets:
+        errors.at(("sets",), "at least one set is required")
+    sets, seen = [], set()
+    for i, s in enumerate(file.sets):
+        where = ("sets", i)
+        if not _SET_NAME.match(s.name or ""):
+            errors.at(where + ("name",), f"a set needs a name of letters, digits, '_', '-', '.', got {s.name!r}")
+        elif s.name in RESERVED_SETS or s.name in seen:
+            errors.at(where + ("name",), f"{s.name!r} is {'reserved' if s.name in RESERVED_SETS else 'used twice'}")
+        seen.add(s.name)
+        if (s.path is None) == (s.run_split is None):
+            errors.at(where, "give exactly one of path (a JSONL file) and run_split: validation")
+        path = suite_dir / s.path if s.path is not None else None
+        if path is not None and not path.is_file():
+            errors.at(where + ("path",), f"file not found: {path}")
+        if s.limit is not None and s.limit < 1:
+            errors.at(where + ("limit",), f"must be >= 1, got {s.limit}")
+        if not s.scorers:
+            errors.at(where + ("scorers",), "at least one scorer is required")
+        scorers, names = [], set()
+        for j, entry in enumerate(s.scorers):
+            scorer = _build_scorer(entry, where + ("scorers", j), suite_dir, converter, errors)
+            if scorer is not None and scorer.name in names:
+                errors.at(where + ("scorers", j), f"scorer {scorer.name} appears twice in set {s.name}")
+            elif scorer is not None:
+                names.add(scorer.name)
+                scorers.append(scorer)
+        sets.append(EvalSet(s.name, path, s.run_split, s.limit, scorers, errors.where.get(where, errors.label)))
+    return sets
+
+
+def _build_scorer(entry: Any, path: tuple, suite_dir: Path, converter: _Converter, errors: _Errors):
+    options = {} if isinstance(entry, str) else dict(entry) if isinstance(entry, dict) else None
+    kind = entry if isinstance(entry, str) else options.pop("type", None) if options is not None else None
+    if kind not in SCORERS:
+        errors.at(path, f"a scorer is a name or a mapping with type: one of {', '.join(SCORERS)}; got {entry!r}")
+        return None
+    cls = SCORERS[kind]
+    before = len(converter.errors)
+    typed = converter.dataclass(options, cls.Options, path)
+    if len(converter.errors) > before:
+        errors.items += converter.errors[before:]
+        return None
+    try:
+        return cls(typed, suite_dir)
+    except (ValueError, OSError) as exc:
+        errors.at(path, str(exc))
+        return None
+
+
+def _check_gates(gates: list[GateConfig], metrics: dict[str, MetricDef], errors: _Errors) -> None:
+    for i, gate in enumerate(gates):
+        where = ("gates", i)
+        if gate.metric not in metrics:
+            close = [m for m in metrics if m.split("/")[-1] == gate.metric.split("/")[-1]]
+            hint = f" (did you mean {close[0]}?)" if close else f"; the suite's metrics: {', '.join(sorted(metrics))}"
+            errors.at(where + ("metric",), f"unknown metric {gate.metric!r}{hint}")
+        if gate.rule in ("min", "max", "max_increase") and gate.threshold is None:
+            errors.at(where + ("threshold",), f"rule {gate.rule} needs a threshold")
+        if gate.threshold is not None and gate.threshold < 0 and gate.rule in ("improves", "no_regression"):
+            errors.at(where + ("threshold",), f"rule {gate.rule} takes a margin >= 0, got {gate.threshold}")
+        if gate.model is not None and gate.model not in ("candidate", "candidate-merged"):
+            errors.at(where + ("model",), f"must be candidate or candidate-merged, got {gate.model!r}")

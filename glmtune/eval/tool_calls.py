@@ -1,0 +1,85 @@
+"""GLM-5 tool calls in generated text, parsed back into (name, arguments).
+
+The chat template (glmtune/data/templates/glm5.jinja) renders a call as
+
+    <tool_call>NAME<arg_key>K1</arg_key><arg_value>V1</arg_value><arg_key>K2</arg_key>...</tool_call>
+
+with string values written raw and every other value as JSON. Parsing inverts that the way
+serving engines' GLM parsers do: a value whose parameter the tool's JSON schema types as
+`string` stays the raw text (so an id "00123" is not read as the number 123); any other value
+that parses as JSON is that JSON value, else the raw text. The visible content is the text
+before the first `<tool_call>`. A call that is not closed (generation stopped inside it), has
+no name, or has unpaired keys and values is returned with `error` set, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: dict[str, Any] | None  # None when `error` is set
+    error: str | None = None
+
+
+def _string_params(tools: list[dict[str, Any]] | None, name: str) -> set[str]:
+    """Parameters the named tool's schema types as string (only) in the row's tool specs."""
+    for tool in tools or []:
+        spec = tool.get("function", tool)
+        if spec.get("name") == name:
+            properties = (spec.get("parameters") or {}).get("properties") or {}
+            return {key for key, schema in properties.items()
+                    if isinstance(schema, dict) and schema.get("type") == "string"}
+    return set()
+
+
+def _value(text: str, as_string: bool) -> Any:
+    if as_string:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ParsedCall]]:
+    """(visible content before the first call, the calls in order)."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = []
+    for match in _CALL.finditer(text, start):
+        body, closed = match.group(1), bool(match.group(2))
+        head = body.split("<arg_key>", 1)[0]
+        name = head.strip()
+        if not closed:
+            calls.append(ParsedCall(name, None, "tool call not closed (generation stopped inside it)"))
+            continue
+        if not name or "<" in name:
+            calls.append(ParsedCall(name, None, "tool call without a function name"))
+            continue
+        pairs = _PAIR.findall(body)
+        rest = _PAIR.sub("", body[len(head):]).strip()
+        if rest:
+            calls.append(ParsedCall(name, None, f"malformed arguments near {rest[:30]!r}"))
+            continue
+        strings = _string_params(tools, name)
+        arguments = {}
+        for key, value in pairs:
+            key = key.strip()
+            if key in arguments:
+                calls.append(ParsedCall(name, None, f"argument {key!r} given twice"))
+                break
+            arguments[key] = _value(value, key in strings)
+        else:
+            calls.append(ParsedCall(name, arguments))
+    return text[:start], calls
+
