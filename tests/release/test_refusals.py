@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 
@@ -46,6 +47,12 @@ def test_refused_inputs(sft_run, tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
     shutil.copytree(run, unfinished, ignore=shutil.ignore_patterns("hf"))
     _refused(capsys, ["release", str(unfinished), "--eval", str(eval_dir), *ENGINE], "has no hf/")
+    # A run that is training now: glmtune train holds its lock.
+    with open(run / ".glmtune.lock", "w") as lock:
+        lock.write("glmtune train (pid 4242 on host-a)\n")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _refused(capsys, [*release, *ENGINE], f"RUN_DIR {run} is in use by glmtune train (pid 4242 on host-a)")
     assert not (run / "release.json").exists() and not (unfinished / "release.json").exists()
 
     # An existing release is replaced only with --overwrite.
