@@ -52,9 +52,15 @@ class ModelSource:
                          "an evaluation needs the model's own tokenizer and chat template")
 
     def reads(self) -> list[tuple[str, Path]]:
-        """(label, path) of every input this model's evaluation reads (output-safety checks)."""
-        paths = [(f"--{self.role}", self.source), (f"{self.label} weights", self.weights_dir)]
-        return paths + ([(f"{self.label} adapter", self.adapter_dir)] if self.adapter_dir else [])
+        """(label, path) of every input this model's evaluation reads (output-safety checks). Of a
+        run directory only what is read: the default output, RUN_DIR/eval/<suite>, sits beside them."""
+        paths = [(f"{self.label} weights", self.weights_dir)]
+        paths += [(f"{self.label} adapter", self.adapter_dir)] if self.adapter_dir else []
+        if self.kind == "run":
+            paths += [(f"{self.label} run data", self.source / "data")]
+        else:
+            paths += [(f"--{self.role}", self.source)]
+        return paths
 
 
 def _read_json(path: Path) -> dict:
