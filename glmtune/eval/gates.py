@@ -21,8 +21,11 @@ from glmtune.eval.suite import GateConfig
 
 
 def _fmt(value: float | None) -> str:
-    return "null" if value is None else f"{value:.4g}" if abs(value) >= 1e4 or 0 < abs(value) < 1e-3 \
-        else f"{value:.3f}"
+    if value is None:
+        return "null"
+    if float(value).is_integer() and abs(value) < 1e6:
+        return f"{value:.0f}"  # counts, and round thresholds
+    return f"{value:.4g}" if abs(value) >= 1e4 or abs(value) < 1e-3 else f"{value:.3f}"
 
 
 def gate_name(gate: GateConfig) -> str:
