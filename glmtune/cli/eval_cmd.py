@@ -72,8 +72,10 @@ def _table(card: dict):
     labels = [m["label"] for m in card["models"]]
     table = Table(title=f"scorecard: {card['suite']['name']} v{card['suite']['version']} (category all)")
     for column in ("metric", "category", "n", *labels, *[f"Δ {label}" for label in labels[1:]]):
-        table.add_column(column, justify="left" if column in ("metric", "category") else "right",
-                         no_wrap=column == "metric")
+        if column == "metric":
+            table.add_column(column, overflow="fold")  # a narrow terminal folds the id, never a number
+        else:
+            table.add_column(column, justify="left" if column == "category" else "right", no_wrap=True)
     for metric in card["metrics"]:
         entry = metric["by_category"]["all"]
         values = [_fmt(entry["values"][label], metric["unit"]) for label in labels]
@@ -100,6 +102,8 @@ def _run(ns: argparse.Namespace) -> int:
             progress.print(f"gate failed: {gate['name']}: {gate['message']}")
     else:
         console = Console(highlight=False)
+        if not console.is_terminal:
+            console.width = 132  # a log or a pipe: room for the ids and every model's column
         console.print(_table(card))
         for gate in card["gates"]:
             mark = "[green]PASS[/green]" if gate["passed"] else "[red]FAIL[/red]"
