@@ -79,8 +79,10 @@ def _adapter_base(adapter_dir: Path) -> tuple[Path, dict | None]:
     meta = _read_json(adapter_dir / META_NAME) if (adapter_dir / META_NAME).is_file() else {}
     recorded = meta.get("base") if isinstance(meta.get("base"), dict) else None
     named = [p for p in ((recorded or {}).get("path"), config.get("base_model_name_or_path")) if p]
-    beside = adapter_dir.parent / "base"  # a run directory moved since training: its base/ moved with it
-    for candidate in [Path(p) for p in named] + [beside]:
+    # A run directory moved since training: its base/ moved with it (taken only when the adapter records
+    # the identity `Fingerprints.of` then checks it against).
+    beside = [adapter_dir.parent / "base"] if recorded else []
+    for candidate in [Path(p) for p in named] + beside:
         if (candidate / "config.json").is_file():
             return candidate.resolve(), recorded
     raise ValueError(f"{adapter_dir}: its base {named[0] if named else '(not recorded)'} is not a local HF "

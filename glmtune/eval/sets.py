@@ -42,7 +42,10 @@ def _split_files(candidate: ModelSource, split: str) -> list[Path]:
     manifest_path = candidate.source / "data_manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"run_split: {split}: {manifest_path} not found (the run has not prepared its data)")
-    recorded = json.loads(manifest_path.read_text(encoding="utf-8")).get(f"{split}_files")
+    try:
+        recorded = json.loads(manifest_path.read_text(encoding="utf-8")).get(f"{split}_files")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"run_split: {split}: {manifest_path} is not a data manifest ({exc})") from None
     if recorded is None:
         raise ValueError(f"run_split: {split}: {manifest_path} names no {split} files (a run from before "
                          "glmtune eval); give the set a path to the split's JSONL")
