@@ -102,7 +102,7 @@ def dump_config(cfg: JobConfig, path: str | Path) -> None:
 
 
 def _build(layer: Layer, default_where: str) -> JobConfig:
-    converter = _Converter(layer.where, default_where)
+    converter = Converter(layer.where, default_where)
     cfg = converter.dataclass(layer.data, JobConfig, ())
     if converter.errors:
         if len(converter.errors) == 1:
@@ -159,7 +159,7 @@ def _describe(tp: Any) -> str:
     return "any value" if tp is Any else tp.__name__
 
 
-class _Converter:
+class Converter:
     """Walks a value and a type together; collects errors instead of stopping at the first."""
 
     def __init__(self, where: dict[KeyPath, str], default_where: str):
@@ -196,7 +196,7 @@ class _Converter:
             for member in members:
                 if member is type(None):
                     continue
-                trial = _Converter(self.where, self.default_where)
+                trial = Converter(self.where, self.default_where)
                 try:
                     result = trial.convert(value, member, path)
                 except _Mismatch:

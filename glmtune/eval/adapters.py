@@ -23,7 +23,7 @@ from torch import nn
 
 from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
-from glmtune.peft.merge import _FUSED_EXPERTS_RE, _PER_EXPERT_RE, _fused_expert_proj, _pairs, read_adapter
+from glmtune.peft.merge import FUSED_EXPERTS_RE, PER_EXPERT_RE, fused_expert_proj, lora_pairs, read_adapter
 
 
 def _spec(config: dict) -> LoraSpec:
@@ -67,9 +67,9 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
     linears: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     per_expert: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
-    for stem, pair in _pairs(adapter_dir, tensors).items():
+    for stem, pair in lora_pairs(adapter_dir, tensors).items():
         a, b = pair["A"], pair["B"]
-        per, fused = _PER_EXPERT_RE.match(stem), _FUSED_EXPERTS_RE.match(stem)
+        per, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
         try:
             module = model.get_submodule(fused.group(1)) if fused else None
         except AttributeError as exc:
@@ -78,7 +78,7 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
             per_expert[per.group(1)][per.group(3)][int(per.group(2))] = (a, b)
         elif isinstance(module, GroupedExperts):
             num = module.num_experts
-            proj = _fused_expert_proj(fused.group(1), bool(fused.group(2)), config)
+            proj = fused_expert_proj(fused.group(1), bool(fused.group(2)), config)
             experts[fused.group(1)][proj] = (a.reshape(num, -1, a.shape[-1]),
                                              b.reshape(b.shape[0], -1, num).permute(2, 0, 1).contiguous())
         else:

@@ -183,9 +183,9 @@ class Fingerprints:
 
 
 def checkpoint_dtype(hf_dir: Path) -> torch.dtype:
-    from glmtune.peft.merge import _config_dtype
+    from glmtune.peft.merge import config_dtype
 
-    return _config_dtype(hf_dir)
+    return config_dtype(hf_dir)
 
 
 def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | None):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from glmtune.config.loader import _Converter, resolve_recipe_path
+from glmtune.config.loader import Converter, resolve_recipe_path
 from glmtune.config.sources import format_path, read_yaml_layer
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC
 from glmtune.eval.operations import OPERATIONS_METRICS
@@ -157,7 +157,7 @@ def load_suite(path: str | Path) -> Suite:
     data = path.read_bytes()  # hashed and copied into the eval directory as read
     layer = read_yaml_layer(path)
     label = str(path)
-    converter = _Converter(layer.where, label)
+    converter = Converter(layer.where, label)
     file = converter.dataclass(layer.data, SuiteFile, ())
     errors = _Errors(layer.where, label)
     errors.items += converter.errors
@@ -207,7 +207,7 @@ def _check_tools(tools: ToolsConfig, errors: _Errors) -> None:
                       f"expected 'module:function' (e.g. mypkg.tools:lookup), got {ref!r}")
 
 
-def _build_sets(file: SuiteFile, suite_dir: Path, converter: _Converter, errors: _Errors) -> list[EvalSet]:
+def _build_sets(file: SuiteFile, suite_dir: Path, converter: Converter, errors: _Errors) -> list[EvalSet]:
     if not file.sets:
         errors.at(("sets",), "at least one set is required")
     sets, seen = [], set()
@@ -239,7 +239,7 @@ def _build_sets(file: SuiteFile, suite_dir: Path, converter: _Converter, errors:
     return sets
 
 
-def _build_scorer(entry: Any, path: tuple, suite_dir: Path, converter: _Converter, errors: _Errors):
+def _build_scorer(entry: Any, path: tuple, suite_dir: Path, converter: Converter, errors: _Errors):
     options = {} if isinstance(entry, str) else dict(entry) if isinstance(entry, dict) else None
     kind = entry if isinstance(entry, str) else options.pop("type", None) if options is not None else None
     if kind not in SCORERS:

@@ -42,7 +42,7 @@ def config_sha256(args) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _weights_sha256(entries: dict[str, tuple[str, list[int], str]]) -> str:
+def weights_sha256(entries: dict[str, tuple[str, list[int], str]]) -> str:
     digest = hashlib.sha256()
     for name in sorted(entries):
         dtype, shape, tensor_sha = entries[name]
@@ -97,7 +97,7 @@ def base_identity_from_dir(hf_dir: str | Path, num_threads: int | None = None) -
         shas = dict(zip(jobs, pool.map(lambda job: _file_range_sha256(*job[2:]), jobs.values())))
     entries = {name: (dtype, shape, shas[name]) for name, (dtype, shape, *_) in jobs.items()}
     return {"kind": "hf_dir", "path": str(hf_dir.resolve()), "config_sha256": config_sha256(args),
-            "weights_sha256": _weights_sha256(entries), "num_tensors": len(entries)}
+            "weights_sha256": weights_sha256(entries), "num_tensors": len(entries)}
 
 
 def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

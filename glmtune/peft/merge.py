@@ -30,8 +30,8 @@ from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.peft.export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
 
-_PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
-_FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
+PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
 _KEY_RE = re.compile(r"^(.+)\.lora_([AB])\.weight$")
 
 
@@ -83,7 +83,7 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
     return config
 
 
-def _pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+def lora_pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY_RE.match(key)
@@ -96,7 +96,7 @@ def _pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dic
     return pairs
 
 
-def _fused_expert_proj(stem: str, inner: bool, config: dict) -> str:
+def fused_expert_proj(stem: str, inner: bool, config: dict) -> str:
     """Which stacked parameter a PEFT ParamWrapper key adapts (see export.py for the nesting)."""
     targeted = [p for p in EXPERT_PARAMS if peft_match(f"{stem}.{p}", config.get("target_parameters") or [])]
     if inner:
@@ -123,10 +123,10 @@ def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
     scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     if lora_modules(model):
         raise ValueError("merge_adapter_dir needs a plain model; this one already carries LoRA adapters")
-    pairs = _pairs(adapter_dir, tensors)
+    pairs = lora_pairs(adapter_dir, tensors)
     for stem, pair in pairs.items():
         a, b = pair["A"], pair["B"]
-        per_expert, fused = _PER_EXPERT_RE.match(stem), _FUSED_EXPERTS_RE.match(stem)
+        per_expert, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
         try:
             if per_expert:
                 experts_name, index, proj = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
@@ -140,7 +140,7 @@ def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
                 delta = scaling * (b @ a)
             elif fused and isinstance(model.get_submodule(fused.group(1)), GroupedExperts):
                 experts = model.get_submodule(fused.group(1))
-                dest = getattr(experts, _fused_expert_proj(fused.group(1), bool(fused.group(2)), config))
+                dest = getattr(experts, fused_expert_proj(fused.group(1), bool(fused.group(2)), config))
                 num_experts = dest.shape[0]
                 a_ErX = a.reshape(num_experts, -1, a.shape[-1])
                 b_EOr = b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
@@ -159,7 +159,7 @@ def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
     return len(pairs)
 
 
-def _config_dtype(base_dir: Path) -> torch.dtype:
+def config_dtype(base_dir: Path) -> torch.dtype:
     config = json.loads((base_dir / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     dtype = getattr(torch, str(name), None)
@@ -218,7 +218,7 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
     note = check_base(base_dir, adapter_dir, force)
     if note:
         print(note, file=sys.stderr)
-    model = load_pretrained(base_dir, dtype or _config_dtype(base_dir), "cpu", "eager", "loop")
+    model = load_pretrained(base_dir, dtype or config_dtype(base_dir), "cpu", "eager", "loop")
     merge_adapter_dir(model, adapter_dir)
     if fp8:
         print(_requantize(model))

@@ -60,7 +60,7 @@ def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tup
     The identity equals `glmtune.io.fingerprint.base_identity_from_dir(hf_dir)` minus its path.
     """
     from glmtune.checkpoint.verify import read_header
-    from glmtune.io.fingerprint import _weights_sha256, config_sha256
+    from glmtune.io.fingerprint import weights_sha256, config_sha256
     from glmtune.models.glm5.args import Glm5Args
 
     args = Glm5Args.from_hf_config(hf_dir)
@@ -72,7 +72,7 @@ def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tup
         header, _ = read_header(hf_dir / rel)
         for tensor, sha in shas.items():
             entries[tensor] = (header[tensor]["dtype"], header[tensor]["shape"], sha)
-    identity = {"config_sha256": config_sha256(args), "weights_sha256": _weights_sha256(entries),
+    identity = {"config_sha256": config_sha256(args), "weights_sha256": weights_sha256(entries),
                 "num_tensors": len(entries)}
     return artifact, identity
 
