@@ -17,8 +17,17 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+DEMO_RUN := runs/tiny-sft-support-json
+
+# Train, evaluate the result against the model it started from (the bundled suite's release
+# gates decide), write the release manifest and check it against the files.
 demo: venv
 	HF_HUB_OFFLINE=1 $(BIN)/glmtune train recipes/tiny/sft_support_json.yaml --overwrite
+	HF_HUB_OFFLINE=1 $(BIN)/glmtune eval recipes/tiny/eval_support_json.yaml --base $(DEMO_RUN) \
+	    --candidate $(DEMO_RUN) --overwrite
+	HF_HUB_OFFLINE=1 $(BIN)/glmtune release $(DEMO_RUN) --eval $(DEMO_RUN)/eval/support-json \
+	    --engine transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)') --overwrite
+	HF_HUB_OFFLINE=1 $(BIN)/glmtune release verify $(DEMO_RUN)/release.json
 
 # The HTML scorecard's browser test drives Debian's chromium through Playwright (never a
 # browser Playwright downloads); installed here when missing, as root (CI, a fresh machine).

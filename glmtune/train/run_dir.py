@@ -38,7 +38,7 @@ LOCK_FILE = ".glmtune.lock"
 # trap and `glmtune train --nproc-per-node`'s SIGUSR1 create it; rank 0 removes it once saved).
 STOP_FILE = "STOP_REQUESTED"
 RUN_OUTPUTS = ("config.yaml", RUN_FILE, "metrics.jsonl", "tensorboard", "trainable.json", "data_manifest.json",
-               "pii_report.json", "samples.json", "hf", "adapter", "adapter_per_expert", STOP_FILE)
+               "pii_report.json", "samples.json", "hf", "base", "adapter", "adapter_per_expert", STOP_FILE)
 
 
 def read_run_record(run_dir: Path) -> dict[str, Any] | None:

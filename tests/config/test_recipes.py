@@ -18,7 +18,8 @@ from glmtune.config import (
 )
 from glmtune.config.validate import fp32_master_weights, grad_accum_steps, precision_errors
 
-RECIPES = sorted(RECIPES_DIR.glob("**/*.yaml"))
+# Training recipes; `eval_*.yaml` beside them are evaluation suites (`glmtune eval`, tests/eval/test_suite.py).
+RECIPES = sorted(p for p in RECIPES_DIR.glob("**/*.yaml") if not p.name.startswith("eval_"))
 
 
 def test_recipes_exist():
