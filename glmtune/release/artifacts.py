@@ -26,6 +26,7 @@ hashes and its tensor identity (glmtune/io/fingerprint.py) reads each byte once.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -160,3 +161,18 @@ def check_artifact(entry: dict[str, Any], manifest_dir: Path) -> list[str]:
     if kind == "dir":
         problems += [f"{rel} is new (not recorded)" for rel in list_files(root) if rel not in recorded]
     return problems
+
+
+def read_format_json(path: Path, expected: str, label: str, hint: str = "") -> tuple[Any, bytes]:
+    """A JSON record whose "format" must be `expected` (a scorecard, a release): (its content, its
+    bytes). `label` starts each one-line ValueError (the option and path the user gave); `hint`
+    ends the wrong-format one."""
+    raw = path.read_bytes()
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{label}: not JSON ({exc})") from None
+    if not isinstance(record, dict) or record.get("format") != expected:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{label}: format {found!r}, expected {expected!r}{hint}")
+    return record, raw

@@ -23,10 +23,11 @@ fingerprint also names the base it ran on, which must be the release's base.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from glmtune.release.artifacts import read_format_json
 
 SCORECARD_FORMAT = "glmtune.scorecard/1"
 _REQUIRED = ("suite", "models", "metrics", "gates", "passed")
@@ -47,14 +48,7 @@ def load_eval(eval_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
                          "RUN_DIR --out DIR first)")
     if not path.is_file():
         raise ValueError(f"--eval {eval_dir}: no scorecard.json (not a glmtune eval directory)")
-    raw = path.read_bytes()
-    try:
-        scorecard = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(scorecard, dict) or scorecard.get("format") != SCORECARD_FORMAT:
-        found = scorecard.get("format") if isinstance(scorecard, dict) else type(scorecard).__name__
-        raise ValueError(f"{path}: format {found!r}, expected {SCORECARD_FORMAT!r}")
+    scorecard, raw = read_format_json(path, SCORECARD_FORMAT, str(path))
     for key in _REQUIRED:
         if key not in scorecard:
             raise ValueError(f"{path}: no {key!r} (an incomplete scorecard)")

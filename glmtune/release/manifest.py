@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from glmtune.release import triggers
-from glmtune.release.artifacts import record_artifact, stored_root
+from glmtune.release.artifacts import read_format_json, record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
 from glmtune.release.eval_record import (check_evaluated_base, eval_section, failed_gates, load_eval,
                                          released_candidate)
@@ -74,14 +74,7 @@ def load_release(path: str | Path, what: str = "release") -> tuple[dict[str, Any
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{what} {path}: no such file")
-    raw = path.read_bytes()
-    try:
-        manifest = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"{what} {path}: not JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ValueError(f"{what} {path}: format {found!r}, expected {FORMAT!r} (not a glmtune release)")
+    manifest, raw = read_format_json(path, FORMAT, f"{what} {path}", " (not a glmtune release)")
     return manifest, hashlib.sha256(raw).hexdigest()
 
 
