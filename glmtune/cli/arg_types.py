@@ -7,6 +7,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+# --dtype of commands that load a checkpoint (auto: the checkpoint config's dtype).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
 
 def count_arg(text: str) -> int:
     """A whole number >= 1 (nodes, processes, rows)."""

@@ -13,15 +13,14 @@ import argparse
 import json
 import sys
 
+from glmtune.cli.arg_types import DTYPE_CHOICES
+
 _EXAMPLES = """examples:
   glmtune eval recipes/tiny/eval_support_json.yaml --base runs/tiny-sft-support-json \\
       --candidate runs/tiny-sft-support-json
   glmtune eval SUITE.yaml --base /models/GLM-5 --candidate runs/glm5-lora --merged --device cuda
   glmtune eval SUITE.yaml --base B --candidate C --out evals/c --overwrite --json > scorecard.json
 """
-
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -47,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "beside the unmerged adapter (label candidate)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the models run (default: cuda when available)")
-    parser.add_argument("--dtype", choices=_DTYPES, default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="parameter dtype (default: each checkpoint's own)")
     parser.add_argument("--json", action="store_true",
                         help="print the scorecard JSON on stdout instead of the table (progress goes to stderr)")

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from glmtune.cli.arg_types import DTYPE_CHOICES
 from glmtune.io.sizes import size_arg
-
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -28,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("base_dir", metavar="BASE_DIR", help="base HF checkpoint directory")
     parser.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="adapter directory (adapter_config.json)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the merged checkpoint")
-    parser.add_argument("--dtype", choices=_DTYPES, default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="merged weight dtype (default: the base checkpoint's)")
     parser.add_argument("--max-shard-size", type=size_arg, default="5GB",
                         help="safetensors shard size: bytes or e.g. 500MB, 5GB (default: 5GB)")

@@ -35,6 +35,8 @@ GLM5_SPECIAL_TOKENS: tuple[str, ...] = GLM5_CONTROL_TOKENS + GLM5_MARKUP_TOKENS
 # Role tokens delimit turns: GLM has no end-of-turn token, a turn ends at the next one.
 ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 EOS_TOKEN = "<|endoftext|>"
+# Where a generated assistant turn ends: the end of text, or the next user or tool turn.
+CHAT_STOP_TOKENS: tuple[str, ...] = (EOS_TOKEN, "<|user|>", "<|observation|>")
 
 # Files that define a tokenizer's behaviour; cache keys hash exactly these.
 TOKENIZER_FILES: tuple[str, ...] = (

@@ -17,13 +17,13 @@ twice: unmerged ("candidate": LoRA modules holding the adapter, `adapters.py`) a
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from glmtune.data.sources import file_sha256
 from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
 from glmtune.models.glm5.args import PRESETS
 from glmtune.peft.export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
@@ -145,14 +145,6 @@ def merged_variant(candidate: ModelSource) -> ModelSource:
                        candidate.adapter_dir, True, candidate.recorded_base)
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class Fingerprints:
     """Content hashes of the evaluated models, each directory hashed once."""
 
@@ -177,8 +169,8 @@ class Fingerprints:
                 "path": str(model.weights_dir)}
         if model.adapter_dir is None:
             return base
-        return {"config_sha256": _file_sha256(model.adapter_dir / CONFIG_NAME),
-                "weights_sha256": _file_sha256(model.adapter_dir / WEIGHTS_NAME),
+        return {"config_sha256": file_sha256(model.adapter_dir / CONFIG_NAME),
+                "weights_sha256": file_sha256(model.adapter_dir / WEIGHTS_NAME),
                 "path": str(model.adapter_dir), "base": base}
 
 

@@ -25,14 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmtune.data.chat_template import render_conversation
+from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.eval.scorers.base import EvalRow, ModelOutput, ToolCall
 from glmtune.eval.suite import DecodingConfig
 from glmtune.eval.tool_calls import parse_tool_calls
 from glmtune.eval.tools import ToolExecutor, tool_response
 from glmtune.generation import generate
-
-STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
-
 
 @dataclass
 class Prompting:
@@ -45,7 +43,7 @@ class Prompting:
 
     @property
     def stop_ids(self) -> set[int]:
-        return {self.tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS}
+        return {self.tokenizer.convert_tokens_to_ids(token) for token in CHAT_STOP_TOKENS}
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         text = render_conversation(messages, tools=tools, template=self.template,

@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from glmtune.data.chat_template import load_chat_template, render_conversation
-from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
+from glmtune.data.tokenizer import CHAT_STOP_TOKENS, load_tokenizer, resolve_tokenizer_dir
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.preflight.runs import ReferenceRun
@@ -48,7 +48,7 @@ class Decoding:
     template_sha256: str
     prompt_ids_sha256: str  # the rendered, tokenized prompts
     strategy: str = "greedy"
-    stop_tokens: tuple[str, ...] = ("<|endoftext|>", "<|user|>", "<|observation|>")
+    stop_tokens: tuple[str, ...] = CHAT_STOP_TOKENS
     enable_thinking: bool = False
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.generation.generator import cached_decoding_supported, generate
 from glmtune.train.generate import greedy_generate
 
@@ -60,7 +61,7 @@ def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[
                 max_new_tokens: int = 64) -> list[SampleResult]:
     from glmtune.data.chat_template import render_conversation
 
-    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")}
+    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in CHAT_STOP_TOKENS}
     results = []
     for row, reference in prompts:
         text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
