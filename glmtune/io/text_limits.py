@@ -1,0 +1,100 @@
+"""Untrusted text made safe to print, to use as a file name, and to parse as JSON.
+
+Three places where a string that a user, a data file or a model wrote meets something
+that would otherwise act on it:
+
+  * `printable(text)`: a terminal. ANSI escapes and other control characters in a
+    manifest field, an `--approved-by` value or a model's output would move the cursor,
+    recolour or erase lines (a forged green "ok" is one `\\x1b[32m` away); they are shown
+    escaped (`\\x1b`), with newline and tab kept only where the caller allows.
+  * `safe_name(value, what)`: a path. Suite, set and model names become directory and
+    file names; a name with a separator, `..`, or nothing in it would write outside the
+    directory meant for it, so it is refused in one line naming the field.
+  * `parse_json(text, what, ...)`: a parser. A model's output or a data row nested
+    thousands deep would raise RecursionError deep inside `json`; size and depth are
+    bounded and a violation is a ValueError naming `what`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from typing import Any
+
+# C0 and C1 controls, DEL, and the Unicode line/paragraph separators and bidi overrides
+# that reorder what a terminal shows.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_NO_LINES = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+MAX_JSON_DEPTH = 64
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group(0))
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: Any, *, multiline: bool = False) -> str:
+    """`text` (any value, via str) with every control character shown as an escape.
+
+    With `multiline`, newlines and tabs pass through (a rendered table or report);
+    otherwise they are escaped too, so one field stays on one line.
+    """
+    pattern = _UNSAFE if multiline else _UNSAFE_NO_LINES
+    return pattern.sub(_escape, str(text))
+
+
+def safe_name(value: Any, what: str) -> str:
+    """`value` if it can be one file or directory name, else ValueError naming `what`.
+
+    Refused: not a string, empty, `.` or `..`, a path separator (either slash), a NUL
+    or other control character, a leading `-` or `~` (read as an option or a home
+    directory by whoever types the path), or over 128 characters.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: must be a name (a string), got {type(value).__name__}")
+    reason = None
+    if value.strip() in ("", ".", ".."):
+        reason = "is empty or a relative directory"
+    elif "/" in value or "\\" in value:
+        reason = "contains a path separator"
+    elif any(unicodedata.category(ch).startswith("C") for ch in value):
+        reason = "contains a control character"
+    elif value[0] in "-~":
+        reason = f"starts with {value[0]!r}"
+    elif len(value) > 128:
+        reason = f"is {len(value)} characters long (at most 128)"
+    if reason:
+        raise ValueError(f"{what}: {printable(value)!r} {reason}; it becomes a file name, so use letters, "
+                         "digits, '-', '_' and '.'")
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None,
+               max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json.loads(text)` with its size and nesting bounded; ValueError naming `what` otherwise."""
+    if max_bytes is not None and len(text) > max_bytes:
+        raise ValueError(f"{what}: {len(text):,} bytes of JSON, more than the {max_bytes:,} allowed")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{what}: not valid JSON ({exc})") from None
+    if json_depth(value) > max_depth:
+        raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels")
+    return value
