@@ -3,7 +3,7 @@
   glmtune data validate PATH... [--schema S]    every contract violation as file:line: field: reason
   glmtune data prepare PATH... --out DIR         dedup, PII lint, group split, versioned JSONL + manifest
   glmtune data synth OUT [--rows N --seed S]     the bundled support-ticket task as JSONL
-(prepare and synth refuse an existing non-empty output unless --overwrite)
+(prepare and synth refuse an existing non-empty output unless --overwrite; synth never replaces a directory)
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from glmtune.data.synthetic import SCHEMA_PATH, generate_rows, write_jsonl
-    from glmtune.io.outputs import check_output
+    from glmtune.data.synthetic import SCHEMA_PATH, check_jsonl_target, generate_rows, write_jsonl
 
-    check_output(args.out, kind="file", overwrite=args.overwrite)  # before generating the rows
+    check_jsonl_target(args.out, overwrite=args.overwrite)  # before generating the rows
     path = write_jsonl(generate_rows(args.rows, seed=args.seed), args.out, overwrite=args.overwrite)
     print(f"wrote {args.rows} row(s) to {path} (answer schema: {SCHEMA_PATH})")
     return 0
@@ -95,7 +94,7 @@ def register(subparsers: Any) -> None:
         "synth", help="write the bundled synthetic support-ticket dataset",
         description="Generate the deterministic support-ticket triage task (JSON answers, ~20%% tool calls).")
     synth.add_argument("out", metavar="OUT", help="output .jsonl path")
-    synth.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    synth.add_argument("--overwrite", action="store_true", help="replace OUT if it is an existing file (never a directory)")
     synth.add_argument("--rows", type=int, default=2000, help="number of rows (default: 2000)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.set_defaults(func=_synth)

@@ -26,7 +26,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from glmtune.io.outputs import output_file
+from glmtune.io.outputs import check_output, output_file
 
 SCHEMA_PATH = Path(__file__).parent / "assets" / "support_ticket.schema.json"
 
@@ -208,14 +208,29 @@ def generate_rows(num_rows: int, seed: int = 0, num_customers: int | None = None
     return [generate_row(rng, i, seed=seed, num_customers=num_customers) for i in range(num_rows)]
 
 
+def check_jsonl_target(path: str | Path, *, overwrite: bool) -> Path:
+    """Refuse a `path` that `write_jsonl` must not replace (one-line ValueError).
+
+    A directory is never replaced by the file, even with `overwrite`: it holds whatever
+    its owner put there, and a JSONL file in its place is never what was meant. A link
+    is a file here (replacing it leaves what it points to alone).
+    """
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        raise ValueError(f"OUT {path} is a directory and the output is a .jsonl file; --overwrite never replaces "
+                         f"a directory by a file: name a file (e.g. {path / 'synth.jsonl'})")
+    return check_output(path, kind="file", overwrite=overwrite)
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path, *, overwrite: bool = True) -> Path:
     """Write rows as JSONL (one compact JSON object per line), atomically; returns the path.
 
     Args:
-        overwrite: replace an existing file at `path`. `glmtune data synth` passes its
-            --overwrite; the default serves callers that write their own temporary file.
+        overwrite: replace an existing file at `path` (never a directory:
+            `check_jsonl_target`). `glmtune data synth` passes its --overwrite; the
+            default serves callers that write their own temporary file.
     """
-    path = Path(path)
+    path = check_jsonl_target(path, overwrite=overwrite)
     with output_file(path, overwrite=overwrite) as tmp, tmp.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

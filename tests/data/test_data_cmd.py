@@ -64,3 +64,28 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as info:
         run(argv)
     assert info.value.code == 0 and "usage: glmtune data" in capsys.readouterr().out
+
+
+def test_synth_never_replaces_a_directory_by_a_file(tmp_path, capsys):
+    from glmtune.cli import main
+    from tests.tree_snapshot import changes, snapshot
+
+    target = tmp_path / "data"
+    (target / "sub").mkdir(parents=True)
+    (target / "train.jsonl").write_text('{"keep": 1}\n')
+    (target / "sub" / "notes.txt").write_text("the user's own file\n")
+    before = snapshot(tmp_path)
+    for extra in ([], ["--overwrite"]):
+        assert main(["data", "synth", str(target), "--rows", "8", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith(f"glmtune data synth: error: OUT {target} is a directory and the output is a .jsonl file; "
+                              "--overwrite never replaces a directory by a file"), err
+        assert changes(before, snapshot(tmp_path)) == []
+    # A file is still replaced with --overwrite (and only with it).
+    out = tmp_path / "synth.jsonl"
+    out.write_text("old\n")
+    assert main(["data", "synth", str(out), "--rows", "8"]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["data", "synth", str(out), "--rows", "8", "--overwrite"]) == 0
+    assert len(out.read_text().splitlines()) == 8
