@@ -24,6 +24,11 @@ straddling a span edge means the role tokens are not atomic tokens (wrong tokeni
 With `enable_thinking=False`, reasoning (`reasoning_content`, inline `<think>`
 blocks) is removed before rendering, so targets teach the model to answer without
 thinking; with True it is kept wherever the template shows it.
+
+A template comes with the checkpoint, so it is input, not code: one that does not
+compile, that the sandbox stops (an attribute such as `__class__`, a list's `append`),
+or that calls `raise_exception` is a ValueError naming the file it was read from
+(`ChatTemplate.source`), never a jinja traceback.
 """
 
 from __future__ import annotations
@@ -69,8 +74,23 @@ class TokenizedSample:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
 
+class ChatTemplate(str):
+    """Template text that remembers where it was read from, for error messages; a plain str
+    everywhere else (hashing, caching, comparing)."""
+
+    source: str = "<chat template text>"  # a template given as text, read from no file
+
+    def __new__(cls, text: str, source: str) -> "ChatTemplate":
+        template = super().__new__(cls, text)
+        template.source = source
+        return template
+
+    def __reduce__(self):  # pickled as itself (data loader workers), source included
+        return ChatTemplate, (str(self), self.source)
+
+
 def bundled_template() -> str:
-    return BUNDLED_TEMPLATE_PATH.read_text(encoding="utf-8")
+    return ChatTemplate(BUNDLED_TEMPLATE_PATH.read_text(encoding="utf-8"), str(BUNDLED_TEMPLATE_PATH))
 
 
 def load_chat_template(tokenizer_dir: str | Path | None = None) -> str:
@@ -83,7 +103,7 @@ def load_chat_template(tokenizer_dir: str | Path | None = None) -> str:
         directory = Path(tokenizer_dir)
         jinja_file = directory / "chat_template.jinja"
         if jinja_file.is_file():
-            return jinja_file.read_text(encoding="utf-8")
+            return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file))
         config_file = directory / "tokenizer_config.json"
         if config_file.is_file():
             template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
@@ -91,7 +111,7 @@ def load_chat_template(tokenizer_dir: str | Path | None = None) -> str:
                 named = {entry.get("name"): entry.get("template") for entry in template}
                 template = named.get("default")
             if isinstance(template, str) and template:
-                return template
+                return ChatTemplate(template, f"{config_file} (chat_template)")
     return bundled_template()
 
 
@@ -117,6 +137,15 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _source(template: str) -> str:
+    return getattr(template, "source", ChatTemplate.source)
+
+
+def _refused(template: str, exc: Exception) -> ValueError:
+    return ValueError(f"{_source(template)}: the chat template sandbox refused an unsafe operation ({exc}); "
+                      "a chat template may only read the conversation, not Python objects' internals")
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -124,7 +153,26 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.SecurityError as exc:
+        raise _refused(template, exc) from None
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"{_source(template)}: the chat template does not compile (template line {exc.lineno}): "
+                         f"{exc.message}") from None
+
+
+def _render(template: str, **variables: Any) -> str:
+    """The compiled template rendered; its failures as ValueErrors naming its source."""
+    compiled = _compile(template)
+    try:
+        return compiled.render(**variables)
+    except jinja2.exceptions.SecurityError as exc:
+        raise _refused(template, exc) from None
+    except jinja2.exceptions.TemplateError as exc:  # raise_exception, an undefined value used
+        raise ValueError(f"{_source(template)}: the chat template failed: {type(exc).__name__}: {exc}") from None
+    except RecursionError:  # a macro that calls itself
+        raise ValueError(f"{_source(template)}: the chat template recursed too deeply") from None
 
 
 def _without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -154,9 +202,8 @@ def render_conversation(messages: list[dict[str, Any]], *, tools: list[dict[str,
     """
     if not enable_thinking:
         messages = _without_reasoning(messages)
-    compiled = _compile(template if template is not None else bundled_template())
-    return compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           enable_thinking=enable_thinking, **template_kwargs)
+    return _render(template if template is not None else bundled_template(), messages=messages, tools=tools,
+                   add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **template_kwargs)
 
 
 def assistant_char_spans(text: str, num_assistant_messages: int, loss_on: LossOn = "all_assistant"

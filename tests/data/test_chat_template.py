@@ -9,6 +9,7 @@ chunk is supervised, else -100.
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
@@ -154,8 +155,35 @@ def test_custom_template_features():
     messages = [{"role": "user", "content": "é<b>"}, {"role": "assistant", "content": "x"},
                 {"role": "user", "content": "never"}]
     assert render_conversation(messages, template=template) == '"é<b>""x"'
-    with pytest.raises(Exception, match="unsafe|access"):
+    with pytest.raises(ValueError, match="<chat template text>: the chat template sandbox refused an unsafe operation "
+                                         r"\(access to attribute .__class__. of .list."):
         render_conversation(messages, template="{{ messages.__class__.__mro__ }}")
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ messages.append(1) }}", r"sandbox refused an unsafe operation \(access to attribute 'append' of 'list'"),
+    ("{% for m in messages %}{{ m.content.__class__.__mro__ }}{% endfor %}", "sandbox refused an unsafe operation"),
+    ("{% for %}", r"does not compile \(template line 1\): Expected an expression"),
+    ("{{ raise_exception('roles must alternate') }}", "failed: TemplateError: roles must alternate"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply"),
+])
+def test_a_template_that_fails_is_a_user_error_naming_its_file(tmp_path, tiny_tokenizer, template, message):
+    """Train and eval both render through here: a refused template is one ValueError naming the file."""
+    (tmp_path / "chat_template.jinja").write_text(template)
+    loaded = load_chat_template(tmp_path)
+    assert loaded.source == str(tmp_path / "chat_template.jinja")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'chat_template.jinja'}: .*{message}"):
+        render_conversation(MULTI_TURN, template=loaded)
+    with pytest.raises(ValueError, match=message):  # training's path
+        tokenize_conversation(MULTI_TURN, tiny_tokenizer, template=loaded)
+
+
+def test_template_source_survives_pickling(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages.pop() }}"}))
+    loaded = pickle.loads(pickle.dumps(load_chat_template(tmp_path)))
+    assert loaded == "{{ messages.pop() }}" and loaded.source == f"{tmp_path / 'tokenizer_config.json'} (chat_template)"
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(chat_template\): the chat template sandbox"):
+        render_conversation(MULTI_TURN, template=loaded)
 
 
 def test_user_errors(tiny_tokenizer):
