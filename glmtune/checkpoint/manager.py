@@ -1,25 +1,33 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, retain.
 
 A checkpoint is a directory `RUN_DIR/checkpoints/step-00000123/` holding
-  * the DCP shards of {"model": ..., "optim": ...} (sharded tensors stay sharded),
+  * the DCP shards of {"model": ..., "optim": ...} (sharded tensors stay sharded) and
+    their layout, `dcp_metadata.json` (dcp_storage.py: JSON, not DCP's pickled `.metadata`),
   * `trainer_state.json`: step, run id, scheduler, data-loader position, counters (rank 0),
   * `rng-rank{R}.pt`: every RNG state of rank R (python, torch CPU, CUDA): tensors, ints
     and tuples only, read back with `weights_only=True`,
   * `checksums.json`: size and sha256 of every other file (integrity.py), written last.
-Nothing is unpickled as code: DCP reads tensors, the trainer state is JSON, and the RNG
-files go through torch's weights-only unpickler, which refuses anything but tensors and
-plain containers. Router correction biases are persistent model buffers and travel with
-the model.
+Nothing is unpickled as code: the layout and the trainer state are JSON, tensors and the
+optimizer's non-tensor values (lr, betas, parameter names) and the RNG files go through
+torch's weights-only unpickler, which refuses anything but tensors, numbers, strings and
+plain containers. A file planted in a checkpoint (with its checksums rewritten to match)
+therefore fails to load as a damaged checkpoint and never runs. The checksums detect
+damage, not tampering: whoever can write the checkpoint can rewrite them too. A
+checkpoint without `checksums.json` is damaged (every checkpoint glmtune writes has one).
+Router correction biases are persistent model buffers and travel with the model.
 
-Atomicity: everything is written under `.step-00000123.partial/`, renamed to its final
-name only after every file is on disk and checksummed; a run killed mid-save leaves a
-`.partial` directory that is never picked up and is cleaned by the next save. A save
-that fails (disk full, permissions) removes its partial directory and says why in one
-line (`CheckpointWriteError`).
+Atomicity: everything is written under `.step-00000123.RUNID.partial/`, renamed to its
+final name only after every file is on disk and checksummed; a run killed mid-save
+leaves a `.partial` directory that is never picked up and is cleaned by that run's next
+save. A save that fails (disk full, permissions) removes its partial directory and says
+why in one line (`CheckpointWriteError`).
 
-Ownership: each checkpoint records the id of the run that wrote it (run_dir.py).
-Resuming and retention consider only the manager's own run's checkpoints, so a
-checkpoint directory shared with another run is never pruned or resumed by mistake.
+Ownership: each checkpoint records the id of the run that wrote it (run_dir.py), and
+its partial directory carries it in its name. Resuming, retention, the clean-up of
+partial saves and `train --overwrite` consider only the manager's own run's
+checkpoints, so a checkpoint directory shared with another run is never pruned, resumed
+or cleaned by mistake; when another run already holds `step-N`, this run's step N is
+saved as `step-N-RUNID`.
 """
 
 from __future__ import annotations
@@ -48,12 +56,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from glmtune.checkpoint.integrity import has_checksums, verify_checksums, write_checksums
+from glmtune.checkpoint.dcp_storage import JsonMetadataReader, JsonMetadataWriter, WeightsOnlyLoadPlanner
+from glmtune.checkpoint.integrity import CHECKSUMS_NAME, has_checksums, verify_checksums, write_checksums
 from glmtune.io.sizes import human_bytes
+from glmtune.io.text_limits import parse_json
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
+# `step-N`, or `step-N-RUNID` when another run sharing the directory already holds step N.
+_STEP_RE = re.compile(r"^step-(\d+)(?:-([\w-]{1,64}))?$")
 STATE_NAME = "trainer_state.json"
-_LEGACY_STATE_NAME = "trainer_state.pt"  # checkpoints written before the trainer state was JSON
+# Checkpoints written before the trainer state was JSON: recognized (so `resume auto` does
+# not silently start over beside them) and refused when loaded.
+_LEGACY_STATE_NAME = "trainer_state.pt"
+_MAX_STATE_BYTES = 64 << 20
+_NO_RUN = "norun"  # the partial-save tag of a manager without a run id (tools, tests)
 
 
 class DamagedCheckpointError(ValueError):
@@ -107,10 +122,14 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The trainer state of checkpoint directory `path` (JSON; legacy `.pt` weights-only)."""
-    if (path / STATE_NAME).is_file():
-        return json.loads((path / STATE_NAME).read_text(encoding="utf-8"))
-    return torch.load(path / _LEGACY_STATE_NAME, weights_only=True)
+    """The trainer state of checkpoint directory `path` (JSON, its size and depth bounded)."""
+    if not (path / STATE_NAME).is_file():
+        raise ValueError(f"{path} has no {STATE_NAME}: written by an older glmtune whose trainer state was a "
+                         "pickle, which glmtune no longer reads")
+    state = parse_json((path / STATE_NAME).read_bytes(), str(path / STATE_NAME), max_bytes=_MAX_STATE_BYTES)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path / STATE_NAME}: not a trainer state (a JSON object)")
+    return state
 
 
 def _has_state(path: Path) -> bool:
@@ -180,13 +199,31 @@ class CheckpointManager:
         found = []
         for child in self.root.iterdir():
             match = _STEP_RE.match(child.name)
-            if match and child.is_dir() and _has_state(child):
+            if match and child.is_dir() and not child.is_symlink() and _has_state(child):
                 found.append(Checkpoint(child, int(match.group(1)), _recorded_run_id(child)))
-        return sorted(found, key=lambda c: c.step)
+        return sorted(found, key=lambda c: (c.step, c.path.name))
 
     def owned(self) -> list[Checkpoint]:
         """This run's complete checkpoints (and unattributed legacy ones), oldest first."""
         return [c for c in self.complete() if self.run_id is None or c.run_id in (None, self.run_id)]
+
+    def owned_leftovers(self) -> list[Path]:
+        """This run's interrupted saves (`.partial`) and set-aside checkpoints (`abandoned-*`).
+
+        A partial save belongs to the run its name carries; an abandoned checkpoint to the
+        run its trainer state records. Nothing of another run, or of unknown origin, is listed.
+        """
+        if not self.root.is_dir():
+            return []
+        mine = [p for p in self.root.glob(f".step-*.{self._tag()}.partial") if p.is_dir() and not p.is_symlink()]
+        for path in self.root.glob("abandoned-step-*"):
+            if path.is_dir() and not path.is_symlink() and _recorded_run_id(path) is not None \
+                    and _recorded_run_id(path) == self.run_id:
+                mine.append(path)
+        return sorted(mine)
+
+    def _tag(self) -> str:
+        return self.run_id or _NO_RUN
 
     def latest(self) -> Checkpoint | None:
         mine = self.owned()
@@ -200,15 +237,16 @@ class CheckpointManager:
             return self.latest()
         path = Path(resume)
         match = _STEP_RE.match(path.name)
-        if not match or not _has_state(path):
+        if not match or not path.is_dir() or not _has_state(path):
             raise ValueError(f"checkpoint.resume: {path} is not a complete glmtune checkpoint (step-N directory)")
         return Checkpoint(path, int(match.group(1)), _recorded_run_id(path))
 
     # -- integrity --------------------------------------------------------------------
     def verify(self, checkpoint: Checkpoint) -> list[str]:
-        """Collective: what is wrong with `checkpoint` (empty when intact or unverifiable)."""
+        """Collective: what is wrong with `checkpoint` (empty when intact)."""
         if not has_checksums(checkpoint.path):
-            return []
+            return [f"{CHECKSUMS_NAME} is missing (every checkpoint glmtune writes has one: an interrupted copy, or "
+                    "not a glmtune checkpoint)"]
         return verify_checksums(checkpoint.path)
 
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -263,11 +301,11 @@ class CheckpointManager:
                 partial checkpoint is removed first.
         """
         self.wait()
-        final = self.root / f"step-{step:08d}"
-        partial = self.root / f".step-{step:08d}.partial"
+        final = self._final_path(step)
+        partial = self.root / f".step-{step:08d}.{self._tag()}.partial"
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".step-*.partial"):
+            for stale in self.root.glob(f".step-*.{self._tag()}.partial"):  # this run's interrupted saves only
                 shutil.rmtree(stale, ignore_errors=True)
             partial.mkdir()
         _barrier()
@@ -278,10 +316,11 @@ class CheckpointManager:
         try:
             with _quiet_single_process():
                 if async_save:
-                    future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+                    future = dcp.async_save(state, storage_writer=JsonMetadataWriter(partial),
+                                            process_group=self.async_group)
                     self._pending = (future, partial, final, rng, trainer_state)
                 else:
-                    dcp.save(state, checkpoint_id=str(partial))
+                    dcp.save(state, storage_writer=JsonMetadataWriter(partial))
                     self._finalize(partial, final, rng, trainer_state)
         except (Exception, CheckpointException) as exc:
             raise self._failed(exc, partial, final) from None
@@ -313,11 +352,18 @@ class CheckpointManager:
         write_checksums(partial)
         if _rank() == 0:
             _fsync_dir(partial)
-            if final.exists():  # a run re-saving its own step (after set_aside this cannot be another run's)
+            if final.exists():  # this run re-saving its own step (_final_path never names another run's)
                 shutil.rmtree(final)
             partial.rename(final)
             self._retain(trainer_state["step"])
         _barrier()
+
+    def _final_path(self, step: int) -> Path:
+        """`step-N`, unless another run sharing the directory holds it: then `step-N-RUNID`."""
+        plain = self.root / f"step-{step:08d}"
+        if not plain.exists() or self.run_id is None or _recorded_run_id(plain) in (None, self.run_id):
+            return plain
+        return self.root / f"step-{step:08d}-{self.run_id}"
 
     def _failed(self, exc: BaseException, partial: Path, final: Path) -> BaseException:
         """Remove the partial checkpoint; a filesystem refusal becomes one sentence."""
@@ -349,7 +395,7 @@ class CheckpointManager:
         try:
             trainer_state = read_trainer_state(checkpoint.path)
             with _quiet_single_process():
-                dcp.load(state, checkpoint_id=str(checkpoint.path))
+                dcp.load(state, storage_reader=JsonMetadataReader(checkpoint.path), planner=WeightsOnlyLoadPlanner())
             rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
             rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         except (Exception, CheckpointException) as exc:
@@ -387,12 +433,11 @@ class CheckpointManager:
 
 
 def _recorded_run_id(path: Path) -> str | None:
-    if not (path / STATE_NAME).is_file():
-        return None
     try:
-        return json.loads((path / STATE_NAME).read_text(encoding="utf-8")).get("run_id")
+        run_id = read_trainer_state(path).get("run_id")
     except (OSError, ValueError):
-        return None  # a damaged state file: verification names it at resume
+        return None  # no state, or a damaged one: verification names it at resume
+    return run_id if isinstance(run_id, str) else None
 
 
 def _write_json(path: Path, value: Any) -> None:

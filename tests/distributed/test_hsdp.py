@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from torch.distributed.checkpoint import FileSystemReader
+from glmtune.checkpoint.dcp_storage import JsonMetadataReader
 
 from glmtune.models.glm5 import build_model, get_preset
 from tests.train.run_helpers import SMALL, WITH_EXPORT, env, shared_run
@@ -43,6 +43,6 @@ def test_hsdp_2x2_matches_single_process_losses_and_grad_norms(tmp_path, shared_
         assert actual[step][0] == pytest.approx(loss, rel=1e-5), step
         assert actual[step][1] == pytest.approx(grad_norm, rel=1e-5), step
     # The mesh is 2 x 2, not 4: each parameter is saved as the 2 shards of one replica.
-    metadata = FileSystemReader(tmp_path / "hsdp" / "checkpoints" / "step-00000004").read_metadata()
+    metadata = JsonMetadataReader(tmp_path / "hsdp" / "checkpoints" / "step-00000004").read_metadata()
     names = {f"model.{name}" for name, _ in build_model(get_preset("tiny")).named_parameters()}
     assert {len(metadata.state_dict_metadata[name].chunks) for name in names} == {2}

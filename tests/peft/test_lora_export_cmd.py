@@ -6,9 +6,9 @@ from __future__ import annotations
 import shutil
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from glmtune.checkpoint.dcp_storage import JsonMetadataReader
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.cli import main
 from glmtune.config import dump_config, load_config
@@ -31,7 +31,7 @@ def _trained_run(run_dir):
 def test_export_command_writes_the_checkpointed_adapter(tmp_path, capsys):
     run_dir = tmp_path / "run"
     model, checkpoint = _trained_run(run_dir)
-    model_keys = [k for k in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    model_keys = [k for k in JsonMetadataReader(checkpoint).read_metadata().state_dict_metadata
                   if k.startswith("model.")]
     # Adapter-only checkpoint: the LoRA factors, and the router's bias buffers (balancing state).
     assert model_keys and all(".lora_" in k or k.endswith("e_score_correction_bias") for k in model_keys)
