@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding config.yaml and checkpoints")
     parser.add_argument("--adapter", metavar="OUT", required=True, help="directory to write the adapter to")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT if it exists and is not empty (never RUN_DIR or anything in it)")
+                        help="replace OUT if it exists and is not empty (never an input: RUN_DIR, the "
+                             "checkpoint, or the run's base model)")
     parser.add_argument("--layout", choices=LAYOUTS, default="peft",
                         help="peft: PeftModel.from_pretrained on transformers (default); "
                              "per_expert: vLLM / SGLang per-expert keys")
@@ -80,7 +81,15 @@ def adapter_model(cfg):
     return model
 
 
-def _check_base_unchanged(cfg, recorded: dict | None) -> None:
+def run_base_dir(cfg, run_dir: Path) -> Path:
+    """The base model directory a LoRA run trained on: RUN_DIR/base for a preset (the run wrote
+    it there), else model.name_or_path."""
+    from glmtune.models.glm5.args import PRESETS
+
+    return run_dir / "base" if cfg.model.name_or_path in PRESETS else Path(cfg.model.name_or_path)
+
+
+def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
     """The run's base directory must still hold the model it trained on (by config: the
     adapter's shapes follow it). Its weights are compared by `glmtune merge`, which reads them anyway."""
     if not recorded or recorded.get("kind") != "hf_dir":
@@ -88,10 +97,10 @@ def _check_base_unchanged(cfg, recorded: dict | None) -> None:
     from glmtune.io.fingerprint import config_sha256
     from glmtune.models.glm5.args import Glm5Args
 
-    base_dir = Path(cfg.model.name_or_path)
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"the run's base {base_dir} has no config.json any more; restore the base the run "
-                                "trained on (model.name_or_path in the run's config.yaml)")
+                                "trained on (model.name_or_path in the run's config.yaml, or RUN_DIR/base for a "
+                                "preset)")
     if config_sha256(Glm5Args.from_hf_config(base_dir)) != recorded["config_sha256"]:
         raise ValueError(f"the base {base_dir} changed since the run trained on it (its config.json describes another "
                          "model); restore the base the run trained on, or the adapter will not fit it")
@@ -102,6 +111,7 @@ def _run(ns: argparse.Namespace) -> int:
 
     from glmtune.checkpoint.manager import CheckpointManager
     from glmtune.config import load_config
+    from glmtune.io.outputs import check_output
     from glmtune.peft import export_adapter
     from glmtune.train.run_dir import read_run_record
 
@@ -121,8 +131,12 @@ def _run(ns: argparse.Namespace) -> int:
     if run_id and checkpoint.run_id and checkpoint.run_id != run_id:
         raise ValueError(f"--checkpoint {checkpoint.path} was written by another run (run id {checkpoint.run_id}) "
                          f"than {run_dir} (run id {run_id}); export that checkpoint's own run directory")
+    base_dir = run_base_dir(cfg, run_dir)
+    # Everything this command reads; --adapter may be none of them, --overwrite or not.
+    sources = (("RUN_DIR", run_dir), ("checkpoint", checkpoint.path), ("the run's base", base_dir))
+    check_output(ns.adapter, overwrite=ns.overwrite, sources=sources, what="--adapter")
     base = record.get("base") if record else None
-    _check_base_unchanged(cfg, base)
+    _check_base_unchanged(base_dir, base)
     problems = manager.verify(checkpoint)
     if problems:
         raise ValueError(f"checkpoint {checkpoint.path} is damaged: {problems[0]}; choose another with --checkpoint")
@@ -130,7 +144,10 @@ def _run(ns: argparse.Namespace) -> int:
     # The checkpoint holds optimizer state too; DCP needs an optimizer of the same shape.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     manager.load(checkpoint, model, optimizer)
-    out = export_adapter(model, ns.adapter, ns.layout, cfg.model.name_or_path, overwrite=ns.overwrite,
-                         sources=(("RUN_DIR", run_dir), ("checkpoint", checkpoint.path)), base_identity=base)
+    # The adapter names its base as training did: a preset's is the directory the run wrote.
+    named_base = str(base_dir.resolve()) if base_dir == run_dir / "base" and base_dir.is_dir() \
+        else cfg.model.name_or_path
+    out = export_adapter(model, ns.adapter, ns.layout, named_base, overwrite=ns.overwrite, sources=sources,
+                         base_identity=base)
     print(f"exported {ns.layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
     return 0
