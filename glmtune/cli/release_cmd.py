@@ -1,19 +1,23 @@
 """`glmtune release`: record an evaluated run as a release, verify it, compare two.
 
   glmtune release RUN_DIR --eval EVAL_DIR --engine NAME==VERSION [options]   write release.json
-  glmtune release verify RELEASE.json [--json]                                re-hash: exit 1 on drift
+  glmtune release verify RELEASE.json [--key KEYFILE] [--allow-outside] [--json]   re-hash: exit 1 on drift
   glmtune release diff A.json B.json [--json]                                 what changed
 
 One parser takes all three: the first word picks the action, `verify` and `diff` are
 keywords and anything else is a RUN_DIR (a run directory literally named `verify` or `diff`
 is written `./verify`). Options of one action given to another are refused, never ignored.
-docs/release.md says what a release records and how to act on its rollback triggers.
+Everything printed from a manifest or an option goes through `printable` (a forged green
+"ok" is one escape sequence away). docs/release.md says what a release records, what verify
+proves (integrity; authenticity only with a signing key) and how to act on its rollback
+triggers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 _ACTIONS = {"verify": ("RELEASE.json",), "diff": ("A.json", "B.json")}
@@ -22,14 +26,16 @@ _BUILD_OPTIONS = (("--eval", "eval_dir"), ("--previous", "previous"), ("--engine
                   ("--engine-version", "engine_version"), ("--approved-by", "approved_by"),
                   ("--approval-note", "approval_note"), ("--rollback", "rollback"),
                   ("--rollback-margin", "rollback_margin"), ("--allow-failed-gates", "allow_failed_gates"),
-                  ("--out", "out"), ("--overwrite", "overwrite"))
+                  ("--out", "out"), ("--overwrite", "overwrite"), ("--sign-key", "sign_key"))
+# (option, dest) of the options only `glmtune release verify` takes.
+_VERIFY_OPTIONS = (("--key", "key"), ("--allow-outside", "allow_outside"))
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "release", help="record an evaluated run as a release (release.json); verify or diff releases",
         usage="glmtune release RUN_DIR --eval EVAL_DIR --engine NAME==VERSION [options]\n"
-              "       glmtune release verify RELEASE.json [--json]\n"
+              "       glmtune release verify RELEASE.json [--key KEYFILE] [--allow-outside] [--json]\n"
               "       glmtune release diff A.json B.json [--json]",
         description="Write RUN_DIR's release manifest (base revision and hashes, shipped artifacts, tokenizer and "
                     "template, engine, prompts, eval scores and gates, data provenance and approval, config, "
@@ -59,20 +65,37 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", metavar="PATH", help="where to write the manifest (default: RUN_DIR/release.json)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out (never a file or directory the release reads)")
+    parser.add_argument("--sign-key", metavar="KEYFILE",
+                        help="sign the manifest with HMAC-SHA256 and this secret key file (at least 32 bytes, mode "
+                             "600; create one with: head -c 32 /dev/urandom > release.key); verify --key checks it")
+    parser.add_argument("--key", metavar="KEYFILE",
+                        help="verify: check the manifest's signature with this key file; a missing or wrong "
+                             "signature fails")
+    parser.add_argument("--allow-outside", action="store_true",
+                        help="verify: read artifacts recorded by absolute path, outside the manifest's directory "
+                             "(done anyway when --key checks the signature)")
     parser.add_argument("--json", action="store_true", help="verify, diff: print the result as JSON")
     parser.set_defaults(func=_run)
 
 
 def _run(ns: argparse.Namespace) -> int:
     action, *rest = ns.words
+    verify_given = [option for option, dest in _VERIFY_OPTIONS if getattr(ns, dest) not in (None, False)]
     if action in _ACTIONS:
         given = [option for option, dest in _BUILD_OPTIONS if getattr(ns, dest) not in (None, False)]
         if given:
             raise ValueError(f"{given[0]} applies to `glmtune release RUN_DIR`, not to `glmtune release {action}`")
+        if action == "diff" and verify_given:
+            raise ValueError(f"{verify_given[0]} applies to `glmtune release verify`, not to `glmtune release diff`")
         wanted = _ACTIONS[action]
         if len(rest) != len(wanted):
             raise ValueError(f"`glmtune release {action}` takes {' '.join(wanted)}, got {len(rest)} argument(s)")
-        return _verify(rest[0], ns.json) if action == "verify" else _diff(rest[0], rest[1], ns.json)
+        if action == "verify":
+            return _verify(rest[0], ns.json, ns.key, ns.allow_outside)
+        return _diff(rest[0], rest[1], ns.json)
+    if verify_given:
+        raise ValueError(f"{verify_given[0]} applies to `glmtune release verify`, not to `glmtune release RUN_DIR` "
+                         "(which signs with --sign-key)")
     if rest:
         raise ValueError(f"`glmtune release RUN_DIR` takes one run directory, got {' '.join(ns.words)} (the actions "
                          f"are {', '.join(_ACTIONS)})")
@@ -85,13 +108,14 @@ def _run(ns: argparse.Namespace) -> int:
 
 def _create(run_dir: str, ns: argparse.Namespace) -> int:
     from glmtune.io.sizes import human_bytes
+    from glmtune.io.text_limits import printable
     from glmtune.release import ReleaseRequest, create_release
     from glmtune.release.triggers import DEFAULT_MARGIN
 
     request = ReleaseRequest(
         run_dir=run_dir, eval_dir=ns.eval_dir, engine=ns.engine, engine_version=ns.engine_version, out=ns.out,
         overwrite=ns.overwrite, previous=ns.previous, approved_by=ns.approved_by, approval_note=ns.approval_note,
-        rollback=ns.rollback or [], allow_failed_gates=ns.allow_failed_gates,
+        rollback=ns.rollback or [], allow_failed_gates=ns.allow_failed_gates, sign_key=ns.sign_key,
         rollback_margin=DEFAULT_MARGIN if ns.rollback_margin is None else ns.rollback_margin)
     m, path = create_release(request)
     base, ev = m["base"], m["eval"]
@@ -99,26 +123,34 @@ def _create(run_dir: str, ns: argparse.Namespace) -> int:
     weights = (base["weights_sha256"] or "none kept")[:12]
     origin = base["revision"] or base["revision_source"].split(":")[0]
     gates = ev["gates"]
-    print(f"release {m['id']} of run {m['run']['run_id']} ({m['run']['method']}, {m['run']['name']}): {path}")
-    print(f"  base      {base['name_or_path']}: {origin}; weights {weights}")
-    print("  ships     " + ", ".join(f"{n} ({artifacts[n]['num_files']} files, {human_bytes(artifacts[n]['size'])})"
-                                     for n in m["run"]["shipped"]))
-    print(f"  engine    {m['engine']['name']} {m['engine']['version']}")
-    print(f"  eval      suite {ev['suite']['name']} v{ev['suite']['version']}, candidate {ev['candidate']!r}: "
-          f"{sum(bool(g['passed']) for g in gates)} of {len(gates)} gates passed"
-          + (" (released with --allow-failed-gates)" if ev["allowed_failed_gates"] else ""))
+    lines = [f"release {m['id']} of run {m['run']['run_id']} ({m['run']['method']}, {m['run']['name']}): {path}",
+             f"  base      {base['name_or_path']}: {origin}; weights {weights}",
+             "  ships     " + ", ".join(f"{n} ({artifacts[n]['num_files']} files, "
+                                        f"{human_bytes(artifacts[n]['size'])})" for n in m["run"]["shipped"]),
+             f"  engine    {m['engine']['name']} {m['engine']['version']}",
+             f"  eval      suite {ev['suite']['name']} v{ev['suite']['version']}, candidate {ev['candidate']!r}: "
+             f"{sum(bool(g['passed']) for g in gates)} of {len(gates)} gates passed"
+             + (" (released with --allow-failed-gates)" if ev["allowed_failed_gates"] else "")]
     triggers = m["rollback"]["triggers"]
     target = f"release {m['rollback']['to']}" if m["rollback"]["to"] else "the previous deployment (no --previous)"
-    print(f"  rollback  to {target} when: " + ("; ".join(t["expression"] for t in triggers) or "no triggers"))
+    lines.append(f"  rollback  to {target} when: " + ("; ".join(t["expression"] for t in triggers) or "no triggers"))
     approval = m["data"]["approval"]
-    print(f"  approval  {approval['approved_by'] if approval else 'none recorded (--approved-by)'}")
+    lines.append(f"  approval  {approval['approved_by'] if approval else 'none recorded (--approved-by)'}")
+    signature = m["signature"]
+    lines.append(f"  signed    {signature['algorithm']}, key id {signature['key_id']}" if signature else
+                 "  signed    no: verify can show the manifest is intact, not who wrote it (--sign-key)")
+    outside = [a["name"] for a in m["artifacts"] if os.path.isabs(a["root"])]
+    if outside:
+        lines.append(f"  outside   {', '.join(outside)}: recorded by absolute path, outside {path.parent}; "
+                     "verify reads them with --key (signed) or --allow-outside")
+    print("\n".join(printable(line) for line in lines))
     return 0
 
 
-def _verify(path: str, as_json: bool) -> int:
+def _verify(path: str, as_json: bool, key: str | None, allow_outside: bool) -> int:
     from glmtune.release.verify import report_lines, verify_release
 
-    result = verify_release(path)
+    result = verify_release(path, key, allow_outside)
     print(json.dumps(result, indent=2) if as_json else "\n".join(report_lines(result)))
     return 0 if result["clean"] else 1
 

@@ -21,12 +21,11 @@ served on weights it was not trained on.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
-from glmtune.release.artifacts import TensorRange, record_artifact
+from glmtune.release.artifacts import TensorRange, read_json, record_artifact
 
 BASE_DIR = "base"  # RUN_DIR/base, as glmtune/train/run.py writes it
 
@@ -45,6 +44,8 @@ def _tensor_ranges(hf_dir: Path) -> dict[str, list[TensorRange]]:
             entries, data_start = read_header(file)
         except ValueError as exc:
             raise ValueError(f"{file}: {exc}") from None
+        except RecursionError:  # read_header's json.loads on a header nested thousands deep
+            raise ValueError(f"{file}: corrupt safetensors header (JSON nested too deep)") from None
         missing = [n for n in names if n not in entries]
         if missing:
             raise ValueError(f"{file}: no tensor {missing[0]} (the index names it)")
@@ -52,6 +53,16 @@ def _tensor_ranges(hf_dir: Path) -> dict[str, list[TensorRange]]:
             TensorRange(n, data_start + entries[n]["data_offsets"][0], data_start + entries[n]["data_offsets"][1])
             for n in names]
     return ranges
+
+
+def _check_json_files(hf_dir: Path) -> None:
+    """The directory's JSON files that other modules parse (config, index, tokenizer config),
+    parsed bounded first: one line naming the file instead of a RecursionError."""
+    from glmtune.checkpoint.hf_io import INDEX_NAME
+
+    for name in ("config.json", INDEX_NAME, "tokenizer_config.json"):
+        if (hf_dir / name).is_file():
+            read_json(hf_dir / name, str(hf_dir / name))
 
 
 def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -63,6 +74,7 @@ def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tup
     from glmtune.io.fingerprint import weights_sha256, config_sha256
     from glmtune.models.glm5.args import Glm5Args
 
+    _check_json_files(hf_dir)
     args = Glm5Args.from_hf_config(hf_dir)
     ranges = _tensor_ranges(hf_dir)
     artifact, tensor_shas = record_artifact(name, hf_dir, "dir", what, manifest_dir,
@@ -85,10 +97,8 @@ def _recorded_identities(run_dir: Path, run_record: dict[str, Any]) -> list[tupl
     for layout_dir in ("adapter", "adapter_per_expert"):
         meta = run_dir / layout_dir / "glmtune_adapter.json"
         if meta.is_file():
-            try:
-                base = json.loads(meta.read_text(encoding="utf-8")).get("base")
-            except ValueError as exc:
-                raise ValueError(f"{meta}: unreadable ({exc})") from None
+            record, _ = read_json(meta, str(meta))
+            base = record.get("base") if isinstance(record, dict) else None
             if isinstance(base, dict):
                 found.append((str(meta), base))
     return found

@@ -15,6 +15,9 @@ and for scores the delta B - A):
   data         data manifest, counts, contract, schema, PII policy, sources, approval
   rollback     each trigger's condition, the margin, the release it rolls back to
   environment  glmtune version and commit, library versions
+
+Manifests are untrusted text: every cell and line of the table goes through `printable`
+(an ESC in a metric name shows as `\x1b`); `--json` is escaped by json.dumps.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from glmtune.io.text_limits import printable
 from glmtune.release.manifest import load_release
 
 SECTIONS = ("release", "base", "artifacts", "tokenizer", "engine", "prompt", "suite", "scores", "gates", "config",
@@ -161,21 +165,21 @@ def diff_releases(path_a: str | Path, path_b: str | Path) -> dict[str, Any]:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    text = value if isinstance(value, str) else json.dumps(value)
+    text = printable(value if isinstance(value, str) else json.dumps(value))
     if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
         return text[:12] + "…"  # a sha256: the prefix tells them apart
     return text if len(text) <= _MAX_CELL else text[:_MAX_CELL - 1] + "…"
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
-    """The human table."""
+    """The human table, every line printable."""
     a, b = result["a"], result["b"]
     lines = [f"A: release {a['id']} ({a['created']}) {a['path']}", f"B: release {b['id']} ({b['created']}) {b['path']}"]
     lines.append(f"B {'names' if result['chained'] else 'does not name'} A as its previous release")
     rows = [("section", "key", "A", "B", "change")]
     for c in result["changes"]:
         note = f"{c['delta']:+.4g}" if c["delta"] is not None else (c["detail"] or "")
-        rows.append((c["section"], c["key"], _cell(c["a"]), _cell(c["b"]), note))
+        rows.append((c["section"], printable(c["key"]), _cell(c["a"]), _cell(c["b"]), printable(note)))
     if len(rows) == 1:
         lines.append("no differences")
     else:
@@ -184,4 +188,4 @@ def report_lines(result: dict[str, Any]) -> list[str]:
             lines.append("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
     if result["unchanged"]:
         lines.append(f"unchanged: {', '.join(result['unchanged'])}")
-    return lines
+    return [printable(line) for line in lines]

@@ -12,8 +12,15 @@ reads is refused). Then every artifact is hashed and the eval's candidate is mat
 run's artifacts as they are now.
 
 The release id is the first 16 hex digits of the sha256 of the manifest's canonical JSON
-(sorted keys) without `id` and `created`: the same inputs give the same id, and
-`glmtune release verify` recomputes it to notice a manifest edited by hand.
+(sorted keys) without `id`, `created` and `signature`: the same inputs give the same id, and
+`glmtune release verify` recomputes it to notice a manifest edited by hand. It proves
+integrity, not authenticity: whoever edits a manifest can recompute it. `sign_key` adds an
+HMAC-SHA256 signature that only a holder of the key can make (glmtune/release/signing.py).
+
+Every JSON record read here (run.json, data_manifest.json, the scorecard, --previous) has
+its size and nesting bounded (`artifacts.read_json`): a damaged or hostile file is a
+one-line error naming it. A symlink inside RUN_DIR's recorded artifacts that leads out of
+RUN_DIR is refused before anything is hashed (glmtune/release/paths.py).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import datetime
 import fcntl
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +37,13 @@ from typing import Any
 
 import yaml
 
-from glmtune.release import triggers
-from glmtune.release.artifacts import read_format_json, record_artifact, stored_root
+from glmtune.io.text_limits import printable
+from glmtune.release import signing, triggers
+from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
 from glmtune.release.eval_record import (check_evaluated_base, eval_section, failed_gates, load_eval,
                                          released_candidate)
+from glmtune.release.paths import innermost, walk, within
 from glmtune.release.provenance import data_section, environment, tokenizer_section
 
 FORMAT = "glmtune.release/1"
@@ -58,10 +68,11 @@ class ReleaseRequest:
     rollback: list[str] = field(default_factory=list)
     rollback_margin: float = triggers.DEFAULT_MARGIN
     allow_failed_gates: bool = False
+    sign_key: Path | None = None  # a key file: sign the manifest (HMAC-SHA256)
 
 
 def canonical_sha256(manifest: dict[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k not in ("id", "created")}
+    body = {k: v for k, v in manifest.items() if k not in ("id", "created", "signature")}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -120,24 +131,40 @@ def _check_not_training(run_dir: Path) -> None:
 
 def _read_run(run_dir: Path):
     from glmtune.config import config_from_dict
-    from glmtune.train.run_dir import read_run_record
 
     if not run_dir.is_dir():
         raise ValueError(f"RUN_DIR {run_dir}: no such directory")
-    config_path = run_dir / "config.yaml"
+    config_path, record_path = run_dir / "config.yaml", run_dir / "run.json"
     if not config_path.is_file():
         raise ValueError(f"RUN_DIR {run_dir}: no config.yaml (not a glmtune run directory)")
-    record = read_run_record(run_dir)
-    if record is None:
+    if not record_path.is_file():
         raise ValueError(f"RUN_DIR {run_dir}: no run.json (not a glmtune run directory)")
+    record, _ = read_json(record_path, str(record_path))
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+        raise ValueError(f"{record_path}: not a glmtune run record (no run_id)")
     _check_not_training(run_dir)
-    text = config_path.read_text(encoding="utf-8")
-    resolved = yaml.safe_load(text) or {}
+    resolved = _read_yaml(config_path)
     cfg = config_from_dict(resolved, source=str(config_path))
     data_manifest = run_dir / "data_manifest.json"
     if not data_manifest.is_file():
         raise ValueError(f"RUN_DIR {run_dir}: no data_manifest.json (the run did not get past data preparation)")
-    return cfg, record, resolved, json.loads(data_manifest.read_text(encoding="utf-8"))
+    data, _ = read_json(data_manifest, str(data_manifest))
+    if not isinstance(data, dict):
+        raise ValueError(f"{data_manifest}: not a data manifest (a JSON object)")
+    return cfg, record, resolved, data
+
+
+def _read_yaml(path: Path) -> Any:
+    """The resolved config, bounded like the JSON records: one line naming the file otherwise."""
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_JSON_BYTES:,} a config may have")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except RecursionError:
+        raise ValueError(f"{path}: YAML nested too deep to be a config") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not YAML ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") \
+            from None
 
 
 def _deployable(run_dir: Path, lora: bool) -> list[tuple[str, Path, str]]:
@@ -162,7 +189,7 @@ def _previous(path: Path | None, manifest_dir: Path) -> dict[str, Any] | None:
         return None
     previous, sha = load_release(path, "--previous")
     if previous.get("id") != release_id(previous):
-        raise ValueError(f"--previous {path}: its content does not match its id {previous.get('id')} "
+        raise ValueError(f"--previous {path}: its content does not match its id {printable(previous.get('id'))} "
                          "(edited after it was written)")
     return {"path": stored_root(path, manifest_dir), "sha256": sha, "id": previous["id"],
             "created": previous.get("created"), "run_id": (previous.get("run") or {}).get("run_id")}
@@ -178,6 +205,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     engine = parse_engine(req.engine, req.engine_version)
     approval = _approval(req.approved_by, req.approval_note, created)
+    key = signing.read_key(req.sign_key, "--sign-key") if req.sign_key is not None else None
     cfg, run_record, resolved, data_manifest = _read_run(run_dir)
     lora = cfg.peft.method == "lora"
     deployable = _deployable(run_dir, lora)
@@ -191,9 +219,15 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         ("EVAL_DIR", eval_dir), ("the base model", base_dir), ("the tokenizer", tokenizer_dir),
         ("RUN_DIR data", run_dir / "data"), ("RUN_DIR config", run_dir / "config.yaml"),
         ("RUN_DIR record", run_dir / "run.json"), ("RUN_DIR data manifest", run_dir / "data_manifest.json")]
+    if (run_dir / "pii_report.json").is_file():
+        reads.append(("RUN_DIR PII report", run_dir / "pii_report.json"))
+    recorded = list(reads)
     if req.previous is not None:
         reads.append(("--previous", Path(req.previous)))
     check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out")
+    _check_links(recorded, run_dir, manifest_dir)
+    if req.sign_key is not None:
+        _check_key_outside(Path(req.sign_key), recorded)
     previous = _previous(req.previous, manifest_dir)
 
     # Hashing: the deployable artifacts first (the candidate check needs them), then the rest.
@@ -244,11 +278,43 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         "rollback": {"margin": req.rollback_margin, "to": previous["id"] if previous else None,
                      "triggers": rollback},
         "artifacts": artifacts,
+        "signature": None,
     }
     manifest["id"] = release_id(manifest)
+    if key is not None:
+        manifest["signature"] = signing.sign(manifest, key)
     with output_file(out, overwrite=req.overwrite, sources=reads, what="--out") as tmp:
         tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest, out
+
+
+def _check_links(recorded: list[tuple[str, Path]], run_dir: Path, manifest_dir: Path) -> None:
+    """Refuse, before anything is hashed, a link in what the release records that leads out of
+    RUN_DIR (for what lies in it) or out of the release file's directory (for what is recorded
+    relative to it): verify would refuse to read it, and the release would record files that
+    are not the run's. Links that stay inside are followed."""
+    run_tree = os.path.realpath(run_dir)
+    for what, path in recorded:
+        tree = innermost(path, [run_dir, manifest_dir])
+        if tree is None or not os.path.lexists(path):
+            continue  # outside both: recorded by absolute path, links followed; missing: named later
+        if not within(path, tree):
+            refused = {path.name: f"{path.name} leads out of {tree} (a link)"}
+        else:
+            refused = walk(path, tree)[1] if path.is_dir() else {}
+        if refused:
+            inside = "RUN_DIR" if tree == run_tree else "the release file's directory"
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise ValueError(f"{what} {path}: {next(iter(refused.values()))}{more}: a release follows links only "
+                             f"where they stay inside {inside}; copy the target in")
+
+
+def _check_key_outside(key: Path, recorded: list[tuple[str, Path]]) -> None:
+    real = os.path.realpath(key)
+    for what, path in recorded:
+        if within(real, os.path.realpath(path)):
+            raise ValueError(f"--sign-key {key} lies in {what} {path}: the release would record it and it would "
+                             "ship with the model; keep the key outside what you release")
 
 
 def _presets():

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import platform
 from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
-from glmtune.release.artifacts import record_artifact, stored_root
+from glmtune.release.artifacts import read_json, record_artifact, stored_root
 
 _MANIFEST_KEYS = ("train_conversations", "validation_conversations", "tokenization_key", "filters", "notes")
 _LIBRARIES = ("torch", "transformers", "peft", "safetensors", "triton", "tokenizers")
@@ -83,11 +82,12 @@ def tokenizer_section(tokenizer_dir: Path, manifest_dir: Path) -> tuple[dict[str
         raise ValueError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     artifact, _ = record_artifact("tokenizer", tokenizer_dir, "files", "tokenizer and chat template files",
                                   manifest_dir, files=names)
-    template = load_chat_template(tokenizer_dir)
     config_file = tokenizer_dir / "tokenizer_config.json"
+    config = read_json(config_file, str(config_file))[0] if config_file.is_file() else {}  # bounded, before
+    template = load_chat_template(tokenizer_dir)  # load_chat_template parses it again
     if (tokenizer_dir / "chat_template.jinja").is_file():
         source = "chat_template.jinja"
-    elif config_file.is_file() and json.loads(config_file.read_text(encoding="utf-8")).get("chat_template"):
+    elif isinstance(config, dict) and config.get("chat_template"):
         source = "tokenizer_config.json"
     else:  # load_chat_template's fallback
         source = "bundled GLM-5 template (the directory has none)"

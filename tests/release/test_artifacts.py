@@ -37,16 +37,15 @@ def test_artifact_kinds_and_drift(tmp_path):
     as_file, _ = record_artifact("weights", model / "a.bin", "file", "one file", tmp_path)
     assert [f["path"] for f in as_dir["files"]] == ["a.bin", "sub/b.txt", "tokenizer.json"]
     assert (as_dir["root"], as_files["root"], as_file["root"]) == ("model", "model", "model/a.bin")
-    assert all(check_artifact(a, tmp_path) == [] for a in (as_dir, as_files, as_file))
+    assert all(check_artifact(a, tmp_path) == ("ok", []) for a in (as_dir, as_files, as_file))
 
     (model / "new.txt").write_text("new")  # new files matter in a directory artifact only
     (model / "a.bin").write_bytes(b"a" * 99 + b"b")
     (model / "sub" / "b.txt").unlink()
-    assert check_artifact(as_dir, tmp_path) == ["sub/b.txt is missing", "a.bin sha256 changed "
-                                                f"({as_dir['files'][0]['sha256'][:12]}… -> "
-                                                f"{hashlib.sha256(b'a' * 99 + b'b').hexdigest()[:12]}…)",
-                                                "new.txt is new (not recorded)"]
-    assert check_artifact(as_files, tmp_path) == []
-    assert check_artifact(as_file, tmp_path)[0].startswith("a.bin sha256 changed")
+    assert check_artifact(as_dir, tmp_path) == ("DRIFT", [
+        "sub/b.txt is missing", f"a.bin sha256 changed ({as_dir['files'][0]['sha256'][:12]}… -> "
+        f"{hashlib.sha256(b'a' * 99 + b'b').hexdigest()[:12]}…)", "new.txt is new (not recorded)"])
+    assert check_artifact(as_files, tmp_path) == ("ok", [])
+    assert check_artifact(as_file, tmp_path)[1][0].startswith("a.bin sha256 changed")
     (model / "a.bin").unlink()
-    assert check_artifact(as_file, tmp_path) == [f"{model / 'a.bin'} is missing"]
+    assert check_artifact(as_file, tmp_path) == ("DRIFT", [f"{model / 'a.bin'} is missing"])

@@ -1,5 +1,8 @@
 """`glmtune release verify`: clean is exit 0; a flipped adapter byte, a deleted file, an added file,
-a size change and a hand-edited manifest are each named on their artifact's line, exit 1."""
+a size change and a hand-edited manifest are each named on their artifact's line, exit 1.
+
+The fixtures' eval directories lie beside the run, outside the release file's directory, so
+their roots are absolute: read only with --allow-outside (tests/release/test_verify_paths.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from glmtune.cli import main
 
 
 def _verify(capsys, path) -> tuple[int, dict[str, str]]:
-    code = main(["release", "verify", str(path)])
+    code = main(["release", "verify", str(path), "--allow-outside"])
     lines = capsys.readouterr().out.splitlines()
     by_name = {line.split()[0]: line for line in lines[:-1]}
     return code, {**by_name, "verdict": lines[-1]}
@@ -24,6 +27,7 @@ def test_verify_catches_drift(lora_run, capsys):
     code, lines = _verify(capsys, release)
     assert code == 0 and lines["verdict"].endswith("clean (10 artifacts, 25 files)"), lines
     assert all(" ok " in line for name, line in lines.items() if name != "verdict")
+    assert "unsigned: integrity only" in lines["release.json"]
 
     # One flipped byte in the middle of the adapter's weights: same size, another sha256.
     weights = run / "adapter" / "adapter_model.safetensors"
@@ -54,7 +58,7 @@ def test_verify_catches_drift(lora_run, capsys):
 
     # A whole artifact gone, and --json.
     shutil.rmtree(run / "adapter_per_expert")
-    assert main(["release", "verify", str(release), "--json"]) == 1
+    assert main(["release", "verify", str(release), "--json", "--allow-outside"]) == 1
     result = json.loads(capsys.readouterr().out)
     problems = {a["name"]: a["problems"] for a in result["artifacts"]}
     assert result["clean"] is False and problems["adapter_per_expert"] == [
