@@ -19,12 +19,17 @@
 Loading is strict (docs/eval.md is the reference): unknown keys and wrong types are errors
 naming the file:line and key (the typed conversion of `glmtune.config.loader`), every scorer's
 options are typed the same way, schema files and regular expressions are read here, and every
-gate's metric id must be one the suite produces. Nothing runs before the whole file is valid.
+gate's metric id must be one the suite produces. Every number must be finite and within the
+bounds below (a typo such as `max_new_tokens: 1000000000000` would otherwise size a decode cache
+or a wait), and the suite and set names become directory and file names (`DIR/sets/<set>.jsonl`,
+`CAND/eval/<suite>`), so they must be names, not paths (`io.text_limits.safe_name`). Nothing
+runs before the whole file is valid.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +40,28 @@ from glmtune.config.sources import format_path, read_yaml_layer
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC
 from glmtune.eval.operations import OPERATIONS_METRICS
 from glmtune.eval.scorers import SCORERS, MetricDef
+from glmtune.io.text_limits import safe_name
 
 RULES = ("improves", "no_regression", "min", "max", "max_increase")
 RESERVED_SETS = ("general_text", "operations")  # metric-id prefixes the suite itself produces
 _SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+# Bounds of the suite's numbers, inclusive. Past them a value is a typo, or would exhaust memory
+# or time (the decode cache is sized by max_new_tokens; a timeout of inf never fires).
+MAX_SUITE_BYTES = 1 << 20  # the suite file itself
+MAX_NEW_TOKENS = 32_768
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20  # above any vocabulary
+MAX_SEED = 2**32 - 1  # per-batch seeds derive from it and stay below 2**63
+MAX_TOOL_ROUNDS = 16
+MAX_BATCH_SIZE = 1024
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
+MAX_TIMEOUT_S = 3600.0
+MAX_SET_ROWS = 100_000  # rows a set evaluates: its limit, and the rows read from a set without one
+MAX_GENERAL_TEXT_TOKENS = 262_144
+MAX_WINDOW = 32_768
+MAX_THRESHOLD = 1e9  # |threshold|; a ratio metric's threshold is a fraction, |t| <= 1
 
 
 @dataclass
@@ -137,12 +159,30 @@ class _Errors:
     def __init__(self, where: dict, label: str) -> None:
         self.where, self.label, self.items = where, label, []
 
+    def locate(self, path: tuple) -> str:
+        """file:line of the innermost key of `path` the file holds (else the file)."""
+        return next((self.where[path[:n]] for n in range(len(path), 0, -1) if path[:n] in self.where), self.label)
+
     def at(self, path: tuple, message: str) -> None:
-        for n in range(len(path), 0, -1):
-            if path[:n] in self.where:
-                self.items.append(f"{self.where[path[:n]]}: {format_path(path)}: {message}")
-                return
-        self.items.append(f"{self.label}: {format_path(path)}: {message}")
+        self.items.append(f"{self.locate(path)}: {format_path(path)}: {message}")
+
+    def name(self, path: tuple, value: object) -> bool:
+        """Whether `value` can be a file name (`safe_name`); else an error at `path`."""
+        try:
+            safe_name(value, format_path(path))
+        except ValueError as exc:
+            self.items.append(f"{self.locate(path)}: {exc}")
+            return False
+        return True
+
+    def in_range(self, path: tuple, value: float, low: float, high: float, *, above_low: bool = False) -> None:
+        """An error at `path` unless `value` is finite and in [low, high] ((low, high] with above_low)."""
+        if math.isfinite(value) and (value > low if above_low else value >= low) and value <= high:
+            return
+        rule = f"{'>' if above_low else '>='} {low:g} and <= {high:g}"
+        if isinstance(low, int) and isinstance(high, int):
+            rule = f">= {low} and <= {high}"
+        self.at(path, f"must be {rule}, got {value!r}")
 
     def raise_if_any(self) -> None:
         if len(self.items) == 1:
@@ -154,6 +194,9 @@ class _Errors:
 def load_suite(path: str | Path) -> Suite:
     """Read and check a suite file (a path, or a name under recipes/ as `glmtune train` takes)."""
     path = resolve_recipe_path(path).resolve()
+    if path.is_file() and path.stat().st_size > MAX_SUITE_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_SUITE_BYTES:,} a suite file "
+                         "may have (MAX_SUITE_BYTES); the rows belong in set files")
     data = path.read_bytes()  # hashed and copied into the eval directory as read
     layer = read_yaml_layer(path)
     label = str(path)
@@ -165,6 +208,8 @@ def load_suite(path: str | Path) -> Suite:
     for key in ("name", "version"):
         if getattr(file, key) in (None, ""):
             errors.at((key,), "required")
+    if file.name not in (None, ""):
+        errors.name(("name",), file.name)  # the default output directory is CAND/eval/<name>
     _check_decoding(file.decoding, errors)
     _check_tools(file.tools, errors)
     sets = _build_sets(file, path.parent, converter, errors)
@@ -173,9 +218,8 @@ def load_suite(path: str | Path) -> Suite:
         general_path = path.parent / file.general_text.path
         if not file.general_text.path or not general_path.is_file():
             errors.at(("general_text", "path"), f"file not found: {general_path}")
-        for key in ("max_tokens", "window"):
-            if getattr(file.general_text, key) < 2:
-                errors.at(("general_text", key), "must be >= 2")
+        errors.in_range(("general_text", "max_tokens"), file.general_text.max_tokens, 2, MAX_GENERAL_TEXT_TOKENS)
+        errors.in_range(("general_text", "window"), file.general_text.window, 2, MAX_WINDOW)
     metrics = {f"{s.name}/{scorer.name}/{m.name}": m for s in sets for scorer in s.scorers
                for m in scorer.metrics(scorer.options)}
     metrics.update({f"operations/{group}/{m.name}": m for group, m in OPERATIONS_METRICS})
@@ -187,20 +231,22 @@ def load_suite(path: str | Path) -> Suite:
 
 
 def _check_decoding(d: DecodingConfig, errors: _Errors) -> None:
-    for key, ok, rule in (("max_new_tokens", d.max_new_tokens >= 1, ">= 1"),
-                          ("temperature", d.temperature >= 0, ">= 0"), ("top_k", d.top_k >= 0, ">= 0"),
-                          ("top_p", 0 < d.top_p <= 1, "in (0, 1]"), ("max_tool_rounds", d.max_tool_rounds >= 0, ">= 0"),
-                          ("batch_size", d.batch_size >= 1, ">= 1")):
-        if not ok:
-            errors.at(("decoding", key), f"must be {rule}, got {getattr(d, key)!r}")
+    for key, low, high in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("temperature", 0.0, MAX_TEMPERATURE),
+                           ("top_k", 0, MAX_TOP_K), ("seed", 0, MAX_SEED), ("max_tool_rounds", 0, MAX_TOOL_ROUNDS),
+                           ("batch_size", 1, MAX_BATCH_SIZE)):
+        errors.in_range(("decoding", key), getattr(d, key), low, high)
+    errors.in_range(("decoding", "top_p"), d.top_p, 0.0, 1.0, above_low=True)
+    if len(d.stop_strings) > MAX_STOP_STRINGS:
+        errors.at(("decoding", "stop_strings"), f"{len(d.stop_strings)} stop strings, more than {MAX_STOP_STRINGS}")
     for i, stop in enumerate(d.stop_strings):
         if not stop:
             errors.at(("decoding", "stop_strings", i), "an empty stop string would stop at once")
+        elif len(stop) > MAX_STOP_STRING_CHARS:
+            errors.at(("decoding", "stop_strings", i), f"{len(stop)} characters, more than {MAX_STOP_STRING_CHARS}")
 
 
 def _check_tools(tools: ToolsConfig, errors: _Errors) -> None:
-    if not tools.timeout_s > 0:
-        errors.at(("tools", "timeout_s"), f"must be > 0, got {tools.timeout_s}")
+    errors.in_range(("tools", "timeout_s"), tools.timeout_s, 0.0, MAX_TIMEOUT_S, above_low=True)
     for name, ref in tools.functions.items():
         if not _FUNCTION_REF.match(ref):
             errors.at(("tools", "functions", name),
@@ -213,9 +259,10 @@ def _build_sets(file: SuiteFile, suite_dir: Path, converter: Converter, errors: 
     sets, seen = [], set()
     for i, s in enumerate(file.sets):
         where = ("sets", i)
-        if not _SET_NAME.match(s.name or ""):
+        named = errors.name(where + ("name",), s.name)  # DIR/sets/<name>.jsonl
+        if named and not _SET_NAME.match(s.name):
             errors.at(where + ("name",), f"a set needs a name of letters, digits, '_', '-', '.', got {s.name!r}")
-        elif s.name in RESERVED_SETS or s.name in seen:
+        elif named and (s.name in RESERVED_SETS or s.name in seen):
             errors.at(where + ("name",), f"{s.name!r} is {'reserved' if s.name in RESERVED_SETS else 'used twice'}")
         seen.add(s.name)
         if (s.path is None) == (s.run_split is None):
@@ -223,8 +270,8 @@ def _build_sets(file: SuiteFile, suite_dir: Path, converter: Converter, errors: 
         path = suite_dir / s.path if s.path is not None else None
         if path is not None and not path.is_file():
             errors.at(where + ("path",), f"file not found: {path}")
-        if s.limit is not None and s.limit < 1:
-            errors.at(where + ("limit",), f"must be >= 1, got {s.limit}")
+        if s.limit is not None:
+            errors.in_range(where + ("limit",), s.limit, 1, MAX_SET_ROWS)
         if not s.scorers:
             errors.at(where + ("scorers",), "at least one scorer is required")
         scorers, names = [], set()
@@ -267,7 +314,10 @@ def _check_gates(gates: list[GateConfig], metrics: dict[str, MetricDef], errors:
             errors.at(where + ("metric",), f"unknown metric {gate.metric!r}{hint}")
         if gate.rule in ("min", "max", "max_increase") and gate.threshold is None:
             errors.at(where + ("threshold",), f"rule {gate.rule} needs a threshold")
-        if gate.threshold is not None and gate.threshold < 0 and gate.rule in ("improves", "no_regression"):
-            errors.at(where + ("threshold",), f"rule {gate.rule} takes a margin >= 0, got {gate.threshold}")
+        if gate.threshold is not None:
+            ratio = gate.metric in metrics and metrics[gate.metric].unit == "ratio"
+            bound = 1.0 if ratio else MAX_THRESHOLD  # a ratio's 75% is 0.75: 75 would be a typo
+            low = 0.0 if gate.rule in ("improves", "no_regression") else -bound  # a margin
+            errors.in_range(where + ("threshold",), gate.threshold, low, bound)
         if gate.model is not None and gate.model not in ("candidate", "candidate-merged"):
             errors.at(where + ("model",), f"must be candidate or candidate-merged, got {gate.model!r}")

@@ -92,3 +92,59 @@ def test_several_mistakes_are_listed_together(tmp_path):
     text = VALID.replace("  max_new_tokens: 8", "  max_new_tokens: 0\n  batch_size: 0")
     with pytest.raises(ValueError, match=r"2 suite errors:\n  .*max_new_tokens.*\n  .*batch_size"):
         load_suite(_suite(tmp_path, text))
+
+
+@pytest.mark.parametrize("change, message", [
+    (("name: t", "name: ../../x"), r"suite.yaml:1: name: '../../x' contains a path separator"),
+    (("name: t", "name: '.'"), r"suite.yaml:1: name: '.' is empty or a relative directory"),
+    (("name: t", "name: '-rf'"), r"suite.yaml:1: name: '-rf' starts with '-'"),
+    (("  - name: rows", "  - name: '..'"), r"suite.yaml:9: sets\[0\].name: '..' is empty or a relative directory"),
+    (("  - name: rows", "  - name: a/b"), r"suite.yaml:9: sets\[0\].name: 'a/b' contains a path separator"),
+])
+def test_names_that_become_file_names_are_names_not_paths(tmp_path, change, message):
+    """The suite name is CAND/eval/<name> (replaced by --overwrite), a set name DIR/sets/<name>.jsonl."""
+    with pytest.raises(ValueError, match=message):
+        load_suite(_suite(tmp_path, VALID.replace(*change)))
+
+
+@pytest.mark.parametrize("line, message", [
+    ("  max_new_tokens: 1000000000000", r"suite.yaml:4: decoding.max_new_tokens: must be >= 1 and <= 32768, "
+                                        r"got 1000000000000"),
+    ("  temperature: .nan", r"suite.yaml:5: decoding.temperature: must be >= 0 and <= 100, got nan"),
+    ("  top_p: 0", r"decoding.top_p: must be > 0 and <= 1, got 0.0"),
+    ("  top_k: 10000000", r"decoding.top_k: must be >= 0 and <= 1048576"),
+    ("  seed: -1", r"decoding.seed: must be >= 0 and <= 4294967295, got -1"),
+    ("  max_tool_rounds: 1000", r"decoding.max_tool_rounds: must be >= 0 and <= 16"),
+    ("  batch_size: 100000", r"decoding.batch_size: must be >= 1 and <= 1024"),
+    ("  stop_strings: [" + ", ".join(["x"] * 33) + "]", r"decoding.stop_strings: 33 stop strings, more than 32"),
+])
+def test_decoding_numbers_are_finite_and_bounded(tmp_path, line, message):
+    text = VALID.replace("  max_new_tokens: 8", line if "max_new_tokens" in line else f"  max_new_tokens: 8\n{line}")
+    with pytest.raises(ValueError, match=message):
+        load_suite(_suite(tmp_path, text))
+
+
+@pytest.mark.parametrize("change, message", [
+    (("tools:\n", "tools:\n  timeout_s: .inf\n"), r"suite.yaml:6: tools.timeout_s: must be > 0 and <= 3600, got inf"),
+    (("tools:\n", "tools:\n  timeout_s: 1e12\n"), r"tools.timeout_s: must be > 0 and <= 3600, got 1000000000000.0"),
+    (("    path: rows.jsonl", "    path: rows.jsonl\n    limit: 100000000"),
+     r"suite.yaml:11: sets\[0\].limit: must be >= 1 and <= 100000, got 100000000"),
+    (("  path: text.txt", "  path: text.txt\n  max_tokens: 1000000000"),
+     r"suite.yaml:17: general_text.max_tokens: must be >= 2 and <= 262144"),
+    (("  path: text.txt", "  path: text.txt\n  window: 1"), r"general_text.window: must be >= 2 and <= 32768, got 1"),
+    (("    threshold: 0", "    threshold: .inf"),
+     r"suite.yaml:20: gates\[0\].threshold: must be >= -1e\+09 and <= 1e\+09"),
+    (("metric: rows/format/critical_failures\n    rule: max\n    threshold: 0",
+      "metric: rows/format/valid_json\n    rule: min\n    threshold: 75"),
+     r"gates\[0\].threshold: must be >= -1 and <= 1, got 75.0"),  # a ratio: 75% is 0.75
+])
+def test_every_other_number_is_finite_and_bounded(tmp_path, change, message):
+    assert change[0] in VALID
+    with pytest.raises(ValueError, match=message):
+        load_suite(_suite(tmp_path, VALID.replace(*change)))
+
+
+def test_a_suite_file_over_its_size_cap_is_refused_before_it_is_parsed(tmp_path):
+    path = _suite(tmp_path, VALID + "#" * (1 << 20) + "\n")
+    with pytest.raises(ValueError, match=r"suite.yaml: 1,04\d,\d\d\d bytes, more than the 1,048,576 a suite file may"):
+        load_suite(path)

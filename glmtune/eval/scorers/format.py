@@ -4,7 +4,8 @@ Options: `schema`, a JSON Schema file (relative to the suite file; null checks p
 and `critical`, which failures count as critical: "schema" (default: an answer that does not
 parse or does not validate, either of which breaks the program that consumes it) or "parse"
 (only answers that do not parse). Metrics: `valid_json` and `schema_valid` (ratios) and
-`critical_failures` (a count: the release gate "zero critical format failures").
+`critical_failures` (a count: the release gate "zero critical format failures"). A schema file
+over MAX_SCHEMA_BYTES is refused when the suite loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import jsonschema
 
 from glmtune.data.contract import load_schema
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore, parse_json
+
+MAX_SCHEMA_BYTES = 4 << 20
 
 
 class Format:
@@ -31,7 +34,11 @@ class Format:
         self.options = options
         self.validator = None
         if options.schema is not None:
-            schema = load_schema(suite_dir / options.schema)  # FileNotFoundError / ValueError name the file
+            path = suite_dir / options.schema
+            if path.is_file() and path.stat().st_size > MAX_SCHEMA_BYTES:
+                raise ValueError(f"schema file {path} is {path.stat().st_size:,} bytes, more than "
+                                 f"{MAX_SCHEMA_BYTES:,} (MAX_SCHEMA_BYTES)")
+            schema = load_schema(path)  # FileNotFoundError / ValueError name the file
             self.validator = jsonschema.validators.validator_for(schema)(schema)
 
     @staticmethod
