@@ -3,7 +3,9 @@
 Rows are chat rows like training rows (JSONL or Parquet, `glmtune.data.sources`), each checked
 by the data contract (every violation named file:line before any model loads) and normalized.
 A `run_split: validation` set reads the candidate run directory's held-out split, the files its
-data_manifest.json names. `limit` keeps the first N rows.
+data_manifest.json names. `limit` keeps the first N rows, and only those are read (and checked).
+Reading is bounded: a set file over MAX_SET_FILE_BYTES is refused before it is opened, and a set
+without a limit may hold at most `suite.MAX_SET_ROWS` rows (it is read no further).
 
 A row is cut at its last user turn: the messages up to it are the prompt (with the suite's
 `system_prompt`, when set, replacing any system turn), the assistant turns after it are the
@@ -14,6 +16,7 @@ Each scorer then checks the rows it needs fields from (`check_row`).
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,11 @@ from glmtune.data.contract import check_or_raise
 from glmtune.data.sources import Row, no_rows_message, read_rows
 from glmtune.eval.models import ModelSource
 from glmtune.eval.scorers.base import EvalRow
-from glmtune.eval.suite import EvalSet, Suite
+from glmtune.eval.suite import MAX_SET_ROWS, EvalSet, Suite
+from glmtune.io.text_limits import parse_json
+
+MAX_SET_FILE_BYTES = 1 << 30  # one JSONL or Parquet file of a set
+MAX_MANIFEST_BYTES = 64 << 20  # a run's data_manifest.json
 
 
 @dataclass
@@ -42,9 +49,12 @@ def _split_files(candidate: ModelSource, split: str) -> list[Path]:
     manifest_path = candidate.source / "data_manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"run_split: {split}: {manifest_path} not found (the run has not prepared its data)")
+    if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ValueError(f"run_split: {split}: {manifest_path} is over {MAX_MANIFEST_BYTES:,} bytes "
+                         "(MAX_MANIFEST_BYTES); not a data manifest")
     try:
-        recorded = json.loads(manifest_path.read_text(encoding="utf-8")).get(f"{split}_files")
-    except (json.JSONDecodeError, AttributeError) as exc:
+        recorded = parse_json(manifest_path.read_bytes(), "the file").get(f"{split}_files")
+    except (ValueError, AttributeError) as exc:
         raise ValueError(f"run_split: {split}: {manifest_path} is not a data manifest ({exc})") from None
     if recorded is None:
         raise ValueError(f"run_split: {split}: {manifest_path} names no {split} files (a run from before "
@@ -80,17 +90,30 @@ def _eval_row(spec: EvalSet, row: Row, index: int, system_prompt: str | None) ->
                    data.get("tools"), reference, calls, after)
 
 
+def _read_set(spec: EvalSet, files: list[Path], where: str) -> list[Row]:
+    """The set's first `limit` rows (at most MAX_SET_ROWS), checked by the data contract."""
+    for path in files:
+        if path.is_file() and path.stat().st_size > MAX_SET_FILE_BYTES:
+            raise ValueError(f"{where}: {path} is {path.stat().st_size:,} bytes, more than the {MAX_SET_FILE_BYTES:,} "
+                             "a set file may have (MAX_SET_FILE_BYTES); split it or give the set a shorter file")
+    wanted = spec.limit if spec.limit is not None else MAX_SET_ROWS
+    try:
+        rows = list(itertools.islice(read_rows(files), wanted + 1))  # one more: is there more than allowed?
+        if len(rows) > wanted and spec.limit is None:
+            raise ValueError(f"more than {MAX_SET_ROWS:,} rows, the most a set evaluates (MAX_SET_ROWS); give the "
+                             "set a limit")
+        return check_or_raise(rows[:wanted])
+    except (ValueError, FileNotFoundError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def load_sets(suite: Suite, candidate: ModelSource) -> list[LoadedSet]:
     """Every set's rows (ValueError: the first problems, each as file:line)."""
     loaded = []
     for spec in suite.sets:
         files = [spec.path] if spec.path is not None else _split_files(candidate, spec.run_split)
         where = f"{spec.where}: set {spec.name}"
-        try:
-            rows = check_or_raise(read_rows(files))
-        except (ValueError, FileNotFoundError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
-        rows = rows[:spec.limit] if spec.limit is not None else rows
+        rows = _read_set(spec, files, where)
         if not rows:
             raise ValueError(f"{where}: {no_rows_message(files)}")
         evaluated = [_eval_row(spec, row, i, suite.file.system_prompt) for i, row in enumerate(rows)]

@@ -75,3 +75,24 @@ def test_contract_violations_and_unscorable_rows_name_the_line(tmp_path):
     (tmp_path / "split.yaml").write_text(split)
     with pytest.raises(ValueError, match="is not a run directory; give the set a path"):
         load_sets(load_suite(tmp_path / "split.yaml"), HF)
+
+
+def test_a_set_reads_only_its_limit_and_at_most_max_set_rows(tmp_path, monkeypatch):
+    rows = generate_rows(6, seed=1)
+    path = _suite(tmp_path, rows)  # limit: 3
+    with (tmp_path / "rows.jsonl").open("a") as f:
+        f.write("not json: never read, so never checked\n")
+    assert [r.id for r in load_sets(load_suite(path), HF)[0].rows] == [r["id"] for r in rows[:3]]
+    monkeypatch.setattr("glmtune.eval.sets.MAX_SET_ROWS", 5)
+    unlimited = tmp_path / "unlimited.yaml"
+    unlimited.write_text(path.read_text().replace("    limit: 3\n", ""))
+    with pytest.raises(ValueError, match=r"unlimited.yaml:4: set t: more than 5 rows, the most a set evaluates "
+                                         r"\(MAX_SET_ROWS\); give the set a limit"):
+        load_sets(load_suite(unlimited), HF)
+
+
+def test_a_set_file_over_its_size_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    path = _suite(tmp_path, generate_rows(3, seed=1))
+    monkeypatch.setattr("glmtune.eval.sets.MAX_SET_FILE_BYTES", 100)
+    with pytest.raises(ValueError, match=r"set t: .*rows.jsonl is [\d,]+ bytes, more than the 100 a set file may"):
+        load_sets(load_suite(path), HF)
