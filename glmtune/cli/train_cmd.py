@@ -5,7 +5,9 @@ stopped on a non-finite loss (last good checkpoint kept), 130 interrupted by
 SIGTERM/SIGINT (after saving a checkpoint when training had started).
 
 Flags among the overrides: `--overwrite` replaces an earlier run in the same run
-directory (its checkpoints and outputs); `--debug` shows tracebacks;
+directory (exactly what that run created: its checkpoints, also in a shared
+checkpoint.dir, and its outputs; a directory holding no glmtune run is refused, see
+glmtune/train/run_dir.py); `--debug` shows tracebacks;
 `--nproc-per-node N` starts N processes on this host with torchrun, each running the
 same command without it (glmtune/distributed/launch.py; exit status is torchrun's).
 """
@@ -26,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("recipe", help="recipe YAML file or name under recipes/")
     parser.add_argument("overrides", nargs=argparse.REMAINDER,
                         help="dotted overrides: --optim.lr=2e-5 or --optim.lr 2e-5; also --overwrite (replace an "
-                             "earlier run in the run directory: its checkpoints and outputs), --debug, and "
+                             "earlier run in the run directory: only its checkpoints and outputs), --debug, and "
                              "--nproc-per-node N (start N processes on this host with torchrun)")
     parser.set_defaults(func=_run)
 

@@ -1,14 +1,23 @@
 """One run per run directory: a lock for the run's life, the run's identity, no mixed runs.
 
 `glmtune train` claims `logging.run_dir` before it writes anything:
-  * a lock (`.glmtune.lock`, flock) held until the process exits; a second run into the
-    same directory is refused with the holder's pid, host and start time;
+  * a lock (`.glmtune.lock`, flock) held while the run lives; a second run into the
+    same directory is refused with the holder's pid, host and start time. A run that
+    ends (finished or failed) marks the file released; one that was killed leaves its
+    line there with the flock gone, and the next run takes such a stale lock over (and
+    says so);
   * the run's identity in `run.json` (a run id that every checkpoint records, so
-    resuming and retention only ever touch this run's checkpoints);
+    resuming, retention and `--overwrite` only ever touch this run's checkpoints);
+  * a directory holds a glmtune run when it has both `run.json` (with a run id) and
+    `.glmtune.lock`. One without them that has files a run writes (a home directory
+    with its own `config.yaml` or `hf/`) is refused, `--overwrite` or not;
   * a fresh start (`checkpoint.resume none`) into a directory that holds an earlier run's
     checkpoints, or a different resolved config, is refused unless the user resumes it
     or passes `--overwrite`, which removes that run's checkpoints and outputs (the files
-    `glmtune train` writes, nothing else) and says so;
+    `glmtune train` writes, nothing else) and says so. In a checkpoint directory shared
+    by several runs, only checkpoints recording this run's id go, and a `.partial` save
+    or an abandoned checkpoint only when it is provably this run's (its name or trainer
+    state carries the run id: `CheckpointManager.owned_leftovers`); the rest stay, named;
   * the run and checkpoint directories must be writable, checked with a probe file.
 """
 
@@ -32,6 +41,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".glmtune.lock"
+RELEASED = "released:"  # how the lock file's line starts once its run has ended
 # What `glmtune train` writes into a run directory besides checkpoints; `--overwrite`
 # removes these and nothing else (data/ is content-addressed and safe to reuse).
 # Its appearance asks a running training to save a checkpoint and stop (the Slurm batch script's
@@ -48,9 +58,9 @@ def read_run_record(run_dir: Path) -> dict[str, Any] | None:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: unreadable run record ({exc}); move it away or pass --overwrite") from None
+        raise ValueError(f"{path}: unreadable run record ({exc}); not a glmtune run directory") from None
     if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
-        raise ValueError(f"{path}: not a glmtune run record (no run_id); move it away or pass --overwrite")
+        raise ValueError(f"{path}: not a glmtune run record (no run_id); not a glmtune run directory")
     return record
 
 
@@ -104,6 +114,28 @@ def check_writable(directory: Path, key: str, create: bool = False) -> None:
                          f"choose another with --{key}") from None
 
 
+def _open_locked(path: Path):
+    """`path` opened and flocked (exclusively, without waiting), or the holder's line as a ValueError."""
+    for _ in range(5):
+        fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise ValueError(holder) from None
+        # A refused run removes the lock file it created: a lock taken on the removed file
+        # would be nobody's, so take the one now at `path` instead.
+        try:
+            if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                return fh
+        except FileNotFoundError:
+            pass
+        fh.close()
+    raise ValueError("another process (its lock file keeps being replaced)")
+
+
 class RunDirectory:
     """The claim of one `glmtune train` process on its run directory (rank 0 only).
 
@@ -118,26 +150,43 @@ class RunDirectory:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.say = say
         self._lock_fh = None
+        self._lock_existed = False  # the lock file was there before this process: a run has used the directory
+        self._marked = False  # this process wrote its line into the lock file (it claimed the directory)
 
     def lock(self) -> None:
-        """Take the run directory's lock (kept until the process exits) or name its holder."""
+        """Take the run directory's lock (kept until `release`) or name its holder."""
         check_writable(self.run_dir, "logging.run_dir", create=True)
         path = self.run_dir / LOCK_FILE
-        fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the process's life
+        self._lock_existed = os.path.lexists(path)
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            fh.close()
+            fh = _open_locked(path)
+        except ValueError as holder:
             raise ValueError(f"logging.run_dir {self.run_dir} is in use by {holder}; wait for that run to end "
                              "or choose another --logging.run_dir") from None
+        fh.seek(0)
+        previous = fh.read().strip()
+        if previous and not previous.startswith(RELEASED):
+            self.say(f"logging.run_dir {self.run_dir}: taking over the stale lock of {previous} (that process "
+                     "ended without releasing it)")
         self._lock_fh = fh
 
     def release(self) -> None:
-        if self._lock_fh is not None:
-            self._lock_fh.close()  # closing the descriptor drops the flock
-            self._lock_fh = None
+        """End the claim: a run that claimed the directory marks its lock released; a refused one
+        removes the lock file it created (and leaves one that was there as it was)."""
+        fh = self._lock_fh
+        if fh is None:
+            return
+        self._lock_fh = None
+        if self._marked:
+            fh.seek(0)
+            line = fh.read().strip()
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{RELEASED} {line}, ended {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            fh.flush()
+        elif not self._lock_existed:
+            (self.run_dir / LOCK_FILE).unlink(missing_ok=True)  # still ours: the flock is held
+        fh.close()  # closing the descriptor drops the flock
 
     def _mark_lock(self) -> None:
         fh = self._lock_fh
@@ -147,61 +196,88 @@ class RunDirectory:
         fh.write(f"glmtune train (pid {os.getpid()} on {socket.gethostname()}, started "
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
         fh.flush()
+        self._marked = True
 
     def claim(self, config_yaml: str, resume: str, overwrite: bool) -> str:
         """Decide whose run this directory holds; returns the run id this process trains as.
 
-        Raises ValueError (before anything is written) when a fresh start would mix with
-        an earlier run and `overwrite` is not set.
+        Raises ValueError (before anything is written) when the directory holds files a run
+        writes but no glmtune run, or when a fresh start would mix with an earlier run and
+        `overwrite` is not set.
         """
         assert self._lock_fh is not None, "lock() first"
-        record = read_run_record(self.run_dir) if not overwrite else None
-        saved_config = self.run_dir / "config.yaml"
-        previous_id = record["run_id"] if record else None
-        manager = CheckpointManager(self.checkpoint_dir, run_id=previous_id)
-        earlier = manager.owned()
+        record, not_a_run = self._previous_run()
         fresh = resume in ("none", "", None)
-        if overwrite:
-            self._remove_previous_run()
+        if record is None:
+            self._refuse_foreign_files(not_a_run, overwrite)
+        elif overwrite:
+            self._remove_previous_run(record["run_id"])
         elif fresh:
-            reasons = []
-            if earlier:
-                reasons.append(f"checkpoints up to step {earlier[-1].step} in {self.checkpoint_dir}")
-            if saved_config.is_file() and config_changes(saved_config.read_text(encoding="utf-8"), config_yaml):
-                changed = config_changes(saved_config.read_text(encoding="utf-8"), config_yaml)
-                reasons.append(f"a different config ({changed[0]}" + (f", and {len(changed) - 1} more)"
-                                                                      if len(changed) > 1 else ")"))
-            if reasons:
-                raise ValueError(f"logging.run_dir {self.run_dir} already holds another run ({'; '.join(reasons)}); "
-                                 "continue it with --checkpoint.resume auto, start over with --overwrite (removes "
-                                 "that run's checkpoints and outputs), or choose another --logging.run_dir")
-        elif saved_config.is_file():
-            changed = config_changes(saved_config.read_text(encoding="utf-8"), config_yaml)
+            self._refuse_mixed_run(record["run_id"], config_yaml)
+        elif (self.run_dir / "config.yaml").is_file():
+            changed = config_changes((self.run_dir / "config.yaml").read_text(encoding="utf-8"), config_yaml)
             if changed:
                 self.say("resuming with changed settings: " + "; ".join(changed))
-        run_id = previous_id if (record and not fresh) else uuid.uuid4().hex[:16]
+        continued = record if (record and not fresh and not overwrite) else None
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        run_id = continued["run_id"] if continued else uuid.uuid4().hex[:16]
         self._mark_lock()
-        write_run_record(self.run_dir, {
-            "run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "created": record.get("created", time.strftime("%Y-%m-%dT%H:%M:%S%z")) if record and not fresh
-            else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        })
+        write_run_record(self.run_dir, {"run_id": run_id, "started": now,
+                                        "created": continued.get("created", now) if continued else now})
         return run_id
 
-    def _remove_previous_run(self) -> None:
-        """--overwrite: the earlier run's checkpoints and outputs go; unknown files stay."""
+    def _previous_run(self) -> tuple[dict[str, Any] | None, str]:
+        """(the earlier run's record, "") when the directory holds a glmtune run, else (None, why not)."""
         try:
             record = read_run_record(self.run_dir)
         except ValueError:
-            record = None
-        manager = CheckpointManager(self.checkpoint_dir, run_id=record["run_id"] if record else None)
-        removed = [c.path.name for c in manager.owned()]
-        for checkpoint in manager.owned():
-            shutil.rmtree(checkpoint.path)
-        if self.checkpoint_dir.is_dir():
-            for leftover in [*self.checkpoint_dir.glob(".step-*.partial"), *self.checkpoint_dir.glob("abandoned-step-*")]:
-                shutil.rmtree(leftover, ignore_errors=True)
-                removed.append(leftover.name)
+            return None, f"its {RUN_FILE} is not a glmtune run record"
+        if record is None:
+            return None, f"no {RUN_FILE}"
+        if not self._lock_existed:  # a copy made with `cp -r RUN/*` leaves the lock behind
+            return None, f"a {RUN_FILE} but no {LOCK_FILE}: a copy of a run directory needs both"
+        return record, ""
+
+    def _refuse_foreign_files(self, not_a_run: str, overwrite: bool) -> None:
+        """No glmtune run here: refuse if training would write over (or `--overwrite` remove) files."""
+        found = [name for name in RUN_OUTPUTS if os.path.lexists(self.run_dir / name)]
+        if found:
+            verb = "remove" if overwrite else "replace"
+            raise ValueError(f"logging.run_dir {self.run_dir} does not hold a glmtune run ({not_a_run}), yet has "
+                             f"files a run would {verb}: {', '.join(found)}; choose another --logging.run_dir, "
+                             "or move those files away")
+        legacy = [c for c in CheckpointManager(self.checkpoint_dir).complete() if c.run_id is None]
+        if legacy:  # a new run would take them for its own (resume auto, retention)
+            raise ValueError(f"checkpoint.dir {self.checkpoint_dir} holds checkpoints that record no run (up to "
+                             f"step {legacy[-1].step}); choose another --checkpoint.dir, or move them away")
+
+    def _refuse_mixed_run(self, run_id: str, config_yaml: str) -> None:
+        """A fresh start into a directory holding run `run_id`: refused if it would mix with that run."""
+        reasons = []
+        earlier = CheckpointManager(self.checkpoint_dir, run_id=run_id).owned()
+        if earlier:
+            reasons.append(f"checkpoints up to step {earlier[-1].step} in {self.checkpoint_dir}")
+        saved_config = self.run_dir / "config.yaml"
+        changed = config_changes(saved_config.read_text(encoding="utf-8"), config_yaml) \
+            if saved_config.is_file() else []
+        if changed:
+            reasons.append(f"a different config ({changed[0]}" + (f", and {len(changed) - 1} more)"
+                                                                  if len(changed) > 1 else ")"))
+        if reasons:
+            raise ValueError(f"logging.run_dir {self.run_dir} already holds another run ({'; '.join(reasons)}); "
+                             "continue it with --checkpoint.resume auto, start a new run in another "
+                             "--logging.run_dir, or replace this one with --overwrite (removes only that run's "
+                             "checkpoints and outputs)")
+
+    def _remove_previous_run(self, run_id: str) -> None:
+        """--overwrite: run `run_id`'s checkpoints and outputs go; what other runs wrote, and what
+        nothing ties to this run, stays (named, when it looks like a checkpoint)."""
+        manager = CheckpointManager(self.checkpoint_dir, run_id=run_id)
+        complete = manager.complete()
+        mine = [c.path for c in complete if c.run_id == run_id] + manager.owned_leftovers()
+        for path in mine:
+            shutil.rmtree(path)
+        removed = [path.name for path in mine]
         for name in RUN_OUTPUTS:
             path = self.run_dir / name
             if path.is_dir() and not path.is_symlink():
@@ -211,4 +287,13 @@ class RunDirectory:
                 path.unlink()
                 removed.append(name)
         if removed:
-            self.say(f"--overwrite: removed the previous run's files from {self.run_dir}: {', '.join(removed)}")
+            where = self.run_dir if self.checkpoint_dir.parent == self.run_dir \
+                else f"{self.run_dir} and {self.checkpoint_dir}"
+            self.say(f"--overwrite: removed the previous run's files from {where}: {', '.join(removed)}")
+        left = sorted(c.path.name for c in complete if c.run_id is None)
+        if self.checkpoint_dir.is_dir():
+            left += sorted(p.name for p in [*self.checkpoint_dir.glob(".step-*.partial"),
+                                            *self.checkpoint_dir.glob("abandoned-step-*")] if p not in mine)
+        if left:
+            self.say(f"--overwrite: left {', '.join(left)} in {self.checkpoint_dir}: not provably this run's "
+                     "(another run's save in progress or set-aside checkpoint, or from an older glmtune)")

@@ -159,3 +159,115 @@ def test_triton_adapter_kernel_without_cuda_is_refused_before_anything_is_writte
                  recipe="tiny/lora_support_json")
     _refused(result, "peft.adapter_kernel: triton needs triton and a CUDA device")
     assert changes(before, snapshot(tmp_path)) == []
+
+
+# -- what --overwrite may remove: exactly what a run created ---------------------------------
+
+def _foreign_home(root: Path) -> Path:
+    """A directory that never held a run but has files with the names a run writes."""
+    root.mkdir()
+    (root / "config.yaml").write_text("editor: vim\n")
+    (root / "metrics.jsonl").write_text('{"weight_kg": 71}\n')
+    (root / "hf").mkdir()
+    (root / "hf" / "config.json").write_text('{"model_type": "llama"}\n')
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_config.json").write_text('{"r": 4}\n')
+    (root / "notes.txt").write_text("the user's own file\n")
+    return root
+
+
+@pytest.mark.parametrize("flags", [["--overwrite"], []])
+def test_a_directory_that_never_held_a_run_is_refused_with_or_without_overwrite(tmp_path, flags):
+    home = _foreign_home(tmp_path / "home")
+    before = snapshot(tmp_path)
+    result = run(home, tmp_path / "cache", *QUICK, *flags)
+    _refused(result, f"logging.run_dir {home} does not hold a glmtune run (no run.json)",
+             "config.yaml, metrics.jsonl, hf, adapter", "choose another --logging.run_dir, or move those files away")
+    assert "--overwrite" not in result.stderr  # not recommended: it would not help
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+def test_a_run_record_without_the_runs_lock_is_not_a_run(tmp_path):
+    home = _foreign_home(tmp_path / "home")
+    (home / "run.json").write_text('{"run_id": "someone-elses-tool"}\n')
+    before = snapshot(tmp_path)
+    result = run(home, tmp_path / "cache", *QUICK, "--overwrite")
+    _refused(result, "does not hold a glmtune run (a run.json but no .glmtune.lock: a copy of a run directory "
+                     "needs both)", "config.yaml, run.json, metrics.jsonl, hf, adapter")
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+def _run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "run.json").read_text())["run_id"]
+
+
+def _leftover(path: Path, run_id: str | None) -> Path:
+    """A fake partial save or set-aside checkpoint (one shard; a trainer state naming `run_id`)."""
+    path.mkdir()
+    (path / "__0_0.distcp").write_bytes(b"\x00shard of a save\x01" * 64)
+    if run_id is not None:
+        (path / "trainer_state.json").write_text(json.dumps({"step": 4, "run_id": run_id}))
+    return path
+
+
+def test_overwrite_in_a_shared_checkpoint_dir_removes_only_its_own_runs_checkpoints(tmp_path):
+    shared = tmp_path / "ckpt"
+    for name in ("a", "b"):
+        done = run(tmp_path / name, tmp_path / "cache", *QUICK, "--checkpoint.dir", str(shared))
+        assert done.returncode == 0, done.stdout + done.stderr
+    a_id, b_id = _run_id(tmp_path / "a"), _run_id(tmp_path / "b")
+    assert len([p for p in shared.iterdir() if p.name.startswith("step-")]) == 2  # one each, neither replaced
+    # A's save in progress (the manager names a partial save by its run), one of unknown origin
+    # (an older glmtune), a set-aside checkpoint of A; and B's own leftovers, which go.
+    _leftover(shared / f".step-00000004.{a_id}.partial", None)
+    _leftover(shared / ".step-00000006.partial", None)
+    _leftover(shared / "abandoned-step-00000004-20260101-000000", a_id)
+    _leftover(shared / f".step-00000004.{b_id}.partial", None)
+    _leftover(shared / "abandoned-step-00000004-20260102-000000", b_id)
+    before = snapshot(tmp_path, ignore=("cache",))
+
+    result = run(tmp_path / "b", tmp_path / "cache", *QUICK, "--checkpoint.dir", str(shared), "--overwrite")
+    assert result.returncode == 0, result.stdout + result.stderr
+    new_b_id = _run_id(tmp_path / "b")
+    assert new_b_id != b_id
+    # Nothing but B's run directory and B's checkpoints (old id or new) changed.
+    unexpected = [c for c in changes(before, snapshot(tmp_path, ignore=("cache",)))
+                  if not c[2:].startswith("b/") and b_id not in c and new_b_id not in c
+                  and "abandoned-step-00000004-20260102-000000" not in c]
+    assert unexpected == []
+    assert not (shared / f".step-00000004.{b_id}.partial").exists()
+    assert not (shared / "abandoned-step-00000004-20260102-000000").exists()
+    states = [json.loads((c / "trainer_state.json").read_text()) for c in shared.glob("step-*")]
+    assert sorted(s["run_id"] for s in states) == sorted([a_id, new_b_id])
+    output = " ".join(result.stdout.split())  # rich wraps long lines
+    assert "--overwrite: removed the previous run's files" in output
+    assert f"left .step-00000004.{a_id}.partial, .step-00000006.partial, abandoned-step-00000004-20260101-000000" \
+           in output
+    assert "not provably this run's" in output
+
+
+# -- the lock: released when a run ends, a stale one taken over ------------------------------
+
+def test_a_finished_or_failed_run_marks_its_lock_released(finished, tmp_path):
+    assert (finished / "run" / ".glmtune.lock").read_text().startswith("released: glmtune train (pid ")
+    failed = run(tmp_path / "run", tmp_path / "cache", *QUICK, "--data.train", f"[{tmp_path / 'missing.jsonl'}]")
+    _refused(failed, "data path not found")  # after the claim: run.json was written
+    assert (tmp_path / "run" / "run.json").is_file()
+    assert (tmp_path / "run" / ".glmtune.lock").read_text().startswith("released: glmtune train (pid ")
+
+
+def test_a_refused_run_leaves_no_lock_file_behind(tmp_path):
+    home = _foreign_home(tmp_path / "home")
+    _refused(run(home, tmp_path / "cache", *QUICK), "does not hold a glmtune run")
+    assert not (home / ".glmtune.lock").exists()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(copy):
+    stale = "glmtune train (pid 999999 on elsewhere, started 2026-01-01 00:00:00)"
+    (copy / "run" / ".glmtune.lock").write_text(stale + "\n")  # its process is gone: nobody holds the flock
+    result = run(copy / "run", copy / "cache", *QUICK, "--checkpoint.resume", "auto")
+    assert result.returncode == 0, result.stdout + result.stderr
+    output = " ".join(result.stdout.split())
+    assert f"taking over the stale lock of {stale} (that process ended without releasing it)" in output
+    assert "in use" not in result.stdout + result.stderr
+    assert (copy / "run" / ".glmtune.lock").read_text().startswith("released: glmtune train (pid ")
