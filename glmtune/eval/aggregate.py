@@ -4,6 +4,10 @@ A metric's value for a category is the mean (ratios, seconds) or the sum (counts
 values that are not None, n the number of those rows; None when there are none. Categories are
 "all" plus, when a set holds more than one category, each category. `delta` is a label's value
 minus the base's (None where either is None).
+
+An example passes when no scorer of its set records a failure and its request did not fail;
+a failed request (`ModelOutput.error`: its prompt, generation or tool loop raised) is scored
+on the text it has (none: an empty answer), and its reason comes first in `failures`.
 """
 
 from __future__ import annotations
@@ -85,12 +89,14 @@ def example_records(set_name: str, rows: list[EvalRow], outputs: dict[str, list[
         per_model = {}
         for label in labels:
             out = outputs[label][i]
-            failures = list(dict.fromkeys(f for scorer_scores in scores[label][set_name].values()
-                                          for f in scorer_scores[i].failures))
+            failures = list(dict.fromkeys([out.error] * (out.error is not None) +
+                                          [f for scorer_scores in scores[label][set_name].values()
+                                           for f in scorer_scores[i].failures]))
             per_model[label] = {"text": out.text, "transcript": out.transcript,
                                 "tool_calls": [c.to_json() for c in out.tool_calls],
                                 "latency_s": round(out.latency_s, 6), "generated_tokens": out.generated_tokens,
-                                "finish": out.finish, "passed": not failures, "failures": failures}
+                                "finish": out.finish, "error": out.error, "passed": not failures,
+                                "failures": failures}
         reference = row.reference
         if reference is None and row.reference_calls:
             reference = "; ".join(f"calls {c['name']}({c['arguments']})" for c in row.reference_calls)

@@ -6,8 +6,14 @@ it is, is inside or contains an input), one tokenizer and chat template for all 
 candidate's; a base with other tokenizer or template files is refused, naming both hashes), the
 sets (data contract, file:line), the models' fingerprints (an adapter or run whose recorded base
 differs is refused), the tool functions (each imports) and the reference tool calls, the
-scorers' row checks. Then each model in turn (base, candidate, candidate-merged): load, answer
-every set, score the general text, measure operations, free it, so memory holds one model.
+scorers' row checks, every row's prompt rendered once (a template the sandbox refuses is named
+here). Then each model in turn (base, candidate, candidate-merged): load, answer every set,
+score the general text, measure operations, free it, so memory holds one model.
+
+What one example does cannot end the run: a request that fails (`runner`), a scorer or the
+reference loss raising on one row, is recorded on that example (`failures`, `error`) and the
+scorecard is written; the example fails. The same failure on every row of a set is not an
+example's: it is raised (the model or the scorer is broken; `glmtune eval` exits 3).
 
 The output directory is written in one step (`glmtune.io.outputs.output_dir`): scorecard.json,
 scorecard.md, scorecard.html, suite.yaml (the suite file's bytes) and sets/<name>.jsonl (the
@@ -31,8 +37,9 @@ from glmtune.eval import aggregate
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, general_text_loss, text_windows
 from glmtune.eval.models import Fingerprints, ModelSource, load_model, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
-from glmtune.eval.runner import Prompting, run_rows
-from glmtune.eval.scorers.reference_loss import ReferenceLoss, row_losses
+from glmtune.eval.runner import Prompting, failure_text, run_rows
+from glmtune.eval.scorers.base import RowScore
+from glmtune.eval.scorers.reference_loss import ReferenceLoss, row_loss
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
@@ -123,11 +130,58 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
                     row.reference_results = [executor.run(c["name"], c["arguments"], row.tools)
                                              for c in row.reference_calls]
         check_rows(loaded)
+        _check_prompts(loaded, prompting)
         results = {m.label: _evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
                                             windows, torch_device, dtype, log) for m in models}
     card = _scorecard(suite, loaded, models, prints, results, template, labels)
     _write(out, overwrite, reads, suite, loaded, card)
     return card, out
+
+
+def _check_prompts(loaded: list[LoadedSet], prompting: Prompting) -> None:
+    """Every row's first prompt renders (ValueError naming the row): the template, before a model loads."""
+    for s in loaded:
+        for row in s.rows:
+            try:
+                prompting.render(row.prompt, row.tools)
+            except ValueError as exc:
+                raise ValueError(f"{row.origin}: set {s.spec.name}: {exc}") from None
+
+
+def _score_rows(scorer, rows: list, outs: list) -> list[RowScore]:
+    """The scorer's score of each row; a row it raises on gets no values and the reason."""
+    scores, raised = [], []
+    for row, out in zip(rows, outs):
+        try:
+            scores.append(scorer.score(row, out))
+        except Exception as exc:  # one example's trouble, recorded on it; the run goes on
+            raised.append(exc)
+            scores.append(RowScore(dict.fromkeys(m.name for m in scorer.metrics(scorer.options)),
+                                   [f"{scorer.name} failed: {failure_text(exc)}"]))
+    if raised and len(raised) == len(rows):
+        raise raised[0]  # every row: the scorer is broken, not an example
+    return scores
+
+
+def _reference_losses(net, rows: list, outs: list, prompting: Prompting) -> None:
+    raised = []
+    for row, out in zip(rows, outs):
+        try:
+            out.reference_loss = row_loss(net, row, prompting)
+        except Exception as exc:
+            raised.append(exc)
+            out.reference_loss_error = failure_text(exc)
+    if raised and len(raised) == len(rows):
+        raise raised[0]
+
+
+def answer_set(net, s: LoadedSet, prompting: Prompting, executor, set_index: int):
+    """(outputs, {scorer name: row scores}, generate seconds) of one model on one set."""
+    outs, seconds = run_rows(net, s.rows, prompting, executor, set_index)
+    if any(isinstance(scorer, ReferenceLoss) for scorer in s.spec.scorers):
+        _reference_losses(net, s.rows, outs, prompting)
+    scores = {scorer.name: _score_rows(scorer, s.rows, outs) for scorer in s.spec.scorers}
+    return outs, scores, seconds
 
 
 def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
@@ -139,13 +193,8 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
     outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
     try:
         for index, s in enumerate(loaded):
-            outs, seconds = run_rows(net, s.rows, prompting, executor, index)
-            if any(isinstance(scorer, ReferenceLoss) for scorer in s.spec.scorers):
-                for out, loss in zip(outs, row_losses(net, s.rows, prompting)):
-                    out.reference_loss = loss
+            outs, scores[s.spec.name], seconds = answer_set(net, s, prompting, executor, index)
             outputs[s.spec.name] = outs
-            scores[s.spec.name] = {scorer.name: [scorer.score(row, out) for row, out in zip(s.rows, outs)]
-                                   for scorer in s.spec.scorers}
             latencies += [o.latency_s for o in outs]
             tokens += sum(o.generated_tokens for o in outs)
             generate_s += seconds

@@ -11,8 +11,14 @@ thinking switch already applied to its messages), decodes them in left-padded ba
     request takes part in the next round;
   * calls in the last allowed round: they are recorded as not executed and the visible text
     before them is the answer ("tool_rounds_exhausted");
-  * a call that does not parse (unclosed, no name): recorded as failed, the text before it is
-    the answer ("bad_tool_call").
+  * a call that does not parse (unclosed, no name, an argument nested too deep): recorded as
+    failed, the text before it is the answer ("bad_tool_call").
+
+A request that fails on its own (its prompt does not render, its generation raises, handling
+its turn raises) ends with finish "error" and the reason in `ModelOutput.error`; the other
+requests go on. A batch whose generation raises is retried one request at a time, so only the
+request that breaks it fails. Only when every request of the set fails in generation is the
+exception raised: then the model, not a request, is broken (`glmtune eval` exits 3).
 
 Sampling seeds derive from `decoding.seed`, the set's index, the round and the batch, so every
 model sees the same seed for the same first-round batch.
@@ -31,6 +37,7 @@ from glmtune.eval.suite import DecodingConfig
 from glmtune.eval.tool_calls import parse_tool_calls
 from glmtune.eval.tools import ToolExecutor, tool_response
 from glmtune.generation import generate
+from glmtune.io.text_limits import printable
 
 @dataclass
 class Prompting:
@@ -59,10 +66,21 @@ class _Request:
     calls: list[ToolCall] = field(default_factory=list)
     latency_s: float = 0.0
     tokens: int = 0
+    generated: tuple[str, str] = ("", "")  # the last round's (text, finish reason)
     output: ModelOutput | None = None
+    generation_error: BaseException | None = None
 
-    def finish(self, text: str, how: str) -> None:
-        self.output = ModelOutput(text, "".join(self.pieces), self.calls, self.latency_s, self.tokens, how)
+    def finish(self, text: str, how: str, error: str | None = None) -> None:
+        self.output = ModelOutput(text, "".join(self.pieces), self.calls, self.latency_s, self.tokens, how, error=error)
+
+    def fail(self, stage: str, exc: BaseException) -> None:
+        self.finish("", "error", f"{stage} failed: {failure_text(exc)}")
+
+
+def failure_text(exc: BaseException) -> str:
+    """An exception as an example's failure reason: "Type: message", on one line, cut at 500 characters
+    (a message can quote a whole tensor or prompt)."""
+    return f"{type(exc).__name__}: {printable(' '.join(str(exc).split())[:500])}"
 
 
 def run_rows(model, rows: list[EvalRow], prompting: Prompting, executor: ToolExecutor | None,
@@ -75,27 +93,71 @@ def run_rows(model, rows: list[EvalRow], prompting: Prompting, executor: ToolExe
     for round_index in range(d.max_tool_rounds + 1):
         next_pending = []
         for batch_index, start in enumerate(range(0, len(pending), d.batch_size)):
-            batch_ids = pending[start:start + d.batch_size]
-            prompts = [prompting.render(requests[i].messages, requests[i].row.tools) for i in batch_ids]
-            began = time.perf_counter()
-            result = generate(model, prompts, d.max_new_tokens, tokenizer=prompting.tokenizer,
-                              temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
-                              seed=d.seed + 1_000_003 * set_index + 10_007 * round_index + batch_index,
-                              stop_token_ids=prompting.stop_ids, stop_strings=d.stop_strings)
-            seconds = time.perf_counter() - began
-            generate_s += seconds
-            for i, text, ids, reason in zip(batch_ids, result.texts, result.token_ids, result.finish_reasons):
-                request = requests[i]
-                request.latency_s += seconds
-                request.tokens += len(ids)
-                request.pieces.append(text)
-                if _continue(request, text, reason, round_index < d.max_tool_rounds, executor):
+            batch = [requests[i] for i in pending[start:start + d.batch_size]]
+            seed = d.seed + 1_000_003 * set_index + 10_007 * round_index + batch_index
+            generate_s += _generate_batch(model, batch, prompting, seed)
+            for i, request in zip(pending[start:start + d.batch_size], batch):
+                if request.output is None and _turn(request, round_index < d.max_tool_rounds, executor):
                     next_pending.append(i)
         pending = next_pending
         if not pending:
             break
     assert all(r.output is not None for r in requests)
+    failed = [r.generation_error for r in requests if r.generation_error is not None]
+    if failed and len(failed) == len(requests):
+        raise failed[0]  # not one request's trouble: the model (or generation) is broken
     return [r.output for r in requests], generate_s
+
+
+def _generate_batch(model, batch: list[_Request], prompting: Prompting, seed: int) -> float:
+    """One generation round of `batch`: each request gets its text (`_Request.generated`) or fails;
+    the seconds spent in `generate`."""
+    prompts = {}
+    for request in batch:
+        try:
+            prompts[id(request)] = prompting.render(request.messages, request.row.tools)
+        except Exception as exc:  # e.g. a tool result the template cannot render
+            request.fail("rendering the prompt", exc)
+    live = [r for r in batch if r.output is None]
+    if not live:
+        return 0.0
+    try:
+        return _generate(model, live, [prompts[id(r)] for r in live], prompting, seed)
+    except Exception:
+        pass  # one request may break the batch (its prompt too long): one at a time, the others answer
+    seconds = 0.0
+    for request in live:
+        try:
+            seconds += _generate(model, [request], [prompts[id(request)]], prompting, seed)
+        except Exception as exc:
+            request.generation_error = exc
+            request.fail("generation", exc)
+    return seconds
+
+
+def _generate(model, batch: list[_Request], prompts: list[list[int]], prompting: Prompting, seed: int) -> float:
+    d = prompting.decoding
+    began = time.perf_counter()
+    result = generate(model, prompts, d.max_new_tokens, tokenizer=prompting.tokenizer, temperature=d.temperature,
+                      top_k=d.top_k, top_p=d.top_p, seed=seed, stop_token_ids=prompting.stop_ids,
+                      stop_strings=d.stop_strings)
+    seconds = time.perf_counter() - began
+    for request, text, ids, reason in zip(batch, result.texts, result.token_ids, result.finish_reasons):
+        request.latency_s += seconds
+        request.tokens += len(ids)
+        request.pieces.append(text)
+        request.generated = (text, reason)
+    return seconds
+
+
+def _turn(request: _Request, may_call: bool, executor: ToolExecutor | None) -> bool:
+    """`_continue` on the request's generated text; a failure there fails this request only."""
+    text, reason = request.generated
+    try:
+        return _continue(request, text, reason, may_call, executor)
+    except Exception as exc:  # e.g. a row's tool schema the validator cannot use
+        request.fail("handling the output", exc)
+        return False
 
 
 def _continue(request: _Request, text: str, reason: str, may_call: bool, executor: ToolExecutor | None) -> bool:

@@ -9,7 +9,9 @@ serving engines' GLM parsers do: a value whose parameter the tool's JSON schema 
 `string` stays the raw text (so an id "00123" is not read as the number 123); any other value
 that parses as JSON is that JSON value, else the raw text. The visible content is the text
 before the first `<tool_call>`. A call that is not closed (generation stopped inside it), has
-no name, or has unpaired keys and values is returned with `error` set, not silently dropped.
+no name, or has unpaired keys and values is returned with `error` set, not silently dropped;
+so is one whose value is JSON nested deeper than `io.text_limits.MAX_JSON_DEPTH` or longer than
+MAX_VALUE_BYTES (a model's output is untrusted: parsing it must not raise RecursionError).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from glmtune.io.text_limits import parse_json
+
+MAX_VALUE_BYTES = 1 << 20  # one argument value; a generation of 32768 tokens is rarely a fifth of it
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
@@ -41,13 +46,31 @@ def _string_params(tools: list[dict[str, Any]] | None, name: str) -> set[str]:
     return set()
 
 
-def _value(text: str, as_string: bool) -> Any:
+def _value(text: str, as_string: bool, key: str) -> Any:
+    """The argument's value; ValueError for JSON too deep or too long to take."""
     if as_string:
         return text
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+        return parse_json(text, f"argument {key!r}", max_bytes=MAX_VALUE_BYTES)
+    except ValueError as exc:
+        # Text that is not JSON is the raw text (parse_json raises from the JSONDecodeError);
+        # JSON over the depth or size bounds is the call's error.
+        if isinstance(exc.__context__, json.JSONDecodeError):
+            return text
+        raise
+
+
+def _call(name: str, pairs: list[tuple[str, str]], strings: set[str]) -> ParsedCall:
+    arguments = {}
+    for key, value in pairs:
+        key = key.strip()
+        if key in arguments:
+            return ParsedCall(name, None, f"argument {key!r} given twice")
+        try:
+            arguments[key] = _value(value, key in strings, key)
+        except ValueError as exc:
+            return ParsedCall(name, None, str(exc))
+    return ParsedCall(name, arguments)
 
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ParsedCall]]:
@@ -71,15 +94,6 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tu
         if rest:
             calls.append(ParsedCall(name, None, f"malformed arguments near {rest[:30]!r}"))
             continue
-        strings = _string_params(tools, name)
-        arguments = {}
-        for key, value in pairs:
-            key = key.strip()
-            if key in arguments:
-                calls.append(ParsedCall(name, None, f"argument {key!r} given twice"))
-                break
-            arguments[key] = _value(value, key in strings)
-        else:
-            calls.append(ParsedCall(name, arguments))
+        calls.append(_call(name, pairs, _string_params(tools, name)))
     return text[:start], calls
 

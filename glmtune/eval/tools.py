@@ -10,8 +10,9 @@ Python function in a separate process with a timeout.
 A function runs in one long-lived worker process (`tool_worker.py`, started with this Python):
 a function that hangs is killed at `timeout_s` and a function that crashes the interpreter
 (segfault, `os._exit`) only ends the worker; either way the call fails with a reason and the
-next call starts a fresh worker. Exceptions come back as "Type: message". Evaluation never
-hangs on, or dies with, a tool. Functions are imported with the suite file's directory first
+next call starts a fresh worker. Exceptions come back as "Type: message". A result longer than
+MAX_RESULT_CHARS fails the call too (it would become a tool turn no prompt can hold). Evaluation
+never hangs on, or dies with, a tool. Functions are imported with the suite file's directory first
 on `sys.path`.
 """
 
@@ -30,6 +31,7 @@ import jsonschema
 from glmtune.eval.scorers.base import ToolCall
 
 _WORKER = Path(__file__).with_name("tool_worker.py")
+MAX_RESULT_CHARS = 1 << 20  # one answer line of the worker: the result as JSON text
 
 
 class ToolExecutor:
@@ -77,7 +79,11 @@ class ToolExecutor:
                 return {"ok": False, "error": f"timed out after {timeout_s:g} s (killed)"}
             ready, _, _ = select.select([proc.stdout], [], [], remaining)
             if ready:
-                line = proc.stdout.readline()
+                line = proc.stdout.readline(MAX_RESULT_CHARS + 1)
+                if len(line) > MAX_RESULT_CHARS:  # the rest of the line is still in the pipe: a fresh worker
+                    self.close()
+                    return {"ok": False, "error": f"the result is longer than {MAX_RESULT_CHARS:,} characters "
+                                                  "(MAX_RESULT_CHARS)"}
                 return json.loads(line) if line else self._died(proc)
 
     def _died(self, proc: subprocess.Popen) -> dict[str, Any]:
@@ -104,8 +110,13 @@ class ToolExecutor:
         if name not in self.functions:
             return ToolCall(name, arguments, False, None, f"no function is registered for tool {name!r} in the suite")
         schema = spec.get("parameters") or {"type": "object"}
-        problems = sorted(jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments),
-                          key=lambda e: list(e.absolute_path))
+        validator = jsonschema.validators.validator_for(schema)
+        try:
+            validator.check_schema(schema)  # else validating raises (an unknown type such as "strin")
+        except jsonschema.SchemaError as exc:
+            return ToolCall(name, arguments, False, None, f"the prompt's parameters schema of {name!r} is not a "
+                                                          f"valid JSON Schema: {exc.message}")
+        problems = sorted(validator(schema).iter_errors(arguments), key=lambda e: list(e.absolute_path))
         if problems:
             return ToolCall(name, arguments, False, None, f"invalid arguments: {problems[0].message}")
         answer = self._request({"function": self.functions[name], "arguments": arguments}, self.timeout_s)

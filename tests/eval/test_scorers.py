@@ -132,3 +132,11 @@ def test_metrics_by_category_mean_sum_and_delta():
     assert [(f["field"], f["n"], f["values"]["candidate"]) for f in fields] == [
         ("product", 3, pytest.approx(2 / 3)), ("severity", 3, pytest.approx(2 / 3)),
         ("next_action", 3, pytest.approx(2 / 3))]
+
+
+def test_answers_nested_too_deep_fail_the_row_not_the_run():
+    deep = out("[" * 1000 + "]" * 1000)
+    score = TaskSuccess(TaskSuccess.Options(), Path(".")).score(row(), deep)
+    assert score.values["exact"] == 0.0 and score.failures == ["answer: JSON nested deeper than 64 levels"]
+    strict = Format(Format.Options(schema=str(SCHEMA_PATH)), Path("/")).score(row(), deep)
+    assert strict.values == {"valid_json": 0.0, "schema_valid": 0.0, "critical_failures": 1.0}

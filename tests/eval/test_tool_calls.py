@@ -50,3 +50,17 @@ def test_malformed_calls_are_reported_not_dropped():
     for text, reason in cases.items():
         _, [call] = parse_tool_calls(text, TOOLS)
         assert call.arguments is None and reason in call.error, (text, call)
+
+
+def test_json_values_nested_too_deep_or_too_long_are_call_errors_not_crashes():
+    deep = "[" * 1000 + "]" * 1000  # json.loads raises RecursionError on it
+    for value, reason in ((deep, "JSON nested deeper than 64 levels"), ("[" * 65 + "]" * 65, "nested deeper"),
+                          ("1" * (2 << 20), "bytes of JSON, more than the 1,048,576 allowed")):
+        _, [call] = parse_tool_calls(f"<tool_call>convert<arg_key>options</arg_key><arg_value>{value}</arg_value>"
+                                     "</tool_call>", TOOLS)
+        assert call.arguments is None and call.error.startswith("argument 'options': ") and reason in call.error
+    # Within the bounds it is JSON; text that is not JSON stays text; a string parameter is never parsed.
+    _, [call] = parse_tool_calls(f"<tool_call>convert<arg_key>options</arg_key><arg_value>{'[' * 63 + ']' * 63}"
+                                 f"</arg_value><arg_key>amount</arg_key><arg_value>[1, x</arg_value><arg_key>code"
+                                 f"</arg_key><arg_value>{deep}</arg_value></tool_call>", TOOLS)
+    assert call.error is None and call.arguments["amount"] == "[1, x" and call.arguments["code"] == deep

@@ -18,8 +18,9 @@ def hang(x): time.sleep(60)
 def boom(x): raise KeyError(x)
 def die(x): os._exit(3)
 def odd(x): return object()
+def huge(x): return "y" * (2 << 20)
 '''
-NAMES = ("ok", "text", "hang", "boom", "die", "odd")
+NAMES = ("ok", "text", "hang", "boom", "die", "odd", "huge")
 SPECS = [{"type": "function", "function": {"name": n, "parameters": {
     "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}} for n in (*NAMES, "unregistered")]
 
@@ -47,6 +48,9 @@ def test_results_errors_timeouts_and_crashes(executor):
     assert not died.ok and "exited (code 3)" in died.error
     assert "not JSON serializable" in executor.run("odd", {"x": "a"}, SPECS).error
     assert executor.run("text", {"x": "c"}, SPECS).ok
+    huge = executor.run("huge", {"x": "a"}, SPECS)
+    assert not huge.ok and huge.error == "the result is longer than 1,048,576 characters (MAX_RESULT_CHARS)"
+    assert executor.run("text", {"x": "d"}, SPECS).result == "plain d"  # the rest of the line went with the worker
 
 
 def test_arguments_are_validated_against_the_rows_schema(executor):

@@ -9,7 +9,8 @@ A scorer is a class with
     reported as file:line before any model runs;
   * `score(row, output)`: a `RowScore` for one model's output.
 Metric values per category are the mean (ratios, seconds) or the sum (counts) of the row
-values that are not None (`aggregate.py`).
+values that are not None (`aggregate.py`). Answers are a model's output, so they are parsed with
+their size and depth bounded (`parse_json`): a bad answer is a failed row, never an exception.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from glmtune.io import text_limits
+
+MAX_ANSWER_BYTES = 4 << 20  # an answer parsed as JSON; far above what max_new_tokens can generate
 
 Reduce = Literal["mean", "sum"]
 
@@ -73,8 +78,10 @@ class ModelOutput:
     tool_calls: list[ToolCall]
     latency_s: float  # model time for this request: the generate calls it took part in
     generated_tokens: int
-    finish: str  # "answer" | "length" | "tool_rounds_exhausted" | "bad_tool_call"
+    finish: str  # "answer" | "length" | "tool_rounds_exhausted" | "bad_tool_call" | "error"
     reference_loss: float | None = None  # set when the set has the reference_loss scorer
+    error: str | None = None  # why the request failed (finish "error"): rendering, generation, a tool
+    reference_loss_error: str | None = None  # why reference_loss is None for a reference_loss set
 
 
 @dataclass
@@ -91,10 +98,15 @@ def answer_text(text: str) -> str:
 
 def parse_json(text: str) -> tuple[Any, str | None]:
     """(value, None) when the answer parses as JSON, else (None, a short reason)."""
+    answer = answer_text(text)
+    if not answer:
+        return None, "empty answer"
     try:
-        return json.loads(answer_text(text)), None
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg} at column {exc.colno})" if answer_text(text) else "empty answer"
+        return text_limits.parse_json(answer, "answer", max_bytes=MAX_ANSWER_BYTES), None
+    except ValueError as exc:
+        if isinstance(exc.__context__, json.JSONDecodeError):  # keep the short phrase of the reports
+            return None, f"not valid JSON ({exc.__context__.msg} at column {exc.__context__.colno})"
+        return None, str(exc)  # nested too deep, too long
 
 
 def short(value: Any, limit: int = 40) -> str:

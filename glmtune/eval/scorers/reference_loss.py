@@ -9,7 +9,8 @@ user turn: the tool-call turn, if any, and the final answer, each with the token
 The row's value is the mean loss over those tokens; the metric is the mean over rows.
 
 Unlike the other scorers it reads the model, not its generated output: the evaluation calls
-`row_losses` once per model and set, and `score` reads the value it left on the output.
+`row_loss` for each row of the set per model, and `score` reads the value it left on the output
+(or, when it raised on that row, the reason: the row fails, with no value).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class ReferenceLoss:
         return []
 
     def score(self, row: EvalRow, output: ModelOutput) -> RowScore:
-        assert output.reference_loss is not None, "row_losses runs before scoring"
+        if output.reference_loss is None:  # row_loss raised on this row
+            assert output.reference_loss_error is not None, "row_loss runs before scoring"
+            return RowScore({"loss": None}, [f"reference loss not computed: {output.reference_loss_error}"])
         return RowScore({"loss": output.reference_loss})
 
 
@@ -59,13 +62,10 @@ def _sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def row_losses(model, rows: list[EvalRow], prompting) -> list[float]:
-    """Each row's mean reference loss (nats per token) under `model`."""
+def row_loss(model, row: EvalRow, prompting) -> float:
+    """The row's mean reference loss (nats per token) under `model`."""
     device = model.lm_head.weight.device
-    losses = []
-    for row in rows:
-        ids, targets = _sample(row, prompting)
-        out = model(torch.tensor([ids], device=device), targets=torch.tensor([targets], device=device),
-                    compute_logits=False)
-        losses.append(float(out.loss_sum) / max(int(out.num_targets), 1))
-    return losses
+    ids, targets = _sample(row, prompting)
+    out = model(torch.tensor([ids], device=device), targets=torch.tensor([targets], device=device),
+                compute_logits=False)
+    return float(out.loss_sum) / max(int(out.num_targets), 1)
