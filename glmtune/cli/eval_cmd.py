@@ -4,7 +4,11 @@ Both (with --merged all three) models answer the suite's sets under one chat tem
 prompt and decoding, one model in memory at a time; the scores, per category with the base's
 value, the delta and n, go to DIR/scorecard.{json,md,html} with the suite and the exact rows
 (docs/eval.md). Exit status: 0 every gate passed, 1 a gate failed (each failed gate is printed
-with its values), 2 a user error (one line: the suite, a row, a model or an option).
+with its values), 2 a user error (one line: the suite, a row, a model or an option; ValueError
+and OSError, which `glmtune.cli.main` turns into it), 3 an internal error: any other exception,
+in one line, the traceback only with --debug (or GLMTUNE_DEBUG=1). CI can thus tell a candidate
+that fails its gates from an evaluation that could not finish. One example that fails (its
+generation, a tool, a scorer) does not end the run: it is a failed example in the scorecard.
 """
 
 from __future__ import annotations
@@ -14,8 +18,17 @@ import json
 import sys
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
+from glmtune.io.text_limits import printable
 
-_EXAMPLES = """examples:
+EXIT_PASSED, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR = 0, 1, 3  # 2, a user error, is glmtune.cli.main's
+
+_EPILOG = """exit status:
+  0  every gate passed
+  1  a gate failed (each failed gate is printed with its values)
+  2  a user error: the suite, a row, a model, an option (one line)
+  3  an internal error: the evaluation could not finish (one line; --debug shows the traceback)
+
+examples:
   glmtune eval recipes/tiny/eval_support_json.yaml --base runs/tiny-sft-support-json \\
       --candidate runs/tiny-sft-support-json
   glmtune eval SUITE.yaml --base /models/GLM-5 --candidate runs/glm5-lora --merged --device cuda
@@ -25,11 +38,11 @@ _EXAMPLES = """examples:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
-        help="score a candidate against its base on a suite; exit 1 when a release gate fails",
+        help="score a candidate against its base on a suite; exit 1 when a release gate fails, 3 when it crashes",
         description="Run SUITE's test sets on the base and the candidate with the same prompt wrapper and "
                     "decoding, score them (task success, format, tool execution, facts, refusal, general text "
                     "loss, operations), check the suite's release gates and write the scorecard.",
-        epilog=_EXAMPLES,
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("suite", metavar="SUITE", help="suite YAML file (or a name under recipes/)")
@@ -84,6 +97,22 @@ def _table(card: dict):
 
 
 def _run(ns: argparse.Namespace) -> int:
+    try:
+        return _evaluate(ns)
+    except (ValueError, OSError):
+        raise  # user errors: glmtune.cli.main prints one line, exit 2
+    except Exception as exc:
+        from glmtune.cli import _debug
+
+        if _debug(ns):
+            raise
+        message = printable(" ".join(str(exc).split())[:1000])
+        print(f"glmtune eval: internal error: {type(exc).__name__}: {message} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+
+
+def _evaluate(ns: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
@@ -108,4 +137,4 @@ def _run(ns: argparse.Namespace) -> int:
             mark = "[green]PASS[/green]" if gate["passed"] else "[red]FAIL[/red]"
             console.print(f"{mark} {gate['name']}: {gate['message']}")
         console.print(f"report: {out / 'scorecard.html'} (also scorecard.md, scorecard.json)")
-    return 1 if failed else 0
+    return EXIT_GATE_FAILED if failed else EXIT_PASSED
