@@ -5,8 +5,10 @@ sets `func` to a callable taking the parsed namespace and returning an exit code
 User errors become one line and exit status 2 instead of tracebacks: `ValueError`
 (bad input, named by file, line, key or option) and `OSError` (a file the
 filesystem refuses: missing, not permitted, disk full). Ctrl-C outside training
-(which saves a checkpoint first) is "interrupted", exit status 130. `--debug` (or
-GLMTUNE_DEBUG=1) shows the traceback instead, for reporting bugs.
+(which saves a checkpoint first) is "interrupted", exit status 130, from the first
+second on: a Ctrl-C while the subcommands are imported (torch among them) is held
+until the imports are done (`interrupts_deferred`). `--debug` (or GLMTUNE_DEBUG=1)
+shows the traceback instead, for reporting bugs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 # Modules that define subcommands, in the order `--help` lists them.
 _COMMAND_MODULES = (
@@ -60,8 +66,16 @@ def describe_error(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # Building the parser imports every subcommand, torch among them (seconds): a Ctrl-C
+    # then is as much "interrupted" as one during the command itself.
+    try:
+        with interrupts_deferred():
+            parser = build_parser()
+            args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        if _debug(None, argv):
+            raise
+        return _interrupted(_command_in(sys.argv[1:] if argv is None else argv))
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
@@ -72,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if _debug(args):
             raise
-        _print_on_rank0(f"glmtune {command}: interrupted")
-        return 130
+        return _interrupted(command)
     except (ValueError, OSError) as exc:
         if _debug(args):
             raise
@@ -81,8 +94,54 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _debug(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("GLMTUNE_DEBUG", "") not in ("", "0")
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block; raise KeyboardInterrupt at its end.
+
+    Why: importing torch calls back into Python from C++. A KeyboardInterrupt raised in
+    such a callback aborts the process (pybind11's `terminate called ... KeyboardInterrupt`,
+    SIGABRT) or, caught, still leaves Python's exit status at "killed by SIGINT". Outside
+    the main thread, or where SIGINT is not Python's default handler (ignored by a shell's
+    `&`, or a caller's own), the block runs as it is.
+
+    A launcher starts its processes with SIGINT blocked (`glmtune.distributed.launch`), so
+    that a Ctrl-C cannot interrupt the interpreter's own start-up (no glmtune code yet, a
+    traceback): it stays pending until here, where the handler is in place to hold it.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def _interrupted(command: str) -> int:
+    _print_on_rank0(f"glmtune {command}: interrupted" if command else "glmtune: interrupted")
+    return 130
+
+
+def _command_in(argv: list[str]) -> str:
+    """The subcommand named in `argv` before it was parsed (`train`), or "" when there is none."""
+    names = {module.rsplit(".", 1)[1].removesuffix("_cmd") for module in _COMMAND_MODULES}
+    words = [token for token in argv if not token.startswith("-")]
+    return words[0] if words and words[0] in names else ""
+
+
+def _debug(args: argparse.Namespace | None, argv: list[str] | None = None) -> bool:
+    """`--debug` (parsed; before parsing finished, among the raw `argv`) or GLMTUNE_DEBUG."""
+    if args is not None:
+        flag = bool(getattr(args, "debug", False))
+    else:
+        flag = "--debug" in (sys.argv[1:] if argv is None else argv)
+    return flag or os.environ.get("GLMTUNE_DEBUG", "") not in ("", "0")
 
 
 def _print_on_rank0(message: str) -> None:

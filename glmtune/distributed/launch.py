@@ -10,6 +10,12 @@ is validated for a world of N (the same `validate_config` each rank runs), so a
 layout that cannot run is one line and exit status 2, with nothing started or
 written. Multi-host runs call torchrun (or srun + torchrun) themselves; `torchrun
 ... -m glmtune train RECIPE` works as before.
+
+torchrun runs as `python -m glmtune.distributed.launch ...` (`torchrun_main`): torchrun
+itself, except that a stop signal ends it with an exit status instead of its
+`SignalException` traceback (it has stopped the ranks by then), and a failed rank with
+torchrun's report alone. This module imports nothing heavy at the top, so that process
+reaches `torchrun_main` before a signal can find it in an import.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from glmtune.config import JobConfig, model_dims, validate_config
-from glmtune.train.run_dir import STOP_FILE
+if TYPE_CHECKING:
+    from glmtune.config import JobConfig
 
 # torchrun spells it both ways; so do we.
 NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
@@ -56,12 +64,14 @@ def pop_nproc_per_node(tokens: list[str]) -> tuple[list[str], int | None]:
 
 def torchrun_command(nproc: int, train_args: list[str], debug: bool = False) -> list[str]:
     """The torchrun command line: a standalone rendezvous (a free local port) and N workers."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "glmtune.distributed.launch", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "glmtune", *(["--debug"] if debug else []), "train", *train_args]
 
 
 def check_launch(cfg: JobConfig, nproc: int) -> None:
     """Refuse, before any process starts, what the N ranks would refuse anyway."""
+    from glmtune.config import model_dims, validate_config
+
     if "WORLD_SIZE" in os.environ:
         raise ValueError(f"--nproc-per-node: this process is already one of {os.environ['WORLD_SIZE']} started by "
                          "torchrun (WORLD_SIZE is set); drop --nproc-per-node")
@@ -76,14 +86,17 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
     """Validate `cfg` for `nproc` ranks, run torchrun with `train_args` and return its exit status.
 
     torchrun runs in its own session: a Ctrl-C reaches this process only and is passed
-    on once, as is SIGTERM or SIGHUP (a signal delivered twice would cut short torchrun's
-    own shutdown, which gives each rank time to save a checkpoint). SIGUSR1 (a scheduler's
-    warning before a time limit) is not passed on, torchrun has no handler for it: it
-    creates the run's stop file, which every rank honours at the end of its step (no
-    time limit on the save). The status is 130
-    after such a signal (as `glmtune train`'s), else torchrun's: 0, or 1 when a rank
+    on once, as is SIGTERM or SIGHUP; later ones are not (a second signal would cut short
+    torchrun's own shutdown, which gives each rank time to save a checkpoint, and could
+    leave ranks behind). SIGUSR1 (a scheduler's warning before a time limit) is not passed
+    on, torchrun has no handler for it: it creates the run's stop file, which every rank
+    honours at the end of its step (no time limit on the save). After such a signal the
+    launcher waits for torchrun (which waits for the ranks), says "interrupted" once and
+    returns 130 (as `glmtune train`); otherwise torchrun's status: 0, or 1 when a rank
     failed (torchrun's report names the rank and that rank's own status).
     """
+    from glmtune.train.run_dir import STOP_FILE
+
     check_launch(cfg, nproc)
     process: subprocess.Popen | None = None
     received: list[int] = []
@@ -96,6 +109,8 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
             if stop_file.parent.is_dir():
                 stop_file.touch()
             return
+        if sum(sig != signal.SIGUSR1 for sig in received) > 1:  # one passed on already (see above)
+            return
         if process is None:
             pending.append(signum)
         else:
@@ -104,12 +119,68 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
     previous = {sig: signal.signal(sig, forward)
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
     try:
-        process = subprocess.Popen(torchrun_command(nproc, train_args, debug), start_new_session=True)
+        process = _start_with_sigint_blocked(torchrun_command(nproc, train_args, debug))
         if pending:
             process.send_signal(pending[0])
         status = process.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    # torchrun exits 1 after a forwarded signal; the ranks saved and stopped: "interrupted".
-    return 130 if received and status != 0 else status
+    if not received or status == 0:
+        return status
+    # The ranks saved (or had nothing to save) and stopped; torchrun reaped them before exiting.
+    names = ", ".join(dict.fromkeys(signal.Signals(sig).name for sig in received))
+    print(f"glmtune train: interrupted ({names}); torchrun and its {nproc} ranks have stopped", file=sys.stderr)
+    return 130
+
+
+def _start_with_sigint_blocked(command: list[str]) -> subprocess.Popen:
+    """Start `command` in its own session with SIGINT blocked, as the signal mask is inherited.
+
+    A Ctrl-C then waits in the new process until `glmtune.cli.interrupts_deferred` lets it
+    in, instead of interrupting the interpreter's start-up with a traceback. Here the
+    signal waits only until Popen returns; `forward` then passes it on.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return subprocess.Popen(command, start_new_session=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun (`torch.distributed.run`) with `argv`, its exit status without its tracebacks.
+
+    torchrun turns SIGINT/SIGTERM/SIGHUP into `SignalException` once it starts the ranks,
+    sends the signal on to them, waits (SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s)
+    and only then re-raises: 128 + the signal here. A signal before that finds no rank
+    started: 130. A failed rank is torchrun's report (which rank, its status), status 1.
+    """
+    from glmtune.cli import interrupts_deferred
+
+    try:
+        with interrupts_deferred():  # importing torch: see interrupts_deferred
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            from torch.distributed.run import main
+    except KeyboardInterrupt:
+        return 130
+    # torchrun starts the ranks from this thread, and they inherit its signal mask: with SIGINT
+    # blocked, one passed on to a rank still starting waits there for interrupts_deferred (see
+    # _start_with_sigint_blocked). This process takes it through a thread that leaves it unblocked.
+    threading.Thread(target=threading.Event().wait, name="glmtune-sigint", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        main(argv)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # before torchrun installed its handlers, so before any rank started
+        return 130
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

@@ -25,8 +25,9 @@ def test_both_spellings_are_taken_out_and_the_rest_passed_on():
                             (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0")):
         with pytest.raises(ValueError, match=message):
             pop_nproc_per_node(tokens)
+    # torchrun itself, run by glmtune.distributed.launch.torchrun_main (a signal: no traceback)
     assert torchrun_command(2, ["tiny/sft_support_json", "--overwrite"], debug=True) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        sys.executable, "-m", "glmtune.distributed.launch", "--standalone", "--nproc-per-node=2",
         "-m", "glmtune", "--debug", "train", "tiny/sft_support_json", "--overwrite"]
 
 
