@@ -79,6 +79,15 @@ def register(subparsers: Any) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    from glmtune.io.text_limits import printable
+
+    try:
+        return _dispatch(ns)
+    except ValueError as exc:  # its message may quote a manifest field, a scorecard's names, a file name
+        raise ValueError(printable(str(exc))) from exc
+
+
+def _dispatch(ns: argparse.Namespace) -> int:
     action, *rest = ns.words
     verify_given = [option for option, dest in _VERIFY_OPTIONS if getattr(ns, dest) not in (None, False)]
     if action in _ACTIONS:

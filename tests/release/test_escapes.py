@@ -41,6 +41,12 @@ def test_release_prints_options_and_scorecard_fields_escaped(sft_run, tmp_path, 
     assert main([*argv[:6], "--out", str(tmp_path / "next.json"), "--previous", str(previous)]) == 2
     out, err = _out(capsys)
     assert ESC not in out + err and f"does not match its id {SHOWN}" in err, err
+    # A scorecard's set name in a refusal (its rows file is named after it).
+    scorecard["suite"]["sets"][0]["name"] = f"tickets{FORGED}"
+    (eval_dir / "scorecard.json").write_text(json.dumps(scorecard))
+    assert main([*argv[:6], "--out", str(tmp_path / "next.json")]) == 2
+    out, err = _out(capsys)
+    assert ESC not in out + err and f"sets/tickets{SHOWN}.jsonl" in err, err
 
 
 def _manifest(rel: Path, name: str, approved_by: str, metric: str) -> Path:
