@@ -215,15 +215,8 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
                          " (--allow-failed-gates releases anyway and records it)")
     base_dir = (run_dir / BASE_DIR) if cfg.model.name_or_path in _presets() else Path(cfg.model.name_or_path)
     tokenizer_dir = _tokenizer_dir(cfg, run_dir, lora, base_dir)
-    reads = [("RUN_DIR artifact", p) for _, p, _ in deployable] + [
-        ("EVAL_DIR", eval_dir), ("the base model", base_dir), ("the tokenizer", tokenizer_dir),
-        ("RUN_DIR data", run_dir / "data"), ("RUN_DIR config", run_dir / "config.yaml"),
-        ("RUN_DIR record", run_dir / "run.json"), ("RUN_DIR data manifest", run_dir / "data_manifest.json")]
-    if (run_dir / "pii_report.json").is_file():
-        reads.append(("RUN_DIR PII report", run_dir / "pii_report.json"))
-    recorded = list(reads)
-    if req.previous is not None:
-        reads.append(("--previous", Path(req.previous)))
+    recorded = _recorded_inputs(run_dir, eval_dir, deployable, base_dir, tokenizer_dir)
+    reads = recorded + ([("--previous", Path(req.previous))] if req.previous is not None else [])
     check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out")
     _check_links(recorded, run_dir, manifest_dir)
     if req.sign_key is not None:
@@ -231,17 +224,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     previous = _previous(req.previous, manifest_dir)
 
     # Hashing: the deployable artifacts first (the candidate check needs them), then the rest.
-    artifacts, shipped = [], {}
-    for name, path, what in deployable:
-        if name == "checkpoint":
-            artifact, identity = record_hf_dir(name, path, what, manifest_dir)
-            shipped[name] = {k: identity[k] for k in ("config_sha256", "weights_sha256")}
-        else:
-            artifact, _ = record_artifact(name, path, "dir", what, manifest_dir)
-            files = {f["path"]: f["sha256"] for f in artifact["files"]}
-            shipped[name] = {"config_sha256": files.get("adapter_config.json"),
-                             "weights_sha256": files.get("adapter_model.safetensors")}
-        artifacts.append(artifact)
+    artifacts, shipped = _record_deployable(deployable, manifest_dir)
     candidate, evaluated = released_candidate(scorecard, run_dir, shipped, eval_dir)
     rollback = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback), req.rollback_margin)
     base, base_artifact = record_base(cfg, run_dir, run_record, manifest_dir, lora)
@@ -286,6 +269,35 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     with output_file(out, overwrite=req.overwrite, sources=reads, what="--out") as tmp:
         tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest, out
+
+
+def _recorded_inputs(run_dir: Path, eval_dir: Path, deployable: list[tuple[str, Path, str]], base_dir: Path,
+                     tokenizer_dir: Path) -> list[tuple[str, Path]]:
+    """(label, path) of everything the release records as an artifact."""
+    found = [("RUN_DIR artifact", p) for _, p, _ in deployable] + [
+        ("EVAL_DIR", eval_dir), ("the base model", base_dir), ("the tokenizer", tokenizer_dir),
+        ("RUN_DIR data", run_dir / "data"), ("RUN_DIR config", run_dir / "config.yaml"),
+        ("RUN_DIR record", run_dir / "run.json"), ("RUN_DIR data manifest", run_dir / "data_manifest.json")]
+    if (run_dir / "pii_report.json").is_file():
+        found.append(("RUN_DIR PII report", run_dir / "pii_report.json"))
+    return found
+
+
+def _record_deployable(deployable: list[tuple[str, Path, str]],
+                       manifest_dir: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:
+    """(the shipped artifacts' entries, {name: the hashes the scorecard names candidates by})."""
+    artifacts, shipped = [], {}
+    for name, path, what in deployable:
+        if name == "checkpoint":
+            artifact, identity = record_hf_dir(name, path, what, manifest_dir)
+            shipped[name] = {k: identity[k] for k in ("config_sha256", "weights_sha256")}
+        else:
+            artifact, _ = record_artifact(name, path, "dir", what, manifest_dir)
+            files = {f["path"]: f["sha256"] for f in artifact["files"]}
+            shipped[name] = {"config_sha256": files.get("adapter_config.json"),
+                             "weights_sha256": files.get("adapter_model.safetensors")}
+        artifacts.append(artifact)
+    return artifacts, shipped
 
 
 def _check_links(recorded: list[tuple[str, Path]], run_dir: Path, manifest_dir: Path) -> None:

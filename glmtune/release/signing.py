@@ -1,6 +1,6 @@
 """Optional signatures of release manifests: HMAC-SHA256 with a secret key the user keeps.
 
-    head -c 32 /dev/urandom > release.key && chmod 600 release.key
+    (umask 077 && head -c 32 /dev/urandom > release.key)    # or chmod 600 it after writing
     glmtune release RUN_DIR ... --sign-key release.key      # release.json gets a `signature`
     glmtune release verify release.json --key release.key   # checks it; a mismatch is exit 1
 
@@ -33,7 +33,7 @@ ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 32
 MAX_KEY_BYTES = 4096  # a key, not a file that was passed by mistake (a shard, a PEM bundle)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_CREATE = "create one with: head -c 32 /dev/urandom > release.key && chmod 600 release.key"
+_CREATE = "create one with: (umask 077 && head -c 32 /dev/urandom > release.key)"
 
 
 def read_key(path: str | os.PathLike[str], option: str) -> bytes:
@@ -48,14 +48,18 @@ def read_key(path: str | os.PathLike[str], option: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     except OSError as exc:
         raise ValueError(f"{label}: cannot open the key file ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
+    try:
+        info = os.fstat(fd)  # of what was opened, not of what the path names a moment later
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{label}: not a regular file; {_CREATE}")
         if info.st_mode & 0o077:
             raise ValueError(f"{label}: group or others may read or write it (mode {stat.S_IMODE(info.st_mode):04o}); "
                              f"chmod 600 {path}")
-        key = fh.read(MAX_KEY_BYTES + 1)
+        key = b""
+        while len(key) <= MAX_KEY_BYTES and (chunk := os.read(fd, MAX_KEY_BYTES + 1 - len(key))):
+            key += chunk
+    finally:
+        os.close(fd)
     if len(key) < MIN_KEY_BYTES:
         raise ValueError(f"{label}: {len(key)} bytes; a signing key needs at least {MIN_KEY_BYTES}: {_CREATE}")
     if len(key) > MAX_KEY_BYTES:
