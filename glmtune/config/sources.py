@@ -12,6 +12,7 @@ values mean exactly what `safe_load` would give (YAML 1.1: `2e-5` is a string).
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,31 +43,94 @@ def format_path(path: KeyPath) -> str:
 # --------------------------------------------------------------------------- YAML files
 
 
-def _check_utf8(path: Path, label: str) -> None:
-    """A recipe must be UTF-8: name the line and column of the first byte that is not."""
-    data = path.read_bytes()
+# A recipe is a few KiB (the largest shipped one under 4 KiB); anything near this is not a recipe.
+MAX_RECIPE_BYTES = 1 << 20
+# Sections, fields, and a few levels of values (model.overrides, data.split) need far fewer.
+MAX_YAML_DEPTH = 64
+
+
+class _Refused(Exception):
+    """A YAML construct refused while composing: the line it is on and what to say about it."""
+
+    def __init__(self, mark: yaml.Mark, message: str):
+        super().__init__(message)
+        self.line = mark.line + 1
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """SafeLoader without aliases, and with nesting bounded.
+
+    An alias (`*name`) repeats the anchored node: nine lines of aliases to aliases
+    (`b: &b [*a, *a, ...]`) compose into a handful of nodes that our walk, which expands
+    them, turns into billions. Recipes reuse values with `extends:` instead, so aliases
+    are refused where they are met. An anchor alone (`&name`) only labels a node and
+    copies nothing: it is harmless and allowed. PyYAML composes recursively, so depth is
+    bounded too (a file of `[[[[...` would end in RecursionError).
+    """
+
+    def __init__(self, stream, kind: str):
+        super().__init__(stream)
+        self._kind = kind  # what the text is, for the message: "recipe", "suite", "command-line value"
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(event.start_mark, f"YAML aliases (*{event.anchor}) are not allowed in a {self._kind}; "
+                                             "write the value out")
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _Refused(self.peek_event().start_mark, f"nested deeper than {MAX_YAML_DEPTH} levels")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _compose(text: str, name: str, kind: str) -> yaml.Node | None:
+    """The node tree of one YAML document; `_Refused` as ValueError naming `name`:line."""
+    stream = io.StringIO(text)
+    stream.name = name  # YAML's own error marks name the file
+    loader = _PlainLoader(stream, kind)
     try:
-        data.decode("utf-8")
+        return loader.get_single_node()
+    except _Refused as exc:
+        raise ValueError(f"{name}:{exc.line}: {exc}") from None
+    finally:
+        loader.dispose()
+
+
+def _read_text(path: Path, label: str, kind: str, max_bytes: int) -> str:
+    """The file as UTF-8 text, at most `max_bytes`; else one line naming the file (and line, column)."""
+    with open(path, "rb") as stream:
+        data = stream.read(max_bytes + 1)  # bounded even for a file that grows or lies about its size
+    if len(data) > max_bytes:
+        raise ValueError(f"{label}: more than {max_bytes:,} bytes, too large for a {kind} (a few KiB is usual)")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
         raise ValueError(f"{label}:{line}: byte 0x{data[exc.start]:02x} at column {column} is not UTF-8; "
-                         "save the recipe as UTF-8") from None
+                         f"save the {kind} as UTF-8") from None
 
 
-def read_yaml_layer(path: Path) -> Layer:
-    """Parse one YAML file into a Layer, recording the line of every key and list item."""
+def read_yaml_layer(path: Path, *, kind: str = "recipe", max_bytes: int = MAX_RECIPE_BYTES) -> Layer:
+    """Parse one YAML file into a Layer, recording the line of every key and list item.
+
+    `kind` names the file in errors ("recipe", "suite"). Refused, each in one line: more
+    than `max_bytes`, text that is not UTF-8, aliases (`*name`), nesting over MAX_YAML_DEPTH.
+    """
     label = os.path.normpath(str(path))
-    _check_utf8(Path(path), label)
+    text = _read_text(Path(path), label, kind, max_bytes)
     try:
-        with open(path, encoding="utf-8") as stream:  # a named stream puts the file name in YAML's own marks
-            root = yaml.compose(stream, Loader=yaml.SafeLoader)
+        root = _compose(text, label, kind)
     except yaml.YAMLError as exc:
         raise ValueError(f"{label}: invalid YAML: {exc}") from None
     if root is None:  # empty file, or comments only
         return Layer()
     if not isinstance(root, yaml.MappingNode):
-        raise ValueError(f"{label}:{root.start_mark.line + 1}: a recipe must be a mapping of sections")
+        raise ValueError(f"{label}:{root.start_mark.line + 1}: a {kind} must be a mapping of sections")
     layer = Layer()
     # One constructor for the whole file: it only turns scalar nodes into Python values.
     constructor = yaml.SafeLoader("")
@@ -187,10 +251,7 @@ def parse_overrides(tokens: list[str], keeps_text: Callable[[KeyPath], bool] | N
             raise ValueError(f"command line ({shown}): malformed key {key!r}")
         if path[0] == "extends":
             raise ValueError(f"command line ({shown}): `extends` is only allowed at the top of a recipe file")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"command line ({shown}): cannot parse value {text!r}: {exc}") from None
+        value = _parse_value(text, shown)
         if keeps_text is not None and isinstance(value, (bool, int, float)) and keeps_text(path):
             value = text
         data: Any = value
@@ -202,6 +263,19 @@ def parse_overrides(tokens: list[str], keeps_text: Callable[[KeyPath], bool] | N
         _mark_children(value, path, origin, where)
         layers.append(Layer(data, where))
     return layers
+
+
+def _parse_value(text: str, shown: str) -> Any:
+    """`yaml.safe_load(text)` without aliases and with nesting bounded, as in a recipe file."""
+    loader = _PlainLoader(text, "command-line value")
+    try:
+        return loader.get_single_data()
+    except _Refused as exc:
+        raise ValueError(f"command line ({shown}): {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"command line ({shown}): cannot parse value {text!r}: {exc}") from None
+    finally:
+        loader.dispose()
 
 
 def _mark_children(value: Any, path: KeyPath, origin: str, where: dict) -> None:
