@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from glmtune.io.outputs import check_output, output_dir
 from glmtune.kernels import fp8_blocks
 from glmtune.io.sizes import parse_size
+from glmtune.io.text_limits import parse_json
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.state_dict_adapter import (
@@ -68,8 +69,10 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+            weight_map = parse_json(index.read_bytes(), str(index), max_bytes=256 << 20)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+                raise KeyError("weight_map is not an object of file names")
+        except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc})") from None
         files = {key: path / name for key, name in weight_map.items()}
         for file in sorted(set(files.values())):

@@ -204,8 +204,12 @@ class CheckpointManager:
         return sorted(found, key=lambda c: (c.step, c.path.name))
 
     def owned(self) -> list[Checkpoint]:
-        """This run's complete checkpoints (and unattributed legacy ones), oldest first."""
-        return [c for c in self.complete() if self.run_id is None or c.run_id in (None, self.run_id)]
+        """This run's complete checkpoints, oldest first (every checkpoint for a manager without a run id).
+
+        A checkpoint that records no run (or an unreadable trainer state) belongs to no run:
+        never resumed, pruned or removed by one.
+        """
+        return [c for c in self.complete() if self.run_id is None or c.run_id == self.run_id]
 
     def owned_leftovers(self) -> list[Path]:
         """This run's interrupted saves (`.partial`) and set-aside checkpoints (`abandoned-*`).

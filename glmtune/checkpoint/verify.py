@@ -22,7 +22,6 @@ the first one.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.state_dict_adapter import FP8_BLOCK, SCALE_SUFFIX, Glm5StateDictAdapter
+from glmtune.io.text_limits import parse_json
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -100,8 +100,8 @@ def read_header(file: Path) -> tuple[dict[str, Any], int]:
         if header_len > min(size - 8, MAX_HEADER_BYTES):
             raise ValueError(f"header length {header_len} exceeds the file ({size} bytes): truncated or corrupt")
         try:
-            header = json.loads(fh.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            header = parse_json(fh.read(header_len), "safetensors header")
+        except ValueError as exc:
             raise ValueError(f"corrupt safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise ValueError("corrupt safetensors header (not a JSON object)")
@@ -122,10 +122,10 @@ def _index(path: Path, report: VerifyReport) -> dict[str, str] | None:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = parse_json(index.read_bytes(), INDEX_NAME, max_bytes=256 << 20)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             report.add(INDEX_NAME, None, f"not a safetensors index ({exc})")
             return None
         return {str(k): str(v) for k, v in weight_map.items()}

@@ -47,6 +47,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS
+from glmtune.io.text_limits import parse_json
 
 BUNDLED_TEMPLATE_PATH = Path(__file__).parent / "templates" / "glm5.jinja"
 IGNORE_INDEX = -100
@@ -106,7 +107,8 @@ def load_chat_template(tokenizer_dir: str | Path | None = None) -> str:
             return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file))
         config_file = directory / "tokenizer_config.json"
         if config_file.is_file():
-            template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+            config = parse_json(config_file.read_bytes(), str(config_file), max_bytes=64 << 20)
+            template = config.get("chat_template") if isinstance(config, dict) else None
             if isinstance(template, list):
                 named = {entry.get("name"): entry.get("template") for entry in template}
                 template = named.get("default")

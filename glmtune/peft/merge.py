@@ -14,7 +14,6 @@ rounded once to the base dtype.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -29,6 +28,7 @@ from glmtune.io.outputs import check_output
 from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.peft.export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
+from glmtune.io.text_limits import parse_json
 
 PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
@@ -71,7 +71,9 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (adapter_dir / name).is_file():
             raise FileNotFoundError(f"{adapter_dir}: no {name} (not a PEFT adapter directory)")
-    config = json.loads((adapter_dir / CONFIG_NAME).read_text())
+    config = parse_json((adapter_dir / CONFIG_NAME).read_bytes(), str(adapter_dir / CONFIG_NAME), max_bytes=1 << 20)
+    if not isinstance(config, dict):
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: not an adapter config (a JSON object)")
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)):
@@ -160,7 +162,7 @@ def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
 
 
 def config_dtype(base_dir: Path) -> torch.dtype:
-    config = json.loads((base_dir / "config.json").read_text())
+    config = parse_json((base_dir / "config.json").read_bytes(), str(base_dir / "config.json"), max_bytes=64 << 20)
     name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
@@ -182,8 +184,8 @@ def check_base(base_dir: str | Path, adapter_dir: str | Path, force: bool = Fals
     recorded = None
     if meta_path.is_file():
         try:
-            recorded = json.loads(meta_path.read_text()).get("base")
-        except (json.JSONDecodeError, AttributeError) as exc:
+            recorded = parse_json(meta_path.read_bytes(), str(meta_path), max_bytes=1 << 20).get("base")
+        except (ValueError, AttributeError) as exc:
             raise ValueError(f"{meta_path}: not a glmtune adapter record ({exc})") from None
     if not recorded:
         return f"note: ADAPTER_DIR {adapter_dir} records no base ({META_NAME}); the base could not be checked"

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.io.text_limits import parse_json
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".glmtune.lock"
@@ -56,7 +57,7 @@ def read_run_record(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = parse_json(path.read_bytes(), str(path), max_bytes=1 << 20)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: unreadable run record ({exc}); not a glmtune run directory") from None
     if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):

@@ -185,6 +185,10 @@ class Glm5Args:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deep for a config") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path}: not a config (a JSON object)")
         return cls.from_hf_dict(hf)
 
     def to_hf_dict(self) -> dict[str, Any]:
