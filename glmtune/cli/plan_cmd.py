@@ -4,13 +4,16 @@ Before a cluster is reserved: the model-state floor, the per-GPU memory of the r
 layout, whether it fits each GPU kind and the smallest GPU count that does, the tokens of
 one epoch of the recipe's data, and the time and cost of the run from a measured speed
 (`--throughput`). Nothing is allocated: the model is built on the meta device
-(`glmtune/plan/`, docs/plan.md). Dotted overrides apply as in `glmtune train`.
+(`glmtune/plan/`, docs/plan.md). Dotted overrides apply as in `glmtune train`. Every numeric
+option is finite and in its range (`check_numbers`): a NaN price or a negative fragmentation
+would otherwise print a plan that looks as trustworthy as any other.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from glmtune.cli.arg_types import RecipeOptions
 
@@ -44,6 +47,35 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 _OPTIONS = RecipeOptions("glmtune plan", _add_options)
 
+# Every numeric option: (lowest, highest, whether the lowest itself is excluded). A NaN compares
+# false with everything, so each bound is written as what must hold, and floats must be finite.
+_RANGES = {
+    "gpus": (1, math.inf, False),
+    "max_gpus": (1, math.inf, False),
+    "restarts": (0, math.inf, False),
+    "price_per_gpu_hour": (0, math.inf, True),
+    "tflops_per_gpu": (0, math.inf, True),
+    "epochs": (0, math.inf, True),
+    "write_gbps": (0, math.inf, True),
+    "restart_minutes": (0, math.inf, False),
+    "headroom_gib": (0, math.inf, False),
+    "fragmentation": (0, 1, False),  # a share of the peak: negative would let a plan fit what cannot
+}
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Each numeric option given is finite and in its range (`_RANGES`); else one line naming it."""
+    for name, (low, high, low_excluded) in _RANGES.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        above = value > low if low_excluded else value >= low
+        if math.isfinite(value) and above and value <= high:
+            continue
+        bound = f"in [{low}, {high}]" if high != math.inf else f"{'>' if low_excluded else '>='} {low}"
+        kind = "" if isinstance(value, int) else "a finite number "
+        raise ValueError(f"--{name.replace('_', '-')} must be {kind}{bound}, got {value}")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     _OPTIONS.register(
@@ -64,14 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     from glmtune.plan.throughput_source import Measurement, read_measurement
 
     args.overrides = _OPTIONS.parse(args)
-    for name in ("gpus", "max_gpus", "restarts"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "restarts" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'restarts' else 1}, got {value}")
-    for name in ("price_per_gpu_hour", "tflops_per_gpu", "write_gbps", "epochs"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    check_numbers(args)
     if args.throughput and args.tflops_per_gpu:
         raise ValueError("give --throughput or --tflops-per-gpu, not both")
     if args.measured_gpu and not args.tflops_per_gpu:
@@ -80,7 +105,11 @@ def _run(args: argparse.Namespace) -> int:
     gpus = args.gpu or ["h100-80g", "h200-141g"]
     measurement = read_measurement(args.throughput) if args.throughput else None
     if args.tflops_per_gpu:
-        peak = gpu_spec(args.measured_gpu or gpus[0]).bf16_tflops
+        measured = args.measured_gpu or gpus[0]
+        peak = gpu_spec(measured).bf16_tflops
+        if args.tflops_per_gpu > peak:  # a typo or another unit: a plan from it would be off by that much
+            raise ValueError(f"--tflops-per-gpu {args.tflops_per_gpu:g} is above the dense bf16 peak of {measured} "
+                             f"({peak:g} TFLOP/s), which no run reaches; give the model TFLOP/s per GPU measured")
         measurement = Measurement("--tflops-per-gpu", args.tflops_per_gpu, peak, 1)
     options = PlanOptions(gpus=gpus, world_size=args.gpus, price_per_gpu_hour=args.price_per_gpu_hour,
                           measurement=measurement, context_gib=args.headroom_gib, fragmentation=args.fragmentation,

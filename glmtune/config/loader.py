@@ -7,14 +7,18 @@ Conversion is strict: unknown keys and wrong types are `ValueError`s naming the 
 path, the expected type, the value, and the file:line (or command-line flag) it came
 from, with a "did you mean" for misspelt keys. All problems are reported at once.
 Two leniencies, both for YAML 1.1's sake: an int is accepted for a float, and so is a
-numeric string, because YAML 1.1 reads `2e-5` (no dot) as a string.
+numeric string, because YAML 1.1 reads `2e-5` (no dot) as a string. Numbers are
+finite: YAML's `.nan`/`.inf` (or `1e999`) in any field, free-form values included, and
+an int beyond 64 bits are refused here, with the line; ranges are `validate.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
+import sys
 import types
 import typing
 from functools import lru_cache
@@ -30,6 +34,7 @@ from glmtune.config.sources import KeyPath, Layer, format_path, merge_layers, pa
 # tiny/sft_support_json` work from any directory.
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
+_FLOAT_MAX = sys.float_info.max
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _YAML_BOOL_WORDS = "yes/no/on/off/true/false"
 
@@ -193,19 +198,23 @@ class Converter:
         if members is not None:
             if value is None and type(None) in members:
                 return None
+            detail = ""  # why a member refused it, when it says (`nan` for `float | None`)
             for member in members:
                 if member is type(None):
                     continue
                 trial = Converter(self.where, self.default_where)
                 try:
                     result = trial.convert(value, member, path)
-                except _Mismatch:
+                except _Mismatch as exc:
+                    detail = detail or str(exc)
                     continue
                 self.errors.extend(trial.errors)
                 return result
-            raise _Mismatch(_bool_hint(value, members))
+            raise _Mismatch(_bool_hint(value, members) or detail)
         origin, args = typing.get_origin(tp), typing.get_args(tp)
         if tp is Any:
+            if _has_non_finite(value):  # model.overrides: a NaN would reach the model's config as is
+                raise _Mismatch("(NaN and infinity are not allowed in a config)")
             return value
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
@@ -247,7 +256,11 @@ class Converter:
         self.errors.append(f"{self.locate(path + (key,))}: unknown key '{full}'{hint}")
 
     def _type_error(self, path: KeyPath, tp: Any, value: Any, detail: str) -> None:
-        message = f"{self.locate(path)}: {format_path(path)}: expected {_describe(tp)}, got {value!r}"
+        shown = repr(value)
+        if len(shown) > 80:  # a 400-digit number or a long list: the start is enough to find it
+            shown = shown[:60] + f"... ({len(shown):,} characters)"
+        expected = "" if tp is Any else f"expected {_describe(tp)}, "
+        message = f"{self.locate(path)}: {format_path(path)}: {expected}got {shown}"
         self.errors.append(message + (f" {detail}" if detail else ""))
 
 
@@ -257,18 +270,36 @@ def _scalar(value: Any, tp: Any) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) >= 2**63:  # every count and size ends up in an int64 (a tensor, an index)
+                raise _Mismatch("(out of the 64-bit range)")
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-            return float(value)
+            number = float(value) if abs(value) < _FLOAT_MAX else math.inf  # float(10**400) raises
+        elif isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            number = float(value)  # "1e999" is inf
+        if number is not None:
+            if not math.isfinite(number):  # YAML's .nan/.inf, or beyond float range: no setting means them
+                raise _Mismatch("(a finite number is needed)")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
     else:
         raise AssertionError(f"schema uses unsupported type {tp!r}")
     raise _Mismatch()
+
+
+def _has_non_finite(value: Any) -> bool:
+    """Whether a float NaN or infinity is anywhere in `value` (nesting is bounded by the YAML reader)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_has_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_non_finite(v) for v in value)
+    return False
 
 
 def _bool_hint(value: Any, members: tuple[Any, ...]) -> str:

@@ -268,6 +268,8 @@ def check_ranges(cfg: JobConfig) -> list[str]:
         (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
         (all(0 <= b < 1 for b in o.betas), f"optim.betas must be in [0, 1), got {list(o.betas)}"),
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
+        (o.lr * o.weight_decay < 1, f"optim.lr x optim.weight_decay ({o.lr:g} x {o.weight_decay:g}) must be < 1: "
+                                    "AdamW scales every weight by 1 - lr x weight_decay each step"),
         (0 <= o.warmup_steps <= t.max_steps,
          f"optim.warmup_steps ({o.warmup_steps}) must be between 0 and train.max_steps ({t.max_steps})"),
         (0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}"),
@@ -287,7 +289,8 @@ def check_ranges(cfg: JobConfig) -> list[str]:
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
         (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),
     ]
-    errors = [message for ok, message in rules if not ok]
+    errors = non_finite_errors(cfg)  # the loader refuses these; a config built in code reaches here too
+    errors += [message for ok, message in rules if not ok]
     errors += _split_errors(d.split)
     if peft.method == "lora":
         errors += [message for ok, message in (
@@ -308,6 +311,21 @@ def check_ranges(cfg: JobConfig) -> list[str]:
                    for f in dataclasses.fields(PeftConfig)
                    if f.name != "method" and getattr(peft, f.name) != getattr(defaults, f.name)]
     return errors
+
+
+def non_finite_errors(value: object, path: str = "") -> list[str]:
+    """One error per NaN or infinite float in a config tree (fields, list items, mapping values)."""
+    if dataclasses.is_dataclass(value):
+        items = [(f"{path}.{f.name}" if path else f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        items = [(f"{path}.{key}", item) for key, item in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+    elif isinstance(value, float) and not math.isfinite(value):
+        return [f"{path} must be a finite number, got {value}"]
+    else:
+        return []
+    return [error for sub, item in items for error in non_finite_errors(item, sub)]
 
 
 def _split_errors(split: dict[str, float]) -> list[str]:

@@ -12,11 +12,15 @@ states as an assumption.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmtune.io.text_limits import parse_json
 from glmtune.plan.hardware import GPUS, spec_for_device_name
+
+# One logged step or benchmark line is a few hundred bytes.
+MAX_RECORD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -41,24 +45,28 @@ def read_measurement(path: str | Path) -> Measurement:
     for number, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}:{number}: not JSON ({exc.msg})") from None
-    timed = [r for r in records if isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0
-             and str(r.get("impl", "glmtune")).startswith("glmtune")]
+        record = parse_json(line, f"{file}:{number}", max_bytes=MAX_RECORD_BYTES)
+        if not isinstance(record, dict):
+            raise ValueError(f"{file}:{number}: a JSON object per line expected, got {type(record).__name__}")
+        records.append(record)
+    timed = [r for r in records if _positive(r.get("tflops")) and str(r.get("impl", "glmtune")).startswith("glmtune")]
     if not timed:
         raise ValueError(f"{file}: no glmtune record with a positive `tflops` (every logged step of a "
                          "glmtune run has one; throughput.py writes one per implementation)")
     steady = timed[1:] if "step" in timed[0] and len(timed) > 1 else timed  # a run's first window compiles
     tflops = sum(r["tflops"] for r in steady) / len(steady)
     peak = None
-    if "mfu" in steady[-1] and steady[-1]["mfu"]:
+    if _positive(steady[-1].get("mfu")) and steady[-1]["mfu"] <= 1:  # above 1 is no MFU: use the GPU's name
         peak = steady[-1]["tflops"] / steady[-1]["mfu"]
     elif "gpu" in steady[-1]:
         spec = spec_for_device_name(str(steady[-1]["gpu"]))
         peak = spec.bf16_tflops if spec else None
     return Measurement(str(file), tflops, peak, len(steady))
+
+
+def _positive(value: object) -> bool:
+    """A number > 0 and finite (JSON lines may hold NaN and Infinity, which Python's json reads)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def tokens_per_s_per_gpu(measurement: Measurement, flops_per_token: float, target_gpu: str) -> tuple[float, str]:

@@ -71,7 +71,7 @@ def test_refusals_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "metrics.jsonl"
     bad.write_text('{"step": 1}\nnot json\n')
     assert main(["plan", "recipes/tiny/sft_support_json.yaml", "--throughput", str(bad)]) == 2
-    assert f"{bad}:2: not JSON" in capsys.readouterr().err
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
     assert main(["plan", "recipes/tiny/sft_support_json.yaml", "--throughput", str(tmp_path),
                  "--tflops-per-gpu", "3"]) == 2
     assert "not both" in capsys.readouterr().err
