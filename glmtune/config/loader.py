@@ -107,7 +107,7 @@ def dump_config(cfg: JobConfig, path: str | Path) -> None:
 
 
 def _build(layer: Layer, default_where: str) -> JobConfig:
-    converter = Converter(layer.where, default_where)
+    converter = Converter(layer.where, default_where, finite=True)
     cfg = converter.dataclass(layer.data, JobConfig, ())
     if converter.errors:
         if len(converter.errors) == 1:
@@ -165,11 +165,16 @@ def _describe(tp: Any) -> str:
 
 
 class Converter:
-    """Walks a value and a type together; collects errors instead of stopping at the first."""
+    """Walks a value and a type together; collects errors instead of stopping at the first.
 
-    def __init__(self, where: dict[KeyPath, str], default_where: str):
+    With `finite`, numbers must be finite and ints fit in 64 bits (`_check_finite`), as
+    every JobConfig is loaded; other callers (eval suites) bound their numbers themselves.
+    """
+
+    def __init__(self, where: dict[KeyPath, str], default_where: str, finite: bool = False):
         self.where = where
         self.default_where = default_where
+        self.finite = finite
         self.errors: list[str] = []
 
     def locate(self, path: KeyPath) -> str:
@@ -202,7 +207,7 @@ class Converter:
             for member in members:
                 if member is type(None):
                     continue
-                trial = Converter(self.where, self.default_where)
+                trial = Converter(self.where, self.default_where, self.finite)
                 try:
                     result = trial.convert(value, member, path)
                 except _Mismatch as exc:
@@ -213,7 +218,7 @@ class Converter:
             raise _Mismatch(_bool_hint(value, members) or detail)
         origin, args = typing.get_origin(tp), typing.get_args(tp)
         if tp is Any:
-            if _has_non_finite(value):  # model.overrides: a NaN would reach the model's config as is
+            if self.finite and _has_non_finite(value):  # model.overrides: a NaN would reach the model as is
                 raise _Mismatch("(NaN and infinity are not allowed in a config)")
             return value
         if dataclasses.is_dataclass(tp):
@@ -237,7 +242,10 @@ class Converter:
             if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
                 raise _Mismatch()
             return {k: self._item(v, args[1], path + (k,)) for k, v in value.items()}
-        return _scalar(value, tp)
+        result = _scalar(value, tp)
+        if self.finite:
+            _check_finite(result)
+        return result
 
     def _item(self, value: Any, tp: Any, path: KeyPath) -> Any:
         try:
@@ -270,25 +278,29 @@ def _scalar(value: Any, tp: Any) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            if abs(value) >= 2**63:  # every count and size ends up in an int64 (a tensor, an index)
-                raise _Mismatch("(out of the 64-bit range)")
             return value
     elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if abs(value) < _FLOAT_MAX else math.inf  # float(10**400) raises
-        elif isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-            number = float(value)  # "1e999" is inf
-        if number is not None:
-            if not math.isfinite(number):  # YAML's .nan/.inf, or beyond float range: no setting means them
-                raise _Mismatch("(a finite number is needed)")
-            return number
+        if isinstance(value, float):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value) if abs(value) <= _FLOAT_MAX else math.inf  # float(10**400) raises
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)  # "1e999" is inf
     elif tp is str:
         if isinstance(value, str):
             return value
     else:
         raise AssertionError(f"schema uses unsupported type {tp!r}")
     raise _Mismatch()
+
+
+def _check_finite(value: Any) -> None:
+    """`_Mismatch` for a NaN or infinite float (YAML's .nan/.inf, or past the float range: no
+    setting means them) and for an int past 64 bits (every count ends up in an int64)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _Mismatch("(a finite number is needed)")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+        raise _Mismatch("(out of the 64-bit range)")
 
 
 def _has_non_finite(value: Any) -> bool:

@@ -5,6 +5,7 @@ CLI, exit status 2."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -86,3 +87,20 @@ def test_recipe_floats_out_of_range_stop_train_before_it_writes(overrides, messa
     assert main(["train", "tiny/sft_support_json", *overrides, "--logging.run_dir", str(run_dir)]) == 2
     assert capsys.readouterr().err == f"glmtune train: error: {message}\n"
     assert not run_dir.exists()
+
+
+def test_the_converter_keeps_values_and_bounds_only_when_asked():
+    """Eval suites convert with the same Converter and bound their numbers themselves (their own
+    messages): without `finite` a NaN stays NaN and an int past the float range is inf, not a crash."""
+    from glmtune.config.loader import Converter
+
+    plain, finite = Converter({}, "x"), Converter({}, "x", finite=True)
+    assert math.isnan(plain.convert(math.nan, float, ("t",)))
+    assert plain.convert(10**400, float, ("t",)) == math.inf and plain.convert(2**70, int, ("t",)) == 2**70
+    assert finite.convert(2.5, float | None, ("t",)) == 2.5 and finite.convert(2**62, int, ("t",)) == 2**62
+    for value, tp in ((math.nan, float), (10**400, float), (2**63, int), ([math.inf], Any)):
+        with pytest.raises(Exception) as exc:
+            finite.convert(value, tp, ("t",))
+        assert type(exc.value).__name__ == "_Mismatch"
+    finite.convert({"k": [math.inf]}, dict[str, Any], ("t",))  # mapping values: recorded, all reported at once
+    assert finite.errors == ["x: t.k: got [inf] (NaN and infinity are not allowed in a config)"]
