@@ -32,8 +32,12 @@ from typing import Any
 
 import jsonschema
 
-from glmtune.data.sources import Origin, Row
+from glmtune.data.sources import Origin, Row, loads_bounded
 from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS
+from glmtune.io.text_limits import parse_json
+
+# A JSON Schema for answers is a few KiB; this bounds what a mistyped path (a dataset) would read.
+MAX_SCHEMA_BYTES = 4 << 20
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
@@ -53,10 +57,13 @@ def load_schema(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"schema file not found: {path}")
+    if path.stat().st_size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_SCHEMA_BYTES:,} a JSON Schema "
+                         "file may have (MAX_SCHEMA_BYTES)")
+    schema = parse_json(path.read_bytes(), str(path))  # bounded depth: the validator recurses through it
     try:
-        schema = json.loads(path.read_text(encoding="utf-8"))
         jsonschema.validators.validator_for(schema).check_schema(schema)
-    except (json.JSONDecodeError, jsonschema.SchemaError) as exc:
+    except jsonschema.SchemaError as exc:
         raise ValueError(f"{path}: not a valid JSON Schema: {exc}") from exc
     return schema
 
@@ -88,9 +95,11 @@ def _parse_arguments(arguments: Any) -> tuple[dict[str, Any] | None, str | None]
         return arguments, None
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
+            parsed = loads_bounded(arguments)
         except json.JSONDecodeError as exc:
             return None, f"JSON string does not parse: {exc.msg}"
+        except ValueError as exc:  # nested too deep
+            return None, f"JSON string: {exc}"
         if isinstance(parsed, dict):
             return parsed, None
         return None, f"JSON string encodes a {type(parsed).__name__}, expected an object"
@@ -272,9 +281,12 @@ class _RowChecker:
             return  # the final turn is a tool call; there is no answer to check
         path = f"messages[{i}].content"
         try:
-            answer = json.loads(text)
+            answer = loads_bounded(text)
         except json.JSONDecodeError as exc:
             self.add(path, f"final answer is not valid JSON ({exc.msg}) but a schema was given")
+            return
+        except ValueError as exc:  # nested too deep
+            self.add(path, f"final answer: {exc}")
             return
         validator = jsonschema.validators.validator_for(self.schema)(self.schema)
         for error in sorted(validator.iter_errors(answer), key=lambda e: list(e.absolute_path)):

@@ -7,7 +7,10 @@ escapes a lone surrogate), or not a JSON object, is still yielded, with `parse_e
 set, so `glmtune data validate`
 can list it next to the contract violations instead of stopping at the first bad line
 (JSONL is read as bytes, one line at a time, so one bad byte costs one row, not the
-file). A file that cannot be read at all (a `.parquet` that is not Parquet, a damaged
+file). So is a line over MAX_ROW_BYTES (read no further than that) and a row nested
+deeper than MAX_JSON_DEPTH (64; a chat row with tool calls and tool specs uses about
+10), which would otherwise raise RecursionError in `json` or in the checks that walk
+rows; Parquet and `datasets` rows get the depth check too. A file that cannot be read at all (a `.parquet` that is not Parquet, a damaged
 `datasets` directory) is a ValueError naming it.
 
 Row schema (checked by contract.py):
@@ -27,7 +30,9 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from glmtune.io.text_limits import MAX_JSON_DEPTH, json_depth, parse_json
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -36,6 +41,9 @@ _HF_MARKERS = ("state.json", "dataset_dict.json")
 _HASH_CHUNK = 1 << 20
 # A JSON escape of a high or low surrogate: the only way a decoded line can hold text UTF-8 cannot encode.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+# One JSONL line, one conversation: 16 MiB holds a million-token conversation (about 4 bytes a
+# token, with JSON escapes) with room to spare; a longer line is a broken file, not a row.
+MAX_ROW_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,43 @@ def _decode_line(raw: bytes) -> tuple[str | None, str | None]:
         return None, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {column})"
 
 
+def loads_bounded(text: str) -> Any:
+    """`json.loads(text)` within `parse_json`'s depth bound (MAX_JSON_DEPTH).
+
+    A syntax error is json's own JSONDecodeError, so that callers quote its message and
+    column in their words; nesting too deep is a ValueError("JSON nested deeper than 64 levels").
+    """
+    try:
+        return parse_json(text, "JSON")
+    except ValueError as exc:
+        # parse_json raises `from None`, which hides the JSONDecodeError it replaced but keeps it as context.
+        if isinstance(exc.__context__, json.JSONDecodeError):
+            raise exc.__context__ from None
+        raise ValueError(str(exc).removeprefix("JSON: ")) from None
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes, bool]]:
+    """(line, whether it is whole) per line of `f`; a line over MAX_ROW_BYTES is cut there and
+    the rest of it skipped unread into memory."""
+    while raw := f.readline(MAX_ROW_BYTES + 1):
+        if len(raw) <= MAX_ROW_BYTES or raw.endswith(b"\n"):
+            yield raw, True
+            continue
+        while (rest := f.readline(_HASH_CHUNK)) and not rest.endswith(b"\n"):
+            pass
+        yield raw, False
+
+
 def _read_jsonl(path: Path) -> Iterator[Row]:
     # Bytes, split at b"\n" only: a decode error then names its line, and a stray
     # b"\r" inside a line does not shift the line numbers editors show.
     with path.open("rb") as f:
-        for line_number, raw in enumerate(f, start=1):
+        for line_number, (raw, whole) in enumerate(_lines(f), start=1):
             origin = Origin(str(path), line_number)
+            if not whole:
+                yield Row(None, origin, f"line longer than {MAX_ROW_BYTES:,} bytes (MAX_ROW_BYTES); one line "
+                                        "holds one conversation")
+                continue
             line, reason = _decode_line(raw)
             if reason is not None:
                 yield Row(None, origin, reason)
@@ -81,9 +120,12 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not rows
             try:
-                data = json.loads(line)
+                data = loads_bounded(line)
             except json.JSONDecodeError as exc:
                 yield Row(None, origin, f"invalid JSON: {exc.msg} (column {exc.colno})")
+                continue
+            except ValueError as exc:  # nested too deep
+                yield Row(None, origin, str(exc))
                 continue
             if not isinstance(data, dict):
                 yield Row(None, origin, f"expected a JSON object, got {type(data).__name__}")
@@ -104,6 +146,13 @@ def _lone_surrogate(data: Any) -> str | None:
     return None
 
 
+def _bounded_row(data: Any, origin: Origin) -> Row:
+    """A Parquet or `datasets` row, or a parse error when it is nested deeper than a JSONL row may be."""
+    if json_depth(data) > MAX_JSON_DEPTH:
+        return Row(None, origin, f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return Row(data, origin)
+
+
 def _first_line(exc: BaseException) -> str:
     """An exception's message as one printable line (pyarrow appends context lines, and
     a corrupt page's message can quote raw bytes)."""
@@ -119,7 +168,7 @@ def _read_parquet(path: Path) -> Iterator[Row]:
     try:  # a damaged page can surface only when its batch is read, so the loop is covered too
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             for data in batch.to_pylist():
-                yield Row(data, Origin(str(path), index))
+                yield _bounded_row(data, Origin(str(path), index))
                 index += 1
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from exc
@@ -140,7 +189,7 @@ def _read_hf_dataset(path: Path) -> Iterator[Row]:
             parts = [(str(path), loaded)]
         for name, dataset in parts:
             for index, data in enumerate(dataset):
-                yield Row(data, Origin(name, index))
+                yield _bounded_row(data, Origin(name, index))
     # Any type: a damaged state.json, dataset_info.json or .arrow file raises KeyError,
     # TypeError, JSONDecodeError, ArrowInvalid or FileNotFoundError from inside datasets.
     except Exception as exc:

@@ -140,3 +140,100 @@ def test_valid_rows_still_pass_the_contract_after_byte_reading(tmp_path):
     row = chat(("user", "naïve — 東京\u2028?"), ("assistant", "ok"))
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(row, ensure_ascii=False).encode() + b"\r"])
     assert [r.data for r in check_or_raise(read_rows(path))] == [row]
+
+
+# --------------------------------------------------------------------------- nesting and size
+
+DEEP = "[" * 100_000 + "]" * 100_000  # RecursionError in json.loads, before the bound
+
+
+def _tool_row(arguments: object) -> dict:
+    """A row with a declared tool, whose JSON Schema and call arguments nest like real ones."""
+    schema = {"type": "object", "properties": {"filter": {"type": "object", "properties": {
+        "range": {"type": "object", "properties": {"from": {"type": "array", "items": {"type": "string"}}}}}}}}
+    return {"tools": [{"type": "function", "function": {"name": "search", "parameters": schema}}],
+            "messages": [{"role": "user", "content": "find it"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"type": "function", "function": {"name": "search", "arguments": arguments}}]},
+                         {"role": "tool", "content": "[]"},
+                         {"role": "assistant", "content": "nothing found"}]}
+
+
+def test_real_rows_with_tools_and_nested_arguments_fit_the_depth_bound(tmp_path):
+    arguments = {"filter": {"range": {"from": [["2024-01", "2024-02"]]}}}
+    rows = [_tool_row(arguments), _tool_row(json.dumps(arguments))]  # arguments as an object and as a JSON string
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(r).encode() for r in rows])
+    normalized = check_or_raise(read_rows(path))
+    assert [r.data["messages"][1]["tool_calls"][0]["function"]["arguments"] for r in normalized] == [arguments] * 2
+
+
+def test_a_row_nested_thousands_deep_is_one_violation_and_the_others_are_checked(tmp_path, capsys):
+    path = write_lines(tmp_path / "d.jsonl", [
+        json.dumps(GOOD).encode(),
+        ('{"messages": ' + DEEP + "}").encode(),
+        ('{"messages": [{"role": "user", "content": "q"}], "extra": ' + "[" * 65 + "]" * 65 + "}").encode(),
+        json.dumps(chat(("user", "u"))).encode(),
+    ])
+    assert main(["data", "validate", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}:2: <row>: JSON nested deeper than 64 levels",
+        f"{path}:3: <row>: JSON nested deeper than 64 levels",  # 66 levels: under the recursion limit, over ours
+        f"{path}:4: messages[0].role: conversation must end with an assistant turn, not 'user'",
+        "3 violation(s) in 3 of 4 row(s)",
+    ]
+
+
+def test_prepare_refuses_a_deep_row_like_any_contract_violation(tmp_path, capsys):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), DEEP.encode()])
+    before = snapshot(tmp_path)
+    assert cli_error(capsys, ["data", "prepare", str(path), "--out", str(tmp_path / "out")]) == (
+        "1 data contract violation(s) (run `glmtune data validate` for all); "
+        f"the first: {path}:2: <row>: JSON nested deeper than 64 levels")
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+def test_deep_tool_arguments_and_final_answers_are_violations_at_their_field(tmp_path):
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text('{"type": "object"}')
+    answer = chat(("user", "q"), ("assistant", '{"a": ' + DEEP + "}"))
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(_tool_row(DEEP)).encode(), json.dumps(answer).encode()])
+    from glmtune.data.contract import load_schema, validate_rows
+
+    found = [str(v) for v in validate_rows(read_rows(path), load_schema(schema_path))]
+    assert found == [
+        f"{path}:1: messages[1].tool_calls[0].function.arguments: JSON string: JSON nested deeper than 64 levels",
+        f"{path}:2: messages[1].content: final answer: JSON nested deeper than 64 levels",
+    ]
+    schema_path.write_text('{"properties": {"a": ' + DEEP + "}}")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(schema_path))}: JSON nested deeper than 64 levels$"):
+        load_schema(schema_path)
+
+
+def _row_of(size: int) -> bytes:
+    """A valid row whose JSON is exactly `size` bytes."""
+    base = len(json.dumps(chat(("user", ""), ("assistant", "a"))))
+    return json.dumps(chat(("user", "y" * (size - base)), ("assistant", "a"))).encode()
+
+
+def test_a_line_over_the_size_cap_is_one_bad_row_read_no_further(tmp_path, monkeypatch):
+    from glmtune.data import sources
+
+    monkeypatch.setattr(sources, "MAX_ROW_BYTES", 1000)  # 16 MiB in use; the reading is the same
+    good = json.dumps(GOOD).encode()
+    path = write_lines(tmp_path / "d.jsonl", [good, _row_of(5000), good, _row_of(1000), _row_of(1001)])
+    path.write_bytes(path.read_bytes() + _row_of(1001))  # a last line without its newline, over the cap
+    rows = list(read_rows(path))
+    too_long = "line longer than 1,000 bytes (MAX_ROW_BYTES); one line holds one conversation"
+    assert [(r.origin.line, r.parse_error) for r in rows] == [
+        (1, None), (2, too_long), (3, None), (4, None), (5, too_long), (6, too_long)]
+    assert rows[3].data == json.loads(_row_of(1000))  # exactly at the cap: read whole
+
+
+def test_a_deep_parquet_row_is_one_bad_row(tmp_path):
+    path = tmp_path / "d.parquet"
+    value: object = "leaf"
+    for _ in range(70):  # structs: Parquet's own schema limit (100 levels) counts a list twice
+        value = {"a": value}
+    pq.write_table(pa.Table.from_pylist([{**GOOD, "extra": value}, {**GOOD, "extra": None}]), path)
+    rows = list(read_rows(path))
+    assert [(r.origin.line, r.parse_error) for r in rows] == [(0, "nested deeper than 64 levels"), (1, None)]
