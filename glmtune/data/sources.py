@@ -4,13 +4,13 @@ Every row keeps its origin so errors can point at it as `file:line`: the 1-based
 line number for JSONL (what editors show), the 0-based row index for Parquet and
 `datasets` (what `table[i]` / `ds[i]` take). A JSONL line that is not valid UTF-8 (or
 escapes a lone surrogate), or not a JSON object, is still yielded, with `parse_error`
-set, so `glmtune data validate`
-can list it next to the contract violations instead of stopping at the first bad line
-(JSONL is read as bytes, one line at a time, so one bad byte costs one row, not the
-file). So is a line over MAX_ROW_BYTES (read no further than that) and a row nested
-deeper than MAX_JSON_DEPTH (64; a chat row with tool calls and tool specs uses about
-10), which would otherwise raise RecursionError in `json` or in the checks that walk
-rows; Parquet and `datasets` rows get the depth check too. A file that cannot be read at all (a `.parquet` that is not Parquet, a damaged
+set, so `glmtune data validate` can list it next to the contract violations instead of
+stopping at the first bad line (JSONL is read as bytes, one line at a time, so one bad
+byte costs one row, not the file). So is a line over MAX_ROW_BYTES (read no further
+than that) and a row nested deeper than MAX_JSON_DEPTH (64; a chat row with tool calls
+and tool specs uses about 12), which would otherwise raise RecursionError in `json` or
+in the checks that walk rows; Parquet and `datasets` rows get the depth check too. A
+file that cannot be read at all (a `.parquet` that is not Parquet, a damaged
 `datasets` directory) is a ValueError naming it.
 
 Row schema (checked by contract.py):
