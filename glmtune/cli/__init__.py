@@ -22,6 +22,8 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from glmtune.io.text_limits import printable
+
 # Modules that define subcommands, in the order `--help` lists them.
 _COMMAND_MODULES = (
     "glmtune.cli.inspect_cmd",
@@ -58,11 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line for a user error: the message, and for filesystem errors the path too."""
+    """One line for a user error: the message, and for filesystem errors the path too.
+
+    Messages quote what the user (or a file) wrote: control characters are shown escaped,
+    so an ESC sequence in a value cannot redraw the terminal.
+    """
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
-        return f"{exc.strerror}{where}"
-    return str(exc).strip() or type(exc).__name__
+        return printable(f"{exc.strerror}{where}")
+    return printable(str(exc).strip() or type(exc).__name__, multiline=True)
 
 
 def main(argv: list[str] | None = None) -> int:

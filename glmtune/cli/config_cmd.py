@@ -23,6 +23,7 @@ from glmtune.config import (
     validate_config,
     validate_parallel,
 )
+from glmtune.io.text_limits import printable
 
 _OVERRIDES_HELP = "dotted overrides after the recipe: --optim.lr=2e-5 or --optim.lr 2e-5"
 _EXAMPLES = """examples:
@@ -98,11 +99,11 @@ def _validate(args: argparse.Namespace) -> int:
             detail = str(exc).replace("\n", "\n    ")
             # A layout can be sound for its world size and model and still need degrees not built yet.
             valid = f"\n    layout (valid for its world size and model): {layout.describe()}" if layout else ""
-            print(f"FAIL {recipe}\n    {detail}{valid}")
+            print(printable(f"FAIL {recipe}\n    {detail}{valid}", multiline=True))
             continue
         layout = pipeline_split_description(cfg, degrees)
         print(
-            f"ok   {recipe}\n    {degrees.describe()}\n"
+            f"ok   {printable(recipe)}\n    {degrees.describe()}\n"
             f"    model: {dims.num_experts} experts ({dims.num_experts // degrees.ep} per EP rank), "
             f"{dims.num_layers} layers, pp stages {layout} [{dims.source}]\n"
             f"    batch: {cfg.train.global_batch_size} rows/step = micro {cfg.train.micro_batch_size} x dp {degrees.dp}"

@@ -141,6 +141,17 @@ def read_yaml_layer(path: Path, *, kind: str = "recipe", max_bytes: int = MAX_RE
     return layer
 
 
+def load_yaml_text(text: str, name: str, kind: str = "config") -> Any:
+    """`yaml.safe_load(text)` with aliases refused and nesting bounded (for YAML glmtune wrote
+    and reads back, e.g. a run's config.yaml, which whoever can write the run directory controls);
+    a refusal or a syntax error is a ValueError naming `name`."""
+    try:
+        root = _compose(text, name, kind)
+        return None if root is None else yaml.SafeLoader("").construct_document(root)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{name}: invalid YAML: {exc}") from None
+
+
 def _walk(node: yaml.Node, path: KeyPath, label: str, constructor: yaml.SafeLoader, where: dict) -> Any:
     if isinstance(node, yaml.MappingNode):
         constructor.flatten_mapping(node)  # resolves YAML `<<:` merge keys in place

@@ -198,7 +198,7 @@ def load_suite(path: str | Path) -> Suite:
         raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_SUITE_BYTES:,} a suite file "
                          "may have (MAX_SUITE_BYTES); the rows belong in set files")
     data = path.read_bytes()  # hashed and copied into the eval directory as read
-    layer = read_yaml_layer(path)
+    layer = read_yaml_layer(path, kind="suite")
     label = str(path)
     converter = Converter(layer.where, label)
     file = converter.dataclass(layer.data, SuiteFile, ())

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 import glmtune
 from glmtune.config import config_to_yaml
+from glmtune.config.sources import load_yaml_text
 from glmtune.config.model_dims import model_args
 from glmtune.io.fingerprint import config_sha256
 from glmtune.preflight.context import Preflight
@@ -138,7 +138,7 @@ def model_revision(path: Path) -> tuple[str | None, str]:
 
 def recipe_pins(recipe: Path) -> list[dict[str, str]]:
     """sha256 of the recipe file and of every recipe it extends, bases first."""
-    data = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    data = load_yaml_text(recipe.read_text(encoding="utf-8"), str(recipe), "recipe") or {}
     bases = data.get("extends") or []
     chain = [pin for base in ([bases] if isinstance(bases, str) else bases)
              for pin in recipe_pins(recipe.parent / base)]

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from glmtune.config.sources import load_yaml_text
 from glmtune.io.text_limits import printable
 from glmtune.release import signing, triggers
 from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
@@ -159,10 +159,8 @@ def _read_yaml(path: Path) -> Any:
     if path.stat().st_size > MAX_JSON_BYTES:
         raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_JSON_BYTES:,} a config may have")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except RecursionError:
-        raise ValueError(f"{path}: YAML nested too deep to be a config") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        return load_yaml_text(path.read_text(encoding="utf-8"), str(path)) or {}
+    except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not YAML ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") \
             from None
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.sharded_load import load_sharded
@@ -31,6 +32,7 @@ from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.io.fingerprint import base_identity_from_dir
+from glmtune.io.text_limits import printable
 from glmtune.models.glm5.args import PRESETS
 from glmtune.models.glm5.flops import flops_per_token, peak_tflops
 from glmtune.distributed.pipeline_plan import describe_split
@@ -67,8 +69,10 @@ def _samples_table(before, after) -> Table:
     table.add_column("before", max_width=36)
     table.add_column("after", max_width=36)
     for b, a in list(zip(before, after))[:3]:  # all prompts are scored; three are shown
-        mark = "[green]✓[/green] " if a.exact else "[red]✗[/red] "
-        table.add_row(b.prompt, b.reference, b.output or "(empty)", mark + (a.output or "(empty)"))
+        # Model outputs and data are text, never rich markup ("[/x]" would raise) nor terminal escapes.
+        after_cell = Text.assemble(("✓ ", "green") if a.exact else ("✗ ", "red"), printable(a.output or "(empty)"))
+        table.add_row(Text(printable(b.prompt)), Text(printable(b.reference)), Text(printable(b.output or "(empty)")),
+                      after_cell)
     return table
 
 

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.config.sources import load_yaml_text
 from glmtune.io.text_limits import parse_json
 
 RUN_FILE = "run.json"
@@ -88,7 +88,8 @@ _NOT_THE_RUN = ("logging.run_dir", "checkpoint.dir", "checkpoint.resume", "data.
 
 def config_changes(saved_yaml: str, new_yaml: str) -> list[str]:
     """`key: old -> new` for every resolved setting that differs (locations and resume aside)."""
-    old, new = _flatten(yaml.safe_load(saved_yaml) or {}), _flatten(yaml.safe_load(new_yaml) or {})
+    old = _flatten(load_yaml_text(saved_yaml, "the run's config.yaml") or {})
+    new = _flatten(load_yaml_text(new_yaml, "the resolved config") or {})
     return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key) and key not in _NOT_THE_RUN]
 
