@@ -129,6 +129,23 @@ def interrupts_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def run() -> None:
+    """The `glmtune` command (and `python -m glmtune`): `main()`, then exit with its status.
+
+    An interrupted command exits 130 through `os._exit` once its output is flushed: a
+    KeyboardInterrupt that passed through native code (torch's C++, tokenizers' Rust)
+    can leave CPython's own "killed by SIGINT" flag set, which turns a clean `sys.exit(130)`
+    into a death by SIGINT (-2) after "interrupted" was printed. Every `finally` of the
+    command has run by then; only interpreter shutdown is skipped.
+    """
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 def _interrupted(command: str) -> int:
     _print_on_rank0(f"glmtune {command}: interrupted" if command else "glmtune: interrupted")
     return 130
