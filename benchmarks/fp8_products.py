@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmtune.kernels import fp8_blocks  # noqa: E402
 from glmtune.kernels.fp8_matmul import grouped_linear_fp8, linear_fp8  # noqa: E402
-from glmtune.models.glm5.moe import grouped_linear  # noqa: E402
+from glmtune.kernels.grouped_gemm import grouped_linear  # noqa: E402
 
 DENSE = {"q_a_proj": (2048, 6144), "q_b_proj": (16384, 2048), "kv_b_proj": (28672, 512), "o_proj": (6144, 16384),
          "shared gate_proj": (2048, 6144), "shared down_proj": (6144, 2048)}

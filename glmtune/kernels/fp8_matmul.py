@@ -16,8 +16,8 @@ Dense backends (`linear_fp8`):
               W); dims that are not multiples of 128 take the dequant path.
 
 Routed experts (`grouped_linear_fp8`): the layer's stacked weight dequantized into a
-transient in the activations' dtype and the grouped bf16 GEMM (torch 2.11 has no
-blockwise-scaled grouped GEMM); the backward dequantizes again.
+transient in the activations' dtype and the grouped bf16 GEMM (`grouped_gemm.py`; torch
+2.11 has no blockwise-scaled grouped GEMM); the backward dequantizes again.
 
 Legend: M rows, I input width, O output width, E experts.
 """
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from glmtune.kernels import fp8_blocks
+from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.kernels.moe_combine import _interpreting
 
 try:
@@ -169,8 +170,6 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, backen
 @torch.library.custom_op("glmtune::grouped_linear_fp8", mutates_args=())
 def _grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         offsets_E: torch.Tensor) -> torch.Tensor:
-    from glmtune.models.glm5.moe import grouped_linear
-
     return grouped_linear(x_NI, dequantize_fast(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
 
 
@@ -182,8 +181,6 @@ def _(x_NI, w_q, w_scale, offsets_E):
 @torch.library.custom_op("glmtune::grouped_linear_fp8_input_grad", mutates_args=())
 def _grouped_linear_fp8_input_grad(grad_NO: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                    offsets_E: torch.Tensor) -> torch.Tensor:
-    from glmtune.models.glm5.moe import grouped_linear
-
     w = dequantize_fast(w_q, w_scale, grad_NO.dtype)
     return grouped_linear(grad_NO.contiguous(), w.transpose(1, 2), offsets_E, "grouped_mm")
 

@@ -29,8 +29,8 @@ import functools
 
 import torch
 
+from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.kernels.moe_combine import _interpreting
-from glmtune.models.glm5.moe import grouped_linear
 
 try:
     import triton

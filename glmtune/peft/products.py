@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.kernels.lowrank_add import lowrank_grouped_add, per_expert_outer
-from glmtune.models.glm5.moe import grouped_linear
 
 
 @torch.library.custom_op("glmtune::lora_linear", mutates_args=())

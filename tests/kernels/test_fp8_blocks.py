@@ -10,7 +10,7 @@ import torch
 
 from glmtune.kernels import fp8_blocks
 from glmtune.kernels.fp8_matmul import grouped_linear_fp8, linear_fp8
-from glmtune.models.glm5.moe import grouped_linear
+from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.models.glm5.state_dict_adapter import dequantize_fp8_block
 
 

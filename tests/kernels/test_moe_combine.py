@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 
 def _route(dispatcher, x, w_expert, idx, gate, upstream):
-    from glmtune.models.glm5.moe import grouped_linear
+    from glmtune.kernels.grouped_gemm import grouped_linear
 
     x_sorted, per_expert, state = dispatcher.dispatch(x, idx, gate, w_expert.shape[0])
     y_sorted = grouped_linear(x_sorted, w_expert, torch.cumsum(per_expert, 0), "loop")

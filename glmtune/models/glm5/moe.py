@@ -7,10 +7,11 @@ scaled by `routed_scaling_factor`.
 
 Routed experts are stored stacked — `gate_up_proj` [E, 2I, D] (gate rows first)
 and `down_proj` [E, D, I], the in-memory layout of transformers — and computed over
-tokens sorted by expert, with a grouped GEMM (`grouped_mm` backend) or a loop over
-experts (`loop` backend, the reference). Token movement goes through a
-`TokenDispatcher`, so expert parallelism (`glmtune/distributed/expert_parallel.py`)
-can replace the local one without touching the model.
+tokens sorted by expert through `glmtune/kernels/grouped_gemm.py`: one grouped GEMM
+(`grouped_mm` backend) or a loop over experts (`loop` backend, the reference). Token
+movement goes through a `TokenDispatcher`, so expert parallelism
+(`glmtune/distributed/expert_parallel.py`) can replace the local one without touching
+the model.
 
 Legend: T tokens, D model dim, E experts, L experts computed on this rank (E without
 expert parallelism), K experts per token, I expert width, N = T*K routed (token, expert)
@@ -28,9 +29,9 @@ from torch import nn
 
 from glmtune.kernels import moe_combine
 from glmtune.kernels.fp8_matmul import grouped_linear_fp8
+from glmtune.kernels.grouped_gemm import BACKENDS as MOE_BACKENDS
+from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.models.glm5.args import Glm5Args
-
-MOE_BACKENDS = ("grouped_mm", "loop")
 
 
 class DenseMLP(nn.Module):
@@ -225,32 +226,6 @@ class LocalTokenDispatcher(TokenDispatcher):
         num_tokens, top_k = state.weights_TK.shape
         y_TKD = permute_rows(y_ND, state.inverse_N, state.order_N).view(num_tokens, top_k, -1)
         return (y_TKD * state.weights_TK.unsqueeze(-1)).sum(dim=1).to(out_dtype)
-
-
-def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if torch.compiler.is_compiling() and w.dtype != torch.bfloat16:
-        return False  # inductor lowers grouped_mm for bf16 only
-    if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device) >= (8, 0)
-    # The CPU kernel needs 16-byte aligned strides.
-    itemsize = w.element_size()
-    return all((s * itemsize) % 16 == 0 for s in (w.shape[-1], w.shape[-2], x.shape[-1]))
-
-
-def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
-    """y[n] = x[n] @ w[e(n)].T for rows grouped by expert; offsets are cumulative row ends."""
-    w_EIO = w_EOI.transpose(-2, -1)
-    if backend == "grouped_mm" and _grouped_mm_usable(x_ND, w_EOI):
-        return F.grouped_mm(x_ND.to(w_EOI.dtype), w_EIO, offs=offsets_E.to(torch.int32))
-    out = x_ND.new_empty(x_ND.shape[0], w_EOI.shape[1], dtype=w_EOI.dtype)
-    start = 0
-    for expert, end in enumerate(offsets_E.tolist()):  # host sync: the reference path only
-        if end > start:
-            out[start:end] = x_ND[start:end].to(w_EOI.dtype) @ w_EIO[expert]
-        start = end
-    return out
 
 
 class GroupedExperts(nn.Module):
