@@ -45,9 +45,9 @@ from torch.nn.utils import skip_init
 
 from glmtune.kernels.fp8_matmul import linear_fp8
 from glmtune.kernels.grouped_gemm import grouped_linear
+from glmtune.kernels.lora_ops import expert_lora_linear, lora_linear
 from glmtune.kernels.lowrank_add import resolve_backend
 from glmtune.models.glm5.moe import GroupedExperts
-from glmtune.peft.products import expert_lora_linear, lora_linear
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 

@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from glmtune.config.schema import ParallelConfig
+from glmtune.kernels import lora_ops as _lora_ops  # noqa: F401  (registers glmtune::lora_linear)
 from glmtune.models.glm5.model import Glm5ForCausalLM
-from glmtune.peft import products as _lora_products  # noqa: F401  (registers glmtune::lora_linear)
 
 
 def _saved_under_checkpointing():

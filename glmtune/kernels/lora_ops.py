@@ -1,5 +1,5 @@
-"""LoRA products whose sums land in the base product's output: no [tokens, out] pass
-spent on adding the adapter's update.
+"""LoRA custom ops: adapter products whose sums land in the base product's output, no
+[tokens, out] pass spent on adding the adapter's update. Used by `glmtune/peft/lora.py`.
 
 Dense (`lora_linear`, a frozen base W [out, in]):
 
@@ -15,9 +15,9 @@ rewrites the backward's `dy W + g A` the same way; as opaque ops (`glmtune::lora
 `glmtune::lora_linear_backward`) the accumulation stays in place.
 
 Routed experts (`expert_lora_linear`, per expert e over its rows, a frozen stacked base
-W [E, out, in]): the same formulas with grouped GEMMs, and the two sums (y and dx)
-through `lowrank_grouped_add`, which adds a rank-r product to a grouped GEMM's output in
-one pass over it.
+W [E, out, in]): the same formulas with grouped GEMMs (`grouped_gemm.py`), and the two
+sums (y and dx) through `lowrank_grouped_add` (`lowrank_add.py`), which adds a rank-r
+product to a grouped GEMM's output in one pass over it.
 
 B arrives with the LoRA scale folded in; all operands share the compute dtype.
 Legend: T tokens (N routed rows for experts), r rank, E experts.

@@ -1,4 +1,4 @@
-"""LoRA products with the sums in the base GEMM's output (`glmtune/peft/products.py`)
+"""LoRA products with the sums in the base GEMM's output (`glmtune/kernels/lora_ops.py`)
 against autograd through the explicit formula: values and every gradient, eager and
 under torch.compile (the ops are opaque to it; their fake shapes must hold)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmtune.peft.products import lora_linear
+from glmtune.kernels.lora_ops import lora_linear
 
 
 def _leaves(seed=0):
