@@ -30,12 +30,22 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from glmtune.config.schema import ParallelConfig
+from glmtune.distributed.context_parallel import apply_context_parallel
+from glmtune.distributed.expert_parallel import apply_expert_parallel
+from glmtune.distributed.mesh import ParallelMesh
+from glmtune.distributed.pipeline import Pipeline, split_model
+from glmtune.distributed.pipeline_plan import stage_ids_for_rank
 from glmtune.kernels import lora_ops as _lora_ops  # noqa: F401  (registers glmtune::lora_linear)
 from glmtune.models.glm5.model import Glm5ForCausalLM
+from glmtune.models.glm5.moe import MoE, Router
+from glmtune.models.glm5.stages import decoder_layers, needs_carry
 
 
 def _saved_under_checkpointing():
@@ -94,15 +104,11 @@ def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selectiv
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
     keep = keep_matmul_min_k if mode == "selective" else None
-    from glmtune.models.glm5.stages import decoder_layers
-
     for layer in decoder_layers(model):
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, keep)
 
 
 def apply_compile(model: Glm5ForCausalLM) -> None:
-    from glmtune.models.glm5.stages import decoder_layers
-
     for layer in decoder_layers(model):
         layer.compile()
 
@@ -111,8 +117,6 @@ def one_rank_process_group(device_type: str) -> bool:
     """Join a process group of this process alone when none exists, so FSDP2's mixed
     precision can run in a one-process run; True when one was created (the caller
     destroys it with `torch.distributed.destroy_process_group()`)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return False
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
@@ -122,8 +126,6 @@ def one_rank_process_group(device_type: str) -> bool:
 
 def _expert_placement(num_experts: int, shards: int):
     """Shard experts' FSDP2 dim 1 when there are more shards than (local) experts."""
-    from torch.distributed.tensor import Shard
-
     return (lambda param: Shard(1)) if shards > num_experts else None
 
 
@@ -161,12 +163,6 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
     their gathered parameters from forward to backward (no reshard after forward):
     resharding would all-gather every layer again for every microbatch.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    from glmtune.models.glm5.moe import MoE, Router
-
-    from glmtune.models.glm5.stages import decoder_layers
-
     compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     # FSDP2's own default (None: reshard every unit but the root) without a pipeline; False under one.
@@ -230,27 +226,19 @@ def parallelize_glm5(
         pipeline: the schedule and split when the mesh has pp > 1; the built
             `glmtune.distributed.pipeline.Pipeline` is then `model.pipeline` (else None).
     """
-    from glmtune.distributed.mesh import ParallelMesh
-
     if mesh is None and param_dtype is not None:
         mesh = ParallelMesh.from_config(ParallelConfig(), world_size=1, device_type=_device_type(model))
     stages = None
     model.pipeline = None
     if mesh is not None and mesh.size("pp") > 1:
-        from glmtune.distributed.pipeline import split_model
-
         assert pipeline is not None, "a pipelined mesh needs PipelineOptions"
         stages = split_model(model, pp=mesh.size("pp"), pp_rank=mesh.rank("pp"), schedule=pipeline.schedule,
                              stages_per_rank=pipeline.stages_per_rank, seq_len=pipeline.seq_len,
                              explicit_split=pipeline.layer_split)
     expert_parallel = mesh is not None and mesh.ep_size > 1
     if expert_parallel:
-        from glmtune.distributed.expert_parallel import apply_expert_parallel
-
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
     if mesh is not None and mesh.size("cp") > 1:
-        from glmtune.distributed.context_parallel import apply_context_parallel
-
         apply_context_parallel(model, mesh.group("cp"), cp_balance)
     if activation_checkpointing != "none":
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
@@ -260,9 +248,6 @@ def parallelize_glm5(
         apply_fsdp(model, mesh.fsdp_mesh(), param_dtype, reduce_dtype,
                    expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None, stages=stages)
     if stages is not None:
-        from glmtune.distributed.pipeline import Pipeline
-        from glmtune.distributed.pipeline_plan import stage_ids_for_rank
-
         queries = pipeline.seq_len // mesh.size("cp")
         model.pipeline = Pipeline(
             stages, stage_ids_for_rank(pipeline.schedule, mesh.rank("pp"), mesh.size("pp"), pipeline.stages_per_rank),
@@ -276,8 +261,6 @@ def parallelize_glm5(
 def _any_carry(model) -> bool:
     """Whether any stage of the pipeline (not only this rank's) starts on a shared-indexer layer:
     creating the carry group is collective, so every rank must agree (all know the whole split)."""
-    from glmtune.models.glm5.stages import needs_carry
-
     split = model.layers_per_stage
     return any(needs_carry(model.args.indexer_types, sum(split[:i])) for i in range(len(split)))
 
