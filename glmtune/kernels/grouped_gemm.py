@@ -13,9 +13,11 @@ Backends (`BACKENDS`, the model's `moe_backend`):
               16-byte aligned strides; under torch.compile bf16 only, the one dtype
               inductor lowers); elsewhere it falls back to the loop.
   loop        one matmul per expert over its rows: the reference, with a host sync on
-              the offsets. Both are checked against transformers' logits in
-              tests/parity/test_hf_parity.py, and the loop is the reference of the FP8
-              and MoE-combine kernel tests (tests/kernels/).
+              the offsets.
+
+grouped_mm is tested against the loop in tests/kernels/test_grouped_gemm.py (values and
+gradients), both against transformers' logits in tests/parity/test_hf_parity.py; the loop
+is also the reference of the FP8 and MoE-combine kernel tests.
 
 Legend: N rows, I input width, O output width, E experts.
 """

@@ -1,5 +1,7 @@
-"""LoRA custom ops: adapter products whose sums land in the base product's output, no
-[tokens, out] pass spent on adding the adapter's update. Used by `glmtune/peft/lora.py`.
+"""LoRA custom ops: adapter products whose sums land in the base product's output.
+
+No [tokens, out] pass is spent on adding the adapter's update. `glmtune/peft/lora.py`
+computes its adapters through them.
 
 Dense (`lora_linear`, a frozen base W [out, in]):
 
