@@ -262,18 +262,6 @@ def check_complete(args: Glm5Args, shapes: dict[str, tuple[int, ...]], plan: Rea
         raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")
 
 
-def full_state_dict(model: Glm5ForCausalLM) -> dict[str, torch.Tensor]:
-    """The unsharded state dict. Under FSDP2 this is collective (call it on every rank) and
-    only rank 0 receives the tensors, on the CPU; elsewhere it is `model.state_dict()`."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def hf_tensors(model: Glm5ForCausalLM, state: dict[str, torch.Tensor] | None = None):
     """(HF key, tensor) for every tensor the checkpoint holds, in model order."""
     adapter = Glm5StateDictAdapter(model.args)

@@ -35,7 +35,6 @@ from glmtune.config.validate import (
     grad_accum_steps,
     pipeline_microbatches,
     resolve_world_size,
-    split_layers,
     validate_config,
     validate_parallel,
 )
@@ -45,5 +44,5 @@ __all__ = [
     "resolve_recipe_path", "PRESET_DIMS", "ModelDims", "model_dims", "DEFAULT_LORA_TARGETS", "MODEL_PRESETS",
     "CheckpointConfig", "DataConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PeftConfig", "SyntheticDataConfig", "TrainConfig", "MeshDegrees", "grad_accum_steps",
-    "pipeline_microbatches", "resolve_world_size", "split_layers", "validate_config", "validate_parallel",
+    "pipeline_microbatches", "resolve_world_size", "validate_config", "validate_parallel",
 ]

@@ -5,7 +5,8 @@
 
 Conversion is strict: unknown keys and wrong types are `ValueError`s naming the key
 path, the expected type, the value, and the file:line (or command-line flag) it came
-from, with a "did you mean" for misspelt keys. All problems are reported at once.
+from, with a "did you mean" for misspelt keys; a key that was removed (`REMOVED_KEYS`)
+says why and that the line goes. All problems are reported at once.
 Two leniencies, both for YAML 1.1's sake: an int is accepted for a float, and so is a
 numeric string, because YAML 1.1 reads `2e-5` (no dot) as a string. Numbers are
 finite: YAML's `.nan`/`.inf` (or `1e999`) in any field, free-form values included, and
@@ -27,7 +28,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-from glmtune.config.schema import JobConfig
+from glmtune.config.schema import JobConfig, ModelConfig, OptimConfig, TrainConfig
 from glmtune.config.sources import KeyPath, Layer, format_path, merge_layers, parse_overrides, read_recipe
 
 # Recipes shipped in the source tree (`pip install -e .`); lets `glmtune config show
@@ -37,6 +38,15 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 _FLOAT_MAX = sys.float_info.max
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _YAML_BOOL_WORDS = "yes/no/on/off/true/false"
+
+# Keys that had one working value and were removed (issue 29): a recipe that still sets one
+# is refused with the reason, at its file:line, rather than as an unknown key.
+REMOVED_KEYS: dict[tuple[type, str], str] = {
+    (TrainConfig, "autocast"): "glmtune computes in model.dtype (bf16 under fp32 master weights) without "
+                               "torch.autocast",
+    (ModelConfig, "indexer_trainable"): "the DSA indexer has no loss yet, so it is always frozen",
+    (OptimConfig, "name"): "the optimizer is always AdamW (optim.fused picks its kernel)",
+}
 
 
 def resolve_recipe_path(name: str | Path) -> Path:
@@ -189,7 +199,10 @@ class Converter:
         kwargs = {}
         for key, item in value.items():
             if key not in hints:
-                self._unknown_key(path, key, names)
+                if (cls, key) in REMOVED_KEYS:
+                    self._removed_key(path + (key,), REMOVED_KEYS[cls, key])
+                else:
+                    self._unknown_key(path, key, names)
                 continue
             try:
                 kwargs[key] = self.convert(item, hints[key], path + (key,))
@@ -262,6 +275,11 @@ class Converter:
         else:
             hint = f"; valid keys{' under ' + format_path(path) if path else ''}: {', '.join(names)}"
         self.errors.append(f"{self.locate(path + (key,))}: unknown key '{full}'{hint}")
+
+    def _removed_key(self, path: KeyPath, why: str) -> None:
+        where = self.locate(path)
+        fix = "drop the flag" if where.startswith("command line") else "delete the line"
+        self.errors.append(f"{where}: {format_path(path)} was removed: {why}; {fix}")
 
     def _type_error(self, path: KeyPath, tp: Any, value: Any, detail: str) -> None:
         shown = repr(value)

@@ -58,7 +58,6 @@ class ModelConfig:
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
     attention_score_buffer_mib: int = 1024  # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never)
-    indexer_trainable: bool = False  # train the DSA indexer; HF's indexer gets no gradient, so default is frozen
     # keep the frozen base in FP8 (e4m3, 128x128 block scales, as GLM-5's FP8 checkpoints store it; LoRA
     # only, an HF directory): dequant = each layer's weight dequantized into a
     # transient for a bf16 GEMM (docs/benchmarks.md); none = FP8 checkpoints are dequantized on load
@@ -115,15 +114,13 @@ class TrainConfig:
     # one process included; gradients reduced in fp32). none: parameters in model.dtype (bf16-only: the one-GPU
     # fast path, warned at start). auto: fp32 for full fine-tuning with model.dtype bfloat16, none otherwise.
     master_weights: Literal["auto", "fp32", "none"] = "auto"
-    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto = none; bf16 is refused (for bf16 compute: model.dtype)
     generate_samples: int = 0  # held-out prompts answered greedily before and after training, scored (3 printed)
 
 
 @dataclass
 class OptimConfig:
-    """Optimizer and learning-rate schedule."""
+    """AdamW (torch.optim.AdamW, or glmtune's Triton kernel: `fused`) and the learning-rate schedule."""
 
-    name: Literal["adamw"] = "adamw"  # torch.optim.AdamW
     lr: float = 1e-5  # peak learning rate
     weight_decay: float = 0.0  # decoupled weight decay
     betas: tuple[float, float] = (0.9, 0.999)  # Adam moment decay rates

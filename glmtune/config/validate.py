@@ -17,9 +17,9 @@ Runnable rule: a layout can be valid and still need what this version has not bu
 `glmtune config validate` and `glmtune train` run, refuses that degree by name, and what
 pipeline or context parallelism cannot do (`pipeline_context_errors`).
 
-Precision rule: `precision_errors` refuses the dtype settings a run cannot honour
-(`train.autocast: bf16`; fp32 master weights under LoRA) and `fp32_master_weights`
-decides what `train.master_weights: auto` means, both without torch, so that
+Precision rule: `precision_errors` refuses the dtype settings a run cannot honour (fp32
+master weights under LoRA) and `fp32_master_weights` decides what
+`train.master_weights: auto` means, both without torch, so that
 `glmtune config validate` refuses what `glmtune train` refuses and stays fast;
 `glmtune.train.precision.resolve_precision` turns the same decision into dtypes.
 
@@ -27,7 +27,7 @@ Pipeline rule: layers need not divide by pp (GLM-5 has 78 layers, NVIDIA runs pp
 We only require `pp * pp_stages_per_rank <= num_layers`; the run splits the layers by
 their training cost (`glmtune/distributed/pipeline_plan.py`: dense and MoE layers, full
 and shared indexers, the LM head on the last stage; GLM-5 over 4 stages -> 20/20/20/18),
-or as `parallel.pp_layer_split` says. `split_layers` is the plain even split.
+or as `parallel.pp_layer_split` says.
 
 All failures are `ValueError`s naming the keys involved, reported together.
 """
@@ -45,13 +45,6 @@ from glmtune.distributed.mesh import raise_config_errors as _raise
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 _TWO_STAGE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 _ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[int]:
-    """Decoder layers per pipeline stage, as even as possible, extras to the earliest stages."""
-    assert 1 <= num_stages <= num_layers, (num_stages, num_layers)
-    base, extra = divmod(num_layers, num_stages)
-    return [base + 1] * extra + [base] * (num_stages - extra)
 
 
 def resolve_world_size(parallel: ParallelConfig, world_size: int | None = None) -> int:
@@ -218,10 +211,6 @@ def pipeline_context_errors(cfg: JobConfig, num_layers: int) -> list[str]:
 def precision_errors(cfg: JobConfig) -> list[str]:
     """The dtype settings a run cannot honour, each naming its keys (why: `glmtune/train/precision.py`)."""
     errors = []
-    if cfg.train.autocast == "bf16":
-        errors.append("train.autocast: bf16 is not supported: torch.autocast over float32 parameters fails in the "
-                      "fused loss and would route tokens in bf16. For bf16 compute set model.dtype: bfloat16 "
-                      "(with fp32 master weights by default, see train.master_weights)")
     if cfg.train.master_weights == "fp32" and cfg.peft.method != "none":
         errors.append("train.master_weights: fp32 with peft.method: lora: the LoRA adapters are fp32 already and "
                       "the base is frozen (fp32 copies of it would only double its memory); use auto or none")

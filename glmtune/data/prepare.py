@@ -48,10 +48,6 @@ class PrepareResult:
     out_dir: Path
     manifest: dict[str, Any]
 
-    @property
-    def short_version(self) -> str:
-        return self.version[:12]
-
 
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -42,7 +42,6 @@ from glmtune.eval.operations import OPERATIONS_METRICS
 from glmtune.eval.scorers import SCORERS, MetricDef
 from glmtune.io.text_limits import safe_name
 
-RULES = ("improves", "no_regression", "min", "max", "max_increase")
 RESERVED_SETS = ("general_text", "operations")  # metric-id prefixes the suite itself produces
 _SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

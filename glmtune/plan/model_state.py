@@ -218,13 +218,3 @@ def whole_model_state(model: nn.Module) -> StateBytes:
     for name, param in model.named_parameters():
         state.add(param_group(name), param.numel(), param.element_size(), param.requires_grad)
     return state
-
-
-def busiest_rank(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[int, StateBytes]:
-    """The rank holding the most model-state bytes, and its bytes. Within a pipeline stage the
-    first rank is the busiest: shard 0 of every tensor is a full `torch.chunk` piece (later
-    pieces are shorter or empty) and every ep rank holds as many experts; so one rank per
-    stage is compared."""
-    stage_size = degrees.world_size // degrees.pp
-    return max(((pp * stage_size, rank_state(model, cfg, degrees, pp * stage_size)) for pp in range(degrees.pp)),
-               key=lambda rank_bytes: rank_bytes[1].total)

@@ -29,7 +29,7 @@ from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.train.precision import resolve_precision
 
-FROZEN_BY_DESIGN = {"indexer": "the DSA indexer has no loss (model.indexer_trainable: false)",
+FROZEN_BY_DESIGN = {"indexer": "the DSA indexer has no loss yet",
                     "mtp": "MTP layers are not in the training forward pass"}
 
 

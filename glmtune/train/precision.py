@@ -15,7 +15,7 @@ moments), divided by the shard count.
 
 torch.autocast is not used for this: over fp32 parameters it fails in the fused loss
 (a bf16 logit gradient against the fp32 head weight) and it would route tokens in
-bf16, so `train.autocast: bf16` is refused before anything is allocated. The rules
+bf16, so there is no autocast setting (`train.autocast` was removed). The rules
 themselves need no torch and live with the config checks
 (`glmtune.config.validate.precision_errors`, `fp32_master_weights`), so that
 `glmtune config validate` refuses what `glmtune train` refuses.

@@ -69,9 +69,6 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
     from glmtune.checkpoint.hf_io import load_pretrained
 
     m = cfg.model
-    if m.indexer_trainable:
-        raise ValueError("model.indexer_trainable: true needs an indexer loss, which this version does not "
-                         "have (transformers trains none either); leave it false")
     dtype = resolve_precision(cfg).param_dtype
     if m.name_or_path in PRESETS:
         args = get_preset(m.name_or_path)

@@ -53,7 +53,6 @@ class TrainerSettings:
     router_bias_update: str = "none"
     router_bias_rate: float = 1e-3
     async_save: bool = False
-    autocast_dtype: torch.dtype | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: bool = True
     # Its appearance asks for a stop like a signal: a file on the shared run directory reaches
@@ -199,9 +198,6 @@ class Trainer:
         # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
         batch = {k: v.to(self.s.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in batch.items()}
-        if self.s.autocast_dtype is not None:
-            with torch.autocast(self.s.device.type, dtype=self.s.autocast_dtype):
-                return self.loss_fn(self.model, batch)
         return self.loss_fn(self.model, batch)
 
     def train_step(self) -> dict[str, Any]:

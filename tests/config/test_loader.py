@@ -140,3 +140,38 @@ def test_dump_then_load_round_trips(tmp_path):
     dump_config(cfg, out)
     assert load_config(out) == cfg
     assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+REMOVED = {  # key -> why, as the refusal says it (issue 29: keys with one working value)
+    "train.autocast": "glmtune computes in model.dtype (bf16 under fp32 master weights) without torch.autocast",
+    "model.indexer_trainable": "the DSA indexer has no loss yet, so it is always frozen",
+    "optim.name": "the optimizer is always AdamW (optim.fused picks its kernel)",
+}
+
+
+def test_a_removed_key_is_refused_with_its_reason_at_its_line(tmp_path):
+    path = write(tmp_path, """
+        model:
+          indexer_trainable: false
+        train:
+          max_steps: 10
+          autocast: none
+        optim:
+          name: adamw
+          lr: 1.0e-4
+    """)
+    with pytest.raises(ValueError) as exc:
+        load_config(path)
+    assert str(exc.value).splitlines() == [
+        "3 config errors:",
+        f"  {path}:2: model.indexer_trainable was removed: {REMOVED['model.indexer_trainable']}; delete the line",
+        f"  {path}:5: train.autocast was removed: {REMOVED['train.autocast']}; delete the line",
+        f"  {path}:7: optim.name was removed: {REMOVED['optim.name']}; delete the line",
+    ]
+
+
+def test_a_removed_key_given_on_the_command_line_says_to_drop_the_flag():
+    with pytest.raises(ValueError) as exc:
+        load_config(None, ["--train.autocast", "bf16"])
+    assert str(exc.value) == (f"command line (--train.autocast bf16): train.autocast was removed: "
+                              f"{REMOVED['train.autocast']}; drop the flag")

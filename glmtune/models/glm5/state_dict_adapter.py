@@ -115,11 +115,6 @@ class Glm5StateDictAdapter:
 _TOP_LEVEL_KEYS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 
 
-def fp8_scale_shape(weight_shape: tuple[int, ...]) -> tuple[int, int]:
-    """The shape of the `weight_scale_inv` of a 2-D FP8 weight: one scale per 128x128 block."""
-    return fp8_blocks.scale_shape(weight_shape)
-
-
 check_fp8_scale = fp8_blocks.check_scale
 
 
