@@ -3,7 +3,7 @@
     python benchmarks/cp_balance.py                      # GLM-5, 32K rows, cp 8
     python benchmarks/cp_balance.py --seq 16384 --cp 4
 
-For a row of T tokens split over cp ranks (`glmtune/models/glm5/sequence_shard.py`), each
+For a row of T tokens split over cp ranks (`glmtune/models/common/sequence_shard.py`), each
 rank's share of:
   (a) sparse attention (query, key) pairs: min(keys the query may see, index_topk) per query;
       for one-document rows and for rows packed from the bundled synthetic support tickets
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from glmtune.models.glm5.args import get_preset  # noqa: E402
-from glmtune.models.glm5.sequence_shard import BALANCES, SequenceShard  # noqa: E402
+from glmtune.models.common.sequence_shard import BALANCES, SequenceShard  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -131,7 +131,7 @@ def measure(hf_cfg, state, b, cfg, census: bool):
     """(timed peak GiB, GiB allocated at one forward's end, census or None)."""
     from benchmarks.throughput import build_glmtune, glmtune_step, make_batches
     from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
-    from glmtune.models.glm5.masks import longest_document
+    from glmtune.models.common.document_masks import longest_document
 
     lora, fp32 = cfg.peft.method == "lora", cfg.train.master_weights == "fp32"
     batches = make_batches(b, hf_cfg.vocab_size)

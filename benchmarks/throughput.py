@@ -192,7 +192,7 @@ def build_glmtune(cfg, state, a, dtype):
 
 def glmtune_step(model, opt, batches, a):
     """One training step of glmtune's proxy on batch i: the loss, detached."""
-    from glmtune.models.glm5.masks import longest_document
+    from glmtune.models.common.document_masks import longest_document
 
     ids, positions, _ = batches
     ids, pos = ids.to(DEVICE), positions.to(DEVICE)

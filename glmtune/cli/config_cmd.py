@@ -116,9 +116,11 @@ def pipeline_split_description(cfg, degrees) -> str:
     """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the model's architecture."""
     from glmtune.config.model_dims import model_args
     from glmtune.distributed.pipeline_plan import describe_split, plan_stages
+    from glmtune.models.glm5.stage_costs import head_cost, layer_costs
 
+    args = model_args(cfg.model)
     stages = degrees.pp * cfg.parallel.pp_stages_per_rank
-    return describe_split(plan_stages(model_args(cfg.model), stages, cfg.data.packed_sequence_size,
+    return describe_split(plan_stages(layer_costs(args, cfg.data.packed_sequence_size), head_cost(args), stages,
                                       cfg.parallel.pp_layer_split or None))
 
 

@@ -1,15 +1,20 @@
-"""Context parallelism (CP) for GLM-5's MLA + DSA: queries split over a `cp` process group.
+"""Context parallelism (CP): each row's queries split over a `cp` process group, keys all-gathered.
 
 The scheme is NVIDIA AutoModel's for GLM-5 (not ring attention): every cp rank receives
 the same full rows and computes its share of their queries (`SequenceShard`, with their
 global positions); per layer the compressed KV (normed 512-dim latent | roped 64-dim
 k_rot: 576 values per token) and the indexer keys (128 per token) are all-gathered with
 autograd, and each rank runs kv_b over the gathered latent, picks its queries' top-k
-exactly against all keys (no cross-shard merge) and attends them. The model side is in
-`glmtune/models/glm5/{sequence_shard,model,attention,indexer}.py`; this module only
-supplies the collective and installs the shard.
+exactly against all keys (no cross-shard merge) and attends them. The model side is the
+model's (GLM-5's in `glmtune/models/glm5/{model,attention,indexer}.py`); this module only
+supplies the collective and installs the shard; it imports no model family.
 
-`apply_context_parallel(model, group, balance)` sets `model.model.sequence_shard`.
+The interface a model implements (`glmtune/models/common/sequence_shard.py`): the model,
+or its core `model.model`, has an attribute `sequence_shard` (None: every query is local)
+that its layers read; given a `SequenceShard`, it takes full rows and computes the shard's
+queries, gathering keys through `shard.gather`.
+
+`apply_context_parallel(model, group, balance)` sets that `sequence_shard`.
 From then on the model takes full rows and returns this rank's queries' outputs; its
 loss sum and supervised-token count are this rank's, summed across ranks by the caller
 (with the data-parallel ones). Parameter gradients are per rank partial sums, reduced
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glmtune.models.glm5.sequence_shard import SequenceShard, pieces_of, take_pieces
+from glmtune.models.common.sequence_shard import SequenceShard, pieces_of, take_pieces
 
 
 def _row_order(seq_len: int, size: int, balance: str) -> list[tuple[int, int, int]]:
@@ -85,11 +90,13 @@ def gather_sequence(x_BSX: torch.Tensor, group, balance: str) -> torch.Tensor:
 
 
 def apply_context_parallel(model: nn.Module, group, balance: str = "head_tail") -> nn.Module:
-    """Make `model` (a `Glm5ForCausalLM` or its `Glm5Model`) compute only this rank's share
-    of the queries of every row, gathering keys over `group`.
+    """Make `model` compute only this rank's share of the queries of every row, gathering keys
+    over `group`.
 
     Args:
-        model: a built model; it must not be context-parallel already.
+        model: a built model with a `sequence_shard` attribute (module docstring), on itself or
+            on its core `model.model` (e.g. a `Glm5ForCausalLM` or its `Glm5Model`); it must not
+            be context-parallel already.
         group: the process group of the cp ranks (the `cp` axis of the mesh).
         balance: "head_tail" (equal causal work per rank) or "contiguous" (`parallel.cp_balance`).
 

@@ -1,7 +1,9 @@
 """Expert parallelism (EP): each MoE layer's routed experts split over an `ep` mesh axis.
 
 `apply_expert_parallel(model, ep_mesh)` transforms a built model in place, for every MoE
-layer (the MTP layer's included):
+layer (the MTP layer's included). It knows no model family: a MoE layer is any module that
+implements the routed-experts layer contract of `glmtune/models/common/token_dispatch.py`
+(`dispatcher`, `experts`, `num_experts`; found by `expert_layers`):
 
 - every parameter of the routed-experts module ([E, ...]: `gate_up_proj`, `down_proj`,
   and LoRA adapters if present) becomes a DTensor placed `Shard(0)` on the ep mesh: rank r
@@ -28,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from glmtune.distributed.token_exchange import AllGatherTokenDispatcher, AllToAllTokenDispatcher
-from glmtune.models.glm5.moe import MoE, LocalTokenDispatcher, TokenDispatcher
+from glmtune.models.common.token_dispatch import LocalTokenDispatcher, TokenDispatcher, expert_layers
 
 # The plug-in point for token movement: a name -> a builder called with the ep mesh, the
 # number of local experts and the layer's current local dispatcher (whose backend the
@@ -81,7 +83,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str
     """Shard every MoE layer's routed experts over `ep_mesh` and install an ep dispatcher.
 
     Args:
-        model: a built model; its MoE layers still have their local dispatcher.
+        model: a built model; its MoE layers (`expert_layers`) still have their local dispatcher.
         ep_mesh: 1-D mesh of the ranks that share one copy of the experts.
         dispatcher: a name in `DISPATCHERS` ("all_to_all" or the "all_gather" reference).
 
@@ -91,7 +93,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str
         raise ValueError(f"expert-parallel dispatcher {dispatcher!r} unknown; choose from {sorted(DISPATCHERS)}")
     assert ep_mesh.ndim == 1, f"an ep mesh is 1-D, got {ep_mesh.mesh_dim_names}"
     ep = ep_mesh.size()
-    moe_layers = [module for module in model.modules() if isinstance(module, MoE)]
+    moe_layers = expert_layers(model)
     for moe in moe_layers:
         if moe.num_experts % ep:
             raise ValueError(f"parallel.ep={ep} must divide the number of routed experts ({moe.num_experts})")

@@ -1,9 +1,10 @@
-"""Pipeline parallelism: a GLM-5's stages on this pp rank, their schedule, and one step through it.
+"""Pipeline parallelism: a model's stages on this pp rank, their schedule, and one step through it.
 
-`split_model` prunes the model to this rank's stages (`glmtune/models/glm5/stages.py`,
-split by `pipeline_plan.py`) before the other transformations apply to its layers;
-`Pipeline` then wraps each stage in a `torch.distributed.pipelining.PipelineStage` on
-the pp group and runs the configured schedule:
+The model family's plan splits the model into stage modules (GLM-5's:
+`glmtune/models/glm5/parallelize.py`'s `split_model`, with the split of
+`pipeline_plan.py`) before the other transformations apply to its layers; `Pipeline`
+then wraps each stage in a `torch.distributed.pipelining.PipelineStage` on the pp group
+and runs the configured schedule:
 
     loss_sum = pipeline.train_step(batch, loss_scale)   # forward + backward of one micro batch
     loss_sum, count = pipeline.evaluate(batch)           # forward only (validation)
@@ -18,16 +19,37 @@ the step's.
 Activations between stages: hidden states [mb, S, D] in the compute dtype. Their
 shapes are given to each PipelineStage up front (static metadata), so no trial
 microbatch runs before the first step. Every microbatch of a run has the same shape
-(packed rows). The top-k selection a stage starting on a shared-indexer layer needs
-does not go through the schedule (torch 2.11's stages mark every received tensor as
-requiring a gradient, which a bool mask cannot): the sending stage posts it on a
-process group of its own (`carry_group`, the pp ranks again) as its forward runs, the
-receiving stage takes it at the start of its forward. Both run a stage's microbatches
-in order, so the n-th message is the n-th microbatch's; stages on one rank (V schedules)
-hand it over in memory.
+(packed rows). A selection a stage may need from the previous one (GLM-5: the top-k
+selection of a stage starting on a shared-indexer layer; a [mb, S, T] uint8 mask and a
+uint8 [1] flag) does not go through the schedule (torch 2.11's stages mark every
+received tensor as requiring a gradient, which a bool mask cannot): the sending stage
+posts it on a process group of its own (`carry_group`, the pp ranks again) as its
+forward runs, the receiving stage takes it at the start of its forward. Both run a
+stage's microbatches in order, so the n-th message is the n-th microbatch's; stages on
+one rank (V schedules) hand it over in memory.
 
 Evaluation runs the stages in order with plain point-to-point sends (no backward,
 no schedule): each stage's activations go to the next stage's rank.
+
+The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.py`'s
+`Glm5Stage`); this module imports no model family and relies on these members only:
+
+    is_first, is_last     bool: the stage takes the token ids [mb, T] / returns the scaled
+                          loss sum of the microbatch, a [1] tensor (else hidden states)
+    carry_in, carry_out   bool: the stage receives / sends the selection above
+    send_selection        set here: (mask uint8 [mb, S, T], flag uint8 [1]) -> None, called
+                          by a `carry_out` stage during its forward
+    receive_selection     set here: () -> (mask, flag), called by a `carry_in` stage
+    microbatch_facts      list of `MicrobatchFacts` (`glmtune/models/common/microbatch_facts.py`),
+                          queued here one per microbatch, consumed in order by the forward
+    loss_sums             list of tensors: the last stage appends each microbatch's unscaled
+                          loss sum; read and cleared here
+    local_tokens(t_BT)    this rank's queries of a per-token tensor of the full rows ([B, T, ...]
+                          -> [B, S, ...]; itself without context parallelism)
+    forward(x, *, position_ids, document_ids, targets)
+                          x: ids or hidden states; the keywords are [mb, T] tensors of the rows
+
+Legend: mb rows of a microbatch, S this rank's queries of a row, T tokens of a row, D model dim.
 """
 
 from __future__ import annotations
@@ -38,19 +60,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
-from glmtune.models.glm5.stages import Glm5Stage, MicrobatchFacts, split_into_stages
-from glmtune.models.glm5.masks import longest_document, single_document_rows
-
-
-def split_model(model: nn.Module, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int, seq_len: int,
-                explicit_split: list[int] | None = None, loss_chunk_size: int = 2048) -> list[Glm5Stage]:
-    """Prune `model` to this pp rank's stages and return them (module docstring)."""
-    layers_per_stage = plan_stages(model.args, pp * stages_per_rank, seq_len, explicit_split)
-    stage_ids = stage_ids_for_rank(schedule, pp_rank, pp, stages_per_rank)
-    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size)
-    model.layers_per_stage = layers_per_stage  # for the run's description
-    return stages
+from glmtune.distributed.pipeline_plan import stage_ids_for_rank
+from glmtune.models.common.microbatch_facts import MicrobatchFacts
 
 
 def _identity_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -63,7 +74,8 @@ class Pipeline:
     """The schedule over this rank's stages (module docstring).
 
     Args:
-        stages: this rank's `Glm5Stage`s (after FSDP2, which wraps each as a root unit).
+        stages: this rank's stage modules (the stage interface of the module docstring),
+            after FSDP2, which wraps each as a root unit.
         stage_ids: their indices in the pipeline; num_stages: the pipeline's stages.
         group: the pp process group; device: this rank's device.
         schedule: a `torch.distributed.pipelining` schedule name; microbatches per micro batch.
@@ -73,7 +85,7 @@ class Pipeline:
         carry_group: a second group of the same pp ranks, for the carried top-k selections.
     """
 
-    def __init__(self, stages: list[Glm5Stage], stage_ids: list[int], num_stages: int, group, device: torch.device,
+    def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
                  dtype: torch.dtype, carry_group=None) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -146,15 +158,11 @@ class Pipeline:
     def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local) -> None:
         """Each stage's per-microbatch host facts, from the host copies of the ids."""
         rows = batch["input_ids"].shape[0] // self.microbatches
-        seq_len = batch["input_ids"].shape[1]
         facts = []
         for m in range(self.microbatches):
             part = slice(m * rows, (m + 1) * rows)
-            documents = batch["document_ids"][part]
             supervised = int((local(batch["targets"][part]) != -100).sum())
-            facts.append(MicrobatchFacts(longest_document(seq_len, document_ids_BS=documents),
-                                         single_document_rows(seq_len, document_ids_BS=documents), supervised,
-                                         loss_scale))
+            facts.append(MicrobatchFacts.of_rows(batch["document_ids"][part], supervised, loss_scale))
         for stage in self.stages:
             stage.microbatch_facts = list(facts)
             stage.loss_sums = []
@@ -164,8 +172,7 @@ class Pipeline:
                 for key in ("position_ids", "document_ids", "targets")}
 
     def _local(self):
-        core = self.stages[0].core[0]
-        return getattr(core, "local_tokens", lambda t: t)
+        return self.stages[0].local_tokens
 
     # -- steps ------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, Any], loss_scale: float) -> torch.Tensor:

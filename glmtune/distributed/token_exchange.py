@@ -35,7 +35,7 @@ from torch.distributed._functional_collectives import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from glmtune.models.glm5.moe import (
+from glmtune.models.common.token_dispatch import (
     DispatchState,
     LocalDispatchState,
     LocalTokenDispatcher,

@@ -32,6 +32,7 @@ from torch import nn
 from glmtune.config import JobConfig
 from glmtune.distributed.mesh import MeshDegrees, ParallelMesh
 from glmtune.models.glm5.param_groups import param_group
+from glmtune.models.glm5.stage_costs import head_cost, layer_costs
 
 _EXPERTS = ".mlp.experts."
 
@@ -148,7 +149,8 @@ def layer_stages(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tupl
     p = cfg.parallel
     if degrees.pp == 1:
         return [0] * args.num_hidden_layers, [[0]]
-    split = plan_stages(args, degrees.pp * p.pp_stages_per_rank, cfg.data.packed_sequence_size // degrees.cp,
+    seq_len = cfg.data.packed_sequence_size // degrees.cp
+    split = plan_stages(layer_costs(args, seq_len), head_cost(args), degrees.pp * p.pp_stages_per_rank,
                         p.pp_layer_split or None)
     stage = [s for s, count in enumerate(split) for _ in range(count)]
     ranks = [stage_ids_for_rank(p.pp_schedule, r, degrees.pp, p.pp_stages_per_rank) for r in range(degrees.pp)]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from glmtune.data.packing import next_token_targets
-from glmtune.models.glm5.masks import longest_document, single_document_rows
+from glmtune.models.common.document_masks import longest_document, single_document_rows
 
 
 def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:

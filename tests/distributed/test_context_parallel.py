@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from glmtune.distributed.context_parallel import apply_context_parallel, gather_sequence
+from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5 import build_model, get_preset
-from glmtune.models.glm5.sequence_shard import SequenceShard
 from tests.distributed.gloo_helpers import run_gloo
 
 SEQ = 512

@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from glmtune.distributed.expert_parallel import apply_expert_parallel
 from glmtune.distributed.token_exchange import AllGatherTokenDispatcher, AllToAllTokenDispatcher
+from glmtune.models.common.token_dispatch import LocalTokenDispatcher
 from glmtune.models.glm5 import build_model, get_preset
-from glmtune.models.glm5.moe import LocalTokenDispatcher, MoE
+from glmtune.models.glm5.moe import MoE
 from tests.distributed.gloo_helpers import run_gloo
 
 SCENARIOS = ("uneven", "starved")

@@ -8,16 +8,12 @@ import itertools
 import pytest
 import torch
 
-from glmtune.distributed.pipeline_plan import (
-    balanced_split,
-    head_cost,
-    layer_costs,
-    plan_stages,
-    stage_ids_for_rank,
-)
+from glmtune.distributed.pipeline_plan import balanced_split, plan_stages, stage_ids_for_rank
+from glmtune.models.common.microbatch_facts import MicrobatchFacts
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.counts import parameter_report
-from glmtune.models.glm5.stages import MicrobatchFacts, decoder_layers, split_into_stages
+from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.models.glm5.stages import decoder_layers, split_into_stages
 
 
 def _brute_force(costs, stages, extra):
@@ -56,9 +52,10 @@ def test_costs_follow_the_model_dense_moe_indexer_and_head():
     full = [c for c, t in zip(costs[3:], args.indexer_types[3:]) if t == "full"]
     shared = [c for c, t in zip(costs[3:], args.indexer_types[3:]) if t == "shared"]
     assert min(full) > max(shared)  # the indexer scores every earlier key
-    assert plan_stages(get_preset("glm5"), 4, 4096) == [20, 20, 20, 18]  # the head weighs on the last stage
+    glm5 = get_preset("glm5")
+    assert plan_stages(layer_costs(glm5, 4096), head_cost(glm5), 4) == [20, 20, 20, 18]  # the head weighs on the last stage
     assert head_cost(args) > costs[3]
-    assert plan_stages(args, 4, 4096, explicit=[10, 30, 30, 8]) == [10, 30, 30, 8]
+    assert plan_stages(costs, head_cost(args), 4, explicit=[10, 30, 30, 8]) == [10, 30, 30, 8]
 
 
 def test_stage_placement_per_schedule():

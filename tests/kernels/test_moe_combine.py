@@ -23,7 +23,7 @@ def _route(dispatcher, x, w_expert, idx, gate, upstream):
 
 
 def check_triton_dispatch_matches_torch():
-    from glmtune.models.glm5.moe import LocalTokenDispatcher
+    from glmtune.models.common.token_dispatch import LocalTokenDispatcher
 
     gen = torch.Generator().manual_seed(0)
     tokens, dim, experts, top_k = 19, 1030, 6, 3  # dim spans two 1024-wide column blocks

@@ -3,10 +3,10 @@ is exact: it equals running the scores and top-k."""
 
 import torch
 
+from glmtune.models.common.document_masks import allowed_mask
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.indexer import Indexer
-from glmtune.models.glm5.masks import allowed_mask
 
 
 def _inputs(args, positions, documents):

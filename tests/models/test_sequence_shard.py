@@ -4,10 +4,10 @@ behaviour under a one-rank shard (the whole sharded code path, with the identity
 import pytest
 import torch
 
+from glmtune.models.common.document_masks import allowed_mask
+from glmtune.models.common.sequence_shard import SequenceShard, causal_pairs, pieces_of
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.indexer import dsa_topk_mask
-from glmtune.models.glm5.masks import allowed_mask
-from glmtune.models.glm5.sequence_shard import SequenceShard, causal_pairs, pieces_of
 
 
 def _shards(size: int, balance: str) -> list[SequenceShard]:

@@ -1,0 +1,15 @@
+"""Model-agnostic model pieces, and the interfaces a model family implements for distributed/.
+
+Above kernels/ only: a module here imports kernels/ and models/common/, never a model
+family, so both the families and distributed/ build on it.
+
+  document_masks    block-causal masks of packed rows, longest document, one-document rows
+  loss              the chunked causal-LM cross-entropy
+  microbatch_facts  host-side facts of a microbatch (`MicrobatchFacts`), queued for stages
+  rmsnorm           RMSNorm
+  rope              rotary position embedding (interleaved, over the rope slice)
+  sequence_shard    a context-parallel rank's queries (`SequenceShard`; the model's
+                    `sequence_shard` attribute)
+  token_dispatch    MoE token dispatch (`TokenDispatcher`, `LocalTokenDispatcher`) and the
+                    routed-experts layer contract (`expert_layers`)
+"""

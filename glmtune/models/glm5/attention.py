@@ -45,11 +45,11 @@ from torch import nn
 from glmtune.kernels.sparse_attention import SCORE_BUFFER_BYTES
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import apply_interleaved_rope, softmax_scale_for
+from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention
 from glmtune.models.glm5.indexer import Indexer
-from glmtune.models.glm5.sequence_shard import SequenceShard
 from glmtune.models.glm5.triton_attention import triton_attention_available, triton_masked_attention
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton")

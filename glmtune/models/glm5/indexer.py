@@ -37,8 +37,8 @@ from torch import nn
 from glmtune.kernels.indexer_scores import available as indexer_scores_available
 from glmtune.kernels.indexer_scores import indexer_scores
 from glmtune.models.common.rope import apply_interleaved_rope
+from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5.args import Glm5Args
-from glmtune.models.glm5.sequence_shard import SequenceShard
 
 INDEXER_BACKENDS = ("auto", "reference", "chunked", "fused")
 _CHUNK_SCORE_BYTES = 256 * 2**20

@@ -12,7 +12,7 @@ load/save round trip; they take no part in the forward pass of the main model.
 The model knows nothing of parallelism; `parallelize_glm5()` transforms it. Under
 context parallelism it is handed a `SequenceShard` (`Glm5Model.sequence_shard`): it
 then takes the full rows, computes only this rank's queries of them, and gathers keys
-through the shard's injected `gather` (`sequence_shard.py`).
+through the shard's injected `gather` (`glmtune/models/common/sequence_shard.py`).
 
 Legend: B batch, S queries (this rank's: T / cp under context parallelism, else T),
 T tokens of a row, D model dim, V vocab.
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glmtune.models.common.document_masks import allowed_mask, longest_document, single_document_rows
 from glmtune.models.common.loss import chunked_cross_entropy
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
+from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
-from glmtune.models.glm5.masks import allowed_mask, longest_document, single_document_rows
 from glmtune.models.glm5.moe import DenseMLP, MoE
-from glmtune.models.glm5.sequence_shard import SequenceShard
 
 
 @dataclass
@@ -147,9 +147,10 @@ class Glm5Model(nn.Module):
                      single_document: bool | None = None) -> LayerInputs:
         """The shared inputs of the decoder layers for rows of `seq_len` tokens.
 
-        `longest` (`masks.longest_document`) and `single_document` (`masks.single_document_rows`)
-        are host facts of the ids: omitted, they are computed here (a host sync when the ids
-        are on the GPU; callers pass them from the host batch).
+        `longest` (`document_masks.longest_document`) and `single_document`
+        (`document_masks.single_document_rows`) are host facts of the ids: omitted, they are
+        computed here (a host sync when the ids are on the GPU; callers pass them from the
+        host batch).
 
         Under a sequence shard, `seq_len` and the ids are those of the FULL rows (the same
         on every cp rank) and so are `longest` and `single_document`; the result describes
@@ -227,9 +228,9 @@ class Glm5ForCausalLM(nn.Module):
             targets: [B, T] next-token ids (-100 = no loss). When given, the loss is computed
                 here by the chunked cross-entropy (never all fp32 logits at once), inside
                 forward so that sharded wrappers (FSDP2) have the head weight gathered.
-            longest_document: `masks.longest_document` of these ids, computed on the host;
+            longest_document: `document_masks.longest_document` of these ids, computed on the host;
                 omitted, the model computes it (a host sync when the ids are on the GPU).
-            single_document: `masks.single_document_rows` of these ids (every row one
+            single_document: `document_masks.single_document_rows` of these ids (every row one
                 document), from the host like `longest_document`.
             num_supervised: the number of targets != -100 (of this rank's queries under context
                 parallelism: `model.model.local_tokens(targets)`), counted on the host;

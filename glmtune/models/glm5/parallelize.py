@@ -2,8 +2,9 @@
 
 Transformations apply in this fixed order, each one optional:
   0. pipeline split (PP)           - the model pruned to this pp rank's stages (consecutive
-                                     layers; `glmtune/distributed/pipeline.py`); everything
-                                     below applies to what is left, each stage its own FSDP root
+                                     layers, balanced by GLM-5's costs: `split_model`); everything
+                                     below applies to what is left, each stage its own FSDP root,
+                                     and `glmtune/distributed/pipeline.py` runs the stages
   1. expert parallelism (EP)       - routed experts sharded over an `ep` mesh axis
   2. context parallelism (CP)      - sequence sharded over a `cp` mesh axis
   3. activation checkpointing (AC) - per decoder layer: "full", or "selective" (keeps top-k
@@ -40,12 +41,13 @@ from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.context_parallel import apply_context_parallel
 from glmtune.distributed.expert_parallel import apply_expert_parallel
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.distributed.pipeline import Pipeline, split_model
-from glmtune.distributed.pipeline_plan import stage_ids_for_rank
+from glmtune.distributed.pipeline import Pipeline
+from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
 from glmtune.kernels import lora_ops as _lora_ops  # noqa: F401  (registers glmtune::lora_linear)
 from glmtune.models.glm5.model import Glm5ForCausalLM
 from glmtune.models.glm5.moe import MoE, Router
-from glmtune.models.glm5.stages import decoder_layers, needs_carry
+from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.models.glm5.stages import Glm5Stage, decoder_layers, needs_carry, split_into_stages
 
 
 def _saved_under_checkpointing():
@@ -184,6 +186,20 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def split_model(model: Glm5ForCausalLM, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int,
+                seq_len: int, explicit_split: list[int] | None = None,
+                loss_chunk_size: int = 2048) -> list[Glm5Stage]:
+    """Prune `model` to this pp rank's stages and return them: the layers split by their training
+    cost (`stage_costs.py`, balanced by `glmtune/distributed/pipeline_plan.py`) or as
+    `explicit_split` says, the stages placed on ranks as `schedule` wants (`models/glm5/stages.py`)."""
+    args = model.args
+    layers_per_stage = plan_stages(layer_costs(args, seq_len), head_cost(args), pp * stages_per_rank, explicit_split)
+    stage_ids = stage_ids_for_rank(schedule, pp_rank, pp, stages_per_rank)
+    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size)
+    model.layers_per_stage = layers_per_stage  # for the run's description
+    return stages
 
 
 @dataclass(frozen=True)

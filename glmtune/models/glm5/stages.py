@@ -13,10 +13,10 @@ part in the forward pass; they stay outside the stage module).
 Side inputs every stage needs (positions, documents, targets) come as keyword
 arguments; `torch.distributed.pipelining` hands each microbatch's keyword arguments to
 every stage, and only the activations travel between stages. Facts about a
-microbatch counted on the host (longest document, one-document rows, supervised
-targets: they pick the attention path and size the loss without a host sync) are
-queued by the caller in `microbatch_facts`, one entry per microbatch in the order the
-schedule runs them (every schedule runs a stage's forwards in microbatch order).
+microbatch counted on the host (`MicrobatchFacts`: longest document, one-document rows,
+supervised targets; they pick the attention path and size the loss without a host
+sync) are queued by the caller in `microbatch_facts`, one entry per microbatch in the
+order the schedule runs them (every schedule runs a stage's forwards in microbatch order).
 
 Shared-indexer layers (GLM-5.2/5.3 IndexShare) reuse the top-k selection of the
 latest full-indexer layer. When a stage starts on such a layer, the previous stage
@@ -26,32 +26,24 @@ By default they are extra outputs / inputs of the stages; a caller that moves th
 itself (a pipeline schedule only moves tensors that can carry a gradient) sets
 `send_selection` / `receive_selection`, and the stages then pass hidden states only.
 
-The model knows nothing of parallelism: which stages exist, on which rank, and how
-their activations move is `glmtune/distributed/pipeline.py`'s business.
+A stage implements the stage interface `glmtune/distributed/pipeline.py` documents
+(`is_first`, `is_last`, `carry_in`, `carry_out`, `send_selection`, `receive_selection`,
+`microbatch_facts`, `loss_sums`, `local_tokens`). The model knows nothing of
+parallelism: which stages exist, on which rank, and how their activations move is the
+pipeline's business; the split itself is the plan's (`parallelize.split_model`).
 
 Legend: B rows in a microbatch, S queries on this rank, T tokens of a row, D model dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from glmtune.models.common.loss import chunked_cross_entropy
+from glmtune.models.common.microbatch_facts import MicrobatchFacts
 from glmtune.models.glm5.model import Glm5ForCausalLM
 from glmtune.models.glm5.moe import MoE
-
-
-@dataclass(frozen=True)
-class MicrobatchFacts:
-    """Host-side facts of one microbatch's rows (`masks.longest_document`, `single_document_rows`)."""
-
-    longest: int
-    single_document: bool
-    supervised: int | None = None  # targets != -100 among this rank's queries (None: counted on the device)
-    loss_scale: float | None = None  # the last stage returns loss_sum x this (1 / the step's supervised tokens)
 
 
 def decoder_layers(model: Glm5ForCausalLM) -> list[nn.Module]:
@@ -108,6 +100,11 @@ class Glm5Stage(nn.Module):
         self.send_selection = None
         self.receive_selection = None
 
+    def local_tokens(self, t_BT: torch.Tensor) -> torch.Tensor:
+        """This process's tokens of a per-token tensor of the full rows ([B, T, ...] -> [B, S, ...]);
+        itself without context parallelism."""
+        return self.core[0].local_tokens(t_BT)
+
     def forward(self, x, carried_mask=None, carried_all=None, *, position_ids, document_ids, targets=None):
         """One microbatch through this stage.
 
@@ -122,7 +119,7 @@ class Glm5Stage(nn.Module):
         assert self.microbatch_facts, "queue the microbatch's host facts before running the stage"
         facts = self.microbatch_facts.pop(0)
         core = self.core[0]
-        local = getattr(core, "local_tokens", lambda t: t)  # the query slice under context parallelism
+        local = self.local_tokens  # the query slice under context parallelism
         if self.is_first:
             h_BSD = self.embed_tokens(local(x))
         else:

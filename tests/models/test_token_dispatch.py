@@ -1,8 +1,12 @@
-"""The local token dispatcher against a per-token loop, in value and in every gradient."""
+"""The local token dispatcher against a per-token loop, in value and in every gradient; the
+routed-experts layers found through the contract (`expert_layers`), whatever the model."""
 
 import torch
+from torch import nn
 
-from glmtune.models.glm5.moe import LocalTokenDispatcher
+from glmtune.models.common.token_dispatch import LocalTokenDispatcher, expert_layers
+from glmtune.models.glm5 import build_model, get_preset
+from glmtune.models.glm5.moe import MoE
 
 
 def test_dispatch_combine_equals_per_token_loop():
@@ -28,3 +32,19 @@ def test_dispatch_combine_equals_per_token_loop():
     (ref * upstream).sum().backward()
     for mine, theirs in zip(got, (ref.detach(), x.grad, w_expert.grad, gate.grad)):
         assert torch.allclose(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_layers_are_found_by_the_contract():
+    # GLM-5: every MoE layer, the MTP layer's included, and nothing else.
+    model = build_model(get_preset("tiny"), device="meta")
+    assert expert_layers(model) == [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(expert_layers(model)) > 0
+
+    # Any module with a dispatcher, an experts module and a number of experts, of no family.
+    class Layer(nn.Module):
+        def __init__(self, dispatcher):
+            super().__init__()
+            self.dispatcher, self.experts, self.num_experts = dispatcher, nn.Linear(2, 2), 4
+
+    other = nn.Sequential(Layer(LocalTokenDispatcher()), Layer(None), nn.Linear(2, 2))
+    assert expert_layers(other) == [other[0]]

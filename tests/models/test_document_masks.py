@@ -2,7 +2,7 @@
 
 import torch
 
-from glmtune.models.glm5.masks import allowed_mask, documents_from_positions, longest_document
+from glmtune.models.common.document_masks import allowed_mask, documents_from_positions, longest_document
 
 
 def _most_allowed_keys(position_ids=None, document_ids=None, batch=2, seq=24):
@@ -37,7 +37,7 @@ def test_one_single_document_row_does_not_make_a_packed_row_plain_causal():
     # A truncated conversation fills its row; a packed row beside it must keep its document
     # boundaries (the plain causal path is for batches whose every row is one document).
     from glmtune.models.glm5 import build_model, get_preset
-    from glmtune.models.glm5.masks import single_document_rows
+    from glmtune.models.common.document_masks import single_document_rows
 
     seq = 320  # above the tiny preset's top-k (256): the sparse path and its causal prefix both run
     positions = torch.stack([torch.arange(seq), torch.cat([torch.arange(100), torch.arange(seq - 100)])])
