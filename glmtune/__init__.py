@@ -1,6 +1,6 @@
 """glmtune: a PyTorch-native toolkit for fine-tuning the GLM-5 family (GlmMoeDsaForCausalLM)."""
 
-__version__ = "0.1.0"
+from glmtune.io.version import __version__  # noqa: F401 - glmtune.__version__
 
 
 def __getattr__(name: str):

@@ -30,6 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from glmtune.checkpoint.hf_io import checkpoint_files
+from glmtune.checkpoint.safetensors_header import read_header
+from glmtune.models.glm5.args import Glm5Args
+
 
 COSMETIC_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
                  "output_router_logits", "quantization_config")
@@ -73,10 +77,6 @@ def base_identity_from_dir(hf_dir: str | Path, num_threads: int | None = None) -
     Raises:
         ValueError / FileNotFoundError: a missing or unreadable config, index or shard (named).
     """
-    from glmtune.checkpoint.hf_io import checkpoint_files
-    from glmtune.checkpoint.verify import read_header
-    from glmtune.models.glm5.args import Glm5Args
-
     hf_dir = Path(hf_dir)
     args = Glm5Args.from_hf_config(hf_dir)
     files = checkpoint_files(hf_dir)

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.io.outputs import check_output, output_dir
 from glmtune.kernels import fp8_blocks
 from glmtune.io.sizes import parse_size
@@ -133,8 +134,6 @@ def load_pretrained(
 
 def _check_shard_sizes(files: dict[str, Path]) -> None:
     """A shard cut short (an interrupted copy) is caught before any tensor is read."""
-    from glmtune.checkpoint.verify import read_header  # verify imports this module
-
     for file in sorted(set(files.values())):
         try:
             entries, data_start = read_header(file)

@@ -23,7 +23,7 @@ _EXAMPLES = """examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from glmtune.peft.export import LAYOUTS
+    from glmtune.peft.adapter_export import LAYOUTS
 
     parser = subparsers.add_parser(
         "export",
@@ -113,7 +113,7 @@ def _run(ns: argparse.Namespace) -> int:
     from glmtune.config import load_config
     from glmtune.io.outputs import check_output
     from glmtune.peft import export_adapter
-    from glmtune.train.run_dir import read_run_record
+    from glmtune.io.run_lock import read_run_record
 
     run_dir = Path(ns.run_dir)
     if not (run_dir / "config.yaml").is_file():

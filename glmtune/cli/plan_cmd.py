@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     from glmtune.plan.assemble import PlanOptions, build_plan
     from glmtune.plan.cost import FailureBudget
     from glmtune.plan.hardware import gpu_spec
-    from glmtune.plan.report import print_report
+    from glmtune.plan.plan_report import print_report
     from glmtune.plan.throughput_source import Measurement, read_measurement
 
     args.overrides = _OPTIONS.parse(args)

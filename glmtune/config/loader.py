@@ -29,7 +29,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from glmtune.config.schema import JobConfig, ModelConfig, OptimConfig, TrainConfig
-from glmtune.config.sources import KeyPath, Layer, format_path, merge_layers, parse_overrides, read_recipe
+from glmtune.config.yaml_layers import KeyPath, Layer, format_path, merge_layers, parse_overrides, read_recipe
 
 # Recipes shipped in the source tree (`pip install -e .`); lets `glmtune config show
 # tiny/sft_support_json` work from any directory.

@@ -8,7 +8,7 @@
   prepare.py        `glmtune data prepare`: versioned split files + manifest
   chat_template.py  GLM-5 chat template rendering and assistant-only loss labels
   tokenizer.py      load a model's tokenizer or the bundled tiny one; GLM-5 special tokens
-  cache.py          on-disk tokenization cache
+  token_cache.py    on-disk tokenization cache
   packing.py        first-fit-decreasing packing with per-document positions
   synthetic.py      the bundled support-ticket task (`glmtune data synth`)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glmtune import __version__
+from glmtune.io.version import __version__
 from glmtune.data.contract import check_or_raise, load_schema
 from glmtune.data.dedup import dedup_rows
 from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from glmtune.io.run_lock import STOP_FILE  # the name the trainer watches (in the run directory)
+
 if TYPE_CHECKING:
     from glmtune.config import JobConfig
 
@@ -95,8 +97,6 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
     returns 130 (as `glmtune train`); otherwise torchrun's status: 0, or 1 when a rank
     failed (torchrun's report names the rank and that rank's own status).
     """
-    from glmtune.train.run_dir import STOP_FILE
-
     check_launch(cfg, nproc)
     process: subprocess.Popen | None = None
     received: list[int] = []

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmtune.config import JobConfig, model_dims, validate_config
-from glmtune.train.run_dir import STOP_FILE  # the name the trainer watches (in the run directory)
+from glmtune.io.run_lock import STOP_FILE  # the name the trainer watches (in the run directory)
 
 SCRIPT_DIR = "slurm"  # under the run directory: the scripts and the job logs
 MAX_SIGNAL_LEAD = 65535  # sbatch --signal's limit, in seconds

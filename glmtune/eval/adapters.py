@@ -4,7 +4,7 @@
 unmerged (base GEMM + low-rank update, often in another precision) while a merged checkpoint
 folds the update into the base weights once (`glmtune.peft.merge`): the two can differ, and a
 release should know by how much. This module builds the unmerged form from either export
-layout (`glmtune.peft.export`): the LoRA modules of `glmtune.peft.lora` (the ones training
+layout (`glmtune.peft.adapter_export`): the LoRA modules of `glmtune.peft.lora` (the ones training
 ran) around the base's own parameters, with A and B copied from the file.
 
 PEFT layout: Linear stems map one to one; the fused expert keys are un-reshaped

@@ -10,7 +10,7 @@ scorers' row checks, every row's prompt rendered once (a template the sandbox re
 here). Then each model in turn (base, candidate, candidate-merged): load, answer every set,
 score the general text, measure operations, free it, so memory holds one model.
 
-What one example does cannot end the run: a request that fails (`runner`), a scorer or the
+What one example does cannot end the run: a request that fails (`answering`), a scorer or the
 reference loss raising on one row, is recorded on that example (`failures`, `error`) and the
 scorecard is written; the example fails. The same failure on every row of a set is not an
 example's: it is raised (the model or the scorer is broken; `glmtune eval` exits 3).
@@ -34,16 +34,17 @@ import torch
 
 from glmtune.data.chat_template import load_chat_template
 from glmtune.eval import aggregate
+from glmtune.eval.answering import Prompting, failure_text, run_rows
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, general_text_loss, text_windows
 from glmtune.eval.models import Fingerprints, ModelSource, load_model, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
-from glmtune.eval.runner import Prompting, failure_text, run_rows
 from glmtune.eval.scorers.base import RowScore
 from glmtune.eval.scorers.reference_loss import ReferenceLoss, row_loss
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
 from glmtune.io.outputs import check_output, output_dir
+from glmtune.io.revisions import glmtune_pin
 
 FORMAT = "glmtune.scorecard/1"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -82,8 +83,6 @@ def default_out(candidate: ModelSource, suite: Suite) -> Path:
 
 
 def _glmtune_pin() -> dict[str, Any]:
-    from glmtune.preflight.pins import glmtune_pin
-
     pin = glmtune_pin()
     return {"version": pin["version"], "commit": pin.get("commit"), "dirty": pin.get("dirty")}
 

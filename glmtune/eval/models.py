@@ -25,8 +25,9 @@ import torch
 
 from glmtune.data.sources import file_sha256
 from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.io.run_lock import read_run_record
 from glmtune.models.glm5.args import PRESETS
-from glmtune.peft.export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
+from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "merges.txt", "tokenizer.model")
@@ -111,7 +112,6 @@ def resolve_model(arg: str | Path, role: str) -> ModelSource:
 
 def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
     from glmtune.config import load_config
-    from glmtune.train.run_dir import read_run_record
 
     cfg = load_config(run_dir / "config.yaml")
     record = read_run_record(run_dir) or {}

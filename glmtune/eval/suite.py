@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from glmtune.config.loader import Converter, resolve_recipe_path
-from glmtune.config.sources import format_path, read_yaml_layer
+from glmtune.config.yaml_layers import format_path, read_yaml_layer
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC
 from glmtune.eval.operations import OPERATIONS_METRICS
 from glmtune.eval.scorers import SCORERS, MetricDef

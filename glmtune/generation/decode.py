@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from glmtune.generation.cache import DecodeCache, LayerCache
+from glmtune.generation.kv_cache import DecodeCache, LayerCache
 from glmtune.models.common.rope import apply_interleaved_rope
 from glmtune.models.glm5.attention import MLAttention, eager_attention
 from glmtune.models.glm5.indexer import Indexer

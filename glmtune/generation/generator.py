@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmtune.generation.cache import DecodeCache
+from glmtune.generation.kv_cache import DecodeCache
 from glmtune.generation.decode import forward_cached
 from glmtune.models.glm5.model import Glm5ForCausalLM
 

@@ -7,7 +7,7 @@
 """
 
 from glmtune.peft.apply import apply_lora, lora_spec, select_targets
-from glmtune.peft.export import LAYOUTS, adapter_state, export_adapter, export_run_adapters
+from glmtune.peft.adapter_export import LAYOUTS, adapter_state, export_adapter, export_run_adapters
 from glmtune.peft.inventory import LoraInventory, build_inventory, print_inventory
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 from glmtune.peft.merge import merge_adapter_dir, merge_lora, merge_to_dir

@@ -3,7 +3,7 @@
 `merge_lora(model)` folds the adapters of a model that `apply_lora` transformed into
 its base weights and puts plain modules back, so `save_pretrained` writes an ordinary
 HF checkpoint. `merge_adapter_dir(model, ADAPTER_DIR)` adds the deltas an exported
-adapter directory describes (either layout of `export.py`) to a plain model;
+adapter directory describes (either layout of `adapter_export.py`) to a plain model;
 `merge_to_dir` is `glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`: it never writes over
 BASE_DIR or ADAPTER_DIR, replaces a non-empty OUT_DIR only with `overwrite`, and checks
 that BASE_DIR is the base the adapter records in glmtune_adapter.json (`check_base`).
@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
 from glmtune.io.outputs import check_output
 from glmtune.models.glm5.moe import GroupedExperts
-from glmtune.peft.export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
+from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
 from glmtune.io.text_limits import parse_json
 
@@ -99,7 +99,7 @@ def lora_pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
 
 
 def fused_expert_proj(stem: str, inner: bool, config: dict) -> str:
-    """Which stacked parameter a PEFT ParamWrapper key adapts (see export.py for the nesting)."""
+    """Which stacked parameter a PEFT ParamWrapper key adapts (see adapter_export.py for the nesting)."""
     targeted = [p for p in EXPERT_PARAMS if peft_match(f"{stem}.{p}", config.get("target_parameters") or [])]
     if inner:
         assert targeted == list(EXPERT_PARAMS), (stem, targeted)

@@ -2,7 +2,7 @@
 
 The pieces are computed by the modules beside this one; this module only decides what to
 compute for the command's options and puts the results in one JSON-ready structure
-(`report.py` prints it).
+(`plan_report.py` prints it).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 
 from glmtune.checkpoint.hf_io import checkpoint_files, hf_tensors, load_pretrained, written_dtypes
-from glmtune.peft.export import CONFIG_NAME, RUN_DIRS, WEIGHTS_NAME, adapter_state
+from glmtune.peft.adapter_export import CONFIG_NAME, RUN_DIRS, WEIGHTS_NAME, adapter_state
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.preflight.runs import ReferenceRun

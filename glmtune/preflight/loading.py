@@ -23,11 +23,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from glmtune.cli.inspect_cmd import architecture_summary
 from glmtune.config.model_dims import model_args
 from glmtune.data.chat_template import BUNDLED_TEMPLATE_PATH, load_chat_template, render_conversation, tokenize_row
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
 from glmtune.models.glm5.model import build_model
+from glmtune.models.glm5.summary import architecture_summary
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.train.recipe import tokenizer_dir_for

@@ -14,6 +14,9 @@ Passes when each of those could be determined, every requirement glmtune declare
 installed at a version it accepts (and peft's extra for a LoRA recipe, whose adapter check 8
 loads with PEFT), and transformers has `GlmMoeDsaForCausalLM`. A dirty tree passes, said in
 the message: it runs, but its commit does not reproduce it.
+
+glmtune's commit and the model's revision are read by glmtune/io/revisions.py, which eval and
+release use to record the same pins.
 """
 
 from __future__ import annotations
@@ -22,45 +25,22 @@ import hashlib
 import importlib
 import importlib.metadata
 import platform
-import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import glmtune
 from glmtune.config import config_to_yaml
-from glmtune.config.sources import load_yaml_text
+from glmtune.config.yaml_layers import load_yaml_text
 from glmtune.config.model_dims import model_args
-from glmtune.io.fingerprint import config_sha256
+from glmtune.checkpoint.fingerprint import config_sha256
+from glmtune.io.revisions import SOURCE_ROOT, glmtune_pin, model_revision
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
-
-_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
 def sha256_bytes(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
-                          timeout=60).stdout.strip()
-
-
-def glmtune_pin() -> dict[str, Any]:
-    """glmtune's version and, in a git checkout, its commit and whether the tree has changes."""
-    root = Path(glmtune.__file__).resolve().parents[1]
-    pin: dict[str, Any] = {"version": glmtune.__version__, "source": str(root)}
-    try:
-        top = Path(_git(root, "rev-parse", "--show-toplevel")).resolve()
-        changed = _git(root, "status", "--porcelain").splitlines() if top == root else None
-    except (OSError, subprocess.SubprocessError):
-        changed = None
-    if changed is None:
-        return {**pin, "commit": None, "note": "not a git checkout: the package version is the pin"}
-    return {**pin, "commit": _git(root, "rev-parse", "HEAD"), "dirty": bool(changed), "changed_files": len(changed)}
 
 
 def library_pins() -> dict[str, Any]:
@@ -85,7 +65,7 @@ def _declared_requirements() -> list[str]:
     except importlib.metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH)
         import tomllib
 
-        project = tomllib.loads((Path(glmtune.__file__).parents[1] / "pyproject.toml").read_text())["project"]
+        project = tomllib.loads((SOURCE_ROOT / "pyproject.toml").read_text())["project"]
         return [*project["dependencies"], *(_with_extra(r, extra) for extra, reqs in
                                             project.get("optional-dependencies", {}).items() for r in reqs)]
 
@@ -116,24 +96,6 @@ def dependency_problems(extras: set[str]) -> tuple[list[str], dict[str, Any]]:
         elif not req.specifier.contains(version, prereleases=True):
             problems.append(f"glmtune needs {req}: {req.name} {version} is installed")
     return problems, found
-
-
-def model_revision(path: Path) -> tuple[str | None, str]:
-    """(revision, where it was read) of a downloaded HF directory; (None, why) when none is recorded."""
-    resolved = path.resolve()
-    if resolved.parent.name == "snapshots" and _COMMIT_RE.match(resolved.name):
-        return resolved.name, "HF cache snapshot directory"
-    metadata = path / ".cache" / "huggingface" / "download" / "config.json.metadata"
-    if metadata.is_file():
-        first = metadata.read_text().splitlines()[:1]
-        if first and _COMMIT_RE.match(first[0].strip()):
-            return first[0].strip(), str(metadata)
-    if (path / ".git").exists():
-        try:
-            return _git(path, "rev-parse", "HEAD"), "git checkout"
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return None, "no download metadata (HF cache snapshot, .cache/huggingface, .git): the config hash is the pin"
 
 
 def recipe_pins(recipe: Path) -> list[dict[str, str]]:

@@ -1,6 +1,6 @@
 """Check 2: every shard of the checkpoint present and intact, and room on disk for what follows.
 
-An HF directory is verified by `glmtune.checkpoint.verify.verify_checkpoint` (what
+An HF directory is verified by `glmtune.checkpoint.hf_verify.verify_checkpoint` (what
 `glmtune inspect DIR --verify` runs): every shard the index names exists, each header
 parses, index and headers agree, each file's size is its header's data end, every tensor
 the config implies is there with its shape and dtype, and nothing else is. Headers say
@@ -31,7 +31,7 @@ from typing import Any
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
 from glmtune.checkpoint.integrity import file_digest
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
-from glmtune.checkpoint.verify import verify_checkpoint
+from glmtune.checkpoint.hf_verify import verify_checkpoint
 from glmtune.config.model_dims import model_args
 from glmtune.io.sizes import human_bytes
 from glmtune.preflight.context import Preflight

@@ -8,11 +8,11 @@ The base is the model the run started from:
     and says that no weights were kept.
   * an HF directory (`model.name_or_path: /models/GLM-5`): its revision is the one the
     download recorded (an HF cache snapshot's commit, huggingface-cli's
-    `.cache/huggingface/download/*.metadata`, or a git checkout's HEAD; glmtune/preflight/pins.py),
+    `.cache/huggingface/download/*.metadata`, or a git checkout's HEAD; glmtune/io/revisions.py),
     or "local directory" when none is, in which case the hashes are the only pin.
 
 Either way the directory is recorded as an artifact (every shard's size and sha256) and its
-tensor identity (`config_sha256`, `weights_sha256`: the same as glmtune/io/fingerprint.py's,
+tensor identity (`config_sha256`, `weights_sha256`: the same as glmtune/checkpoint/fingerprint.py's,
 which adapters, `glmtune merge` and the scorecard name bases by) is computed in the same
 pass over the shards. A base whose identity differs from the one the run recorded when it
 trained (run.json, the adapter's glmtune_adapter.json) is refused: the adapter would be
@@ -24,7 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.config import JobConfig
+from glmtune.io.revisions import model_revision
 from glmtune.release.artifacts import TensorRange, read_json, record_artifact
 
 BASE_DIR = "base"  # RUN_DIR/base, as glmtune/train/run.py writes it
@@ -33,7 +35,6 @@ BASE_DIR = "base"  # RUN_DIR/base, as glmtune/train/run.py writes it
 def _tensor_ranges(hf_dir: Path) -> dict[str, list[TensorRange]]:
     """Relative shard path -> the byte ranges of the tensors the checkpoint's index assigns to it."""
     from glmtune.checkpoint.hf_io import checkpoint_files
-    from glmtune.checkpoint.verify import read_header
 
     by_file: dict[Path, list[str]] = {}
     for name, file in checkpoint_files(hf_dir).items():
@@ -68,10 +69,9 @@ def _check_json_files(hf_dir: Path) -> None:
 def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(artifact entry, identity) of an HF checkpoint directory, every byte read once.
 
-    The identity equals `glmtune.io.fingerprint.base_identity_from_dir(hf_dir)` minus its path.
+    The identity equals `glmtune.checkpoint.fingerprint.base_identity_from_dir(hf_dir)` minus its path.
     """
-    from glmtune.checkpoint.verify import read_header
-    from glmtune.io.fingerprint import weights_sha256, config_sha256
+    from glmtune.checkpoint.fingerprint import weights_sha256, config_sha256
     from glmtune.models.glm5.args import Glm5Args
 
     _check_json_files(hf_dir)
@@ -107,7 +107,7 @@ def _recorded_identities(run_dir: Path, run_record: dict[str, Any]) -> list[tupl
 def record_base(cfg: JobConfig, run_dir: Path, run_record: dict[str, Any], manifest_dir: Path,
                 lora: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the manifest's `base` section, the base's artifact entry or None). See the module docstring."""
-    from glmtune.io.fingerprint import config_sha256, identity_mismatch
+    from glmtune.checkpoint.fingerprint import config_sha256, identity_mismatch
     from glmtune.models.glm5.args import PRESETS
 
     name = cfg.model.name_or_path
@@ -133,8 +133,6 @@ def record_base(cfg: JobConfig, run_dir: Path, run_record: dict[str, Any], manif
         if not hf_dir.is_dir():
             raise ValueError(f"{run_dir / 'config.yaml'}: model.name_or_path {name} is not a directory "
                              "(moved or deleted?): the base model must be present to be recorded")
-        from glmtune.preflight.pins import model_revision
-
         revision, source = model_revision(hf_dir)
         section.update(revision=revision, revision_source=source if revision else
                        "local directory (no HF cache snapshot, .cache/huggingface metadata or git checkout): "

@@ -26,7 +26,6 @@ RUN_DIR is refused before anything is hashed (glmtune/release/paths.py).
 from __future__ import annotations
 
 import datetime
-import fcntl
 import hashlib
 import json
 import os
@@ -36,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 
-from glmtune.config.sources import load_yaml_text
+from glmtune.config.yaml_layers import load_yaml_text
+from glmtune.io.run_lock import RUN_FILE, lock_holder
 from glmtune.io.text_limits import printable
 from glmtune.release import signing, triggers
 from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
@@ -117,16 +117,9 @@ def _approval(by: str | None, note: str | None, at: str) -> dict[str, Any] | Non
 
 
 def _check_not_training(run_dir: Path) -> None:
-    lock = run_dir / ".glmtune.lock"  # glmtune/train/run_dir.py holds it exclusively while training
-    if not lock.is_file():
-        return
-    with open(lock, encoding="utf-8") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = fh.read().strip() or "another process"
-            raise ValueError(f"RUN_DIR {run_dir} is in use by {holder}: release the run once it has finished") \
-                from None
+    holder = lock_holder(run_dir)  # a training run holds its lock exclusively
+    if holder is not None:
+        raise ValueError(f"RUN_DIR {run_dir} is in use by {holder}: release the run once it has finished")
 
 
 def _read_run(run_dir: Path):
@@ -134,7 +127,7 @@ def _read_run(run_dir: Path):
 
     if not run_dir.is_dir():
         raise ValueError(f"RUN_DIR {run_dir}: no such directory")
-    config_path, record_path = run_dir / "config.yaml", run_dir / "run.json"
+    config_path, record_path = run_dir / "config.yaml", run_dir / RUN_FILE
     if not config_path.is_file():
         raise ValueError(f"RUN_DIR {run_dir}: no config.yaml (not a glmtune run directory)")
     if not record_path.is_file():
@@ -234,7 +227,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     data, data_artifacts = data_section(cfg, run_dir, data_manifest, manifest_dir, approval)
     artifacts += [tokenizer_artifact, *data_artifacts]
     for name, path, what in (("config", run_dir / "config.yaml", "the resolved training config"),
-                             ("run_record", run_dir / "run.json", "the run's id (run.json)")):
+                             ("run_record", run_dir / RUN_FILE, "the run's id (run.json)")):
         artifacts.append(record_artifact(name, path, "file", what, manifest_dir)[0])
     artifacts.append(record_artifact("eval", eval_dir, "dir", "the eval directory (scorecard, suite, sets)",
                                      manifest_dir)[0])
@@ -275,7 +268,7 @@ def _recorded_inputs(run_dir: Path, eval_dir: Path, deployable: list[tuple[str, 
     found = [("RUN_DIR artifact", p) for _, p, _ in deployable] + [
         ("EVAL_DIR", eval_dir), ("the base model", base_dir), ("the tokenizer", tokenizer_dir),
         ("RUN_DIR data", run_dir / "data"), ("RUN_DIR config", run_dir / "config.yaml"),
-        ("RUN_DIR record", run_dir / "run.json"), ("RUN_DIR data manifest", run_dir / "data_manifest.json")]
+        ("RUN_DIR record", run_dir / RUN_FILE), ("RUN_DIR data manifest", run_dir / "data_manifest.json")]
     if (run_dir / "pii_report.json").is_file():
         found.append(("RUN_DIR PII report", run_dir / "pii_report.json"))
     return found

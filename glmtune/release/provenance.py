@@ -8,7 +8,7 @@
   * tokenizer: the tokenizer files that ship with the model (RUN_DIR/hf for a full
     fine-tune, else the tokenizer the run trained with: `data.tokenizer` or the base's) and
     the chat template they resolve to, hashed as the text `glmtune eval` renders with;
-  * environment: glmtune's version and git commit (glmtune/preflight/pins.py), the python,
+  * environment: glmtune's version and git commit (glmtune/io/revisions.py), the python,
     torch, transformers, peft, safetensors and triton versions installed where the release
     was written.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
+from glmtune.io.revisions import glmtune_pin
 from glmtune.release.artifacts import read_json, record_artifact, stored_root
 
 _MANIFEST_KEYS = ("train_conversations", "validation_conversations", "tokenization_key", "filters", "notes")
@@ -99,8 +100,6 @@ def tokenizer_section(tokenizer_dir: Path, manifest_dir: Path) -> tuple[dict[str
 
 def environment() -> dict[str, Any]:
     """glmtune's version and commit, and the library versions installed here."""
-    from glmtune.preflight.pins import glmtune_pin
-
     libraries: dict[str, str | None] = {"python": platform.python_version()}
     for name in _LIBRARIES:
         try:

@@ -136,7 +136,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     removed is counted in the manifest and described in `notes`; a filter that
     leaves nothing to train on is a ValueError naming it.
     """
-    from glmtune.data.cache import tokenize_dataset
+    from glmtune.data.token_cache import tokenize_dataset
     from glmtune.data.contract import check_or_raise, load_schema
     from glmtune.data.dedup import dedup_rows
     from glmtune.data.packing import pack_samples

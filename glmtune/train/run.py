@@ -31,7 +31,8 @@ from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.io.fingerprint import base_identity_from_dir
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.io.run_lock import STOP_FILE, read_run_record, write_run_record
 from glmtune.io.text_limits import printable
 from glmtune.models.glm5.args import PRESETS
 from glmtune.models.glm5.flops import flops_per_token, peak_tflops
@@ -42,7 +43,7 @@ from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import bf16_only_warning, bf16_rounded_away, resolve_precision
-from glmtune.train.run_dir import STOP_FILE, RunDirectory, check_writable, read_run_record, write_run_record
+from glmtune.train.run_dir import RunDirectory, check_writable
 from glmtune.train.recipe import (
     build_model_from_config,
     check_recipe,

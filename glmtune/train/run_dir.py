@@ -19,15 +19,15 @@
     or an abandoned checkpoint only when it is provably this run's (its name or trainer
     state carries the run id: `CheckpointManager.owned_leftovers`); the rest stay, named;
   * the run and checkpoint directories must be writable, checked with a probe file.
+
+The lock's mechanics, the run record and the stop file are glmtune/io/run_lock.py's (other
+commands read them too); what needs the checkpoint manager (the claim, `--overwrite`) is here.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -37,39 +37,13 @@ from typing import Any
 
 
 from glmtune.checkpoint.manager import CheckpointManager
-from glmtune.config.sources import load_yaml_text
-from glmtune.io.text_limits import parse_json
+from glmtune.config.yaml_layers import load_yaml_text
+from glmtune.io.run_lock import LOCK_FILE, RUN_FILE, STOP_FILE, RunLock, read_run_record, write_run_record
 
-RUN_FILE = "run.json"
-LOCK_FILE = ".glmtune.lock"
-RELEASED = "released:"  # how the lock file's line starts once its run has ended
 # What `glmtune train` writes into a run directory besides checkpoints; `--overwrite`
 # removes these and nothing else (data/ is content-addressed and safe to reuse).
-# Its appearance asks a running training to save a checkpoint and stop (the Slurm batch script's
-# trap and `glmtune train --nproc-per-node`'s SIGUSR1 create it; rank 0 removes it once saved).
-STOP_FILE = "STOP_REQUESTED"
 RUN_OUTPUTS = ("config.yaml", RUN_FILE, "metrics.jsonl", "tensorboard", "trainable.json", "data_manifest.json",
                "pii_report.json", "samples.json", "hf", "base", "adapter", "adapter_per_expert", STOP_FILE)
-
-
-def read_run_record(run_dir: Path) -> dict[str, Any] | None:
-    path = Path(run_dir) / RUN_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = parse_json(path.read_bytes(), str(path), max_bytes=1 << 20)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: unreadable run record ({exc}); not a glmtune run directory") from None
-    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
-        raise ValueError(f"{path}: not a glmtune run record (no run_id); not a glmtune run directory")
-    return record
-
-
-def write_run_record(run_dir: Path, record: dict[str, Any]) -> None:
-    path = Path(run_dir) / RUN_FILE
-    tmp = path.with_name(f".{RUN_FILE}.tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -116,28 +90,6 @@ def check_writable(directory: Path, key: str, create: bool = False) -> None:
                          f"choose another with --{key}") from None
 
 
-def _open_locked(path: Path):
-    """`path` opened and flocked (exclusively, without waiting), or the holder's line as a ValueError."""
-    for _ in range(5):
-        fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            fh.close()
-            raise ValueError(holder) from None
-        # A refused run removes the lock file it created: a lock taken on the removed file
-        # would be nobody's, so take the one now at `path` instead.
-        try:
-            if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
-                return fh
-        except FileNotFoundError:
-            pass
-        fh.close()
-    raise ValueError("another process (its lock file keeps being replaced)")
-
-
 class RunDirectory:
     """The claim of one `glmtune train` process on its run directory (rank 0 only).
 
@@ -151,54 +103,24 @@ class RunDirectory:
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = Path(checkpoint_dir)
         self.say = say
-        self._lock_fh = None
-        self._lock_existed = False  # the lock file was there before this process: a run has used the directory
-        self._marked = False  # this process wrote its line into the lock file (it claimed the directory)
+        self._lock = RunLock(self.run_dir)
 
     def lock(self) -> None:
         """Take the run directory's lock (kept until `release`) or name its holder."""
         check_writable(self.run_dir, "logging.run_dir", create=True)
-        path = self.run_dir / LOCK_FILE
-        self._lock_existed = os.path.lexists(path)
         try:
-            fh = _open_locked(path)
+            stale = self._lock.acquire()
         except ValueError as holder:
             raise ValueError(f"logging.run_dir {self.run_dir} is in use by {holder}; wait for that run to end "
                              "or choose another --logging.run_dir") from None
-        fh.seek(0)
-        previous = fh.read().strip()
-        if previous and not previous.startswith(RELEASED):
-            self.say(f"logging.run_dir {self.run_dir}: taking over the stale lock of {previous} (that process "
+        if stale:
+            self.say(f"logging.run_dir {self.run_dir}: taking over the stale lock of {stale} (that process "
                      "ended without releasing it)")
-        self._lock_fh = fh
 
     def release(self) -> None:
         """End the claim: a run that claimed the directory marks its lock released; a refused one
         removes the lock file it created (and leaves one that was there as it was)."""
-        fh = self._lock_fh
-        if fh is None:
-            return
-        self._lock_fh = None
-        if self._marked:
-            fh.seek(0)
-            line = fh.read().strip()
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"{RELEASED} {line}, ended {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            fh.flush()
-        elif not self._lock_existed:
-            (self.run_dir / LOCK_FILE).unlink(missing_ok=True)  # still ours: the flock is held
-        fh.close()  # closing the descriptor drops the flock
-
-    def _mark_lock(self) -> None:
-        fh = self._lock_fh
-        assert fh is not None, "lock() first"
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"glmtune train (pid {os.getpid()} on {socket.gethostname()}, started "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
-        fh.flush()
-        self._marked = True
+        self._lock.release()
 
     def claim(self, config_yaml: str, resume: str, overwrite: bool) -> str:
         """Decide whose run this directory holds; returns the run id this process trains as.
@@ -207,7 +129,7 @@ class RunDirectory:
         writes but no glmtune run, or when a fresh start would mix with an earlier run and
         `overwrite` is not set.
         """
-        assert self._lock_fh is not None, "lock() first"
+        assert self._lock.held, "lock() first"
         record, not_a_run = self._previous_run()
         fresh = resume in ("none", "", None)
         if record is None:
@@ -223,7 +145,7 @@ class RunDirectory:
         continued = record if (record and not fresh and not overwrite) else None
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         run_id = continued["run_id"] if continued else uuid.uuid4().hex[:16]
-        self._mark_lock()
+        self._lock.mark()
         write_run_record(self.run_dir, {"run_id": run_id, "started": now,
                                         "created": continued.get("created", now) if continued else now})
         return run_id
@@ -236,7 +158,7 @@ class RunDirectory:
             return None, f"its {RUN_FILE} is not a glmtune run record"
         if record is None:
             return None, f"no {RUN_FILE}"
-        if not self._lock_existed:  # a copy made with `cp -r RUN/*` leaves the lock behind
+        if not self._lock.existed:  # a copy made with `cp -r RUN/*` leaves the lock behind
             return None, f"a {RUN_FILE} but no {LOCK_FILE}: a copy of a run directory needs both"
         return record, ""
 

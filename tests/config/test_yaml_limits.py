@@ -10,7 +10,7 @@ import pytest
 
 from glmtune.cli import main
 from glmtune.config import load_config
-from glmtune.config.sources import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, read_yaml_layer
+from glmtune.config.yaml_layers import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, read_yaml_layer
 
 
 def _bomb(levels: int = 9) -> str:

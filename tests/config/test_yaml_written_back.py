@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from glmtune.config.sources import load_yaml_text
+from glmtune.config.yaml_layers import load_yaml_text
 from glmtune.train.run_dir import config_changes
 
 BOMB = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))

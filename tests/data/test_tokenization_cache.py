@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-import glmtune.data.cache as cache_module
-from glmtune.data.cache import TokenizationCache, cache_key, default_cache_dir, tokenize_dataset
+import glmtune.data.token_cache as cache_module
+from glmtune.data.token_cache import TokenizationCache, cache_key, default_cache_dir, tokenize_dataset
 from glmtune.data.chat_template import TokenizedSample
 from glmtune.data.synthetic import generate_rows, load_schema, write_jsonl
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR

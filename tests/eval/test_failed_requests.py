@@ -16,7 +16,7 @@ from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval.aggregate import example_records
 from glmtune.eval.evaluate import answer_set
 from glmtune.eval.models import ModelSource
-from glmtune.eval.runner import Prompting
+from glmtune.eval.answering import Prompting
 from glmtune.eval.scorers.format import Format
 from glmtune.eval.sets import load_sets
 from glmtune.eval.suite import load_suite
@@ -43,7 +43,7 @@ def _answer(tmp_path: Path, rows: list[dict], answers: dict, monkeypatch) -> tup
     [loaded] = load_sets(suite, HF)
     tokenizer = load_tokenizer()
     fake = FakeGenerate(tokenizer, answers)
-    monkeypatch.setattr("glmtune.eval.runner.generate", fake)
+    monkeypatch.setattr("glmtune.eval.answering.generate", fake)
     prompting = Prompting(tokenizer, bundled_template(), False, suite.file.decoding)
     with ToolExecutor(suite.file.tools.functions, 10, tmp_path) as executor:
         outs, scores, _ = answer_set(None, loaded, prompting, executor, 0)

@@ -12,7 +12,7 @@ from glmtune.data.chat_template import bundled_template
 from glmtune.data.synthetic import generate_rows
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval.models import ModelSource
-from glmtune.eval.runner import Prompting
+from glmtune.eval.answering import Prompting
 from glmtune.eval.sets import check_rows, load_sets
 from glmtune.eval.suite import DecodingConfig, load_suite
 

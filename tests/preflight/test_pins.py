@@ -1,10 +1,9 @@
-"""Check 1: what is pinned, where a download's revision is read from, and a model that cannot be pinned."""
+"""Check 1: what is pinned and a model that cannot be pinned (where a download's revision is read
+from: tests/io/test_revisions.py)."""
 
 from __future__ import annotations
 
-import shutil
-
-from glmtune.preflight.pins import check_pins, model_revision, recipe_pins
+from glmtune.preflight.pins import check_pins, recipe_pins
 from tests.preflight.conftest import LORA, SFT
 
 
@@ -17,17 +16,6 @@ def test_pins_of_a_passing_run(sft_done):
 
 def test_recipe_pins_follow_extends():
     assert [p["path"] for p in recipe_pins(LORA)] == [str(SFT), str(LORA)]
-
-
-def test_revision_of_a_cache_snapshot_and_of_download_metadata(ckpt, tmp_path):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = shutil.copytree(ckpt, tmp_path / "models--zai-org--GLM-5" / "snapshots" / commit)
-    assert model_revision(snapshot) == (commit, "HF cache snapshot directory")
-    metadata = ckpt / ".cache" / "huggingface" / "download" / "config.json.metadata"
-    metadata.parent.mkdir(parents=True)
-    metadata.write_text(f"{commit}\n{'b' * 40}\n1700000000.0\n")
-    assert model_revision(ckpt)[0] == commit
-    assert model_revision(tmp_path)[0] is None
 
 
 def test_unreadable_model_config_fails(ckpt, fresh):

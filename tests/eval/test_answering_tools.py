@@ -8,7 +8,7 @@ from pathlib import Path
 from glmtune.data.chat_template import render_conversation
 from glmtune.data.contract import normalize_row
 from glmtune.data.synthetic import generate_rows
-from glmtune.eval.runner import _continue, _Request
+from glmtune.eval.answering import _continue, _Request
 from glmtune.eval.scorers.base import EvalRow
 from glmtune.eval.tools import ToolExecutor
 

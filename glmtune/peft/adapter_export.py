@@ -25,7 +25,7 @@ Two layouts of the same adapter, both with HF module names under the
 Both are exact: nothing is approximated or dropped. Anything trainable that a LoRA
 adapter cannot carry (an unfrozen norm, say) makes the export raise.
 
-Given the base's identity (`glmtune.io.fingerprint`), an export also writes
+Given the base's identity (`glmtune.checkpoint.fingerprint`), an export also writes
 `glmtune_adapter.json` ({"base": identity, "glmtune_version", "layout"}) beside the
 PEFT files, for `glmtune merge` to check its BASE_DIR against; PEFT never reads it.
 """
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from glmtune import __version__
+from glmtune.io.version import __version__
 from glmtune.io.outputs import Source, output_dir
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
@@ -237,7 +237,7 @@ def export_adapter(model: nn.Module, out_dir: str | Path, layout: str = "peft",
         base_model_name_or_path: recorded in adapter_config.json.
         overwrite: replace a non-empty `out_dir`.
         sources: (label, path) of inputs `out_dir` must not be, be inside or contain.
-        base_identity: the base's identity (`glmtune.io.fingerprint`), recorded in
+        base_identity: the base's identity (`glmtune.checkpoint.fingerprint`), recorded in
             glmtune_adapter.json for `glmtune merge` to check.
 
     Under FSDP2 call it on every rank (the adapters are gathered); rank 0 writes. Under

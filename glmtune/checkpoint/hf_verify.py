@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
+from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.state_dict_adapter import FP8_BLOCK, SCALE_SUFFIX, Glm5StateDictAdapter
@@ -45,8 +46,6 @@ SCALE_DTYPES = {"F32", "BF16"}
 # The router's selection bias is added to fp32 sigmoid scores; a lower precision
 # copy changes which experts are picked.
 F32_ONLY_SUFFIX = "e_score_correction_bias"
-# safetensors refuses headers above 100 MB; a larger length means a corrupt file.
-MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -83,30 +82,6 @@ class VerifyReport:
             "num_bytes": self.num_bytes, "num_params": self.num_params, "num_expected": self.num_expected,
             "problems": [{"file": p.file, "key": p.key, "message": p.message} for p in self.problems],
         }
-
-
-def read_header(file: Path) -> tuple[dict[str, Any], int]:
-    """(tensor entries without `__metadata__`, byte offset where the data starts).
-
-    Raises:
-        ValueError: the header is missing, too long for the file, or not JSON.
-    """
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"truncated safetensors file ({size} bytes, no header)")
-        header_len = int.from_bytes(prefix, "little")
-        if header_len > min(size - 8, MAX_HEADER_BYTES):
-            raise ValueError(f"header length {header_len} exceeds the file ({size} bytes): truncated or corrupt")
-        try:
-            header = parse_json(fh.read(header_len), "safetensors header")
-        except ValueError as exc:
-            raise ValueError(f"corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError("corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    return header, 8 + header_len
 
 
 def expected_hf_shapes(args: Glm5Args) -> dict[str, tuple[int, ...]]:

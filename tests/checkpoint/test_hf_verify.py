@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME, hf_tensors, save_pretrained
-from glmtune.checkpoint.verify import expected_hf_shapes, read_header, verify_checkpoint
+from glmtune.checkpoint.hf_verify import expected_hf_shapes, verify_checkpoint
+from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.models.glm5 import build_model, get_preset
 from tests.checkpoint_fixtures import Q_A, weight_map
 
