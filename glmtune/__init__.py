@@ -4,12 +4,13 @@ from glmtune.io.version import __version__  # noqa: F401 - glmtune.__version__
 
 
 def __getattr__(name: str):
-    # Lazy so `glmtune --help` does not pay for importing torch.
     if name in ("load_pretrained", "save_pretrained"):
+        # lazily: `import glmtune` (and `glmtune --help`) stay torch-free
         from glmtune.checkpoint import hf_io
 
         return getattr(hf_io, name)
     if name in ("build_model", "Glm5Args", "Glm5ForCausalLM", "get_preset"):
+        # lazily, torch-free as above
         from glmtune.models import glm5
 
         return getattr(glm5, name)

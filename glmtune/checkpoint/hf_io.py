@@ -32,16 +32,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glmtune.checkpoint.safetensors_header import read_header
+from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
 from glmtune.io.outputs import check_output, output_dir
-from glmtune.kernels import fp8_blocks
 from glmtune.io.sizes import parse_size
 from glmtune.io.text_limits import parse_json
+from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.state_dict_adapter import (
     FP8_BLOCK,
-    SCALE_SUFFIX,
     Glm5StateDictAdapter,
+    SCALE_SUFFIX,
     Target,
     check_fp8_scale,
     dequantize_fp8_block,
@@ -122,8 +124,6 @@ def load_pretrained(
         model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
                             indexer_backend=indexer_backend)
     else:
-        from glmtune.models.glm5.fp8_base import convert_to_fp8_base
-
         model = build_model(args, dtype, "meta", attention_backend, moe_backend, indexer_backend=indexer_backend)
         convert_to_fp8_base(model, fp8_base)
         model.to_empty(device=device)
@@ -358,7 +358,6 @@ def save_pretrained(
     state = model.state_dict()  # FSDP2 keeps the names; sharded parameters are DTensors
     written = None if dtype is None else written_dtypes(model.args, dtype)
     if pp_group is not None:  # every stage's tensors, each gathered onto rank 0 in turn
-        from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
 
         everything = {key: torch.empty(shape, dtype=dt, device="meta")
                       for key, shape, dt, _ in pipeline_entries(state, pp_group)}

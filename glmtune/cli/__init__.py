@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
-import threading
-from contextlib import contextmanager
-from typing import Iterator
 
+from glmtune.io.interrupts import interrupts_deferred
 from glmtune.io.text_limits import printable
 
 # Modules that define subcommands, in the order `--help` lists them.
@@ -92,35 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _print_on_rank0(f"glmtune {command}: error: {describe_error(exc)}")
         return 2
-
-
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block; raise KeyboardInterrupt at its end.
-
-    Why: importing torch calls back into Python from C++. A KeyboardInterrupt raised in
-    such a callback aborts the process (pybind11's `terminate called ... KeyboardInterrupt`,
-    SIGABRT) or, caught, still leaves Python's exit status at "killed by SIGINT". Outside
-    the main thread, or where SIGINT is not Python's default handler (ignored by a shell's
-    `&`, or a caller's own), the block runs as it is.
-
-    A launcher starts its processes with SIGINT blocked (`glmtune.distributed.launch`), so
-    that a Ctrl-C cannot interrupt the interpreter's own start-up (no glmtune code yet, a
-    traceback): it stays pending until here, where the handler is in place to hold it.
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
 
 
 def run() -> None:

@@ -15,14 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from glmtune.config import (
-    config_to_yaml,
-    grad_accum_steps,
-    load_config,
-    model_dims,
-    validate_config,
-    validate_parallel,
-)
+from glmtune.config import config_to_yaml, grad_accum_steps, load_config, model_dims, validate_config, validate_parallel
 from glmtune.io.text_limits import printable
 
 _OVERRIDES_HELP = "dotted overrides after the recipe: --optim.lr=2e-5 or --optim.lr 2e-5"
@@ -114,6 +107,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def pipeline_split_description(cfg, degrees) -> str:
     """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the model's architecture."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config.model_dims import model_args
     from glmtune.distributed.pipeline_plan import describe_split, plan_stages
     from glmtune.models.glm5.stage_costs import head_cost, layer_costs

@@ -13,6 +13,7 @@ from typing import Any
 
 
 def _validate(args: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.data.contract import load_schema, validate_row
     from glmtune.data.sources import no_rows_message, read_rows
 
@@ -35,6 +36,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.data.prepare import prepare_dataset
     from glmtune.data.split import parse_ratios
 
@@ -51,6 +53,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.data.synthetic import SCHEMA_PATH, check_jsonl_target, generate_rows, write_jsonl
 
     check_jsonl_target(args.out, overwrite=args.overwrite)  # before generating the rows

@@ -102,6 +102,7 @@ def _run(ns: argparse.Namespace) -> int:
     except (ValueError, OSError):
         raise  # user errors: glmtune.cli.main prints one line, exit 2
     except Exception as exc:
+        # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
         from glmtune.cli import _debug
 
         if _debug(ns):
@@ -116,6 +117,7 @@ def _evaluate(ns: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.eval.evaluate import run_eval
 
     progress = Console(stderr=True, highlight=False)

@@ -23,6 +23,7 @@ _EXAMPLES = """examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.peft.adapter_export import LAYOUTS
 
     parser = subparsers.add_parser(
@@ -65,6 +66,7 @@ def adapter_model(cfg):
     import torch
     from torch import nn
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.cli.inspect_cmd import recipe_model_args
     from glmtune.models.glm5.model import build_model
     from glmtune.peft import apply_lora
@@ -84,6 +86,7 @@ def adapter_model(cfg):
 def run_base_dir(cfg, run_dir: Path) -> Path:
     """The base model directory a LoRA run trained on: RUN_DIR/base for a preset (the run wrote
     it there), else model.name_or_path."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.models.glm5.args import PRESETS
 
     return run_dir / "base" if cfg.model.name_or_path in PRESETS else Path(cfg.model.name_or_path)
@@ -94,7 +97,8 @@ def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
     adapter's shapes follow it). Its weights are compared by `glmtune merge`, which reads them anyway."""
     if not recorded or recorded.get("kind") != "hf_dir":
         return
-    from glmtune.io.fingerprint import config_sha256
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.checkpoint.fingerprint import config_sha256
     from glmtune.models.glm5.args import Glm5Args
 
     if not (base_dir / "config.json").is_file():
@@ -109,8 +113,9 @@ def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
 def _run(ns: argparse.Namespace) -> int:
     import torch
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.checkpoint.manager import CheckpointManager
-    from glmtune.config import load_config
+    from glmtune.config import load_run_config
     from glmtune.io.outputs import check_output
     from glmtune.peft import export_adapter
     from glmtune.io.run_lock import read_run_record
@@ -118,7 +123,7 @@ def _run(ns: argparse.Namespace) -> int:
     run_dir = Path(ns.run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir}: no config.yaml (not a glmtune run directory)")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_run_config(run_dir / "config.yaml")
     if cfg.peft.method != "lora":
         raise ValueError(f"{run_dir}: peft.method is {cfg.peft.method!r}; only LoRA runs have an adapter "
                          "(full fine-tuning exports with checkpoint.export_hf)")

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from glmtune.checkpoint.hf_verify import VerifyReport, format_report, verify_checkpoint
-from glmtune.models.glm5.args import PRESETS, Glm5Args, resolve_args
+from glmtune.models.glm5.args import Glm5Args, PRESETS, resolve_args
 from glmtune.models.glm5.counts import layer_runs, parameter_report
 from glmtune.models.glm5.summary import architecture_summary
 
@@ -56,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def recipe_model_args(cfg) -> Glm5Args:
     """The architecture a recipe's `model` section names, without reading any weights."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config.model_dims import model_args
 
     return model_args(cfg.model)
@@ -63,6 +64,7 @@ def recipe_model_args(cfg) -> Glm5Args:
 
 def trainable_inventory(recipe: str):
     """(model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config
     from glmtune.models.glm5.model import build_model
     from glmtune.peft import apply_lora, build_inventory

@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(ns: argparse.Namespace) -> int:
     import torch
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.peft.merge import merge_to_dir
 
     dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)

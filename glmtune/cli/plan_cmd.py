@@ -19,6 +19,7 @@ from glmtune.cli.arg_types import RecipeOptions
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.plan.hardware import GPUS
 
     parser.add_argument("--gpus", type=int, default=None,
@@ -88,6 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config
     from glmtune.plan.assemble import PlanOptions, build_plan
     from glmtune.plan.cost import FailureBudget

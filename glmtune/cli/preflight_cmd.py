@@ -82,6 +82,7 @@ def default_out(run_dir: str) -> Path:
 def claim_out(out: Path, overwrite: bool, sources: list[tuple[str, Path]]) -> None:
     """Make `out` an empty directory: refuse one that holds anything (any input, always), and with
     `overwrite` remove only an earlier preflight's output."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.io.outputs import check_output
 
     check_output(out, kind="dir", overwrite=overwrite, sources=sources, what="--out")
@@ -96,6 +97,7 @@ def claim_out(out: Path, overwrite: bool, sources: list[tuple[str, Path]]) -> No
 def _run(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.preflight.context import Preflight
     from glmtune.preflight.report import exit_status, results_table
     from glmtune.preflight.runner import run_checks

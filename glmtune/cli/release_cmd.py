@@ -79,6 +79,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.io.text_limits import printable
 
     try:
@@ -116,6 +117,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
 
 
 def _create(run_dir: str, ns: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.io.sizes import human_bytes
     from glmtune.io.text_limits import printable
     from glmtune.release import ReleaseRequest, create_release
@@ -157,6 +159,7 @@ def _create(run_dir: str, ns: argparse.Namespace) -> int:
 
 
 def _verify(path: str, as_json: bool, key: str | None, allow_outside: bool) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.release.verify import report_lines, verify_release
 
     result = verify_release(path, key, allow_outside)
@@ -165,6 +168,7 @@ def _verify(path: str, as_json: bool, key: str | None, allow_outside: bool) -> i
 
 
 def _diff(path_a: str, path_b: str, as_json: bool) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.release.diff import diff_releases, report_lines
 
     result = diff_releases(path_a, path_b)

@@ -20,8 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from glmtune.cli.arg_types import RecipeOptions
-from glmtune.cli.arg_types import count_arg as _count
+from glmtune.cli.arg_types import RecipeOptions, count_arg as _count
 
 _EXAMPLES = """examples:
   glmtune slurm recipes/glm5/sft_4k.yaml --nodes 32 --partition gpu --time 24:00:00 --dry-run
@@ -79,6 +78,7 @@ def _refuse_flags_a_requeue_breaks(overrides: list[str]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config, resolve_recipe_path
     from glmtune.distributed.slurm import SlurmJob, check_job, check_slurm_launch, sbatch_script, write_script
 

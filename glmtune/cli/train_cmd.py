@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config
     from glmtune.distributed.launch import launch_torchrun, pop_nproc_per_node
 
@@ -46,6 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     if nproc is not None:
         return launch_torchrun(cfg, nproc, [args.recipe, *passed_on], debug=debug_before_train)
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.train.run import run_training
 
     return run_training(cfg, overwrite="--overwrite" in args.overrides)

@@ -13,16 +13,17 @@ from glmtune.config.loader import (
     config_to_yaml,
     dump_config,
     load_config,
+    load_run_config,
     resolve_recipe_path,
 )
-from glmtune.config.model_dims import PRESET_DIMS, ModelDims, model_dims
+from glmtune.config.model_dims import ModelDims, PRESET_DIMS, model_dims
 from glmtune.config.schema import (
-    DEFAULT_LORA_TARGETS,
-    MODEL_PRESETS,
     CheckpointConfig,
+    DEFAULT_LORA_TARGETS,
     DataConfig,
     JobConfig,
     LoggingConfig,
+    MODEL_PRESETS,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -40,7 +41,7 @@ from glmtune.config.validate import (
 )
 
 __all__ = [
-    "RECIPES_DIR", "config_from_dict", "config_to_dict", "config_to_yaml", "dump_config", "load_config",
+    "RECIPES_DIR", "config_from_dict", "config_to_dict", "config_to_yaml", "dump_config", "load_config", "load_run_config",
     "resolve_recipe_path", "PRESET_DIMS", "ModelDims", "model_dims", "DEFAULT_LORA_TARGETS", "MODEL_PRESETS",
     "CheckpointConfig", "DataConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PeftConfig", "SyntheticDataConfig", "TrainConfig", "MeshDegrees", "grad_accum_steps",

@@ -72,6 +72,25 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
     return _build(layer, default_where=str(path) if path is not None else "command line")
 
 
+# A removed key's values that meant nothing: what a run's saved config.yaml records for it.
+REMOVED_DEFAULTS: dict[tuple[str, str], tuple[Any, ...]] = {
+    ("train", "autocast"): ("auto", "none"), ("model", "indexer_trainable"): (False,), ("optim", "name"): ("adamw",),
+}
+
+
+def load_run_config(path: str | Path) -> JobConfig:
+    """A run's saved `config.yaml`, written by an earlier glmtune too: a removed key that holds
+    a value it could only ever have had (REMOVED_DEFAULTS) is dropped, any other is refused
+    as in a recipe (so a run that trained with a setting glmtune no longer has says so)."""
+    layer = read_recipe(Path(path))
+    for (section, key), values in REMOVED_DEFAULTS.items():
+        fields = layer.data.get(section)
+        if isinstance(fields, dict) and key in fields and any(fields[key] == v and type(fields[key]) is type(v)
+                                                              for v in values):
+            del fields[key]
+    return _build(layer, default_where=str(path))
+
+
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
     """Convert an already-parsed mapping (e.g. a checkpoint's saved config) with the same checks."""
     if not isinstance(data, dict):

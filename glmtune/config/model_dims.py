@@ -79,6 +79,7 @@ def model_args(model: ModelConfig):
     """The full architecture (`Glm5Args`) `model` names, without reading weights or importing torch:
     a preset (after `model.overrides`), an HF directory's config.json, or `model.validate_as`
     for a placeholder path. The pipeline split is planned from it."""
+    # torch-free (args only); an import of the model family from config/: the model spec's to own
     from glmtune.models.glm5.args import PRESETS, get_preset, resolve_args
 
     name = model.name_or_path

@@ -1,7 +1,6 @@
 """Cross-field checks of a JobConfig: parallel degrees against the world and the model, batches, schedule.
 
 Mesh rule (FSDP2 + EP, as in torchtitan and NeMo AutoModel):
-
     world_size = dp_replicate * dp_shard * cp * tp * pp
 
 Expert parallelism adds no ranks: the `ep` ranks that split the routed experts are
@@ -9,7 +8,7 @@ carved out of the dp_shard x cp ranks of one replica and pipeline stage, and exp
 weights are FSDP-sharded over the remaining `dp_shard * cp / ep` ranks. Hence
 `dp_shard * cp % ep == 0` and `num_experts % ep == 0`. NVIDIA's GLM-5 recipe: 256
 ranks = dp_shard 64 x pp 4, with ep 64 over those 64 ranks, 4 experts per rank. These
-degree rules belong to the mesh (`glmtune.distributed.mesh.MeshDegrees`); this module
+degree rules belong to the mesh (`glmtune.config.degrees.MeshDegrees`); this module
 adds the world-size sources, the model's layers, pipeline schedules, batches and ranges.
 
 Runnable rule: a layout can be valid and still need what this version has not built
@@ -25,7 +24,7 @@ master weights under LoRA) and `fp32_master_weights` decides what
 
 Pipeline rule: layers need not divide by pp (GLM-5 has 78 layers, NVIDIA runs pp 4).
 We only require `pp * pp_stages_per_rank <= num_layers`; the run splits the layers by
-their training cost (`glmtune/distributed/pipeline_plan.py`: dense and MoE layers, full
+their training cost (`glmtune/models/glm5/stage_costs.py`: dense and MoE layers, full
 and shared indexers, the LM head on the last stage; GLM-5 over 4 stages -> 20/20/20/18),
 or as `parallel.pp_layer_split` says.
 
@@ -37,9 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from glmtune.config.schema import MODEL_PRESETS, JobConfig, ParallelConfig, PeftConfig
-from glmtune.distributed.mesh import MeshDegrees
-from glmtune.distributed.mesh import raise_config_errors as _raise
+from glmtune.config.degrees import MeshDegrees, raise_config_errors as _raise
+from glmtune.config.schema import JobConfig, MODEL_PRESETS, ParallelConfig, PeftConfig
 
 # Schedules that place one stage per rank, and the V-shaped ones that need exactly two.
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")

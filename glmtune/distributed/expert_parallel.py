@@ -4,7 +4,6 @@
 layer (the MTP layer's included). It knows no model family: a MoE layer is any module that
 implements the routed-experts layer contract of `glmtune/models/common/token_dispatch.py`
 (`dispatcher`, `experts`, `num_experts`; found by `expert_layers`):
-
 - every parameter of the routed-experts module ([E, ...]: `gate_up_proj`, `down_proj`,
   and LoRA adapters if present) becomes a DTensor placed `Shard(0)` on the ep mesh: rank r
   keeps experts [r*L, (r+1)*L), L = E / ep. Checkpoints (DCP) therefore record the
@@ -29,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from glmtune.config.degrees import expert_split_errors, raise_config_errors
 from glmtune.distributed.token_exchange import AllGatherTokenDispatcher, AllToAllTokenDispatcher
 from glmtune.models.common.token_dispatch import LocalTokenDispatcher, TokenDispatcher, expert_layers
 
@@ -95,8 +95,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: str
     ep = ep_mesh.size()
     moe_layers = expert_layers(model)
     for moe in moe_layers:
-        if moe.num_experts % ep:
-            raise ValueError(f"parallel.ep={ep} must divide the number of routed experts ({moe.num_experts})")
+        raise_config_errors(expert_split_errors(ep, moe.num_experts))
         if not isinstance(moe.dispatcher, LocalTokenDispatcher):
             raise ValueError("apply_expert_parallel: the model is already expert-parallel")
     if ep == 1:

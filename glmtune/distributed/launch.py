@@ -26,12 +26,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from glmtune.config import JobConfig, model_dims, validate_config
+from glmtune.io.interrupts import interrupts_deferred
 from glmtune.io.run_lock import STOP_FILE  # the name the trainer watches (in the run directory)
-
-if TYPE_CHECKING:
-    from glmtune.config import JobConfig
 
 # torchrun spells it both ways; so do we.
 NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
@@ -72,8 +70,6 @@ def torchrun_command(nproc: int, train_args: list[str], debug: bool = False) -> 
 
 def check_launch(cfg: JobConfig, nproc: int) -> None:
     """Refuse, before any process starts, what the N ranks would refuse anyway."""
-    from glmtune.config import model_dims, validate_config
-
     if "WORLD_SIZE" in os.environ:
         raise ValueError(f"--nproc-per-node: this process is already one of {os.environ['WORLD_SIZE']} started by "
                          "torchrun (WORLD_SIZE is set); drop --nproc-per-node")
@@ -137,7 +133,7 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
 def _start_with_sigint_blocked(command: list[str]) -> subprocess.Popen:
     """Start `command` in its own session with SIGINT blocked, as the signal mask is inherited.
 
-    A Ctrl-C then waits in the new process until `glmtune.cli.interrupts_deferred` lets it
+    A Ctrl-C then waits in the new process until `glmtune.io.interrupts.interrupts_deferred` lets it
     in, instead of interrupting the interpreter's start-up with a traceback. Here the
     signal waits only until Popen returns; `forward` then passes it on.
     """
@@ -156,8 +152,6 @@ def torchrun_main(argv: list[str]) -> int:
     and only then re-raises: 128 + the signal here. A signal before that finds no rank
     started: 130. A failed rank is torchrun's report (which rank, its status), status 1.
     """
-    from glmtune.cli import interrupts_deferred
-
     try:
         with interrupts_deferred():  # importing torch: see interrupts_deferred
             from torch.distributed.elastic.multiprocessing.api import SignalException

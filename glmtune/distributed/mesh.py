@@ -1,8 +1,8 @@
 """The device mesh of a run: degrees, their validation, and the torch DeviceMeshes built from them.
 
-`MeshDegrees` is the resolved layout (numbers only, no torch): `glmtune config
-validate` and the start of `glmtune train` check it against the world size and the
-model. `ParallelMesh` is the runtime object the rest of the code asks for meshes,
+`MeshDegrees` (glmtune/config/degrees.py) is the resolved layout, numbers only: `glmtune
+config validate`, the planner and the start of `glmtune train` check it against the world
+size and the model. `ParallelMesh` is the runtime object the rest of the code asks for meshes,
 process groups, ranks and sizes; it builds each torch `DeviceMesh` on first use.
 
     world_size = pp x dp_replicate x dp_shard x cp x tp        (ranks, outer to inner)
@@ -17,7 +17,6 @@ Expert parallelism adds no ranks: within one replica, the dp_shard x cp ranks ar
 split into `ep` consecutive ranks that hold different experts, and the expert
 weights are FSDP-sharded over the `efsdp = dp_shard x cp / ep` ranks that hold the
 same experts. Example: 8 ranks, dp_replicate 2 x dp_shard 4, ep 2:
-
     global rank    0  1  2  3 | 4  5  6  7
     dp_replicate   0  0  0  0 | 1  1  1  1   HSDP replicas        {0,4} {1,5} {2,6} {3,7}
     dp_shard       0  1  2  3 | 0  1  2  3   dense FSDP shards    {0,1,2,3} {4,5,6,7}
@@ -26,7 +25,6 @@ same experts. Example: 8 ranks, dp_replicate 2 x dp_shard 4, ep 2:
     dp, loss       0  1  2  3   4  5  6  7   different rows; token counts summed over all
 
 And 8 ranks = pp 2 x dp_shard 2 x cp 2, ep 2 (the shape of NVIDIA's GLM-5 recipes):
-
     global rank    0  1  2  3 | 4  5  6  7
     pp             0  0  0  0 | 1  1  1  1   pipeline             {0,4} {1,5} {2,6} {3,7}
     dp (rows)      0  0  1  1 | 0  0  1  1   data parallel        {0,2} {1,3} {4,6} {5,7}
@@ -41,7 +39,6 @@ And 8 ranks = pp 2 x dp_shard 2 x cp 2, ep 2 (the shape of NVIDIA's GLM-5 recipe
 
 API (every `get`/`group`/`*_mesh` call builds groups on first use, which is a
 collective: make the same calls in the same order on every rank):
-
     mesh = ParallelMesh(degrees, device_type="cuda")   # rank from torch.distributed
     mesh.size("ep"), mesh.rank("efsdp")                  # any axis in AXES; pure arithmetic
     mesh.dp_size, mesh.dp_rank, mesh.ep_size, mesh.ep_rank
@@ -58,8 +55,9 @@ when a mesh is built, so validating a recipe stays fast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from glmtune.config.degrees import MeshDegrees, raise_config_errors
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -70,90 +68,6 @@ if TYPE_CHECKING:
 # Axes a ParallelMesh answers `size`/`rank` for; "dp" (ranks that read different rows)
 # and "loss" (ranks whose token counts add up) are flattened views, not extra ranks.
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp_shard_cp", "ep", "efsdp", "dp", "loss")
-# Degrees the config accepts as a layout but this version cannot run yet.
-NOT_BUILT = {"tp": "tensor"}
-
-
-def raise_config_errors(errors: list[str]) -> None:
-    """One ValueError for all `errors`: the message itself, or a count and one per line."""
-    if len(errors) == 1:
-        raise ValueError(errors[0])
-    if errors:
-        raise ValueError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors))
-
-
-@dataclass(frozen=True)
-class MeshDegrees:
-    """The resolved degrees of one run (dp_shard filled in); see the module docstring."""
-
-    world_size: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-
-    @classmethod
-    def resolve(cls, parallel: ParallelConfig, world_size: int) -> MeshDegrees:
-        """Fill `dp_shard: -1` from the world size and check that the degrees multiply to it.
-
-        Raises ValueError naming the keys: a degree < 1, or a product other than the
-        world size. `layout_errors` checks what ep must divide.
-        """
-        p = parallel
-        errors = [f"parallel.{key} must be >= 1, got {getattr(p, key)}"
-                  for key in ("dp_replicate", "tp", "pp", "ep", "cp") if getattr(p, key) < 1]
-        if p.dp_shard < 1 and p.dp_shard != -1:
-            errors.append(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
-        raise_config_errors(errors)
-        others = p.dp_replicate * p.cp * p.tp * p.pp
-        if p.dp_shard == -1:
-            if world_size % others:
-                raise ValueError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate x cp x tp x pp "
-                    f"= {p.dp_replicate} x {p.cp} x {p.tp} x {p.pp} = {others}, so parallel.dp_shard cannot be filled")
-            dp_shard = world_size // others
-        elif others * p.dp_shard != world_size:
-            raise ValueError(
-                f"parallel.dp_replicate x dp_shard x cp x tp x pp = {p.dp_replicate} x {p.dp_shard} x {p.cp} x "
-                f"{p.tp} x {p.pp} = {others * p.dp_shard}, but the world size is {world_size} "
-                "(set parallel.dp_shard: -1 to fill)")
-        else:
-            dp_shard = p.dp_shard
-        return cls(world_size, p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep)
-
-    @property
-    def dp(self) -> int:
-        """Ranks that see different rows of a batch (cp/tp/pp ranks share rows)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def efsdp(self) -> int:
-        """FSDP degree of the expert weights: the dp_shard x cp ranks of a replica left after EP."""
-        return self.dp_shard * self.cp // self.ep
-
-    def layout_errors(self, num_experts: int | None = None) -> list[str]:
-        """What ep must divide: dp_shard x cp (the ranks it is carved from) and the routed experts."""
-        errors = []
-        if num_experts is not None and num_experts % self.ep:
-            errors.append(f"parallel.ep ({self.ep}) must divide the model's {num_experts} routed experts")
-        if (self.dp_shard * self.cp) % self.ep:
-            errors.append(
-                f"parallel.ep ({self.ep}) must divide parallel.dp_shard x parallel.cp ({self.dp_shard} x {self.cp} = "
-                f"{self.dp_shard * self.cp}): expert-parallel ranks are carved from the sharded data-parallel ranks")
-        return errors
-
-    def not_built_errors(self) -> list[str]:
-        """One message per degree this version cannot run yet (tp > 1)."""
-        return [f"parallel.{key} is {getattr(self, key)}, but {kind} parallelism is not built in this version "
-                f"yet; set parallel.{key}: 1" for key, kind in NOT_BUILT.items() if getattr(self, key) > 1]
-
-    def describe(self) -> str:
-        return (
-            f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}"
-            f" x tp {self.tp} x pp {self.pp}; ep {self.ep} (expert FSDP {self.efsdp})"
-        )
 
 
 class ParallelMesh:

@@ -33,11 +33,15 @@ from typing import Any
 import torch
 
 from glmtune.data.chat_template import load_chat_template
+from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval import aggregate
 from glmtune.eval.answering import Prompting, failure_text, run_rows
+from glmtune.eval.gates import evaluate_gates
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, general_text_loss, text_windows
 from glmtune.eval.models import Fingerprints, ModelSource, load_model, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
+from glmtune.eval.report_html import render_html
+from glmtune.eval.report_md import render_markdown
 from glmtune.eval.scorers.base import RowScore
 from glmtune.eval.scorers.reference_loss import ReferenceLoss, row_loss
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
@@ -113,7 +117,6 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
 
-    from glmtune.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
@@ -229,7 +232,6 @@ def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource],
         values = {label: operations_values(operations[label])[definition.name] for label in labels}
         metrics.append(aggregate.single_metric(f"operations/{group}/{definition.name}", definition, values,
                                                operations[labels[0]]["requests"], labels))
-    from glmtune.eval.gates import evaluate_gates
 
     gates = evaluate_gates(suite.file.gates, metrics, labels[1:])
     offered = tools_offered(loaded)
@@ -259,9 +261,6 @@ def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource],
 
 
 def _write(out: Path, overwrite: bool, reads: list, suite: Suite, loaded: list[LoadedSet], card: dict) -> None:
-    from glmtune.eval.report_html import render_html
-    from glmtune.eval.report_md import render_markdown
-
     html = render_html(card)
     markdown = render_markdown(card)
     with output_dir(out, overwrite=overwrite, sources=reads, what="--out") as tmp:

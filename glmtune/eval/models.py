@@ -23,11 +23,15 @@ from pathlib import Path
 
 import torch
 
+from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune.config import load_run_config
 from glmtune.data.sources import file_sha256
-from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.eval.adapters import apply_adapter
 from glmtune.io.run_lock import read_run_record
 from glmtune.models.glm5.args import PRESETS
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
+from glmtune.peft.merge import config_dtype, merge_adapter_dir
 
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "merges.txt", "tokenizer.model")
@@ -111,9 +115,7 @@ def resolve_model(arg: str | Path, role: str) -> ModelSource:
 
 
 def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
-    from glmtune.config import load_config
-
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_run_config(run_dir / "config.yaml")
     record = read_run_record(run_dir) or {}
     if role == "base":
         if (run_dir / "base" / "config.json").is_file():
@@ -175,23 +177,15 @@ class Fingerprints:
 
 
 def checkpoint_dtype(hf_dir: Path) -> torch.dtype:
-    from glmtune.peft.merge import config_dtype
-
     return config_dtype(hf_dir)
 
 
 def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | None):
     """The model in eval mode on `device` (dtype None: the checkpoint's own)."""
-    from glmtune.checkpoint.hf_io import load_pretrained
-
     net = load_pretrained(model.weights_dir, dtype or checkpoint_dtype(model.weights_dir), device)
     if model.adapter_dir is not None:
         if model.merged:
-            from glmtune.peft.merge import merge_adapter_dir
-
             merge_adapter_dir(net, model.adapter_dir)
         else:
-            from glmtune.eval.adapters import apply_adapter
-
             apply_adapter(net, model.adapter_dir)
     return net.eval()

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmtune.generation.kv_cache import DecodeCache
 from glmtune.generation.decode import forward_cached
-from glmtune.models.glm5.model import Glm5ForCausalLM
+from glmtune.generation.kv_cache import DecodeCache
+from glmtune.models.glm5.model import DecoderLayer, Glm5ForCausalLM
 
 
 @dataclass
@@ -169,7 +169,6 @@ def cached_decoding_supported(model) -> bool:
     are not supported (`glmtune.train.generate.greedy_generate` runs those)."""
     from torch.distributed.tensor import DTensor
 
-    from glmtune.models.glm5.model import DecoderLayer
 
     if not isinstance(model, Glm5ForCausalLM) or model.model.sequence_shard is not None:
         return False

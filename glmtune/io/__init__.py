@@ -3,8 +3,6 @@
 outputs      write an output directory or file atomically, never over an input or (without
              `overwrite`) over anything that already holds data
 sizes        byte sizes such as "5GB" (`--max-shard-size`)
-fingerprint  the content identity of a base model (config and weight hashes), so merge can
-             check that an adapter meets the base it was trained on
 text_limits  untrusted text made safe: escaped for a terminal, refused as a path, JSON parsed
              with its size and depth bounded
 """

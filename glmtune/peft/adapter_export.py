@@ -2,7 +2,6 @@
 
 Two layouts of the same adapter, both with HF module names under the
 `base_model.model.` prefix (module names equal transformers' in-memory names):
-
 * `peft` (RUN_DIR/adapter/): what `peft.PeftModel.from_pretrained` loads onto
   transformers' `GlmMoeDsaForCausalLM`, whose experts are stacked 3-D Parameters.
   Routed experts use PEFT's `target_parameters` (lora.ParamWrapper) layout:
@@ -42,8 +41,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from glmtune.io.version import __version__
+from glmtune.distributed.pipeline_state import merge_on_rank0, model_order
 from glmtune.io.outputs import Source, output_dir
+from glmtune.io.version import __version__
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
 LAYOUTS = ("peft", "per_expert")
@@ -188,8 +188,6 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
     hf_params = [n for n, _ in model.named_parameters() if not n.startswith("mtp.") and ".lora_" not in n]
     tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
     if pp_group is not None:
-        from glmtune.distributed.pipeline_state import merge_on_rank0
-
         parts = merge_on_rank0({"tensors": tensors, "modules": modules, "parameters": parameters,
                                 "hf_modules": hf_modules, "hf_params": hf_params}, pp_group, merge=_merge_parts)
         if parts is None:
@@ -211,8 +209,6 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
 
 def _merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One pipeline rank's adapter pieces per entry of `parts`, joined in model order."""
-    from glmtune.distributed.pipeline_state import model_order
-
     def ordered(names):
         return sorted(names, key=lambda n: model_order(n.removeprefix(PREFIX)))
 

@@ -47,6 +47,7 @@ from glmtune.kernels.fp8_matmul import linear_fp8
 from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.kernels.lora_ops import expert_lora_linear, lora_linear
 from glmtune.kernels.lowrank_add import resolve_backend
+from glmtune.models.glm5.fp8_base import Fp8Linear
 from glmtune.models.glm5.moe import GroupedExperts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -149,8 +150,6 @@ class LoRALinear(nn.Linear):
     def base_module(self) -> nn.Linear:
         """A plain nn.Linear (an Fp8Linear on an FP8 base) over the same Parameters (the
         adapter dropped, not merged)."""
-        from glmtune.models.glm5.fp8_base import Fp8Linear
-
         kind = Fp8Linear if getattr(self, "weight_scale_inv", None) is not None else nn.Linear
         linear = kind.__new__(kind)
         nn.Module.__init__(linear)

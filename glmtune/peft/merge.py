@@ -24,11 +24,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.io.outputs import check_output
+from glmtune.io.text_limits import parse_json
+from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
-from glmtune.io.text_limits import parse_json
 
 PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
@@ -211,8 +213,6 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
         overwrite: replace a non-empty OUT_DIR (never BASE_DIR or ADAPTER_DIR).
         force: merge even if BASE_DIR is not the base the adapter records (`check_base`).
     """
-    from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
-
     base_dir = Path(base_dir)
     sources = (("BASE_DIR", base_dir), ("ADAPTER_DIR", adapter_dir))
     check_output(out_dir, overwrite=overwrite, sources=sources, what="OUT_DIR")  # before hours of work
@@ -230,8 +230,6 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
 
 def _requantize(model: nn.Module) -> str:
     """Makes the merged model's quantizable layers FP8; one line with the relative error."""
-    from glmtune.models.glm5.fp8_base import convert_to_fp8_base
-
     errors: list[tuple[float, float]] = []
     convert_to_fp8_base(model, errors=errors)
     overall = math.sqrt(sum(e for e, _ in errors) / max(sum(n for _, n in errors), 1e-300))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
+from glmtune.models.glm5.flops import flops_per_token
 from glmtune.plan import cost as run_cost
 from glmtune.plan.data_tokens import EpochTokens, epoch_tokens, unreadable_data
 from glmtune.plan.floor import floor_table, recipe_row
@@ -124,8 +125,6 @@ def _steps_and_tokens(cfg: JobConfig, data: EpochTokens | None, epochs: float | 
 
 
 def _flops_per_token(model, lengths: list[int]) -> float:
-    from glmtune.models.glm5.flops import flops_per_token
-
     args = model.args
     dense = sum(1 for kind in args.mlp_layer_types if kind != "sparse")
     return flops_per_token(args, args.num_hidden_layers, dense, lengths)

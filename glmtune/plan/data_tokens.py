@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmtune.config import JobConfig
+from glmtune.train.recipe import prepare_data, tokenizer_dir_for
 
 
 @dataclass
@@ -51,8 +52,6 @@ def unreadable_data(cfg: JobConfig) -> str | None:
 
 def epoch_tokens(cfg: JobConfig, vocab_size: int, model_dir: Path | None = None) -> EpochTokens:
     """Pack the recipe's training data as `glmtune train` does and count it (module docstring)."""
-    from glmtune.train.recipe import prepare_data, tokenizer_dir_for
-
     with tempfile.TemporaryDirectory(prefix="glmtune-plan-") as tmp:
         data = prepare_data(cfg, Path(tmp), tokenizer_dir_for(cfg, model_dir), vocab_size)
     lengths, one_document = [], 0

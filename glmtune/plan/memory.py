@@ -3,7 +3,6 @@
 A step is walked phase by phase and the largest total is the planned peak (what
 `torch.cuda.max_memory_allocated` measures; the CUDA context, NCCL buffers and the
 allocator's fragmentation are the separate headroom line of the plan):
-
   forward end     parameters + optimizer state (+ gradients already accumulated by earlier
                   micro-batches) + the saved activations of every in-flight micro-batch +
                   the masks and loss buffers (the fused loss computes the head's weight
@@ -31,9 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from glmtune.config import JobConfig
-from glmtune.distributed.mesh import MeshDegrees
+from glmtune.config.degrees import MeshDegrees
+from glmtune.config.validate import grad_accum_steps, pipeline_microbatches
+from glmtune.distributed.mesh import ParallelMesh
 from glmtune.plan import activations as act
-from glmtune.plan.model_state import StateBytes, fsdp_applies, layer_stages
+from glmtune.plan.model_state import StateBytes, layer_stages
+from glmtune.train.precision import resolve_precision
 
 GIB = 2**30
 
@@ -70,7 +72,6 @@ def in_flight(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int) -> int:
     p = cfg.parallel
     if degrees.pp == 1:
         return 1
-    from glmtune.config.validate import pipeline_microbatches
 
     microbatches = pipeline_microbatches(cfg)
     v = p.pp_stages_per_rank
@@ -88,14 +89,11 @@ def _compute_size(cfg: JobConfig) -> int:
 def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, state: StateBytes,
                      one_document: bool = True) -> MemoryPlan:
     """The phases of one step on global rank `rank` holding `state` (module docstring)."""
-    from glmtune.distributed.mesh import ParallelMesh
-    from glmtune.train.precision import resolve_precision
-
     args = model.args
     e = _compute_size(cfg)
     p = cfg.parallel
     precision = resolve_precision(cfg)
-    fsdp = fsdp_applies(degrees, precision.mixed)
+    fsdp = degrees.fsdp_applies(precision.mixed)
     mesh = ParallelMesh(degrees, rank=rank)
     pp_rank = mesh.rank("pp")
     stage, stages_of_rank = layer_stages(model, cfg, degrees)
@@ -106,25 +104,12 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
 
     rows = cfg.train.micro_batch_size
     if degrees.pp > 1:
-        from glmtune.config.validate import pipeline_microbatches
-
         rows = max(1, rows // pipeline_microbatches(cfg))
     mb = act.MicroBatch(rows, cfg.data.packed_sequence_size, degrees.cp, one_document)
     train = act.Trainability.of(cfg.peft.rank if cfg.peft.method == "lora" else 0)
     score_buffer = cfg.model.attention_score_buffer_mib << 20
 
-    saved = {i: sum(act.layer_saved(args, mb, i, e, train).values()) for i in layers}
-    if p.activation_checkpointing == "full":
-        kept = {i: e * mb.queries * args.hidden_size for i in layers}
-    elif p.activation_checkpointing == "selective":
-        kept = {i: act.selective_kept(args, mb, i, e, p.ac_keep_matmul_min_k) for i in layers}
-    else:
-        kept = dict(saved)
-    # A checkpointed layer's backward runs its forward again: everything it saves comes back,
-    # but what selective checkpointing kept (beyond the layer input) is not recomputed.
-    layer_input = e * mb.queries * args.hidden_size
-    recompute = {i: 0 if p.activation_checkpointing == "none" else saved[i] - (kept[i] - layer_input)
-                 for i in layers}
+    kept, recompute = _layer_activations(args, mb, layers, e, train, p)
     chunks = in_flight(cfg, degrees, pp_rank)
     stages_here = max(1, len(mine))
     # Other in-flight stage-chunks hold about the rank's average stage of layers each.
@@ -144,32 +129,15 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     fixed = {"masks": act.BOOL * mb.queries * mb.keys if not (one_document and mb.seq <= args.index_topk) else 0}
     head = units.get("head")
     head_grad = args.vocab_size * args.hidden_size * e if last and head is not None and head.grads else 0
-    loss = {}
-    if last:
-        loss["final norm"] = act._norm(mb.queries, args.hidden_size, e, train.norms)
-        loss["loss: hidden rows and their gradient"] = 2 * e * mb.queries * args.hidden_size
-    logits_slice = min(2048, mb.queries) * args.vocab_size * (e + act.F32) if last else 0
-    indexer_scratch = max((act.indexer_transient(args, mb, e) for i in layers if args.indexer_types[i] == "full"),
-                          default=0)
-
-    if cfg.model.fp8_base != "none":  # each FP8 projection is dequantized into a transient bf16 weight
-        local_experts = args.n_routed_experts // degrees.ep
-        dequantized = {"FP8 weight dequantized (largest projection)":
-                        2 * local_experts * 2 * args.moe_intermediate_size * args.hidden_size}
-    else:
-        dequantized = {}
-    # Expert parallelism: the all-to-all's send buffer beside the received rows (which the saved
-    # activations count), at balanced routing: this rank's token-expert pairs, one direction at a time.
-    moe_transients = {"MoE all-to-all buffer": e * mb.queries * args.num_experts_per_tok * args.hidden_size} \
-        if degrees.ep > 1 and any(kind == "sparse" for kind in args.mlp_layer_types) else {}
-    moe_transients = {**moe_transients, **dequantized}
+    loss, forward_scratch = _loss_terms(args, mb, layers, e, train, last)
+    moe_transients = _moe_transients(cfg, args, mb, e, degrees)
     # The fused loss computes the head's weight gradient in forward. Under FSDP2 it stays an
     # unsharded gradient of the root unit until the root reduces, after the embedding's backward.
     held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
     phases = [Phase("forward end", {
         **static, "gradients (accumulated)": grads_all if accumulating else 0,
         "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held,
-        "forward scratch": max(logits_slice, indexer_scratch), **moe_transients})]
+        "forward scratch": forward_scratch, **moe_transients})]
 
     done = 0  # sharded gradients finished (not accumulating); the head's is `held` until then
     below = sum(kept.values())
@@ -196,6 +164,52 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     return MemoryPlan(rank, state, peak, phases, {i: kept[i] for i in layers})
 
 
+def _layer_activations(args, mb, layers: list[int], e: int, train, p) -> tuple[dict[int, int], dict[int, int]]:
+    """Per layer: the activations kept for backward under `parallel.activation_checkpointing`,
+    and what its backward recomputes."""
+    saved = {i: sum(act.layer_saved(args, mb, i, e, train).values()) for i in layers}
+    if p.activation_checkpointing == "full":
+        kept = {i: e * mb.queries * args.hidden_size for i in layers}
+    elif p.activation_checkpointing == "selective":
+        kept = {i: act.selective_kept(args, mb, i, e, p.ac_keep_matmul_min_k) for i in layers}
+    else:
+        kept = dict(saved)
+    # A checkpointed layer's backward runs its forward again: everything it saves comes back,
+    # but what selective checkpointing kept (beyond the layer input) is not recomputed.
+    layer_input = e * mb.queries * args.hidden_size
+    recompute = {i: 0 if p.activation_checkpointing == "none" else saved[i] - (kept[i] - layer_input)
+                 for i in layers}
+    return kept, recompute
+
+
+def _loss_terms(args, mb, layers: list[int], e: int, train, last: bool) -> tuple[dict[str, int], int]:
+    """The last stage's final norm and loss rows, and the forward's largest transient (a logits
+    slice of the fused loss, or the indexer's scores)."""
+    loss = {}
+    if last:
+        loss["final norm"] = act._norm(mb.queries, args.hidden_size, e, train.norms)
+        loss["loss: hidden rows and their gradient"] = 2 * e * mb.queries * args.hidden_size
+    logits_slice = min(2048, mb.queries) * args.vocab_size * (e + act.F32) if last else 0
+    indexer_scratch = max((act.indexer_transient(args, mb, e) for i in layers if args.indexer_types[i] == "full"),
+                          default=0)
+    return loss, max(logits_slice, indexer_scratch)
+
+
+def _moe_transients(cfg: JobConfig, args, mb, e: int, degrees: MeshDegrees) -> dict[str, int]:
+    """What an MoE layer holds for a moment: EP's send buffer, an FP8 projection dequantized."""
+    if cfg.model.fp8_base != "none":  # each FP8 projection is dequantized into a transient bf16 weight
+        local_experts = args.n_routed_experts // degrees.ep
+        dequantized = {"FP8 weight dequantized (largest projection)":
+                       2 * local_experts * 2 * args.moe_intermediate_size * args.hidden_size}
+    else:
+        dequantized = {}
+    # Expert parallelism: the all-to-all's send buffer beside the received rows (which the saved
+    # activations count), at balanced routing: this rank's token-expert pairs, one direction at a time.
+    moe_transients = {"MoE all-to-all buffer": e * mb.queries * args.num_experts_per_tok * args.hidden_size} \
+        if degrees.ep > 1 and any(kind == "sparse" for kind in args.mlp_layer_types) else {}
+    return {**moe_transients, **dequantized}
+
+
 def _fsdp_transient(units, order: list[int], n: int, e: int, kept_gathered: bool) -> dict[str, int]:
     """Layer order[n]'s backward under FSDP2: its gathered parameters and the next unit's
     (prefetched), its unsharded gradients in the compute dtype and their fp32 staging copy
@@ -208,8 +222,6 @@ def _fsdp_transient(units, order: list[int], n: int, e: int, kept_gathered: bool
 
 
 def _accumulation_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
-    from glmtune.config.validate import grad_accum_steps
-
     return grad_accum_steps(cfg, degrees)
 
 

@@ -30,9 +30,15 @@ import torch
 from torch import nn
 
 from glmtune.config import JobConfig
-from glmtune.distributed.mesh import MeshDegrees, ParallelMesh
+from glmtune.config.degrees import MeshDegrees
+from glmtune.distributed.mesh import ParallelMesh
+from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
+from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.param_groups import param_group
 from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.peft import apply_lora
+from glmtune.train.precision import resolve_precision
+from glmtune.train.recipe import build_model_from_config
 
 _EXPERTS = ".mlp.experts."
 
@@ -93,10 +99,6 @@ def unit_of(name: str) -> str:
 def build_meta_model(cfg: JobConfig) -> nn.Module:
     """The run's model on the meta device: the architecture, dtypes and trainable set of
     `glmtune train` with this config, and no storage (754B parameters cost nothing)."""
-    from glmtune.models.glm5.fp8_base import convert_to_fp8_base
-    from glmtune.peft import apply_lora
-    from glmtune.train.recipe import build_model_from_config
-
     model, _ = build_model_from_config(_readable(cfg), "meta")
     if cfg.model.fp8_base != "none" and not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
         convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
@@ -143,8 +145,6 @@ def _stage_of(name: str, layer_stage: list[int], last: int) -> int:
 
 def layer_stages(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[list[int], list[list[int]]]:
     """(stage of each decoder layer, the stages each pp rank runs)."""
-    from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
-
     args = model.args
     p = cfg.parallel
     if degrees.pp == 1:
@@ -178,21 +178,14 @@ def _local_numel(param: torch.Tensor, experts: bool, degrees: MeshDegrees, mesh:
     return math.prod(shape)
 
 
-def fsdp_applies(degrees: MeshDegrees, mixed_precision: bool) -> bool:
-    """Whether parameters are FSDP2 shards (any multi-rank run, or fp32 masters in one process)."""
-    return degrees.world_size > 1 or mixed_precision
-
-
 def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int) -> StateBytes:
     """What global rank `rank` holds under `degrees` (module docstring)."""
-    from glmtune.train.precision import resolve_precision
-
     mesh = ParallelMesh(degrees, rank=rank)
     stage, stages_of_rank = layer_stages(model, cfg, degrees)
     mine = set(stages_of_rank[mesh.rank("pp")])
     last = max(max(s) for s in stages_of_rank)
     precision = resolve_precision(cfg)
-    sharded = fsdp_applies(degrees, precision.mixed)
+    sharded = degrees.fsdp_applies(precision.mixed)
     compute_size = torch.empty((), dtype=precision.compute_dtype).element_size()
     state = StateBytes()
     for name, param in model.named_parameters():

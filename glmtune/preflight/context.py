@@ -27,8 +27,10 @@ import torch
 
 from glmtune.config import JobConfig, dump_config, load_config, resolve_recipe_path
 from glmtune.config.model_dims import model_args
+from glmtune.data.sources import read_rows
 from glmtune.models.glm5.args import PRESETS
-from glmtune.preflight.layout import ONE_PROCESS, UNPINNED_TOPOLOGY, Replica, scaled_replica
+from glmtune.models.glm5.model import build_model
+from glmtune.preflight.layout import ONE_PROCESS, Replica, UNPINNED_TOPOLOGY, scaled_replica
 from glmtune.preflight.truncate import covering_layers, truncated_args, truncated_view
 from glmtune.train.recipe import PreparedData, prepare_data, resolve_device, tokenizer_dir_for
 
@@ -37,8 +39,6 @@ AUTO_TRUNCATE_PARAMS = 10**9  # `--layers auto` keeps a preset below this whole 
 
 
 def _num_params(args) -> int:
-    from glmtune.models.glm5.model import build_model
-
     return sum(p.numel() for p in build_model(args, device="meta").parameters())
 
 
@@ -152,8 +152,6 @@ class Preflight:
 
     def _data_overrides(self) -> list[str]:
         """The first `rows` conversations of the recipe's data, read by its own pipeline."""
-        from glmtune.data.sources import read_rows
-
         d, out = self.cfg.data, []
         if d.synthetic is not None and d.synthetic.rows > self.rows:
             out += ["--data.synthetic.rows", str(self.rows)]

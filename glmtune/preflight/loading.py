@@ -25,6 +25,9 @@ from typing import Any
 
 from glmtune.config.model_dims import model_args
 from glmtune.data.chat_template import BUNDLED_TEMPLATE_PATH, load_chat_template, render_conversation, tokenize_row
+from glmtune.data.contract import check_or_raise, normalize_row
+from glmtune.data.sources import read_rows
+from glmtune.data.synthetic import generate_rows
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.summary import architecture_summary
@@ -40,10 +43,6 @@ assert set(ROLE_MARKERS.values()) == set(ROLE_TOKENS)
 
 def first_conversation(pf: Preflight) -> dict[str, Any]:
     """The first conversation of the recipe's training data, normalized as the pipeline reads it."""
-    from glmtune.data.contract import check_or_raise, normalize_row
-    from glmtune.data.sources import read_rows
-    from glmtune.data.synthetic import generate_rows
-
     d = pf.cfg.data
     if d.train:
         return check_or_raise(itertools.islice(read_rows(d.train), 1))[0].data

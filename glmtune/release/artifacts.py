@@ -24,7 +24,7 @@ user vouches for the manifest) or whose `num_files` and `size` are not its file 
 Files are read in 8 MiB chunks (memory stays bounded for a 5 GB shard), several files at
 once in a thread pool: hashlib and file reads release the GIL. A safetensors shard can be
 hashed for its tensors in the same pass (`TensorRange`), so recording a base model's shard
-hashes and its tensor identity (glmtune/io/fingerprint.py) reads each byte once.
+hashes and its tensor identity (glmtune/checkpoint/fingerprint.py) reads each byte once.
 """
 
 from __future__ import annotations

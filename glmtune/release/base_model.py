@@ -24,9 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from glmtune.checkpoint.fingerprint import config_sha256, identity_mismatch, weights_sha256
+from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.config import JobConfig
+from glmtune.config.model_dims import model_args
 from glmtune.io.revisions import model_revision
+from glmtune.models.glm5.args import Glm5Args, PRESETS
 from glmtune.release.artifacts import TensorRange, read_json, record_artifact
 
 BASE_DIR = "base"  # RUN_DIR/base, as glmtune/train/run.py writes it
@@ -34,8 +38,6 @@ BASE_DIR = "base"  # RUN_DIR/base, as glmtune/train/run.py writes it
 
 def _tensor_ranges(hf_dir: Path) -> dict[str, list[TensorRange]]:
     """Relative shard path -> the byte ranges of the tensors the checkpoint's index assigns to it."""
-    from glmtune.checkpoint.hf_io import checkpoint_files
-
     by_file: dict[Path, list[str]] = {}
     for name, file in checkpoint_files(hf_dir).items():
         by_file.setdefault(file, []).append(name)
@@ -59,8 +61,6 @@ def _tensor_ranges(hf_dir: Path) -> dict[str, list[TensorRange]]:
 def _check_json_files(hf_dir: Path) -> None:
     """The directory's JSON files that other modules parse (config, index, tokenizer config),
     parsed bounded first: one line naming the file instead of a RecursionError."""
-    from glmtune.checkpoint.hf_io import INDEX_NAME
-
     for name in ("config.json", INDEX_NAME, "tokenizer_config.json"):
         if (hf_dir / name).is_file():
             read_json(hf_dir / name, str(hf_dir / name))
@@ -71,9 +71,6 @@ def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tup
 
     The identity equals `glmtune.checkpoint.fingerprint.base_identity_from_dir(hf_dir)` minus its path.
     """
-    from glmtune.checkpoint.fingerprint import weights_sha256, config_sha256
-    from glmtune.models.glm5.args import Glm5Args
-
     _check_json_files(hf_dir)
     args = Glm5Args.from_hf_config(hf_dir)
     ranges = _tensor_ranges(hf_dir)
@@ -107,9 +104,6 @@ def _recorded_identities(run_dir: Path, run_record: dict[str, Any]) -> list[tupl
 def record_base(cfg: JobConfig, run_dir: Path, run_record: dict[str, Any], manifest_dir: Path,
                 lora: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(the manifest's `base` section, the base's artifact entry or None). See the module docstring."""
-    from glmtune.checkpoint.fingerprint import config_sha256, identity_mismatch
-    from glmtune.models.glm5.args import PRESETS
-
     name = cfg.model.name_or_path
     section: dict[str, Any] = {"name_or_path": name, "preset": None, "path": None, "revision": None}
     if name in PRESETS:
@@ -121,7 +115,6 @@ def record_base(cfg: JobConfig, run_dir: Path, run_record: dict[str, Any], manif
             if lora:
                 raise ValueError(f"{run_dir} has no {BASE_DIR}/: a LoRA run on preset {name} keeps its base "
                                  "there and the adapter is useless without it")
-            from glmtune.config.model_dims import model_args
 
             section.update(config_sha256=config_sha256(model_args(cfg.model)), weights_sha256=None,
                            num_tensors=None, artifact=None,

@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from glmtune.io.sizes import human_bytes
 from glmtune.io.text_limits import printable
 from glmtune.release.manifest import load_release
 
@@ -91,8 +92,6 @@ def _projection(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _artifact_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    from glmtune.io.sizes import human_bytes
-
     def summary(entry):
         if entry is None:
             return None

@@ -27,15 +27,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from glmtune.release.artifacts import read_format_json
+from glmtune.release.artifacts import hash_file, read_format_json
 
 SCORECARD_FORMAT = "glmtune.scorecard/1"
 _REQUIRED = ("suite", "models", "metrics", "gates", "passed")
 
 
 def sha256_of(path: Path) -> str:
-    from glmtune.release.artifacts import hash_file
-
     return hash_file(path)[1]
 
 

@@ -35,14 +35,17 @@ from pathlib import Path
 from typing import Any
 
 
+from glmtune.config import config_from_dict
 from glmtune.config.yaml_layers import load_yaml_text
+from glmtune.data.tokenizer import resolve_tokenizer_dir
+from glmtune.io.outputs import check_output, output_file
 from glmtune.io.run_lock import RUN_FILE, lock_holder
 from glmtune.io.text_limits import printable
+from glmtune.models.glm5.args import PRESETS
 from glmtune.release import signing, triggers
 from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
-from glmtune.release.eval_record import (check_evaluated_base, eval_section, failed_gates, load_eval,
-                                         released_candidate)
+from glmtune.release.eval_record import check_evaluated_base, eval_section, failed_gates, load_eval, released_candidate
 from glmtune.release.paths import innermost, walk, within
 from glmtune.release.provenance import data_section, environment, tokenizer_section
 
@@ -123,8 +126,6 @@ def _check_not_training(run_dir: Path) -> None:
 
 
 def _read_run(run_dir: Path):
-    from glmtune.config import config_from_dict
-
     if not run_dir.is_dir():
         raise ValueError(f"RUN_DIR {run_dir}: no such directory")
     config_path, record_path = run_dir / "config.yaml", run_dir / RUN_FILE
@@ -188,8 +189,6 @@ def _previous(path: Path | None, manifest_dir: Path) -> dict[str, Any] | None:
 
 def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     """Build the manifest of `req` and write it atomically; returns (manifest, path)."""
-    from glmtune.io.outputs import check_output, output_file
-
     run_dir, eval_dir = Path(req.run_dir), Path(req.eval_dir)
     out = Path(req.out) if req.out is not None else run_dir / RELEASE_FILE
     manifest_dir = out.absolute().parent
@@ -321,15 +320,11 @@ def _check_key_outside(key: Path, recorded: list[tuple[str, Path]]) -> None:
 
 
 def _presets():
-    from glmtune.models.glm5.args import PRESETS
-
     return PRESETS
 
 
 def _tokenizer_dir(cfg, run_dir: Path, lora: bool, base_dir: Path) -> Path:
     """The tokenizer that ships: the full checkpoint's copy, else the one the run trained with."""
-    from glmtune.data.tokenizer import resolve_tokenizer_dir
-
     if not lora:
         return run_dir / "hf"
     return resolve_tokenizer_dir(cfg.data.tokenizer or base_dir)

@@ -21,25 +21,24 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import glmtune.data.contract as contract
 from glmtune.config import JobConfig
+from glmtune.data.chat_template import load_chat_template
+from glmtune.data.tokenizer import TOKENIZER_FILES
 from glmtune.io.revisions import glmtune_pin
-from glmtune.release.artifacts import read_json, record_artifact, stored_root
+from glmtune.release.artifacts import hash_file, read_json, record_artifact, stored_root
 
 _MANIFEST_KEYS = ("train_conversations", "validation_conversations", "tokenization_key", "filters", "notes")
 _LIBRARIES = ("torch", "transformers", "peft", "safetensors", "triton", "tokenizers")
 
 
 def _sha256_file(path: Path) -> str:
-    from glmtune.release.artifacts import hash_file
-
     return hash_file(path)[1]
 
 
 def data_section(cfg: JobConfig, run_dir: Path, data_manifest: dict[str, Any], manifest_dir: Path,
                  approval: dict[str, Any] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the manifest's `data` section, the data artifacts: data_manifest.json, data/, pii_report.json)."""
-    import glmtune.data.contract as contract
-
     d = cfg.data
     artifacts = [record_artifact("data_manifest", run_dir / "data_manifest.json", "file",
                                  "the run's data manifest", manifest_dir)[0],
@@ -75,9 +74,6 @@ def data_section(cfg: JobConfig, run_dir: Path, data_manifest: dict[str, Any], m
 
 def tokenizer_section(tokenizer_dir: Path, manifest_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the manifest's `tokenizer` section, the tokenizer artifact) for the directory that ships."""
-    from glmtune.data.chat_template import load_chat_template
-    from glmtune.data.tokenizer import TOKENIZER_FILES
-
     names = [n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
     if not names:
         raise ValueError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")

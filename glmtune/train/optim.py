@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glmtune.kernels import adamw
+from glmtune.kernels.adamw import adamw_step_
+
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" for p in params)
@@ -31,8 +34,6 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
         raise ValueError("no trainable parameters: check model freezing / peft target_modules")
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if fused == "triton":
-        from glmtune.kernels import adamw
-
         if not adamw.available() or not _fused_supported(params):
             raise ValueError("optim.fused: triton needs the triton package and all parameters on CUDA")
         return TritonAdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
@@ -59,8 +60,6 @@ class TritonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from glmtune.kernels.adamw import adamw_step_
-
         loss = None
         if closure is not None:
             with torch.enable_grad():

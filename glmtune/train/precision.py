@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from glmtune.config import JobConfig
+from glmtune.config.degrees import raise_config_errors
 from glmtune.config.validate import fp32_master_weights, precision_errors
-from glmtune.distributed.mesh import raise_config_errors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CHUNK = 1 << 26  # elements compared at a time when counting (bounds the temporary memory)

@@ -20,9 +20,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.config import JobConfig, dump_config, model_dims, validate_config
-from glmtune.models.glm5.args import PRESETS, get_preset
+from glmtune.data.contract import check_or_raise, load_schema
+from glmtune.data.dedup import dedup_rows
+from glmtune.data.packing import pack_samples
+from glmtune.data.pii import build_report, lint_rows
+from glmtune.data.sources import check_format, no_rows_message, read_rows
+from glmtune.data.split import split_rows
+from glmtune.data.synthetic import generate_rows, write_jsonl
+from glmtune.data.token_cache import tokenize_dataset
+from glmtune.data.tokenizer import load_tokenizer
+from glmtune.distributed.pipeline_plan import V_SCHEDULES
+from glmtune.models.glm5.args import Glm5Args, PRESETS, get_preset
 from glmtune.models.glm5.attention import set_attention_score_buffer
+from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import set_moe_dispatch_backend
 from glmtune.train.precision import resolve_precision
@@ -66,8 +78,6 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
     With `device="meta"` and an HF directory nothing is read: the model has the
     checkpoint's architecture and no storage, for `load_sharded` after `parallelize_glm5`.
     """
-    from glmtune.checkpoint.hf_io import load_pretrained
-
     m = cfg.model
     dtype = resolve_precision(cfg).param_dtype
     if m.name_or_path in PRESETS:
@@ -83,12 +93,9 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
         raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
     path = Path(m.name_or_path)
     if str(device) == "meta":
-        from glmtune.models.glm5.args import Glm5Args
-
         model = build_model(Glm5Args.from_hf_config(path), dtype, "meta", m.attention_backend, m.moe_backend,
                             indexer_backend=m.indexer_backend)
         if m.fp8_base != "none":  # load_sharded fills the e4m3 weights and their scales as stored
-            from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 
             convert_to_fp8_base(model, m.fp8_base)
     else:
@@ -136,15 +143,6 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     removed is counted in the manifest and described in `notes`; a filter that
     leaves nothing to train on is a ValueError naming it.
     """
-    from glmtune.data.token_cache import tokenize_dataset
-    from glmtune.data.contract import check_or_raise, load_schema
-    from glmtune.data.dedup import dedup_rows
-    from glmtune.data.packing import pack_samples
-    from glmtune.data.sources import check_format, no_rows_message, read_rows
-    from glmtune.data.split import split_rows
-    from glmtune.data.synthetic import generate_rows, write_jsonl
-    from glmtune.data.tokenizer import load_tokenizer
-
     d = cfg.data
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -240,8 +238,6 @@ def _packing_notes(stats: Any, split: str, size: int, too_long: str) -> list[str
 
 def _apply_pii_policy(rows: list, action: str, run_dir: Path, notes: list[str]) -> list:
     """Secrets/PII lint on the training rows: report (write pii_report.json), drop the rows, or fail."""
-    from glmtune.data.pii import build_report, lint_rows
-
     per_row = lint_rows(rows)
     report = build_report(per_row, action)
     report_path = run_dir / "pii_report.json"
@@ -286,8 +282,6 @@ V_SCHEDULES_FROM = (2, 13)
 
 
 def _check_torch_supports(cfg: JobConfig) -> None:
-    from glmtune.distributed.pipeline_plan import V_SCHEDULES
-
     p = cfg.parallel
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if p.pp > 1 and p.pp_schedule in V_SCHEDULES and version < V_SCHEDULES_FROM:

@@ -25,25 +25,32 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.sharded_load import load_sharded
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
+from glmtune.data.chat_template import load_chat_template
+from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.distributed.pipeline_plan import describe_split
 from glmtune.io.run_lock import STOP_FILE, read_run_record, write_run_record
+from glmtune.io.sizes import human_bytes
 from glmtune.io.text_limits import printable
+from glmtune.kernels.fp8_blocks import is_fp8
+from glmtune.kernels.lowrank_add import resolve_backend
 from glmtune.models.glm5.args import PRESETS
 from glmtune.models.glm5.flops import flops_per_token, peak_tflops
-from glmtune.distributed.pipeline_plan import describe_split
 from glmtune.models.glm5.parallelize import PipelineOptions, one_rank_process_group, parallelize_glm5
+from glmtune.peft import apply_lora, build_inventory, export_run_adapters, print_inventory
+from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import bf16_only_warning, bf16_rounded_away, resolve_precision
-from glmtune.train.run_dir import RunDirectory, check_writable
 from glmtune.train.recipe import (
     build_model_from_config,
     check_recipe,
@@ -54,6 +61,7 @@ from glmtune.train.recipe import (
     save_run_config,
     tokenizer_dir_for,
 )
+from glmtune.train.run_dir import RunDirectory, check_writable
 from glmtune.train.samples import prompts_from, run_samples, score
 from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
 
@@ -108,9 +116,6 @@ def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, consol
     the preset's weights as an HF directory (with the tokenizer) that PEFT, `glmtune merge` and
     serving engines can load (the adapter's base), and `glmtune eval --base RUN_DIR` evaluates
     (the model before training, SFT or LoRA). Returns its identity on rank 0."""
-    from glmtune.checkpoint.hf_io import save_pretrained
-    from glmtune.data.tokenizer import resolve_tokenizer_dir
-
     def check_space() -> None:  # rank 0; a refusal (ValueError) stops every rank alike
         for warning in check_free_space([(out, export_bytes(model), "the preset base")], keep_last=0):
             console.print(f"[yellow]{warning}[/yellow]")
@@ -162,9 +167,6 @@ _own_process_group: list[bool] = []
 
 
 def _fp8_summary(model) -> str:
-    from glmtune.io.sizes import human_bytes
-    from glmtune.kernels.fp8_blocks import is_fp8
-
     fp8 = [p for p in model.parameters() if is_fp8(p)]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return (f"model: frozen FP8 base, {len(fp8)} e4m3 tensors with 128x128 scales "
@@ -178,8 +180,6 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
         device = resolve_device(cfg.train.device, info.local_rank)
     degrees = check_recipe(cfg, info.world_size)
     if cfg.peft.method == "lora":
-        from glmtune.kernels.lowrank_add import resolve_backend
-
         resolve_backend(cfg.peft.adapter_kernel, device)  # triton without CUDA: refused before anything is written
     precision = resolve_precision(cfg)
     grad_accum = grad_accum_steps(cfg, degrees)
@@ -207,7 +207,6 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
         # it), an adapter names it, and an evaluation compares against it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
         base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console, info.is_main)
-    from glmtune.peft import apply_lora, build_inventory, print_inventory
 
     # LoRA is a transformation of the built model, before any parallel wrapping.
     inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
@@ -240,8 +239,6 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
         for note in data.notes:  # rows the data pipeline dropped, truncated or deduplicated
             console.print(f"data: {note}")
 
-    from glmtune.data.chat_template import load_chat_template
-    from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 
     tokenizer = load_tokenizer(tokenizer_dir)
     template = load_chat_template(resolve_tokenizer_dir(tokenizer_dir))
@@ -268,8 +265,6 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
                       f"{describe_split(model.layers_per_stage)} layers, {p.pp_schedule}, "
                       f"{pipeline.microbatches} microbatches per micro batch")
     if sharded_load:
-        from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
-
         stats = load_sharded(model, model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
         if lora:
             reset_lora_parameters(model, cfg.train.seed)
@@ -355,17 +350,12 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
             (run_dir / "samples.json").write_text(json.dumps(
                 {"before": b, "after": a, "outputs": [vars(r) for r in after]}, indent=2) + "\n")
     if cfg.peft.method == "lora":
-        from glmtune.peft import export_run_adapters
-
         for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=adapter_base,
                                                       base_identity=base_identity, pp_group=pp_group).items():
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
-        from glmtune.checkpoint.hf_io import save_pretrained
-        from glmtune.data.tokenizer import resolve_tokenizer_dir as tok_dir
-
-        out = save_pretrained(model, run_dir / "hf", source_dir=tok_dir(tokenizer_dir), overwrite=True,
+        out = save_pretrained(model, run_dir / "hf", source_dir=resolve_tokenizer_dir(tokenizer_dir), overwrite=True,
                               dtype=precision.compute_dtype,  # fp32 masters export in the dtype trained in
                               pp_group=pp_group)
         if info.is_main:

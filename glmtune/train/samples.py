@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from glmtune.data.chat_template import render_conversation
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.generation.generator import cached_decoding_supported, generate
 from glmtune.train.generate import greedy_generate
@@ -59,8 +60,6 @@ def prompts_from(conversations: list[dict[str, Any]], count: int) -> list[tuple[
 
 def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[dict[str, Any], str]],
                 max_new_tokens: int = 64) -> list[SampleResult]:
-    from glmtune.data.chat_template import render_conversation
-
     stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in CHAT_STOP_TOKENS}
     results = []
     for row, reference in prompts:

@@ -1,4 +1,4 @@
-"""glmtune.io.fingerprint: a base's identity depends on its tensors and model config only (not on
+"""glmtune.checkpoint.fingerprint: a base's identity depends on its tensors and model config only (not on
 sharding, file names or cosmetic config keys), and any weight or config change shows."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, save_pretrained
-from glmtune.io.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
 from glmtune.models.glm5 import build_model, get_preset
 
 KEY = "model.layers.0.self_attn.o_proj.weight"

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from glmtune.checkpoint import hf_io
 from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.cli import main
-from glmtune.io.fingerprint import base_identity_from_dir
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.peft import apply_lora, export_adapter
 from glmtune.peft.merge import merge_to_dir
 from tests.checkpoint_fixtures import Q_A, weight_map

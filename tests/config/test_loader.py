@@ -175,3 +175,19 @@ def test_a_removed_key_given_on_the_command_line_says_to_drop_the_flag():
         load_config(None, ["--train.autocast", "bf16"])
     assert str(exc.value) == (f"command line (--train.autocast bf16): train.autocast was removed: "
                               f"{REMOVED['train.autocast']}; drop the flag")
+
+
+def test_a_runs_saved_config_drops_removed_keys_at_the_values_they_could_have(tmp_path):
+    from glmtune.config import load_run_config
+
+    saved = tmp_path / "config.yaml"
+    dump_config(load_config("tiny/sft_support_json"), saved)
+    text = saved.read_text()
+    old = text.replace("train:\n", "train:\n  autocast: none\n", 1).replace("optim:\n", "optim:\n  name: adamw\n", 1)
+    saved.write_text(old.replace("model:\n", "model:\n  indexer_trainable: false\n", 1))
+    assert load_run_config(saved) == load_config("tiny/sft_support_json")
+    saved.write_text(old.replace("model:\n", "model:\n  indexer_trainable: true\n", 1))
+    with pytest.raises(ValueError, match="model.indexer_trainable was removed"):
+        load_run_config(saved)
+    with pytest.raises(ValueError, match="train.autocast was removed"):
+        load_config(saved)  # a recipe gets the sentence for every removed key

@@ -11,7 +11,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from glmtune.config import ParallelConfig
-from glmtune.distributed.mesh import MeshDegrees, ParallelMesh
+from glmtune.config.degrees import MeshDegrees
+from glmtune.distributed.mesh import ParallelMesh
 from tests.distributed.gloo_helpers import PRELOAD, start_forkserver_ranks
 
 NUM_EXPERTS = 8  # the tiny preset's routed experts

@@ -19,7 +19,7 @@ from glmtune.checkpoint.hf_io import load_pretrained  # noqa: E402
 from glmtune.checkpoint.manager import CheckpointManager  # noqa: E402
 from glmtune.cli import main  # noqa: E402
 from glmtune.config import load_config  # noqa: E402
-from glmtune.io.fingerprint import base_identity_from_dir  # noqa: E402
+from glmtune.checkpoint.fingerprint import base_identity_from_dir  # noqa: E402
 from glmtune.peft import apply_lora  # noqa: E402
 from tests.peft.conftest import tokens  # noqa: E402
 from tests.train.run_helpers import TWO_STEPS, shared_run  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.data.chat_template import load_chat_template
-from glmtune.io.fingerprint import base_identity_from_dir
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
 
 SUITE_YAML = """\
 # Support-ticket triage release suite (written before training).

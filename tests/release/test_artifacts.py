@@ -1,11 +1,11 @@
 """Hashing artifacts: the one-pass shard hashes and tensor identity of an HF directory equal
-glmtune/io/fingerprint.py's; file-by-file drift of the three artifact kinds."""
+glmtune/checkpoint/fingerprint.py's; file-by-file drift of the three artifact kinds."""
 
 from __future__ import annotations
 
 import hashlib
 
-from glmtune.io.fingerprint import base_identity_from_dir
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.release import artifacts
 from glmtune.release.artifacts import check_artifact, record_artifact
 from glmtune.release.base_model import record_hf_dir

@@ -12,7 +12,7 @@ import yaml
 
 from glmtune.cli import main
 from glmtune.data.chat_template import load_chat_template
-from glmtune.io.fingerprint import base_identity_from_dir
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.release import release_id
 
 

@@ -91,7 +91,7 @@ def test_rerunning_a_finished_run_is_a_no_op(tmp_path, shared_results):
 
 
 def test_sft_run_on_a_preset_writes_its_initial_weights_as_base(shared_results):
-    from glmtune.io.fingerprint import base_identity_from_dir
+    from glmtune.checkpoint.fingerprint import base_identity_from_dir
     from glmtune.models.glm5 import build_model, get_preset
 
     run_dir = shared_run(shared_results, *TWO_STEPS).run_dir

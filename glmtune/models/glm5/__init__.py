@@ -4,13 +4,14 @@ The model classes import torch; they load on first use, so that what needs only 
 architecture's numbers (`glmtune config validate`, the pipeline plan) stays torch-free.
 """
 
-from glmtune.models.glm5.args import PRESETS, Glm5Args, get_preset, resolve_args
+from glmtune.models.glm5.args import Glm5Args, PRESETS, get_preset, resolve_args
 
 __all__ = ["PRESETS", "Glm5Args", "Glm5ForCausalLM", "Glm5Output", "build_model", "get_preset", "resolve_args"]
 
 
 def __getattr__(name: str):
     if name in ("Glm5ForCausalLM", "Glm5Output", "build_model"):
+        # lazily: the args alone keep `glmtune config validate` torch-free
         from glmtune.models.glm5 import model
 
         return getattr(model, name)

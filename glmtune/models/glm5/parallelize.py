@@ -260,7 +260,7 @@ def parallelize_glm5(
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
-    if mesh is not None and (mesh.world_size > 1 or param_dtype is not None):
+    if mesh is not None and mesh.degrees.fsdp_applies(mixed_precision=param_dtype is not None):
         apply_fsdp(model, mesh.fsdp_mesh(), param_dtype, reduce_dtype,
                    expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None, stages=stages)
     if stages is not None:

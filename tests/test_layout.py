@@ -1,0 +1,264 @@
+"""The package's floors, read from the import graph (AST; no third-party tool).
+
+The allowed directions, lowest floor first, are written here and nowhere else (the README's
+Layout section describes them):
+
+  io/, kernels/    import nothing of glmtune above them (kernels/ only kernels/, io/ only io/)
+  config/          the typed config: io/ only, never distributed/ or a model
+  models/common/   kernels/
+  models/<family>/ the model code: kernels/, models/common/ and its own family; the family's
+                   parallelization plan (`parallelize.py`) may also use distributed/ and config/
+  distributed/     mesh, collectives, launchers: no model family, nothing above it
+  checkpoint/, data/, peft/, generation/   build on the floors below
+  train/           never eval/, release/, preflight/
+  eval/, release/, plan/, preflight/       the commands' engines
+  cli/             the commands: nothing outside cli/ imports it
+
+and two rules for every module: no two modules import each other, even through others (no
+cycle), and no import sits inside a function, except one that keeps `glmtune --help` and
+`glmtune config validate` free of torch (the cli/*_cmd.py modules import their engines
+lazily), which says so in a comment containing "torch-free" on its line or just above its
+block of imports, and then still points down the floors.
+
+`KNOWN` lists the violations the renovation (issue 29) has not removed yet: a violation not
+listed fails, and so does a listed one that is gone (the list only shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "glmtune"
+
+# floor -> the floors it may import (besides itself). A module's floor is its package
+# (models/<family> counted as one; its parallelize.py as its own floor).
+_BELOW_TRAIN = {"io", "kernels", "config", "models.common", "models.family", "models.plan", "distributed",
+                "checkpoint", "data", "peft", "generation"}
+ALLOWED = {
+    "io": set(),
+    "kernels": set(),
+    "config": {"io"},
+    "models.common": {"kernels"},
+    "models.family": {"kernels", "models.common"},
+    "models.plan": {"kernels", "models.common", "models.family", "distributed", "config", "io"},
+    "distributed": {"io", "kernels", "config", "models.common"},
+    "checkpoint": {"io", "kernels", "config", "models.common", "models.family", "distributed"},
+    "data": {"io", "config"},
+    "peft": {"io", "kernels", "config", "models.common", "models.family", "distributed", "checkpoint"},
+    "generation": {"io", "kernels", "models.common", "models.family"},
+    "train": _BELOW_TRAIN,
+    "eval": _BELOW_TRAIN | {"train"},
+    "release": _BELOW_TRAIN | {"train", "eval"},
+    "plan": _BELOW_TRAIN | {"train"},
+    "preflight": _BELOW_TRAIN | {"train", "plan"},
+    "cli": _BELOW_TRAIN | {"train", "eval", "release", "plan", "preflight", "root"},
+    "root": _BELOW_TRAIN,  # glmtune/__init__.py: the Python API
+}
+
+# Violations not yet removed: (importing module, imported module) for floors and cycles,
+# (module, imported module) for imports inside functions.
+KNOWN_FLOOR: set[tuple[str, str]] = {
+    # config/ resolves a recipe's model (preset or config.json) to check the layout against it; the
+    # model family's front door (a model spec the config asks through an interface) removes it
+    ("glmtune.config.model_dims", "glmtune.models.glm5.args"),
+}
+KNOWN_CYCLE: set[frozenset[str]] = set()
+KNOWN_IN_FUNCTION: set[tuple[str, str]] = set()
+DECLARED_LAZY: set[tuple[str, str]] = set()  # filled by import_graph()
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def floor(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    if parts[1] == "models":
+        if len(parts) > 2 and parts[2] == "common":
+            return "models.common"
+        return "models.plan" if parts[-1] == "parallelize" else "models.family"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1]
+
+
+def _target(node: ast.ImportFrom | ast.Import, alias: ast.alias, module: str, is_package: bool) -> str | None:
+    if isinstance(node, ast.Import):
+        name = alias.name
+    else:
+        base = node.module or ""
+        if node.level:  # relative import
+            parts = module.split(".")
+            keep = len(parts) - node.level + (1 if is_package else 0)
+            base = ".".join(parts[:keep] + ([base] if base else []))
+        name = f"{base}.{alias.name}" if base else alias.name
+    return name if name.split(".")[0] == "glmtune" else None
+
+
+def _declared_torch_free(lines: list[str], lineno: int) -> bool:
+    """A "torch-free" comment on the import's line, or just above its block of imports."""
+    first = lineno - 1
+    while first > 0 and lines[first - 1].strip().startswith(("from ", "import ")):
+        first -= 1
+    return any("#" in line and "torch-free" in line.split("#", 1)[1] for line in lines[max(0, first - 1):lineno])
+
+
+def import_graph() -> tuple[dict[str, set[str]], set[tuple[str, str]], set[str]]:
+    """(module -> modules it imports, (module, target) pairs inside functions, every module);
+    in-function imports declared torch-free are in `DECLARED_LAZY` afterwards."""
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    edges: dict[str, set[str]] = defaultdict(set)
+    in_function: set[tuple[str, str]] = set()
+    DECLARED_LAZY.clear()
+    for module, path in modules.items():
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for alias in node.names:
+                target = _target(node, alias, module, path.name == "__init__.py")
+                if target is None:
+                    continue
+                while target not in modules and "." in target:  # `from pkg import name`: the module is pkg
+                    target = target.rsplit(".", 1)[0]
+                if target == module or target not in modules:
+                    continue
+                edges[module].add(target)
+                if id(node) in nested:
+                    in_function.add((module, target))
+                    if _declared_torch_free(lines, node.lineno):
+                        DECLARED_LAZY.add((module, target))
+    return edges, in_function, set(modules)
+
+
+def _cycles(edges: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], set(), [0]
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.add(frozenset(component))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(edges.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def floor_violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, targets in edges.items() for b in targets
+            if floor(a) != floor(b) and floor(b) not in ALLOWED[floor(a)]}
+
+
+def function_import_violations(edges, in_function, declared=frozenset()) -> set[tuple[str, str]]:
+    """In-function imports not declared torch-free (`declared`: (module, target) pairs that are)."""
+    return {(a, b) for a, b in in_function if (a, b) not in declared}
+
+
+def test_every_floor_is_listed():
+    _, _, modules = import_graph()
+    assert {floor(m) for m in modules} <= set(ALLOWED)
+
+
+def test_imports_point_down_the_floors():
+    found = floor_violations(import_graph()[0])
+    assert found - KNOWN_FLOOR == set(), "imports against the floors (see this file's docstring)"
+    assert KNOWN_FLOOR - found == set(), "fixed: remove them from KNOWN_FLOOR"
+
+
+def test_no_import_cycles():
+    found = _cycles(import_graph()[0])
+    assert found - KNOWN_CYCLE == set(), "modules that import each other"
+    assert KNOWN_CYCLE - found == set(), "fixed: remove them from KNOWN_CYCLE"
+
+
+def test_no_imports_inside_functions():
+    edges, in_function, _ = import_graph()
+    found = function_import_violations(edges, in_function, frozenset(DECLARED_LAZY))
+    assert found - KNOWN_IN_FUNCTION == set(), "imports inside functions (only cli/*_cmd.py may, for --help)"
+    assert KNOWN_IN_FUNCTION - found == set(), "fixed: remove them from KNOWN_IN_FUNCTION"
+
+
+def test_the_rules_catch_what_they_forbid():
+    edges = {"glmtune.kernels.x": {"glmtune.models.glm5.moe"}, "glmtune.models.glm5.moe": {"glmtune.kernels.x"},
+             "glmtune.distributed.mesh": {"glmtune.models.glm5.args"}, "glmtune.config.validate": {
+                 "glmtune.distributed.mesh"}, "glmtune.train.run": {"glmtune.eval.suite"},
+             "glmtune.eval.models": {"glmtune.cli.arg_types"}, "glmtune.models.glm5.parallelize": {
+                 "glmtune.distributed.mesh"}}
+    assert floor_violations(edges) == {
+        ("glmtune.kernels.x", "glmtune.models.glm5.moe"), ("glmtune.distributed.mesh", "glmtune.models.glm5.args"),
+        ("glmtune.config.validate", "glmtune.distributed.mesh"), ("glmtune.train.run", "glmtune.eval.suite"),
+        ("glmtune.eval.models", "glmtune.cli.arg_types")}
+    assert _cycles(edges) == {frozenset({"glmtune.kernels.x", "glmtune.models.glm5.moe"})}
+    assert function_import_violations(edges, {("glmtune.cli.train_cmd", "glmtune.train.run"),
+                                              ("glmtune.train.run", "glmtune.data.prepare")},
+                                      frozenset({("glmtune.cli.train_cmd", "glmtune.train.run")})) == {
+        ("glmtune.train.run", "glmtune.data.prepare")}
+    lines = ["def f():", "    # the engine imports torch: lazily, so --help stays torch-free",
+             "    from glmtune.train import run", "    from glmtune.data import prepare", "    x = 1",
+             "    from glmtune.eval import suite"]
+    assert _declared_torch_free(lines, 3) and _declared_torch_free(lines, 4) and not _declared_torch_free(lines, 6)
+
+
+# Functions over MAX_FUNCTION_LINES allowed by name: a Triton kernel is one GPU program (its
+# body cannot be split into Python calls), a template is text; `KNOWN_LONG` shrinks to nothing.
+MAX_FUNCTION_LINES = 100
+LONG_BY_NATURE = {"glmtune.distributed.slurm.sbatch_script": "the sbatch script's text"}
+KNOWN_LONG: set[str] = {"glmtune.train.run._run_training"}
+
+
+def long_functions() -> dict[str, int]:
+    """module.function -> its length in lines, for every function over MAX_FUNCTION_LINES that
+    is not a Triton kernel."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            triton = any("triton" in ast.unparse(d) for d in node.decorator_list)
+            if length > MAX_FUNCTION_LINES and not triton:
+                found[f"{module}.{node.name}"] = length
+    return found
+
+
+def test_no_function_is_longer_than_a_screen_or_two():
+    found = long_functions()
+    unexpected = {name: n for name, n in found.items() if name not in LONG_BY_NATURE and name not in KNOWN_LONG}
+    assert unexpected == {}, f"functions over {MAX_FUNCTION_LINES} lines: split them"
+    assert KNOWN_LONG - set(found) == set(), "fixed: remove them from KNOWN_LONG"
