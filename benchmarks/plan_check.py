@@ -142,7 +142,7 @@ def measure(hf_cfg, state, b, cfg, census: bool):
         apply_lora(model, cfg.peft, seed=0)
     own_group = fp32 and one_rank_process_group(DEVICE)
     parallelize_glm5(model, activation_checkpointing=cfg.parallel.activation_checkpointing, compile=b.compile,
-                     ac_keep_matmul_min_k=b.ac_min_k, param_dtype=torch.bfloat16 if fp32 else None)
+                     ac_keep_matmul_min_k=b.ac_min_k, compute_dtype=torch.bfloat16 if fp32 else None)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=DEVICE == "cuda")
     step = glmtune_step(model, opt, batches, b)

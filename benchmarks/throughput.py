@@ -221,7 +221,7 @@ def run_glmtune(cfg, state, batches, a, master_weights="none"):
     model = build_glmtune(cfg, state, a, torch.float32 if fp32_masters else torch.bfloat16)
     own_group = fp32_masters and one_rank_process_group(DEVICE)
     parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
-                     ac_keep_matmul_min_k=a.ac_min_k, param_dtype=torch.bfloat16 if fp32_masters else None)
+                     ac_keep_matmul_min_k=a.ac_min_k, compute_dtype=torch.bfloat16 if fp32_masters else None)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if a.optimizer == "triton":

@@ -45,6 +45,7 @@ class DistributedInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    joined: bool = False  # this call created the process group (the run destroys it when it ends)
 
     @property
     def is_main(self) -> bool:
@@ -56,9 +57,10 @@ def init_distributed(device: torch.device) -> DistributedInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistributedInfo()
-    if not dist.is_initialized():
+    joined = not dist.is_initialized()
+    if joined:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistributedInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return DistributedInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), joined)
 
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:

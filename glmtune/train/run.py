@@ -1,12 +1,22 @@
 """`glmtune train`: one run from a resolved config to checkpoints and an HF export.
 
-Order: validate the recipe -> claim the run directory (lock, no mixed runs,
-writable; nothing is written before this) -> save the resolved config -> build the
-model (on the meta device under torchrun for an HF checkpoint: each rank reads only
-its shards after parallelize) -> prepare data (contract check before anything trains) -> parallelize ->
-optimizer/scheduler -> disk space for checkpoints and export -> resume -> "before"
-samples -> train -> "after" samples -> export. Rank 0 alone writes files other than
-DCP shards.
+`run_training` is a sequence of named steps, each taking config sections and the small
+typed objects the steps before it made:
+
+  1. check_launch          the recipe against the world size and the model; device, precision
+  2. claim_run_directory   lock, no mixed runs, writable (nothing is written before this);
+                           the resolved config saved; seeds set
+  3. build_model           on the meta device under torchrun for an HF checkpoint (each rank
+                           reads only its shards after step 5); a preset's base written; LoRA
+  4. prepare_run_data      contract check before anything trains, split, tokenize, pack
+  5. lay_out_and_load      the mesh, parallelize (PP -> EP -> CP -> AC -> compile -> FSDP2),
+                           the sharded load; "before" samples
+  6. build_trainer         optimizer, schedule, loaders, checkpoints, disk space, metrics; resume
+  7. train                 the trainer's loop
+  8. finish                "after" samples, the LoRA adapters or the HF export
+
+What a run holds open (the run directory's lock, a one-rank process group) is released by
+one ExitStack when it ends, however it ends. Rank 0 alone writes files other than DCP shards.
 """
 
 from __future__ import annotations
@@ -15,9 +25,11 @@ import functools
 import json
 import random
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed
@@ -31,6 +43,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.sharded_load import load_sharded
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
+from glmtune.config.degrees import MeshDegrees
 from glmtune.data.chat_template import load_chat_template
 from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.distributed.agreement import decide_on_rank0
@@ -50,8 +63,10 @@ from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
-from glmtune.train.precision import bf16_only_warning, bf16_rounded_away, resolve_precision
+from glmtune.train.precision import Precision, bf16_only_warning, bf16_rounded_away, resolve_precision
 from glmtune.train.recipe import (
+    DistributedInfo,
+    PreparedData,
     build_model_from_config,
     check_recipe,
     glm5_loss,
@@ -85,17 +100,15 @@ def _samples_table(before, after) -> Table:
     return table
 
 
-def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console) -> str:
-    """Rank 0: lock the run directory, refuse a mixed run, prove it writable; the run id."""
+def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console, resources: ExitStack) -> str:
+    """Rank 0: lock the run directory (released when the run ends), refuse a mixed run, prove it
+    writable; the run id."""
     claim = RunDirectory(cfg.logging.run_dir, cfg.checkpoint.dir, console.print)
     claim.lock()
-    _held_claims.append(claim)  # released when run_training returns
+    resources.callback(claim.release)
     run_id = claim.claim(config_to_yaml(cfg), cfg.checkpoint.resume, overwrite)
     check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
     return run_id
-
-
-_held_claims: list[RunDirectory] = []
 
 
 def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) -> None:
@@ -153,27 +166,36 @@ class RunHooks:
 
 def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None = None) -> int:
     """Train `cfg`. With `overwrite`, an earlier run in the same run directory is replaced."""
-    try:
-        return _run_training(cfg, overwrite, Console(), hooks or RunHooks())
-    finally:
-        while _held_claims:
-            _held_claims.pop().release()
-        if _own_process_group:  # the one-rank group of a one-process mixed-precision run
-            torch.distributed.destroy_process_group()
-            _own_process_group.clear()
+    console, hooks = Console(), hooks or RunHooks()
+    with ExitStack() as resources:
+        launch = check_launch(cfg)
+        if launch.info.joined:  # torchrun's ranks: leaving without it can abort a rank at exit
+            resources.callback(torch.distributed.destroy_process_group)
+        run_id = claim_run_directory(cfg, launch, overwrite, console, resources)
+        built = build_model(cfg, launch, console, hooks)
+        data = prepare_run_data(cfg, launch, built, console)
+        laid_out = lay_out_and_load(cfg, launch, built, data, console, resources)
+        trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, run_id, console, hooks)
+        result = train(trainer, console)
+        if result is None or result.interrupted:
+            return 3 if result is None else 130
+        return finish(cfg, launch, built, laid_out, result, console)
 
 
-_own_process_group: list[bool] = []
+@dataclass
+class Launch:
+    """Step 1's answer: where and how this process runs."""
+
+    device: torch.device
+    info: DistributedInfo
+    degrees: MeshDegrees
+    precision: Precision
+    grad_accum: int
+    run_dir: Path
 
 
-def _fp8_summary(model) -> str:
-    fp8 = [p for p in model.parameters() if is_fp8(p)]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return (f"model: frozen FP8 base, {len(fp8)} e4m3 tensors with 128x128 scales "
-            f"({human_bytes(sum(p.numel() for p in fp8))} of {human_bytes(total)} of parameters)")
-
-
-def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunHooks) -> int:
+def check_launch(cfg: JobConfig) -> Launch:
+    """Join the process group, resolve the device, check the recipe (before anything is written)."""
     device = resolve_device(cfg.train.device)
     info = init_distributed(device)
     if device.type == "cuda":
@@ -181,33 +203,53 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
     degrees = check_recipe(cfg, info.world_size)
     if cfg.peft.method == "lora":
         resolve_backend(cfg.peft.adapter_kernel, device)  # triton without CUDA: refused before anything is written
-    precision = resolve_precision(cfg)
-    grad_accum = grad_accum_steps(cfg, degrees)
-    run_dir = Path(cfg.logging.run_dir)
-    run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console))
-    if info.is_main:
-        save_run_config(cfg, run_dir)
+    return Launch(device, info, degrees, resolve_precision(cfg), grad_accum_steps(cfg, degrees),
+                  Path(cfg.logging.run_dir))
+
+
+def claim_run_directory(cfg: JobConfig, launch: Launch, overwrite: bool, console: Console,
+                        resources: ExitStack) -> str:
+    """The run id: the run directory claimed on rank 0 (every rank learns the answer), the
+    resolved config saved, the seeds set."""
+    run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console, resources))
+    if launch.info.is_main:
+        save_run_config(cfg, launch.run_dir)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
+    return run_id
 
+
+@dataclass
+class BuiltModel:
+    """Step 3's answer: the model (LoRA applied) and where its base came from."""
+
+    model: torch.nn.Module
+    model_dir: Path | None  # the HF directory, None for a preset
+    adapter_base: str | None  # the base an adapter names
+    base_identity: dict | None
+    base_hashing: Future | None  # an HF base's identity, hashed in the background
+    sharded_load: bool  # built on the meta device, each rank loads its shards after parallelize
+
+
+def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHooks) -> BuiltModel:
+    """Build (or load) the model, write a preset's base, apply LoRA, log what trains."""
+    info, run_dir = launch.info, launch.run_dir
     # An adapter names the exact base it was trained on (merge checks it): hash the base
     # directory in the background while the model loads and the data is prepared.
-    lora = cfg.peft.method == "lora"
-    base_hashing, base_identity = None, None
-    if lora and info.is_main and cfg.model.name_or_path not in PRESETS:
+    base_hashing = None
+    if cfg.peft.method == "lora" and info.is_main and cfg.model.name_or_path not in PRESETS:
         base_hashing = ThreadPoolExecutor(1).submit(base_identity_from_dir, cfg.model.name_or_path)
     # Never the whole model on one rank: under torchrun a run from an HF checkpoint is built on
     # the meta device and each rank reads only its own shards after parallelize (LoRA adapters
     # are then initialised to the values a one-process run draws).
     sharded_load = info.world_size > 1 and cfg.model.name_or_path not in PRESETS
-    model, model_dir = build_model_from_config(cfg, "meta" if sharded_load else device)
-    adapter_base = str(model_dir) if model_dir is not None else None
+    model, model_dir = build_model_from_config(cfg, "meta" if sharded_load else launch.device)
+    adapter_base, base_identity = (str(model_dir) if model_dir is not None else None), None
     if model_dir is None:
         # A preset's random base exists nowhere else: the run writes it (before training changes
         # it), an adapter names it, and an evaluation compares against it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
         base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console, info.is_main)
-
     # LoRA is a transformation of the built model, before any parallel wrapping.
     inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
         else build_inventory(model)
@@ -218,15 +260,19 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
         if cfg.model.fp8_base != "none":
             console.print(_fp8_summary(model))
         (run_dir / "trainable.json").write_text(json.dumps(inventory.to_dict(), indent=2) + "\n")
-    tokenizer_dir = tokenizer_dir_for(cfg, model_dir)
-    # Rank 0 writes the data files and the tokenization cache first; the others then read them.
+    return BuiltModel(model, model_dir, adapter_base, base_identity, base_hashing, sharded_load)
+
+
+def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console: Console) -> PreparedData:
+    """Rank 0 writes the data files and the tokenization cache first; the others then read them."""
+    info, run_dir = launch.info, launch.run_dir
     if not info.is_main:
         barrier()
-    data = prepare_data(cfg, run_dir, tokenizer_dir, model.args.vocab_size)
-    if base_hashing is not None:
-        base_identity = base_hashing.result()
-    if (lora or base_identity is not None) and info.is_main:
-        write_run_record(run_dir, {**read_run_record(run_dir), "base": base_identity})
+    data = prepare_data(cfg, run_dir, tokenizer_dir_for(cfg, built.model_dir), built.model.args.vocab_size)
+    if built.base_hashing is not None:
+        built.base_identity = built.base_hashing.result()
+    if (cfg.peft.method == "lora" or built.base_identity is not None) and info.is_main:
+        write_run_record(run_dir, {**read_run_record(run_dir), "base": built.base_identity})
     if info.is_main:
         barrier()
     if info.is_main:
@@ -238,17 +284,33 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
                       f"({packing['num_tokens']:,} tokens)")
         for note in data.notes:  # rows the data pipeline dropped, truncated or deduplicated
             console.print(f"data: {note}")
+    return data
 
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    template = load_chat_template(resolve_tokenizer_dir(tokenizer_dir))
+@dataclass
+class LaidOut:
+    """Step 5's answer: the run's mesh, and the held-out prompts answered before training."""
+
+    mesh: ParallelMesh | None  # None in one process without a process group
+    tokenizer: Any
+    template: str
+    prompts: list
+    before: list
+
+
+def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, console: Console,
+                     resources: ExitStack) -> LaidOut:
+    """The mesh and parallelize; the sharded load; the "before" samples (one model in one process,
+    every rank on the sharded one)."""
+    info, device, degrees, precision, model = launch.info, launch.device, launch.degrees, launch.precision, built.model
+    tokenizer_dir = tokenizer_dir_for(cfg, built.model_dir)
+    tokenizer, template = load_tokenizer(tokenizer_dir), load_chat_template(resolve_tokenizer_dir(tokenizer_dir))
     prompts = prompts_from(data.val_conversations, cfg.train.generate_samples)
-    before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main and not sharded_load \
+    before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main and not built.sharded_load \
         else []
-
     # fp32 master weights are FSDP2's mixed precision, in one process too (on a one-rank group).
     if precision.mixed and info.world_size == 1 and one_rank_process_group(device.type):
-        _own_process_group.append(True)
+        resources.callback(torch.distributed.destroy_process_group)
     mesh = ParallelMesh(degrees, device_type=device.type) if torch.distributed.is_initialized() else None
     p = cfg.parallel
     pipeline = PipelineOptions(p.pp_schedule, p.pp_stages_per_rank, pipeline_microbatches(cfg),
@@ -257,48 +319,45 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
     parallelize_glm5(
         model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
         ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
-        param_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=p.ep_dispatcher,
+        compute_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=p.ep_dispatcher,
         cp_balance=p.cp_balance, pipeline=pipeline,
     )
     if model.pipeline is not None and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "
                       f"{describe_split(model.layers_per_stage)} layers, {p.pp_schedule}, "
                       f"{pipeline.microbatches} microbatches per micro batch")
-    if sharded_load:
-        stats = load_sharded(model, model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
-        if lora:
+    if built.sharded_load:
+        stats = load_sharded(model, built.model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
+        if cfg.peft.method == "lora":
             reset_lora_parameters(model, cfg.train.seed)
         if info.is_main:
-            console.print(f"loaded {model_dir}, rank 0: {stats.describe()}")
+            console.print(f"loaded {built.model_dir}, rank 0: {stats.describe()}")
         before = run_samples(model, tokenizer, template, prompts) if prompts else []  # every rank: sharded
-    rounded_away = bf16_rounded_away(model, cfg.optim.lr)  # collective: every rank counts its shard
-    if rounded_away is not None and info.is_main:
-        console.print(f"[yellow]{bf16_only_warning(rounded_away, cfg.optim.lr)}[/yellow]")
-    o = cfg.optim
-    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
-    scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
-    dp_rank, dp_size = (mesh.dp_rank if mesh is not None else 0), degrees.dp
+    return LaidOut(mesh, tokenizer, template, prompts, before)
+
+
+def _loaders(cfg: JobConfig, data: PreparedData, mesh: ParallelMesh | None, dp_size: int):
+    """This rank's training rows, and the validation rows when every rank gets a micro batch."""
+    dp_rank = mesh.dp_rank if mesh is not None else 0
     train_loader = PackedRowLoader(data.train_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size)
     val_loader = None
     if data.val_rows and len(data.val_rows) >= cfg.train.micro_batch_size * dp_size:
         val_loader = PackedRowLoader(data.val_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
                                      shuffle=False)
+    return train_loader, val_loader
+
+
+def _trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh | None,
+                      hooks: RunHooks) -> TrainerSettings:
+    degrees, device, info = launch.degrees, launch.device, launch.info
     shared_rows = degrees.pp > 1 or degrees.cp > 1  # ranks beyond the data-parallel ones read the same rows
-    # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
-    async_group = mesh.cpu_group() if cfg.checkpoint.async_save and mesh is not None else None
-    checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
-                                    trainable_only=cfg.peft.method != "none", run_id=run_id,
-                                    async_group=async_group)
-    decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
-    metrics = MetricsWriter(run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
-                            wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
-    settings = TrainerSettings(
-        max_steps=cfg.train.max_steps, grad_accum=grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
+    return TrainerSettings(
+        max_steps=cfg.train.max_steps, grad_accum=launch.grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
         log_every=cfg.train.log_every, val_every=cfg.train.val_every, val_steps=cfg.train.val_steps,
         checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
         router_bias_rate=cfg.train.router_bias_update_rate, device=device,
         progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
-        stop_file=run_dir / STOP_FILE,
+        stop_file=launch.run_dir / STOP_FILE,
         row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
         pp_group=mesh.group("pp") if degrees.pp > 1 else None,
         local_targets=model.model.local_tokens if degrees.cp > 1 else None,
@@ -307,33 +366,60 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
         on_gradients=hooks.on_gradients,
         on_optimizer_step=hooks.on_optimizer_step,
     )
+
+
+def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, mesh: ParallelMesh | None,
+                  run_id: str, console: Console, hooks: RunHooks) -> Trainer:
+    """Optimizer, schedule, loaders, checkpoints, metrics and the trainer; resumed as the recipe says."""
+    info, model, o = launch.info, built.model, cfg.optim
+    rounded_away = bf16_rounded_away(model, cfg.optim.lr)  # collective: every rank counts its shard
+    if rounded_away is not None and info.is_main:
+        console.print(f"[yellow]{bf16_only_warning(rounded_away, cfg.optim.lr)}[/yellow]")
+    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
+    scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
+    train_loader, val_loader = _loaders(cfg, data, mesh, launch.degrees.dp)
+    # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
+    async_group = mesh.cpu_group() if cfg.checkpoint.async_save and mesh is not None else None
+    checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
+                                    trainable_only=cfg.peft.method != "none", run_id=run_id,
+                                    async_group=async_group)
+    decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
+    metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
+                            wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
     trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
-                      settings, console if info.is_main else None)
+                      _trainer_settings(cfg, launch, model, mesh, hooks), console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     initial_val = trainer.validate() if trainer.step == 0 else None  # every rank: sharded forward
     if info.is_main:
         console.print(f"model: {cfg.model.name_or_path}, {trainable:,} trainable parameters (this rank's "
-                      f"shard when sharded); {precision.describe()}; {degrees.describe()}; grad_accum {grad_accum}; "
-                      f"run dir {run_dir}")
+                      f"shard when sharded); {launch.precision.describe()}; {launch.degrees.describe()}; "
+                      f"grad_accum {launch.grad_accum}; run dir {launch.run_dir}")
         if initial_val is not None:
             console.print(f"validation loss before training: {initial_val:.4f}")
+    return trainer
+
+
+def train(trainer: Trainer, console: Console):
+    """The loop; None when a non-finite loss stopped it (said, with the last good checkpoint)."""
     try:
-        result = trainer.fit()
+        return trainer.fit()
     except NonFiniteLossError as exc:
-        latest = checkpoints.latest()
+        latest = trainer.checkpoints.latest()
         kept = f"last good checkpoint: {latest.path}" if latest else "no checkpoint was written"
         console.print(f"[red]stopped: {exc}; nothing was saved for this step; {kept}[/red]")
-        return 3
+        return None
     finally:
-        metrics.close()
-    if result.interrupted:
-        return 130
-    # Everything below runs on every rank (sharded forwards and gathers are collective);
-    # only rank 0 prints and writes.
-    pp_group = mesh.group("pp") if degrees.pp > 1 else None
-    after = run_samples(model, tokenizer, template, prompts) if prompts else []
+        trainer.metrics.close()
+
+
+def finish(cfg: JobConfig, launch: Launch, built: BuiltModel, samples: LaidOut, result, console: Console) -> int:
+    """The "after" samples and what the run ships. Every rank runs this (sharded forwards and
+    gathers are collective); only rank 0 prints and writes."""
+    info, run_dir, model, mesh = launch.info, launch.run_dir, built.model, samples.mesh
+    pp_group = mesh.group("pp") if launch.degrees.pp > 1 else None
+    after = run_samples(model, samples.tokenizer, samples.template, samples.prompts) if samples.prompts else []
     if result.last_loss is None:  # resumed at max_steps: nothing was trained in this process
         if info.is_main:
             console.print(f"already at train.max_steps ({result.step}); nothing to train. Raise "
@@ -342,22 +428,34 @@ def _run_training(cfg: JobConfig, overwrite: bool, console: Console, hooks: RunH
     if info.is_main:
         console.print(f"finished step {result.step}: train loss {result.last_loss:.4f}"
                       + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
-        if prompts:
-            console.print(_samples_table(before, after))
-            b, a = score(before), score(after)
-            console.print(f"held-out exact answers: {b['exact']:.0%} before -> {a['exact']:.0%} after; "
-                          f"valid JSON: {b['valid_json']:.0%} -> {a['valid_json']:.0%}")
-            (run_dir / "samples.json").write_text(json.dumps(
-                {"before": b, "after": a, "outputs": [vars(r) for r in after]}, indent=2) + "\n")
+        if samples.prompts:
+            _report_samples(samples.before, after, run_dir, console)
     if cfg.peft.method == "lora":
-        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=adapter_base,
-                                                      base_identity=base_identity, pp_group=pp_group).items():
+        for layout, out in export_run_adapters(model, run_dir, base_model_name_or_path=built.adapter_base,
+                                               base_identity=built.base_identity, pp_group=pp_group).items():
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
-        out = save_pretrained(model, run_dir / "hf", source_dir=resolve_tokenizer_dir(tokenizer_dir), overwrite=True,
-                              dtype=precision.compute_dtype,  # fp32 masters export in the dtype trained in
+        out = save_pretrained(model, run_dir / "hf",
+                              source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, built.model_dir)),
+                              overwrite=True, dtype=launch.precision.compute_dtype,  # fp32 masters: as trained
                               pp_group=pp_group)
         if info.is_main:
             console.print(f"exported HF checkpoint: {out}")
     return 0
+
+
+def _report_samples(before: list, after: list, run_dir: Path, console: Console) -> None:
+    console.print(_samples_table(before, after))
+    b, a = score(before), score(after)
+    console.print(f"held-out exact answers: {b['exact']:.0%} before -> {a['exact']:.0%} after; "
+                  f"valid JSON: {b['valid_json']:.0%} -> {a['valid_json']:.0%}")
+    (run_dir / "samples.json").write_text(json.dumps(
+        {"before": b, "after": a, "outputs": [vars(r) for r in after]}, indent=2) + "\n")
+
+
+def _fp8_summary(model) -> str:
+    fp8 = [p for p in model.parameters() if is_fp8(p)]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (f"model: frozen FP8 base, {len(fp8)} e4m3 tensors with 128x128 scales "
+            f"({human_bytes(sum(p.numel() for p in fp8))} of {human_bytes(total)} of parameters)")

@@ -30,7 +30,7 @@ def test_fp32_masters_compute_the_bf16_model_with_fp32_routing(one_rank_group):
     bf16 = build_model(args, torch.bfloat16, seed=0)
     masters = build_model(args, torch.float32, seed=1)
     masters.load_state_dict(bf16.state_dict())  # the same values, held in fp32
-    parallelize_glm5(masters, param_dtype=torch.bfloat16)
+    parallelize_glm5(masters, compute_dtype=torch.bfloat16)
 
     seen: dict[str, set[torch.dtype]] = {"router": set(), "layer": set()}
     for module in masters.modules():

@@ -19,9 +19,9 @@ tensors exist; AC and compile wrap the resulting layer; FSDP2 goes last so it
 shards the final parameters and its hooks wrap everything else. Tensor parallelism
 is refused by the mesh (glmtune/distributed/mesh.py).
 
-FSDP2 also carries the mixed precision of fp32 master weights (`param_dtype`
+FSDP2 also carries the mixed precision of fp32 master weights (`compute_dtype`
 bf16: each unit computes on a bf16 copy of its fp32 parameters, gradients are
-reduced in fp32), so it applies in one process too when `param_dtype` is given,
+reduced in fp32), so it applies in one process too when `compute_dtype` is given,
 on a one-rank mesh (`one_rank_process_group`).
 """
 
@@ -131,12 +131,12 @@ def _expert_placement(num_experts: int, shards: int):
     return (lambda param: Shard(1)) if shards > num_experts else None
 
 
-def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
+def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
                reduce_dtype: torch.dtype = torch.float32, expert_mesh=None, stages=None) -> None:
     """Shard with FSDP2: each router, the routed experts (under EP), each decoder and MTP
     layer, then the root (embedding, final norm, head).
 
-    Routers are units of their own that keep their fp32 weight (no `param_dtype` cast):
+    Routers are units of their own that keep their fp32 weight (no `compute_dtype` cast):
     routing runs in fp32 whatever the layers compute in, and a unit needs one parameter
     dtype (a bf16 layer around an fp32 router is refused by `fully_shard`). MTP layers
     take no part in the forward pass: as their own units they are never gathered.
@@ -146,7 +146,7 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
 
     LoRA needs no unit of its own: `fully_shard` asks one dtype of a unit's *trainable*
     parameters only. A LoRA layer over a frozen bf16 base (the GLM-5 LoRA recipes;
-    `param_dtype` None) holds bf16 base weights and fp32 adapters, the routed experts
+    `compute_dtype` None) holds bf16 base weights and fp32 adapters, the routed experts
     (`LoRAGroupedExperts`) their bf16 stacks and fp32 stacked adapters: the trainable ones
     are all fp32, FSDP2 all-gathers the mixed unit through one byte buffer and reduces the
     adapters' gradients in fp32, and the adapters compute in fp32 as in one process
@@ -165,7 +165,7 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, param_dtype: torch.dtype | None,
     their gathered parameters from forward to backward (no reshard after forward):
     resharding would all-gather every layer again for every microbatch.
     """
-    compute = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    compute = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     # FSDP2's own default (None: reshard every unit but the root) without a pipeline; False under one.
     reshard = None if stages is None else False
@@ -223,7 +223,7 @@ def parallelize_glm5(
     activation_checkpointing: str = "none",
     ac_keep_matmul_min_k: int = KEEP_MATMUL_MIN_K,
     compile: bool = False,
-    param_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     ep_dispatcher: str = "all_to_all",
     cp_balance: str = "head_tail",
@@ -233,8 +233,8 @@ def parallelize_glm5(
 
     Args:
         mesh: the run's `ParallelMesh` (glmtune/distributed/mesh.py); None = one process
-            and no process group (a one-rank mesh is made when `param_dtype` needs FSDP2).
-        param_dtype: the dtype the layers compute in when it is not the parameters'
+            and no process group (a one-rank mesh is made when `compute_dtype` needs FSDP2).
+        compute_dtype: the dtype the layers compute in when it is not the parameters'
             (fp32 master weights): FSDP2 then applies in one process too, which needs a
             process group (`one_rank_process_group`).
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
@@ -242,7 +242,7 @@ def parallelize_glm5(
         pipeline: the schedule and split when the mesh has pp > 1; the built
             `glmtune.distributed.pipeline.Pipeline` is then `model.pipeline` (else None).
     """
-    if mesh is None and param_dtype is not None:
+    if mesh is None and compute_dtype is not None:
         mesh = ParallelMesh.from_config(ParallelConfig(), world_size=1, device_type=_device_type(model))
     stages = None
     model.pipeline = None
@@ -260,8 +260,8 @@ def parallelize_glm5(
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
-    if mesh is not None and mesh.degrees.fsdp_applies(mixed_precision=param_dtype is not None):
-        apply_fsdp(model, mesh.fsdp_mesh(), param_dtype, reduce_dtype,
+    if mesh is not None and mesh.degrees.fsdp_applies(mixed_precision=compute_dtype is not None):
+        apply_fsdp(model, mesh.fsdp_mesh(), compute_dtype, reduce_dtype,
                    expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None, stages=stages)
     if stages is not None:
         queries = pipeline.seq_len // mesh.size("cp")
