@@ -39,7 +39,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     import torch
 
-    from glmtune.config import load_config, model_dims
+    from glmtune.config import load_config
+    from glmtune.models.registry import model_dims
     from glmtune.config.validate import validate_config
     from glmtune.models.glm5.args import get_preset
     from glmtune.models.glm5.fp8_base import convert_to_fp8_base
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = load_config(a.recipe)
     dims = model_dims(cfg.model)
-    degrees = validate_config(cfg, dims.num_experts, dims.num_layers)
+    degrees = validate_config(cfg, dims.num_experts, dims.num_layers, model_refusals=dims.refusals)
     args = get_preset(cfg.model.validate_as or cfg.model.name_or_path)
     model = build_model(args, torch.bfloat16, "meta")
     if cfg.model.fp8_base != "none":

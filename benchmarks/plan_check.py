@@ -130,7 +130,8 @@ class SavedCensus:
 def measure(hf_cfg, state, b, cfg, census: bool):
     """(timed peak GiB, GiB allocated at one forward's end, census or None)."""
     from benchmarks.throughput import build_glmtune, glmtune_step, make_batches
-    from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
+    from glmtune.distributed.process_group import one_rank_process_group
+    from glmtune.models.glm5.parallelize import parallelize_glm5
     from glmtune.models.common.document_masks import longest_document
 
     lora, fp32 = cfg.peft.method == "lora", cfg.train.master_weights == "fp32"

@@ -214,7 +214,8 @@ def glmtune_step(model, opt, batches, a):
 
 
 def run_glmtune(cfg, state, batches, a, master_weights="none"):
-    from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
+    from glmtune.distributed.process_group import one_rank_process_group
+    from glmtune.models.glm5.parallelize import parallelize_glm5
 
     fp32_masters = master_weights == "fp32"
     # fp32 masters hold the same bf16 starting weights exactly (load_state_dict upcasts).

@@ -38,7 +38,6 @@ from glmtune.io.sizes import parse_size
 from glmtune.io.text_limits import parse_json
 from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import Glm5Args
-from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.state_dict_adapter import (
     FP8_BLOCK,
@@ -120,14 +119,8 @@ def load_pretrained(
     args = Glm5Args.from_hf_config(path)
     files = checkpoint_files(path)
     _check_shard_sizes(files)
-    if fp8_base is None:
-        model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
-                            indexer_backend=indexer_backend)
-    else:
-        model = build_model(args, dtype, "meta", attention_backend, moe_backend, indexer_backend=indexer_backend)
-        convert_to_fp8_base(model, fp8_base)
-        model.to_empty(device=device)
-        model.model.rotary_emb.reset_parameters()
+    model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
+                        indexer_backend=indexer_backend, fp8_base=fp8_base)
     load_state_into(model, files)
     return model
 

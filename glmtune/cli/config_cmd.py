@@ -5,8 +5,9 @@
 
 Overrides follow the recipe(s) as `--section.key=value` or `--section.key value`.
 `validate` checks each recipe's parallel degrees against the world size and the
-model's expert and layer counts (a preset's table, the model directory's config.json,
-or the preset named by `model.validate_as` when the directory is a placeholder), and
+model's expert and layer counts (its family's spec, `glmtune.models.registry`: a preset,
+the model directory's config.json, or the preset named by `model.validate_as` when the
+directory is a placeholder), and
 names any degree this version cannot run yet (pp, cp, tp > 1): the same checks
 `glmtune train` runs before it allocates or writes anything.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from glmtune.config import config_to_yaml, grad_accum_steps, load_config, model_dims, validate_config, validate_parallel
+from glmtune.config import config_to_yaml, grad_accum_steps, load_config, validate_config, validate_parallel
 from glmtune.io.text_limits import printable
 
 _OVERRIDES_HELP = "dotted overrides after the recipe: --optim.lr=2e-5 or --optim.lr 2e-5"
@@ -77,6 +78,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` stays torch-free (the model registry imports the model families)
+    from glmtune.models.registry import model_dims
+
     # REMAINDER swallows a --world-size written after the recipes; take it back out.
     overrides, world_size = _pop_world_size(args.overrides, args.world_size)
     failed = 0
@@ -86,7 +90,8 @@ def _validate(args: argparse.Namespace) -> int:
             cfg = load_config(recipe, overrides)
             dims = model_dims(cfg.model)
             layout = validate_parallel(cfg, dims.num_experts, dims.num_layers, world_size)
-            degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size)
+            degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size,
+                                      model_refusals=dims.refusals)
         except (ValueError, FileNotFoundError) as exc:
             failed += 1
             detail = str(exc).replace("\n", "\n    ")
@@ -107,15 +112,13 @@ def _validate(args: argparse.Namespace) -> int:
 
 def pipeline_split_description(cfg, degrees) -> str:
     """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the model's architecture."""
-    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.config.model_dims import model_args
+    # lazily: `glmtune --help` stays torch-free
     from glmtune.distributed.pipeline_plan import describe_split, plan_stages
-    from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+    from glmtune.models.registry import model_args, model_spec
 
-    args = model_args(cfg.model)
+    layer_costs, head_cost = model_spec(cfg.model).stage_costs(model_args(cfg.model), cfg.data.packed_sequence_size)
     stages = degrees.pp * cfg.parallel.pp_stages_per_rank
-    return describe_split(plan_stages(layer_costs(args, cfg.data.packed_sequence_size), head_cost(args), stages,
-                                      cfg.parallel.pp_layer_split or None))
+    return describe_split(plan_stages(layer_costs, head_cost, stages, cfg.parallel.pp_layer_split or None))
 
 
 def _pop_world_size(tokens: list[str], world_size: int | None) -> tuple[list[str], int | None]:

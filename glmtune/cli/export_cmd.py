@@ -67,11 +67,10 @@ def adapter_model(cfg):
     from torch import nn
 
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.cli.inspect_cmd import recipe_model_args
-    from glmtune.models.glm5.model import build_model
+    from glmtune.models.registry import model_args, model_spec
     from glmtune.peft import apply_lora
 
-    model = build_model(recipe_model_args(cfg), getattr(torch, cfg.model.dtype), "meta")
+    model = model_spec(cfg.model).build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
     apply_lora(model, cfg.peft)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -87,9 +86,9 @@ def run_base_dir(cfg, run_dir: Path) -> Path:
     """The base model directory a LoRA run trained on: RUN_DIR/base for a preset (the run wrote
     it there), else model.name_or_path."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.models.glm5.args import PRESETS
+    from glmtune.models.registry import is_preset
 
-    return run_dir / "base" if cfg.model.name_or_path in PRESETS else Path(cfg.model.name_or_path)
+    return run_dir / "base" if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
 
 
 def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
@@ -99,13 +98,13 @@ def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
         return
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.checkpoint.fingerprint import config_sha256
-    from glmtune.models.glm5.args import Glm5Args
+    from glmtune.models.registry import spec_for
 
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"the run's base {base_dir} has no config.json any more; restore the base the run "
                                 "trained on (model.name_or_path in the run's config.yaml, or RUN_DIR/base for a "
                                 "preset)")
-    if config_sha256(Glm5Args.from_hf_config(base_dir)) != recorded["config_sha256"]:
+    if config_sha256(spec_for(base_dir).args_from_hf(base_dir)) != recorded["config_sha256"]:
         raise ValueError(f"the base {base_dir} changed since the run trained on it (its config.json describes another "
                          "model); restore the base the run trained on, or the adapter will not fit it")
 

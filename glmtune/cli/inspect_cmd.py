@@ -9,6 +9,9 @@ and exits 1 when anything is wrong, listing every problem. `--trainable RECIPE.y
 builds the recipe's model on the meta device, applies its freezing / LoRA config and
 adds what trains: a trainable column per group and the trainable-parameter inventory
 (the same table every training run logs at start).
+
+The numbers and the build come from the model's family through its spec
+(`glmtune.models.registry`: summary, parameter report, layer runs).
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from glmtune.checkpoint.hf_verify import VerifyReport, format_report, verify_checkpoint
-from glmtune.models.glm5.args import Glm5Args, PRESETS, resolve_args
-from glmtune.models.glm5.counts import layer_runs, parameter_report
-from glmtune.models.glm5.summary import architecture_summary
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import PRESETS, model_args, model_spec, resolve_args, spec_for
 
 _EXAMPLES = """examples:
   glmtune inspect glm5
@@ -54,32 +56,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def recipe_model_args(cfg) -> Glm5Args:
-    """The architecture a recipe's `model` section names, without reading any weights."""
-    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.config.model_dims import model_args
-
-    return model_args(cfg.model)
-
-
-def trainable_inventory(recipe: str):
-    """(model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
+def trainable_inventory(recipe: str) -> tuple[ModelSpec, Any, Any]:
+    """(model spec, model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config
-    from glmtune.models.glm5.model import build_model
     from glmtune.peft import apply_lora, build_inventory
 
     cfg = load_config(recipe)
-    args = recipe_model_args(cfg)
-    model = build_model(args, device="meta")
+    spec, args = model_spec(cfg.model), model_args(cfg.model)
+    model = spec.build(args, device="meta")
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
-    return args, inventory
+    return spec, args, inventory
 
 
-def inspect_payload(source: str, args: Glm5Args,
+def inspect_payload(source: str, spec: ModelSpec, args: Any,
                     trainable_by_group: dict[str, int] | None = None) -> dict[str, Any]:
     """Everything `inspect` shows, as one JSON-serialisable dict."""
-    payload = {"source": source, "architecture": architecture_summary(args), **parameter_report(args)}
+    payload = {"source": source, "architecture": spec.summary(args), **spec.parameter_report(args)}
     if trainable_by_group is not None:
         payload["trainable_params_by_group"] = trainable_by_group
     return payload
@@ -99,15 +92,16 @@ def run(ns: argparse.Namespace) -> int:
     else:
         args = resolve_args(ns.model)
     # A config that does not load is itself a verify problem: report it, no summary.
-    payload = inspect_payload(str(ns.model), args) if args is not None else {"source": str(ns.model)}
+    spec = spec_for(ns.model) if args is not None else None
+    payload = inspect_payload(str(ns.model), spec, args) if spec is not None else {"source": str(ns.model)}
     if report is not None:
         payload["verify"] = report.to_dict()
     if ns.json:
         print(json.dumps(payload, indent=2, ensure_ascii=False))
     else:
         console = Console(highlight=False)
-        if args is not None:
-            _print_summary(console, payload)
+        if spec is not None:
+            _print_summary(console, spec, payload)
         if report is not None:
             _print_verify(console, report)
     return 1 if report is not None and not report.ok else 0
@@ -117,14 +111,14 @@ def _run_trainable(ns: argparse.Namespace) -> int:
     if ns.model is not None or ns.verify:
         raise ValueError("--trainable RECIPE.yaml takes the model from the recipe; "
                          "give no PATH_OR_PRESET and no --verify with it")
-    args, inventory = trainable_inventory(ns.trainable)
-    payload = inspect_payload(f"{ns.trainable}", args, trainable_by_group=inventory.trainable_by_group())
+    spec, args, inventory = trainable_inventory(ns.trainable)
+    payload = inspect_payload(f"{ns.trainable}", spec, args, trainable_by_group=inventory.trainable_by_group())
     payload["trainable_inventory"] = inventory.to_dict()
     if ns.json:
         print(json.dumps(payload, indent=2, ensure_ascii=False))
         return 0
     console = Console(highlight=False)
-    _print_summary(console, payload)
+    _print_summary(console, spec, payload)
     console.print(inventory.table())
     return 0
 
@@ -177,7 +171,7 @@ def format_indices(indices: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _display_rows(layers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+def _display_rows(spec: ModelSpec, layers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     """Layer-table rows: runs of identical layers; a block of one MLP kind whose indexer
     alternates (GLM-5.2's full/shared pattern) is folded into one row."""
     blocks: list[list[dict[str, Any]]] = []
@@ -188,7 +182,7 @@ def _display_rows(layers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             blocks.append([row])
     rows = []
     for block in blocks:
-        runs = layer_runs(block)
+        runs = spec.layer_runs(block)
         if len(runs) <= 2:
             for run in runs:
                 span = str(run["first"]) if run["count"] == 1 else f"{run['first']}–{run['last']}"
@@ -205,7 +199,7 @@ def _display_rows(layers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     return rows
 
 
-def _print_summary(console: Console, payload: dict[str, Any]) -> None:
+def _print_summary(console: Console, spec: ModelSpec, payload: dict[str, Any]) -> None:
     arch = payload["architecture"]
     console.print(f"[bold]{escape(payload['source'])}[/bold]: {arch['architecture']} ({arch['model_type']})")
 
@@ -235,7 +229,7 @@ def _print_summary(console: Console, payload: dict[str, Any]) -> None:
     for name, justify in (("layers", "left"), ("n", "right"), ("mlp", "left"), ("indexer", "left"),
                           ("params/layer", "right"), ("active/layer", "right")):
         table.add_column(name, justify=justify)
-    for row in _display_rows(payload["layers"]):
+    for row in _display_rows(spec, payload["layers"]):
         table.add_row(*row)
     if len(idx["full_layers"]) < arch["num_hidden_layers"]:
         table.caption = f"full indexer on layers {format_indices(idx['full_layers'])} (MTP layers: full)"

@@ -81,6 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config, resolve_recipe_path
     from glmtune.distributed.slurm import SlurmJob, check_job, check_slurm_launch, sbatch_script, write_script
+    from glmtune.models.registry import model_dims
 
     overrides = _OPTIONS.parse(args)
     if args.nodes is None:
@@ -89,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.debug and "--debug" not in overrides:  # `glmtune --debug slurm ...`: the ranks show tracebacks too
         overrides.append("--debug")
     cfg = load_config(args.recipe, [o for o in overrides if o != "--debug"])
-    gpus_per_node = check_slurm_launch(cfg, args.nodes, args.gpus_per_node)
+    gpus_per_node = check_slurm_launch(cfg, args.nodes, args.gpus_per_node, model_dims(cfg.model))
     job = SlurmJob(
         recipe=str(resolve_recipe_path(args.recipe).resolve()), train_args=overrides,
         run_dir=Path(cfg.logging.run_dir).absolute(), workdir=Path.cwd(), nodes=args.nodes,

@@ -37,6 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config
     from glmtune.distributed.launch import launch_torchrun, pop_nproc_per_node
+    from glmtune.models.registry import model_dims
 
     # The flags sit among the dotted overrides (argparse hands everything after RECIPE over).
     debug_before_train = args.debug  # `glmtune --debug train ...`: the ranks need it too
@@ -45,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
     overrides = [o for o in passed_on if o not in _FLAGS]
     cfg = load_config(args.recipe, overrides)
     if nproc is not None:
-        return launch_torchrun(cfg, nproc, [args.recipe, *passed_on], debug=debug_before_train)
+        return launch_torchrun(cfg, nproc, [args.recipe, *passed_on], model_dims(cfg.model), debug=debug_before_train)
 
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.train.run import run_training

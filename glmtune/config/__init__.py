@@ -1,9 +1,11 @@
 """glmtune's job configuration: a typed dataclass tree loaded from YAML recipes.
 
-    from glmtune.config import load_config, validate_config, model_dims
+    from glmtune.config import load_config, validate_config
     cfg = load_config("recipes/tiny/sft_support_json.yaml", ["--train.max_steps=10"])
-    dims = model_dims(cfg.model)
-    degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size=1)
+    degrees = validate_config(cfg, num_experts=8, num_layers=4, world_size=1)
+
+The model's experts and layers come from its family (`glmtune.models.registry.model_dims`):
+config/ knows no model.
 """
 
 from glmtune.config.loader import (
@@ -16,14 +18,12 @@ from glmtune.config.loader import (
     load_run_config,
     resolve_recipe_path,
 )
-from glmtune.config.model_dims import ModelDims, PRESET_DIMS, model_dims
 from glmtune.config.schema import (
     CheckpointConfig,
     DEFAULT_LORA_TARGETS,
     DataConfig,
     JobConfig,
     LoggingConfig,
-    MODEL_PRESETS,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -42,7 +42,7 @@ from glmtune.config.validate import (
 
 __all__ = [
     "RECIPES_DIR", "config_from_dict", "config_to_dict", "config_to_yaml", "dump_config", "load_config", "load_run_config",
-    "resolve_recipe_path", "PRESET_DIMS", "ModelDims", "model_dims", "DEFAULT_LORA_TARGETS", "MODEL_PRESETS",
+    "resolve_recipe_path", "DEFAULT_LORA_TARGETS",
     "CheckpointConfig", "DataConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PeftConfig", "SyntheticDataConfig", "TrainConfig", "MeshDegrees", "grad_accum_steps",
     "pipeline_microbatches", "resolve_world_size", "validate_config", "validate_parallel",

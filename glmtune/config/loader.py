@@ -39,13 +39,22 @@ _FLOAT_MAX = sys.float_info.max
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _YAML_BOOL_WORDS = "yes/no/on/off/true/false"
 
-# Keys that had one working value and were removed (issue 29): a recipe that still sets one
-# is refused with the reason, at its file:line, rather than as an unknown key.
-REMOVED_KEYS: dict[tuple[type, str], str] = {
-    (TrainConfig, "autocast"): "glmtune computes in model.dtype (bf16 under fp32 master weights) without "
-                               "torch.autocast",
-    (ModelConfig, "indexer_trainable"): "the DSA indexer has no loss yet, so it is always frozen",
-    (OptimConfig, "name"): "the optimizer is always AdamW (optim.fused picks its kernel)",
+# Keys that had one working value and were removed (issue 29), one row each: (section class,
+# key) -> why, and the values it could only ever have held. A recipe that still sets one is
+# refused with the reason, at its file:line, rather than as an unknown key; a run's saved
+# config.yaml from before the removal, holding one of those values, loads without it.
+@dataclasses.dataclass(frozen=True)
+class RemovedKey:
+    why: str
+    former_values: tuple[Any, ...]
+
+
+REMOVED_KEYS: dict[tuple[type, str], RemovedKey] = {
+    (TrainConfig, "autocast"): RemovedKey("glmtune computes in model.dtype (bf16 under fp32 master weights) "
+                                          "without torch.autocast", ("auto", "none")),
+    (ModelConfig, "indexer_trainable"): RemovedKey("the DSA indexer has no loss yet, so it is always frozen",
+                                                   (False,)),
+    (OptimConfig, "name"): RemovedKey("the optimizer is always AdamW (optim.fused picks its kernel)", ("adamw",)),
 }
 
 
@@ -73,20 +82,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
 
 
 # A removed key's values that meant nothing: what a run's saved config.yaml records for it.
-REMOVED_DEFAULTS: dict[tuple[str, str], tuple[Any, ...]] = {
-    ("train", "autocast"): ("auto", "none"), ("model", "indexer_trainable"): (False,), ("optim", "name"): ("adamw",),
-}
-
-
 def load_run_config(path: str | Path) -> JobConfig:
     """A run's saved `config.yaml`, written by an earlier glmtune too: a removed key that holds
-    a value it could only ever have had (REMOVED_DEFAULTS) is dropped, any other is refused
-    as in a recipe (so a run that trained with a setting glmtune no longer has says so)."""
+    a value it could only ever have had (`RemovedKey.former_values`) is dropped, any other is
+    refused as in a recipe (so a run that trained with a setting glmtune no longer has says so)."""
     layer = read_recipe(Path(path))
-    for (section, key), values in REMOVED_DEFAULTS.items():
-        fields = layer.data.get(section)
-        if isinstance(fields, dict) and key in fields and any(fields[key] == v and type(fields[key]) is type(v)
-                                                              for v in values):
+    sections = {section: name for name, section in typing.get_type_hints(JobConfig).items()}
+    for (owner, key), removed in REMOVED_KEYS.items():
+        fields = layer.data.get(sections.get(owner, ""))
+        if isinstance(fields, dict) and key in fields and any(
+                fields[key] == v and type(fields[key]) is type(v) for v in removed.former_values):
             del fields[key]
     return _build(layer, default_where=str(path))
 
@@ -219,7 +224,7 @@ class Converter:
         for key, item in value.items():
             if key not in hints:
                 if (cls, key) in REMOVED_KEYS:
-                    self._removed_key(path + (key,), REMOVED_KEYS[cls, key])
+                    self._removed_key(path + (key,), REMOVED_KEYS[cls, key].why)
                 else:
                     self._unknown_key(path, key, names)
                 continue

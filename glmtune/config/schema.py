@@ -18,12 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# Built-in model presets (glmtune.models.glm5.args.PRESETS). `tiny` is a CPU-sized
-# random-init model; the others are the published GLM-5 family architectures, whose
-# weights still come from a local HF directory.
-MODEL_PRESETS = ("tiny", "glm5", "glm5.1", "glm5.2", "glm5.3")
-ModelPreset = Literal["tiny", "glm5", "glm5.1", "glm5.2", "glm5.3"]
-
 # torch.distributed.pipelining schedule names, spelled as `get_schedule_class` accepts them.
 PipelineSchedule = Literal[
     "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
@@ -62,7 +56,7 @@ class ModelConfig:
     # only, an HF directory): dequant = each layer's weight dequantized into a
     # transient for a bf16 GEMM (docs/benchmarks.md); none = FP8 checkpoints are dequantized on load
     fp8_base: Literal["none", "dequant"] = "none"
-    validate_as: ModelPreset | None = None  # preset whose dims `config validate` uses when name_or_path is not readable
+    validate_as: str | None = None  # a preset whose dims `config validate` uses when name_or_path is not readable
 
 
 @dataclass

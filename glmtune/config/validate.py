@@ -37,7 +37,7 @@ import dataclasses
 import math
 
 from glmtune.config.degrees import MeshDegrees, raise_config_errors as _raise
-from glmtune.config.schema import JobConfig, MODEL_PRESETS, ParallelConfig, PeftConfig
+from glmtune.config.schema import JobConfig, ParallelConfig, PeftConfig
 
 # Schedules that place one stage per rank, and the V-shaped ones that need exactly two.
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
@@ -160,16 +160,19 @@ def grad_accum_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
     return t.global_batch_size // per_step
 
 
-def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None) -> MeshDegrees:
+def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None,
+                    model_refusals: tuple[str, ...] = ()) -> MeshDegrees:
     """All checks a run needs before anything is allocated: the parallel layout, the degrees
     this version can run (pp, cp, tp > 1 cannot yet), batch divisibility, per-field ranges
-    and the precision settings.
+    and the precision settings. `model_refusals`: what the model's family refuses of the
+    recipe's `model` section (the registry's `ModelDims.refusals`; config/ knows no model),
+    reported with the rest.
 
     `glmtune config validate` and the start of `glmtune train` call this same function.
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
-        + pipeline_context_errors(cfg, num_layers)
+        + list(model_refusals) + pipeline_context_errors(cfg, num_layers)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -222,9 +225,7 @@ def fp8_base_errors(cfg: JobConfig) -> list[str]:
     key, errors = f"model.fp8_base: {cfg.model.fp8_base}", []
     if cfg.peft.method != "lora":
         errors.append(f"{key} needs peft.method: lora (an FP8 base is frozen: only adapters train on it)")
-    if cfg.model.name_or_path in MODEL_PRESETS:
-        errors.append(f"{key} needs an HF checkpoint directory in model.name_or_path, not the preset "
-                      f"{cfg.model.name_or_path!r} (the adapter must name the FP8 base it trained on)")
+    # On a preset it is refused by the model registry (`ModelDims.refusals`): config/ knows no preset.
     return errors
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from glmtune.io.text_limits import MAX_JSON_DEPTH, json_depth, parse_json
+from glmtune.io.text_limits import MAX_JSON_DEPTH, JsonSyntaxError, json_depth, parse_json
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -84,10 +84,9 @@ def loads_bounded(text: str) -> Any:
     """
     try:
         return parse_json(text, "JSON")
+    except JsonSyntaxError as exc:
+        raise exc.error from None
     except ValueError as exc:
-        # parse_json raises `from None`, which hides the JSONDecodeError it replaced but keeps it as context.
-        if isinstance(exc.__context__, json.JSONDecodeError):
-            raise exc.__context__ from None
         raise ValueError(str(exc).removeprefix("JSON: ")) from None
 
 

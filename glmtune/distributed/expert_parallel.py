@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard

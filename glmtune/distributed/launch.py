@@ -27,7 +27,7 @@ import sys
 import threading
 from pathlib import Path
 
-from glmtune.config import JobConfig, model_dims, validate_config
+from glmtune.config import JobConfig, validate_config
 from glmtune.io.interrupts import interrupts_deferred
 from glmtune.io.run_lock import STOP_FILE  # the name the trainer watches (in the run directory)
 
@@ -68,20 +68,22 @@ def torchrun_command(nproc: int, train_args: list[str], debug: bool = False) -> 
             "-m", "glmtune", *(["--debug"] if debug else []), "train", *train_args]
 
 
-def check_launch(cfg: JobConfig, nproc: int) -> None:
-    """Refuse, before any process starts, what the N ranks would refuse anyway."""
+def check_launch(cfg: JobConfig, nproc: int, dims) -> None:
+    """Refuse, before any process starts, what the N ranks would refuse anyway. `dims`: the
+    model's routed experts and decoder layers (`num_experts`, `num_layers`; the model
+    family's `model_dims`: distributed/ knows no model)."""
     if "WORLD_SIZE" in os.environ:
         raise ValueError(f"--nproc-per-node: this process is already one of {os.environ['WORLD_SIZE']} started by "
                          "torchrun (WORLD_SIZE is set); drop --nproc-per-node")
     if cfg.parallel.launcher != "torchrun":
         raise ValueError(f"--nproc-per-node starts torchrun on this host, but parallel.launcher is "
                          f"{cfg.parallel.launcher}; set --parallel.launcher torchrun")
-    dims = model_dims(cfg.model)
-    validate_config(cfg, dims.num_experts, dims.num_layers, world_size=nproc)
+    validate_config(cfg, dims.num_experts, dims.num_layers, world_size=nproc, model_refusals=dims.refusals)
 
 
-def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bool = False) -> int:
-    """Validate `cfg` for `nproc` ranks, run torchrun with `train_args` and return its exit status.
+def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], dims, debug: bool = False) -> int:
+    """Validate `cfg` for `nproc` ranks (`dims` as `check_launch`), run torchrun with
+    `train_args` and return its exit status.
 
     torchrun runs in its own session: a Ctrl-C reaches this process only and is passed
     on once, as is SIGTERM or SIGHUP; later ones are not (a second signal would cut short
@@ -93,7 +95,7 @@ def launch_torchrun(cfg: JobConfig, nproc: int, train_args: list[str], debug: bo
     returns 130 (as `glmtune train`); otherwise torchrun's status: 0, or 1 when a rank
     failed (torchrun's report names the rank and that rank's own status).
     """
-    check_launch(cfg, nproc)
+    check_launch(cfg, nproc, dims)
     process: subprocess.Popen | None = None
     received: list[int] = []
     pending: list[int] = []  # received before torchrun existed

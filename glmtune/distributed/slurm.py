@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glmtune.config import JobConfig, model_dims, validate_config
+from glmtune.config import JobConfig, validate_config
 from glmtune.io.run_lock import STOP_FILE  # the name the trainer watches (in the run directory)
 
 SCRIPT_DIR = "slurm"  # under the run directory: the scripts and the job logs
@@ -105,8 +105,9 @@ def check_job(job: SlurmJob) -> None:
             raise ValueError(f"{flag} {value!r}: sbatch takes a name without spaces")
 
 
-def check_slurm_launch(cfg: JobConfig, nodes: int, gpus_per_node: int | None) -> int:
+def check_slurm_launch(cfg: JobConfig, nodes: int, gpus_per_node: int | None, dims) -> int:
     """Validate `cfg` for nodes x gpus_per_node ranks, as every rank will; the GPUs per node.
+    `dims`: the model's routed experts and decoder layers (the family's `model_dims`).
 
     The recipe's `parallel.nodes` / `parallel.gpus_per_node`, when set, must be the flags'
     (`--gpus-per-node` defaults to the recipe's). `cfg.parallel` is set to the job's layout."""
@@ -123,8 +124,8 @@ def check_slurm_launch(cfg: JobConfig, nodes: int, gpus_per_node: int | None) ->
                          f"in the recipe; pass --gpus-per-node {p.gpus_per_node}, or change the recipe with "
                          f"--parallel.gpus_per_node {gpus_per_node}")
     p.nodes, p.gpus_per_node, p.launcher = nodes, gpus_per_node, "slurm"
-    dims = model_dims(cfg.model)
-    validate_config(cfg, dims.num_experts, dims.num_layers, world_size=nodes * gpus_per_node)
+    validate_config(cfg, dims.num_experts, dims.num_layers, world_size=nodes * gpus_per_node,
+                    model_refusals=dims.refusals)
     return gpus_per_node
 
 

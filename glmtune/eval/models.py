@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
-from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.config import load_run_config
 from glmtune.data.sources import file_sha256
-from glmtune.eval.adapters import apply_adapter
+from glmtune.peft.adapter_load import apply_adapter
 from glmtune.io.run_lock import read_run_record
-from glmtune.models.glm5.args import PRESETS
+from glmtune.models.registry import is_preset, spec_for
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from glmtune.peft.merge import config_dtype, merge_adapter_dir
 
@@ -120,7 +119,7 @@ def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
     if role == "base":
         if (run_dir / "base" / "config.json").is_file():
             return ModelSource(role, role, run_dir, "run", run_dir / "base", recorded_base=record.get("base"))
-        if cfg.model.name_or_path not in PRESETS and (Path(cfg.model.name_or_path) / "config.json").is_file():
+        if not is_preset(cfg.model.name_or_path) and (Path(cfg.model.name_or_path) / "config.json").is_file():
             return ModelSource(role, role, run_dir, "run", Path(cfg.model.name_or_path).resolve(),
                                recorded_base=record.get("base"))
         raise ValueError(f"{option} {run_dir}: the run records no base model to evaluate (no base/ and "
@@ -181,8 +180,9 @@ def checkpoint_dtype(hf_dir: Path) -> torch.dtype:
 
 
 def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | None):
-    """The model in eval mode on `device` (dtype None: the checkpoint's own)."""
-    net = load_pretrained(model.weights_dir, dtype or checkpoint_dtype(model.weights_dir), device)
+    """The model in eval mode on `device` (dtype None: the checkpoint's own), loaded by its family's spec."""
+    dtype = dtype or checkpoint_dtype(model.weights_dir)
+    net = spec_for(model.weights_dir).load_pretrained(model.weights_dir, dtype, device)
     if model.adapter_dir is not None:
         if model.merged:
             merge_adapter_dir(net, model.adapter_dir)

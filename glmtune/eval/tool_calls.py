@@ -16,12 +16,11 @@ MAX_VALUE_BYTES (a model's output is untrusted: parsing it must not raise Recurs
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from glmtune.io.text_limits import parse_json
+from glmtune.io.text_limits import JsonSyntaxError, parse_json
 
 MAX_VALUE_BYTES = 1 << 20  # one argument value; a generation of 32768 tokens is rarely a fifth of it
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
@@ -52,12 +51,8 @@ def _value(text: str, as_string: bool, key: str) -> Any:
         return text
     try:
         return parse_json(text, f"argument {key!r}", max_bytes=MAX_VALUE_BYTES)
-    except ValueError as exc:
-        # Text that is not JSON is the raw text (parse_json raises from the JSONDecodeError);
-        # JSON over the depth or size bounds is the call's error.
-        if isinstance(exc.__context__, json.JSONDecodeError):
-            return text
-        raise
+    except JsonSyntaxError:  # text that is not JSON is the raw text; over the bounds, the call's error
+        return text
 
 
 def _call(name: str, pairs: list[tuple[str, str]], strings: set[str]) -> ParsedCall:

@@ -85,16 +85,29 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+class JsonSyntaxError(ValueError):
+    """Text that is not JSON; `error` is json's own JSONDecodeError (its `msg`, `lineno`, `colno`),
+    for callers that say where in their own words or take such text as plain text."""
+
+    def __init__(self, message: str, error: json.JSONDecodeError):
+        super().__init__(message)
+        self.error = error
+
+
 def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None,
                max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`json.loads(text)` with its size and nesting bounded; ValueError naming `what` otherwise."""
+    """`json.loads(text)` with its size and nesting bounded; ValueError naming `what` otherwise:
+    `JsonSyntaxError` for text that is not JSON, a plain ValueError for JSON over the bounds
+    (and bytes that are not UTF-8)."""
     if max_bytes is not None and len(text) > max_bytes:
         raise ValueError(f"{what}: {len(text):,} bytes of JSON, more than the {max_bytes:,} allowed")
     try:
         value = json.loads(text)
     except RecursionError:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+    except json.JSONDecodeError as exc:
+        raise JsonSyntaxError(f"{what}: not valid JSON ({exc})", exc) from None
+    except ValueError as exc:  # UnicodeDecodeError
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
     if json_depth(value) > max_depth:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels")

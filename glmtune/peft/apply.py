@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-import torch
 from torch import nn
 
 from glmtune.config.schema import PeftConfig

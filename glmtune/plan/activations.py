@@ -1,5 +1,9 @@
 """Activation memory of one GLM-5 decoder layer, per micro-batch, from the model's shapes.
 
+These are the GLM-5 family's formulas (MLA, the DSA indexer, MoE and dense MLP layers), read
+from its architecture: `args` is the family's own args as its spec returns them (a built
+model's `.args`), used by field name (`hidden_size`, `mlp_layer_types`, `index_topk`, ...).
+
 What autograd keeps from forward to backward, tensor by tensor, as glmtune's eager GPU path
 saves it (bf16 compute, the Triton attention and fused indexer, grouped GEMMs, the Triton
 MoE combine, the fused loss). Bytes per micro-batch of `q` queries and `k` keys on this rank
@@ -37,8 +41,7 @@ activation gradients alive at once, and the attention backward's bf16 dS and P b
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from glmtune.models.glm5.args import Glm5Args
+from typing import Any
 
 F32, I64, BOOL = 4, 8, 1
 
@@ -60,7 +63,7 @@ class MicroBatch:
     def keys(self) -> int:
         return self.rows * self.seq
 
-    def sparse_needed(self, args: Glm5Args) -> bool:
+    def sparse_needed(self, args: Any) -> bool:
         return self.seq > args.index_topk
 
 
@@ -82,7 +85,7 @@ def _norm(q: int, width: int, e: int, weight_trains: bool) -> int:
     return F32 * q * width + F32 * q + (e * q * width if weight_trains else 0)
 
 
-def attention_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+def attention_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
     q, k, n = mb.queries, mb.keys, args.num_attention_heads
     d, rq, r = args.hidden_size, args.q_lora_rank, args.kv_lora_rank
     qk, nope, v = args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
@@ -100,7 +103,7 @@ def attention_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: T
     return out
 
 
-def mlp_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+def mlp_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
     q, d = mb.queries, args.hidden_size
     base = {"norms": _norm(q, d, e, train.norms), "mlp input": e * q * d}
     adapters = 3 * e * q * train.lora_rank  # gate, up, down of the dense MLP or shared experts
@@ -116,14 +119,14 @@ def mlp_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainab
             "shared experts": 4 * e * q * shared + adapters}
 
 
-def layer_saved(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+def layer_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
     """Saved bytes of decoder layer `layer` without checkpointing, by component."""
     parts = {f"attention: {k}": v for k, v in attention_saved(args, mb, layer, e, train).items()}
     parts.update({f"mlp: {k}": v for k, v in mlp_saved(args, mb, layer, e, train).items()})
     return parts
 
 
-def selective_kept(args: Glm5Args, mb: MicroBatch, layer: int, e: int, min_k: int) -> int:
+def selective_kept(args: Any, mb: MicroBatch, layer: int, e: int, min_k: int) -> int:
     """What selective checkpointing keeps of a layer: its input, the top-k mask, the attention
     outputs and log-sum-exp, and the outputs of matmuls reducing over >= min_k."""
     q, k, d, n = mb.queries, mb.keys, args.hidden_size, args.num_attention_heads
@@ -145,7 +148,7 @@ def selective_kept(args: Glm5Args, mb: MicroBatch, layer: int, e: int, min_k: in
     return kept + sum(nbytes for width, nbytes in matmuls if width >= min_k)
 
 
-def backward_transient(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train: Trainability,
+def backward_transient(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability,
                        score_buffer_bytes: int) -> int:
     """Peak bytes inside one layer's backward beyond the layer's saved tensors (module docstring).
 
@@ -169,7 +172,7 @@ def backward_transient(args: Glm5Args, mb: MicroBatch, layer: int, e: int, train
     return max(mlp, attention - mlp_saved_bytes) + F32 * q * d  # + the residual's gradient
 
 
-def indexer_transient(args: Glm5Args, mb: MicroBatch, e: int, chunk_bytes: int = 256 * 2**20) -> int:
+def indexer_transient(args: Any, mb: MicroBatch, e: int, chunk_bytes: int = 256 * 2**20) -> int:
     """The indexer's forward scratch: queries and keys, and one chunk of fp32 scores + top-k."""
     if not mb.sparse_needed(args):
         return 0

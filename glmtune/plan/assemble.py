@@ -2,7 +2,8 @@
 
 The pieces are computed by the modules beside this one; this module only decides what to
 compute for the command's options and puts the results in one JSON-ready structure
-(`plan_report.py` prints it).
+(`plan_report.py` prints it). The model's family answers through its spec
+(`glmtune/models/registry.py`): vocabulary size and FLOPs per token.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
-from glmtune.models.glm5.flops import flops_per_token
+from glmtune.models.registry import model_spec
 from glmtune.plan import cost as run_cost
 from glmtune.plan.data_tokens import EpochTokens, epoch_tokens, unreadable_data
 from glmtune.plan.floor import floor_table, recipe_row
@@ -53,16 +54,16 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     if options.world_size is not None:
         cfg = _with_world(cfg, options.world_size)
     degrees = degrees_for(cfg)
-    model = build_meta_model(cfg)
+    spec, model = model_spec(cfg.model), build_meta_model(cfg)
     lora_cfg = copy.deepcopy(cfg)
     lora_cfg.peft.method = "lora"
-    floor = floor_table(model, build_meta_model(lora_cfg)) + [recipe_row(model)]
+    floor = floor_table(model, build_meta_model(lora_cfg)) + [recipe_row(model, spec)]
 
     data: EpochTokens | None = None
     why_no_data = unreadable_data(cfg) if options.read_data else "not read (--no-data)"
     if why_no_data is None:
         model_dir = Path(cfg.model.name_or_path) if (Path(cfg.model.name_or_path) / "config.json").is_file() else None
-        data = epoch_tokens(cfg, model.args.vocab_size, model_dir)
+        data = epoch_tokens(cfg, spec.vocab_size(model.args), model_dir)
     one_document = data is None or data.one_document_rows * 2 >= data.rows  # the common row shape
     memory = plan_memory(cfg, model, degrees, one_document)
 
@@ -97,20 +98,27 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
         }
         if options.measurement is not None:
             lengths = data.document_lengths if data else [cfg.data.packed_sequence_size]
-            per_gpu, note = tokens_per_s_per_gpu(options.measurement, _flops_per_token(model, lengths), key)
-            saves = max(1, steps // cfg.checkpoint.every_steps if cfg.checkpoint.every_steps else 1)
-            ckpt_bytes = memory.state.params + memory.state.optimizer
-            c = run_cost.run_cost(tokens, steps, degrees.world_size, per_gpu, ckpt_bytes, saves,
-                                  cfg.checkpoint.async_save, options.budget, options.price_per_gpu_hour)
-            entry["time"] = c.to_dict()
-            entry["time_assumption"] = (f"{note}; {saves} checkpoint saves of {ckpt_bytes / 1e9:.1f} GB per rank at "
-                                        f"{options.budget.stage_gbps if cfg.checkpoint.async_save else options.budget.write_gbps}"
-                                        f" GB/s; {c.restarts} restart(s) x {options.budget.restart_minutes:g} min "
-                                        "+ half a checkpoint interval")
+            entry.update(_run_time(cfg, options, key, spec.flops_per_token(model.args, lengths), (steps, tokens),
+                                   memory.state.params + memory.state.optimizer, degrees.world_size))
         report["gpus"].append(entry)
     report["run"] = {"steps": steps, "tokens": tokens,
                      "source": f"{options.epochs:g} epochs of the data" if options.epochs else "train.max_steps"}
     return report
+
+
+def _run_time(cfg: JobConfig, options: PlanOptions, gpu: str, flops_per_token: float, run: tuple[int, int],
+              ckpt_bytes: int, world_size: int) -> dict[str, Any]:
+    """The run's time and cost on `gpu` at the measured speed, and the assumptions behind it."""
+    steps, tokens = run
+    per_gpu, note = tokens_per_s_per_gpu(options.measurement, flops_per_token, gpu)
+    saves = max(1, steps // cfg.checkpoint.every_steps if cfg.checkpoint.every_steps else 1)
+    c = run_cost.run_cost(tokens, steps, world_size, per_gpu, ckpt_bytes, saves,
+                          cfg.checkpoint.async_save, options.budget, options.price_per_gpu_hour)
+    return {"time": c.to_dict(),
+            "time_assumption": (f"{note}; {saves} checkpoint saves of {ckpt_bytes / 1e9:.1f} GB per rank at "
+                                f"{options.budget.stage_gbps if cfg.checkpoint.async_save else options.budget.write_gbps}"
+                                f" GB/s; {c.restarts} restart(s) x {options.budget.restart_minutes:g} min "
+                                "+ half a checkpoint interval")}
 
 
 def _steps_and_tokens(cfg: JobConfig, data: EpochTokens | None, epochs: float | None) -> tuple[int, int]:
@@ -122,12 +130,6 @@ def _steps_and_tokens(cfg: JobConfig, data: EpochTokens | None, epochs: float | 
     else:
         steps = cfg.train.max_steps
     return steps, steps * row_tokens
-
-
-def _flops_per_token(model, lengths: list[int]) -> float:
-    args = model.args
-    dense = sum(1 for kind in args.mlp_layer_types if kind != "sparse")
-    return flops_per_token(args, args.num_hidden_layers, dense, lengths)
 
 
 def _throughput_note(measurement: Measurement | None) -> dict[str, Any]:

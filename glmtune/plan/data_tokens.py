@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmtune.config import JobConfig
-from glmtune.train.recipe import prepare_data, tokenizer_dir_for
+from glmtune.train.model_source import tokenizer_dir_for
+from glmtune.train.run_data import prepare_data
 
 
 @dataclass

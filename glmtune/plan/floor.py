@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from glmtune.models.common.model_spec import ModelSpec
 from glmtune.plan.model_state import whole_model_state
 
 
@@ -62,9 +63,10 @@ def floor_table(model: nn.Module, lora_model: nn.Module | None = None) -> list[F
     return rows
 
 
-def recipe_row(model: nn.Module) -> FloorRow:
-    """What glmtune holds for this recipe over all ranks (parameters, gradients, AdamW state)."""
-    state = whole_model_state(model)
+def recipe_row(model: nn.Module, spec: ModelSpec) -> FloorRow:
+    """What glmtune holds for this recipe over all ranks (parameters, gradients, AdamW state);
+    `spec`: the model's family (`model_spec`)."""
+    state = whole_model_state(model, spec)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
     return FloorRow("this recipe (glmtune)", state.total,
                     f"parameters {state.params / 1e12:.2f} TB ({'/'.join(dtypes)}), gradients "

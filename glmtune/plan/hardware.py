@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from glmtune.models.glm5.flops import PEAK_BF16_TFLOPS
+from glmtune.kernels.device_peaks import PEAK_BF16_TFLOPS
 
 
 @dataclass(frozen=True)

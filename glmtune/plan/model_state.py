@@ -1,10 +1,13 @@
 """Model-state bytes: the guide's floor for a whole model, and what one rank holds under a layout.
 
-The model is built on the meta device exactly as `glmtune train` builds it (preset or HF
-config, parameter dtype from the precision rules, FP8 frozen base, LoRA applied), so the
-parameter list, shapes and dtypes are those of the run, not a formula.
+The model is built on the meta device exactly as `glmtune train` builds it, by its family's
+spec (`glmtune/models/registry.py`: preset or HF config, parameter dtype from the precision
+rules, FP8 frozen base, LoRA applied), so the parameter list, shapes and dtypes are those of
+the run, not a formula; the spec also names each parameter's group and the per-layer costs
+the pipeline split is planned from.
 
-Per rank, each parameter is placed as `parallelize_glm5` places it:
+Per rank, each parameter is placed as the family's parallelization plan (the spec's
+`parallelize`) places it:
   * pipeline: decoder layer i lives on the pp rank whose stages hold it (the same split and
     stage assignment as `glmtune/distributed/pipeline.py`); the embedding on stage 0; the
     final norm, LM head and MTP layers on the last stage;
@@ -23,8 +26,10 @@ most one row per tensor per rank.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,12 +38,11 @@ from glmtune.config import JobConfig
 from glmtune.config.degrees import MeshDegrees
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
-from glmtune.models.glm5.fp8_base import convert_to_fp8_base
-from glmtune.models.glm5.param_groups import param_group
-from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import model_spec
 from glmtune.peft import apply_lora
+from glmtune.train.model_source import build_model_from_config
 from glmtune.train.precision import resolve_precision
-from glmtune.train.recipe import build_model_from_config
 
 _EXPERTS = ".mlp.experts."
 
@@ -101,7 +105,7 @@ def build_meta_model(cfg: JobConfig) -> nn.Module:
     `glmtune train` with this config, and no storage (754B parameters cost nothing)."""
     model, _ = build_model_from_config(_readable(cfg), "meta")
     if cfg.model.fp8_base != "none" and not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
-        convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
+        model_spec(cfg.model).convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
     if cfg.peft.method == "lora":
         apply_lora(model, cfg.peft, seed=cfg.train.seed)
     return model
@@ -110,9 +114,6 @@ def build_meta_model(cfg: JobConfig) -> nn.Module:
 def _readable(cfg: JobConfig) -> JobConfig:
     """`cfg` with a placeholder model path replaced by its `validate_as` preset (recipes ship
     `/path/to/GLM-5`): the architecture is the preset's, which is what planning needs."""
-    import copy
-    from pathlib import Path
-
     m = cfg.model
     if m.validate_as and not (Path(m.name_or_path) / "config.json").is_file():
         cfg = copy.deepcopy(cfg)
@@ -145,13 +146,13 @@ def _stage_of(name: str, layer_stage: list[int], last: int) -> int:
 
 def layer_stages(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[list[int], list[list[int]]]:
     """(stage of each decoder layer, the stages each pp rank runs)."""
-    args = model.args
+    args, spec = model.args, model_spec(cfg.model)
     p = cfg.parallel
     if degrees.pp == 1:
-        return [0] * args.num_hidden_layers, [[0]]
+        return [0] * spec.num_layers(args), [[0]]
     seq_len = cfg.data.packed_sequence_size // degrees.cp
-    split = plan_stages(layer_costs(args, seq_len), head_cost(args), degrees.pp * p.pp_stages_per_rank,
-                        p.pp_layer_split or None)
+    layer_costs, head_cost = spec.stage_costs(args, seq_len)
+    split = plan_stages(layer_costs, head_cost, degrees.pp * p.pp_stages_per_rank, p.pp_layer_split or None)
     stage = [s for s, count in enumerate(split) for _ in range(count)]
     ranks = [stage_ids_for_rank(p.pp_schedule, r, degrees.pp, p.pp_stages_per_rank) for r in range(degrees.pp)]
     return stage, ranks
@@ -187,6 +188,7 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
     precision = resolve_precision(cfg)
     sharded = degrees.fsdp_applies(precision.mixed)
     compute_size = torch.empty((), dtype=precision.compute_dtype).element_size()
+    param_group = model_spec(cfg.model).param_group
     state = StateBytes()
     for name, param in model.named_parameters():
         if degrees.pp > 1 and _stage_of(name, stage, last) not in mine:
@@ -207,9 +209,10 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
     return state
 
 
-def whole_model_state(model: nn.Module) -> StateBytes:
-    """Every parameter once, as one process holds it."""
+def whole_model_state(model: nn.Module, spec: ModelSpec) -> StateBytes:
+    """Every parameter once, as one process holds it (`spec`: the model's family, `model_spec`,
+    which names each parameter's group)."""
     state = StateBytes()
     for name, param in model.named_parameters():
-        state.add(param_group(name), param.numel(), param.element_size(), param.requires_grad)
+        state.add(spec.param_group(name), param.numel(), param.element_size(), param.requires_grad)
     return state

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from glmtune.config import JobConfig, model_dims
+from glmtune.config import JobConfig
 from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import validate_config
+from glmtune.models.registry import model_dims
 from glmtune.plan.memory import MemoryPlan, plan_rank_memory
 from glmtune.plan.model_state import build_meta_model, rank_state
 
@@ -15,7 +16,7 @@ from glmtune.plan.model_state import build_meta_model, rank_state
 def degrees_for(cfg: JobConfig, world_size: int | None = None) -> MeshDegrees:
     """The recipe's resolved degrees (validated as `glmtune config validate` does)."""
     dims = model_dims(cfg.model)
-    return validate_config(cfg, dims.num_experts, dims.num_layers, world_size)
+    return validate_config(cfg, dims.num_experts, dims.num_layers, world_size, model_refusals=dims.refusals)
 
 
 def plan_memory(cfg: JobConfig, model: nn.Module | None = None, degrees: MeshDegrees | None = None,

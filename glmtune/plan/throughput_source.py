@@ -3,8 +3,8 @@
 A plan's time comes from a measurement, not from a datasheet: a run directory (its
 `metrics.jsonl`: the steady windows after the first, which holds compilation), a metrics
 file itself, or a benchmark's JSON lines (`benchmarks/throughput.py`: `tflops` and `gpu`).
-The speed travels as achieved model TFLOP/s per GPU (the one FLOPs formula,
-`glmtune/models/glm5/flops.py`) so that it transfers to another model size or sequence
+The speed travels as achieved model TFLOP/s per GPU (the one FLOPs formula, the
+model family's `flops_per_token`) so that it transfers to another model size or sequence
 length at the same efficiency; tokens/s follow from the target's FLOPs per token. Between
 GPU kinds it is scaled by the ratio of their dense bf16 peaks (same MFU), which the plan
 states as an assumption.

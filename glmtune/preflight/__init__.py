@@ -13,10 +13,11 @@ The checks follow the "proof of compatibility" of a GLM-5 fine-tuning guide, in 
     9  generation.py    base and trained outputs under one greedy decoding
    10  multiprocess.py  the recipe's parallel layout scaled down (layout.py), against one process
 
-Around them: context.py (the user's run and the scratch runs that stand in for it),
-truncate.py (an HF checkpoint's first K layers, for checks 5-10 on a model too large to
-step), runs.py (the scratch training runs), trained.py (base and trained models from
-them), result.py (one check's outcome), runner.py (order, dependencies, skips) and
-report.py (preflight.md, preflight.json, the console table). docs/preflight.md says what
-each check proves and how to run it on a real checkpoint.
+Around them: context.py (the user's run and the scratch runs that stand in for it: an HF
+checkpoint's first K layers, the model spec's `truncated_view`, for checks 5-10 on a model
+too large to step), runs.py (the scratch training runs), trained.py (base and trained models
+from them), result.py (one check's outcome), runner.py (order, dependencies, skips) and
+report.py (preflight.md, preflight.json, the console table). The model is reached only
+through its family's spec (`glmtune.models.registry`). docs/preflight.md says what each
+check proves and how to run it on a real checkpoint.
 """

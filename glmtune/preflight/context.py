@@ -3,9 +3,9 @@
 `Preflight` holds the recipe as the user's `glmtune train` would resolve it (recipe + dotted
 overrides: `cfg`), the output directory, and the scratch configuration that checks 5-10 run:
 the same recipe with
-  * the model an HF directory's first K decoder layers with their real weights
-    (`truncate.py`; `--layers auto` takes the fewest layers holding every kind of layer the
-    model has), a GLM-5-sized preset's first K layers, or a small preset (tiny) as it is;
+  * the model an HF directory's first K decoder layers with their real weights (the model
+    spec's `truncated_view`; `--layers auto` takes the fewest layers holding every kind of
+    layer the model has), a GLM-5-sized preset's first K layers, or a small preset (tiny) as it is;
   * the first `rows` conversations of the data (`data.train` files copied to
     OUT/work/data/, or `data.synthetic.rows` lowered), through the recipe's own pipeline;
   * two optimizer steps of the scaled-down layout's global batch (`layout.py`) in one
@@ -13,7 +13,8 @@ the same recipe with
   * no validation runs, samples, TensorBoard or progress bar; checkpoints only where a
     check asks for one; the tokenization cache under OUT/work/cache.
 The scratch configuration is written resolved to OUT/work/config.yaml; every scratch run
-(in this process or a fresh one) loads that file with its own run directory.
+(in this process or a fresh one) loads that file with its own run directory. The model is
+reached through its family's spec (`glmtune.models.registry`: `Preflight.spec`).
 """
 
 from __future__ import annotations
@@ -21,25 +22,27 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from glmtune.config import JobConfig, dump_config, load_config, resolve_recipe_path
-from glmtune.config.model_dims import model_args
 from glmtune.data.sources import read_rows
-from glmtune.models.glm5.args import PRESETS
-from glmtune.models.glm5.model import build_model
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import is_preset, model_args, model_spec
 from glmtune.preflight.layout import ONE_PROCESS, Replica, UNPINNED_TOPOLOGY, scaled_replica
-from glmtune.preflight.truncate import covering_layers, truncated_args, truncated_view
-from glmtune.train.recipe import PreparedData, prepare_data, resolve_device, tokenizer_dir_for
+from glmtune.train.model_source import tokenizer_dir_for
+from glmtune.train.process import resolve_device
+from glmtune.train.run_data import PreparedData, prepare_data
 
 NUM_STEPS = 2  # the reference run's optimizer steps; the resume check saves after the first
 AUTO_TRUNCATE_PARAMS = 10**9  # `--layers auto` keeps a preset below this whole (tiny); GLM-5 sizes are cut
 
 
-def _num_params(args) -> int:
-    return sum(p.numel() for p in build_model(args, device="meta").parameters())
+def _num_params(spec: ModelSpec, args: Any) -> int:
+    return sum(p.numel() for p in spec.build(args, device="meta").parameters())
 
 
 class Preflight:
@@ -51,7 +54,7 @@ class Preflight:
         out: the report's directory; scratch runs go under OUT/work.
         layers: "auto", "all" or a number of decoder layers for checks 5-10; auto: an HF directory's
             or a preset of 1B parameters or more's fewest leading layers that hold every kind of layer
-            (`truncate.covering_layers`), a smaller preset whole.
+            (the spec's `covering_layers`), a smaller preset whole.
         nproc: processes of the multi-process check (None: the GPUs of this host, 2 on CPU).
         rows: conversations of the data the scratch runs read.
     """
@@ -67,7 +70,7 @@ class Preflight:
         self.device = resolve_device(self.cfg.train.device)
         self.nproc = nproc or (torch.cuda.device_count() if self.device.type == "cuda" else 2)
         name = self.cfg.model.name_or_path
-        self.model_dir = None if name in PRESETS else Path(name)
+        self.model_dir = None if is_preset(name) else Path(name)
         self.replica: Replica = scaled_replica(self.cfg.parallel, self.nproc, accumulation=1,
                                                micro_batch_size=2 if self.cfg.parallel.pp > 1 else 1)
         self._scratch: JobConfig | None = None
@@ -76,11 +79,16 @@ class Preflight:
         self.notes: list[str] = []  # how the scratch runs differ from the user's run
         if isinstance(layers, int):  # a user error, refused before anything runs
             try:
-                total = model_args(self.cfg.model).num_hidden_layers
+                total = self.spec.num_layers(model_args(self.cfg.model))
             except (OSError, ValueError):
                 total = layers  # an unreadable config: checks 1-4 say so
             if layers > total:
                 raise ValueError(f"--layers {layers}: {self.cfg.model.name_or_path} has {total} decoder layers")
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        """The front door of the recipe's model family (its scratch model's too)."""
+        return model_spec(self.cfg.model)
 
     @property
     def lora(self) -> bool:
@@ -105,12 +113,12 @@ class Preflight:
         """Decoder layers of the scratch model, None for the model as it is."""
         if not self._layers:
             args = model_args(self.cfg.model)
-            total = args.num_hidden_layers
+            total = self.spec.num_layers(args)
             if self.layers == "all":
                 wanted = total
             elif self.layers == "auto":
-                large = self.model_dir is not None or _num_params(args) > AUTO_TRUNCATE_PARAMS
-                wanted = covering_layers(args) if large else total
+                large = self.model_dir is not None or _num_params(self.spec, args) > AUTO_TRUNCATE_PARAMS
+                wanted = self.spec.covering_layers(args) if large else total
             else:
                 wanted = int(self.layers)
             self._layers.append(wanted if wanted < total else None)
@@ -139,14 +147,13 @@ class Preflight:
                       f"{self.cfg.train.max_steps} x {self.cfg.train.global_batch_size}"]
         layers = self.scratch_layers()
         if layers is not None and self.model_dir is not None:
-            view = truncated_view(self.model_dir, self.work / f"model-first-{layers}-layers", layers)
+            view = self.spec.truncated_view(self.model_dir, self.work / f"model-first-{layers}-layers", layers)
             out += ["--model.name_or_path", str(view.resolve())]
             self.notes.append(f"the first {layers} decoder layers of {self.model_dir} with their real weights "
                               f"(a view: {view}); MTP layers and the layers after {layers} are not loaded")
         elif layers is not None:
-            args = truncated_args(model_args(self.cfg.model), layers)
-            for key in ("num_hidden_layers", "mlp_layer_types", "indexer_types"):
-                out += [f"--model.overrides.{key}", json.dumps(getattr(args, key))]
+            for key, value in self.spec.truncated_overrides(model_args(self.cfg.model), layers).items():
+                out += [f"--model.overrides.{key}", json.dumps(value)]
             self.notes.append(f"the first {layers} decoder layers of the {self.cfg.model.name_or_path} preset")
         return out + self._data_overrides()
 
@@ -181,7 +188,7 @@ class Preflight:
         if self._data is None:
             cfg = self.scratch()
             self._data = prepare_data(cfg, self.work / "rows", tokenizer_dir_for(cfg, self.scratch_model_dir()),
-                                      model_args(cfg.model).vocab_size)
+                                      self.spec.vocab_size(model_args(cfg.model)))
         return self._data
 
     # -- scratch runs ---------------------------------------------------------------------

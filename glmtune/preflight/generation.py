@@ -33,7 +33,7 @@ from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.preflight.runs import ReferenceRun
 from glmtune.preflight.trained import base_model, trained_model
-from glmtune.train.recipe import tokenizer_dir_for
+from glmtune.train.model_source import tokenizer_dir_for
 from glmtune.train.samples import SampleResult, prompts_from, run_samples
 
 NUM_PROMPTS = 3

@@ -1,9 +1,10 @@
 """Check 3: the config and tokenizer load without the weights; the architecture and chat template are GLM-5's.
 
-The model is built on the meta device from the recipe's model (an HF directory's
-config.json, or a preset with its overrides): no weight is read and no memory allocated.
-For an HF directory, config.json must name `GlmMoeDsaForCausalLM` and transformers must read
-it (`AutoConfig`, as its own loading would); a preset's dimensions are reported as they are.
+The model is built on the meta device by its family's spec (`glmtune.models.registry`) from
+the recipe's model (an HF directory's config.json, or a preset with its overrides): no weight
+is read and no memory allocated. For an HF directory, config.json must name the family's
+architecture (`GlmMoeDsaForCausalLM`) and transformers must read it (`AutoConfig`, as its own
+loading would); a preset's dimensions are reported as they are.
 
 The tokenizer is the one the run loads (data.tokenizer, else the model directory's, else
 the bundled tiny one), with GLM-5's role tokens as single tokens and a vocabulary that fits
@@ -23,19 +24,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from glmtune.config.model_dims import model_args
 from glmtune.data.chat_template import BUNDLED_TEMPLATE_PATH, load_chat_template, render_conversation, tokenize_row
 from glmtune.data.contract import check_or_raise, normalize_row
 from glmtune.data.sources import read_rows
 from glmtune.data.synthetic import generate_rows
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
-from glmtune.models.glm5.model import build_model
-from glmtune.models.glm5.summary import architecture_summary
+from glmtune.models.registry import model_args
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
-from glmtune.train.recipe import tokenizer_dir_for
+from glmtune.train.model_source import tokenizer_dir_for
 
-ARCHITECTURE = "GlmMoeDsaForCausalLM"
 PREFIX = "[gMASK]<sop>"
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|observation|>"}
 assert set(ROLE_MARKERS.values()) == set(ROLE_TOKENS)
@@ -53,9 +51,9 @@ def first_conversation(pf: Preflight) -> dict[str, Any]:
 
 def architecture_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     args = model_args(pf.cfg.model)
-    meta = build_model(args, device="meta")
+    meta = pf.spec.build(args, device="meta")
     evidence["meta_model"] = {"parameters": sum(p.numel() for p in meta.parameters()), "bytes_allocated": 0}
-    evidence["architecture"] = architecture_summary(args)
+    evidence["architecture"] = pf.spec.summary(args)
     if pf.model_dir is None:
         evidence["source"] = f"preset {pf.cfg.model.name_or_path}"
         return []
@@ -63,8 +61,9 @@ def architecture_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
 
     config = json.loads((pf.model_dir / "config.json").read_text())
     evidence["config_architectures"] = config.get("architectures")
-    problems = [] if ARCHITECTURE in (config.get("architectures") or []) else [
-        f"{pf.model_dir}/config.json: architectures {config.get('architectures')}, expected [{ARCHITECTURE}]"]
+    expected = pf.spec.hf_architecture
+    problems = [] if expected in (config.get("architectures") or []) else [
+        f"{pf.model_dir}/config.json: architectures {config.get('architectures')}, expected [{expected}]"]
     evidence["transformers_config"] = type(AutoConfig.from_pretrained(pf.model_dir, local_files_only=True)).__name__
     return problems
 
@@ -83,7 +82,7 @@ def template_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     tokenizer_dir = tokenizer_dir_for(pf.cfg, pf.model_dir)
     directory = resolve_tokenizer_dir(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
-    vocab = model_args(pf.cfg.model).vocab_size
+    vocab = pf.spec.vocab_size(model_args(pf.cfg.model))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (*ROLE_TOKENS, EOS_TOKEN, "[gMASK]", "<sop>")}
     evidence["tokenizer"] = {"directory": str(directory), "size": len(tokenizer), "special_token_ids": ids}
     problems = [f"tokenizer {directory}: {token} is not one token" for token, i in ids.items()
@@ -130,7 +129,8 @@ def check_model(pf: Preflight) -> CheckResult:
         problems.append(f"tokenizer or chat template: {exc}")
     arch = evidence["architecture"]
     template = evidence.get("chat_template", {})
-    message = (f"{ARCHITECTURE} on meta ({evidence['meta_model']['parameters']:,} parameters, nothing read): "
+    meta = evidence["meta_model"]
+    message = (f"{pf.spec.hf_architecture} on meta ({meta['parameters']:,} parameters, nothing read): "
                f"{arch['num_hidden_layers']} layers ({arch['num_dense_layers']} dense, {arch['num_moe_layers']} MoE), "
                f"{arch['moe']['n_routed_experts']} experts, hidden {arch['hidden_size']}; tokenizer "
                f"{evidence.get('tokenizer', {}).get('size')} tokens; template renders "

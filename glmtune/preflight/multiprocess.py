@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from glmtune.distributed.launch import check_launch
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import model_dims
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, skipped, verdict
 from glmtune.preflight.resume import compare_steps, same
 from glmtune.preflight.runs import ReferenceRun, log_line, read_records, run, sample
 from glmtune.preflight.trained import trained_model
 from glmtune.train.data_loader import collate
-from glmtune.train.recipe import glm5_loss
 
 
 def tolerance(pf: Preflight) -> tuple[float, str]:
@@ -38,9 +39,9 @@ def tolerance(pf: Preflight) -> tuple[float, str]:
 
 
 @torch.no_grad()
-def row_loss(model: torch.nn.Module, row: dict, device: torch.device) -> float:
+def row_loss(spec: ModelSpec, model: torch.nn.Module, row: dict, device: torch.device) -> float:
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate([row]).items()}
-    loss_sum, count = glm5_loss(model, batch)
+    loss_sum, count = spec.loss(model, batch)
     return (loss_sum / count).item()
 
 
@@ -48,7 +49,7 @@ def checkpoint_probe(pf: Preflight, run_dir) -> tuple[float, dict[str, torch.Ten
     """A run's last checkpoint loaded in one process: its loss on the first training row, a sample of
     every tensor, the checkpoint. One model at a time: nothing of it stays on the device."""
     model, checkpoint = trained_model(pf, run_dir)
-    loss = row_loss(model, pf.data().train_rows[0], pf.device)
+    loss = row_loss(pf.spec, model, pf.data().train_rows[0], pf.device)
     return loss, {name: sample(p) for name, p in model.named_parameters()}, checkpoint
 
 
@@ -63,7 +64,8 @@ def check_multiprocess(pf: Preflight, ref: ReferenceRun, *extra: str) -> CheckRe
     evidence: dict[str, Any] = {"run_dir": str(run_dir), "layout": replica.describe(), "overrides": layout,
                                 "not_exercised": replica.not_exercised}
     try:
-        check_launch(pf.run_config(run_dir, *layout), replica.world)
+        cfg = pf.run_config(run_dir, *layout)
+        check_launch(cfg, replica.world, model_dims(cfg.model))
     except ValueError as exc:
         return CheckResult(10, "fail", f"the scaled layout does not validate: {exc}", evidence)
     status, log = run(pf, run_dir, *layout, nproc=replica.world)

@@ -32,9 +32,9 @@ import torch
 
 from glmtune.config import config_to_yaml
 from glmtune.config.yaml_layers import load_yaml_text
-from glmtune.config.model_dims import model_args
 from glmtune.checkpoint.fingerprint import config_sha256
 from glmtune.io.revisions import SOURCE_ROOT, glmtune_pin, model_revision
+from glmtune.models.registry import model_args
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from glmtune.distributed.launch import torchrun_command
-from glmtune.models.glm5.param_groups import GROUPS, param_group
+from glmtune.models.common.model_spec import ModelSpec
 from glmtune.preflight.context import Preflight
 from glmtune.train.run import RunHooks, run_training
 
@@ -79,14 +79,16 @@ class Gradients:
     zero: list[str]  # trainable tensors with no gradient or an all-zero one
 
     @classmethod
-    def of(cls, model: nn.Module) -> "Gradients":
+    def of(cls, model: nn.Module, spec: ModelSpec) -> "Gradients":
+        """The gradients `model` holds now, by `spec`'s parameter groups."""
+        groups, param_group = spec.param_groups, spec.param_group
         everything = [(clean_name(n), p) for n, p in model.named_parameters()]
         named = [(n, p) for n, p in everything if p.requires_grad]
         with_grad = [(n, _local(p.grad)) for n, p in named if p.grad is not None]
         # fp64 on the CPU, fp32 on CUDA, as the trainer's norm (an fp64 norm copies bf16 gradients to fp64)
         dtype = torch.float64 if with_grad and with_grad[0][1].device.type == "cpu" else torch.float32
         norms = torch._foreach_norm([g for _, g in with_grad], 2.0, dtype=dtype) if with_grad else []
-        squares, trainable, total = dict.fromkeys(GROUPS, 0.0), dict.fromkeys(GROUPS, 0), dict.fromkeys(GROUPS, 0)
+        squares, trainable, total = dict.fromkeys(groups, 0.0), dict.fromkeys(groups, 0), dict.fromkeys(groups, 0)
         nonfinite, zero = [], [n for n, p in named if p.grad is None]
         for (name, _), norm in zip(with_grad, (float(x) for x in norms)):
             squares[param_group(name)] += norm * norm
@@ -129,7 +131,7 @@ def run_reference(pf: Preflight, on_model: Callable[[nn.Module], None] | None = 
             on_model(model)
 
     def gradients_complete(step: int, model: nn.Module) -> None:
-        ref.gradients[step] = Gradients.of(model)
+        ref.gradients[step] = Gradients.of(model, pf.spec)
         if step == 2:  # the parameters now hold the first step's update
             now = {clean_name(n): p for n, p in model.named_parameters()}
             ref.moved = {n: not torch.equal(was, sample(now[n])) for n, was in before.items()}

@@ -32,12 +32,11 @@ from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
 from glmtune.checkpoint.integrity import file_digest
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.checkpoint.hf_verify import verify_checkpoint
-from glmtune.config.model_dims import model_args
 from glmtune.io.sizes import human_bytes
+from glmtune.models.registry import model_args
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.preflight.trainable import transformed_meta_model
-from glmtune.preflight.truncate import truncated_args
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 NUM_SCRATCH_CHECKPOINTS = 4  # reference, resume (two), multi-process
@@ -96,7 +95,10 @@ def space_problems(pf: Preflight) -> tuple[list[str], dict[str, Any]]:
     cfg, problems, evidence = pf.cfg, [], {}
     full, _ = transformed_meta_model(cfg)
     layers = pf.scratch_layers()
-    scratch = full if layers is None else transformed_meta_model(cfg, truncated_args(model_args(cfg.model), layers))[0]
+    if layers is None:
+        scratch = full
+    else:
+        scratch, _ = transformed_meta_model(cfg, pf.spec.truncated(model_args(cfg.model), layers))
     one = checkpoint_bytes(scratch, trainable_only=pf.lora)
     # the reference run's HF export, or the base a LoRA run on a preset writes (adapters are small)
     exported = export_bytes(scratch) if not pf.lora or pf.model_dir is None else 0

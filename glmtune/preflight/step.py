@@ -22,7 +22,6 @@ import json
 import math
 from typing import Any
 
-from glmtune.models.glm5.param_groups import GROUPS, param_group
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, skipped, verdict
 from glmtune.preflight.runs import ReferenceRun, log_line
@@ -81,9 +80,9 @@ def check_gradients(pf: Preflight, ref: ReferenceRun) -> CheckResult:
         return skipped(6, "no gradient was computed: the training step did not run (check 5)")
     first, last_step = ref.gradients[1], max(ref.gradients)
     problems, paths = [], {}
-    for group in GROUPS:
+    for group in pf.spec.param_groups:
         trainable, norm = first.trainable[group], first.norms[group]
-        bad = [n for n in first.nonfinite if param_group(n) == group]
+        bad = [n for n in first.nonfinite if pf.spec.param_group(n) == group]
         if not first.total[group]:
             state = "not in the model"
         elif not trainable:

@@ -1,10 +1,11 @@
 """Check 4: what trains, counted on the meta device for the whole model the recipe names.
 
-The model is built on the meta device (no memory, the 754B configurations included) and
-transformed as training transforms it (`apply_lora`, or nothing for full fine-tuning), then
-inventoried by `glmtune.peft.build_inventory`: trainable and frozen elements per group
-(attention, indexer, router, shared and routed experts, dense MLP, norms, embeddings, head,
-MTP) and the LoRA targets behind them.
+The model is built on the meta device by its family's spec (`glmtune.models.registry`; no
+memory, the 754B configurations included) and transformed as training transforms it
+(`apply_lora`, or nothing for full fine-tuning), then inventoried by
+`glmtune.peft.build_inventory`: trainable and frozen elements per group (the spec's
+`param_groups`: attention, indexer, router, shared and routed experts, dense MLP, norms,
+embeddings, head, MTP) and the LoRA targets behind them.
 
 Fails when nothing trains; for LoRA when a `peft.target_modules` entry matches no module
 (apply_lora's own error), when an entry's modules end up with no trainable adapter
@@ -21,9 +22,7 @@ from typing import Any
 from torch import nn
 
 from glmtune.config import JobConfig
-from glmtune.config.model_dims import model_args
-from glmtune.models.glm5.args import Glm5Args
-from glmtune.models.glm5.model import build_model
+from glmtune.models.registry import model_args, model_spec
 from glmtune.peft import LoRAGroupedExperts, LoraInventory, apply_lora, build_inventory, lora_modules
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
@@ -33,10 +32,10 @@ FROZEN_BY_DESIGN = {"indexer": "the DSA indexer has no loss yet",
                     "mtp": "MTP layers are not in the training forward pass"}
 
 
-def transformed_meta_model(cfg: JobConfig, args: Glm5Args | None = None) -> tuple[nn.Module, LoraInventory]:
-    """The model `cfg` trains (or `args`, e.g. a truncated one) on the meta device, after its LoRA
-    transform, in the run's parameter dtype; and its inventory."""
-    model = build_model(args or model_args(cfg.model), resolve_precision(cfg).param_dtype, "meta")
+def transformed_meta_model(cfg: JobConfig, args: Any = None) -> tuple[nn.Module, LoraInventory]:
+    """The model `cfg` trains (or `args`, the family's architecture, e.g. a truncated one) on the
+    meta device, after its LoRA transform, in the run's parameter dtype; and its inventory."""
+    model = model_spec(cfg.model).build(args or model_args(cfg.model), resolve_precision(cfg).param_dtype, "meta")
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
     return model, inventory
 

@@ -19,7 +19,7 @@ from glmtune.checkpoint.manager import Checkpoint, CheckpointManager
 from glmtune.peft import apply_lora
 from glmtune.preflight.context import Preflight
 from glmtune.train.optim import build_optimizer
-from glmtune.train.recipe import build_model_from_config
+from glmtune.train.model_source import build_model_from_config
 
 
 def base_model(pf: Preflight, device: torch.device | None = None) -> nn.Module:

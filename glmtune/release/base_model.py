@@ -28,9 +28,8 @@ from glmtune.checkpoint.fingerprint import config_sha256, identity_mismatch, wei
 from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.config import JobConfig
-from glmtune.config.model_dims import model_args
 from glmtune.io.revisions import model_revision
-from glmtune.models.glm5.args import Glm5Args, PRESETS
+from glmtune.models.registry import is_preset, model_args, spec_for
 from glmtune.release.artifacts import TensorRange, read_json, record_artifact
 
 BASE_DIR = "base"  # RUN_DIR/base, as glmtune/train/run.py writes it
@@ -72,7 +71,7 @@ def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tup
     The identity equals `glmtune.checkpoint.fingerprint.base_identity_from_dir(hf_dir)` minus its path.
     """
     _check_json_files(hf_dir)
-    args = Glm5Args.from_hf_config(hf_dir)
+    args = spec_for(hf_dir).args_from_hf(hf_dir)
     ranges = _tensor_ranges(hf_dir)
     artifact, tensor_shas = record_artifact(name, hf_dir, "dir", what, manifest_dir,
                                             tensors=lambda rel: ranges.get(rel, []))
@@ -106,7 +105,7 @@ def record_base(cfg: JobConfig, run_dir: Path, run_record: dict[str, Any], manif
     """(the manifest's `base` section, the base's artifact entry or None). See the module docstring."""
     name = cfg.model.name_or_path
     section: dict[str, Any] = {"name_or_path": name, "preset": None, "path": None, "revision": None}
-    if name in PRESETS:
+    if is_preset(name):
         hf_dir = run_dir / BASE_DIR
         section.update(preset=name, seed=cfg.train.seed, overrides=cfg.model.overrides,
                        revision_source=f"local directory: preset {name}'s initial weights (seed {cfg.train.seed}), "

@@ -41,7 +41,7 @@ from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.io.outputs import check_output, output_file
 from glmtune.io.run_lock import RUN_FILE, lock_holder
 from glmtune.io.text_limits import printable
-from glmtune.models.glm5.args import PRESETS
+from glmtune.models.registry import is_preset
 from glmtune.release import signing, triggers
 from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
@@ -203,7 +203,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     if not scorecard["passed"] and not req.allow_failed_gates:
         raise ValueError(f"--eval {eval_dir}: the eval failed its release gates: {'; '.join(failed_gates(scorecard))}"
                          " (--allow-failed-gates releases anyway and records it)")
-    base_dir = (run_dir / BASE_DIR) if cfg.model.name_or_path in _presets() else Path(cfg.model.name_or_path)
+    base_dir = (run_dir / BASE_DIR) if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
     tokenizer_dir = _tokenizer_dir(cfg, run_dir, lora, base_dir)
     recorded = _recorded_inputs(run_dir, eval_dir, deployable, base_dir, tokenizer_dir)
     reads = recorded + ([("--previous", Path(req.previous))] if req.previous is not None else [])
@@ -317,10 +317,6 @@ def _check_key_outside(key: Path, recorded: list[tuple[str, Path]]) -> None:
         if within(real, os.path.realpath(path)):
             raise ValueError(f"--sign-key {key} lies in {what} {path}: the release would record it and it would "
                              "ship with the model; keep the key outside what you release")
-
-
-def _presets():
-    return PRESETS
 
 
 def _tokenizer_dir(cfg, run_dir: Path, lora: bool, base_dir: Path) -> Path:

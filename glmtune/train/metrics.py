@@ -20,13 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
-
-def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """MoE blocks that take part in the forward pass (MTP layers do not; they hold weights only)."""
-    return [(name, module) for name, module in model.named_modules()
-            if hasattr(module, "tokens_per_expert") and hasattr(module, "gate") and not name.startswith("mtp.")]
 
 
 def routing_stats(tokens_per_expert: torch.Tensor) -> dict[str, float]:

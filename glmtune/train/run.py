@@ -38,9 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 from glmtune.checkpoint.fingerprint import base_identity_from_dir
-from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
-from glmtune.checkpoint.sharded_load import load_sharded
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
 from glmtune.config.degrees import MeshDegrees
@@ -52,11 +50,12 @@ from glmtune.distributed.pipeline_plan import describe_split
 from glmtune.io.run_lock import STOP_FILE, read_run_record, write_run_record
 from glmtune.io.sizes import human_bytes
 from glmtune.io.text_limits import printable
+from glmtune.distributed.process_group import one_rank_process_group
+from glmtune.kernels.device_peaks import peak_tflops
 from glmtune.kernels.fp8_blocks import is_fp8
 from glmtune.kernels.lowrank_add import resolve_backend
-from glmtune.models.glm5.args import PRESETS
-from glmtune.models.glm5.flops import flops_per_token, peak_tflops
-from glmtune.models.glm5.parallelize import PipelineOptions, one_rank_process_group, parallelize_glm5
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import is_preset, model_spec
 from glmtune.peft import apply_lora, build_inventory, export_run_adapters, print_inventory
 from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
 from glmtune.train.data_loader import PackedRowLoader
@@ -64,19 +63,10 @@ from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import Precision, bf16_only_warning, bf16_rounded_away, resolve_precision
-from glmtune.train.recipe import (
-    DistributedInfo,
-    PreparedData,
-    build_model_from_config,
-    check_recipe,
-    glm5_loss,
-    init_distributed,
-    prepare_data,
-    resolve_device,
-    save_run_config,
-    tokenizer_dir_for,
-)
-from glmtune.train.run_dir import RunDirectory, check_writable
+from glmtune.train.model_source import build_model_from_config, tokenizer_dir_for
+from glmtune.train.process import DistributedInfo, check_recipe, init_distributed, resolve_device
+from glmtune.train.run_data import PreparedData, prepare_data
+from glmtune.train.run_dir import RunDirectory, check_writable, save_run_config
 from glmtune.train.samples import prompts_from, run_samples, score
 from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
 
@@ -123,7 +113,7 @@ def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) 
 BASE_DIR = "base"  # RUN_DIR/base: the HF checkpoint of the preset base a run (SFT or LoRA) started from
 
 
-def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, console: Console,
+def _write_preset_base(cfg: JobConfig, spec: ModelSpec, model: torch.nn.Module, out: Path, console: Console,
                        is_main: bool) -> dict | None:
     """Every rank (collective under torchrun; rank 0 writes), before LoRA and parallel wrapping:
     the preset's weights as an HF directory (with the tokenizer) that PEFT, `glmtune merge` and
@@ -134,7 +124,7 @@ def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, consol
             console.print(f"[yellow]{warning}[/yellow]")
 
     decide_on_rank0(check_space)
-    save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
+    spec.save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
     if not is_main:
         return None
     role = "the adapter's base model" if cfg.peft.method == "lora" else "the model before training"
@@ -142,13 +132,12 @@ def _write_preset_base(cfg: JobConfig, model: torch.nn.Module, out: Path, consol
     return base_identity_from_dir(out)
 
 
-def step_model_flops(args, batches: list[dict]) -> float:
-    """Model FLOPs of micro batches (glmtune/models/glm5/flops.py's formula over their real documents;
-    padding counts as one more document per row: the GPU computes it)."""
+def step_model_flops(spec: ModelSpec, args, batches: list[dict]) -> float:
+    """Model FLOPs of micro batches (the family's formula over their real documents; padding
+    counts as one more document per row: the GPU computes it)."""
     lengths = [int(n) for b in batches for row in b["document_ids"]
                for n in torch.unique(row, return_counts=True)[1]]
-    dense = args.mlp_layer_types.count("dense")
-    return flops_per_token(args, args.num_hidden_layers, dense, lengths) * sum(lengths)
+    return spec.flops_per_token(args, lengths) * sum(lengths)
 
 
 @dataclass
@@ -184,8 +173,9 @@ def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None
 
 @dataclass
 class Launch:
-    """Step 1's answer: where and how this process runs."""
+    """Step 1's answer: where and how this process runs, and the model family's front door."""
 
+    spec: ModelSpec
     device: torch.device
     info: DistributedInfo
     degrees: MeshDegrees
@@ -203,8 +193,8 @@ def check_launch(cfg: JobConfig) -> Launch:
     degrees = check_recipe(cfg, info.world_size)
     if cfg.peft.method == "lora":
         resolve_backend(cfg.peft.adapter_kernel, device)  # triton without CUDA: refused before anything is written
-    return Launch(device, info, degrees, resolve_precision(cfg), grad_accum_steps(cfg, degrees),
-                  Path(cfg.logging.run_dir))
+    return Launch(model_spec(cfg.model), device, info, degrees, resolve_precision(cfg),
+                  grad_accum_steps(cfg, degrees), Path(cfg.logging.run_dir))
 
 
 def claim_run_directory(cfg: JobConfig, launch: Launch, overwrite: bool, console: Console,
@@ -237,19 +227,19 @@ def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHook
     # An adapter names the exact base it was trained on (merge checks it): hash the base
     # directory in the background while the model loads and the data is prepared.
     base_hashing = None
-    if cfg.peft.method == "lora" and info.is_main and cfg.model.name_or_path not in PRESETS:
+    if cfg.peft.method == "lora" and info.is_main and not is_preset(cfg.model.name_or_path):
         base_hashing = ThreadPoolExecutor(1).submit(base_identity_from_dir, cfg.model.name_or_path)
     # Never the whole model on one rank: under torchrun a run from an HF checkpoint is built on
     # the meta device and each rank reads only its own shards after parallelize (LoRA adapters
     # are then initialised to the values a one-process run draws).
-    sharded_load = info.world_size > 1 and cfg.model.name_or_path not in PRESETS
+    sharded_load = info.world_size > 1 and not is_preset(cfg.model.name_or_path)
     model, model_dir = build_model_from_config(cfg, "meta" if sharded_load else launch.device)
     adapter_base, base_identity = (str(model_dir) if model_dir is not None else None), None
     if model_dir is None:
         # A preset's random base exists nowhere else: the run writes it (before training changes
         # it), an adapter names it, and an evaluation compares against it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
-        base_identity = _write_preset_base(cfg, model, run_dir / BASE_DIR, console, info.is_main)
+        base_identity = _write_preset_base(cfg, launch.spec, model, run_dir / BASE_DIR, console, info.is_main)
     # LoRA is a transformation of the built model, before any parallel wrapping.
     inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
         else build_inventory(model)
@@ -268,7 +258,8 @@ def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console:
     info, run_dir = launch.info, launch.run_dir
     if not info.is_main:
         barrier()
-    data = prepare_data(cfg, run_dir, tokenizer_dir_for(cfg, built.model_dir), built.model.args.vocab_size)
+    vocab_size = launch.spec.vocab_size(launch.spec.args_of(built.model))
+    data = prepare_data(cfg, run_dir, tokenizer_dir_for(cfg, built.model_dir), vocab_size)
     if built.base_hashing is not None:
         built.base_identity = built.base_hashing.result()
     if (cfg.peft.method == "lora" or built.base_identity is not None) and info.is_main:
@@ -313,21 +304,19 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
         resources.callback(torch.distributed.destroy_process_group)
     mesh = ParallelMesh(degrees, device_type=device.type) if torch.distributed.is_initialized() else None
     p = cfg.parallel
-    pipeline = PipelineOptions(p.pp_schedule, p.pp_stages_per_rank, pipeline_microbatches(cfg),
-                               cfg.train.micro_batch_size, cfg.data.packed_sequence_size, p.pp_layer_split or None,
-                               precision.compute_dtype, device) if degrees.pp > 1 else None
-    parallelize_glm5(
-        model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
-        ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
-        compute_dtype=precision.compute_dtype if precision.mixed else None, ep_dispatcher=p.ep_dispatcher,
-        cp_balance=p.cp_balance, pipeline=pipeline,
-    )
-    if model.pipeline is not None and info.is_main:
+    spec = launch.spec
+    pipeline = spec.pipeline_options(
+        schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
+        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=device) if degrees.pp > 1 else None
+    spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
+                     pipeline=pipeline)
+    if spec.pipeline(model) is not None and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "
-                      f"{describe_split(model.layers_per_stage)} layers, {p.pp_schedule}, "
+                      f"{describe_split(spec.layers_per_stage(model))} layers, {p.pp_schedule}, "
                       f"{pipeline.microbatches} microbatches per micro batch")
     if built.sharded_load:
-        stats = load_sharded(model, built.model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
+        stats = spec.load_sharded(model, built.model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
         if cfg.peft.method == "lora":
             reset_lora_parameters(model, cfg.train.seed)
         if info.is_main:
@@ -349,7 +338,7 @@ def _loaders(cfg: JobConfig, data: PreparedData, mesh: ParallelMesh | None, dp_s
 
 def _trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh | None,
                       hooks: RunHooks) -> TrainerSettings:
-    degrees, device, info = launch.degrees, launch.device, launch.info
+    degrees, device, info, spec = launch.degrees, launch.device, launch.info, launch.spec
     shared_rows = degrees.pp > 1 or degrees.cp > 1  # ranks beyond the data-parallel ones read the same rows
     return TrainerSettings(
         max_steps=cfg.train.max_steps, grad_accum=launch.grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
@@ -360,8 +349,9 @@ def _trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh 
         stop_file=launch.run_dir / STOP_FILE,
         row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
         pp_group=mesh.group("pp") if degrees.pp > 1 else None,
-        local_targets=model.model.local_tokens if degrees.cp > 1 else None,
-        step_flops=functools.partial(step_model_flops, model.args),
+        local_targets=spec.local_tokens(model) if degrees.cp > 1 else None,
+        step_flops=functools.partial(step_model_flops, spec, spec.args_of(model)),
+        moe_layers=spec.moe_layers(model), pipeline=spec.pipeline(model),
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
         on_gradients=hooks.on_gradients,
         on_optimizer_step=hooks.on_optimizer_step,
@@ -386,7 +376,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
-    trainer = Trainer(model, optimizer, scheduler, glm5_loss, train_loader, val_loader, checkpoints, metrics,
+    trainer = Trainer(model, optimizer, scheduler, launch.spec.loss, train_loader, val_loader, checkpoints, metrics,
                       _trainer_settings(cfg, launch, model, mesh, hooks), console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
@@ -436,10 +426,10 @@ def finish(cfg: JobConfig, launch: Launch, built: BuiltModel, samples: LaidOut, 
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
-        out = save_pretrained(model, run_dir / "hf",
-                              source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, built.model_dir)),
-                              overwrite=True, dtype=launch.precision.compute_dtype,  # fp32 masters: as trained
-                              pp_group=pp_group)
+        out = launch.spec.save_pretrained(model, run_dir / "hf",
+                                          source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, built.model_dir)),
+                                          overwrite=True, dtype=launch.precision.compute_dtype,  # fp32 masters
+                                          pp_group=pp_group)
         if info.is_main:
             console.print(f"exported HF checkpoint: {out}")
     return 0

@@ -37,6 +37,7 @@ from typing import Any
 
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.config import JobConfig, dump_config
 from glmtune.config.yaml_layers import load_yaml_text
 from glmtune.io.run_lock import LOCK_FILE, RUN_FILE, STOP_FILE, RunLock, read_run_record, write_run_record
 
@@ -221,3 +222,8 @@ class RunDirectory:
         if left:
             self.say(f"--overwrite: left {', '.join(left)} in {self.checkpoint_dir}: not provably this run's "
                      "(another run's save in progress or set-aside checkpoint, or from an older glmtune)")
+
+
+def save_run_config(cfg: JobConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")

@@ -30,7 +30,7 @@ from torch import nn
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import PackedRowLoader
-from glmtune.train.metrics import MetricsWriter, moe_layers, routing_stats
+from glmtune.train.metrics import MetricsWriter, routing_stats
 from glmtune.train.progress import StepProgress
 from glmtune.train.router_balance import update_router_biases
 
@@ -80,6 +80,11 @@ class TrainerSettings:
     on_gradients: Callable[[int, nn.Module], None] | None = None
     # Called with (step, model, optimizer) right after the update, before gradients are dropped.
     on_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None
+    # What the model family's spec says of the built model: its MoE layers (name, layer) the
+    # forward routes through (router statistics, bias updates), and its pipeline (None: the
+    # trainer runs forward and backward itself).
+    moe_layers: list[tuple[str, nn.Module]] = field(default_factory=list)
+    pipeline: Any = None
 
 
 @dataclass
@@ -162,9 +167,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._stop_reason: str | None = None  # what asked to stop: a signal's name or the stop file
-        self._moe = moe_layers(model)
+        self._moe = settings.moe_layers
         self._window: dict[str, float] = {}  # throughput since the last logged step (`_throughput`)
-        self.pipeline = getattr(model, "pipeline", None)  # set by parallelize_glm5 under pipeline parallelism
+        self.pipeline = settings.pipeline
 
     # -- state ------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from glmtune.config import dump_config, load_config
 from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.peft import apply_lora
-from glmtune.train.recipe import build_model_from_config
+from glmtune.train.model_source import build_model_from_config
 from glmtune.io.run_lock import write_run_record
 from tests.peft.conftest import randomize_adapters
 from tests.train.run_helpers import TWO_STEPS, shared_run

@@ -12,11 +12,11 @@ from glmtune.config import (
     config_to_dict,
     dump_config,
     load_config,
-    model_dims,
     validate_config,
     validate_parallel,
 )
 from glmtune.config.validate import fp32_master_weights, grad_accum_steps, precision_errors
+from glmtune.models.registry import model_dims
 
 # Training recipes; `eval_*.yaml` beside them are evaluation suites (`glmtune eval`, tests/eval/test_suite.py).
 RECIPES = sorted(p for p in RECIPES_DIR.glob("**/*.yaml") if not p.name.startswith("eval_"))

@@ -11,12 +11,12 @@ import pytest
 from glmtune.config import (
     JobConfig,
     load_config,
-    model_dims,
     resolve_world_size,
     validate_config,
     validate_parallel,
 )
 from glmtune.config.validate import fp32_master_weights, grad_accum_steps
+from glmtune.models.registry import model_dims
 
 
 def glm5_job(*overrides: str) -> JobConfig:

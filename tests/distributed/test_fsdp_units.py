@@ -10,7 +10,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.moe import Router
-from glmtune.models.glm5.parallelize import one_rank_process_group, parallelize_glm5
+from glmtune.distributed.process_group import one_rank_process_group
+from glmtune.models.glm5.parallelize import parallelize_glm5
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.config import load_config
-from glmtune.train.recipe import build_model_from_config
+from glmtune.train.model_source import build_model_from_config
 from tests.train.run_helpers import SMALL, env, losses, run
 
 LR_1E5 = ["--train.max_steps", "4", "--optim.lr", "1e-5", "--optim.warmup_steps", "0", "--optim.scheduler",

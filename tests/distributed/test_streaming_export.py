@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.profiler import ProfilerActivity, profile
 

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from glmtune.models.glm5 import get_preset
-from glmtune.models.glm5.flops import attended_keys, attention_flops_forward, flops_per_token, peak_tflops
+from glmtune.kernels.device_peaks import peak_tflops
+from glmtune.models.glm5.flops import attended_keys, attention_flops_forward, flops_per_token
 
 
 def test_attended_keys_in_closed_form_is_the_per_query_sum():

@@ -13,7 +13,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.cli import main
 from glmtune.config import dump_config, load_config
 from glmtune.peft import adapter_state, apply_lora
-from glmtune.train.recipe import build_model_from_config
+from glmtune.train.model_source import build_model_from_config
 from tests.peft.conftest import randomize_adapters
 
 

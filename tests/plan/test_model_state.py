@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from glmtune.config import load_config
+from glmtune.models.registry import model_spec
 from glmtune.plan.floor import floor_table
 from glmtune.plan.model_state import build_meta_model, rank_state, whole_model_state
 from glmtune.plan.planner import degrees_for
@@ -56,7 +57,8 @@ def test_per_rank_bytes_equal_what_the_ranks_hold(name, tmp_path):
 
 
 def test_the_guides_floor_for_glm5():
-    model = build_meta_model(load_config("recipes/glm5/sft_4k.yaml"))
+    cfg = load_config("recipes/glm5/sft_4k.yaml")
+    model = build_meta_model(cfg)
     rows = {row.what: row.bytes / 1e12 for row in floor_table(model)}
     # The guide: 753B x 2 bytes = 1.51 TB weights, 1.51 TB gradients, 6.02 TB Adam, 3.01 TB fp32 masters.
     assert round(rows["bf16 weights"], 2) == 1.51 and round(rows["gradients (bf16)"], 2) == 1.51
@@ -64,6 +66,6 @@ def test_the_guides_floor_for_glm5():
     assert 9.0 < rows["full fine-tuning, without fp32 masters"] < 9.1
     assert 12.0 < rows["full fine-tuning, with fp32 masters"] < 12.1
     # The recipe trains fp32 masters and fp32 AdamW moments: 16 bytes a trainable parameter.
-    state = whole_model_state(model)
+    state = whole_model_state(model, model_spec(cfg.model))
     trainable = state.trainable_params
     assert state.grads == 4 * trainable and state.optimizer == 8 * trainable

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from glmtune.config import load_config
-from glmtune.train.recipe import prepare_data
+from glmtune.train.run_data import prepare_data
 
 VOCAB_SIZE = 4096  # the tiny preset's; the bundled tokenizer fits
 

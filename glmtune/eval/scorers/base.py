@@ -103,9 +103,9 @@ def parse_json(text: str) -> tuple[Any, str | None]:
         return None, "empty answer"
     try:
         return text_limits.parse_json(answer, "answer", max_bytes=MAX_ANSWER_BYTES), None
+    except text_limits.JsonSyntaxError as exc:  # the short phrase of the reports
+        return None, f"not valid JSON ({exc.error.msg} at column {exc.error.colno})"
     except ValueError as exc:
-        if isinstance(exc.__context__, json.JSONDecodeError):  # keep the short phrase of the reports
-            return None, f"not valid JSON ({exc.__context__.msg} at column {exc.__context__.colno})"
         return None, str(exc)  # nested too deep, too long
 
 

@@ -305,3 +305,20 @@ def resolve_args(name_or_path: str | Path) -> Glm5Args:
     if path.exists():
         return Glm5Args.from_hf_config(path)
     raise ValueError(f"{name_or_path}: neither a model preset ({', '.join(PRESETS)}) nor an existing path")
+
+
+def covering_layers(args: Glm5Args) -> int:
+    """The fewest leading layers that hold every kind of layer the model has: a dense MLP and a
+    MoE layer, a full and a shared indexer (GLM-5: 3 dense layers, then MoE: 4)."""
+    firsts = [types.index(kind) for types in (args.mlp_layer_types, args.indexer_types) for kind in set(types)]
+    return max(firsts) + 1
+
+
+def truncated_args(args: Glm5Args, num_layers: int) -> Glm5Args:
+    """`args` with its first `num_layers` decoder layers and no MTP layer."""
+    extra = dict(args.extra)
+    for key in ("index_topk_pattern", "layer_types"):  # per-layer passthrough lists
+        if isinstance(extra.get(key), (str, list)):
+            extra[key] = extra[key][:num_layers]
+    return args.replace(num_hidden_layers=num_layers, mlp_layer_types=args.mlp_layer_types[:num_layers],
+                        indexer_types=args.indexer_types[:num_layers], num_nextn_predict_layers=0, extra=extra)

@@ -13,10 +13,6 @@ figures in ../shared/bench, so MFU numbers are comparable. Padding counts as tok
 
 from __future__ import annotations
 
-# Dense bf16 tensor-core peak (TFLOP/s) by GPU name, for MFU; None elsewhere.
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
-
-
 def active_matmul_params(cfg, layers: int, dense_layers: int) -> int:
     heads, qk, v = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     d = cfg.hidden_size
@@ -44,8 +40,3 @@ def attention_flops_forward(cfg, layers: int, doc_lengths: list[int]) -> float:
 
 def flops_per_token(cfg, layers: int, dense_layers: int, doc_lengths: list[int]) -> float:
     return 6 * active_matmul_params(cfg, layers, dense_layers) + 3 * attention_flops_forward(cfg, layers, doc_lengths)
-
-
-def peak_tflops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU named like torch.cuda.get_device_name() ("NVIDIA H200")."""
-    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in device_name), None)

@@ -33,6 +33,7 @@ from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
+from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.moe import DenseMLP, MoE
 
 
@@ -296,14 +297,20 @@ def build_model(
     init: bool = True,
     seed: int | None = None,
     indexer_backend: str = "auto",
+    fp8_base: str | None = None,
 ) -> Glm5ForCausalLM:
     """Construct on the meta device, then materialize on `device` in `dtype`.
 
     The router weight and its correction bias stay fp32. With `device="meta"` no
-    memory is allocated (for inspection and planning).
+    memory is allocated (for inspection, planning and the sharded load). `fp8_base` (an FP8
+    matmul backend) makes the base frozen FP8 on the meta device first (`fp8_base.py`): the
+    one path for every FP8 base, whose e4m3 weights and block scales a loader then fills.
     """
     with torch.device("meta"), default_dtype(dtype):
         model = Glm5ForCausalLM(args, attention_backend, moe_backend, indexer_backend)
+    if fp8_base is not None:
+        assert not init or str(device) == "meta", "an FP8 base is loaded, never initialized"
+        convert_to_fp8_base(model, fp8_base)
     if str(device) == "meta":
         return model
     model.to_empty(device=device)

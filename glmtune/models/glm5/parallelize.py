@@ -22,7 +22,7 @@ is refused by the mesh (glmtune/distributed/mesh.py).
 FSDP2 also carries the mixed precision of fp32 master weights (`compute_dtype`
 bf16: each unit computes on a bf16 copy of its fp32 parameters, gradients are
 reduced in fp32), so it applies in one process too when `compute_dtype` is given,
-on a one-rank mesh (`one_rank_process_group`).
+on a one-rank mesh (`glmtune/distributed/process_group.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
@@ -113,17 +112,6 @@ def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selectiv
 def apply_compile(model: Glm5ForCausalLM) -> None:
     for layer in decoder_layers(model):
         layer.compile()
-
-
-def one_rank_process_group(device_type: str) -> bool:
-    """Join a process group of this process alone when none exists, so FSDP2's mixed
-    precision can run in a one-process run; True when one was created (the caller
-    destroys it with `torch.distributed.destroy_process_group()`)."""
-    if dist.is_initialized():
-        return False
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
-    return True
 
 
 def _expert_placement(num_experts: int, shards: int):
@@ -236,7 +224,7 @@ def parallelize_glm5(
             and no process group (a one-rank mesh is made when `compute_dtype` needs FSDP2).
         compute_dtype: the dtype the layers compute in when it is not the parameters'
             (fp32 master weights): FSDP2 then applies in one process too, which needs a
-            process group (`one_rank_process_group`).
+            process group (`glmtune/distributed/process_group.py`).
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
         cp_balance: which queries each context-parallel rank keeps (`parallel.cp_balance`).
         pipeline: the schedule and split when the mesh has pp > 1; the built

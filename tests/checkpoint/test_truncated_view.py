@@ -8,7 +8,8 @@ import torch
 
 from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.models.glm5 import get_preset
-from glmtune.preflight.truncate import covering_layers, truncated_view
+from glmtune.checkpoint.truncated_view import truncated_view
+from glmtune.models.glm5.args import covering_layers
 
 
 def test_covering_layers():

@@ -23,25 +23,8 @@ import json
 from pathlib import Path
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, TOKENIZER_FILES, checkpoint_files
-from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.args import Glm5Args, truncated_args
 from glmtune.models.glm5.state_dict_adapter import SCALE_SUFFIX, Glm5StateDictAdapter
-
-
-def covering_layers(args: Glm5Args) -> int:
-    """The fewest leading layers that hold every kind of layer the model has: a dense MLP and a
-    MoE layer, a full and a shared indexer (GLM-5: 3 dense layers, then MoE: 4)."""
-    firsts = [types.index(kind) for types in (args.mlp_layer_types, args.indexer_types) for kind in set(types)]
-    return max(firsts) + 1
-
-
-def truncated_args(args: Glm5Args, num_layers: int) -> Glm5Args:
-    """`args` with its first `num_layers` decoder layers and no MTP layer."""
-    extra = dict(args.extra)
-    for key in ("index_topk_pattern", "layer_types"):  # per-layer passthrough lists
-        if isinstance(extra.get(key), (str, list)):
-            extra[key] = extra[key][:num_layers]
-    return args.replace(num_hidden_layers=num_layers, mlp_layer_types=args.mlp_layer_types[:num_layers],
-                        indexer_types=args.indexer_types[:num_layers], num_nextn_predict_layers=0, extra=extra)
 
 
 def truncated_view(src: str | Path, dst: str | Path, num_layers: int) -> Path:

@@ -1,27 +1,19 @@
-"""From a resolved `JobConfig` to the pieces a run needs: model, data, trainer.
+"""The run's data, from the recipe's `data` section to packed rows (step 4 of `glmtune train`).
 
-`run_training(cfg)` is what `glmtune train` calls: it saves the resolved config in
-the run directory, builds the model (a preset or a local HF directory), prepares
-the data (synthetic generation, contract check, PII policy, exact dedup,
-group-aware split, tokenization through the cache, packing), trains, and exports.
-Each builder is usable alone (`build_model_from_config`, `prepare_data`) by other
-commands.
+`prepare_data` reads, checks, filters, splits, tokenizes and packs: synthetic generation,
+the data contract (every row, before anything trains), the PII policy, exact dedup, the
+group-aware split, tokenization through the cache, packing. `glmtune plan` uses it too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from glmtune.checkpoint.hf_io import load_pretrained
-from glmtune.config import JobConfig, dump_config, model_dims, validate_config
+from glmtune.config import JobConfig
 from glmtune.data.contract import check_or_raise, load_schema
 from glmtune.data.dedup import dedup_rows
 from glmtune.data.packing import pack_samples
@@ -31,88 +23,6 @@ from glmtune.data.split import split_rows
 from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.token_cache import tokenize_dataset
 from glmtune.data.tokenizer import load_tokenizer
-from glmtune.distributed.pipeline_plan import V_SCHEDULES
-from glmtune.models.glm5.args import Glm5Args, PRESETS, get_preset
-from glmtune.models.glm5.attention import set_attention_score_buffer
-from glmtune.models.glm5.fp8_base import convert_to_fp8_base
-from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
-from glmtune.models.glm5.moe import set_moe_dispatch_backend
-from glmtune.train.precision import resolve_precision
-
-
-@dataclass
-class DistributedInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    joined: bool = False  # this call created the process group (the run destroys it when it ends)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: torch.device) -> DistributedInfo:
-    """Join the process group when launched by torchrun/Slurm (WORLD_SIZE > 1)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return DistributedInfo()
-    joined = not dist.is_initialized()
-    if joined:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistributedInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), joined)
-
-
-def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("train.device: cuda requested but no CUDA device is available")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
-def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
-                            seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
-    """The model `cfg.model` names and the HF directory it came from (None for presets), its
-    parameters in the run's parameter dtype (fp32 under fp32 master weights: `precision.py`).
-
-    With `device="meta"` and an HF directory nothing is read: the model has the
-    checkpoint's architecture and no storage, for `load_sharded` after `parallelize_glm5`.
-    """
-    m = cfg.model
-    dtype = resolve_precision(cfg).param_dtype
-    if m.name_or_path in PRESETS:
-        args = get_preset(m.name_or_path)
-        if m.overrides:
-            args = args.replace(**m.overrides)
-        model = build_model(args, dtype, device, m.attention_backend, m.moe_backend,
-                            seed=cfg.train.seed if seed is None else seed, indexer_backend=m.indexer_backend)
-        set_moe_dispatch_backend(model, m.moe_dispatch_backend)
-        set_attention_score_buffer(model, m.attention_score_buffer_mib)
-        return model, None
-    if m.overrides:
-        raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
-    path = Path(m.name_or_path)
-    if str(device) == "meta":
-        model = build_model(Glm5Args.from_hf_config(path), dtype, "meta", m.attention_backend, m.moe_backend,
-                            indexer_backend=m.indexer_backend)
-        if m.fp8_base != "none":  # load_sharded fills the e4m3 weights and their scales as stored
-
-            convert_to_fp8_base(model, m.fp8_base)
-    else:
-        model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
-                                indexer_backend=m.indexer_backend, fp8_base=None if m.fp8_base == "none" else m.fp8_base)
-    set_moe_dispatch_backend(model, m.moe_dispatch_backend)
-    set_attention_score_buffer(model, m.attention_score_buffer_mib)
-    return model, path
-
-
-def tokenizer_dir_for(cfg: JobConfig, model_dir: Path | None) -> Path | None:
-    """The tokenizer: data.tokenizer, else the model directory's, else the bundled tiny one."""
-    if cfg.data.tokenizer:
-        return Path(cfg.data.tokenizer)
-    return model_dir
 
 
 @dataclass
@@ -261,37 +171,3 @@ def _apply_pii_policy(rows: list, action: str, run_dir: Path, notes: list[str]) 
     notes.append(f"kept {num_flagged:,} rows with secret/PII findings (data.pii: report; "
                  f"{report['num_findings']:,} findings in {report_path})")
     return rows
-
-
-def glm5_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
-                num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"),
-                single_document=batch.get("single_document"))
-    return out.loss_sum, out.num_targets
-
-
-def check_recipe(cfg: JobConfig, world_size: int):
-    dims = model_dims(cfg.model)
-    degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size=world_size)
-    _check_torch_supports(cfg)
-    return degrees
-
-
-# The V-shaped schedules train exactly on torch 2.13 (tests/distributed/test_pipeline_train.py);
-# on torch 2.11 ZBVZeroBubble failed in its stage initialisation (gloo, 2 ranks, H200 image).
-V_SCHEDULES_FROM = (2, 13)
-
-
-def _check_torch_supports(cfg: JobConfig) -> None:
-    p = cfg.parallel
-    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if p.pp > 1 and p.pp_schedule in V_SCHEDULES and version < V_SCHEDULES_FROM:
-        raise ValueError(f"parallel.pp_schedule {p.pp_schedule} needs torch >= 2.13 here (this is torch "
-                         f"{torch.__version__}: on 2.11 its stage initialisation fails); use Interleaved1F1B or "
-                         "InterleavedZeroBubble, or upgrade torch")
-
-
-def save_run_config(cfg: JobConfig, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")

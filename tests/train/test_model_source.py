@@ -7,7 +7,7 @@ import pytest
 from glmtune.config import load_config
 from glmtune.models.glm5.attention import MLAttention, set_attention_score_buffer
 from glmtune.models.glm5.moe import MoE
-from glmtune.train.recipe import build_model_from_config
+from glmtune.train.model_source import build_model_from_config
 
 
 def test_attention_and_moe_settings_reach_every_layer_including_mtp():
@@ -24,18 +24,3 @@ def test_default_score_buffer_is_one_gib_and_negative_is_refused():
     assert {m.score_buffer_bytes for m in model.modules() if isinstance(m, MLAttention)} == {1 << 30}
     with pytest.raises(ValueError, match="attention_score_buffer_mib must be >= 0, got -1"):
         set_attention_score_buffer(model, -1)
-
-
-def test_v_shaped_pipeline_schedules_need_torch_2_13(monkeypatch):
-    import torch
-
-    from glmtune.config import load_config
-    from glmtune.train.recipe import check_recipe
-
-    cfg = load_config("tiny/sft_support_json", ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble",
-                                                "--parallel.pp_stages_per_rank", "2", "--train.generate_samples", "0"])
-    assert check_recipe(cfg, 2).pp == 2  # this machine's torch
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    with pytest.raises(ValueError, match=r"^parallel.pp_schedule ZBVZeroBubble needs torch >= 2.13 here \(this is "
-                                         r"torch 2.11.0\+cu130: on 2.11 its stage initialisation fails\)"):
-        check_recipe(cfg, 2)

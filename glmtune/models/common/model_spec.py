@@ -1,0 +1,194 @@
+"""`ModelSpec`: the front door of a model family, the one object the commands ask for a model.
+
+A family (`glmtune/models/<family>/`) implements it in its `spec.py`, and
+`glmtune/models/registry.py` lists the families. train/, plan/, preflight/, eval/, release/
+and cli/ reach a family only through it (tests/test_layout.py checks the imports), so a
+second family adds a folder and a spec, not edits across the tree.
+
+What a spec answers, in the order a run asks:
+
+  presets, args          the preset table (the only one) and a family's architecture, from a
+                         preset or an HF config.json (`args.num_routed_experts` etc. are the
+                         family's own; `dims` gives what the layout check needs)
+  build, load, save      build on meta or materialized, the whole or the sharded HF load (FP8
+                         base included), the HF export, the state-dict adapter (the only place
+                         HF key names live)
+  loss, flops            the training loss of a batch; model FLOPs per token (MFU)
+  parallelize            the parallelization plan (PP -> EP -> CP -> AC -> compile -> FSDP2)
+  moe_layers, pipeline   what the trainer needs of a built model (router statistics, bias
+                         updates; the pipeline schedule)
+  param_group            the parameter groups the inventory and preflight report by
+  describe               the architecture summary and parameter report (`glmtune inspect`),
+                         the per-layer costs the pipeline split is planned from
+
+Knows no family and imports nothing: the methods take and return the family's own objects.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the layout check needs of a model: routed experts per MoE layer, decoder layers."""
+
+    num_experts: int  # routed experts per MoE layer (config.json `n_routed_experts`)
+    num_layers: int  # decoder layers, MTP excluded (config.json `num_hidden_layers`)
+    source: str  # where the numbers came from, for messages
+    # What no layout can run of the recipe's `model` section, one sentence each (validate_config
+    # reports them with the config's own errors).
+    refusals: tuple[str, ...] = ()
+
+
+class ModelSpec(ABC):
+    """One model family's answers (see the module docstring). Stateless: one instance per family."""
+
+    family: str  # the family's folder under glmtune/models/ ("glm5")
+    hf_model_type: str  # config.json `model_type` of the family's checkpoints
+    hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
+    presets: Mapping[str, Callable[[], Any]]  # name -> its architecture (args)
+
+    # -- architecture ------------------------------------------------------------------
+    def preset_args(self, name: str) -> Any:
+        """The architecture of preset `name`."""
+        if name not in self.presets:
+            raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(self.presets)}")
+        return self.presets[name]()
+
+    @abstractmethod
+    def args_from_hf(self, path: str | Path) -> Any:
+        """The architecture of an HF directory (or its config.json)."""
+
+    @abstractmethod
+    def with_overrides(self, args: Any, overrides: dict[str, Any]) -> Any:
+        """`args` with `model.overrides` applied (config.json key names)."""
+
+    @abstractmethod
+    def dims(self, args: Any, source: str, overrides: dict[str, Any] | None = None) -> ModelDims:
+        """Experts and layers of `args` after `model.overrides` (checked), for the layout check."""
+
+    @abstractmethod
+    def args_of(self, model: Any) -> Any:
+        """The architecture a built model was made from."""
+
+    @abstractmethod
+    def vocab_size(self, args: Any) -> int: ...
+
+    @abstractmethod
+    def num_layers(self, args: Any) -> int: ...
+
+    @abstractmethod
+    def truncated(self, args: Any, num_layers: int) -> Any:
+        """`args` with its first `num_layers` decoder layers (preflight's small replicas)."""
+
+    @abstractmethod
+    def covering_layers(self, args: Any) -> int:
+        """The fewest leading decoder layers that hold every kind of layer the model has."""
+
+    @abstractmethod
+    def truncated_overrides(self, args: Any, num_layers: int) -> dict[str, Any]:
+        """The `model.overrides` (config.json keys) that cut preset `args` to its first `num_layers`
+        decoder layers, as a recipe override gives them (preflight's scratch runs of a preset)."""
+
+    # -- build, load, save -------------------------------------------------------------
+    @abstractmethod
+    def build(self, args: Any, dtype: Any, device: Any, model_cfg: Any = None, seed: int | None = None,
+              init: bool = True) -> Any:
+        """The model of `args` in `dtype` on `device` ("meta": no storage), with the backends and
+        knobs of `model_cfg` (the recipe's `model` section; None: the defaults)."""
+
+    @abstractmethod
+    def build_from_config(self, model_cfg: Any, dtype: Any, device: Any, seed: int | None = None
+                          ) -> tuple[Any, Path | None]:
+        """The model the recipe's `model` section names and the HF directory it came from (None
+        for a preset): a preset initialized from `seed`, an HF directory loaded whole, or on
+        "meta" built empty (FP8 base converted) for `load_sharded` after `parallelize`."""
+
+    @abstractmethod
+    def load_pretrained(self, path: str | Path, dtype: Any, device: Any) -> Any:
+        """The HF directory `path` loaded whole on `device`."""
+
+    @abstractmethod
+    def load_sharded(self, model: Any, hf_dir: str | Path, device: Any,
+                     not_in_checkpoint: set[str] = frozenset()) -> Any:
+        """Fill a meta-built, parallelized model from `hf_dir`, each rank reading its shards."""
+
+    @abstractmethod
+    def save_pretrained(self, model: Any, path: str | Path, **options: Any) -> Path:
+        """Write the model as an HF directory (collective under FSDP2/EP/PP)."""
+
+    @abstractmethod
+    def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
+        """The first `num_layers` layers of checkpoint `src` as an HF directory that reads its files."""
+
+    @abstractmethod
+    def convert_to_fp8_base(self, model: Any, backend: str) -> list[str]:
+        """Freeze the base in FP8 with 128x128 block scales (names of converted modules)."""
+
+    @abstractmethod
+    def state_dict_adapter(self, args: Any) -> Any:
+        """The family's HF key adapter for `args` (the only place HF key names live)."""
+
+    # -- train -------------------------------------------------------------------------
+    @abstractmethod
+    def loss(self, model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
+        """(summed token loss, supervised tokens) of one packed batch."""
+
+    @abstractmethod
+    def flops_per_token(self, args: Any, doc_lengths: list[int]) -> float:
+        """Model FLOPs (forward + backward) per token over documents of these lengths."""
+
+    @abstractmethod
+    def parallelize(self, model: Any, mesh: Any, parallel_cfg: Any, compute_dtype: Any = None,
+                    pipeline: Any = None) -> Any:
+        """Apply the family's parallelization plan for the recipe's `parallel` section."""
+
+    @abstractmethod
+    def pipeline_options(self, **options: Any) -> Any:
+        """The family plan's pipeline options (schedule, split, microbatches, shapes)."""
+
+    @abstractmethod
+    def moe_layers(self, model: Any) -> list[tuple[str, Any]]:
+        """(name, layer) of the MoE layers the forward pass routes through (router statistics,
+        bias updates); each has `tokens_per_expert` and `gate.e_score_correction_bias`."""
+
+    @abstractmethod
+    def pipeline(self, model: Any) -> Any:
+        """The pipeline `parallelize` built (None without pipeline parallelism)."""
+
+    @abstractmethod
+    def local_tokens(self, model: Any) -> Callable[[Any], Any]:
+        """Under context parallelism, the function that keeps this rank's tokens of a per-token
+        tensor of the full rows ([B, T, ...] -> [B, S, ...]), e.g. the loss targets."""
+
+    @abstractmethod
+    def layers_per_stage(self, model: Any) -> list[int]:
+        """The pipeline split `parallelize` chose: decoder layers per stage."""
+
+    @abstractmethod
+    def param_group(self, name: str) -> str:
+        """The group (one of `param_groups`) a parameter name belongs to."""
+
+    param_groups: tuple[str, ...]
+
+    # -- describe ----------------------------------------------------------------------
+    @abstractmethod
+    def summary(self, args: Any) -> dict[str, Any]:
+        """The architecture in a few numbers (`glmtune inspect`, preflight)."""
+
+    @abstractmethod
+    def parameter_report(self, args: Any) -> dict[str, Any]:
+        """Parameters total and active per token, by layer (`glmtune inspect`)."""
+
+    @abstractmethod
+    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Consecutive layers of one kind merged, from `parameter_report`'s per-layer rows."""
+
+    @abstractmethod
+    def stage_costs(self, args: Any, seq_len: int) -> tuple[list[float], float]:
+        """(cost of each decoder layer, cost of the head) for a pipeline split."""

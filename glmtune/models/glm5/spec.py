@@ -1,0 +1,203 @@
+"""GLM-5's front door: `GLM5`, the `ModelSpec` the commands ask for a GLM-5 family model.
+
+It wires the family's pieces together; it holds no rule of its own. Where each answer lives:
+
+  presets, args              args.py (`PRESETS`, the only preset table; `Glm5Args`)
+  build                      model.py `build_model` (meta first; an FP8 base converted there)
+  load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py
+  state-dict adapter         state_dict_adapter.py
+  loss, flops                model.py's fused loss; flops.py
+  parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
+  param groups, describe     param_groups.py; summary.py, counts.py, stage_costs.py
+
+Above the family's own code (it imports checkpoint/ and the parallelization plan): only this
+module and the registry (`glmtune/models/registry.py`) sit on that floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
+from glmtune.checkpoint.truncated_view import truncated_view
+from glmtune.config.schema import ModelConfig, ParallelConfig
+from glmtune.models.common.model_spec import ModelDims, ModelSpec
+from glmtune.models.glm5.args import PRESETS, Glm5Args, covering_layers, truncated_args
+from glmtune.models.glm5.attention import set_attention_score_buffer
+from glmtune.models.glm5.counts import layer_runs, parameter_report
+from glmtune.models.glm5.flops import flops_per_token
+from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
+from glmtune.models.glm5.moe import MoE, set_moe_dispatch_backend
+from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
+from glmtune.models.glm5.param_groups import GROUPS, param_group
+from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
+from glmtune.models.glm5.summary import architecture_summary
+
+
+class Glm5Spec(ModelSpec):
+    """GLM-5, 5.1, 5.2, 5.3 (`GlmMoeDsaForCausalLM`) and the CPU-sized `tiny` preset."""
+
+    family = "glm5"
+    hf_model_type = "glm_moe_dsa"
+    hf_architecture = "GlmMoeDsaForCausalLM"
+    presets = PRESETS
+    param_groups = GROUPS
+
+    # -- architecture ------------------------------------------------------------------
+    def args_from_hf(self, path: str | Path) -> Glm5Args:
+        return Glm5Args.from_hf_config(path)
+
+    def with_overrides(self, args: Glm5Args, overrides: dict[str, Any]) -> Glm5Args:
+        return args.replace(**overrides) if overrides else args
+
+    def dims(self, args: Glm5Args, source: str, overrides: dict[str, Any] | None = None) -> ModelDims:
+        values = {"n_routed_experts": args.n_routed_experts, "num_hidden_layers": args.num_hidden_layers}
+        for key in values:
+            new = (overrides or {}).get(key)
+            if new is not None and (not isinstance(new, int) or isinstance(new, bool) or new < 1):
+                raise ValueError(f"model.overrides.{key}: expected a positive int, got {new!r}")
+            values[key] = values[key] if new is None else new
+        return ModelDims(values["n_routed_experts"], values["num_hidden_layers"], source)
+
+    def args_of(self, model: nn.Module) -> Glm5Args:
+        return model.args
+
+    def vocab_size(self, args: Glm5Args) -> int:
+        return args.vocab_size
+
+    def num_layers(self, args: Glm5Args) -> int:
+        return args.num_hidden_layers
+
+    def truncated(self, args: Glm5Args, num_layers: int) -> Glm5Args:
+        return truncated_args(args, num_layers)
+
+    def covering_layers(self, args: Glm5Args) -> int:
+        """The fewest leading layers holding every kind of layer (preflight's real-weights replica)."""
+        return covering_layers(args)
+
+    def truncated_overrides(self, args: Glm5Args, num_layers: int) -> dict[str, Any]:
+        """The `model.overrides` (config.json keys) that cut preset `args` to its first `num_layers`
+        decoder layers (its MTP layers kept: a preset builds them from the seed)."""
+        cut = truncated_args(args, num_layers)
+        return {key: getattr(cut, key) for key in ("num_hidden_layers", "mlp_layer_types", "indexer_types")}
+
+    # -- build, load, save -------------------------------------------------------------
+    def build(self, args: Glm5Args, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+              model_cfg: ModelConfig | None = None, seed: int | None = None, init: bool = True) -> Glm5ForCausalLM:
+        m = model_cfg or ModelConfig()
+        model = build_model(args, dtype, device, m.attention_backend, m.moe_backend, init=init, seed=seed,
+                            indexer_backend=m.indexer_backend)
+        return self._configured(model, model_cfg)
+
+    def build_from_config(self, model_cfg: ModelConfig, dtype: torch.dtype, device: Any,
+                          seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
+        m = model_cfg
+        if m.name_or_path in PRESETS:
+            args = self.with_overrides(self.preset_args(m.name_or_path), m.overrides)
+            model = build_model(args, dtype, device, m.attention_backend, m.moe_backend, seed=seed,
+                                indexer_backend=m.indexer_backend)
+            return self._configured(model, m), None
+        if m.overrides:
+            raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
+        path, fp8 = Path(m.name_or_path), None if m.fp8_base == "none" else m.fp8_base
+        if str(device) == "meta":  # load_sharded fills the weights (FP8: e4m3 and scales as stored)
+            model = build_model(self.args_from_hf(path), dtype, "meta", m.attention_backend, m.moe_backend,
+                                indexer_backend=m.indexer_backend, fp8_base=fp8)
+        else:
+            model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
+                                    indexer_backend=m.indexer_backend, fp8_base=fp8)
+        return self._configured(model, m), path
+
+    @staticmethod
+    def _configured(model: Glm5ForCausalLM, model_cfg: ModelConfig | None) -> Glm5ForCausalLM:
+        """The recipe's knobs that are not construction arguments (dispatch backend, score buffer)."""
+        if model_cfg is not None:
+            set_moe_dispatch_backend(model, model_cfg.moe_dispatch_backend)
+            set_attention_score_buffer(model, model_cfg.attention_score_buffer_mib)
+        return model
+
+    def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any) -> Glm5ForCausalLM:
+        """The HF directory `path` loaded whole, with the default backends."""
+        return load_pretrained(path, dtype, device)
+
+    def load_sharded(self, model: nn.Module, hf_dir: str | Path, device: Any,
+                     not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
+        return load_sharded(model, hf_dir, device, not_in_checkpoint=not_in_checkpoint)
+
+    def save_pretrained(self, model: nn.Module, path: str | Path, **options: Any) -> Path:
+        return save_pretrained(model, path, **options)
+
+    def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
+        """The first `num_layers` layers of checkpoint `src` as an HF directory reading its files."""
+        return truncated_view(src, dst, num_layers)
+
+    def convert_to_fp8_base(self, model: nn.Module, backend: str) -> list[str]:
+        return convert_to_fp8_base(model, backend)
+
+    def state_dict_adapter(self, args: Glm5Args) -> Glm5StateDictAdapter:
+        return Glm5StateDictAdapter(args)
+
+    # -- train -------------------------------------------------------------------------
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                    compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
+                    num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"),
+                    single_document=batch.get("single_document"))
+        return out.loss_sum, out.num_targets
+
+    def flops_per_token(self, args: Glm5Args, doc_lengths: list[int]) -> float:
+        return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
+
+    def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig,
+                    compute_dtype: torch.dtype | None = None, pipeline: PipelineOptions | None = None) -> nn.Module:
+        p = parallel_cfg
+        return parallelize_glm5(model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
+                                ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
+                                compute_dtype=compute_dtype, ep_dispatcher=p.ep_dispatcher,
+                                cp_balance=p.cp_balance, pipeline=pipeline)
+
+    def pipeline_options(self, **options: Any) -> PipelineOptions:
+        return PipelineOptions(**options)
+
+    def moe_layers(self, model: nn.Module) -> list[tuple[str, MoE]]:
+        # MTP layers hold weights only: they take no part in the forward pass.
+        return [(name, module) for name, module in model.named_modules()
+                if isinstance(module, MoE) and not name.startswith("mtp.")]
+
+    def pipeline(self, model: nn.Module) -> Any:
+        return getattr(model, "pipeline", None)  # parallelize_glm5 sets it (None without PP)
+
+    def local_tokens(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return model.model.local_tokens
+
+    def layers_per_stage(self, model: nn.Module) -> list[int]:
+        """The pipeline split `parallelize` chose (layers per stage), for the run's description."""
+        return model.layers_per_stage
+
+    def param_group(self, name: str) -> str:
+        return param_group(name)
+
+    # -- describe ----------------------------------------------------------------------
+    def summary(self, args: Glm5Args) -> dict[str, Any]:
+        return architecture_summary(args)
+
+    def parameter_report(self, args: Glm5Args) -> dict[str, Any]:
+        return parameter_report(args)
+
+    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Consecutive layers of one kind, merged (the report's per-layer rows)."""
+        return layer_runs(rows)
+
+    def stage_costs(self, args: Glm5Args, seq_len: int) -> tuple[list[float], float]:
+        return layer_costs(args, seq_len), head_cost(args)
+
+
+GLM5 = Glm5Spec()
