@@ -26,13 +26,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import (
-    all_gather_single,
-    all_gather_single_autograd,
-    all_to_all_single,
-    all_to_all_single_autograd,
-    reduce_scatter_single_autograd,
-)
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+try:  # torch >= 2.13 names them *_single; torch 2.11 (the GPU image) *_tensor, deprecated in 2.13
+    from torch.distributed._functional_collectives import (
+        all_gather_single,
+        all_gather_single_autograd,
+        reduce_scatter_single_autograd,
+    )
+except ImportError:
+    from torch.distributed._functional_collectives import all_gather_tensor as all_gather_single
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
+    from torch.distributed._functional_collectives import (
+        reduce_scatter_tensor_autograd as reduce_scatter_single_autograd,
+    )
 from torch.distributed.device_mesh import DeviceMesh
 
 from glmtune.models.common.token_dispatch import (
