@@ -58,46 +58,9 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     d = cfg.data
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    train_paths = [Path(p) for p in d.train]
-    if d.synthetic is not None:
-        synthetic = data_dir / f"synthetic-{d.synthetic.kind}-{d.synthetic.rows}-seed{d.synthetic.seed}.jsonl"
-        if not synthetic.exists():  # written under a temporary name: a killed run leaves no partial file
-            tmp = synthetic.with_suffix(".partial")
-            write_jsonl(generate_rows(d.synthetic.rows, d.synthetic.seed), tmp)
-            tmp.replace(synthetic)
-        train_paths.append(synthetic)
-    if not train_paths:
-        raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
-    check_format([*d.train, *d.validation], d.format)
-    schema = load_schema(d.json_schema) if d.json_schema else None
-    rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
-    if not rows:
-        raise ValueError(f"data.train: {no_rows_message(train_paths)}: nothing to train on")
     notes: list[str] = []
-    num_input_rows = len(rows)
-    rows = _apply_pii_policy(rows, d.pii, run_dir, notes)
-    num_pii_dropped = num_input_rows - len(rows)
-    rows, dedup_stats = dedup_rows(rows, normalized=False)
-    if dedup_stats.num_exact_duplicates:
-        notes.append(f"removed {dedup_stats.num_exact_duplicates:,} exact duplicate conversations "
-                     f"(kept the first of each; {len(rows):,} left)")
-    if d.validation:
-        val_paths = [Path(p) for p in d.validation]
-        val_data = [r.data for r in check_or_raise(read_rows(val_paths), schema)]
-        if not val_data:
-            raise ValueError(f"data.validation: {no_rows_message(val_paths)}; "
-                             "leave data.validation empty to carve validation rows from data.train")
-        train_data = [r.data for r in rows]
-    else:
-        ratios = (d.split.get("train", 0.0), d.split.get("validation", 0.0), d.split.get("test", 0.0))
-        parts = split_rows(rows, ratios, seed=cfg.train.seed)
-        train_data = [r.data for r in parts["train"]]
-        val_data = [r.data for r in parts["validation"]]
-        if not train_data:
-            raise ValueError(f"data.split {d.split} sent all {len(rows):,} rows to validation/test (rows of one "
-                             "`group` stay together, so few groups split coarsely): nothing left to train on; "
-                             "add rows or give data.validation files")
-        val_paths = [_write_jsonl(val_data, data_dir, "validation")] if val_data else []
+    rows, filters, schema = _checked_rows(cfg, data_dir, run_dir, notes)
+    train_data, val_data, val_paths = _split(cfg, rows, data_dir, schema)
     train_file = _write_jsonl(train_data, data_dir, "train")
     tokenizer = load_tokenizer(tokenizer_dir)
     if len(tokenizer) > vocab_size:
@@ -124,12 +87,63 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         "validation_conversations": len(val_data), "validation_files": [str(p) for p in val_paths],
         "tokenization_key": train_tok.key,
         "cache_hit": train_tok.cache_hit,
-        "filters": {"input_rows": num_input_rows, "pii_dropped": num_pii_dropped,
-                    "exact_duplicates": dedup_stats.num_exact_duplicates},
+        "filters": filters,
         "train_packing": vars(train_stats), "validation_packing": vars(val_stats) if val_stats else None,
         "notes": notes,
     }
     return PreparedData(train_rows, val_rows, val_data, manifest, notes)
+
+
+def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str]) -> tuple[list, dict, Any]:
+    """The training rows (the synthetic ones written first), every one through the contract, then
+    the PII policy and exact dedup; the counts the manifest's `filters` records; the JSON schema."""
+    d = cfg.data
+    train_paths = [Path(p) for p in d.train]
+    if d.synthetic is not None:
+        synthetic = data_dir / f"synthetic-{d.synthetic.kind}-{d.synthetic.rows}-seed{d.synthetic.seed}.jsonl"
+        if not synthetic.exists():  # written under a temporary name: a killed run leaves no partial file
+            tmp = synthetic.with_suffix(".partial")
+            write_jsonl(generate_rows(d.synthetic.rows, d.synthetic.seed), tmp)
+            tmp.replace(synthetic)
+        train_paths.append(synthetic)
+    if not train_paths:
+        raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
+    check_format([*d.train, *d.validation], d.format)
+    schema = load_schema(d.json_schema) if d.json_schema else None
+    rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
+    if not rows:
+        raise ValueError(f"data.train: {no_rows_message(train_paths)}: nothing to train on")
+    num_input_rows = len(rows)
+    rows = _apply_pii_policy(rows, d.pii, run_dir, notes)
+    num_pii_dropped = num_input_rows - len(rows)
+    rows, dedup_stats = dedup_rows(rows, normalized=False)
+    if dedup_stats.num_exact_duplicates:
+        notes.append(f"removed {dedup_stats.num_exact_duplicates:,} exact duplicate conversations "
+                     f"(kept the first of each; {len(rows):,} left)")
+    return rows, {"input_rows": num_input_rows, "pii_dropped": num_pii_dropped,
+                  "exact_duplicates": dedup_stats.num_exact_duplicates}, schema
+
+
+def _split(cfg: JobConfig, rows: list, data_dir: Path, schema) -> tuple[list, list, list[Path]]:
+    """(training conversations, validation conversations, validation files): data.validation's
+    files, else the group-aware split of the training rows (its validation part written out)."""
+    d = cfg.data
+    if d.validation:
+        val_paths = [Path(p) for p in d.validation]
+        val_data = [r.data for r in check_or_raise(read_rows(val_paths), schema)]
+        if not val_data:
+            raise ValueError(f"data.validation: {no_rows_message(val_paths)}; "
+                             "leave data.validation empty to carve validation rows from data.train")
+        return [r.data for r in rows], val_data, val_paths
+    ratios = (d.split.get("train", 0.0), d.split.get("validation", 0.0), d.split.get("test", 0.0))
+    parts = split_rows(rows, ratios, seed=cfg.train.seed)
+    train_data = [r.data for r in parts["train"]]
+    val_data = [r.data for r in parts["validation"]]
+    if not train_data:
+        raise ValueError(f"data.split {d.split} sent all {len(rows):,} rows to validation/test (rows of one "
+                         "`group` stay together, so few groups split coarsely): nothing left to train on; "
+                         "add rows or give data.validation files")
+    return train_data, val_data, [_write_jsonl(val_data, data_dir, "validation")] if val_data else []
 
 
 def _packing_notes(stats: Any, split: str, size: int, too_long: str) -> list[str]:
