@@ -278,7 +278,7 @@ def _gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _shard_plan(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
+def shard_plan(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
                 written: dict[str, torch.dtype] | None, limit: int) -> list[list[tuple[str, torch.dtype]]]:
     """(HF key, dtype as written) of every tensor, grouped into shard files of at most `limit`
     bytes as written (a larger tensor alone). From global shapes on the meta device: no gather."""
@@ -296,7 +296,18 @@ def _shard_plan(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
     return shards
 
 
-def _host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def shard_names(num_shards: int) -> list[str]:
+    """The file names of a checkpoint written in `num_shards` shard files, as transformers names them."""
+    if num_shards == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+
+
+def write_shard(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`tensor` on the CPU in `dtype`, owning exactly its bytes: a slice of a stacked expert
     tensor is copied out, so keeping it never keeps the whole stack alive."""
     out = tensor.detach().to("cpu", dtype).contiguous()
@@ -354,14 +365,13 @@ def save_pretrained(
 
         everything = {key: torch.empty(shape, dtype=dt, device="meta")
                       for key, shape, dt, _ in pipeline_entries(state, pp_group)}
-        plan = _shard_plan(model, everything, written, limit)
+        plan = shard_plan(model, everything, written, limit)
         device = next((t.device for t in state.values() if t.device.type != "meta"), torch.device("cpu"))
         items = gathered_to_rank0(state, pp_group, device)
     else:
-        plan = _shard_plan(model, state, written, limit)
+        plan = shard_plan(model, state, written, limit)
         items = ((key, _gathered(tensor)) for key, tensor in state.items())
-    names = [SINGLE_NAME] if len(plan) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    names = shard_names(len(plan))
     shard_of = {key: (i, cast) for i, shard in enumerate(plan) for key, cast in shard}
     adapter = Glm5StateDictAdapter(model.args)
     with (output_dir(path, **target) if writes else contextlib.nullcontext()) as tmp:
@@ -374,9 +384,9 @@ def save_pretrained(
                 continue
             for hf_key, part in adapter.to_hf(key, full):  # a view of `full`, copied out
                 i, cast = shard_of[hf_key]
-                pending[hf_key] = _host_copy(part, cast)
+                pending[hf_key] = host_copy(part, cast)
                 if len(pending) == len(plan[i]):  # the shard's last tensor: write it, free it
-                    save_file(pending, str(tmp / names[i]), metadata={"format": "pt"})
+                    write_shard(tmp / names[i], pending)
                     for name, t in pending.items():
                         weight_map[name] = names[i]
                         total += t.numel() * t.element_size()
@@ -386,7 +396,7 @@ def save_pretrained(
         if writes:
             assert not pending and len(weight_map) == len(shard_of), "every planned tensor written"
             fp8 = any(is_fp8(tensor) for tensor in state.values())
-            _write_metadata(model, tmp, plan, weight_map, total, dtype, source_dir, fp8)
+            write_metadata(model, tmp, plan, weight_map, total, dtype, source_dir, fp8)
     if distributed:
         dist.barrier()  # the other ranks return once the export is complete
     return path
@@ -397,7 +407,7 @@ FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant
                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
-def _write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, source_dir, fp8: bool) -> None:
+def write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, source_dir, fp8: bool) -> None:
     if len(plan) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -3,7 +3,8 @@
 BASE_DIR is an HF GLM-5 directory (config.json + safetensors), ADAPTER_DIR an
 adapter written by `glmtune export` or at the end of a LoRA run (either layout).
 OUT_DIR receives a full HF checkpoint (transformers and serving engines load it
-like the base), with the base's tokenizer files copied alongside. A non-empty OUT_DIR
+like the base), with the base's tokenizer files copied alongside; it is written shard by
+shard (`glmtune/peft/merge_stream.py`), never holding the model. A non-empty OUT_DIR
 is replaced only with --overwrite, and never when it is, is inside or contains
 BASE_DIR or ADAPTER_DIR. An adapter that records its base (glmtune_adapter.json) is
 merged only onto that base unless --force.
@@ -20,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "merge",
         help="merge a LoRA adapter into a base HF checkpoint",
-        description="Load BASE_DIR, add the adapter's low-rank deltas (in fp32) to its weights and write a "
-                    "merged HF checkpoint to OUT_DIR.",
+        description="Add the adapter's low-rank deltas (in fp32) to BASE_DIR's weights and write a merged HF "
+                    "checkpoint to OUT_DIR, shard by shard: host memory holds about one input shard, one "
+                    "output shard and the adapter, whatever the model's size (a progress bar on a terminal).",
     )
     parser.add_argument("base_dir", metavar="BASE_DIR", help="base HF checkpoint directory")
     parser.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="adapter directory (adapter_config.json)")

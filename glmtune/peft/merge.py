@@ -4,7 +4,9 @@
 its base weights and puts plain modules back, so `save_pretrained` writes an ordinary
 HF checkpoint. `merge_adapter_dir(model, ADAPTER_DIR)` adds the deltas an exported
 adapter directory describes (either layout of `adapter_export.py`) to a plain model;
-`merge_to_dir` is `glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`: it never writes over
+`merge_to_dir` is `glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`, written shard by shard
+(`merge_stream.py`: the same files as loading the base whole, merging and saving it, in about
+one input shard + one output shard + the adapter of host memory): it never writes over
 BASE_DIR or ADAPTER_DIR, replaces a non-empty OUT_DIR only with `overwrite`, and checks
 that BASE_DIR is the base the adapter records in glmtune_adapter.json (`check_base`).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,13 +27,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.io.outputs import check_output
 from glmtune.io.text_limits import parse_json
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
+from glmtune.peft.merge_stream import stream_merge
 
 PER_EXPERT_RE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 FUSED_EXPERTS_RE = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?$")
@@ -114,12 +117,81 @@ def fused_expert_proj(stem: str, inner: bool, config: dict) -> str:
     return targeted[0]
 
 
-@torch.no_grad()
-def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
-    """Add the deltas of an exported adapter (PEFT or per-expert layout) to `model`'s weights.
+@dataclass(frozen=True)
+class Delta:
+    """One adapter pair's low-rank update and the model parameter it adds to.
 
-    Returns the number of (lora_A, lora_B) pairs applied. Raises ValueError for any
-    tensor that does not fit this model (unknown module, wrong shape).
+    `key` is the parameter's state-dict name; `expert` (per-expert layout) the one expert it
+    adapts, with `half` ("gate_proj"/"up_proj") the rows of gate_up_proj; a fused PEFT pair
+    (`num_experts` set) adapts every expert of a stacked parameter at once.
+    """
+
+    stem: str
+    key: str
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    expert: int | None = None
+    half: str | None = None
+    num_experts: int | None = None
+
+    def value(self, expert: int | None = None) -> torch.Tensor:
+        """The fp32 delta; of a fused pair, `expert`'s slice alone (bit for bit that slice of the
+        whole bmm: each batch entry is its own matmul)."""
+        if self.num_experts is None:
+            return self.scaling * (self.b @ self.a)
+        a_ErX = self.a.reshape(self.num_experts, -1, self.a.shape[-1])
+        b_EOr = self.b.reshape(self.b.shape[0], -1, self.num_experts).permute(2, 0, 1)
+        if expert is None:
+            return self.scaling * torch.bmm(b_EOr, a_ErX)
+        return self.scaling * torch.bmm(b_EOr[expert : expert + 1], a_ErX[expert : expert + 1])[0]
+
+    def add_to(self, weight: torch.Tensor, expert: int | None = None) -> None:
+        """Add this delta to `weight`: the whole parameter `key`, or (`expert` given) that
+        expert's slab of a stacked one, which only a fused pair or that expert's own pair changes."""
+        if expert is None:
+            _add_(self.dest(weight), self.value())
+        elif self.num_experts is not None:
+            _add_(weight, self.value(expert))
+        elif self.expert == expert:
+            _add_(self.half_of(weight), self.value())
+
+    def dest(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` (the whole parameter) this delta adds to."""
+        return self.half_of(param if self.expert is None else param[self.expert])
+
+    def half_of(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` itself, or the gate or up rows of one expert's gate_up_proj slab."""
+        if self.half is None:
+            return weight
+        rows = weight.shape[0] // 2
+        return weight[:rows] if self.half == "gate_proj" else weight[rows:]
+
+
+def _resolve(model: nn.Module, stem: str, config: dict, **factors) -> Delta:
+    """Where the pair `stem` lands in `model` (AttributeError / ValueError when nowhere)."""
+    per_expert, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
+    if per_expert:
+        experts_name, index, proj = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+        assert isinstance(model.get_submodule(experts_name), GroupedExperts), experts_name
+        name = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        return Delta(stem, f"{experts_name}.{name}", expert=index, half=None if proj == "down_proj" else proj,
+                     **factors)
+    if fused and isinstance(model.get_submodule(fused.group(1)), GroupedExperts):
+        key = f"{fused.group(1)}.{fused_expert_proj(fused.group(1), bool(fused.group(2)), config)}"
+        return Delta(stem, key, num_experts=model.get_parameter(key).shape[0], **factors)
+    linear = model.get_submodule(stem)
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"{stem} is a {type(linear).__name__}, not a Linear")
+    return Delta(stem, f"{stem}.weight", **factors)
+
+
+def adapter_deltas(model: nn.Module, adapter_dir: str | Path) -> list[Delta]:
+    """The deltas of an exported adapter (PEFT or per-expert layout) on `model`, in the adapter
+    file's order, each checked against the parameter's shape; `model` may be on the meta device
+    (the deltas' shapes are worked out there, nothing is computed).
+
+    Raises ValueError for any tensor that does not fit this model (unknown module, wrong shape).
     """
     adapter_dir = Path(adapter_dir)
     config, tensors = read_adapter(adapter_dir)
@@ -127,40 +199,33 @@ def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
     scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     if lora_modules(model):
         raise ValueError("merge_adapter_dir needs a plain model; this one already carries LoRA adapters")
-    pairs = lora_pairs(adapter_dir, tensors)
-    for stem, pair in pairs.items():
-        a, b = pair["A"], pair["B"]
-        per_expert, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
+    deltas = []
+    for stem, pair in lora_pairs(adapter_dir, tensors).items():
         try:
-            if per_expert:
-                experts_name, index, proj = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
-                experts = model.get_submodule(experts_name)
-                assert isinstance(experts, GroupedExperts), experts_name
-                param = experts.down_proj if proj == "down_proj" else experts.gate_up_proj
-                dest = param[index]
-                if proj != "down_proj":
-                    half = dest.shape[0] // 2
-                    dest = dest[:half] if proj == "gate_proj" else dest[half:]
-                delta = scaling * (b @ a)
-            elif fused and isinstance(model.get_submodule(fused.group(1)), GroupedExperts):
-                experts = model.get_submodule(fused.group(1))
-                dest = getattr(experts, fused_expert_proj(fused.group(1), bool(fused.group(2)), config))
-                num_experts = dest.shape[0]
-                a_ErX = a.reshape(num_experts, -1, a.shape[-1])
-                b_EOr = b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
-                delta = scaling * torch.bmm(b_EOr, a_ErX)
-            else:
-                linear = model.get_submodule(stem)
-                if not isinstance(linear, nn.Linear):
-                    raise ValueError(f"{stem} is a {type(linear).__name__}, not a Linear")
-                dest, delta = linear.weight, scaling * (b @ a)
+            delta = _resolve(model, stem, config, a=pair["A"], b=pair["B"], scaling=scaling)
+            dest = delta.dest(model.get_parameter(delta.key))
+            meta = replace(delta, a=delta.a.to("meta"), b=delta.b.to("meta"))
+            shape = tuple(meta.value().shape)
         except (AttributeError, RuntimeError, ValueError) as exc:  # get_submodule / reshape / matmul
             raise ValueError(f"{adapter_dir}: adapter module {stem} does not fit this model: {exc}") from None
-        if tuple(delta.shape) != tuple(dest.shape):
-            raise ValueError(f"{adapter_dir}: adapter module {stem} gives a delta of shape {tuple(delta.shape)}, "
+        if shape != tuple(dest.shape):
+            raise ValueError(f"{adapter_dir}: adapter module {stem} gives a delta of shape {shape}, "
                              f"the weight has {tuple(dest.shape)}")
-        _add_(dest, delta)
-    return len(pairs)
+        deltas.append(delta)
+    return deltas
+
+
+@torch.no_grad()
+def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
+    """Add the deltas of an exported adapter (PEFT or per-expert layout) to `model`'s weights.
+
+    Returns the number of (lora_A, lora_B) pairs applied. Raises ValueError for any
+    tensor that does not fit this model (unknown module, wrong shape).
+    """
+    deltas = adapter_deltas(model, adapter_dir)
+    for delta in deltas:
+        delta.add_to(model.get_parameter(delta.key))
+    return len(deltas)
 
 
 def config_dtype(base_dir: Path) -> torch.dtype:
@@ -203,10 +268,16 @@ def check_base(base_dir: str | Path, adapter_dir: str | Path, force: bool = Fals
 def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
                  dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB", *,
                  overwrite: bool = False, force: bool = False, fp8: bool = False) -> Path:
-    """Load BASE_DIR, add ADAPTER_DIR's deltas, write an HF checkpoint to OUT_DIR.
+    """Add ADAPTER_DIR's deltas to BASE_DIR's weights, shard by shard, into an HF checkpoint at OUT_DIR.
+
+    The checkpoint is the one `save_pretrained` writes for the base loaded whole, merged
+    (`merge_adapter_dir`) and, with `fp8`, re-quantized (`_requantize`), bit for bit, while host
+    memory holds about one input shard, one output shard and the adapter
+    (`glmtune/peft/merge_stream.py`).
 
     Args:
         dtype: the merged weights' dtype; None keeps the base checkpoint's (config.json).
+        max_shard_size: bytes or a string like "5GB" per output shard file.
         fp8: re-quantize the merged weights of the layers GLM-5's FP8 releases store in e4m3
             into that format (128 x 128 blocks, `glmtune/models/glm5/fp8_base.py`) and print
             the re-quantization error; the merge itself is done in fp32 on the dequantized base.
@@ -220,18 +291,23 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
     note = check_base(base_dir, adapter_dir, force)
     if note:
         print(note, file=sys.stderr)
-    model = load_pretrained(base_dir, dtype or config_dtype(base_dir), "cpu", "eager", "loop")
-    merge_adapter_dir(model, adapter_dir)
+    errors = stream_merge(base_dir, out_dir, dtype or config_dtype(base_dir),
+                          lambda model: adapter_deltas(model, adapter_dir), max_shard_size,
+                          fp8=fp8, overwrite=overwrite, sources=sources)
     if fp8:
-        print(_requantize(model))
-    return save_pretrained(model, out_dir, max_shard_size=max_shard_size, source_dir=base_dir,
-                           overwrite=overwrite, sources=sources)
+        print(fp8_report(errors))
+    return Path(out_dir)
 
 
 def _requantize(model: nn.Module) -> str:
     """Makes the merged model's quantizable layers FP8; one line with the relative error."""
     errors: list[tuple[float, float]] = []
     convert_to_fp8_base(model, errors=errors)
+    return fp8_report(errors)
+
+
+def fp8_report(errors: list[tuple[float, float]]) -> str:
+    """One line from each re-quantized weight's (squared error, squared norm)."""
     overall = math.sqrt(sum(e for e, _ in errors) / max(sum(n for _, n in errors), 1e-300))
     worst = max(math.sqrt(e / n) for e, n in errors if n > 0)
     return (f"re-quantized {len(errors)} merged weights to FP8 (e4m3, 128x128 block scales): relative error "

@@ -1,0 +1,258 @@
+"""`glmtune merge` shard by shard: the merged checkpoint without the model in memory.
+
+`stream_merge` writes, bit for bit, the checkpoint `save_pretrained` writes for the base
+loaded whole (`load_pretrained`), merged (`merge_adapter_dir`) and, with `fp8`, re-quantized
+(`convert_to_fp8_base`): the same shard files (`shard_plan` of the model built on the meta
+device), the same index, config.json and tokenizer files (`write_metadata`). It never builds
+the weights: for each output shard it reads the base tensors that shard needs, one *unit* at a
+time (a whole tensor, or one expert's slab of a stacked expert tensor: gate and up rows
+together, as the stacked weight is quantized), copies them into the base dtype as the loader
+does (FP8 blocks dequantized in fp32 first), adds the adapter deltas of that unit in fp32 in
+the adapter's order (a fused PEFT pair's delta one expert at a time: each entry of a `bmm`
+is its own matmul), re-quantizes it per 128 x 128 block, writes the shard and frees it. The
+parts of a unit that belong to a later shard (its up rows past a shard boundary, its FP8
+scales) wait in memory until their shard is written.
+
+Peak host memory: one output shard (twice while safetensors serializes it), the base file
+pages of the input shard being read (mapped, released when the next file is opened), the
+adapter in fp32, and one unit with its fp32 temporaries, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+from glmtune.checkpoint.hf_io import (
+    _check_shard_sizes,
+    _destination,
+    _open,
+    _read,
+    checkpoint_files,
+    check_complete,
+    fp8_scale_key,
+    host_copy,
+    read_plan,
+    shard_names,
+    shard_plan,
+    write_metadata,
+    write_shard,
+)
+from glmtune.checkpoint.safetensors_header import read_header
+from glmtune.io.outputs import output_dir
+from glmtune.io.sizes import parse_size
+from glmtune.models.glm5.args import Glm5Args
+from glmtune.models.glm5.fp8_base import _quantize, convert_to_fp8_base
+from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
+from glmtune.models.glm5.state_dict_adapter import (
+    SCALE_SUFFIX,
+    Glm5StateDictAdapter,
+    check_fp8_scale,
+    dequantize_fp8_block,
+    is_fp8,
+)
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt
+_MMAP_THRESHOLD = 4 << 20
+Unit = tuple[str, int | None]  # (model weight key, expert index or None for the whole tensor)
+_FP8_HEADER_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One tensor of the merged checkpoint: `key`'s rows `rows` (None: all) of `unit`'s result."""
+
+    key: str
+    unit: Unit
+    rows: tuple[int, int] | None
+
+
+def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
+                 deltas_for: Callable[[Glm5ForCausalLM], list], max_shard_size: int | str, *,
+                 fp8: bool, overwrite: bool, sources) -> list[tuple[float, float]]:
+    """Write BASE_DIR merged with the deltas `deltas_for(model)` gives (`merge.Delta`s, resolved on
+    the model built in `dtype` on the meta device) to `out_dir`, through `output_dir`.
+
+    Returns, with `fp8`, each re-quantized weight's (squared error, squared norm) in fp64, as
+    `convert_to_fp8_base(errors=)` gives them for the merged model; otherwise [].
+    """
+    _return_freed_memory()
+    args = Glm5Args.from_hf_config(base_dir)
+    files = checkpoint_files(base_dir)
+    _check_shard_sizes(files)
+    model = build_model(args, dtype, "meta", "eager", "loop", init=False)  # what the loader builds
+    state = model.state_dict(keep_vars=True)
+    adapter = Glm5StateDictAdapter(args)
+    plan = read_plan(files, adapter, state.keys())
+    check_complete(args, {key: tensor.shape for key, tensor in state.items()}, plan, adapter)
+    _check_shapes(files, plan, state)
+    alias = _aliases(state)
+    deltas: dict[str, list] = defaultdict(list)
+    for delta in deltas_for(model):
+        deltas[alias[delta.key]].append(delta)
+    inputs: dict[Unit, list] = defaultdict(list)
+    for file, entries in plan:
+        for hf_key, target in entries:
+            inputs[(alias[target.key], target.expert)].append((file, hf_key, target.rows))
+    if fp8:
+        convert_to_fp8_base(model)
+    out_state = model.state_dict()
+    parts = _output_parts(model, out_state, adapter)
+    merger = _Merger(files, state, out_state, inputs, deltas, parts)
+    target = {"overwrite": overwrite, "sources": sources, "what": "OUT_DIR"}
+    with output_dir(out_dir, **target) as tmp:
+        shards = shard_plan(model, out_state, None, parse_size(max_shard_size))
+        weight_map, total = _write_shards(tmp, shards, merger)
+        write_metadata(model, tmp, shards, weight_map, total, None, base_dir, fp8)
+    return list(merger.errors.values())
+
+
+def _return_freed_memory() -> None:
+    """Serve blocks of 4 MB and more from their own mappings, unmapped when freed. glibc's
+    default raises that threshold to the largest block freed so far (up to 32 MB), after which
+    each unit's temporaries come from the heap between the shard's longer-lived tensors, and
+    the heap, fragmented, grows with every unit: 2.8x the bound on a 1 GB merge with --fp8.
+    (A lower threshold costs page faults: 256 KB made that merge twice as slow.)"""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc; elsewhere nothing to do
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
+def _aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each state key -> the first key of the same tensor (a tied LM head -> the embedding)."""
+    first: dict[int, str] = {}
+    return {key: first.setdefault(id(tensor), key) for key, tensor in state.items()}
+
+
+def _check_shapes(files: dict[str, Path], plan, state: dict[str, torch.Tensor]) -> None:
+    """The loader's shape refusals (`load_state_into`), from the shard headers, before any write."""
+    headers = {file: read_header(file)[0] for file in sorted(set(files.values()))}
+    for file, entries in plan:
+        for hf_key, target in entries:
+            entry = headers[file].get(hf_key)
+            if entry is None:
+                continue  # reading it fails with the loader's message
+            shape = tuple(entry["shape"])
+            if entry["dtype"] in _FP8_HEADER_DTYPES:
+                scale_key = fp8_scale_key(files, file, hf_key)
+                try:
+                    check_fp8_scale(shape, tuple(headers[files[scale_key]][scale_key]["shape"]))
+                except ValueError as exc:
+                    raise ValueError(f"{file}: {hf_key}: {exc}") from None
+            dest, _ = _destination(state, target)
+            if shape != tuple(dest.shape):
+                raise ValueError(f"{file}: tensor {hf_key} has shape {shape}, "
+                                 f"the model expects {tuple(dest.shape)}")
+
+
+def _output_parts(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
+                  adapter: Glm5StateDictAdapter) -> dict[str, _Part]:
+    """HF key -> where its tensor comes from, read off the adapter's own views of the meta state
+    (an expert's gate and up rows, and their scales' rows, are where `to_hf` slices them)."""
+    parts = {}
+    for key, tensor in state.items():
+        if model.args.tie_word_embeddings and key == "lm_head.weight":
+            continue
+        weight_key = key.removesuffix(SCALE_SUFFIX)
+        for hf_key, part in adapter.to_hf(key, tensor):
+            if part.dim() == tensor.dim():
+                parts[hf_key] = _Part(key, (weight_key, None), None)
+                continue
+            expert, within = divmod(part.storage_offset(), tensor.stride(0))
+            row = within // tensor.stride(1)
+            parts[hf_key] = _Part(key, (weight_key, expert), (row, row + part.shape[0]))
+    return parts
+
+
+class _Merger:
+    """Computes units: read from the base, merged, re-quantized, cut into their HF tensors."""
+
+    def __init__(self, files, state, out_state, inputs, deltas, parts: dict[str, _Part]) -> None:
+        self.files, self.state, self.out_state = files, state, out_state
+        self.inputs, self.deltas, self.parts = inputs, deltas, parts
+        self.unit_keys: dict[Unit, list[str]] = defaultdict(list)
+        for hf_key, part in parts.items():
+            self.unit_keys[part.unit].append(hf_key)
+        self.errors: dict[str, tuple[float, float]] = {}
+        self._file, self._handle = None, None
+
+    def tensors(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """HF key -> host tensor (as written) of every part of `unit`."""
+        key, expert = unit
+        merged = self._merged(unit)
+        results = {key: merged}
+        if is_fp8(self.out_state[key]):
+            errors: list[tuple[float, float]] = []
+            results[key], results[key + SCALE_SUFFIX] = _quantize(merged, errors)
+            error, norm = self.errors.get(key, (0.0, 0.0))
+            self.errors[key] = (error + errors[0][0], norm + errors[0][1])
+        out = {}
+        for hf_key in self.unit_keys[unit]:
+            part = self.parts[hf_key]
+            tensor = results[part.key] if part.rows is None else results[part.key][part.rows[0] : part.rows[1]]
+            out[hf_key] = host_copy(tensor, tensor.dtype)
+        return out
+
+    @torch.no_grad()
+    def _merged(self, unit: Unit) -> torch.Tensor:
+        """The unit in the base dtype as the loader fills it, plus its deltas, as the merge adds them."""
+        key, expert = unit
+        meta = self.state[key] if expert is None else self.state[key][expert]
+        merged = torch.empty(meta.shape, dtype=meta.dtype)
+        for file, hf_key, rows in self.inputs[unit]:
+            (merged if rows is None else merged[rows[0] : rows[1]]).copy_(self._read(file, hf_key))
+        for delta in self.deltas.get(key, ()):
+            delta.add_to(merged, expert)
+        return merged
+
+    def _read(self, file: Path, hf_key: str) -> torch.Tensor:
+        """A base tensor (FP8 dequantized in fp32); one shard file mapped at a time."""
+        if file != self._file:
+            self._file, self._handle = None, None  # unmap the previous shard first
+            self._file, self._handle = file, _open(file)
+        tensor = _read(self._handle, file, hf_key)
+        if not is_fp8(tensor):
+            return tensor
+        scale_key = fp8_scale_key(self.files, file, hf_key)
+        scale = _read(_open(self.files[scale_key]), self.files[scale_key], scale_key)
+        return dequantize_fp8_block(tensor, scale, torch.float32)
+
+
+def _write_shards(tmp: Path, shards: list[list[tuple[str, torch.dtype]]], merger: _Merger) -> tuple[dict, int]:
+    """Each planned shard file, written as soon as its tensors are merged; (weight map, bytes)."""
+    names = shard_names(len(shards))
+    weight_map, total, ready = {}, 0, {}
+    console = Console(stderr=True)
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    size = sum(cast.itemsize * _numel(merger, hf_key) for shard in shards for hf_key, cast in shard)
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("merging", total=size)
+        for i, shard in enumerate(shards):
+            pending = {}
+            for hf_key, cast in shard:
+                if hf_key not in ready:
+                    ready.update(merger.tensors(merger.parts[hf_key].unit))
+                pending[hf_key] = ready.pop(hf_key)
+                assert pending[hf_key].dtype == cast, hf_key
+            write_shard(tmp / names[i], pending)
+            written = sum(t.numel() * t.element_size() for t in pending.values())
+            weight_map.update(dict.fromkeys(pending, names[i]))
+            total += written
+            progress.advance(task, written)
+            del pending
+    assert not ready, "every part of a merged unit written"
+    return weight_map, total
+
+
+def _numel(merger: _Merger, hf_key: str) -> int:
+    part = merger.parts[hf_key]
+    key, expert = part.unit
+    tensor = merger.out_state[part.key] if expert is None else merger.out_state[part.key][expert]
+    return tensor[part.rows[0] : part.rows[1]].numel() if part.rows else tensor.numel()
