@@ -396,7 +396,10 @@ class Trainer:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and self._stop_reason is None:
-            self._stop_reason = "a stop request on another rank"
+            # Another rank saw the stop file (or a signal) first; the file may have appeared here
+            # since this rank looked: name it when it is there, as the rank that saw it does.
+            seen = stop_file is not None and stop_file.exists()
+            self._stop_reason = f"stop file {stop_file}" if seen else "a stop request on another rank"
         return bool(flag.item())
 
     def _acknowledge_stop(self, checkpoint: str) -> None:
