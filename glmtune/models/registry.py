@@ -9,11 +9,11 @@ weights. A second family is one more entry in `FAMILIES`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from glmtune.config.schema import ModelConfig
+from glmtune.models.common.hf_config import read_hf_config
 from glmtune.models.common.model_spec import ModelDims, ModelSpec
 from glmtune.models.glm5.spec import GLM5
 
@@ -36,27 +36,12 @@ def spec_for(name_or_path: str | Path) -> ModelSpec:
     if not path.exists():
         raise ValueError(f"{name_or_path}: neither a model preset ({', '.join(PRESETS)}) nor an existing path")
     config = path / "config.json" if path.is_dir() else path
-    model_type = _read_config(config).get("model_type", FAMILIES[0].hf_model_type)
+    model_type = read_hf_config(config).get("model_type", FAMILIES[0].hf_model_type)
     for spec in FAMILIES:
         if spec.hf_model_type == model_type:
             return spec
     known = ", ".join(repr(s.hf_model_type) for s in FAMILIES)
     raise ValueError(f"{config}: model_type is {model_type!r}, expected {known} (the families glmtune trains)")
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """An HF config.json, parsed (its family's args read it again, with the same refusals)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deep for a config") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a config (a JSON object)")
-    return config
 
 
 def resolve_args(name_or_path: str | Path) -> Any:

@@ -4,8 +4,10 @@ Above kernels/ only: a module here imports kernels/ and models/common/, never a 
 family, so both the families and distributed/ build on it.
 
   document_masks    block-causal masks of packed rows, longest document, one-document rows
+  hf_config         an HF checkpoint's config.json, read with the same refusals everywhere
   loss              the chunked causal-LM cross-entropy
   microbatch_facts  host-side facts of a microbatch (`MicrobatchFacts`), queued for stages
+  model_spec        `ModelSpec`, the front door every model family implements, and `ModelDims`
   rmsnorm           RMSNorm
   rope              rotary position embedding (interleaved, over the rope slice)
   sequence_shard    a context-parallel rank's queries (`SequenceShard`; the model's

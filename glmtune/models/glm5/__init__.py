@@ -4,9 +4,9 @@ The model classes import torch; they load on first use, so that what needs only 
 architecture's numbers (`glmtune config validate`, the pipeline plan) stays torch-free.
 """
 
-from glmtune.models.glm5.args import Glm5Args, PRESETS, get_preset, resolve_args
+from glmtune.models.glm5.args import Glm5Args, PRESETS, get_preset
 
-__all__ = ["PRESETS", "Glm5Args", "Glm5ForCausalLM", "Glm5Output", "build_model", "get_preset", "resolve_args"]
+__all__ = ["PRESETS", "Glm5Args", "Glm5ForCausalLM", "Glm5Output", "build_model", "get_preset"]
 
 
 def __getattr__(name: str):

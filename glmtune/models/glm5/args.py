@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from glmtune.models.common.hf_config import read_hf_config
 
 # Fields that real config.json files carry but transformers ignores; kept verbatim.
 _PASSTHROUGH_KEYS = (
@@ -176,20 +177,7 @@ class Glm5Args:
     @classmethod
     def from_hf_config(cls, path: str | Path) -> "Glm5Args":
         """Read `config.json` from a file or a checkpoint directory."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
-        except RecursionError:
-            raise ValueError(f"{path}: JSON nested too deep for a config") from None
-        if not isinstance(hf, dict):
-            raise ValueError(f"{path}: not a config (a JSON object)")
-        return cls.from_hf_dict(hf)
+        return cls.from_hf_dict(read_hf_config(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content that `transformers.AutoConfig` reads back to the same model."""
@@ -295,16 +283,6 @@ def get_preset(name: str) -> Glm5Args:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
     return PRESETS[name]()
-
-
-def resolve_args(name_or_path: str | Path) -> Glm5Args:
-    """A preset name or a directory/file holding an HF config.json."""
-    if str(name_or_path) in PRESETS:
-        return get_preset(str(name_or_path))
-    path = Path(name_or_path)
-    if path.exists():
-        return Glm5Args.from_hf_config(path)
-    raise ValueError(f"{name_or_path}: neither a model preset ({', '.join(PRESETS)}) nor an existing path")
 
 
 def covering_layers(args: Glm5Args) -> int:
