@@ -1,14 +1,19 @@
-"""`glmtune export RUN_DIR --adapter OUT [--layout peft|per_expert]`: a LoRA run's adapter.
+"""`glmtune export RUN_DIR --adapter OUT | --hf OUT`: a run's adapter, or a full fine-tune's model.
 
-Rebuilds the run's model from RUN_DIR/config.yaml, applies its LoRA config, loads
-the adapters from the newest complete checkpoint (or `--checkpoint step-N`), and
-writes them in PEFT's format: `peft` (default) loads with
-`peft.PeftModel.from_pretrained` on transformers' GlmMoeDsaForCausalLM;
-`per_expert` is the layout vLLM and SGLang load (docs/lora.md).
+`--adapter OUT [--layout peft|per_expert]` (a LoRA run) rebuilds the run's model from
+RUN_DIR/config.yaml, applies its LoRA config, loads the adapters from the newest complete
+checkpoint (or `--checkpoint step-N`), and writes them in PEFT's format: `peft` (default)
+loads with `peft.PeftModel.from_pretrained` on transformers' GlmMoeDsaForCausalLM;
+`per_expert` is the layout vLLM and SGLang load (docs/lora.md). The base weights play no part
+in an adapter, so the model is built on the meta device and only the adapters (and buffers
+the checkpoint holds) are materialized: exporting a GLM-5 run needs megabytes of memory, not
+the 1.5 TB base.
 
-The base weights play no part in an adapter, so the model is built on the meta
-device and only the adapters (and buffers the checkpoint holds) are materialized:
-exporting a GLM-5 run needs megabytes of memory, not the 1.5 TB base.
+`--hf OUT [--max-shard-size 5GB]` (a full fine-tuning run) writes the checkpoint's weights as
+the HF directory the run's end-of-training export (`checkpoint.export_hf`, RUN_DIR/hf) writes,
+bit for bit, shard by shard (glmtune/checkpoint/export_stream.py): the model is built on the
+meta device and the checkpoint read a bounded group of tensors at a time, so peak host memory
+is about one output shard + one group of tensors as stored, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 _EXAMPLES = """examples:
   glmtune export runs/tiny-lora-support-json --adapter out/adapter
   glmtune export runs/tiny-lora-support-json --adapter out/adapter_vllm --layout per_expert
+  glmtune export runs/tiny-sft-support-json --hf out/model --checkpoint runs/tiny-sft-support-json/checkpoints/step-00000200
 """
 
 
@@ -28,20 +34,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "export",
-        help="export a LoRA run's adapter (PEFT format)",
-        description="Write the adapter of a finished or stopped LoRA run as adapter_config.json + "
-                    "adapter_model.safetensors, from its newest checkpoint.",
+        help="export a LoRA run's adapter (PEFT format) or a full fine-tuning run's model (HF format)",
+        description="Write, from a run's newest checkpoint, the adapter of a LoRA run as adapter_config.json + "
+                    "adapter_model.safetensors (--adapter), or the model of a full fine-tuning run as an HF "
+                    "directory, shard by shard (--hf).",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding config.yaml and checkpoints")
-    parser.add_argument("--adapter", metavar="OUT", required=True, help="directory to write the adapter to")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--adapter", metavar="OUT", help="a LoRA run: directory to write the adapter to")
+    target.add_argument("--hf", metavar="OUT", help="a full fine-tuning run: directory to write the HF model to")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT if it exists and is not empty (never an input: RUN_DIR, the "
                              "checkpoint, or the run's base model)")
     parser.add_argument("--layout", choices=LAYOUTS, default="peft",
-                        help="peft: PeftModel.from_pretrained on transformers (default); "
+                        help="with --adapter: peft: PeftModel.from_pretrained on transformers (default); "
                              "per_expert: vLLM / SGLang per-expert keys")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="with --hf: largest safetensors file, e.g. 5GB (default), 500MB; tensors are never "
+                             "split. Peak memory is about this + one group of checkpoint tensors of this size")
     parser.add_argument("--checkpoint", metavar="STEP_DIR", default=None,
                         help="a step-N checkpoint directory (default: the newest complete one)")
     parser.set_defaults(func=_run)
@@ -110,40 +122,56 @@ def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    import torch
-
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.checkpoint.manager import CheckpointManager
     from glmtune.config import load_run_config
-    from glmtune.io.outputs import check_output
-    from glmtune.peft import export_adapter
     from glmtune.io.run_lock import read_run_record
 
     run_dir = Path(ns.run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir}: no config.yaml (not a glmtune run directory)")
     cfg = load_run_config(run_dir / "config.yaml")
-    if cfg.peft.method != "lora":
+    full = cfg.peft.method == "none"
+    if ns.adapter is not None and cfg.peft.method != "lora":
         raise ValueError(f"{run_dir}: peft.method is {cfg.peft.method!r}; only LoRA runs have an adapter "
-                         "(full fine-tuning exports with checkpoint.export_hf)")
+                         "(export a full fine-tuning run's model with --hf OUT)")
+    if ns.hf is not None and not full:
+        raise ValueError(f"{run_dir}: peft.method is {cfg.peft.method!r}: its checkpoints hold the adapter only; "
+                         "export it with --adapter OUT, or merge it into its base with `glmtune merge`")
     record = read_run_record(run_dir)  # None for runs from before run records
     run_id = record["run_id"] if record else None
-    manager = CheckpointManager(checkpoint_root(cfg, run_dir), trainable_only=True, run_id=run_id)
+    manager = CheckpointManager(checkpoint_root(cfg, run_dir), trainable_only=not full, run_id=run_id)
     checkpoint = manager.resolve(ns.checkpoint) if ns.checkpoint else manager.latest()
     if checkpoint is None:
         raise FileNotFoundError(f"{manager.root}: no complete checkpoint of this run to export from")
     if run_id and checkpoint.run_id and checkpoint.run_id != run_id:
         raise ValueError(f"--checkpoint {checkpoint.path} was written by another run (run id {checkpoint.run_id}) "
                          f"than {run_dir} (run id {run_id}); export that checkpoint's own run directory")
+    if full:
+        return _export_model(ns, cfg, run_dir, manager, checkpoint)
+    return _export_adapter(ns, cfg, run_dir, record, manager, checkpoint)
+
+
+def _check_intact(manager, checkpoint) -> None:
+    problems = manager.verify(checkpoint)
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint.path} is damaged: {problems[0]}; choose another with --checkpoint")
+
+
+def _export_adapter(ns: argparse.Namespace, cfg, run_dir: Path, record: dict | None, manager, checkpoint) -> int:
+    import torch
+
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.io.outputs import check_output
+    from glmtune.peft import export_adapter
+
     base_dir = run_base_dir(cfg, run_dir)
     # Everything this command reads; --adapter may be none of them, --overwrite or not.
     sources = (("RUN_DIR", run_dir), ("checkpoint", checkpoint.path), ("the run's base", base_dir))
     check_output(ns.adapter, overwrite=ns.overwrite, sources=sources, what="--adapter")
     base = record.get("base") if record else None
     _check_base_unchanged(base_dir, base)
-    problems = manager.verify(checkpoint)
-    if problems:
-        raise ValueError(f"checkpoint {checkpoint.path} is damaged: {problems[0]}; choose another with --checkpoint")
+    _check_intact(manager, checkpoint)
     model = adapter_model(cfg)
     # The checkpoint holds optimizer state too; DCP needs an optimizer of the same shape.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
@@ -154,4 +182,34 @@ def _run(ns: argparse.Namespace) -> int:
     out = export_adapter(model, ns.adapter, ns.layout, named_base, overwrite=ns.overwrite, sources=sources,
                          base_identity=base)
     print(f"exported {ns.layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
+    return 0
+
+
+def _export_model(ns: argparse.Namespace, cfg, run_dir: Path, manager, checkpoint) -> int:
+    """The checkpoint's weights as the HF directory the run's own export writes (RUN_DIR/hf):
+    in the dtype the run computed in, with its tokenizer, streamed (export_stream.py)."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.data.tokenizer import resolve_tokenizer_dir
+    from glmtune.io.outputs import check_output
+    from glmtune.io.sizes import parse_size
+    from glmtune.models.registry import is_preset, model_args, model_spec
+    from glmtune.train.model_source import tokenizer_dir_for
+    from glmtune.train.precision import resolve_precision
+
+    parse_size(ns.max_shard_size)  # a bad size is refused before anything is read
+    model_dir = None if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
+    tokenizer_dir = resolve_tokenizer_dir(tokenizer_dir_for(cfg, model_dir))
+    # Everything this command reads; --hf may be none of them, --overwrite or not.
+    sources = (("RUN_DIR", run_dir), ("checkpoint", checkpoint.path))
+    if model_dir is not None:
+        sources += (("the run's base", model_dir),)
+    check_output(ns.hf, overwrite=ns.overwrite, sources=(*sources, ("the tokenizer", tokenizer_dir)), what="--hf")
+    _check_intact(manager, checkpoint)
+    precision = resolve_precision(cfg)
+    spec = model_spec(cfg.model)
+    model = spec.build(model_args(cfg.model), precision.param_dtype, "meta", cfg.model)
+    out = spec.export_checkpoint(model, checkpoint.path, ns.hf, dtype=precision.compute_dtype,
+                                 source_dir=tokenizer_dir, max_shard_size=ns.max_shard_size, overwrite=ns.overwrite,
+                                 sources=sources, what="--hf")
+    print(f"exported the model of {checkpoint.path} (step {checkpoint.step}) to {out}")
     return 0

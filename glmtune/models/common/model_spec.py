@@ -11,8 +11,9 @@ What a spec answers, in the order a run asks:
                          preset or an HF config.json (`args.num_routed_experts` etc. are the
                          family's own; `dims` gives what the layout check needs)
   build, load, save      build on meta or materialized, the whole or the sharded HF load (FP8
-                         base included), the HF export, the state-dict adapter (the only place
-                         HF key names live)
+                         base included), the HF export (of a built model, or streamed from a
+                         training checkpoint), the state-dict adapter (the only place HF key
+                         names live)
   loss, flops            the training loss of a batch; model FLOPs per token (MFU)
   parallelize            the parallelization plan (PP -> EP -> CP -> AC -> compile -> FSDP2)
   moe_layers, pipeline   what the trainer needs of a built model (router statistics, bias
@@ -121,6 +122,11 @@ class ModelSpec(ABC):
     @abstractmethod
     def save_pretrained(self, model: Any, path: str | Path, **options: Any) -> Path:
         """Write the model as an HF directory (collective under FSDP2/EP/PP)."""
+
+    @abstractmethod
+    def export_checkpoint(self, model: Any, checkpoint_dir: str | Path, path: str | Path, **options: Any) -> Path:
+        """Write a full fine-tuning run's DCP checkpoint as the HF directory `save_pretrained`
+        writes for `model` (built on meta) holding its weights, a bounded group of tensors at a time."""
 
     @abstractmethod
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:

@@ -4,7 +4,8 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
 
   presets, args              args.py (`PRESETS`, the only preset table; `Glm5Args`)
   build                      model.py `build_model` (meta first; an FP8 base converted there)
-  load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py
+  load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py,
+                             checkpoint/export_stream.py (a DCP checkpoint to HF)
   state-dict adapter         state_dict_adapter.py
   loss, flops                model.py's fused loss; flops.py
   parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from glmtune.checkpoint.export_stream import stream_export
 from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
@@ -134,6 +136,10 @@ class Glm5Spec(ModelSpec):
 
     def save_pretrained(self, model: nn.Module, path: str | Path, **options: Any) -> Path:
         return save_pretrained(model, path, **options)
+
+    def export_checkpoint(self, model: nn.Module, checkpoint_dir: str | Path, path: str | Path,
+                          **options: Any) -> Path:
+        return stream_export(model, checkpoint_dir, path, **options)
 
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         """The first `num_layers` layers of checkpoint `src` as an HF directory reading its files."""
