@@ -1,9 +1,10 @@
 """One model answers one set's prompts: batched generation with the tool-call loop.
 
-Each round renders every pending request with the chat template (the suite's system prompt and
-thinking switch already applied to its messages), decodes them in left-padded batches of
-`decoding.batch_size` (`glmtune.generation.generate`, stop ids <|endoftext|>, <|user|>,
-<|observation|> as in training samples), and parses the GLM-5 tool calls in each output:
+Each round hands every pending request (its messages, the suite's system prompt and thinking
+switch already applied) to the backend in batches (`backends.py`: a local model renders them
+with the chat template and decodes left-padded batches of `decoding.batch_size`, stop ids
+<|endoftext|>, <|user|>, <|observation|> as in training samples), and parses the GLM-5 tool
+calls in each output (or takes the calls an engine's chat API parsed):
 
   * no call: the output is the request's answer;
   * calls, and fewer than `max_tool_rounds` rounds executed: each call is validated and run
@@ -16,8 +17,7 @@ thinking switch already applied to its messages), decodes them in left-padded ba
 
 A request that fails on its own (its prompt does not render, its generation raises, handling
 its turn raises) ends with finish "error" and the reason in `ModelOutput.error`; the other
-requests go on. A batch whose generation raises is retried one request at a time, so only the
-request that breaks it fails. Only when every request of the set fails in generation is the
+requests go on. Only when every request of the set fails in generation is the
 exception raised: then the model, not a request, is broken (`glmtune eval` exits 3).
 
 Sampling seeds derive from `decoding.seed`, the set's index, the round and the batch, so every
@@ -26,7 +26,6 @@ model sees the same seed for the same first-round batch.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +33,9 @@ from glmtune.data.chat_template import render_conversation
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.eval.scorers.base import EvalRow, ModelOutput, ToolCall
 from glmtune.eval.suite import DecodingConfig
+from glmtune.eval.backends import Backend, Failed, Turn
 from glmtune.eval.tool_calls import parse_tool_calls
 from glmtune.eval.tools import ToolExecutor, tool_response
-from glmtune.generation import generate
 from glmtune.io.text_limits import printable
 
 @dataclass
@@ -66,7 +65,7 @@ class _Request:
     calls: list[ToolCall] = field(default_factory=list)
     latency_s: float = 0.0
     tokens: int = 0
-    generated: tuple[str, str] = ("", "")  # the last round's (text, finish reason)
+    turn: Turn | None = None  # the last round's
     output: ModelOutput | None = None
     generation_error: BaseException | None = None
 
@@ -83,21 +82,22 @@ def failure_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {printable(' '.join(str(exc).split())[:500])}"
 
 
-def run_rows(model, rows: list[EvalRow], prompting: Prompting, executor: ToolExecutor | None,
+def run_rows(backend: Backend, rows: list[EvalRow], prompting: Prompting, executor: ToolExecutor | None,
              set_index: int) -> tuple[list[ModelOutput], float]:
-    """Every row's output, and the summed wall time of the generate calls."""
+    """Every row's output, and the summed wall time of the backend's answer calls."""
     d = prompting.decoding
     requests = [_Request(row, list(row.prompt)) for row in rows]
     pending = list(range(len(requests)))
     generate_s = 0.0
+    size = backend.batch_size(d)
     for round_index in range(d.max_tool_rounds + 1):
         next_pending = []
-        for batch_index, start in enumerate(range(0, len(pending), d.batch_size)):
-            batch = [requests[i] for i in pending[start:start + d.batch_size]]
+        for batch_index, start in enumerate(range(0, len(pending), size)):
+            indices = pending[start:start + size]
             seed = d.seed + 1_000_003 * set_index + 10_007 * round_index + batch_index
-            generate_s += _generate_batch(model, batch, prompting, seed)
-            for i, request in zip(pending[start:start + d.batch_size], batch):
-                if request.output is None and _turn(request, round_index < d.max_tool_rounds, executor):
+            generate_s += _answer_batch(backend, [requests[i] for i in indices], prompting, seed)
+            for i in indices:
+                if requests[i].output is None and _turn(requests[i], round_index < d.max_tool_rounds, executor):
                     next_pending.append(i)
         pending = next_pending
         if not pending:
@@ -109,62 +109,40 @@ def run_rows(model, rows: list[EvalRow], prompting: Prompting, executor: ToolExe
     return [r.output for r in requests], generate_s
 
 
-def _generate_batch(model, batch: list[_Request], prompting: Prompting, seed: int) -> float:
-    """One generation round of `batch`: each request gets its text (`_Request.generated`) or fails;
-    the seconds spent in `generate`."""
-    prompts = {}
-    for request in batch:
-        try:
-            prompts[id(request)] = prompting.render(request.messages, request.row.tools)
-        except Exception as exc:  # e.g. a tool result the template cannot render
-            request.fail("rendering the prompt", exc)
-    live = [r for r in batch if r.output is None]
-    if not live:
-        return 0.0
-    try:
-        return _generate(model, live, [prompts[id(r)] for r in live], prompting, seed)
-    except Exception:
-        pass  # one request may break the batch (its prompt too long): one at a time, the others answer
-    seconds = 0.0
-    for request in live:
-        try:
-            seconds += _generate(model, [request], [prompts[id(request)]], prompting, seed)
-        except Exception as exc:
-            request.generation_error = exc
-            request.fail("generation", exc)
-    return seconds
-
-
-def _generate(model, batch: list[_Request], prompts: list[list[int]], prompting: Prompting, seed: int) -> float:
-    d = prompting.decoding
-    began = time.perf_counter()
-    result = generate(model, prompts, d.max_new_tokens, tokenizer=prompting.tokenizer, temperature=d.temperature,
-                      top_k=d.top_k, top_p=d.top_p, seed=seed, stop_token_ids=prompting.stop_ids,
-                      stop_strings=d.stop_strings)
-    seconds = time.perf_counter() - began
-    for request, text, ids, reason in zip(batch, result.texts, result.token_ids, result.finish_reasons):
-        request.latency_s += seconds
-        request.tokens += len(ids)
-        request.pieces.append(text)
-        request.generated = (text, reason)
+def _answer_batch(backend: Backend, batch: list[_Request], prompting: Prompting, seed: int) -> float:
+    """One generation round of `batch`: each request gets its turn (`_Request.turn`) or fails;
+    the seconds the backend spent."""
+    results, seconds = backend.answer([(r.messages, r.row.tools) for r in batch], prompting, seed)
+    for request, result in zip(batch, results):
+        if isinstance(result, Failed):
+            if result.stage == "generation":
+                request.generation_error = result.error
+            request.fail(result.stage, result.error)
+            continue
+        request.latency_s += result.latency_s
+        request.tokens += result.tokens
+        request.pieces.append(result.text)
+        request.turn = result
     return seconds
 
 
 def _turn(request: _Request, may_call: bool, executor: ToolExecutor | None) -> bool:
     """`_continue` on the request's generated text; a failure there fails this request only."""
-    text, reason = request.generated
     try:
-        return _continue(request, text, reason, may_call, executor)
+        return _continue(request, request.turn, may_call, executor)
     except Exception as exc:  # e.g. a row's tool schema the validator cannot use
         request.fail("handling the output", exc)
         return False
 
 
-def _continue(request: _Request, text: str, reason: str, may_call: bool, executor: ToolExecutor | None) -> bool:
+def _continue(request: _Request, turn: Turn, may_call: bool, executor: ToolExecutor | None) -> bool:
     """Handle one generated turn; True when the request goes on to another round."""
-    content, parsed = parse_tool_calls(text, request.row.tools)
+    if turn.calls is None:
+        content, parsed = parse_tool_calls(turn.text, request.row.tools)
+    else:  # the engine parsed the calls (chat API): its text is the visible content
+        content, parsed = turn.text, turn.calls
     if not parsed:
-        request.finish(text, "length" if reason == "length" else "answer")
+        request.finish(turn.text, "length" if turn.finish == "length" else "answer")
         return False
     if any(call.error for call in parsed):
         request.calls += [ToolCall(c.name, c.arguments, False, None, c.error or "not executed: another call of "

@@ -37,13 +37,14 @@ from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval import aggregate
 from glmtune.eval.answering import Prompting, failure_text, run_rows
 from glmtune.eval.gates import evaluate_gates
-from glmtune.eval.general_text import GENERAL_TEXT_METRIC, general_text_loss, text_windows
+from glmtune.eval.backends import Backend, LocalModel
+from glmtune.eval.general_text import GENERAL_TEXT_METRIC, text_windows
 from glmtune.eval.models import Fingerprints, ModelSource, load_model, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
 from glmtune.eval.report_html import render_html
 from glmtune.eval.report_md import render_markdown
 from glmtune.eval.scorers.base import RowScore
-from glmtune.eval.scorers.reference_loss import ReferenceLoss, row_loss
+from glmtune.eval.scorers.reference_loss import ReferenceLoss
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
@@ -165,11 +166,11 @@ def _score_rows(scorer, rows: list, outs: list) -> list[RowScore]:
     return scores
 
 
-def _reference_losses(net, rows: list, outs: list, prompting: Prompting) -> None:
+def _reference_losses(backend: Backend, rows: list, outs: list, prompting: Prompting) -> None:
     raised = []
     for row, out in zip(rows, outs):
         try:
-            out.reference_loss = row_loss(net, row, prompting)
+            out.reference_loss = backend.reference_loss(row, prompting)
         except Exception as exc:
             raised.append(exc)
             out.reference_loss_error = failure_text(exc)
@@ -177,11 +178,11 @@ def _reference_losses(net, rows: list, outs: list, prompting: Prompting) -> None
         raise raised[0]
 
 
-def answer_set(net, s: LoadedSet, prompting: Prompting, executor, set_index: int):
+def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, set_index: int):
     """(outputs, {scorer name: row scores}, generate seconds) of one model on one set."""
-    outs, seconds = run_rows(net, s.rows, prompting, executor, set_index)
+    outs, seconds = run_rows(backend, s.rows, prompting, executor, set_index)
     if any(isinstance(scorer, ReferenceLoss) for scorer in s.spec.scorers):
-        _reference_losses(net, s.rows, outs, prompting)
+        _reference_losses(backend, s.rows, outs, prompting)
     scores = {scorer.name: _score_rows(scorer, s.rows, outs) for scorer in s.spec.scorers}
     return outs, scores, seconds
 
@@ -192,18 +193,19 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
     memory = PeakMemory(device)
     memory.start()
     net = load_model(model, device, dtype)
+    backend = LocalModel(net)
     outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
     try:
         for index, s in enumerate(loaded):
-            outs, scores[s.spec.name], seconds = answer_set(net, s, prompting, executor, index)
+            outs, scores[s.spec.name], seconds = answer_set(backend, s, prompting, executor, index)
             outputs[s.spec.name] = outs
             latencies += [o.latency_s for o in outs]
             tokens += sum(o.generated_tokens for o in outs)
             generate_s += seconds
             log(f"{what}: {s.spec.name}, {len(outs)} rows in {seconds:.1f} s")
-        loss = general_text_loss(net, windows) if windows is not None else None
+        loss = backend.text_loss(windows) if windows is not None else None
     finally:
-        del net
+        del net, backend
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

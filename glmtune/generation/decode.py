@@ -23,6 +23,8 @@ Legend: B batch, S new tokens, T cached positions, N heads, D model dim.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -35,9 +37,12 @@ from glmtune.models.glm5.model import Glm5ForCausalLM
 
 @torch.no_grad()
 def forward_cached(model: Glm5ForCausalLM, ids_BS: torch.Tensor, positions_BS: torch.Tensor,
-                   valid_BS: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+                   valid_BS: torch.Tensor, cache: DecodeCache, gathered=None) -> torch.Tensor:
     """Final-normed hidden states [B, S, D] of `ids_BS`, the next S positions of every row
-    (`positions_BS`: rope positions; `valid_BS`: False for padding). Appends them to `cache`."""
+    (`positions_BS`: rope positions; `valid_BS`: False for padding). Appends them to `cache`.
+    `gathered(layer)`: a context in which a sharded layer's own weights are whole (FSDP2's
+    unshard/reshard; the caller's lockstep); the layer's submodules are called directly here,
+    so its forward hooks do not gather them. None: a model in one process."""
     batch, seq_len = ids_BS.shape
     start, end = cache.length, cache.length + seq_len
     if end > cache.max_len:
@@ -52,10 +57,11 @@ def forward_cached(model: Glm5ForCausalLM, ids_BS: torch.Tensor, positions_BS: t
     allowed_BST |= ~valid_BS[:, :, None] & (query_S[:, None] == key_T[None, :])  # a pad query: itself
     selection = None
     for layer, layer_cache in zip(model.model.layers, cache.layers):
-        attn_out, selection = _attention(layer.self_attn, layer.input_layernorm(h_BSD), cos, sin, allowed_BST,
-                                         layer_cache, start, selection)
-        h_BSD = h_BSD + attn_out
-        h_BSD = h_BSD + layer.mlp(layer.post_attention_layernorm(h_BSD))
+        with gathered(layer) if gathered is not None else contextlib.nullcontext():
+            attn_out, selection = _attention(layer.self_attn, layer.input_layernorm(h_BSD), cos, sin, allowed_BST,
+                                             layer_cache, start, selection)
+            h_BSD = h_BSD + attn_out
+            h_BSD = h_BSD + layer.mlp(layer.post_attention_layernorm(h_BSD))
     cache.length = end
     return model.model.norm(h_BSD)
 

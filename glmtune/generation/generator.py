@@ -20,6 +20,7 @@ to the model config's `eos_token_id` plus the tokenizer's eos.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -84,10 +85,10 @@ def sample_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int = 
 def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *, tokenizer=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stop_token_ids: set[int] | None = None, stop_strings: tuple[str, ...] | list[str] = (),
-             prefill_chunk: int = 512, return_logits: bool = False) -> GenerationResult:
+             prefill_chunk: int = 512, return_logits: bool = False, lockstep=None) -> GenerationResult:
     """Generates up to `max_new_tokens` after each prompt (see the module docstring).
     `seed` seeds a torch.Generator on the model's device: the same seed, prompts and options
-    give the same tokens."""
+    give the same tokens. `lockstep`: the ranks of a sharded model (module docstring)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
@@ -113,53 +114,107 @@ def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: i
     positions_BP = (columns_P - pad_B1).clamp(min=0)
     cache = DecodeCache(model.args, batch, longest + max_new_tokens, param.dtype, device)
 
+    rows = _Rows(batch, max_new_tokens, stop_token_ids, tokenizer, stop_strings)
+    step_logits: list[torch.Tensor] = []
+    prefill_s = 0.0
+    sync = lockstep if lockstep is not None else _ONE_PROCESS
     was_training = model.training
     model.eval()
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    reasons: list[str | None] = [None] * batch
-    texts: list[str] | None = [""] * batch if tokenizer is not None else None
-    step_logits: list[torch.Tensor] = []
-    new_tokens, prefill_s = 0, 0.0
     try:
-        start = time.perf_counter()
-        for chunk_start in range(0, longest, prefill_chunk):
-            cols = slice(chunk_start, chunk_start + prefill_chunk)
-            hidden_BSD = forward_cached(model, ids_BP[:, cols], positions_BP[:, cols], valid_BP[:, cols], cache)
-        next_pos_B1 = positions_BP[:, -1:] + 1
-        for step in range(max_new_tokens):
-            logits_BV = model.lm_head(hidden_BSD[:, -1]).float()
-            if return_logits:
-                step_logits.append(logits_BV)
-            next_B = sample_next(logits_BV, temperature, top_k, top_p, generator)
-            for row, token in enumerate(next_B.tolist()):
-                if reasons[row] is not None:
-                    continue
-                new_tokens += 1
-                if token in stop_token_ids:
-                    reasons[row] = "stop_token"
-                    continue
-                tokens[row].append(token)
-                if texts is not None:
-                    texts[row] = tokenizer.decode(tokens[row], skip_special_tokens=False)
-                    hits = [texts[row].find(s) for s in stop_strings if s in texts[row]]
-                    if hits:
-                        texts[row], reasons[row] = texts[row][:min(hits)], "stop_string"
-                if reasons[row] is None and len(tokens[row]) == max_new_tokens:
-                    reasons[row] = "length"
-            if step == 0:
-                prefill_s = time.perf_counter() - start
-                start = time.perf_counter()
-            if all(r is not None for r in reasons):
-                break
-            ones_B1 = torch.ones(batch, 1, dtype=torch.bool, device=device)
-            hidden_BSD = forward_cached(model, next_B[:, None], next_pos_B1, ones_B1, cache)
-            next_pos_B1 = next_pos_B1 + 1
-        decode_s = time.perf_counter() - start if max_new_tokens > 1 else 0.0
+        with sync.gathered(model):  # the root's own weights (embedding, final norm, head) for the whole call
+            start = time.perf_counter()
+            chunks = range(0, longest, prefill_chunk)
+            for _ in range(sync.agree_max(len(chunks)) - len(chunks)):
+                _idle_forward(model, sync)  # another rank prefills more chunks: take part in its collectives
+            for chunk_start in chunks:
+                cols = slice(chunk_start, chunk_start + prefill_chunk)
+                hidden_BSD = forward_cached(model, ids_BP[:, cols], positions_BP[:, cols], valid_BP[:, cols], cache,
+                                            sync.gathered)
+            next_pos_B1 = positions_BP[:, -1:] + 1
+            for step in range(max_new_tokens):
+                logits_BV = model.lm_head(hidden_BSD[:, -1]).float()
+                if return_logits:
+                    step_logits.append(logits_BV)
+                rows.accept(sample_next(logits_BV, temperature, top_k, top_p, generator).tolist())
+                if step == 0:
+                    prefill_s = time.perf_counter() - start
+                    start = time.perf_counter()
+                # Under lockstep a finished rank keeps stepping (its tokens ignored) until every rank is done.
+                if sync.all_done(rows.done):
+                    break
+                next_B1 = torch.tensor(rows.last, device=device)[:, None]
+                ones_B1 = torch.ones(batch, 1, dtype=torch.bool, device=device)
+                hidden_BSD = forward_cached(model, next_B1, next_pos_B1, ones_B1, cache, sync.gathered)
+                next_pos_B1 = next_pos_B1 + 1
+            decode_s = time.perf_counter() - start if max_new_tokens > 1 else 0.0
     finally:
         model.train(was_training)
-    reasons = [r or "length" for r in reasons]
-    return GenerationResult(tokens, texts, reasons, sum(map(len, prompts)), new_tokens, prefill_s, decode_s,
-                            step_logits)
+    return GenerationResult(rows.tokens, rows.texts, [r or "length" for r in rows.reasons], sum(map(len, prompts)),
+                            rows.new_tokens, prefill_s, decode_s, step_logits)
+
+
+class _Rows:
+    """Each row's generated tokens, text and finish reason, one sampled token per row at a time."""
+
+    def __init__(self, batch: int, max_new_tokens: int, stop_token_ids: set[int], tokenizer,
+                 stop_strings) -> None:
+        self.max_new_tokens, self.stop_token_ids = max_new_tokens, stop_token_ids
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.reasons: list[str | None] = [None] * batch
+        self.texts: list[str] | None = [""] * batch if tokenizer is not None else None
+        self.new_tokens = 0  # stop ids included: they were computed
+        self.last: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def accept(self, next_ids: list[int]) -> None:
+        self.last = next_ids
+        for row, token in enumerate(next_ids):
+            if self.reasons[row] is not None:
+                continue
+            self.new_tokens += 1
+            if token in self.stop_token_ids:
+                self.reasons[row] = "stop_token"
+                continue
+            self.tokens[row].append(token)
+            if self.texts is not None:
+                text = self.tokenizer.decode(self.tokens[row], skip_special_tokens=False)
+                hits = [text.find(s) for s in self.stop_strings if s in text]
+                self.texts[row] = text[:min(hits)] if hits else text
+                if hits:
+                    self.reasons[row] = "stop_string"
+            if self.reasons[row] is None and len(self.tokens[row]) == self.max_new_tokens:
+                self.reasons[row] = "length"
+
+
+class _OneProcess:
+    """The lockstep of a model in one process: nothing to gather, nobody to agree with."""
+
+    @staticmethod
+    def gathered(module):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def agree_max(value: int) -> int:
+        return value
+
+    @staticmethod
+    def all_done(done: bool) -> bool:
+        return done
+
+
+_ONE_PROCESS = _OneProcess()
+
+
+def _idle_forward(model: Glm5ForCausalLM, sync) -> None:
+    """One forward of one pad token on a scratch cache: this rank's share of a step the others take."""
+    device = model.lm_head.weight.device
+    cache = DecodeCache(model.args, 1, 1, model.lm_head.weight.dtype, device)
+    one_11 = torch.zeros(1, 1, dtype=torch.long, device=device)
+    forward_cached(model, one_11, one_11, torch.ones(1, 1, dtype=torch.bool, device=device), cache, sync.gathered)
 
 
 def cached_decoding_supported(model) -> bool:

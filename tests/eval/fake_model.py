@@ -3,7 +3,7 @@ that must reach the scoring path with a model output no small trained model writ
 call nested 1000 deep, a generation that raises for one prompt).
 
     fake = FakeGenerate(tokenizer, {"deep please": DEEP_CALL, "explode": RuntimeError("cuda said no")})
-    monkeypatch.setattr("glmtune.eval.answering.generate", fake)
+    monkeypatch.setattr("glmtune.eval.backends.generate", fake)
 
 Each prompt is decoded and the answer is the one whose key its last user turn contains (an
 exception there is raised for the whole call, as a real batch failure is); other prompts get

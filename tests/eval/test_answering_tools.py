@@ -9,6 +9,7 @@ from glmtune.data.chat_template import render_conversation
 from glmtune.data.contract import normalize_row
 from glmtune.data.synthetic import generate_rows
 from glmtune.eval.answering import _continue, _Request
+from glmtune.eval.backends import Turn
 from glmtune.eval.scorers.base import EvalRow
 from glmtune.eval.tools import ToolExecutor
 
@@ -29,7 +30,7 @@ def test_a_generated_call_is_executed_and_the_conversation_continues_as_in_train
                        row["messages"][2:])
     request = _Request(eval_row, list(eval_row.prompt))
     with ToolExecutor({"lookup_order": "glmtune.data.synthetic:lookup_order"}, 10, tmp_path) as executor:
-        assert _continue(request, _generated_call(row), "stop_token", True, executor)
+        assert _continue(request, Turn(_generated_call(row), "stop_token", 0, 0.0), True, executor)
     [call] = request.calls
     assert call.ok and call.result == row["messages"][3]["content"]  # the data's tool response
     assert request.messages == row["messages"][:4]
@@ -38,7 +39,7 @@ def test_a_generated_call_is_executed_and_the_conversation_continues_as_in_train
     assert prompt(request.messages) == prompt(row["messages"][:4])
 
     answer = row["messages"][4]["content"]
-    assert not _continue(request, answer, "stop_token", True, executor)
+    assert not _continue(request, Turn(answer, "stop_token", 0, 0.0), True, executor)
     assert request.output.text == answer and request.output.finish == "answer"
     assert "<|observation|><tool_response>" in request.output.transcript
 
@@ -49,9 +50,9 @@ def test_calls_beyond_max_tool_rounds_or_unparseable_end_the_request(tmp_path):
                        row["messages"][2:])
     with ToolExecutor({"lookup_order": "glmtune.data.synthetic:lookup_order"}, 10, Path(tmp_path)) as executor:
         exhausted = _Request(eval_row, list(eval_row.prompt))
-        assert not _continue(exhausted, "Checking." + _generated_call(row), "stop_token", False, executor)
+        assert not _continue(exhausted, Turn("Checking." + _generated_call(row), "stop_token", 0, 0.0), False, executor)
         assert exhausted.output.finish == "tool_rounds_exhausted" and exhausted.output.text == "Checking."
         assert exhausted.calls[0].error == "not executed: max_tool_rounds reached"
         cut = _Request(eval_row, list(eval_row.prompt))
-        assert not _continue(cut, "<tool_call>lookup_order<arg_key>order_id", "length", True, executor)
+        assert not _continue(cut, Turn("<tool_call>lookup_order<arg_key>order_id", "length", 0, 0.0), True, executor)
         assert cut.output.finish == "bad_tool_call" and "not closed" in cut.calls[0].error

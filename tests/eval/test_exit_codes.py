@@ -59,7 +59,7 @@ def _eval(suite: Path, model: Path, out: Path, *extra: str) -> tuple[int, str]:
 
 @pytest.fixture
 def fake_generate(monkeypatch):
-    monkeypatch.setattr("glmtune.eval.answering.generate", FakeGenerate(load_tokenizer(), {"deep please": DEEP_CALL}))
+    monkeypatch.setattr("glmtune.eval.backends.generate", FakeGenerate(load_tokenizer(), {"deep please": DEEP_CALL}))
 
 
 def test_a_deep_tool_call_is_a_failed_example_and_gates_decide_0_or_1(tiny_hf, tmp_path, fake_generate):

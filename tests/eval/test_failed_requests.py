@@ -14,6 +14,7 @@ from glmtune.data.chat_template import bundled_template
 from glmtune.data.synthetic import LOOKUP_ORDER_TOOL
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval.aggregate import example_records
+from glmtune.eval.backends import LocalModel
 from glmtune.eval.evaluate import answer_set
 from glmtune.eval.models import ModelSource
 from glmtune.eval.answering import Prompting
@@ -43,10 +44,10 @@ def _answer(tmp_path: Path, rows: list[dict], answers: dict, monkeypatch) -> tup
     [loaded] = load_sets(suite, HF)
     tokenizer = load_tokenizer()
     fake = FakeGenerate(tokenizer, answers)
-    monkeypatch.setattr("glmtune.eval.answering.generate", fake)
+    monkeypatch.setattr("glmtune.eval.backends.generate", fake)
     prompting = Prompting(tokenizer, bundled_template(), False, suite.file.decoding)
     with ToolExecutor(suite.file.tools.functions, 10, tmp_path) as executor:
-        outs, scores, _ = answer_set(None, loaded, prompting, executor, 0)
+        outs, scores, _ = answer_set(LocalModel(None), loaded, prompting, executor, 0)
     records = example_records("t", loaded.rows, {"candidate": outs}, {"candidate": {"t": scores}}, ["candidate"])
     return {r["id"]: r["outputs"]["candidate"] for r in records}, fake
 
