@@ -12,9 +12,9 @@ stored (one unit when larger) per `dcp.load`, cuts each unit into its HF tensors
 shard file as soon as its last tensor is ready and frees it.
 
 Peak host memory: one output shard (twice while safetensors serializes it), one group of
-units as stored, and the stored chunk DCP reads for it (`torch.load` of one rank's piece of a
-tensor: the whole tensor for a one-process checkpoint, 1/N of it for one written by N ranks),
-whatever the model's size.
+units as stored, and the stored chunks DCP reads for it (`torch.load` of one rank's piece of a
+tensor, whole; the whole tensor for a one-process checkpoint, about 1/N of it for one written
+by N ranks; DCP holds the last one read while it reads the next), whatever the model's size.
 """
 
 from __future__ import annotations
@@ -196,10 +196,14 @@ class _CheckpointUnits:
 
 
 def _groups(units: list[Unit], nbytes, budget: int) -> Iterator[list[Unit]]:
-    """Consecutive units, at most `budget` bytes a group (a larger unit alone)."""
+    """Consecutive units, at most `budget` bytes a group (a larger unit alone); experts of a
+    stacked tensor never share a group with another tensor. DCP keeps the stored chunk it read
+    last while it reads the next, and a stacked tensor's chunk is larger than a group: two of
+    them in one group would be held together."""
     group, size = [], 0
     for unit in units:
-        if group and size + nbytes(unit) > budget:
+        other_tensor = group and group[-1][0] != unit[0] and (group[-1][1] is not None or unit[1] is not None)
+        if group and (size + nbytes(unit) > budget or other_tensor):
             yield group
             group, size = [], 0
         group.append(unit)
