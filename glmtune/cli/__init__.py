@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: a command that relaunches itself
     # "glmtune data validate", not just "glmtune data": name the action that failed.
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
     try:

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
 from glmtune.io.text_limits import printable
 
-EXIT_PASSED, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR = 0, 1, 3  # 2, a user error, is glmtune.cli.main's
+EXIT_PASSED, EXIT_GATE_FAILED, EXIT_USER_ERROR, EXIT_INTERNAL_ERROR = 0, 1, 2, 3  # 2 is printed by glmtune.cli.main
 
 _EPILOG = """exit status:
   0  every gate passed
@@ -47,9 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("suite", metavar="SUITE", help="suite YAML file (or a name under recipes/)")
     parser.add_argument("--base", required=True, metavar="BASE",
-                        help="the base model: an HF directory, or a run directory (the model it started from)")
+                        help="the base model: an HF directory, a run directory (the model it started from), or a server's "
+                             "http(s)://HOST:PORT/v1")
     parser.add_argument("--candidate", required=True, metavar="CAND",
-                        help="the candidate: a run directory (its hf/ or adapter/), an HF directory or an adapter")
+                        help="the candidate: a run directory (its hf/ or adapter/), an HF directory, an adapter, or a "
+                             "server's http(s)://HOST:PORT/v1")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="eval directory to write (default: CAND/eval/<suite name> for a run directory, "
                              "else ./eval/<suite name>)")
@@ -63,6 +68,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="parameter dtype (default: each checkpoint's own)")
     parser.add_argument("--json", action="store_true",
                         help="print the scorecard JSON on stdout instead of the table (progress goes to stderr)")
+    sharding = parser.add_argument_group(
+        "sharded evaluation", "each model laid out over N ranks as training lays it out (docs/eval.md); also when "
+                              "torchrun or srun starts `glmtune eval` itself")
+    sharding.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, metavar="N",
+                          help="start N processes on this host with torchrun, each loading its shards")
+    sharding.add_argument("--parallel.ep", dest="ep", type=int, metavar="EP",
+                          help="expert-parallel degree (default: the candidate run's parallel.ep, else 1)")
+    sharding.add_argument("--model.fp8_base", dest="fp8_base", choices=("none", "dequant"),
+                          help="keep the models' weights in FP8 as a LoRA run keeps its frozen base "
+                               "(default: the candidate run's model.fp8_base, else none)")
+    served = parser.add_argument_group(
+        "endpoint models", "--base / --candidate given as http(s)://HOST:PORT/v1: an OpenAI-compatible server "
+                           "(vLLM, SGLang, transformers serve; docs/eval.md, Endpoint evaluation)")
+    served.add_argument("--base-model", metavar="ID", help="the served model of an endpoint --base (default: the "
+                        "only one GET /v1/models lists)")
+    served.add_argument("--candidate-model", metavar="ID", help="the served model of an endpoint --candidate")
+    served.add_argument("--api", choices=("completions", "chat"), default=None,
+                        help="completions (default): glmtune renders the suite's chat template and parses tool "
+                             "calls, as in-process; chat: the engine's template and tool-call parser")
+    served.add_argument("--concurrency", type=int, metavar="N", help="requests in flight (default 8)")
+    served.add_argument("--timeout", type=float, metavar="S", help="seconds per request attempt (default 120)")
+    served.add_argument("--retries", type=int, metavar="N",
+                        help="retries of a request after a 408/429/5xx, a timeout or a lost connection (default 3)")
+    served.add_argument("--tokenizer", metavar="DIR", help="tokenizer and chat template for the suite's prompts "
+                        "when no model is local (default: the local model's)")
     parser.set_defaults(func=_run)
 
 
@@ -90,7 +120,8 @@ def _table(card: dict):
             table.add_column(column, justify="left" if column == "category" else "right", no_wrap=True)
     for metric in card["metrics"]:
         entry = metric["by_category"]["all"]
-        values = [_fmt(entry["values"][label], metric["unit"]) for label in labels]
+        values = [_fmt(entry["values"][label], metric["unit"]) if label not in metric.get("not_available", {})
+                  else "n/a (engine)" for label in labels]
         deltas = [_delta(entry["delta"][label], metric["unit"]) for label in labels[1:]]
         table.add_row(metric["id"], "all", str(entry["n"]), *values, *deltas)
     return table
@@ -98,32 +129,92 @@ def _table(card: dict):
 
 def _run(ns: argparse.Namespace) -> int:
     try:
-        return _evaluate(ns)
+        status = _evaluate(ns)
     except (ValueError, OSError):
+        _record_status(EXIT_USER_ERROR)
         raise  # user errors: glmtune.cli.main prints one line, exit 2
     except Exception as exc:
         # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
         from glmtune.cli import _debug
 
+        _record_status(EXIT_INTERNAL_ERROR)
         if _debug(ns):
             raise
         message = printable(" ".join(str(exc).split())[:1000])
         print(f"glmtune eval: internal error: {type(exc).__name__}: {message} (run with --debug for the traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL_ERROR
+    _record_status(status)
+    return status
+
+
+def _record_status(status: int) -> None:
+    """Rank 0 of a sharded evaluation started by `--nproc-per-node` tells the launcher its exit status."""
+    if os.environ.get(_STATUS_FILE) and os.environ.get("RANK", "0") == "0":
+        Path(os.environ[_STATUS_FILE]).write_text(str(status))
+
+
+def _launch(ns: argparse.Namespace) -> int:
+    """`--nproc-per-node N`: the same command on N ranks; the exit status is rank 0's (written to a
+    file the ranks are told of), not torchrun's 0-or-1."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.cli import _debug
+    from glmtune.distributed.launch import NPROC_FLAGS, pop_nproc_per_node, run_command_on_ranks
+
+    if ns.nproc_per_node < 2:
+        raise ValueError(f"--nproc-per-node must be >= 2 for a sharded evaluation, got {ns.nproc_per_node}")
+    args, _ = pop_nproc_per_node(ns.argv[ns.argv.index("eval") + 1:])
+    assert not any(a.split("=")[0] in NPROC_FLAGS for a in args)
+    with tempfile.TemporaryDirectory(prefix="glmtune-eval-") as tmp:
+        status_file = Path(tmp) / "status"
+        os.environ[_STATUS_FILE] = str(status_file)
+        try:
+            status = run_command_on_ranks(ns.nproc_per_node, "eval", args, debug=_debug(ns))
+        finally:
+            del os.environ[_STATUS_FILE]
+        return int(status_file.read_text()) if status_file.is_file() else status
+
+
+_STATUS_FILE = "GLMTUNE_EVAL_STATUS_FILE"
 
 
 def _evaluate(ns: argparse.Namespace) -> int:
+    if ns.nproc_per_node is not None:
+        return _launch(ns)
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not sharded and ns.ep not in (None, 1):
+        raise ValueError(f"--parallel.ep {ns.ep} splits experts over ranks: add --nproc-per-node N (or start "
+                         "`glmtune eval` with torchrun)")
     import torch
     from rich.console import Console
 
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.eval.evaluate import run_eval
+    from glmtune.eval.sharded import ShardedLayout
 
-    progress = Console(stderr=True, highlight=False)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    progress = Console(stderr=True, highlight=False, quiet=not main_rank)
     dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)
     card, out = run_eval(ns.suite, ns.base, ns.candidate, ns.out, overwrite=ns.overwrite, device=ns.device,
-                         dtype=dtype, merged=ns.merged, log=progress.print)
+                         dtype=dtype, merged=ns.merged, log=progress.print,
+                         sharded=ShardedLayout(ns.ep, ns.fp8_base) if sharded else None,
+                         fp8_base=ns.fp8_base or "none", endpoint=_endpoint_options(ns))
+    return _report(ns, card, out) if main_rank else EXIT_PASSED
+
+
+def _endpoint_options(ns: argparse.Namespace):
+    # lazily: `glmtune --help` stays torch-free (evaluate's imports are already loaded here)
+    from glmtune.eval.endpoint import EndpointOptions
+
+    return EndpointOptions(ns.api, ns.concurrency, ns.timeout, ns.retries, ns.base_model, ns.candidate_model,
+                           Path(ns.tokenizer) if ns.tokenizer is not None else None)
+
+
+def _report(ns: argparse.Namespace, card: dict, out: Path) -> int:
+    """The scorecard on stdout (a table, or --json), failed gates named; the exit status."""
+    from rich.console import Console
+
+    progress = Console(stderr=True, highlight=False)
     failed = [g for g in card["gates"] if not g["passed"]]
     if ns.json:
         json.dump(card, sys.stdout, ensure_ascii=False)

@@ -62,19 +62,47 @@ def pop_nproc_per_node(tokens: list[str]) -> tuple[list[str], int | None]:
     return rest, nproc
 
 
-def torchrun_command(nproc: int, train_args: list[str], debug: bool = False) -> list[str]:
-    """The torchrun command line: a standalone rendezvous (a free local port) and N workers."""
+def torchrun_command(nproc: int, train_args: list[str], debug: bool = False, command: str = "train") -> list[str]:
+    """The torchrun command line: a standalone rendezvous (a free local port) and N workers, each
+    running `glmtune COMMAND ARGS`."""
     return [sys.executable, "-m", "glmtune.distributed.launch", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "glmtune", *(["--debug"] if debug else []), "train", *train_args]
+            "-m", "glmtune", *(["--debug"] if debug else []), command, *train_args]
+
+
+def refuse_nested_launch() -> None:
+    """--nproc-per-node inside a process torchrun started would start N x N ranks."""
+    if "WORLD_SIZE" in os.environ:
+        raise ValueError(f"--nproc-per-node: this process is already one of {os.environ['WORLD_SIZE']} started by "
+                         "torchrun (WORLD_SIZE is set); drop --nproc-per-node")
+
+
+def run_command_on_ranks(nproc: int, command: str, args: list[str], debug: bool = False) -> int:
+    """`glmtune COMMAND ARGS` on `nproc` ranks of this host (a command without a run directory or
+    checkpoints to save: `glmtune eval`); torchrun's exit status. A Ctrl-C or SIGTERM is passed
+    on to torchrun once, which stops the ranks; 130 then."""
+    refuse_nested_launch()
+    process = _start_with_sigint_blocked(torchrun_command(nproc, args, debug, command))
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        if not received:
+            process.send_signal(signum)
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        status = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 130 if received and status != 0 else status
 
 
 def check_launch(cfg: JobConfig, nproc: int, dims) -> None:
     """Refuse, before any process starts, what the N ranks would refuse anyway. `dims`: the
     model's routed experts and decoder layers (`num_experts`, `num_layers`; the model
     family's `model_dims`: distributed/ knows no model)."""
-    if "WORLD_SIZE" in os.environ:
-        raise ValueError(f"--nproc-per-node: this process is already one of {os.environ['WORLD_SIZE']} started by "
-                         "torchrun (WORLD_SIZE is set); drop --nproc-per-node")
+    refuse_nested_launch()
     if cfg.parallel.launcher != "torchrun":
         raise ValueError(f"--nproc-per-node starts torchrun on this host, but parallel.launcher is "
                          f"{cfg.parallel.launcher}; set --parallel.launcher torchrun")

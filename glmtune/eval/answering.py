@@ -33,6 +33,7 @@ from glmtune.data.chat_template import render_conversation
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.eval.scorers.base import EvalRow, ModelOutput, ToolCall
 from glmtune.eval.suite import DecodingConfig
+from glmtune.distributed.lockstep import ONE_PROCESS
 from glmtune.eval.backends import Backend, Failed, Turn
 from glmtune.eval.tool_calls import parse_tool_calls
 from glmtune.eval.tools import ToolExecutor, tool_response
@@ -83,30 +84,43 @@ def failure_text(exc: BaseException) -> str:
 
 
 def run_rows(backend: Backend, rows: list[EvalRow], prompting: Prompting, executor: ToolExecutor | None,
-             set_index: int) -> tuple[list[ModelOutput], float]:
-    """Every row's output, and the summed wall time of the backend's answer calls."""
+             set_index: int, ranks=ONE_PROCESS) -> tuple[list[ModelOutput], float]:
+    """Every row's output, and the wall time of the backend's answer calls (under `ranks`, the
+    ranks of a sharded model, the slowest rank's: they generate side by side).
+
+    Sharded (`glmtune.distributed.lockstep`): the batches of a round are the one process's, each
+    answered by one rank (batch b by rank b mod world, tool calls included), the others taking
+    an idle share of its collectives; the round's requests are then shared, so every rank forms
+    the next round's batches from all of them, as one process does."""
     d = prompting.decoding
     requests = [_Request(row, list(row.prompt)) for row in rows]
     pending = list(range(len(requests)))
     generate_s = 0.0
     size = backend.batch_size(d)
     for round_index in range(d.max_tool_rounds + 1):
-        next_pending = []
-        for batch_index, start in enumerate(range(0, len(pending), size)):
-            indices = pending[start:start + size]
+        batches = [pending[start:start + size] for start in range(0, len(pending), size)]
+        handled = {}
+        for batch_index in ranks.mine(len(batches)):
+            if batch_index is None:
+                backend.idle(prompting)
+                continue
+            indices = batches[batch_index]
             seed = d.seed + 1_000_003 * set_index + 10_007 * round_index + batch_index
             generate_s += _answer_batch(backend, [requests[i] for i in indices], prompting, seed)
             for i in indices:
-                if requests[i].output is None and _turn(requests[i], round_index < d.max_tool_rounds, executor):
-                    next_pending.append(i)
-        pending = next_pending
+                if requests[i].output is None:
+                    _turn(requests[i], round_index < d.max_tool_rounds, executor)
+                handled[i] = requests[i]
+        for i, request in ranks.share(handled).items():
+            requests[i] = request
+        pending = [i for i in pending if requests[i].output is None]
         if not pending:
             break
     assert all(r.output is not None for r in requests)
     failed = [r.generation_error for r in requests if r.generation_error is not None]
     if failed and len(failed) == len(requests):
         raise failed[0]  # not one request's trouble: the model (or generation) is broken
-    return [r.output for r in requests], generate_s
+    return [r.output for r in requests], max(ranks.share({ranks.rank: generate_s}).values())
 
 
 def _answer_batch(backend: Backend, batch: list[_Request], prompting: Prompting, seed: int) -> float:

@@ -115,7 +115,17 @@ class LocalModel:
         return [Turn(text, reason, len(ids), seconds)
                 for text, ids, reason in zip(result.texts, result.token_ids, result.finish_reasons)], seconds
 
+    def idle(self, prompting) -> None:
+        """This rank's share of a batch another rank answers (sharded): a one-token prompt whose
+        row counts as done at once, stepping until the other ranks' rows are done."""
+        assert self.lockstep is not None, "idle: only the ranks of a sharded model take idle steps"
+        with self.lockstep.idling():
+            generate(self.net, [[0]], prompting.decoding.max_new_tokens, stop_token_ids=set(),
+                     lockstep=self.lockstep)
+
     def reference_loss(self, row, prompting) -> float:
+        # Sharded: every rank computes every row's loss in step (a forward is collective), so each
+        # holds the one process's value without exchanging it.
         return row_loss(self.net, row, prompting)
 
     @torch.no_grad()

@@ -22,7 +22,6 @@ rows each set evaluated; their sha256 is in the scorecard).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 from collections.abc import Callable
@@ -37,10 +36,14 @@ from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval import aggregate
 from glmtune.eval.answering import Prompting, failure_text, run_rows
 from glmtune.eval.gates import evaluate_gates
-from glmtune.eval.backends import Backend, LocalModel
+from glmtune.distributed.lockstep import ONE_PROCESS
+from glmtune.eval.backends import Backend, NotAvailable
+from glmtune.eval.endpoint import Endpoint, EndpointOptions, is_endpoint, resolve_endpoint
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, text_windows
-from glmtune.eval.models import Fingerprints, ModelSource, load_model, merged_variant, resolve_model
+from glmtune.eval.models import Fingerprints, ModelSource, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
+from glmtune.eval.placement import Placement
+from glmtune.eval.sharded import ShardedLayout
 from glmtune.eval.report_html import render_html
 from glmtune.eval.report_md import render_markdown
 from glmtune.eval.scorers.base import RowScore
@@ -81,6 +84,28 @@ def _check_same_prompting(base: ModelSource, candidate: ModelSource) -> tuple[Pa
     return tok_cand, load_chat_template(tok_cand)
 
 
+def _prompting_dir(base, candidate, tokenizer: Path | None) -> tuple[Path, str]:
+    """The tokenizer directory and chat template every model is prompted with: the local models'
+    (`_check_same_prompting`), else `--tokenizer`'s (an endpoint model has no files here); a local
+    model's must then be the same."""
+    local = [m for m in (base, candidate) if m.kind != "endpoint"]
+    if len(local) == 2:
+        found = _check_same_prompting(base, candidate)
+    elif local:
+        found = (local[0].tokenizer_dir, load_chat_template(local[0].tokenizer_dir))
+    elif tokenizer is None:
+        raise ValueError("--tokenizer DIR is needed: both models are endpoints, and the suite's prompts are "
+                         "rendered with a tokenizer and chat template on disk (the served model's HF directory)")
+    else:
+        return Path(tokenizer), load_chat_template(Path(tokenizer))
+    if tokenizer is not None:
+        theirs = (tokenizer_sha256(found[0]), _sha256(found[1]))
+        if (tokenizer_sha256(Path(tokenizer)), _sha256(load_chat_template(Path(tokenizer)))) != theirs:
+            raise ValueError(f"--tokenizer {tokenizer}: not the tokenizer and chat template of {found[0]} (the "
+                             "local model's); a scorecard compares models under one prompt wrapper")
+    return found
+
+
 def default_out(candidate: ModelSource, suite: Suite) -> Path:
     """RUN_DIR/eval/<suite name> for a run directory candidate, else ./eval/<suite name>."""
     root = candidate.source / "eval" if candidate.kind == "run" else Path("eval")
@@ -94,31 +119,40 @@ def _glmtune_pin() -> dict[str, Any]:
 
 def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | Path, out: str | Path | None = None,
              *, overwrite: bool = False, device: str = "auto", dtype: torch.dtype | None = None,
-             merged: bool = False, log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
-    """Evaluate and write the eval directory; returns (scorecard, its directory). ValueError: user errors."""
+             merged: bool = False, sharded: ShardedLayout | None = None, fp8_base: str = "none",
+             endpoint: EndpointOptions | None = None,
+             log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
+    """Evaluate and write the eval directory; returns (scorecard, its directory). ValueError: user errors.
+    `sharded`: run as one rank of a torchrun job (`sharded.py`); rank 0 logs and writes.
+    `endpoint`: the options of a model given as a server URL (`endpoint.py`)."""
     suite = load_suite(suite_path)
-    base = resolve_model(base_arg, "base")
-    candidate = resolve_model(candidate_arg, "candidate")
+    endpoint = endpoint or EndpointOptions()
+    endpoint.check(base_arg, candidate_arg)
+    if sharded is not None and (is_endpoint(base_arg) or is_endpoint(candidate_arg)):
+        raise ValueError("--nproc-per-node with an endpoint model: the engine holds that model; evaluate it "
+                         "in one process")
+    base, candidate = (resolve_endpoint(arg, role, endpoint) if is_endpoint(arg) else resolve_model(arg, role)
+                       for arg, role in ((base_arg, "base"), (candidate_arg, "candidate")))
     models = [base, candidate] + ([merged_variant(candidate)] if merged else [])
     labels = [m.label for m in models]
     for i, gate in enumerate(suite.file.gates):
         if gate.model is not None and gate.model not in labels:
             raise ValueError(f"{suite.path}: gates[{i}].model: {gate.model} is not evaluated (pass --merged to "
                              "evaluate candidate-merged)")
+    if sharded is not None and merged:
+        raise ValueError("--merged with --nproc-per-node: merge the adapter with `glmtune merge` (it streams shard "
+                         "by shard) and pass the merged directory as --candidate")
     out = Path(out) if out is not None else default_out(candidate, suite)
     reads = [("SUITE", suite.path)] + [(f"set {s.name}", s.path) for s in suite.sets if s.path is not None]
     reads += [r for m in models for r in m.reads()]
+    reads += [("--tokenizer", endpoint.tokenizer)] if endpoint.tokenizer is not None else []
     check_output(out, overwrite=overwrite, sources=reads, what="--out")
-    tokenizer_dir, template = _check_same_prompting(base, candidate)
+    tokenizer_dir, template = _prompting_dir(base, candidate, endpoint.tokenizer)
     loaded = load_sets(suite, candidate)
-    fingerprints = Fingerprints()
-    prints = {m.label: fingerprints.of(m) for m in models}
-    torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                                "cpu" if device == "auto" else device)
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-
-
+    placement = Placement.choose(device, dtype, sharded, candidate, fp8_base)
+    log = log if placement.is_main else _quiet
+    prints = placement.on_main(lambda: {m.label: m.fingerprint() if m.kind == "endpoint" else Fingerprints().of(m)
+                                        for m in models})
     tokenizer = load_tokenizer(tokenizer_dir)
     prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
     windows = None
@@ -127,18 +161,30 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
         windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window)
     with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
         executor.check()
-        for s in loaded:
-            if any(scorer.name == "tool_execution" for scorer in s.spec.scorers):
-                for row in s.rows:
-                    row.reference_results = [executor.run(c["name"], c["arguments"], row.tools)
-                                             for c in row.reference_calls]
+        _reference_tool_results(loaded, executor, placement)
         check_rows(loaded)
         _check_prompts(loaded, prompting)
         results = {m.label: _evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
-                                            windows, torch_device, dtype, log) for m in models}
+                                            windows, placement, log, endpoint) for m in models}
     card = _scorecard(suite, loaded, models, prints, results, template, labels)
-    _write(out, overwrite, reads, suite, loaded, card)
+    if placement.is_main:
+        _write(out, overwrite, reads, suite, loaded, card)
+    placement.close()
     return card, out
+
+
+def _quiet(message: str) -> None:
+    """The log of a rank other than 0: rank 0 speaks for the job."""
+
+
+def _reference_tool_results(loaded: list[LoadedSet], executor: ToolExecutor, placement: Placement) -> None:
+    """The reference tool calls' results on each tool_execution row, executed once (rank 0's, shared)."""
+    def run_all() -> dict:
+        return {(i, j): [executor.run(c["name"], c["arguments"], row.tools) for c in row.reference_calls]
+                for i, s in enumerate(loaded) if any(sc.name == "tool_execution" for sc in s.spec.scorers)
+                for j, row in enumerate(s.rows)}
+    for (i, j), results in placement.on_main(run_all).items():
+        loaded[i].rows[j].reference_results = results
 
 
 def _check_prompts(loaded: list[LoadedSet], prompting: Prompting) -> None:
@@ -171,6 +217,10 @@ def _reference_losses(backend: Backend, rows: list, outs: list, prompting: Promp
     for row, out in zip(rows, outs):
         try:
             out.reference_loss = backend.reference_loss(row, prompting)
+        except NotAvailable as exc:  # the backend cannot, for any row: no values, and no row fails
+            for each in outs:
+                each.reference_loss_not_available = str(exc)
+            return
         except Exception as exc:
             raised.append(exc)
             out.reference_loss_error = failure_text(exc)
@@ -178,9 +228,10 @@ def _reference_losses(backend: Backend, rows: list, outs: list, prompting: Promp
         raise raised[0]
 
 
-def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, set_index: int):
+def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, set_index: int,
+               ranks=ONE_PROCESS):
     """(outputs, {scorer name: row scores}, generate seconds) of one model on one set."""
-    outs, seconds = run_rows(backend, s.rows, prompting, executor, set_index)
+    outs, seconds = run_rows(backend, s.rows, prompting, executor, set_index, ranks)
     if any(isinstance(scorer, ReferenceLoss) for scorer in s.spec.scorers):
         _reference_losses(backend, s.rows, outs, prompting)
     scores = {scorer.name: _score_rows(scorer, s.rows, outs) for scorer in s.spec.scorers}
@@ -188,29 +239,45 @@ def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, s
 
 
 def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
-                    device: torch.device, dtype, log) -> dict[str, Any]:
+                    placement: Placement, log, endpoint: EndpointOptions | None = None) -> dict[str, Any]:
     what = f"{model.label} ({model.kind}{', merged' if model.merged else ''}: {model.source})"
-    memory = PeakMemory(device)
+    memory = PeakMemory(placement.device)
     memory.start()
-    net = load_model(model, device, dtype)
-    backend = LocalModel(net)
+    backend = Endpoint(model, endpoint) if model.kind == "endpoint" else placement.load(model)
+    not_available: dict[str, str] = {}  # metric id -> why the backend cannot compute it
     outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
     try:
         for index, s in enumerate(loaded):
-            outs, scores[s.spec.name], seconds = answer_set(backend, s, prompting, executor, index)
+            outs, scores[s.spec.name], seconds = answer_set(backend, s, prompting, executor, index, placement.ranks)
             outputs[s.spec.name] = outs
             latencies += [o.latency_s for o in outs]
             tokens += sum(o.generated_tokens for o in outs)
             generate_s += seconds
             log(f"{what}: {s.spec.name}, {len(outs)} rows in {seconds:.1f} s")
-        loss = backend.text_loss(windows) if windows is not None else None
+            not_available.update({f"{s.spec.name}/reference_loss/loss": o.reference_loss_not_available
+                                  for o in outs[:1] if o.reference_loss_not_available})
+        loss = _text_loss(backend, windows, not_available)
+        if isinstance(backend, Endpoint):
+            ops = backend.operations(latencies, tokens, generate_s)
     finally:
-        del net, backend
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    ops = summarize(latencies, tokens, generate_s, memory.gib(), device)
-    return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops}
+        if isinstance(backend, Endpoint):
+            backend.close()
+        del backend
+        placement.release()
+    if model.kind != "endpoint":
+        ops = placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
+    return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops, "not_available": not_available}
+
+
+def _text_loss(backend: Backend, windows, not_available: dict[str, str]) -> tuple[float | None, int] | None:
+    """The general-text loss (None without general text); (None, 0) and the reason when the backend cannot."""
+    if windows is None:
+        return None
+    try:
+        return backend.text_loss(windows)
+    except NotAvailable as exc:
+        not_available["general_text/loss/loss"] = str(exc)
+        return None, 0
 
 
 def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource], prints: dict, results: dict,
@@ -228,7 +295,11 @@ def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource],
         losses = {label: results[label]["loss"] for label in labels}
         metrics.append(aggregate.single_metric("general_text/loss/loss", GENERAL_TEXT_METRIC,
                                                {lb: loss[0] for lb, loss in losses.items()},
-                                               losses[labels[0]][1], labels))
+                                               max(loss[1] for loss in losses.values()), labels))
+    for metric in metrics:  # null values a backend could not compute say so (never a silent zero)
+        reasons = {lb: results[lb].get("not_available", {}).get(metric["id"]) for lb in labels}
+        if any(reasons.values()):
+            metric["not_available"] = {lb: why for lb, why in reasons.items() if why}
     operations = {label: results[label]["operations"] for label in labels}
     for group, definition in OPERATIONS_METRICS:
         values = {label: operations_values(operations[label])[definition.name] for label in labels}

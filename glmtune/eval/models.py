@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
-from glmtune.config import load_run_config
+from glmtune.config import ModelConfig, load_run_config
 from glmtune.data.sources import file_sha256
 from glmtune.peft.adapter_load import apply_adapter
 from glmtune.io.run_lock import read_run_record
@@ -179,10 +179,16 @@ def checkpoint_dtype(hf_dir: Path) -> torch.dtype:
     return config_dtype(hf_dir)
 
 
-def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | None):
-    """The model in eval mode on `device` (dtype None: the checkpoint's own), loaded by its family's spec."""
+def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | None, fp8_base: str = "none"):
+    """The model in eval mode on `device` (dtype None: the checkpoint's own), loaded by its family's
+    spec; `fp8_base` "dequant": its weights kept in FP8 as a LoRA run keeps its frozen base."""
     dtype = dtype or checkpoint_dtype(model.weights_dir)
-    net = spec_for(model.weights_dir).load_pretrained(model.weights_dir, dtype, device)
+    spec = spec_for(model.weights_dir)
+    if fp8_base == "none":
+        net = spec.load_pretrained(model.weights_dir, dtype, device)
+    else:
+        net, _ = spec.build_from_config(ModelConfig(name_or_path=str(model.weights_dir), fp8_base=fp8_base),
+                                        dtype, device)
     if model.adapter_dir is not None:
         if model.merged:
             merge_adapter_dir(net, model.adapter_dir)

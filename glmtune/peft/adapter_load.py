@@ -16,12 +16,14 @@ fused [gate; up] adapter needs it), their Bs stack as [gate; up].
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from glmtune.models.glm5.moe import GroupedExperts
+from glmtune.peft.init import set_whole_value
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 from glmtune.peft.merge import FUSED_EXPERTS_RE, PER_EXPERT_RE, fused_expert_proj, lora_pairs, read_adapter
 
@@ -55,10 +57,22 @@ def _stack_per_expert(adapter_dir: Path, name: str, leaves: dict, num_experts: i
     return out
 
 
+@dataclass
+class AppliedAdapter:
+    modules: int  # modules adapted
+    deferred: dict[str, torch.Tensor]  # parameter name -> the adapter's whole value, for a meta-device model
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the deferred values into `model` after it was materialized (sharded: each rank its part)."""
+        for name, value in self.deferred.items():
+            set_whole_value(model.get_parameter(name), value)
+
+
 @torch.no_grad()
-def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
-    """Wrap the modules the adapter names in LoRA modules holding its weights (frozen); returns
-    the number of modules adapted. ValueError for a tensor that does not fit the model."""
+def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
+    """Wrap the modules the adapter names in LoRA modules holding its weights (frozen).
+    ValueError for a tensor that does not fit the model. On the meta device (a model to be
+    parallelized, then loaded sharded) the weights are kept in `AppliedAdapter.deferred`."""
     adapter_dir = Path(adapter_dir)
     config, tensors = read_adapter(adapter_dir)
     if lora_modules(model):
@@ -87,9 +101,10 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
         experts[name].update(_stack_per_expert(adapter_dir, name, leaves, model.get_submodule(name).num_experts))
     for param in model.parameters():
         param.requires_grad_(False)
+    deferred: dict[str, torch.Tensor] = {}
     for name, (a, b) in linears.items():
         _replace(model, name, adapter_dir, lambda m: LoRALinear.from_linear(m, spec, init=False), nn.Linear,
-                 {"lora_A.weight": a, "lora_B.weight": b})
+                 {"lora_A.weight": a, "lora_B.weight": b}, deferred)
     for name, projs in experts.items():
         loads = {}
         for proj, (a, b) in projs.items():
@@ -97,15 +112,16 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
             loads.update({f"lora_{short}_A": a, f"lora_{short}_B": b})
         _replace(model, name, adapter_dir,
                  lambda m, t=tuple(projs): LoRAGroupedExperts.from_experts(m, spec, t, init=False), GroupedExperts,
-                 loads)
+                 loads, deferred)
     for _, module in lora_modules(model):
         module.requires_grad_(False)
-    return len(linears) + len(experts)
+    return AppliedAdapter(len(linears) + len(experts), deferred)
 
 
-def _replace(model: nn.Module, name: str, adapter_dir: Path, make, kind: type, loads: dict[str, torch.Tensor]
-             ) -> None:
-    """Swap module `name` for `make(module)` after copying `loads` (parameter name -> value) into it."""
+def _replace(model: nn.Module, name: str, adapter_dir: Path, make, kind: type, loads: dict[str, torch.Tensor],
+             deferred: dict[str, torch.Tensor]) -> None:
+    """Swap module `name` for `make(module)` after copying `loads` (parameter name -> value) into it
+    (into `deferred` under its full name when the module is on the meta device)."""
     try:
         module = model.get_submodule(name)
     except AttributeError as exc:
@@ -119,6 +135,9 @@ def _replace(model: nn.Module, name: str, adapter_dir: Path, make, kind: type, l
         if tuple(param.shape) != tuple(value.shape):
             raise ValueError(f"{adapter_dir}: adapter module {name} has a factor of shape {tuple(value.shape)}, "
                              f"the model needs {tuple(param.shape)}")
-        param.copy_(value)
+        if param.is_meta:
+            deferred[f"{name}.{param_name}"] = value
+        else:
+            param.copy_(value)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, new)

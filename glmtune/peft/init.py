@@ -64,6 +64,13 @@ def reset_lora_parameters(model: nn.Module, seed: int | None = None) -> None:
         _local(a).copy_(_local_part(full, a))
 
 
+@torch.no_grad()
+def set_whole_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Give `param` (a plain tensor, or a DTensor sharded over any mesh) the global value `full`:
+    each rank copies the part its local shard holds."""
+    _local(param).copy_(_local_part(full, param))
+
+
 def _local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The part of the global `full` that `like`'s local shard holds."""
     if not isinstance(like, DTensor):
