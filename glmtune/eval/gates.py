@@ -74,8 +74,10 @@ def evaluate_gates(gates: list[GateConfig], metrics: list[dict[str, Any]], candi
             if entry is None:
                 passed, text = False, f"no rows in category {gate.category!r}"
             elif value is None or (needs_base and base is None):
-                missing = "the base's value" if value is not None else f"{label}'s value"
-                passed, text = False, f"{missing} is not measurable (null)"
+                missing = "base" if value is not None else label
+                why = (metric.get("not_available") or {}).get(missing)  # an engine without prompt log-probabilities
+                passed, text = False, f"{'the ' * (missing == 'base')}{missing}'s value is " + (
+                    f"{why.split(':')[0]} (null)" if why else "not measurable (null)")
             else:
                 passed, text = check(gate.rule, value, base, gate.threshold, metric["higher_is_better"])
             results.append({"name": gate_name(gate), "metric": gate.metric, "category": gate.category, "model": label,

@@ -98,7 +98,8 @@ def _metric_sections(metrics: list[dict], set_order: list[str], labels: list[str
                 values, deltas = cell.get("values") or {}, cell.get("delta") or {}
                 rows.append({"metric": metric.get("id", "?"), "first": c == cats[0], "span": len(cats),
                              "category": c, "n": cell.get("n"), "unit": unit or "",
-                             "vals": [fmt_value(values.get(lab), unit) for lab in labels],
+                             "vals": [fmt_value(values.get(lab), unit) if lab not in metric.get("not_available", {})
+                                      else "n/a (not available from this engine)" for lab in labels],
                              "deltas": [(fmt_delta(deltas.get(lab), unit), delta_class(deltas.get(lab), hib))
                                         for lab in candidates]})
         sections.append({"set": set_name, "charts": charts, "rows": rows})
@@ -112,6 +113,15 @@ def _field_chart(fields: list[dict], labels: list[str]):
     groups = [((f"{f.get('set')}: " if many_sets else "") + str(f.get("field")), f.get("n"), f.get("values") or {})
               for f in fields]
     return grouped_bars(chart_id="chart-fields", title="Per-field accuracy", groups=groups, models=labels, unit="ratio")
+
+
+def endpoint_faults(endpoint: dict | None) -> str:
+    """An endpoint model's request accounting in a few words ("" for a local model)."""
+    if not endpoint:
+        return ""
+    failed = ", ".join(f"{kind} x{n}" for kind, n in endpoint.get("failures", {}).items())
+    return (f" ({endpoint.get('api')}; {endpoint.get('http_requests')} HTTP requests, {endpoint.get('retries')} "
+            f"retries, {endpoint.get('failed_requests')} failed{': ' + failed if failed else ''})")
 
 
 def _operations(operations: dict, labels: list[str]):
@@ -128,7 +138,8 @@ def _operations(operations: dict, labels: list[str]):
                       "p50": fmt_value(op.get("p50_s"), "seconds"), "p95": fmt_value(op.get("p95_s"), "seconds"),
                       "tokens": fmt_value(op.get("generated_tokens"), "count"),
                       "tps": fmt_value(op.get("generated_tokens_per_s"), "tokens_per_s"),
-                      "memory": fmt_value(op.get("peak_memory_gib"), "gib"), "device": op.get("device") or "—"})
+                      "memory": fmt_value(op.get("peak_memory_gib"), "gib"),
+                      "device": (op.get("device") or "—") + endpoint_faults(op.get("endpoint"))})
     return latency_boxes(chart_id="chart-latency", rows=rows), table
 
 

@@ -50,7 +50,8 @@ def render_markdown(card: dict[str, Any], max_failures: int = 10) -> str:
     lines += ["## Models", "", "| label | kind | source | weights sha256 |", "|---|---|---|---|"]
     for m in card["models"]:
         merged = " (merged)" if m["merged"] else " (unmerged)" if m["merged"] is False else ""
-        lines.append(f"| {m['label']} | {m['kind']}{merged} | `{m['source']}` | {m['fingerprint']['weights_sha256'][:12]} |")
+        ident = m["fingerprint"].get("weights_sha256", "")[:12] or f"served `{m['fingerprint'].get('model')}`"
+        lines.append(f"| {m['label']} | {m['kind']}{merged} | `{m['source']}` | {ident} |")
     d = card["decoding"]
     lines += ["", f"Decoding: max_new_tokens {d['max_new_tokens']}, temperature {d['temperature']}, top_k {d['top_k']}, "
               f"top_p {d['top_p']}, seed {d['seed']}, max_tool_rounds {d['max_tool_rounds']}, batch_size "
@@ -59,7 +60,8 @@ def render_markdown(card: dict[str, Any], max_failures: int = 10) -> str:
     lines += ["## Metrics", "", f"| metric | category | n | {head} |", "|---|---|---|" + "---|" * (2 * len(labels) - 1)]
     for metric in card["metrics"]:
         for category, entry in metric["by_category"].items():
-            cells = [_v(entry["values"].get(label), metric["unit"]) for label in labels]
+            cells = [_v(entry["values"].get(label), metric["unit"]) if label not in metric.get("not_available", {})
+                     else "n/a (not available from this engine)" for label in labels]
             cells += [_d(entry["delta"].get(c), metric["unit"]) for c in candidates]
             lines.append(f"| {metric['id']} | {category} | {entry['n']} | " + " | ".join(cells) + " |")
     if card["fields"]:
@@ -74,6 +76,14 @@ def render_markdown(card: dict[str, Any], max_failures: int = 10) -> str:
         o = card["operations"][label]
         lines.append(f"| {label} | {o['device']} | {o['requests']} | {_v(o['p50_s'])} | {_v(o['p95_s'])} | "
                      f"{_v(o['generated_tokens_per_s'])} | {_v(o['peak_memory_gib'])} |")
+    for label in labels:
+        o = card["operations"][label]
+        if o.get("endpoint"):
+            e = o["endpoint"]
+            faults = ", ".join(f"{kind} x{n}" for kind, n in e["faults"].items()) or "none"
+            lines.append(f"\n{label} at `{o['device']}` ({e['api']}, model `{e['model']}`): {e['http_requests']} HTTP "
+                         f"requests, {e['retries']} retries, {e['failed_requests']} failed requests; faults: {faults}; "
+                         f"prompt log-probabilities: {e['prompt_logprobs']}; peak memory: {o['peak_memory_note']}.")
     for candidate in candidates:
         failed = [e for e in card["examples"] if not e["outputs"][candidate]["passed"]]
         lines += ["", f"## Failures of {candidate} ({len(failed)} of {len(card['examples'])} examples)"]

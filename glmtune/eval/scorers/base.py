@@ -82,6 +82,7 @@ class ModelOutput:
     reference_loss: float | None = None  # set when the set has the reference_loss scorer
     error: str | None = None  # why the request failed (finish "error"): rendering, generation, a tool
     reference_loss_error: str | None = None  # why reference_loss is None for a reference_loss set
+    reference_loss_not_available: str | None = None  # the backend cannot compute it (an engine): why
 
 
 @dataclass

@@ -10,7 +10,9 @@ The row's value is the mean loss over those tokens; the metric is the mean over 
 
 Unlike the other scorers it reads the model, not its generated output: the evaluation calls
 `row_loss` for each row of the set per model, and `score` reads the value it left on the output
-(or, when it raised on that row, the reason: the row fails, with no value).
+(or, when it raised on that row, the reason: the row fails, with no value). A backend that cannot
+compute it (an engine without prompt log-probabilities) leaves the reason in
+`reference_loss_not_available`: no value and no failure; the scorecard says so.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ class ReferenceLoss:
         return []
 
     def score(self, row: EvalRow, output: ModelOutput) -> RowScore:
+        if output.reference_loss_not_available is not None:  # the backend cannot compute it: no value, no failure
+            return RowScore({"loss": None})
         if output.reference_loss is None:  # row_loss raised on this row
             assert output.reference_loss_error is not None, "row_loss runs before scoring"
             return RowScore({"loss": None}, [f"reference loss not computed: {output.reference_loss_error}"])
         return RowScore({"loss": output.reference_loss})
 
 
-def _sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
+def reference_sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
     """(input ids, next-token targets) of the whole reference conversation, targets only on
     the assistant turns after the last user turn."""
     sample = tokenize_conversation(row.prompt + row.reference_turns, prompting.tokenizer, tools=row.tools,
@@ -65,7 +69,7 @@ def _sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
 def row_loss(model, row: EvalRow, prompting) -> float:
     """The row's mean reference loss (nats per token) under `model`."""
     device = model.lm_head.weight.device
-    ids, targets = _sample(row, prompting)
+    ids, targets = reference_sample(row, prompting)
     out = model(torch.tensor([ids], device=device), targets=torch.tensor([targets], device=device),
                 compute_logits=False)
     return float(out.loss_sum) / max(int(out.num_targets), 1)
