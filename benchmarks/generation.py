@@ -19,6 +19,7 @@ with both models' logit margins there instead of asserting equality.
 
     python benchmarks/generation.py                       # batch 1 and 8, prompt 256, 128 new
     python benchmarks/generation.py --batches 1,8,32 --new 256
+    python benchmarks/generation.py --dtype float32       # agreement without bf16 rounding (slower)
     python benchmarks/generation.py --tiny                # the tiny preset, fp32 on the CPU, seconds
 
 Results append to $OUT/generation.jsonl (or --out) as JSON lines.
@@ -50,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--dense", type=int, default=1)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="both models' weights and compute (float32: full-precision matmuls, no TF32); --tiny: float32")
     p.add_argument("--tiny", action="store_true", help="the tiny preset in fp32 on the CPU: a smoke test")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -59,7 +62,7 @@ def parse_args(argv=None):
     a.new = a.new or (12 if small else 128)
     a.repeats = a.repeats or (1 if small else 3)
     a.device = "cpu" if small else DEVICE
-    a.dtype = torch.float32 if small else torch.bfloat16
+    a.dtype = torch.float32 if small else getattr(torch, a.dtype)
     return a
 
 
@@ -179,7 +182,8 @@ def bench_batch(a, ours, hf, batch: int) -> dict:
     run_hf(hf, prompts, 1, pad_id)  # the prefill-only call's shapes, warmed too
 
     walls = {"glmtune": [], "transformers": [], "transformers_prefill": []}
-    results, peaks, repeatable = [], {"glmtune": 0.0, "transformers": 0.0}, True
+    results, peaks = [], {"glmtune": 0.0, "transformers": 0.0}
+    repeatable = {"glmtune": True, "transformers": True}  # each timed call's tokens equal its warm-up's
     for _ in range(a.repeats):
         for name, call in (("glmtune", lambda: run_ours(ours, prompts, a.new)),
                            ("transformers", lambda: run_hf(hf, prompts, a.new, pad_id)),
@@ -192,9 +196,9 @@ def bench_batch(a, ours, hf, batch: int) -> dict:
                 peaks[name] = max(peaks[name], peak_gib() if a.device == "cuda" else 0.0)
             if name == "glmtune":
                 results.append(result)
-                repeatable &= result.token_ids == warm.token_ids
+                repeatable["glmtune"] &= result.token_ids == warm.token_ids
             elif name == "transformers":
-                repeatable &= result[0] == hf_tokens
+                repeatable["transformers"] &= result[0] == hf_tokens
 
     wall = {name: statistics.median(v) for name, v in walls.items()}
     ours_prefill = statistics.median(r.prefill_s for r in results)
@@ -214,7 +218,8 @@ def bench_batch(a, ours, hf, batch: int) -> dict:
         "glmtune_peak_gib": round(peaks["glmtune"], 2), "transformers_peak_gib": round(peaks["transformers"], 2),
         "tokens_agreeing_before_split": agreed, "tokens_total": total,
         "first_divergence": divergence, "splits": split_rows, "max_logit_diff_before_split": round(logit_diff, 5),
-        "repeatable": repeatable, "walls_s": {k: [round(x, 4) for x in v] for k, v in walls.items()},
+        "glmtune_repeatable": repeatable["glmtune"], "transformers_repeatable": repeatable["transformers"],
+        "walls_s": {k: [round(x, 4) for x in v] for k, v in walls.items()},
     }
 
 
@@ -234,6 +239,8 @@ def table(lines: list[dict]) -> str:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.manual_seed(a.seed)
+    if a.dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False  # the default, said here: fp32 means fp32 products
     with tempfile.TemporaryDirectory(prefix="glmtune-gen-") as folder:
         ours, hf = build_models(a, Path(folder))
     gpu = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"

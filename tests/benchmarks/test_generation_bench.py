@@ -8,7 +8,8 @@ from benchmarks.generation import main
 
 FIELDS = ("glmtune_tok_s", "glmtune_decode_tok_s", "glmtune_prefill_s", "transformers_tok_s",
           "transformers_decode_tok_s", "transformers_prefill_s", "speedup", "first_divergence",
-          "tokens_agreeing_before_split", "tokens_total", "max_logit_diff_before_split", "repeatable")
+          "tokens_agreeing_before_split", "tokens_total", "max_logit_diff_before_split", "glmtune_repeatable",
+          "transformers_repeatable")
 
 
 def test_tiny_generation_agrees_with_transformers(tmp_path, capsys):
@@ -24,6 +25,6 @@ def test_tiny_generation_agrees_with_transformers(tmp_path, capsys):
         assert line["first_divergence"] == [None] * line["batch"] and line["splits"] == []
         assert line["tokens_agreeing_before_split"] == line["tokens_total"] == line["batch"] * 8
         assert line["max_logit_diff_before_split"] <= 1e-4
-        assert line["repeatable"]
+        assert line["glmtune_repeatable"] and line["transformers_repeatable"]
     assert len(set(lines[1]["prompt_lengths"])) > 1  # the batch is left-padded
     assert "| batch |" in capsys.readouterr().out
