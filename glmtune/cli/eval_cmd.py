@@ -50,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("suite", metavar="SUITE", help="suite YAML file (or a name under recipes/)")
     parser.add_argument("--base", required=True, metavar="BASE",
-                        help="the base model: an HF directory, a run directory (the model it started from), or a server's "
-                             "http(s)://HOST:PORT/v1")
+                        help="the base model: an HF directory, a run directory (the model it started from), or a "
+                             "server's http(s)://HOST:PORT/v1")
     parser.add_argument("--candidate", required=True, metavar="CAND",
                         help="the candidate: a run directory (its hf/ or adapter/), an HF directory, an adapter, or a "
                              "server's http(s)://HOST:PORT/v1")

@@ -16,7 +16,10 @@ candidate whose fingerprint equals the hashes of the run's own artifacts as they
 adapter_config.json and adapter_model.safetensors of either layout), preferring an unmerged
 one (a LoRA release ships the adapter; a merged candidate's scores are recorded beside it).
 A candidate whose source is the run but whose fingerprint differs is the run as it was
-when evaluated, not as it is now: refused, like any other mismatch. An adapter candidate's
+when evaluated, not as it is now: refused, like any other mismatch; so is a candidate served by
+an endpoint (its fingerprint is the URL, the served model id and the engine, no hashes). An
+endpoint base is recorded as the scorecard names it (`models`: endpoint, model, engine_server,
+engine_owned_by, engine_version) with its request accounting (`operations.<label>.endpoint`). An adapter candidate's
 fingerprint also names the base it ran on, which must be the release's base.
 """
 
@@ -114,6 +117,11 @@ def released_candidate(scorecard: dict[str, Any], run_dir: Path, shipped: dict[s
                 reasons.append(f"{model['label']!r} ({model.get('source')}) has {key} {theirs[key][:12]}…, the run's "
                                f"{primary} {ours[key][:12]}…" + (" (the run changed after the eval)" if from_run
                                                                   else ""))
+            elif model.get("kind") == "endpoint":
+                reasons.append(f"{model['label']!r} is the endpoint {model.get('source')} (served model "
+                               f"{(model.get('fingerprint') or {}).get('model')!r}): its weights cannot be checked "
+                               "against the run's; evaluate the run's files as the candidate (an endpoint may be the "
+                               "base)")
             else:
                 reasons.append(f"{model['label']!r} ({model.get('source')}) has no fingerprint to compare with the "
                                f"run's {primary} ({', '.join(sorted(ours))})")
@@ -138,6 +146,7 @@ def _score_summary(metric: dict[str, Any]) -> dict[str, Any]:
 
 _OPERATION_KEYS = ("requests", "p50_s", "p95_s", "generated_tokens", "generated_tokens_per_s", "peak_memory_gib",
                    "device")
+_ENDPOINT_KEYS = ("peak_memory_note", "endpoint")  # an endpoint model's, recorded when present
 
 
 def eval_section(scorecard: dict[str, Any], scorecard_sha256: str, candidate: dict[str, Any], evaluated: str,
@@ -145,6 +154,7 @@ def eval_section(scorecard: dict[str, Any], scorecard_sha256: str, candidate: di
     """What the manifest keeps of the eval (see the module docstring)."""
     suite = scorecard["suite"]
     operations = {label: {k: ops.get(k) for k in _OPERATION_KEYS}
+                  | {k: ops[k] for k in _ENDPOINT_KEYS if k in ops}
                   for label, ops in (scorecard.get("operations") or {}).items()}
     return {
         "path": stored_dir,

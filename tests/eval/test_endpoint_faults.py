@@ -205,3 +205,13 @@ def test_several_served_models_need_a_name(tmp_path, stub_url, monkeypatch):
         resolve_endpoint("http://127.0.0.1:1/v1", "base", EndpointOptions(retries=0, timeout_s=2))
     with pytest.raises(ValueError, match="an endpoint is http"):
         resolve_endpoint("http://127.0.0.1:1/api", "base", EndpointOptions())
+
+
+def test_cli_refuses_endpoint_options_without_an_endpoint(tmp_path, capsys):
+    from glmtune.cli import main
+
+    suite = _suite(tmp_path)
+    assert main(["eval", str(suite), "--base", str(tmp_path), "--candidate", str(tmp_path), "--concurrency", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--concurrency applies to an endpoint model (--base or --candidate http(s)://HOST:PORT/v1)" in err
+    assert len(err.splitlines()) == 1
