@@ -32,8 +32,10 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,12 +150,18 @@ def resolve_endpoint(arg: str, role: str, options: EndpointOptions) -> EndpointS
         raise ValueError(f"--{role} {arg}: an endpoint is http(s)://HOST:PORT/v1")
     policy = options.policy()
     client = _client(url, policy.timeout_s)
+
+    def listing():
+        raw = client.models.with_raw_response.list()
+        return raw.headers, raw.parse().data  # parsed inside the request: a malformed reply is a fault
+
     try:
-        raw = call(lambda: client.models.with_raw_response.list(), FaultLog(), policy)
-        listing = raw.parse()
+        headers, models = call(listing, FaultLog(), policy)
     except RequestFailed as exc:
         raise ValueError(f"--{role} {url}: GET /v1/models failed ({exc})") from None
-    served = {m.id: getattr(m, "owned_by", None) for m in listing.data}
+    finally:
+        client.close()
+    served = {m.id: getattr(m, "owned_by", None) for m in models}
     wanted = options.base_model if role == "base" else options.candidate_model
     if wanted is None:
         if len(served) != 1:
@@ -162,7 +170,7 @@ def resolve_endpoint(arg: str, role: str, options: EndpointOptions) -> EndpointS
         wanted = next(iter(served))
     elif served and wanted not in served:
         raise ValueError(f"--{role}-model {wanted}: {url} serves {', '.join(served)}")
-    engine = {"owned_by": served.get(wanted), "server": raw.headers.get("server"),
+    engine = {"owned_by": served.get(wanted), "server": headers.get("server"),
               "version": _engine_version(url, policy.timeout_s)}
     return EndpointSource(role, role, url, wanted, engine, options.api or "completions")
 
@@ -214,8 +222,10 @@ class Endpoint:
         self.concurrency = options.concurrency if options.concurrency is not None else 8
         self.client = _client(source.source, self.policy.timeout_s)
         self.faults = FaultLog()
-        self.prompt_token_mismatches = 0  # completions: the engine counted other prompt tokens than glmtune
-        self.unparsed_tool_markup = 0  # chat: content holding <tool_call> markup the engine did not parse
+        # completions: responses whose engine counted other prompt tokens than glmtune's tokenizer (a BOS);
+        # chat: content holding <tool_call> markup the engine did not parse. Counted from the request threads.
+        self.notes: Counter[str] = Counter()
+        self._notes_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="glmtune-endpoint")
         self._no_logprobs: str | None = None  # why prompt log-probabilities are not available, once known
         self._logprobs_seen = False  # a request has returned them
@@ -268,7 +278,7 @@ class Endpoint:
             raise MalformedResponse("a completion without choices[0].text")
         choice = response.choices[0]
         if response.usage is not None and response.usage.prompt_tokens != num_prompt_tokens:
-            self.prompt_token_mismatches += 1
+            self._note("prompt_token_mismatches")
         raw, _ = _cut_at_stop(choice.text, list(CHAT_STOP_TOKENS))  # an engine that keeps special tokens
         text, cut = _cut_at_stop(raw, prompting.decoding.stop_strings)
         return Turn(text, self._finish(choice.finish_reason, cut), self._tokens(response, text, prompting), 0.0)
@@ -288,9 +298,13 @@ class Endpoint:
         text, cut = _cut_at_stop(choice.message.content or "", prompting.decoding.stop_strings)
         calls = _engine_calls(choice.message.tool_calls)
         if not calls and "<tool_call>" in text:
-            self.unparsed_tool_markup += 1
+            self._note("unparsed_tool_markup")
         return Turn(text, self._finish(choice.finish_reason, cut), self._tokens(response, text, prompting), 0.0,
                     calls=calls)
+
+    def _note(self, what: str) -> None:
+        with self._notes_lock:
+            self.notes[what] += 1
 
     @staticmethod
     def _finish(reason: str | None, cut: bool) -> str:
@@ -346,8 +360,8 @@ class Endpoint:
         ops["peak_memory_note"] = "not measured: the model runs in the engine's process"
         ops["endpoint"] = {"api": self.source.api, "model": self.source.model, "concurrency": self.concurrency,
                            "timeout_s": self.policy.timeout_s, "max_retries": self.policy.retries,
-                           **self.faults.summary(), "prompt_token_mismatches": self.prompt_token_mismatches,
-                           "unparsed_tool_markup": self.unparsed_tool_markup,
+                           **self.faults.summary(), "prompt_token_mismatches": self.notes["prompt_token_mismatches"],
+                           "unparsed_tool_markup": self.notes["unparsed_tool_markup"],
                            "prompt_logprobs": self._no_logprobs or ("available" if self._logprobs_seen else
                                                                                  "not requested")}
         return ops

@@ -10,6 +10,11 @@ scorers' row checks, every row's prompt rendered once (a template the sandbox re
 here). Then each model in turn (base, candidate, candidate-merged): load, answer every set,
 score the general text, measure operations, free it, so memory holds one model.
 
+A model given as a server URL (`endpoint.py`) answers over HTTP instead of loading here: no
+tokenizer check of its own (the local model's or --tokenizer's is used), no memory measured,
+its request faults in its operations entry, and "not available from this engine" for the
+teacher-forced metrics an engine without prompt log-probabilities cannot give.
+
 What one example does cannot end the run: a request that fails (`answering`), a scorer or the
 reference loss raising on one row, is recorded on that example (`failures`, `error`) and the
 scorecard is written; the example fails. The same failure on every row of a set is not an
@@ -257,15 +262,13 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
             not_available.update({f"{s.spec.name}/reference_loss/loss": o.reference_loss_not_available
                                   for o in outs[:1] if o.reference_loss_not_available})
         loss = _text_loss(backend, windows, not_available)
-        if isinstance(backend, Endpoint):
-            ops = backend.operations(latencies, tokens, generate_s)
+        served_ops = backend.operations(latencies, tokens, generate_s) if isinstance(backend, Endpoint) else None
     finally:
         if isinstance(backend, Endpoint):
             backend.close()
         del backend
         placement.release()
-    if model.kind != "endpoint":
-        ops = placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
+    ops = served_ops or placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
     return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops, "not_available": not_available}
 
 
