@@ -20,6 +20,8 @@ with both models' logit margins there instead of asserting equality.
     python benchmarks/generation.py                       # batch 1 and 8, prompt 256, 128 new
     python benchmarks/generation.py --batches 1,8,32 --new 256
     python benchmarks/generation.py --dtype float32       # agreement without bf16 rounding (slower)
+    python benchmarks/generation.py --device cpu --layers 2 --experts 8 --vocab 8192 --batches 3 \
+        --prompt 40 --new 24 --repeats 1                  # the proxy's layer widths on a CPU
     python benchmarks/generation.py --tiny                # the tiny preset, fp32 on the CPU, seconds
 
 Results append to $OUT/generation.jsonl (or --out) as JSON lines.
@@ -50,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dense", type=int, default=1)
     p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=None, help="the proxy's vocabulary (default GLM-5's 154880)")
+    p.add_argument("--device", default=None, help="default: cuda when there is one (--tiny: cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="both models' weights and compute (float32: full-precision matmuls, no TF32); --tiny: float32")
@@ -61,7 +65,7 @@ def parse_args(argv=None):
     a.prompt = a.prompt or (24 if small else 256)
     a.new = a.new or (12 if small else 128)
     a.repeats = a.repeats or (1 if small else 3)
-    a.device = "cpu" if small else DEVICE
+    a.device = a.device or ("cpu" if small else DEVICE)
     a.dtype = torch.float32 if small else getattr(torch, a.dtype)
     return a
 
@@ -75,7 +79,8 @@ def model_args(a):
     from benchmarks.throughput import proxy_config
 
     shape = argparse.Namespace(tiny=False, layers=a.layers, dense=a.dense, experts=a.experts, seq=a.prompt + a.new)
-    return Glm5Args.from_hf_dict(proxy_config(shape).to_dict())
+    args = Glm5Args.from_hf_dict(proxy_config(shape).to_dict())
+    return args.replace(vocab_size=a.vocab) if a.vocab else args
 
 
 def build_models(a, folder: Path):
@@ -188,7 +193,7 @@ def bench_batch(a, ours, hf, batch: int) -> dict:
         for name, call in (("glmtune", lambda: run_ours(ours, prompts, a.new)),
                            ("transformers", lambda: run_hf(hf, prompts, a.new, pad_id)),
                            ("transformers_prefill", lambda: run_hf(hf, prompts, 1, pad_id))):
-            if DEVICE == "cuda" and a.device == "cuda":
+            if a.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             seconds, result = timed(call)
             walls[name].append(seconds)
