@@ -106,12 +106,7 @@ def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: i
     pad_id = model.args.pad_token_id if model.args.pad_token_id is not None else 0
 
     batch, longest = len(prompts), max(len(p) for p in prompts)
-    pads = [longest - len(p) for p in prompts]
-    ids_BP = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pads, prompts)], device=device)
-    pad_B1 = torch.tensor(pads, device=device)[:, None]
-    columns_P = torch.arange(longest, device=device)[None, :]
-    valid_BP = columns_P >= pad_B1
-    positions_BP = (columns_P - pad_B1).clamp(min=0)
+    ids_BP, valid_BP, positions_BP = _left_padded(prompts, pad_id, device)
     cache = DecodeCache(model.args, batch, longest + max_new_tokens, param.dtype, device)
 
     rows = _Rows(batch, max_new_tokens, stop_token_ids, tokenizer, stop_strings)
@@ -151,6 +146,16 @@ def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: i
         model.train(was_training)
     return GenerationResult(rows.tokens, rows.texts, [r or "length" for r in rows.reasons], sum(map(len, prompts)),
                             rows.new_tokens, prefill_s, decode_s, step_logits)
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device):
+    """(ids [B, P], valid [B, P], rope positions [B, P]) of the prompts left-padded to the longest P."""
+    longest = max(len(p) for p in prompts)
+    pads = [longest - len(p) for p in prompts]
+    ids_BP = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pads, prompts)], device=device)
+    pad_B1 = torch.tensor(pads, device=device)[:, None]
+    columns_P = torch.arange(longest, device=device)[None, :]
+    return ids_BP, columns_P >= pad_B1, (columns_P - pad_B1).clamp(min=0)
 
 
 class _Rows:
