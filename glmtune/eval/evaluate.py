@@ -156,7 +156,8 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     loaded = load_sets(suite, candidate)
     placement = Placement.choose(device, dtype, sharded, candidate, fp8_base)
     log = log if placement.is_main else _quiet
-    prints = placement.on_main(lambda: {m.label: m.fingerprint() if m.kind == "endpoint" else Fingerprints().of(m)
+    fingerprints = Fingerprints()  # one for all models: a base directory they share is hashed once
+    prints = placement.on_main(lambda: {m.label: m.fingerprint() if m.kind == "endpoint" else fingerprints.of(m)
                                         for m in models})
     tokenizer = load_tokenizer(tokenizer_dir)
     prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
