@@ -18,6 +18,7 @@ of that run's own recipe (`parallel.ep`, `model.fp8_base`); the options override
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +52,12 @@ class ShardedLayout:
 
 def join(device_choice: str) -> tuple[Lockstep, torch.device]:
     """This rank's lockstep and device, joining the process group torchrun describes."""
-    local_rank = int(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-    device = resolve_device(device_choice, local_rank)
+    # The rank's own GPU before the group is joined (no CUDA context of every rank on GPU 0).
+    device = resolve_device(device_choice, int(os.environ.get("LOCAL_RANK", "0")))
     info = init_distributed(device)
     if info.world_size <= 1:
         raise ValueError("a sharded evaluation runs under torchrun with 2 or more processes "
                          "(glmtune eval ... --nproc-per-node N)")
-    device = resolve_device(device_choice, info.local_rank)
     return Lockstep(device), device
 
 
