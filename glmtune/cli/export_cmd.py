@@ -19,6 +19,7 @@ is about one output shard + one group of tensors as stored, whatever the model's
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 _EXAMPLES = """examples:
@@ -48,9 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT if it exists and is not empty (never an input: RUN_DIR, the "
                              "checkpoint, or the run's base model)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="peft",
+    parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="with --adapter: peft: PeftModel.from_pretrained on transformers (default); "
-                             "per_expert: vLLM / SGLang per-expert keys")
+                             "per_expert: vLLM / SGLang per-expert keys (the default with --engine)")
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default=None,
+                        help="with --adapter: check the adapter against what this engine applies (refused, with "
+                             "the fix, when it would differ from training) and print the command that serves it")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="with --hf: largest safetensors file, e.g. 5GB (default), 500MB; tensors are never "
                              "split. Peak memory is about this + one group of checkpoint tensors of this size")
@@ -135,6 +139,9 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.adapter is not None and cfg.peft.method != "lora":
         raise ValueError(f"{run_dir}: peft.method is {cfg.peft.method!r}; only LoRA runs have an adapter "
                          "(export a full fine-tuning run's model with --hf OUT)")
+    if ns.hf is not None and (ns.engine or ns.layout):
+        raise ValueError(f"--{'engine' if ns.engine else 'layout'} applies to --adapter; --hf writes the model, "
+                         "which every engine loads as an HF directory")
     if ns.hf is not None and not full:
         raise ValueError(f"{run_dir}: peft.method is {cfg.peft.method!r}: its checkpoints hold the adapter only; "
                          "export it with --adapter OUT, or merge it into its base with `glmtune merge`")
@@ -164,6 +171,7 @@ def _export_adapter(ns: argparse.Namespace, cfg, run_dir: Path, record: dict | N
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.io.outputs import check_output
     from glmtune.peft import export_adapter
+    from glmtune.peft.engines import serve_command
 
     base_dir = run_base_dir(cfg, run_dir)
     # Everything this command reads; --adapter may be none of them, --overwrite or not.
@@ -173,16 +181,38 @@ def _export_adapter(ns: argparse.Namespace, cfg, run_dir: Path, record: dict | N
     _check_base_unchanged(base_dir, base)
     _check_intact(manager, checkpoint)
     model = adapter_model(cfg)
+    layout = ns.layout or ("per_expert" if ns.engine else "peft")
+    engine = _check_engine(ns.engine, model, cfg.peft, layout) if ns.engine else None
     # The checkpoint holds optimizer state too; DCP needs an optimizer of the same shape.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     manager.load(checkpoint, model, optimizer)
     # The adapter names its base as training did: a preset's is the directory the run wrote.
     named_base = str(base_dir.resolve()) if base_dir == run_dir / "base" and base_dir.is_dir() \
         else cfg.model.name_or_path
-    out = export_adapter(model, ns.adapter, ns.layout, named_base, overwrite=ns.overwrite, sources=sources,
+    out = export_adapter(model, ns.adapter, layout, named_base, overwrite=ns.overwrite, sources=sources,
                          base_identity=base)
-    print(f"exported {ns.layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
+    print(f"exported {layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
+    if engine is not None:
+        facts, traits, notes = engine
+        print(f"serve it with {facts.name} (facts checked against {facts.name} {facts.checked}, docs/lora.md):")
+        print("  " + shlex.join(serve_command(facts, named_base, str(Path(out).resolve()), traits)))
+        for note in notes:
+            print(f"note: {note}")
     return 0
+
+
+def _check_engine(name: str, model, peft_cfg, layout: str):
+    """(facts, traits, caveats) of the adapter on engine `name`; ValueError (one line, with the fix)
+    when the engine would apply it differently from training. Before anything is written."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.peft.engines import adapter_traits, caveats, engine_facts, refusals
+
+    facts = engine_facts(name)
+    traits = adapter_traits(model, peft_cfg.rank, peft_cfg.alpha, peft_cfg.rslora)
+    refused = refusals(facts, traits, layout)
+    if refused:
+        raise ValueError(f"--engine {name}: " + "; ".join(refused))
+    return facts, traits, caveats(facts, traits)
 
 
 def _export_model(ns: argparse.Namespace, cfg, run_dir: Path, manager, checkpoint) -> int:
