@@ -138,10 +138,13 @@ def _create(run_dir: str, ns: argparse.Namespace) -> int:
              f"  base      {base['name_or_path']}: {origin}; weights {weights}",
              "  ships     " + ", ".join(f"{n} ({artifacts[n]['num_files']} files, "
                                         f"{human_bytes(artifacts[n]['size'])})" for n in m["run"]["shipped"]),
-             f"  engine    {m['engine']['name']} {m['engine']['version']}",
+             f"  engine    {m['engine']['name']} {m['engine']['version']}" + _facts(m["engine"]),
              f"  eval      suite {ev['suite']['name']} v{ev['suite']['version']}, candidate {ev['candidate']!r}: "
              f"{sum(bool(g['passed']) for g in gates)} of {len(gates)} gates passed"
              + (" (released with --allow-failed-gates)" if ev["allowed_failed_gates"] else "")]
+    engine = m["engine"]
+    lines += [f"  serve     {engine['serve_command']}"] if engine.get("serve_command") else []
+    lines += [f"  caveat    {c}" for c in engine.get("caveats") or []]
     triggers = m["rollback"]["triggers"]
     target = f"release {m['rollback']['to']}" if m["rollback"]["to"] else "the previous deployment (no --previous)"
     lines.append(f"  rollback  to {target} when: " + ("; ".join(t["expression"] for t in triggers) or "no triggers"))
@@ -156,6 +159,14 @@ def _create(run_dir: str, ns: argparse.Namespace) -> int:
                      "verify reads them with --key (signed) or --allow-outside")
     print("\n".join(printable(line) for line in lines))
     return 0
+
+
+def _facts(engine: dict) -> str:
+    """Which version the deployment facts were checked against, when it is not the pinned one."""
+    checked = engine.get("facts_checked")
+    if checked is None:
+        return f" ({engine['note']})" if engine.get("note") else ""
+    return "" if checked == engine["version"] else f" (serve flags checked against {engine['name']} {checked})"
 
 
 def _verify(path: str, as_json: bool, key: str | None, allow_outside: bool) -> int:

@@ -45,6 +45,7 @@ from glmtune.models.registry import is_preset
 from glmtune.release import signing, triggers
 from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
+from glmtune.release.deployment import deployment
 from glmtune.release.eval_record import check_evaluated_base, eval_section, failed_gates, load_eval, released_candidate
 from glmtune.release.paths import innermost, walk, within
 from glmtune.release.provenance import data_section, environment, tokenizer_section
@@ -204,6 +205,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         raise ValueError(f"--eval {eval_dir}: the eval failed its release gates: {'; '.join(failed_gates(scorecard))}"
                          " (--allow-failed-gates releases anyway and records it)")
     base_dir = (run_dir / BASE_DIR) if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
+    engine.update(deployment(engine, cfg, run_dir, base_dir))
     tokenizer_dir = _tokenizer_dir(cfg, run_dir, lora, base_dir)
     recorded = _recorded_inputs(run_dir, eval_dir, deployable, base_dir, tokenizer_dir)
     reads = recorded + ([("--previous", Path(req.previous))] if req.previous is not None else [])

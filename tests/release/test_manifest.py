@@ -62,7 +62,10 @@ def test_full_finetune_manifest(sft_run, capsys):
     assert m["tokenizer"]["chat_template"] == {"source": "chat_template.jinja", "sha256": template_sha}
     assert m["tokenizer"]["files"]["tokenizer.json"] == _sha(run / "hf" / "tokenizer.json")
     scorecard = json.loads((eval_dir / "scorecard.json").read_text())
-    assert m["prompt"] == scorecard["prompt"] and m["engine"] == {"name": "vllm", "version": "0.11.0"}
+    assert m["prompt"] == scorecard["prompt"]
+    # The engine as pinned, and the command that serves the checkpoint (facts checked against vLLM 0.34.0).
+    assert m["engine"] == {"name": "vllm", "version": "0.11.0", "facts_checked": "0.34.0", "caveats": [],
+                           "serve_command": f"vllm serve {(run / 'hf').resolve()}"}
 
     # The eval: suite identity, each set's hash, the scores of category "all", the gates.
     ev = m["eval"]
@@ -118,7 +121,13 @@ def test_lora_manifest(lora_run, tmp_path, capsys):
     # The adapter's base: the identity the run recorded when it trained.
     assert m["base"]["weights_sha256"] == json.loads((run / "run.json").read_text())["base"]["weights_sha256"]
     assert m["tokenizer"]["path"] == str(run / "base")
-    assert m["engine"] == {"name": "sglang", "version": "0.5.2"}
+    # SGLang: the per-expert adapter, the rank, every target module, shared experts unfused.
+    assert m["engine"]["name"] == "sglang" and m["engine"]["version"] == "0.5.2"
+    assert m["engine"]["serve_command"] == (
+        f"python -m sglang.launch_server --model-path {(run / 'base').resolve()} --enable-lora --lora-paths "
+        f"adapter={(run / 'adapter_per_expert').resolve()} --max-lora-rank 8 --lora-target-modules all "
+        "--disable-shared-experts-fusion")
+    assert m["engine"]["caveats"] == [] and m["engine"]["facts_checked"] == "0.5.23"
     approval = m["data"]["approval"]
     assert approval == {"approved_by": "Ana Ops", "note": "canary 5% first", "at": m["created"]}
 

@@ -1,0 +1,102 @@
+"""The engine facts applied to real adapters: what each adapter adapts (read from its LoRA modules),
+what vLLM and SGLang would apply differently (refused, with the fix, before anything is written),
+and the serve command `glmtune export --engine` prints and `glmtune release` records."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from glmtune.cli import main
+from glmtune.config import ModelConfig, PeftConfig
+from glmtune.config.schema import DEFAULT_LORA_TARGETS
+from glmtune.models.registry import model_args, model_spec
+from glmtune.peft import apply_lora
+from glmtune.peft.engines import ENGINES, adapter_traits, caveats, refusals, serve_command
+from tests.release.eval_fixture import make_eval_dir
+from tests.train.run_helpers import TWO_STEPS, shared_run
+
+
+def _traits(**peft):
+    model = model_spec(ModelConfig()).build(model_args(ModelConfig()), torch.float32, "meta")
+    cfg = PeftConfig(method="lora", rank=peft.pop("rank", 8), **peft)
+    apply_lora(model, cfg)
+    return adapter_traits(model, cfg.rank, cfg.alpha, cfg.rslora)
+
+
+def test_the_default_targets_adapt_kv_b_shared_and_both_expert_projections():
+    traits = _traits()
+    assert traits.kv_b and traits.shared_experts
+    assert traits.expert_projections == {"gate_up_proj", "down_proj"}
+    assert refusals(ENGINES["vllm"], traits, "per_expert") == refusals(ENGINES["sglang"], traits, "per_expert") == []
+    [note] = caveats(ENGINES["vllm"], traits)
+    assert "kv_b_proj delta is not applied in decode steps" in note
+    assert caveats(ENGINES["sglang"], traits) == []  # SGLang corrects its absorbed path for a kv_b LoRA
+
+
+def test_what_each_engine_would_apply_differently_is_refused_with_the_fix():
+    down_only = [t for t in DEFAULT_LORA_TARGETS if t != "*.mlp.experts"] + ["*.mlp.experts.down_proj"]
+    single = _traits(target_modules=down_only)
+    assert single.expert_projections == {"down_proj"}
+    for engine in ENGINES.values():
+        [why] = refusals(engine, single, "per_expert")
+        assert "covers down_proj only" in why and "target both expert projections" in why
+    rslora = _traits(rslora=True, rank=32)
+    assert refusals(ENGINES["vllm"], rslora, "per_expert") == []  # vLLM scales alpha/sqrt(r)
+    [why] = refusals(ENGINES["sglang"], rslora, "per_expert")
+    assert "0.177x its trained update" in why and "peft.rslora false" in why
+    assert "rank 1024 is above vllm's largest --max-lora-rank 512" in refusals(
+        ENGINES["vllm"], _traits(rank=1024), "per_expert")[0]
+    [why] = refusals(ENGINES["sglang"], _traits(), "peft")
+    assert "export with --layout per_expert" in why
+
+
+def test_the_serve_commands_carry_the_flags_the_adapter_needs():
+    traits = _traits(rank=24)
+    assert serve_command(ENGINES["vllm"], "/m/base", "/m/a", traits) == [
+        "vllm", "serve", "/m/base", "--enable-lora", "--lora-modules", "adapter=/m/a", "--max-lora-rank", "32",
+        "--max-loras", "1"]  # 24 rounds up to vLLM's next allowed rank; default 16 would refuse it
+    no_shared = _traits(exclude_modules=["*.mlp.shared_experts.*"])
+    assert serve_command(ENGINES["sglang"], "/m/base", "/m/a", no_shared)[-2:] == ["--lora-target-modules", "all"]
+    assert serve_command(ENGINES["sglang"], "/m/base", "/m/a", traits)[-1] == "--disable-shared-experts-fusion"
+    assert serve_command(ENGINES["sglang"], "/m/hf", None, None) == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/m/hf"]
+
+
+def _glmtune(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def lora_run(shared_results) -> Path:
+    return shared_run(shared_results, *TWO_STEPS, recipe="tiny/lora_support_json").run_dir
+
+
+def test_export_for_an_engine_prints_its_command_and_refuses_before_writing(lora_run, tmp_path):
+    code, printed = _glmtune("export", str(lora_run), "--adapter", str(tmp_path / "v"), "--engine", "vllm")
+    assert code == 0 and (tmp_path / "v" / "adapter_config.json").is_file(), printed
+    assert f"vllm serve {(lora_run / 'base').resolve()} --enable-lora --lora-modules adapter=" in printed
+    assert "note: vllm's absorbed MLA decode" in printed
+    code, printed = _glmtune("export", str(lora_run), "--adapter", str(tmp_path / "p"), "--engine", "sglang",
+                             "--layout", "peft")
+    assert code == 2 and "--engine sglang: sglang loads the per_expert layout exactly, not peft" in printed
+    assert not (tmp_path / "p").exists()
+
+
+def test_release_refuses_an_rslora_adapter_for_sglang(lora_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("rslora: false", "rslora: true"))
+    eval_dir = make_eval_dir(tmp_path / "eval", run)
+    code, printed = _glmtune("release", str(run), "--eval", str(eval_dir), "--engine", "sglang==0.5.23")
+    assert code == 2 and "--engine sglang==0.5.23: sglang 0.5.23 scales every adapter by alpha/r" in printed
+    assert not (run / "release.json").exists()
