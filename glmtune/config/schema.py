@@ -23,14 +23,18 @@ PipelineSchedule = Literal[
     "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
 ]
 
-# NVIDIA's GLM-5.x LoRA recipe targets: the five MLA projections, the dense MLP of the
-# first layers, the shared experts and the grouped routed experts. The DSA indexer
+# NVIDIA's GLM-5.x LoRA recipe targets less kv_b_proj: four MLA projections, the dense MLP
+# of the first layers, the shared experts and the grouped routed experts. The DSA indexer
 # (`self_attn.indexer.*`) and the router (`mlp.gate`) are deliberately not matched.
+# kv_b_proj only when asked (list "*.self_attn.kv_b_proj" in peft.target_modules): vLLM's
+# absorbed MLA decode multiplies by W_UK / W_UV taken from the BASE kv_b_proj at load time,
+# so a kv_b delta is missing for every key and value a decode query attends (sparse MLA,
+# GLM-5's, runs the prompt that way too); measured: logits move by up to 0.56 on a trained
+# tiny adapter whose logits span +-2.3 (benchmarks/kv_b_absorbed.py, docs/benchmarks.md).
 DEFAULT_LORA_TARGETS = (
     "*.self_attn.q_a_proj",
     "*.self_attn.q_b_proj",
     "*.self_attn.kv_a_proj_with_mqa",
-    "*.self_attn.kv_b_proj",
     "*.self_attn.o_proj",
     "*.mlp.gate_proj",
     "*.mlp.up_proj",
