@@ -43,8 +43,9 @@ def test_both_layouts_merge_to_the_same_weights(ours, hf_dir, tmp_path):
     export_adapter(ours, tmp_path / "peft")
     export_adapter(ours, tmp_path / "engines", layout="per_expert")
     a, b = _load(hf_dir), _load(hf_dir)
-    # MLA 4x5, dense MLP 3, shared experts 3x3, experts: two wrappers in layers 1-2, one in layer 3
-    assert merge_adapter_dir(a, tmp_path / "peft") == 4 * 5 + 3 + 3 * 3 + 2 * 2 + 1
+    # MLA 4x4 (kv_b_proj only when asked), dense MLP 3, shared experts 3x3, experts: two wrappers
+    # in layers 1-2, one in layer 3
+    assert merge_adapter_dir(a, tmp_path / "peft") == 4 * 4 + 3 + 3 * 3 + 2 * 2 + 1
     merge_adapter_dir(b, tmp_path / "engines")
     merge_lora(ours)
     assert not lora_modules(ours)
