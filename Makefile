@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv chromium clean
+.PHONY: demo test test-engines venv chromium clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,14 @@ chromium:
 	fi
 
 test: venv chromium
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=15 tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=15 --ignore=tests/engines tests
+
+# Opt-in: vLLM's and SGLang's own LoRA loader code on our adapters, in a separate venv (~2 GB,
+# --no-deps engines, CPU torch); compares with tests/peft/engine_fixtures/ (docs/lora.md).
+ENGINES_VENV ?= /tmp/glmtune-engines
+test-engines: venv
+	bash scripts/engines_venv.sh $(ENGINES_VENV)
+	HF_HUB_OFFLINE=1 GLMTUNE_PYTHON=$(abspath $(BIN))/python $(ENGINES_VENV)/bin/python -m pytest -q tests/engines
 
 clean:
 	rm -rf $(VENV)

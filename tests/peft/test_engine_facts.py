@@ -1,0 +1,71 @@
+"""glmtune's per-engine facts (`glmtune/peft/engines.py`) against what the engines' own loader code
+did with our adapters (fixtures captured by `make test-engines`, tests/engines/capture.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from glmtune.peft.engines import ENGINES
+
+FIXTURES = Path(__file__).parent / "engine_fixtures"
+
+
+def _fixture(engine: str, layout: str, variant: str) -> dict:
+    return json.loads((FIXTURES / f"{engine}-{layout}-{variant}.json").read_text())
+
+
+def _exact(fix: dict, config: str = "default") -> bool:
+    """Every tensor maps to a module and is applied at the scale training used."""
+    view = fix["configs"][config]
+    return view["refusal"] is None and all(
+        t["applied"] and t["scale"] == pytest.approx(fix["trained_scale"]) for t in view["tensors"].values())
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_checked_version_is_the_fixtures(engine):
+    assert {_fixture(engine, "per_expert", "full")["engine_version"]} == {ENGINES[engine].checked}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_layout_loaded_is_the_one_applied_exactly(engine):
+    exact = {layout for layout in ("peft", "per_expert") if _exact(_fixture(engine, layout, "full"))}
+    assert exact == {ENGINES[engine].layout}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_rslora_scaling(engine):
+    assert _exact(_fixture(engine, ENGINES[engine].layout, "rslora")) == ENGINES[engine].scales_rslora
+
+
+def test_vllm_refuses_single_projection_experts():
+    for variant in ("down_only", "gate_up_only", "experts_down_only"):
+        assert "pack_moe" in _fixture("vllm", "per_expert", variant)["configs"]["default"]["refusal"]
+
+
+def test_vllm_rank_default_and_copied_targets():
+    fix = _fixture("vllm", "per_expert", "full")
+    assert fix["max_lora_rank_default"] == 16 and any("16" in n for n in ENGINES["vllm"].notes)
+    unwrapped = [n for n, t in fix["configs"]["target_modules_copied"]["tensors"].items() if not t["applied"]]
+    assert unwrapped and all(".mlp.experts." in n for n in unwrapped)
+
+
+def test_sglang_drops_expert_deltas_silently_without_both_projection_names():
+    fix = _fixture("sglang", "per_expert", "experts_down_only")
+    default, all_ = fix["configs"]["default"], fix["configs"]["target_all"]
+    dropped = [n for n, t in default["tensors"].items() if not t["applied"]]
+    assert dropped and all(".mlp.experts." in n for n in dropped)
+    assert default["refusal"] is None and default["skipped_weights"] == 0  # no warning, strict or not
+    assert all(t["applied"] for t in all_["tensors"].values())
+
+
+def test_sglang_shared_expert_fusion_zeroes_shared_deltas():
+    view = _fixture("sglang", "per_expert", "full")["configs"]["glm5_shared_fused"]
+    dropped = [n for n, t in view["tensors"].items() if not t["applied"]]
+    assert dropped and all(".shared_experts." in n for n in dropped)
+    assert any("disable-shared-experts-fusion" in n for n in ENGINES["sglang"].notes)
+
+
+def test_sglang_skips_peft_layout_experts():
+    view = _fixture("sglang", "peft", "full")["configs"]["default"]
+    assert view["skipped_weights"] == 24
