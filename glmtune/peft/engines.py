@@ -37,7 +37,7 @@ class EngineFacts:
     checked: str  # the engine version the facts were read from
     layout: str  # the adapter layout it loads exactly (glmtune.peft.adapter_export.LAYOUTS)
     scales_rslora: bool  # applies alpha/sqrt(r) when the adapter says use_rslora
-    applies_kv_b_in_decode: bool  # a kv_b_proj delta reaches decode steps (absorbed MLA does not)
+    applies_kv_b_in_decode: bool  # a kv_b_proj delta reaches attention (vLLM's absorbed MLA: never for GLM-5)
     max_rank: int | None  # the largest --max-lora-rank it accepts (None: no limit)
     notes: tuple[str, ...] = ()
 
@@ -110,9 +110,10 @@ def refusals(engine: EngineFacts, traits: AdapterTraits, layout: str) -> list[st
 def caveats(engine: EngineFacts, traits: AdapterTraits) -> list[str]:
     """What the engine applies differently, knowingly (a release records it)."""
     if traits.kv_b and not engine.applies_kv_b_in_decode:
-        return [f"{engine.name}'s absorbed MLA decode uses matrices precomputed from the base kv_b_proj: this "
-                "adapter's kv_b_proj delta is not applied in decode steps (docs/lora.md; leave kv_b_proj out of "
-                "peft.target_modules for this engine)"]
+        return [f"{engine.name}'s MLA attention uses W_UK / W_UV precomputed from the base kv_b_proj (absorbed "
+                "decode; under GLM-5's sparse MLA every token, prefill included): this adapter's kv_b_proj delta is "
+                "not applied (docs/lora.md; leave kv_b_proj out of peft.target_modules, the default, for this "
+                "engine)"]
     return []
 
 
