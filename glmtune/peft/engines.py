@@ -39,22 +39,28 @@ class EngineFacts:
     scales_rslora: bool  # applies alpha/sqrt(r) when the adapter says use_rslora
     applies_kv_b_in_decode: bool  # a kv_b_proj delta reaches attention (vLLM's absorbed MLA: never for GLM-5)
     max_rank: int | None  # the largest --max-lora-rank it accepts (None: no limit)
+    max_lora_rank_default: int | None  # what --max-lora-rank is when not given (None: from the adapters)
+    one_expert_projection: bool  # applies a routed-expert adapter on one of the two projections (with its command)
     notes: tuple[str, ...] = ()
 
 
 ENGINES: dict[str, EngineFacts] = {
     "vllm": EngineFacts(
         "vllm", "0.34.0", "per_expert", scales_rslora=True, applies_kv_b_in_decode=False, max_rank=512,
-        notes=("the PEFT layout loads only with --enable-mixed-moe-lora-format and is_3d_lora_weight: true",
+        max_lora_rank_default=16, one_expert_projection=False,  # PackedLoRALayerWeights.pack_moe asserts
+        notes=("the PEFT layout loads only with --enable-mixed-moe-lora-format and a LoRA request declaring "
+               "is_3d_lora_weight: true",
                "--max-lora-rank defaults to 16",
                "--lora-target-modules copied from peft.target_modules leaves the routed experts unwrapped: "
                "not passed")),
     "sglang": EngineFacts(
         "sglang", "0.5.23", "per_expert", scales_rslora=False, applies_kv_b_in_decode=True, max_rank=None,
+        max_lora_rank_default=None, one_expert_projection=True,  # with --lora-target-modules all (the command's)
         notes=("the PEFT layout is not served: target_parameters are ignored and the first request fails",
                "shared experts are fused into the routed layer (256 routed + 1 shared, sm80+, EP 1) unless "
                "--disable-shared-experts-fusion: their deltas would be zero",
-               "single-projection expert targets are dropped unless --lora-target-modules all")),
+               "an expert adapter on one projection is dropped silently when the adapter's target_modules lack the "
+               "other projection's names, unless --lora-target-modules all (the command passes it)")),
 }
 
 
@@ -97,10 +103,11 @@ def refusals(engine: EngineFacts, traits: AdapterTraits, layout: str) -> list[st
         out.append(f"{engine.name} {engine.checked} scales every adapter by alpha/r: this rsLoRA adapter "
                    f"(alpha/sqrt(r)) would be applied at {(traits.rank ** 0.5) / traits.rank:.3g}x its trained "
                    "update; train with peft.rslora false, or serve it with vllm")
-    if len(traits.expert_projections) == 1:
+    if len(traits.expert_projections) == 1 and not engine.one_expert_projection:
         [only] = traits.expert_projections
-        out.append(f"the routed-expert adapter covers {only} only: {engine.name} drops or rejects an expert "
-                   "adapter on one projection; target both expert projections (gate_up and down) or none")
+        out.append(f"the routed-expert adapter covers {only} only: {engine.name} {engine.checked} rejects an expert "
+                   "adapter on one projection; target both expert projections (gate_up and down) or none, or "
+                   "serve it with sglang")
     if engine.max_rank is not None and traits.rank > engine.max_rank:
         out.append(f"rank {traits.rank} is above {engine.name}'s largest --max-lora-rank {engine.max_rank}; "
                    f"train at rank <= {engine.max_rank}")

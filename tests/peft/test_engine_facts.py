@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from glmtune.peft.engines import ENGINES
+from glmtune.peft.engines import ENGINES, AdapterTraits, serve_command
+
+_TRAITS = AdapterTraits(rank=8, alpha=16.0, rslora=False, kv_b=False, shared_experts=True,
+                        expert_projections=frozenset({"down_proj"}))
 
 FIXTURES = Path(__file__).parent / "engine_fixtures"
 
@@ -41,11 +44,12 @@ def test_rslora_scaling(engine):
 def test_vllm_refuses_single_projection_experts():
     for variant in ("down_only", "gate_up_only", "experts_down_only"):
         assert "pack_moe" in _fixture("vllm", "per_expert", variant)["configs"]["default"]["refusal"]
+    assert not ENGINES["vllm"].one_expert_projection  # the table refuses such an adapter for vLLM
 
 
 def test_vllm_rank_default_and_copied_targets():
     fix = _fixture("vllm", "per_expert", "full")
-    assert fix["max_lora_rank_default"] == 16 and any("16" in n for n in ENGINES["vllm"].notes)
+    assert fix["max_lora_rank_default"] == 16 == ENGINES["vllm"].max_lora_rank_default
     unwrapped = [n for n, t in fix["configs"]["target_modules_copied"]["tensors"].items() if not t["applied"]]
     assert unwrapped and all(".mlp.experts." in n for n in unwrapped)
 
@@ -57,6 +61,9 @@ def test_sglang_drops_expert_deltas_silently_without_both_projection_names():
     assert dropped and all(".mlp.experts." in n for n in dropped)
     assert default["refusal"] is None and default["skipped_weights"] == 0  # no warning, strict or not
     assert all(t["applied"] for t in all_["tensors"].values())
+    # The table: applied, because the serve command passes --lora-target-modules all.
+    assert ENGINES["sglang"].one_expert_projection
+    assert "--lora-target-modules all" in " ".join(serve_command(ENGINES["sglang"], "b", "a", _TRAITS))
 
 
 def test_sglang_shared_expert_fusion_zeroes_shared_deltas():
