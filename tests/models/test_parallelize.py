@@ -59,7 +59,7 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 def test_selective_checkpointing_keeps_wide_lora_products(min_k):
     """The dense LoRA op (base GEMM + update) is a matmul to the policy: kept when its input
     is at least min_k wide, recomputed below; the gradients are those of the plain model."""
-    from glmtune.config.schema import PeftConfig
+    from glmtune.config.schema import DEFAULT_LORA_TARGETS, PeftConfig
     from glmtune.peft import apply_lora
 
     args = get_preset("tiny").replace(index_topk=16)
@@ -67,7 +67,9 @@ def test_selective_checkpointing_keeps_wide_lora_products(min_k):
     results = []
     for mode in ("none", "selective"):
         model = build_model(args, seed=0)
-        apply_lora(model, PeftConfig(method="lora", rank=4), seed=0)
+        # kv_b_proj (input: the kv latent, narrower than 64) is left out of the default targets since 2026-12-03
+        apply_lora(model, PeftConfig(method="lora", rank=4,
+                                     target_modules=[*DEFAULT_LORA_TARGETS, "*.self_attn.kv_b_proj"]), seed=0)
         with torch.no_grad():  # B is zero at init: give the update a gradient path that matters
             for name, p in model.named_parameters():
                 if ".lora_" in name:
