@@ -13,7 +13,8 @@ written. Multi-host runs call torchrun (or srun + torchrun) themselves; `torchru
 
 torchrun runs as `python -m glmtune.distributed.launch ...` (`torchrun_main`): torchrun
 itself, except that a stop signal ends it with an exit status instead of its
-`SignalException` traceback (it has stopped the ranks by then), and a failed rank with
+`SignalException` traceback (the ranks stopped by then: by torchrun, or by
+`stop_unrecorded_ranks` those a signal kept it from recording), and a failed rank with
 torchrun's report alone. This module imports nothing heavy at the top, so that process
 reaches `torchrun_main` before a signal can find it in an import.
 """
@@ -25,12 +26,15 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from glmtune.config import JobConfig, validate_config
 from glmtune.io.interrupts import interrupts_deferred
 from glmtune.io.run_lock import STOP_FILE  # the name the trainer watches (in the run directory)
 
+# torchrun's own wait before it kills a rank that ignores the stop signal (its shutdown_timeout).
+RANK_GRACE_S = 30.0
 # torchrun spells it both ways; so do we.
 NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
 
@@ -197,6 +201,7 @@ def torchrun_main(argv: list[str]) -> int:
     try:
         main(argv)
     except SignalException as exc:
+        stop_unrecorded_ranks(int(exc.sigval))
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:  # before torchrun installed its handlers, so before any rank started
         return 130
@@ -204,6 +209,57 @@ def torchrun_main(argv: list[str]) -> int:
         print(exc.format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+def stop_unrecorded_ranks(signum: int, grace_s: float = RANK_GRACE_S) -> None:
+    """Stop the ranks that torchrun started but does not know of, as torchrun stops the others.
+
+    torchrun stops only the ranks it has recorded. A signal that lands while it starts them
+    (after their Popen, before it keeps their handles) raises in the middle of that, and its
+    shutdown finds none: the ranks run on, in sessions of their own, with the terminal's
+    output. They are still this process's children: `signum` to each one's process group,
+    SIGKILL to those left after `grace_s`. Without /proc (not Linux) there is nothing to list.
+    """
+    left = _live_children()
+    for pid in left:
+        _signal_group(pid, signum)
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = {pid for pid in left if not _reaped(pid)}
+    for pid in left:
+        _signal_group(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def _live_children() -> set[int]:
+    """This process's children not yet reaped (ppid is the 4th field of /proc/PID/stat)."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == os.getpid():
+            children.add(int(stat.parent.name))
+    return children
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)  # its session's group: what it started too
+    except ProcessLookupError:  # forked but not yet in its own session: the process alone
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # reaped elsewhere
+        return True
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -113,3 +114,60 @@ def test_ctrl_c_to_the_launcher_stops_torchrun_and_its_ranks(delay, presses, tmp
     _assert_interrupted(process, output)
     assert "torchrun and its 2 ranks have stopped" in output
     assert not _alive(children), output[-3000:]
+
+
+# torchrun with its one race forced: the signal lands after the ranks' Popen, before torchrun
+# keeps their handles (so its shutdown finds no rank to stop).
+_SIGNALLED_WHILE_STARTING = """
+import signal, sys
+from torch.distributed.elastic.agent.server import local_elastic_agent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from glmtune.distributed.launch import torchrun_main
+start_processes = local_elastic_agent.start_processes
+def start_then_signalled(*args, **kwargs):
+    start_processes(*args, **kwargs)
+    raise SignalException("SIGINT while the ranks start", sigval=signal.SIGINT)
+local_elastic_agent.start_processes = start_then_signalled
+sys.exit(torchrun_main(sys.argv[1:]))
+"""
+
+# A rank that waits for a signal, as a glmtune rank does once interrupts_deferred lets it in.
+_RANK = """
+import signal, time
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+time.sleep(300)
+"""
+
+
+def _processes_naming(marker: str) -> set[int]:
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker.encode() in cmdline.read_bytes():
+                found.add(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_ranks_torchrun_started_but_did_not_record_are_stopped_too(tmp_path):
+    """The CI failure of 2026-12-03: SIGINT to torchrun while it started the ranks; torchrun
+    stopped none ("Received 2 death signal" and no "Sending process ... closing signal"),
+    and the two ranks trained on, holding the launcher's output open."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(_RANK)
+    marker = str(tmp_path / "rank-marker")
+    log = tmp_path / "torchrun.log"
+    try:
+        with log.open("w") as out:  # a file, not a pipe: a rank left behind would hold a pipe open
+            status = subprocess.run([sys.executable, "-c", _SIGNALLED_WHILE_STARTING, "--standalone",
+                                     "--nproc-per-node", "2", str(rank), marker], env=env(), stdout=out,
+                                    stderr=subprocess.STDOUT, timeout=120).returncode
+        output = log.read_text()
+        assert status == 130, output[-3000:]
+        assert "Received 2 death signal" in output, output[-3000:]
+        assert not _alive(_processes_naming(marker)), "ranks left running"
+    finally:
+        for pid in _processes_naming(marker):
+            os.kill(pid, signal.SIGKILL)
