@@ -178,7 +178,7 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.to_empty(device=device)
-    _reset_non_persistent_buffers(model)
+    reset_non_persistent_buffers(model)
     state = model.state_dict()  # after to_empty: the materialized DTensors and buffers
     destinations = {key: (tensor, local_indices(tensor)) for key, tensor in state.items()
                     if key not in not_in_checkpoint}
@@ -297,7 +297,7 @@ def _check_header(handle, file: Path, entries) -> None:
             raise ValueError(f"{file}: cannot read tensor {hf_key} (named in the index, not in the file)")
 
 
-def _reset_non_persistent_buffers(model: nn.Module) -> None:
+def reset_non_persistent_buffers(model: nn.Module) -> None:
     # `to_empty` leaves them uninitialized and no checkpoint holds them: the rope
     # frequencies are recomputed as `load_pretrained` does; counters start at zero.
     persistent = set(model.state_dict().keys())

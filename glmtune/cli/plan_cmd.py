@@ -44,6 +44,17 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gpus", type=int, default=2048, help="largest GPU count the fit search tries")
     parser.add_argument("--no-data", action="store_true", help="do not read and pack the recipe's data")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    measure = parser.add_argument_group("one rank of the job, measured on this machine's GPU (--measure)")
+    measure.add_argument("--measure", action="store_true",
+                         help="run rank --rank of the recipe's layout here (other ranks stood in for, random weights, "
+                              "synthetic rows) and print its memory and time beside the plan")
+    measure.add_argument("--rank", type=int, default=None, help="the global rank to run (default: the plan's busiest)")
+    measure.add_argument("--steps", type=int, default=None, help="timed steps (default 2)")
+    measure.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 1)")
+    measure.add_argument("--nvlink-gbps", type=float, default=None,
+                         help="GB/s of a collective within a node, for the transfer estimate (default 360)")
+    measure.add_argument("--fabric-gbps", type=float, default=None,
+                         help="GB/s per GPU between nodes, for the transfer estimate (default 40)")
 
 
 _OPTIONS = RecipeOptions("glmtune plan", _add_options)
@@ -61,7 +72,29 @@ _RANGES = {
     "restart_minutes": (0, math.inf, False),
     "headroom_gib": (0, math.inf, False),
     "fragmentation": (0, 1, False),  # a share of the peak: negative would let a plan fit what cannot
+    "rank": (0, math.inf, False),
+    "steps": (1, math.inf, False),
+    "warmup_steps": (0, math.inf, False),
+    "nvlink_gbps": (0, math.inf, True),
+    "fabric_gbps": (0, math.inf, True),
 }
+_MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps")
+# What --measure does not use (a plan's time, cost and fit come from the plan without it).
+_NOT_WITH_MEASURE = {"gpu": None, "price_per_gpu_hour": None, "throughput": None, "tflops_per_gpu": None,
+                     "measured_gpu": None, "epochs": None, "restarts": None, "max_gpus": 2048, "no_data": False}
+
+
+def check_measure_options(args: argparse.Namespace) -> None:
+    """--measure's options only with it, and the plan-only options not with it: one line each."""
+    if not args.measure:
+        for name in _MEASURE_ONLY:
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is an option of --measure; add --measure")
+        return
+    for name, default in _NOT_WITH_MEASURE.items():
+        if getattr(args, name) != default:
+            raise ValueError(f"--{name.replace('_', '-')} is not used by --measure (it measures one rank's memory "
+                             "and time); run `glmtune plan` without --measure for it")
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -99,11 +132,14 @@ def _run(args: argparse.Namespace) -> int:
 
     args.overrides = _OPTIONS.parse(args)
     check_numbers(args)
+    check_measure_options(args)
     if args.throughput and args.tflops_per_gpu:
         raise ValueError("give --throughput or --tflops-per-gpu, not both")
     if args.measured_gpu and not args.tflops_per_gpu:
         raise ValueError("--measured-gpu describes --tflops-per-gpu; a --throughput source names its GPU itself")
     cfg = load_config(args.recipe, args.overrides)
+    if args.measure:
+        return _measure(args, cfg)
     gpus = args.gpu or ["h100-80g", "h200-141g"]
     measurement = read_measurement(args.throughput) if args.throughput else None
     if args.tflops_per_gpu:
@@ -123,4 +159,34 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_report(report, Console())
+    return 0
+
+
+def _measure(args: argparse.Namespace, cfg) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from rich.console import Console
+
+    from glmtune.plan.assemble import with_world
+    from glmtune.plan.comm import Links
+    from glmtune.plan.measure import busiest_rank, measure_rank, planned_for
+    from glmtune.plan.measure_report import measure_report, print_measure
+    from glmtune.plan.planner import degrees_for
+
+    if args.gpus is not None:
+        cfg = with_world(cfg, args.gpus)
+    degrees = degrees_for(cfg)
+    rank = busiest_rank(cfg, degrees) if args.rank is None else args.rank
+    if rank >= degrees.world_size:
+        raise ValueError(f"--rank {rank}: the recipe's world has ranks 0..{degrees.world_size - 1} "
+                         f"({degrees.describe()})")
+    defaults = Links()
+    links = Links(args.nvlink_gbps or defaults.nvlink_gbps, args.fabric_gbps or defaults.fabric_gbps,
+                  cfg.parallel.gpus_per_node or defaults.gpus_per_node)
+    measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
+                            warmup=1 if args.warmup_steps is None else args.warmup_steps)
+    report = measure_report(cfg, args.recipe, measured, planned_for(cfg, degrees, rank), links)
+    if args.json:  # one line: a --throughput source as it is
+        print(json.dumps(report))
+    else:
+        print_measure(report, Console())
     return 0

@@ -42,7 +42,7 @@ class PlanOptions:
     max_gpus: int = 2048
 
 
-def _with_world(cfg: JobConfig, gpus: int) -> JobConfig:
+def with_world(cfg: JobConfig, gpus: int) -> JobConfig:
     """The recipe's degrees at `gpus` GPUs: its pp, cp and ep, dp_shard refilled."""
     out = layout_config(cfg, gpus, cfg.parallel.pp, cfg.parallel.ep)
     out.parallel.pp_schedule, out.parallel.pp_stages_per_rank = cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank
@@ -52,7 +52,7 @@ def _with_world(cfg: JobConfig, gpus: int) -> JobConfig:
 
 def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, Any]:
     if options.world_size is not None:
-        cfg = _with_world(cfg, options.world_size)
+        cfg = with_world(cfg, options.world_size)
     degrees = degrees_for(cfg)
     spec, model = model_spec(cfg.model), build_meta_model(cfg)
     lora_cfg = copy.deepcopy(cfg)

@@ -336,7 +336,7 @@ def _loaders(cfg: JobConfig, data: PreparedData, mesh: ParallelMesh | None, dp_s
     return train_loader, val_loader
 
 
-def _trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh | None,
+def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh | None,
                       hooks: RunHooks) -> TrainerSettings:
     degrees, device, info, spec = launch.degrees, launch.device, launch.info, launch.spec
     shared_rows = degrees.pp > 1 or degrees.cp > 1  # ranks beyond the data-parallel ones read the same rows
@@ -377,7 +377,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
     trainer = Trainer(model, optimizer, scheduler, launch.spec.loss, train_loader, val_loader, checkpoints, metrics,
-                      _trainer_settings(cfg, launch, model, mesh, hooks), console if info.is_main else None)
+                      trainer_settings(cfg, launch, model, mesh, hooks), console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,224 @@
+"""One rank of an N-rank world, alone in one process: collectives with local stand-ins.
+
+`glmtune plan --measure` runs exactly what rank R of a recipe's job runs (its FSDP shards, its
+experts, its micro-batch) on the one GPU at hand. The model, the parallelization plan, FSDP2,
+the token dispatcher and the trainer are the real ones; only the process group is not. This
+module's `LoopbackProcessGroup` is registered as a torch.distributed backend and joined as
+rank R of a world of N (`join_loopback_world`), so `DeviceMesh`, FSDP2 and
+torch.distributed's functional collectives call it exactly where they would call NCCL.
+
+Each collective allocates what the real one would (its callers allocate the outputs, at their
+real sizes) and moves the same bytes on this device, filled as if **every other rank were a
+copy of this one**:
+
+  * all-gather: each of the N slots receives this rank's input (FSDP2 gathers a parameter of
+    its full size, made of N copies of the local shard);
+  * reduce-scatter / all-reduce with SUM: N times this rank's own part (AVG, MAX, MIN: its
+    own part), the sum over N identical ranks;
+  * all-to-all: what this rank sends to rank s comes back as what s sends to it. Under expert
+    parallelism each local expert then receives the rows this rank's real router sends to the
+    expert at the same position on each of the ep ranks: T*K rows in all (the number a rank
+    receives when routing is balanced), split over the local experts as the router splits them;
+  * broadcast, barrier: nothing to move (the root is a copy); send: nothing leaves; recv: the
+    buffer is filled with what this rank last sent with that shape and dtype, or zeros.
+
+With identical ranks the stand-ins are exact: when every rank of a real world is fed the
+same batch (and holds shards that are copies), a data-parallel rank computes here what it
+computes there. Expert, context and pipeline parallelism differ by construction (other ranks
+hold other experts, other queries, other layers): their shapes and bytes are the real ones,
+the values are not. Time spent in collectives here is a local copy; the real transfer time is
+an estimate from bytes and link bandwidths (`glmtune.plan.measure`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+BACKEND = "glmtune_loopback"
+# A group's options carry a ReduceOp, which equals (==) these but does not hash like them.
+_KEEPS = (dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+
+
+def _completed(result) -> dist.Work:
+    future = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+class LoopbackProcessGroup(dist.ProcessGroup):
+    """Rank `rank` of a group of `size`, every other member a copy of it (module docstring).
+    Both method spellings are here: torch 2.11's (`_allgather_base`, ...) and 2.13's."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._name = ""
+        self._sent: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> the last tensor sent
+        self.moved_bytes: dict[str, int] = {}  # collective -> bytes its outputs received
+
+    # -- what torch.distributed asks of a group -----------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    def _get_backend_name(self) -> str:
+        return BACKEND
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _count(self, op: str, *tensors: torch.Tensor) -> None:
+        self.moved_bytes[op] = self.moved_bytes.get(op, 0) + sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- all-gather -----------------------------------------------------------------------
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        slots, flat = output.view(self._size, -1), input.reshape(-1)
+        for slot in slots:
+            if slot.data_ptr() != flat.data_ptr():  # FSDP2 gathers in place: its input is its own slot
+                slot.copy_(flat)
+        self._count("all_gather", output)
+
+    def _allgather_base(self, output, input, opts=None):
+        self._gather_into(output, input)
+        return _completed(output)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, input in zip(outputs, inputs):
+            self._gather_into(output, input)
+        return _completed(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def allgather(self, output_lists, inputs, opts=None):
+        for outputs, input in zip(output_lists, inputs):
+            for output in outputs:
+                if output.data_ptr() != input.data_ptr():
+                    output.copy_(input)
+            self._count("all_gather", *outputs)
+        return _completed(output_lists)
+
+    # -- reductions ----------------------------------------------------------------------------
+    def _reduced(self, tensor: torch.Tensor, opts) -> torch.Tensor:
+        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        if op == dist.ReduceOp.SUM:
+            return tensor.mul_(self._size) if tensor.dtype != torch.bool else tensor
+        assert any(op == keep for keep in _KEEPS), f"the loopback group has no stand-in for {op}"
+        return tensor
+
+    def _reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, opts) -> None:
+        output.copy_(input.reshape(self._size, -1)[self._rank].view_as(output))
+        self._reduced(output, opts)
+        self._count("reduce_scatter", output)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        self._reduce_scatter_into(output, input, opts)
+        return _completed(output)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, input in zip(outputs, inputs):
+            self._reduce_scatter_into(output, input, opts)
+        return _completed(outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        for output, inputs in zip(outputs, input_lists):
+            output.copy_(inputs[self._rank])
+            self._reduced(output, opts)
+            self._count("reduce_scatter", output)
+        return _completed(outputs)
+
+    def allreduce(self, tensors, opts=None):
+        for tensor in tensors:
+            self._reduced(tensor, opts)
+            self._count("all_reduce", tensor)
+        return _completed(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    # -- all-to-all ---------------------------------------------------------------------------
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        assert list(output_split_sizes or []) == list(input_split_sizes or []), \
+            "a loopback all-to-all receives from rank s what it sends to s: the splits are equal"
+        output.copy_(input)
+        self._count("all_to_all", output)
+        return _completed(output)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outputs, inputs, opts=None):
+        for output, input in zip(outputs, inputs):
+            output.copy_(input)
+        self._count("all_to_all", *outputs)
+        return _completed(outputs)
+
+    # -- the rest ------------------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        return _completed(tensors)
+
+    def barrier(self, opts=None):
+        return _completed(None)
+
+    def send(self, tensors, dst, tag=0):
+        for tensor in tensors:
+            self._sent[(tuple(tensor.shape), tensor.dtype)] = tensor.detach().clone()
+            self._count("send", tensor)
+        return _completed(None)
+
+    def recv(self, tensors, src, tag=0):
+        for tensor in tensors:
+            last = self._sent.get((tuple(tensor.shape), tensor.dtype))
+            tensor.copy_(last) if last is not None else tensor.zero_()
+            self._count("recv", tensor)
+        return _completed(tensors)
+
+
+def _create(store, rank: int, size: int, timeout) -> LoopbackProcessGroup:
+    return LoopbackProcessGroup(rank, size)
+
+
+def register_backend() -> None:
+    """Make `BACKEND` known to torch.distributed (once per process)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+@contextmanager
+def join_loopback_world(rank: int, world_size: int) -> Iterator[LoopbackProcessGroup]:
+    """This process as rank `rank` of `world_size`, on loopback groups; the world group yielded.
+    Refused when a process group exists already (a real run's ranks have theirs)."""
+    if dist.is_initialized():
+        raise ValueError("a process group exists already: the loopback world replaces a real one, not both "
+                         "(run `glmtune plan --measure` as one process, without torchrun)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank}: the recipe's world has ranks 0..{world_size - 1}")
+    register_backend()
+    dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=dist.HashStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def moved_bytes_by_group() -> dict[str, dict]:
+    """Per loopback group of this process (by its mesh name or group name): its global ranks and
+    the bytes each kind of collective received on it so far."""
+    out = {}
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        if isinstance(group, LoopbackProcessGroup):
+            out[name] = {"ranks": dist.get_process_group_ranks(group), "bytes": dict(group.moved_bytes)}
+    return out

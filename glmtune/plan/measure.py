@@ -1,0 +1,260 @@
+"""`glmtune plan RECIPE --measure`: one rank of the recipe's job, run on this machine's device.
+
+Rank R of the recipe's world is built exactly as a real run builds it: the model on the meta
+device (FP8 base and LoRA as the recipe sets them), the family's parallelization plan over the
+recipe's mesh (EP, AC, compile, FSDP2 with the recipe's precision), the run's optimizer,
+schedule and trainer. Only two things stand in for what one device cannot have:
+
+  * the other ranks: the process group is `glmtune.distributed.loopback` (rank R of N, every
+    collective allocating and moving its real bytes locally, other ranks copies of this one;
+    an expert-parallel rank's experts receive T*K rows, split over them by the real router);
+  * the checkpoint and the data: random weights in the checkpoint's dtypes
+    (`random_weights.py`) and rows of one full-length document (the costliest attention a
+    packed row can have), every token supervised.
+
+It then trains `warmup + steps` steps and reports, beside the plan for the same rank: the
+peak of `torch.cuda.max_memory_allocated` (what the plan's peak stands for), the model state
+after the first step, and the time of a step split into the micro-batches' forward, their
+backward and the optimizer (CUDA events; wall clock on CPU). Transfers are not timed (they
+are local copies here): `comm.py` estimates them from the bytes each group moved.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glmtune.config import JobConfig, grad_accum_steps, pipeline_microbatches
+from glmtune.config.degrees import MeshDegrees
+from glmtune.distributed.loopback import join_loopback_world, moved_bytes_by_group
+from glmtune.distributed.mesh import ParallelMesh
+from glmtune.models.registry import model_spec
+from glmtune.plan.memory import MemoryPlan, plan_rank_memory
+from glmtune.plan.model_state import build_meta_model, rank_state
+from glmtune.plan.planner import plan_memory
+from glmtune.plan.random_weights import fill_random_weights
+from glmtune.train.data_loader import PackedRowLoader
+from glmtune.train.lr_schedule import build_scheduler
+from glmtune.train.optim import build_optimizer
+from glmtune.train.precision import resolve_precision
+from glmtune.train.process import DistributedInfo, resolve_device
+from glmtune.train.run import Launch, RunHooks, trainer_settings
+from glmtune.train.trainer import Trainer
+
+GIB = 2**30
+
+
+@dataclass
+class StepTimes:
+    """Seconds of one step on this rank: its micro-batches' forward and backward, the optimizer."""
+
+    forward: float
+    backward: float
+    optimizer: float
+    total: float
+
+
+@dataclass
+class RankMeasurement:
+    rank: int
+    device: str
+    degrees: MeshDegrees
+    micro_batches: int  # per step on this rank (gradient accumulation)
+    tokens_per_micro_batch: int
+    state_bytes: int  # allocated after the first step: parameters, optimizer state, buffers
+    peak_bytes: int | None  # torch.cuda.max_memory_allocated over every step (None on CPU)
+    steps: list[StepTimes] = field(default_factory=list)  # the timed ones (after the warm-up)
+    comm_bytes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per mesh axis, one step (comm.py)
+    losses: list[float] = field(default_factory=list)
+    held: dict[str, int] = field(default_factory=dict)  # after the first step: local params, grads, AdamW moments
+
+    @property
+    def step(self) -> StepTimes:
+        """The timed steps' mean."""
+        n = len(self.steps)
+        return StepTimes(*(sum(getattr(s, k) for s in self.steps) / n for k in ("forward", "backward", "optimizer",
+                                                                              "total")))
+
+
+def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, list[int]]]:
+    """`count` packed rows of one document of `seq_len` tokens each, every token supervised."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab_size, (seq_len,), generator=generator).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "position_ids": list(range(seq_len)),
+                     "document_ids": [0] * seq_len})
+    return rows
+
+
+def busiest_rank(cfg: JobConfig, degrees: MeshDegrees) -> int:
+    """The rank the plan's per-GPU peak is of (the first rank of the busiest pipeline stage)."""
+    return plan_memory(cfg, degrees=degrees).rank
+
+
+def planned_for(cfg: JobConfig, degrees: MeshDegrees, rank: int) -> MemoryPlan:
+    model = build_meta_model(cfg)
+    return plan_rank_memory(model, cfg, degrees, rank, rank_state(model, cfg, degrees, rank), True)
+
+
+class _Clock:
+    """Marks in a step, as CUDA events (or wall-clock times on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, Any]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def step_times(self) -> StepTimes:
+        """Forward: each forward's start to its end; backward: each forward's end to the next
+        forward's start or to the gradients; optimizer: gradients to the step's end."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        marks, forward = self.marks, 0.0
+        for (name, a), (_, b) in zip(marks, marks[1:]):
+            if name == "forward":
+                forward += self.seconds(a, b)
+        at = dict((name, value) for name, value in marks)
+        total = self.seconds(marks[0][1], at["end"])
+        to_grads = self.seconds(marks[0][1], at["gradients"])
+        optimizer = self.seconds(at["gradients"], at["end"])
+        self.marks = []
+        return StepTimes(forward, to_grads - forward, optimizer, total)
+
+
+def _launch(cfg: JobConfig, degrees: MeshDegrees, rank: int, device: torch.device) -> Launch:
+    return Launch(model_spec(cfg.model), device, DistributedInfo(rank, degrees.world_size, 0, False), degrees,
+                  resolve_precision(cfg), grad_accum_steps(cfg, degrees), Path(cfg.logging.run_dir))
+
+
+def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
+    """The rank's share of the model on its device: meta, parallelized, random weights."""
+    spec, degrees, p, precision = launch.spec, launch.degrees, cfg.parallel, launch.precision
+    model = build_meta_model(cfg)
+    pipeline = spec.pipeline_options(
+        schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
+        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=launch.device) \
+        if degrees.pp > 1 else None
+    spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
+                     pipeline=pipeline)
+    fill_random_weights(model, launch.device, spec.args_of(model).initializer_range, cfg.train.seed)
+    return model
+
+
+def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1) -> RankMeasurement:
+    """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.logging.progress = False
+    device = resolve_device(cfg.train.device)
+    with join_loopback_world(rank, degrees.world_size):
+        torch.manual_seed(cfg.train.seed)
+        launch = _launch(cfg, degrees, rank, device)
+        mesh = ParallelMesh(degrees, device_type=device.type)
+        model = _build(cfg, launch, mesh)
+        clock = _Clock(device)
+        hooks = RunHooks(on_gradients=lambda step, m: clock.mark("gradients"),
+                         on_optimizer_step=lambda step, m, opt: step == 1 and result.held.update(held_bytes(m, opt)))
+        if degrees.pp == 1:  # a pipeline's stages run inside its schedule: no per-micro-batch forward marks
+            model.register_forward_pre_hook(lambda m, a: clock.mark("forward"))
+            model.register_forward_hook(lambda m, a, out: clock.mark("backward"))
+        o, seq = cfg.optim, cfg.data.packed_sequence_size
+        optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
+        scheduler = build_scheduler(optimizer, o.warmup_steps, max(cfg.train.max_steps, warmup + steps), o.scheduler,
+                                    o.min_lr_ratio)
+        vocab = launch.spec.vocab_size(launch.spec.args_of(model))
+        rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, seq, vocab, cfg.train.seed)
+        loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
+        result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq, 0,
+                                 None)
+        trainer = Trainer(model, optimizer, scheduler, launch.spec.loss, loader, None, None, None,
+                          trainer_settings(cfg, launch, model, mesh, hooks))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        axes = _group_axes(mesh)
+        for index in range(warmup + steps):
+            before = moved_bytes_by_group()
+            clock.mark("start")
+            record = trainer.train_step()
+            clock.mark("end")
+            times = clock.step_times()
+            if index == 0:
+                result.state_bytes = _allocated(model, optimizer, device)
+            if index >= warmup:
+                result.steps.append(times)
+                result.losses.append(record["loss"])
+                result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
+        if device.type == "cuda":
+            result.peak_bytes = torch.cuda.max_memory_allocated(device)
+        return result
+
+
+def _allocated(model: nn.Module, optimizer, device: torch.device) -> int:
+    """Bytes held between steps: CUDA's allocated memory, or on CPU the local tensors'."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
+    local += [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
+    """The local bytes of the parameters, gradients and AdamW moments (DTensors: their shards)."""
+    def size(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = sum(size(p) for p in model.parameters())
+    grads = sum(size(p.grad) for p in model.parameters() if p.grad is not None)
+    moments = sum(size(state[k]) for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in state)
+    return {"params": params, "grads": grads, "optimizer": moments}
+
+
+# Mesh axes, most specific first: a group is named by the first axis it is the group of.
+_AXES = ("ep", "efsdp", "cp", "pp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp", "loss")
+
+
+def _group_axes(mesh: ParallelMesh) -> dict[str, str]:
+    """Process-group name -> the mesh axis it serves (groups of one axis size > 1)."""
+    names: dict[str, str] = {}
+    for axis in _AXES:
+        if mesh.size(axis) <= 1:
+            continue
+        try:
+            names.setdefault(mesh.group(axis).group_name, axis)
+        except ValueError:  # an axis this layout builds no mesh for
+            continue
+    return names
+
+
+def _difference(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]],
+                axes: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """What each group moved between two snapshots, keyed by its axis (or its ranks)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, group in after.items():
+        earlier = before.get(name, {}).get("bytes", {})
+        moved = {op: count - earlier.get(op, 0) for op, count in group["bytes"].items()}
+        moved = {op: n for op, n in moved.items() if n}
+        if moved:
+            key = axes.get(name, "ranks " + ",".join(map(str, group["ranks"])))
+            entry = out.setdefault(key, {"ranks": group["ranks"], "bytes": {}})
+            for op, n in moved.items():
+                entry["bytes"][op] = entry["bytes"].get(op, 0) + n
+    return out

@@ -1,0 +1,121 @@
+"""`glmtune plan --measure`'s answer: the measured rank beside the plan for that rank, as one
+JSON-ready dict (one line of it is a `--throughput` source: `tflops`, `gpu`, `impl`) and as
+rich tables.
+
+Throughput counts the model FLOPs of the family's one formula (`flops_per_token`: matmuls and
+attention over each document's own length, forward + backward = 3 x forward, the DSA indexer
+and top-k attention at their sparse cost), so TFLOP/s here and in `glmtune train`'s log are the
+same quantity; published figures that count sparse attention densely read higher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from glmtune.config import JobConfig, pipeline_microbatches
+from glmtune.models.registry import model_spec
+from glmtune.plan.comm import Links, bubble_fraction, estimated_step, group_traffic
+from glmtune.plan.measure import RankMeasurement
+from glmtune.plan.memory import MemoryPlan, describe
+from glmtune.plan.model_state import build_meta_model
+
+GIB = 2**30
+
+
+def _ratio(measured: float | None, planned: float) -> float | None:
+    return measured / planned if measured is not None and planned else None
+
+
+def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: MemoryPlan, links: Links) -> dict[str, Any]:
+    d = m.degrees
+    step = m.step
+    traffic = [group_traffic(axis, g["ranks"], g["bytes"], links) for axis, g in m.comm_bytes.items()]
+    bubble = bubble_fraction(d.pp, pipeline_microbatches(cfg), cfg.parallel.pp_stages_per_rank)
+    estimate = estimated_step(step.total, traffic, bubble)
+    seq = cfg.data.packed_sequence_size
+    spec = model_spec(cfg.model)
+    flops_per_token = spec.flops_per_token(spec.args_of(build_meta_model(cfg)), [seq])
+    tokens_per_gpu_step = cfg.train.global_batch_size * seq / d.world_size
+    per_gpu = tokens_per_gpu_step / estimate["step_s"]
+    device_name = torch.cuda.get_device_name() if m.device.startswith("cuda") else "cpu"
+    held = {k: m.held.get(k, 0) for k in ("params", "grads", "optimizer")}
+    planned_held = {"params": plan.state.params, "grads": plan.state.grads, "optimizer": plan.state.optimizer}
+    return {
+        "recipe": recipe, "rank": m.rank, "layout": d.describe(), "device": device_name, "gpu": device_name,
+        "impl": "glmtune plan --measure",
+        "memory": {
+            "held": held, "planned_held": planned_held,
+            "state_allocated_bytes": m.state_bytes,
+            "peak_bytes": m.peak_bytes, "planned_peak_bytes": plan.peak.total, "planned_peak_phase": plan.peak.name,
+            "peak_ratio": _ratio(m.peak_bytes, plan.peak.total),
+            "planned_peak_parts": dict(describe(plan)),
+        },
+        "time": {
+            "micro_batches": m.micro_batches, "tokens_per_micro_batch": m.tokens_per_micro_batch,
+            "forward_s": step.forward, "backward_s": step.backward, "optimizer_s": step.optimizer,
+            "step_s": step.total, "per_micro_batch_s": (step.forward + step.backward) / m.micro_batches,
+            "steps_timed": len(m.steps), "losses": m.losses,
+        },
+        "comm": [{"axis": t.axis, "ranks": len(t.ranks), "link": t.link, "bytes": t.bytes_received,
+                  "seconds": t.seconds, "overlapped": t.overlapped} for t in traffic],
+        "links": {"nvlink_gbps": links.nvlink_gbps, "fabric_gbps": links.fabric_gbps,
+                  "gpus_per_node": links.gpus_per_node},
+        "estimate": estimate,
+        "tokens_per_s_per_gpu": per_gpu,
+        "tokens_per_s_per_node": per_gpu * links.gpus_per_node,
+        "flops_per_token": flops_per_token,
+        "tflops": per_gpu * flops_per_token / 1e12,
+        "compute_tflops": tokens_per_gpu_step * flops_per_token / step.total / 1e12,
+    }
+
+
+def _gib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def print_measure(report: dict[str, Any], console: Console) -> None:
+    mem, time, est = report["memory"], report["time"], report["estimate"]
+    console.print(f"[bold]{report['recipe']}[/bold], rank {report['rank']} of {report['layout']}, measured on "
+                  f"{report['device']}")
+    table = Table(title="Memory: planned and measured (GiB)", title_justify="left")
+    for column in ("", "planned", "measured", "measured / planned"):
+        table.add_column(column, justify="left" if not column else "right")
+    for key in ("params", "grads", "optimizer"):
+        planned, measured = mem["planned_held"][key], mem["held"][key]
+        table.add_row(key, _gib(planned), _gib(measured), f"{measured / planned:.3f}" if planned else "-")
+    table.add_row("held between steps (allocator)", "", _gib(mem["state_allocated_bytes"]), "")
+    ratio = f"{mem['peak_ratio']:.3f}" if mem["peak_ratio"] is not None else "-"
+    table.add_row(f"[bold]peak[/bold] (plan: {mem['planned_peak_phase']})", _gib(mem["planned_peak_bytes"]),
+                  _gib(mem["peak_bytes"]), ratio)
+    console.print(table)
+    times = Table(title=f"Compute of one step on this rank ({time['micro_batches']} micro-batches of "
+                        f"{time['tokens_per_micro_batch']:,} tokens; mean of {time['steps_timed']} steps)",
+                  title_justify="left")
+    times.add_column("")
+    times.add_column("seconds", justify="right")
+    for label, key in (("forward (all micro-batches)", "forward_s"), ("backward", "backward_s"),
+                       ("optimizer (clip + step)", "optimizer_s"), ("per micro-batch, forward + backward",
+                                                                     "per_micro_batch_s"), ("step", "step_s")):
+        times.add_row(label, f"{time[key]:.3f}")
+    console.print(times)
+    comm = Table(title="Transfers per step, estimated (not timed here)", title_justify="left")
+    for column in ("axis", "ranks", "link", "GB received", "seconds", "overlapped"):
+        comm.add_column(column, justify="right" if column in ("ranks", "GB received", "seconds") else "left")
+    for t in report["comm"]:
+        comm.add_row(t["axis"], str(t["ranks"]), t["link"], f"{sum(t['bytes'].values()) / 1e9:.2f}",
+                     f"{t['seconds']:.3f}", "yes" if t["overlapped"] else "no")
+    console.print(comm)
+    links = report["links"]
+    console.print(f"links: NVLink {links['nvlink_gbps']:g} GB/s, fabric {links['fabric_gbps']:g} GB/s per GPU, "
+                  f"{links['gpus_per_node']} GPUs a node; pipeline bubble {est['bubble_fraction']:.1%}")
+    console.print(f"step on the cluster (estimate): {est['step_s']:.2f} s = compute {est['compute_s']:.2f} + "
+                  f"exposed transfers {est['exposed_comm_s']:.2f} + FSDP beyond compute "
+                  f"{est['fsdp_beyond_compute_s']:.2f}, then / (1 - bubble)")
+    console.print(f"[bold]{report['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU[/bold] "
+                  f"({report['tokens_per_s_per_node']:,.0f} per node), {report['tflops']:.1f} model TFLOP/s per GPU "
+                  f"({report['compute_tflops']:.1f} over the compute alone; "
+                  f"{report['flops_per_token'] / 1e9:.1f} GFLOP per token)")
