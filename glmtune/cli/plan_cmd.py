@@ -163,9 +163,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, cfg) -> int:
-    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from rich.console import Console
 
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.plan.assemble import with_world
     from glmtune.plan.comm import Links
     from glmtune.plan.measure import busiest_rank, measure_rank, planned_for
