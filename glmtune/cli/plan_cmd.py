@@ -182,8 +182,10 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     defaults = Links()
     links = Links(args.nvlink_gbps or defaults.nvlink_gbps, args.fabric_gbps or defaults.fabric_gbps,
                   cfg.parallel.gpus_per_node or defaults.gpus_per_node)
+    console = Console(stderr=True)
+    console.print(f"measuring rank {rank} of {degrees.describe()}")
     measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
-                            warmup=1 if args.warmup_steps is None else args.warmup_steps)
+                            warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print)
     report = measure_report(cfg, args.recipe, measured, planned_for(cfg, degrees, rank), links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))

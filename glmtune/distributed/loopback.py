@@ -20,7 +20,9 @@ copy of this one**:
     expert at the same position on each of the ep ranks: T*K rows in all (the number a rank
     receives when routing is balanced), split over the local experts as the router splits them;
   * broadcast, barrier: nothing to move (the root is a copy); send: nothing leaves; recv: the
-    buffer is filled with what this rank last sent with that shape and dtype, or zeros.
+    buffer is filled with what this rank last sent with that shape and dtype, else normal(0, 1)
+    (floating point: a hidden state's scale) or ones (a vote, a flag or a selection mask:
+    "yes", as this rank would send it).
 
 With identical ranks the stand-ins are exact: when every rank of a real world is fed the
 same batch (and holds shards that are copies), a data-parallel rank computes here what it
@@ -39,6 +41,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
+
+try:  # both of DTensor's sharding caches (torch >= 2.9); before, the Python one was the only one
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+except ImportError:
+    from torch.distributed.tensor.debug import _clear_python_sharding_prop_cache as _clear_sharding_prop_cache
 
 BACKEND = "glmtune_loopback"
 # A group's options carry a ReduceOp, which equals (==) these but does not hash like them.
@@ -179,10 +186,16 @@ class LoopbackProcessGroup(dist.ProcessGroup):
             self._count("send", tensor)
         return _completed(None)
 
+    @torch.no_grad()  # a pipeline receives into leaf buffers that require grad
     def recv(self, tensors, src, tag=0):
         for tensor in tensors:
             last = self._sent.get((tuple(tensor.shape), tensor.dtype))
-            tensor.copy_(last) if last is not None else tensor.zero_()
+            if last is not None:
+                tensor.copy_(last)
+            elif tensor.is_floating_point():  # a hidden state's scale (zeros make a later stage's norms degenerate)
+                tensor.normal_()
+            else:  # a vote, a flag or a selection mask: "yes", what a copy of this rank sends
+                tensor.fill_(1)
             self._count("recv", tensor)
         return _completed(tensors)
 
@@ -212,6 +225,9 @@ def join_loopback_world(rank: int, world_size: int) -> Iterator[LoopbackProcessG
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+        # DTensor's sharding caches keep this world's meshes, and so its group names, which die with
+        # it: a later world of the same shape would find them there (a second --rank in one process).
+        _clear_sharding_prop_cache()
 
 
 def moved_bytes_by_group() -> dict[str, dict]:

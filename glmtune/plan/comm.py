@@ -27,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Axes whose collectives FSDP2 issues (overlapped with compute).
+# Axes whose all-gathers, reduce-scatters and (HSDP) all-reduces FSDP2 issues, overlapped with compute.
 FSDP_AXES = frozenset({"dp_shard", "dp_shard_cp", "efsdp", "dp_replicate"})
+FSDP_OPS = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,12 @@ class Links:
 
 @dataclass
 class GroupTraffic:
-    axis: str
+    """One kind of collective on one process group, over a step."""
+
+    axes: str  # the mesh axes the group serves, "+"-joined
+    op: str
     ranks: list[int]
-    bytes_received: dict[str, int]  # per collective kind, one step
+    bytes_received: int
     link: str  # "nvlink" or "fabric"
     seconds: float
     overlapped: bool
@@ -57,12 +61,16 @@ def _traffic(op: str, received: int, n: int) -> float:
             "send": received, "recv": 0.0}.get(op, 0.0)  # a transfer counted once, at its sender
 
 
-def group_traffic(axis: str, ranks: list[int], moved: dict[str, int], links: Links) -> GroupTraffic:
+def group_traffic(axes: str, ranks: list[int], moved: dict[str, int], links: Links) -> list[GroupTraffic]:
+    """Per collective kind on a group: the seconds it would take and whether FSDP2 hides it (an
+    FSDP kind on a group that serves an FSDP axis and no context-parallel one)."""
     nodes = {rank // links.gpus_per_node for rank in ranks}
     link = "nvlink" if len(nodes) == 1 else "fabric"
     bandwidth = (links.nvlink_gbps if link == "nvlink" else links.fabric_gbps) * 1e9
-    seconds = sum(_traffic(op, count, len(ranks)) for op, count in moved.items()) / bandwidth
-    return GroupTraffic(axis, ranks, moved, link, seconds, overlapped=axis in FSDP_AXES)
+    served = set(axes.split("+"))
+    fsdp_group = bool(served & FSDP_AXES) and "cp" not in served
+    return [GroupTraffic(axes, op, ranks, count, link, _traffic(op, count, len(ranks)) / bandwidth,
+                         overlapped=fsdp_group and op in FSDP_OPS) for op, count in sorted(moved.items())]
 
 
 def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int) -> float:

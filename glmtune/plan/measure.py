@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from glmtune.config import JobConfig, grad_accum_steps, pipeline_microbatches
@@ -52,9 +53,10 @@ GIB = 2**30
 
 @dataclass
 class StepTimes:
-    """Seconds of one step on this rank: its micro-batches' forward and backward, the optimizer."""
+    """Seconds of one step on this rank: its micro-batches' forward and backward (under a
+    pipeline both run inside the schedule: `forward` None, `backward` both), the optimizer."""
 
-    forward: float
+    forward: float | None
     backward: float
     optimizer: float
     total: float
@@ -73,24 +75,25 @@ class RankMeasurement:
     comm_bytes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per mesh axis, one step (comm.py)
     losses: list[float] = field(default_factory=list)
     held: dict[str, int] = field(default_factory=dict)  # after the first step: local params, grads, AdamW moments
+    first_micro_losses: list[float] = field(default_factory=list)  # the first step's, each micro-batch's loss sum
 
     @property
     def step(self) -> StepTimes:
         """The timed steps' mean."""
         n = len(self.steps)
-        return StepTimes(*(sum(getattr(s, k) for s in self.steps) / n for k in ("forward", "backward", "optimizer",
-                                                                              "total")))
+        forward = None if self.steps[0].forward is None else sum(s.forward for s in self.steps) / n
+        return StepTimes(forward, *(sum(getattr(s, k) for s in self.steps) / n for k in ("backward", "optimizer",
+                                                                                       "total")))
 
 
 def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, list[int]]]:
-    """`count` packed rows of one document of `seq_len` tokens each, every token supervised."""
+    """`count` copies of one packed row: one document of `seq_len` random tokens, every token
+    supervised. Every rank reads the same tokens (their values change neither time nor memory),
+    so a data-parallel rank under the loopback group computes what the real one does."""
     generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(count):
-        ids = torch.randint(0, vocab_size, (seq_len,), generator=generator).tolist()
-        rows.append({"input_ids": ids, "labels": ids, "position_ids": list(range(seq_len)),
-                     "document_ids": [0] * seq_len})
-    return rows
+    ids = torch.randint(0, vocab_size, (seq_len,), generator=generator).tolist()
+    row = {"input_ids": ids, "labels": ids, "position_ids": list(range(seq_len)), "document_ids": [0] * seq_len}
+    return [row] * count
 
 
 def busiest_rank(cfg: JobConfig, degrees: MeshDegrees) -> int:
@@ -126,16 +129,15 @@ class _Clock:
         forward's start or to the gradients; optimizer: gradients to the step's end."""
         if self.cuda:
             torch.cuda.synchronize()
-        marks, forward = self.marks, 0.0
-        for (name, a), (_, b) in zip(marks, marks[1:]):
-            if name == "forward":
-                forward += self.seconds(a, b)
+        marks = self.marks
+        forwards = [self.seconds(a, b) for (name, a), (_, b) in zip(marks, marks[1:]) if name == "forward"]
+        forward = sum(forwards) if forwards else None
         at = dict((name, value) for name, value in marks)
         total = self.seconds(marks[0][1], at["end"])
         to_grads = self.seconds(marks[0][1], at["gradients"])
         optimizer = self.seconds(at["gradients"], at["end"])
         self.marks = []
-        return StepTimes(forward, to_grads - forward, optimizer, total)
+        return StepTimes(forward, to_grads - (forward or 0.0), optimizer, total)
 
 
 def _launch(cfg: JobConfig, degrees: MeshDegrees, rank: int, device: torch.device) -> Launch:
@@ -158,51 +160,81 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     return model
 
 
-def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1) -> RankMeasurement:
-    """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring)."""
+def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1,
+                 say=lambda message: None) -> RankMeasurement:
+    """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring);
+    `say` hears what it is doing (a line per stage and step)."""
+    with join_loopback_world(rank, degrees.world_size):
+        return measure_in_world(cfg, degrees, steps, warmup, say)
+
+
+def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmup: int = 1,
+                     say=lambda message: None) -> RankMeasurement:
+    """`measure_rank` in the process group that exists: the loopback world, or a real one (the
+    tests run the same on gloo ranks and compare)."""
     cfg = copy.deepcopy(cfg)
     cfg.logging.progress = False
     device = resolve_device(cfg.train.device)
-    with join_loopback_world(rank, degrees.world_size):
-        torch.manual_seed(cfg.train.seed)
-        launch = _launch(cfg, degrees, rank, device)
-        mesh = ParallelMesh(degrees, device_type=device.type)
-        model = _build(cfg, launch, mesh)
-        clock = _Clock(device)
-        hooks = RunHooks(on_gradients=lambda step, m: clock.mark("gradients"),
-                         on_optimizer_step=lambda step, m, opt: step == 1 and result.held.update(held_bytes(m, opt)))
-        if degrees.pp == 1:  # a pipeline's stages run inside its schedule: no per-micro-batch forward marks
-            model.register_forward_pre_hook(lambda m, a: clock.mark("forward"))
-            model.register_forward_hook(lambda m, a, out: clock.mark("backward"))
-        o, seq = cfg.optim, cfg.data.packed_sequence_size
-        optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
-        scheduler = build_scheduler(optimizer, o.warmup_steps, max(cfg.train.max_steps, warmup + steps), o.scheduler,
-                                    o.min_lr_ratio)
-        vocab = launch.spec.vocab_size(launch.spec.args_of(model))
-        rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, seq, vocab, cfg.train.seed)
-        loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
-        result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq, 0,
-                                 None)
-        trainer = Trainer(model, optimizer, scheduler, launch.spec.loss, loader, None, None, None,
-                          trainer_settings(cfg, launch, model, mesh, hooks))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        axes = _group_axes(mesh)
-        for index in range(warmup + steps):
-            before = moved_bytes_by_group()
-            clock.mark("start")
-            record = trainer.train_step()
-            clock.mark("end")
-            times = clock.step_times()
-            if index == 0:
-                result.state_bytes = _allocated(model, optimizer, device)
-            if index >= warmup:
-                result.steps.append(times)
-                result.losses.append(record["loss"])
-                result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
-        if device.type == "cuda":
-            result.peak_bytes = torch.cuda.max_memory_allocated(device)
-        return result
+    rank = dist.get_rank()
+    torch.manual_seed(cfg.train.seed)
+    launch = _launch(cfg, degrees, rank, device)
+    mesh = ParallelMesh(degrees, device_type=device.type)
+    started = time.perf_counter()
+    model = _build(cfg, launch, mesh)
+    say(f"rank {rank}'s share built on {device} in {time.perf_counter() - started:.0f} s"
+        + (f", {torch.cuda.memory_allocated(device) / GIB:.1f} GiB" if device.type == "cuda" else ""))
+    clock = _Clock(device)
+    hooks = RunHooks(on_gradients=lambda step, m: clock.mark("gradients"),
+                     on_optimizer_step=lambda step, m, opt: step == 1 and result.held.update(held_bytes(m, opt)))
+    micro_losses: list[torch.Tensor] = []
+    if degrees.pp == 1:  # a pipeline's stages run inside its schedule: no per-micro-batch forward marks
+        model.register_forward_pre_hook(lambda m, a: clock.mark("forward"))
+
+        def forward_done(module, args, out) -> None:
+            clock.mark("backward")
+            micro_losses.append(out.loss_sum.detach())
+
+        model.register_forward_hook(forward_done)
+    result = RankMeasurement(rank, str(device), degrees, launch.grad_accum,
+                             cfg.train.micro_batch_size * cfg.data.packed_sequence_size, 0, None)
+    trainer = _trainer(cfg, launch, model, mesh, hooks, warmup + steps)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    axes = _group_axes(mesh)
+    for index in range(warmup + steps):
+        before = moved_bytes_by_group()
+        clock.mark("start")
+        record = trainer.train_step()
+        clock.mark("end")
+        times = clock.step_times()
+        say(f"step {index + 1}/{warmup + steps}{' (warm-up)' if index < warmup else ''}: {times.total:.2f} s, "
+            f"loss {record['loss']:.4f}")
+        if index == 0:
+            result.state_bytes = _allocated(model, trainer.optimizer, device)
+            result.first_micro_losses = [float(loss) for loss in micro_losses]
+        micro_losses.clear()
+        if index >= warmup:
+            result.steps.append(times)
+            result.losses.append(record["loss"])
+            result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
+    if device.type == "cuda":
+        result.peak_bytes = torch.cuda.max_memory_allocated(device)
+    return result
+
+
+def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMesh, hooks: RunHooks,
+             steps: int) -> Trainer:
+    """The run's optimizer, schedule and trainer, reading `synthetic_rows` (no checkpoints, no metrics)."""
+    o, degrees = cfg.optim, launch.degrees
+    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
+    scheduler = build_scheduler(optimizer, o.warmup_steps, max(cfg.train.max_steps, steps), o.scheduler,
+                                o.min_lr_ratio)
+    vocab = launch.spec.vocab_size(launch.spec.args_of(model))
+    rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, cfg.data.packed_sequence_size, vocab,
+                          cfg.train.seed)
+    loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
+    return Trainer(model, optimizer, scheduler, launch.spec.loss, loader, None, None, None,
+                   trainer_settings(cfg, launch, model, mesh, hooks))
 
 
 def _allocated(model: nn.Module, optimizer, device: torch.device) -> int:
@@ -227,21 +259,22 @@ def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": moments}
 
 
-# Mesh axes, most specific first: a group is named by the first axis it is the group of.
+# Mesh axes a process group may serve (one group can serve several: ep and dp_shard over the
+# same eight ranks are one group).
 _AXES = ("ep", "efsdp", "cp", "pp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp", "loss")
 
 
 def _group_axes(mesh: ParallelMesh) -> dict[str, str]:
-    """Process-group name -> the mesh axis it serves (groups of one axis size > 1)."""
-    names: dict[str, str] = {}
+    """Process-group name -> the mesh axes it serves, joined by "+" (axes of size > 1)."""
+    names: dict[str, list[str]] = {}
     for axis in _AXES:
         if mesh.size(axis) <= 1:
             continue
         try:
-            names.setdefault(mesh.group(axis).group_name, axis)
+            names.setdefault(mesh.group(axis).group_name, []).append(axis)
         except ValueError:  # an axis this layout builds no mesh for
             continue
-    return names
+    return {name: "+".join(axes) for name, axes in names.items()}
 
 
 def _difference(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]],
@@ -253,7 +286,7 @@ def _difference(after: dict[str, dict[str, Any]], before: dict[str, dict[str, An
         moved = {op: count - earlier.get(op, 0) for op, count in group["bytes"].items()}
         moved = {op: n for op, n in moved.items() if n}
         if moved:
-            key = axes.get(name, "ranks " + ",".join(map(str, group["ranks"])))
+            key = axes.get(name, "world" if len(group["ranks"]) == dist.get_world_size() else f"{len(group['ranks'])} ranks")
             entry = out.setdefault(key, {"ranks": group["ranks"], "bytes": {}})
             for op, n in moved.items():
                 entry["bytes"][op] = entry["bytes"].get(op, 0) + n

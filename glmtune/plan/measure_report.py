@@ -33,7 +33,7 @@ def _ratio(measured: float | None, planned: float) -> float | None:
 def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: MemoryPlan, links: Links) -> dict[str, Any]:
     d = m.degrees
     step = m.step
-    traffic = [group_traffic(axis, g["ranks"], g["bytes"], links) for axis, g in m.comm_bytes.items()]
+    traffic = [t for axes, g in m.comm_bytes.items() for t in group_traffic(axes, g["ranks"], g["bytes"], links)]
     bubble = bubble_fraction(d.pp, pipeline_microbatches(cfg), cfg.parallel.pp_stages_per_rank)
     estimate = estimated_step(step.total, traffic, bubble)
     seq = cfg.data.packed_sequence_size
@@ -57,10 +57,10 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
         "time": {
             "micro_batches": m.micro_batches, "tokens_per_micro_batch": m.tokens_per_micro_batch,
             "forward_s": step.forward, "backward_s": step.backward, "optimizer_s": step.optimizer,
-            "step_s": step.total, "per_micro_batch_s": (step.forward + step.backward) / m.micro_batches,
+            "step_s": step.total, "per_micro_batch_s": (step.total - step.optimizer) / m.micro_batches,
             "steps_timed": len(m.steps), "losses": m.losses,
         },
-        "comm": [{"axis": t.axis, "ranks": len(t.ranks), "link": t.link, "bytes": t.bytes_received,
+        "comm": [{"axes": t.axes, "op": t.op, "ranks": len(t.ranks), "link": t.link, "bytes": t.bytes_received,
                   "seconds": t.seconds, "overlapped": t.overlapped} for t in traffic],
         "links": {"nvlink_gbps": links.nvlink_gbps, "fabric_gbps": links.fabric_gbps,
                   "gpus_per_node": links.gpus_per_node},
@@ -97,17 +97,21 @@ def print_measure(report: dict[str, Any], console: Console) -> None:
                   title_justify="left")
     times.add_column("")
     times.add_column("seconds", justify="right")
-    for label, key in (("forward (all micro-batches)", "forward_s"), ("backward", "backward_s"),
-                       ("optimizer (clip + step)", "optimizer_s"), ("per micro-batch, forward + backward",
-                                                                     "per_micro_batch_s"), ("step", "step_s")):
+    rows = [("forward (all micro-batches)", "forward_s"), ("backward", "backward_s")]
+    if time["forward_s"] is None:
+        rows = [("forward + backward (the pipeline schedule)", "backward_s")]
+    rows += [("optimizer (clip + step)", "optimizer_s"), ("per micro-batch, forward + backward", "per_micro_batch_s"),
+             ("step", "step_s")]
+    for label, key in rows:
         times.add_row(label, f"{time[key]:.3f}")
     console.print(times)
-    comm = Table(title="Transfers per step, estimated (not timed here)", title_justify="left")
-    for column in ("axis", "ranks", "link", "GB received", "seconds", "overlapped"):
+    comm = Table(title="Transfers per step, estimated (not timed here; under 1 MB left out)", title_justify="left")
+    for column in ("group (mesh axes)", "collective", "ranks", "link", "GB received", "seconds", "hidden by compute"):
         comm.add_column(column, justify="right" if column in ("ranks", "GB received", "seconds") else "left")
     for t in report["comm"]:
-        comm.add_row(t["axis"], str(t["ranks"]), t["link"], f"{sum(t['bytes'].values()) / 1e9:.2f}",
-                     f"{t['seconds']:.3f}", "yes" if t["overlapped"] else "no")
+        if t["bytes"] >= 1e6:
+            comm.add_row(t["axes"], t["op"], str(t["ranks"]), t["link"], f"{t['bytes'] / 1e9:.2f}",
+                         f"{t['seconds']:.3f}", "yes" if t["overlapped"] else "no")
     console.print(comm)
     links = report["links"]
     console.print(f"links: NVLink {links['nvlink_gbps']:g} GB/s, fabric {links['fabric_gbps']:g} GB/s per GPU, "

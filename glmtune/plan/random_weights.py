@@ -6,8 +6,8 @@ materialized (`to_empty`) and filled in place, shard by shard, so no rank-sized 
 and no whole tensor ever exists:
 
   * floating matrices (2-D and up): normal(0, std), std the family's initializer range;
-  * vectors (norm weights, biases): ones (a norm's weight; a router's correction bias of ones
-    shifts every expert alike, so routing is unchanged);
+  * vectors (norm weights): ones;
+  * persistent buffers (a router's correction bias): zeros, as a fresh model has them;
   * e4m3 weights (an FP8 base): normal(0, 1) rounded to e4m3, and their block scales
     (`*_scale_inv`, the FP8 checkpoints' name) std, so the dequantized weight is ~normal(0, std);
   * LoRA adapters as any matrix (B not zero: a step in, as training is); non-persistent
@@ -36,9 +36,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def fill_random_weights(model: nn.Module, device: torch.device, std: float, seed: int) -> None:
     """Materialize `model` (meta, possibly parallelized) on `device` with random weights (module docstring)."""
     model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    generator = torch.Generator(device=device)
+    for index, (name, param) in enumerate(model.named_parameters()):
         local = _local(param.data)
+        # Each tensor's shard starts the same stream on every rank: the shards of a data-parallel
+        # world are then pieces of one periodic tensor (what a loopback all-gather builds).
+        generator.manual_seed(seed * 1_000_003 + index)
         if local.numel() == 0:
             continue
         if local.dtype == torch.float8_e4m3fn:
@@ -52,4 +55,8 @@ def fill_random_weights(model: nn.Module, device: torch.device, std: float, seed
             local.normal_(0.0, std, generator=generator)
         else:
             local.fill_(1.0)
+    persistent = set(model.state_dict().keys())
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            _local(buffer).zero_()
     reset_non_persistent_buffers(model)

@@ -1,0 +1,87 @@
+"""`glmtune plan --measure`'s replica of one rank against the real ranks of gloo runs of the
+same layouts (tests/plan/measure_worker.py runs `measure_in_world` on each real rank): rank
+by rank the same parameter, gradient and AdamW bytes, and the same bytes received by FSDP2's
+all-gathers and reduce-scatters (and the gathers of the trainer's statistics); with data
+parallelism alone, where the stand-ins are exact, the same loss for every micro-batch of the
+first step, bit for bit (on rank 0: see the test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glmtune.cli import main
+from glmtune.config import load_config
+from glmtune.plan.measure import measure_rank
+from glmtune.plan.planner import degrees_for
+from tests.train.run_helpers import env
+
+WORKER = Path(__file__).with_name("measure_worker.py")
+SHORT = ["--data.packed_sequence_size", "256", "--train.generate_samples", "0", "--optim.warmup_steps", "0"]
+LAYOUTS = {
+    # dense FSDP2 over 2 ranks (experts sharded with the rest), 2 micro-batches a step: exact
+    "fsdp2": (2, "tiny/sft_support_json", ["--train.micro_batch_size", "1", "--train.global_batch_size", "4"]),
+    # pipeline (1F1B, 2 microbatches) x FSDP2 x EP 2, LoRA on the frozen base
+    "pp2-fsdp2-ep2-lora": (4, "tiny/lora_support_json", [
+        "--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_microbatches", "2",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
+    # context parallelism 2 x pipeline 2 x FSDP2 2, experts over ep 2
+    "cp2-pp2-fsdp2-ep2": (8, "tiny/sft_support_json", [
+        "--parallel.cp", "2", "--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_microbatches", "2",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
+}
+EXACT = {"fsdp2"}
+
+
+def _real_ranks(name: str, tmp_path: Path) -> list[dict]:
+    nproc, recipe, layout = LAYOUTS[name]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    done = subprocess.run([*launch, str(WORKER), str(tmp_path), recipe, *SHORT, *layout], env=env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_replica_of_each_rank_holds_and_moves_what_the_real_rank_does(name, tmp_path):
+    nproc, recipe, layout = LAYOUTS[name]
+    real = _real_ranks(name, tmp_path)
+    cfg = load_config(recipe, [*SHORT, *layout])
+    degrees = degrees_for(cfg, nproc)
+    for rank in range(nproc):
+        replica = measure_rank(cfg, degrees, rank, steps=1, warmup=0)
+        assert replica.held == real[rank]["held"], f"{name} rank {rank}"
+        moved = {}
+        for group in replica.comm_bytes.values():
+            for op in ("all_gather", "reduce_scatter"):
+                moved[op] = moved.get(op, 0) + group["bytes"].get(op, 0)
+        assert moved == {op: real[rank]["collectives"].get(op, 0) for op in moved}, f"{name} rank {rank}"
+        if name in EXACT and rank == 0:  # exact on the rank whose shard of every tensor is the first, largest
+            # piece (torch.chunk): N copies of it, cut to size, are the tensor the real ranks gather. A rank with
+            # a shorter piece gathers its padding into the copies.
+            assert replica.first_micro_losses == real[rank]["first_micro_losses"], f"{name} rank {rank}"
+            assert len(replica.first_micro_losses) == 2
+
+
+def test_the_command_prints_the_rank_beside_the_plan(capsys):
+    assert main(["plan", "tiny/sft_support_json", "--measure", "--gpus", "2", "--rank", "1", "--steps", "1",
+                 "--warmup-steps", "0", "--json", *SHORT]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rank"] == 1 and report["impl"] == "glmtune plan --measure"
+    assert report["memory"]["held"] == report["memory"]["planned_held"]
+    assert report["time"]["steps_timed"] == 1 and report["tokens_per_s_per_gpu"] > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rank", "1"], "--rank is an option of --measure"),
+    (["--measure", "--gpu", "h100-80g"], "--gpu is not used by --measure"),
+    (["--measure", "--gpus", "2", "--rank", "2"], "ranks 0..1"),
+    (["--measure", "--steps", "0"], "--steps must be"),
+])
+def test_refusals_before_anything_runs(argv, message, capsys):
+    assert main(["plan", "tiny/sft_support_json", *argv]) == 2
+    assert message in capsys.readouterr().err
