@@ -22,6 +22,7 @@ are local copies here): `comm.py` estimates them from the bytes each group moved
 from __future__ import annotations
 
 import copy
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,10 @@ class RankMeasurement:
     losses: list[float] = field(default_factory=list)
     held: dict[str, int] = field(default_factory=dict)  # after the first step: local params, grads, AdamW moments
     first_micro_losses: list[float] = field(default_factory=list)  # the first step's, each micro-batch's loss sum
+    # CUDA only: the plan's phase names -> memory allocated when the phase began, the largest over the
+    # timed steps' micro-batches ("forward end": after a step's last forward; "layer i backward":
+    # when layer i's backward starts, before its recomputation and scratch)
+    phase_starts: dict[str, int] = field(default_factory=dict)
 
     @property
     def step(self) -> StepTimes:
@@ -198,11 +203,13 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     result = RankMeasurement(rank, str(device), degrees, launch.grad_accum,
                              cfg.train.micro_batch_size * cfg.data.packed_sequence_size, 0, None)
     trainer = _trainer(cfg, launch, model, mesh, hooks, warmup + steps)
+    probe = _PhaseProbe(model, device, trainer.pipeline)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     axes = _group_axes(mesh)
     for index in range(warmup + steps):
         before = moved_bytes_by_group()
+        probe.recording = index >= warmup
         clock.mark("start")
         record = trainer.train_step()
         clock.mark("end")
@@ -219,7 +226,32 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
             result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
     if device.type == "cuda":
         result.peak_bytes = torch.cuda.max_memory_allocated(device)
+    result.phase_starts = probe.seen
     return result
+
+
+class _PhaseProbe:
+    """Memory allocated at the start of each of the plan's phases (see `RankMeasurement`)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, pipeline) -> None:
+        self.on = device.type == "cuda"
+        self.seen: dict[str, int] = {}
+        self.recording = False
+        roots = [model] + ([stage for stage in pipeline.stages] if pipeline is not None else [])
+        layers = {}
+        for root in roots:
+            for name, module in root.named_modules():
+                found = re.search(r"(?:^|\.)layers\.(\d+)$", name)
+                if found:
+                    layers[int(found.group(1))] = module
+        for index, module in layers.items():
+            module.register_full_backward_pre_hook(lambda m, grad, i=index: self.note(f"layer {i} backward"))
+        if pipeline is None:
+            model.register_forward_hook(lambda m, a, out: self.note("forward end"))
+
+    def note(self, phase: str) -> None:
+        if self.on and self.recording:
+            self.seen[phase] = max(self.seen.get(phase, 0), torch.cuda.memory_allocated())
 
 
 def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMesh, hooks: RunHooks,

@@ -30,6 +30,20 @@ def _ratio(measured: float | None, planned: float) -> float | None:
     return measured / planned if measured is not None and planned else None
 
 
+def _before_own_work(name: str, parts: dict[str, int]) -> int:
+    """A planned phase without what its layer allocates once its backward has begun (its
+    recomputation and scratch, the MoE buffers, FSDP's gathered and unsharded transients)."""
+    layer = name.removesuffix(" backward") + ":"
+    return sum(v for k, v in parts.items() if not k.startswith((layer, "FSDP:", "MoE all-to-all")))
+
+
+def phase_rows(plan: MemoryPlan, measured: dict[str, int]) -> list[dict[str, Any]]:
+    """The plan's phases that were measured: planned total, planned before the phase's own work,
+    measured at its start."""
+    return [{"phase": ph.name, "planned_bytes": ph.total, "planned_at_start_bytes": _before_own_work(ph.name, ph.parts),
+             "measured_at_start_bytes": measured[ph.name]} for ph in plan.phases if ph.name in measured]
+
+
 def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: MemoryPlan, links: Links) -> dict[str, Any]:
     d = m.degrees
     step = m.step
@@ -53,6 +67,7 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
             "peak_bytes": m.peak_bytes, "planned_peak_bytes": plan.peak.total, "planned_peak_phase": plan.peak.name,
             "peak_ratio": _ratio(m.peak_bytes, plan.peak.total),
             "planned_peak_parts": dict(describe(plan)),
+            "phases": phase_rows(plan, m.phase_starts),
         },
         "time": {
             "micro_batches": m.micro_batches, "tokens_per_micro_batch": m.tokens_per_micro_batch,
@@ -92,6 +107,16 @@ def print_measure(report: dict[str, Any], console: Console) -> None:
     table.add_row(f"[bold]peak[/bold] (plan: {mem['planned_peak_phase']})", _gib(mem["planned_peak_bytes"]),
                   _gib(mem["peak_bytes"]), ratio)
     console.print(table)
+    phases = sorted(mem["phases"], key=lambda row: -row["planned_bytes"])[:6]
+    if phases:
+        by_phase = Table(title="The plan's largest phases: planned, and allocated when the phase began (GiB)",
+                         title_justify="left")
+        for column in ("phase", "planned", "planned at its start", "measured at its start"):
+            by_phase.add_column(column, justify="left" if column == "phase" else "right")
+        for row in phases:
+            by_phase.add_row(row["phase"], _gib(row["planned_bytes"]), _gib(row["planned_at_start_bytes"]),
+                             _gib(row["measured_at_start_bytes"]))
+        console.print(by_phase)
     times = Table(title=f"Compute of one step on this rank ({time['micro_batches']} micro-batches of "
                         f"{time['tokens_per_micro_batch']:,} tokens; mean of {time['steps_timed']} steps)",
                   title_justify="left")
