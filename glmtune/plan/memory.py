@@ -22,7 +22,11 @@ balanced routing, [q K, D]) is added in forward and in every MoE layer's backwar
 Activation bytes per layer come from `activations.py`. Pipeline schedules keep several
 micro-batches in flight on a rank: 1F1B's warm-up holds pp - r of them on pp rank r, the
 interleaved and zero-bubble schedules (v stages per rank) (v - 1) pp + 2 (pp - 1 - r) + 1
-stage-chunks, GPipe all of them; rank 0 holds the most.
+stage-chunks, GPipe all of them; rank 0 holds the most. A stage's units stay gathered from
+their first forward to their last microbatch's backward, and reduce their gradients then: a
+step's first backward finds no gradient of this step yet (measured on one H200 with `glmtune
+plan --measure`, 2026-12-03: counting every gradient from the first backward put the first
+stage of recipes/glm5/sft_4k.yaml 14% above its measured peak).
 """
 
 from __future__ import annotations
@@ -117,14 +121,18 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
     grads_all = state.grads
-    accumulating = _accumulation_steps(cfg, degrees) > 1 or degrees.pp > 1
+    # Gradients of an earlier micro-batch of the step are held only when the trainer accumulates
+    # micro-batches. A pipeline's microbatches do not: each unit reduces its gradient once, after
+    # its last microbatch's backward, and the step's first backward finds none (zero_grad frees them).
+    accumulating = _accumulation_steps(cfg, degrees) > 1
     units = state.units
     gathered_root = 0
+    kept_layers: dict[int, int] = {}  # layer -> its unit's gathered bytes, kept until its backward ends
     if fsdp:  # the root unit (embedding, final norm, head) stays gathered between forward and backward
         gathered_root = sum(units[u].gathered for u in ("embed", "head") if u in units)
-        if degrees.pp > 1:  # stages keep every unit gathered (no reshard after forward)
-            gathered_root += sum(units[f"layer.{i}"].gathered for i in layers)
-        static["gathered parameters (kept)"] = gathered_root
+        if degrees.pp > 1:  # stages keep every unit gathered from forward to its last backward
+            kept_layers = {i: units[f"layer.{i}"].gathered for i in layers}
+        static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
     fixed = {"masks": act.BOOL * mb.queries * mb.keys if not (one_document and mb.seq <= args.index_topk) else 0}
     head = units.get("head")
@@ -145,6 +153,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     for n, i in enumerate(order):
         below -= kept[i]
         unit = units.get(f"layer.{i}")
+        if kept_layers:  # units whose backward has ended are resharded
+            static["gathered parameters (kept)"] = gathered_root + sum(kept_layers[j] for j in order[n:])
         parts = {**static, "gradients": grads_all if accumulating else done + (unit.grads if unit else 0), **held,
                  "activations (saved)": below + other_chunks, **fixed,
                  f"layer {i}: saved + recomputed": kept[i] + recompute[i],
