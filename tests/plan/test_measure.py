@@ -67,13 +67,19 @@ def test_the_replica_of_each_rank_holds_and_moves_what_the_real_rank_does(name, 
             assert len(replica.first_micro_losses) == 2
 
 
-def test_the_command_prints_the_rank_beside_the_plan(capsys):
+def test_the_command_prints_the_rank_beside_the_plan_and_its_line_is_a_speed_source(capsys, tmp_path):
     assert main(["plan", "tiny/sft_support_json", "--measure", "--gpus", "2", "--rank", "1", "--steps", "1",
                  "--warmup-steps", "0", "--json", *SHORT]) == 0
-    report = json.loads(capsys.readouterr().out)
+    line = capsys.readouterr().out
+    report = json.loads(line)
     assert report["rank"] == 1 and report["impl"] == "glmtune plan --measure"
     assert report["memory"]["held"] == report["memory"]["planned_held"]
     assert report["time"]["steps_timed"] == 1 and report["tokens_per_s_per_gpu"] > 0
+    (tmp_path / "rank.json").write_text(line)
+    assert main(["plan", "tiny/sft_support_json", "--throughput", str(tmp_path / "rank.json"), "--gpu", "h200-141g",
+                 "--json", *SHORT]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert str(tmp_path / "rank.json") in planned["throughput"]["source"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
