@@ -26,14 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader, WeightsOnlyLoadPlanner
-from glmtune.checkpoint.hf_io import host_copy, shard_names, shard_plan, write_metadata, write_shard, written_dtypes
+from glmtune.checkpoint.hf_io import host_copy, shard_plan, write_metadata, write_planned_shards, written_dtypes
 from glmtune.io.outputs import output_dir
 from glmtune.io.sizes import parse_size
 from glmtune.models.glm5.model import Glm5ForCausalLM
@@ -215,26 +213,7 @@ def _groups(units: list[Unit], nbytes, budget: int) -> Iterator[list[Unit]]:
 def _write_shards(tmp: Path, shards: list[list[tuple[str, torch.dtype]]], units: _CheckpointUnits
                   ) -> tuple[dict[str, str], int]:
     """Each planned shard file, written as soon as its tensors are read; (weight map, bytes)."""
-    names = shard_names(len(shards))
     casts = {hf_key: cast for shard in shards for hf_key, cast in shard}
-    weight_map, total, ready = {}, 0, {}
-    console = Console(stderr=True)
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
     size = sum(torch.Size(units.parts[key].shape).numel() * cast.itemsize for key, cast in casts.items())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task("exporting", total=size)
-        for i, shard in enumerate(shards):
-            pending = {}
-            for hf_key, _ in shard:
-                if hf_key not in ready:
-                    ready.update(units.tensors(units.parts[hf_key].unit, casts))
-                pending[hf_key] = ready.pop(hf_key)
-            write_shard(tmp / names[i], pending)
-            written = sum(t.numel() * t.element_size() for t in pending.values())
-            weight_map.update(dict.fromkeys(pending, names[i]))
-            total += written
-            progress.advance(task, written)
-            del pending
-    assert not ready, "every part of a read unit written"
-    return weight_map, total
+    return write_planned_shards(tmp, shards, lambda key: units.tensors(units.parts[key].unit, casts), size,
+                                "exporting")

@@ -25,9 +25,12 @@ import json
 import os
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -305,6 +308,37 @@ def shard_names(num_shards: int) -> list[str]:
 
 def write_shard(file: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def write_planned_shards(tmp: Path, shards: list[list[tuple[str, torch.dtype]]],
+                         produce: Callable[[str], dict[str, torch.Tensor]], total_bytes: int, label: str
+                         ) -> tuple[dict[str, str], int]:
+    """Write each shard of `shard_plan`'s plan as soon as its tensors exist, and free them; the
+    streaming export and merge both write this way. `produce(hf_key)` returns every tensor of
+    the unit `hf_key` belongs to (those of later shards are kept until their shard is written).
+    Returns (weight map, bytes written); a progress bar in bytes (`label`) on a terminal."""
+    names = shard_names(len(shards))
+    weight_map, total, ready = {}, 0, {}
+    console = Console(stderr=True)
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task(label, total=total_bytes)
+        for i, shard in enumerate(shards):
+            pending = {}
+            for hf_key, cast in shard:
+                if hf_key not in ready:
+                    ready.update(produce(hf_key))
+                pending[hf_key] = ready.pop(hf_key)
+                assert pending[hf_key].dtype == cast, hf_key
+            write_shard(tmp / names[i], pending)
+            written = sum(t.numel() * t.element_size() for t in pending.values())
+            weight_map.update(dict.fromkeys(pending, names[i]))
+            total += written
+            progress.advance(task, written)
+            del pending
+    assert not ready, "every tensor of a produced unit written"
+    return weight_map, total
 
 
 def host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

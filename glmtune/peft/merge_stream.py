@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from glmtune.checkpoint.hf_io import (
     _check_shard_sizes,
@@ -40,10 +38,9 @@ from glmtune.checkpoint.hf_io import (
     fp8_scale_key,
     host_copy,
     read_plan,
-    shard_names,
     shard_plan,
     write_metadata,
-    write_shard,
+    write_planned_shards,
 )
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.io.outputs import output_dir
@@ -227,28 +224,8 @@ class _Merger:
 
 def _write_shards(tmp: Path, shards: list[list[tuple[str, torch.dtype]]], merger: _Merger) -> tuple[dict, int]:
     """Each planned shard file, written as soon as its tensors are merged; (weight map, bytes)."""
-    names = shard_names(len(shards))
-    weight_map, total, ready = {}, 0, {}
-    console = Console(stderr=True)
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     size = sum(cast.itemsize * _numel(merger, hf_key) for shard in shards for hf_key, cast in shard)
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task("merging", total=size)
-        for i, shard in enumerate(shards):
-            pending = {}
-            for hf_key, cast in shard:
-                if hf_key not in ready:
-                    ready.update(merger.tensors(merger.parts[hf_key].unit))
-                pending[hf_key] = ready.pop(hf_key)
-                assert pending[hf_key].dtype == cast, hf_key
-            write_shard(tmp / names[i], pending)
-            written = sum(t.numel() * t.element_size() for t in pending.values())
-            weight_map.update(dict.fromkeys(pending, names[i]))
-            total += written
-            progress.advance(task, written)
-            del pending
-    assert not ready, "every part of a merged unit written"
-    return weight_map, total
+    return write_planned_shards(tmp, shards, lambda key: merger.tensors(merger.parts[key].unit), size, "merging")
 
 
 def _numel(merger: _Merger, hf_key: str) -> int:

@@ -24,7 +24,7 @@ from glmtune.cli import main
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
-from tests.peft.test_merge_stream import _PEAK, _peak_rss
+from tests.peak_rss import PEAK, peak_rss
 from tests.train.run_helpers import WITH_EXPORT, shared_run
 from tests.tree_snapshot import changes, snapshot
 
@@ -104,7 +104,7 @@ BIG = dict(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=40, fir
 SLACK = 256 << 20  # allocator slack, the meta model, the plans and the checkpoint's layout
 _EXPORT = ("import torch; from glmtune.checkpoint.export_stream import stream_export; "
            "from glmtune.models.glm5.args import get_preset; from glmtune.models.glm5.model import build_model; ")
-_BASELINE = _EXPORT + _PEAK
+_BASELINE = _EXPORT + PEAK
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +125,10 @@ def test_exporting_1gb_stays_under_the_shard_bound(big_checkpoint, tmp_path):
     stored = sum(f.stat().st_size for f in big_checkpoint.glob("*.distcp"))
     assert stored > 900e6
     out = tmp_path / "hf"
-    baseline = _peak_rss(_BASELINE)
-    peak = _peak_rss(_EXPORT + f"stream_export(build_model(get_preset('tiny').replace(**{BIG!r}), torch.float32, "
+    baseline = peak_rss(_BASELINE)
+    peak = peak_rss(_EXPORT + f"stream_export(build_model(get_preset('tiny').replace(**{BIG!r}), torch.float32, "
                                f"'meta'), {str(big_checkpoint)!r}, {str(out)!r}, torch.bfloat16, source_dir=None, "
-                               "max_shard_size='64MB'); " + _PEAK)
+                               "max_shard_size='64MB'); " + PEAK)
     written = list(out.glob("*.safetensors"))
     largest_out = max(f.stat().st_size for f in written)
     largest_stored = 1024 * 1024 * 40 * 4  # one MoE layer's stacked gate+up in fp32

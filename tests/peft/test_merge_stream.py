@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +25,9 @@ from glmtune.models.glm5.model import build_model
 from glmtune.peft import apply_lora, export_adapter
 from glmtune.peft.merge import _requantize, config_dtype, merge_adapter_dir, merge_to_dir
 from tests.checkpoint.test_fp8_base_load import _fp8_checkpoint
+from tests.peak_rss import PEAK, peak_rss
 from tests.peft.conftest import lora_cfg, randomize_adapters
 
-ROOT = Path(__file__).resolve().parents[2]
 # The FP8 fixture's shapes: 128-row expert halves, a partial 128-block (q_lora_rank 192).
 ARGS = dict(hidden_size=256, q_lora_rank=192, moe_intermediate_size=128)
 
@@ -114,18 +112,8 @@ def test_streaming_merge_keeps_the_refusals(bases, tmp_path, capsys):
 
 # ~1 GB in bf16: 3 MoE layers of 80 experts, 1024 wide.
 BIG = dict(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=80, first_k_dense_replace=1)
-# VmHWM: this process's own peak (ru_maxrss would carry the forking pytest process's over exec).
 SLACK = 256 << 20  # one unit's fp32 temporaries, allocator slack, the meta models and plans
-_PEAK = "import re; print('PEAK', int(re.search(r'VmHWM:\\s*(\\d+) kB', open('/proc/self/status').read())[1]) * 1024)"
-_BASELINE = "import torch, glmtune.peft.merge, glmtune.cli.merge_cmd; " + _PEAK
-
-
-def _peak_rss(code: str) -> int:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return int(done.stdout.split("PEAK")[-1])
+_BASELINE = "import torch, glmtune.peft.merge, glmtune.cli.merge_cmd; " + PEAK
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +141,9 @@ def test_merging_1gb_stays_under_the_shard_bound(big_checkpoint, tmp_path):
     base_bytes = sum(f.stat().st_size for f in shards)
     assert base_bytes > 900e6 and len(shards) >= 7
     out = tmp_path / "merged"
-    baseline = _peak_rss(_BASELINE)
-    peak = _peak_rss(f"from glmtune.peft.merge import merge_to_dir; "
-                     f"merge_to_dir({str(base)!r}, {str(adapter)!r}, {str(out)!r}, max_shard_size='64MB'); " + _PEAK)
+    baseline = peak_rss(_BASELINE)
+    peak = peak_rss(f"from glmtune.peft.merge import merge_to_dir; "
+                     f"merge_to_dir({str(base)!r}, {str(adapter)!r}, {str(out)!r}, max_shard_size='64MB'); " + PEAK)
     written = list(out.glob("*.safetensors"))
     largest_in, largest_out = max(f.stat().st_size for f in shards), max(f.stat().st_size for f in written)
     adapter_bytes = (adapter / "adapter_model.safetensors").stat().st_size
@@ -178,9 +166,9 @@ def test_merging_1gb_with_fp8_stays_under_the_shard_bound(big_checkpoint, tmp_pa
     shards = list(base.glob("*.safetensors"))
     base_bytes = sum(f.stat().st_size for f in shards)
     out = tmp_path / "merged-fp8"
-    baseline = _peak_rss(_BASELINE)
-    peak = _peak_rss(f"from glmtune.peft.merge import merge_to_dir; merge_to_dir({str(base)!r}, {str(adapter)!r}, "
-                     f"{str(out)!r}, max_shard_size='64MB', fp8=True); " + _PEAK)
+    baseline = peak_rss(_BASELINE)
+    peak = peak_rss(f"from glmtune.peft.merge import merge_to_dir; merge_to_dir({str(base)!r}, {str(adapter)!r}, "
+                     f"{str(out)!r}, max_shard_size='64MB', fp8=True); " + PEAK)
     written = list(out.glob("*.safetensors"))
     largest_in, largest_out = max(f.stat().st_size for f in shards), max(f.stat().st_size for f in written)
     adapter_bytes = (adapter / "adapter_model.safetensors").stat().st_size
