@@ -168,7 +168,7 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.plan.assemble import with_world
     from glmtune.plan.comm import Links
-    from glmtune.plan.measure import busiest_rank, measure_rank, planned_for
+    from glmtune.plan.measure import busiest_rank, check_device_holds, measure_rank, planned_for
     from glmtune.plan.measure_report import measure_report, print_measure
     from glmtune.plan.planner import degrees_for
 
@@ -182,13 +182,27 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     defaults = Links()
     links = Links(args.nvlink_gbps or defaults.nvlink_gbps, args.fabric_gbps or defaults.fabric_gbps,
                   cfg.parallel.gpus_per_node or defaults.gpus_per_node)
+    plan = planned_for(cfg, degrees, rank)
+    check_device_holds(plan, *_device_memory(cfg))
     console = Console(stderr=True)
     console.print(f"measuring rank {rank} of {degrees.describe()}")
     measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
                             warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print)
-    report = measure_report(cfg, args.recipe, measured, planned_for(cfg, degrees, rank), links)
+    report = measure_report(cfg, args.recipe, measured, plan, links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))
     else:
         print_measure(report, Console())
     return 0
+
+
+def _device_memory(cfg) -> tuple[int | None, str]:
+    """(total bytes, name) of the device the rank would run on; (None, "cpu") on a CPU."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    import torch
+    from glmtune.train.process import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    if device.type != "cuda":
+        return None, "cpu"
+    return torch.cuda.mem_get_info(device)[1], torch.cuda.get_device_name(device)

@@ -88,34 +88,40 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
     }
 
 
-def _gib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+def _unit(report: dict[str, Any]) -> tuple[str, int]:
+    """GiB, or MiB for a model whose rank plans under 1 GiB (the tiny preset)."""
+    return ("GiB", GIB) if report["memory"]["planned_peak_bytes"] >= GIB else ("MiB", 2**20)
+
+
+def _size(nbytes: float | None, unit: int) -> str:
+    return "-" if nbytes is None else f"{nbytes / unit:.2f}"
 
 
 def print_measure(report: dict[str, Any], console: Console) -> None:
     mem, time, est = report["memory"], report["time"], report["estimate"]
     console.print(f"[bold]{report['recipe']}[/bold], rank {report['rank']} of {report['layout']}, measured on "
                   f"{report['device']}")
-    table = Table(title="Memory: planned and measured (GiB)", title_justify="left")
+    name, unit = _unit(report)
+    table = Table(title=f"Memory: planned and measured ({name})", title_justify="left")
     for column in ("", "planned", "measured", "measured / planned"):
         table.add_column(column, justify="left" if not column else "right")
     for key in ("params", "grads", "optimizer"):
         planned, measured = mem["planned_held"][key], mem["held"][key]
-        table.add_row(key, _gib(planned), _gib(measured), f"{measured / planned:.3f}" if planned else "-")
-    table.add_row("held between steps (allocator)", "", _gib(mem["state_allocated_bytes"]), "")
+        table.add_row(key, _size(planned, unit), _size(measured, unit), f"{measured / planned:.3f}" if planned else "-")
+    table.add_row("held between steps (allocator)", "", _size(mem["state_allocated_bytes"], unit), "")
     ratio = f"{mem['peak_ratio']:.3f}" if mem["peak_ratio"] is not None else "-"
-    table.add_row(f"[bold]peak[/bold] (plan: {mem['planned_peak_phase']})", _gib(mem["planned_peak_bytes"]),
-                  _gib(mem["peak_bytes"]), ratio)
+    table.add_row(f"[bold]peak[/bold] (plan: {mem['planned_peak_phase']})", _size(mem["planned_peak_bytes"], unit),
+                  _size(mem["peak_bytes"], unit), ratio)
     console.print(table)
     phases = sorted(mem["phases"], key=lambda row: -row["planned_bytes"])[:6]
     if phases:
-        by_phase = Table(title="The plan's largest phases: planned, and allocated when the phase began (GiB)",
+        by_phase = Table(title=f"The plan's largest phases: planned, and allocated when the phase began ({name})",
                          title_justify="left")
         for column in ("phase", "planned", "planned at its start", "measured at its start"):
             by_phase.add_column(column, justify="left" if column == "phase" else "right")
         for row in phases:
-            by_phase.add_row(row["phase"], _gib(row["planned_bytes"]), _gib(row["planned_at_start_bytes"]),
-                             _gib(row["measured_at_start_bytes"]))
+            by_phase.add_row(row["phase"], _size(row["planned_bytes"], unit), _size(row["planned_at_start_bytes"], unit),
+                             _size(row["measured_at_start_bytes"], unit))
         console.print(by_phase)
     times = Table(title=f"Compute of one step on this rank ({time['micro_batches']} micro-batches of "
                         f"{time['tokens_per_micro_batch']:,} tokens; mean of {time['steps_timed']} steps)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from glmtune.plan.comm import Links, bubble_fraction, estimated_step, group_traffic
+from glmtune.plan.measure import check_device_holds
 from glmtune.plan.measure_report import phase_rows
 from glmtune.plan.memory import MemoryPlan, Phase
 
@@ -58,3 +59,11 @@ def test_phase_rows_take_out_what_a_phase_allocates_once_begun():
     rows = phase_rows(plan, {"layer 3 backward": 150})
     assert rows == [{"phase": "layer 3 backward", "planned_bytes": 164, "planned_at_start_bytes": 141,
                      "measured_at_start_bytes": 150}]
+
+
+def test_a_rank_planned_above_the_whole_device_is_refused_before_it_runs():
+    plan = MemoryPlan(3, None, Phase("layer 9 backward", {"parameters": 100 << 30}), [], {})
+    with pytest.raises(ValueError, match=r"rank 3 plans 100.0 GiB .* this NVIDIA H100 80GB HBM3 has 79.2 GiB"):
+        check_device_holds(plan, int(79.2 * 2**30), "NVIDIA H100 80GB HBM3")
+    check_device_holds(plan, 101 << 30, "NVIDIA H200")
+    check_device_holds(plan, None, "cpu")  # the plan does not model host memory
