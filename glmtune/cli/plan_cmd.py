@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 from glmtune.cli.arg_types import RecipeOptions
 
@@ -197,12 +198,17 @@ def _measure(args: argparse.Namespace, cfg) -> int:
 
 
 def _device_memory(cfg) -> tuple[int | None, str]:
-    """(total bytes, name) of the device the rank would run on; (None, "cpu") on a CPU."""
+    """(bytes, name) of the memory the rank would run in: the GPU's total, or on a CPU the host's
+    available memory (None where the system does not say)."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     import torch
     from glmtune.train.process import resolve_device
 
     device = resolve_device(cfg.train.device)
-    if device.type != "cuda":
-        return None, "cpu"
-    return torch.cuda.mem_get_info(device)[1], torch.cuda.get_device_name(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1], torch.cuda.get_device_name(device)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = None
+    return available, "CPU (available memory)"

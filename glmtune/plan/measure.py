@@ -108,9 +108,9 @@ def busiest_rank(cfg: JobConfig, degrees: MeshDegrees) -> int:
 
 def check_device_holds(plan: MemoryPlan, device_bytes: int | None, device_name: str) -> None:
     """Refuse, before anything is allocated, a rank whose planned peak exceeds the whole device
-    (`device_bytes`; None: a CPU, whose memory the plan does not model): it could only fail
-    part-way. The plan is within 7% of the measured ranks (docs/plan.md), so a rank planned just
-    under the device's size is tried."""
+    (`device_bytes`: a GPU's total, a host's available memory; None: unknown, not checked): it
+    could only fail part-way (on a host, by swapping or being killed). The plan is within 7% of
+    the measured ranks (docs/plan.md), so a rank planned just under the device's size is tried."""
     if device_bytes is not None and plan.peak.total > device_bytes:
         raise ValueError(f"rank {plan.rank} plans {plan.peak.total / GIB:.1f} GiB at its peak ({plan.peak.name}); "
                          f"this {device_name} has {device_bytes / GIB:.1f} GiB: measure it on a larger GPU, or a rank "
