@@ -19,6 +19,9 @@ import os
 from glmtune.cli.arg_types import RecipeOptions
 
 
+_MAX_GPUS = 2048  # the fit search's default limit
+
+
 def _add_options(parser: argparse.ArgumentParser) -> None:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.plan.hardware import GPUS
@@ -42,7 +45,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom-gib", type=float, default=2.5,
                         help="per GPU, outside the allocator: CUDA context, NCCL and cuBLAS workspaces")
     parser.add_argument("--fragmentation", type=float, default=0.05, help="allocator fragmentation, share of peak")
-    parser.add_argument("--max-gpus", type=int, default=2048, help="largest GPU count the fit search tries")
+    parser.add_argument("--max-gpus", type=int, default=_MAX_GPUS, help="largest GPU count the fit search tries")
     parser.add_argument("--no-data", action="store_true", help="do not read and pack the recipe's data")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     measure = parser.add_argument_group("one rank of the job, measured on this machine's GPU (--measure)")
@@ -82,7 +85,7 @@ _RANGES = {
 _MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps")
 # What --measure does not use (a plan's time, cost and fit come from the plan without it).
 _NOT_WITH_MEASURE = {"gpu": None, "price_per_gpu_hour": None, "throughput": None, "tflops_per_gpu": None,
-                     "measured_gpu": None, "epochs": None, "restarts": None, "max_gpus": 2048, "no_data": False}
+                     "measured_gpu": None, "epochs": None, "restarts": None, "max_gpus": _MAX_GPUS, "no_data": False}
 
 
 def check_measure_options(args: argparse.Namespace) -> None:
@@ -169,21 +172,21 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.plan.assemble import with_world
     from glmtune.plan.comm import Links
-    from glmtune.plan.measure import busiest_rank, check_device_holds, measure_rank, planned_for
+    from glmtune.plan.measure import check_device_holds, measure_rank, planned_for
     from glmtune.plan.measure_report import measure_report, print_measure
     from glmtune.plan.planner import degrees_for
 
     if args.gpus is not None:
         cfg = with_world(cfg, args.gpus)
     degrees = degrees_for(cfg)
-    rank = busiest_rank(cfg, degrees) if args.rank is None else args.rank
-    if rank >= degrees.world_size:
-        raise ValueError(f"--rank {rank}: the recipe's world has ranks 0..{degrees.world_size - 1} "
+    if args.rank is not None and args.rank >= degrees.world_size:
+        raise ValueError(f"--rank {args.rank}: the recipe's world has ranks 0..{degrees.world_size - 1} "
                          f"({degrees.describe()})")
+    plan = planned_for(cfg, degrees, args.rank)
+    rank = plan.rank
     defaults = Links()
     links = Links(args.nvlink_gbps or defaults.nvlink_gbps, args.fabric_gbps or defaults.fabric_gbps,
                   cfg.parallel.gpus_per_node or defaults.gpus_per_node)
-    plan = planned_for(cfg, degrees, rank)
     check_device_holds(plan, *_device_memory(cfg))
     console = Console(stderr=True)
     console.print(f"measuring rank {rank} of {degrees.describe()}")

@@ -70,7 +70,8 @@ class RankMeasurement:
     degrees: MeshDegrees
     micro_batches: int  # per step on this rank (gradient accumulation)
     tokens_per_micro_batch: int
-    state_bytes: int  # allocated after the first step: parameters, optimizer state, buffers
+    flops_per_token: float  # the family's formula at this sequence length, one document
+    state_bytes: int | None  # CUDA memory allocated after the first step (None on CPU)
     peak_bytes: int | None  # torch.cuda.max_memory_allocated over every step (None on CPU)
     steps: list[StepTimes] = field(default_factory=list)  # the timed ones (after the warm-up)
     comm_bytes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per mesh axis, one step (comm.py)
@@ -101,11 +102,6 @@ def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int) -> list
     return [row] * count
 
 
-def busiest_rank(cfg: JobConfig, degrees: MeshDegrees) -> int:
-    """The rank the plan's per-GPU peak is of (the first rank of the busiest pipeline stage)."""
-    return plan_memory(cfg, degrees=degrees).rank
-
-
 def check_device_holds(plan: MemoryPlan, device_bytes: int | None, device_name: str) -> None:
     """Refuse, before anything is allocated, a rank whose planned peak exceeds the whole device
     (`device_bytes`: a GPU's total, a host's available memory; None: unknown, not checked): it
@@ -117,7 +113,11 @@ def check_device_holds(plan: MemoryPlan, device_bytes: int | None, device_name: 
                          "of a layout with more ranks (--gpus)")
 
 
-def planned_for(cfg: JobConfig, degrees: MeshDegrees, rank: int) -> MemoryPlan:
+def planned_for(cfg: JobConfig, degrees: MeshDegrees, rank: int | None) -> MemoryPlan:
+    """The plan of rank `rank`; None: of the busiest rank the plan names (the first rank of the
+    busiest pipeline stage)."""
+    if rank is None:
+        return plan_memory(cfg, degrees=degrees)
     model = build_meta_model(cfg)
     return plan_rank_memory(model, cfg, degrees, rank, rank_state(model, cfg, degrees, rank), True)
 
@@ -211,8 +211,9 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
             micro_losses.append(out.loss_sum.detach())
 
         model.register_forward_hook(forward_done)
-    result = RankMeasurement(rank, str(device), degrees, launch.grad_accum,
-                             cfg.train.micro_batch_size * cfg.data.packed_sequence_size, 0, None)
+    seq = cfg.data.packed_sequence_size
+    result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq,
+                             launch.spec.flops_per_token(launch.spec.args_of(model), [seq]), None, None)
     trainer = _trainer(cfg, launch, model, mesh, hooks, warmup + steps)
     probe = _PhaseProbe(model, device, trainer.pipeline)
     if device.type == "cuda":
@@ -228,7 +229,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
         say(f"step {index + 1}/{warmup + steps}{' (warm-up)' if index < warmup else ''}: {times.total:.2f} s, "
             f"loss {record['loss']:.4f}")
         if index == 0:
-            result.state_bytes = _allocated(model, trainer.optimizer, device)
+            result.state_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
             result.first_micro_losses = [float(loss) for loss in micro_losses]
         micro_losses.clear()
         if index >= warmup:
@@ -278,16 +279,6 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
     loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
     return Trainer(model, optimizer, scheduler, launch.spec.loss, loader, None, None, None,
                    trainer_settings(cfg, launch, model, mesh, hooks))
-
-
-def _allocated(model: nn.Module, optimizer, device: torch.device) -> int:
-    """Bytes held between steps: CUDA's allocated memory, or on CPU the local tensors'."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
-    local += [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in local)
 
 
 def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:

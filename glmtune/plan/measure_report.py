@@ -17,11 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from glmtune.config import JobConfig, pipeline_microbatches
-from glmtune.models.registry import model_spec
 from glmtune.plan.comm import Links, bubble_fraction, estimated_step, group_traffic
 from glmtune.plan.measure import RankMeasurement
 from glmtune.plan.memory import MemoryPlan, describe
-from glmtune.plan.model_state import build_meta_model
 
 GIB = 2**30
 
@@ -50,9 +48,7 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
     traffic = [t for axes, g in m.comm_bytes.items() for t in group_traffic(axes, g["ranks"], g["bytes"], links)]
     bubble = bubble_fraction(d.pp, pipeline_microbatches(cfg), cfg.parallel.pp_stages_per_rank)
     estimate = estimated_step(step.total, traffic, bubble)
-    seq = cfg.data.packed_sequence_size
-    spec = model_spec(cfg.model)
-    flops_per_token = spec.flops_per_token(spec.args_of(build_meta_model(cfg)), [seq])
+    seq, flops_per_token = cfg.data.packed_sequence_size, m.flops_per_token
     tokens_per_gpu_step = cfg.train.global_batch_size * seq / d.world_size
     per_gpu = tokens_per_gpu_step / estimate["step_s"]
     device_name = torch.cuda.get_device_name() if m.device.startswith("cuda") else "cpu"

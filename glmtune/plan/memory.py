@@ -153,9 +153,9 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     for n, i in enumerate(order):
         below -= kept[i]
         unit = units.get(f"layer.{i}")
-        if kept_layers:  # units whose backward has ended are resharded
-            static["gathered parameters (kept)"] = gathered_root + sum(kept_layers[j] for j in order[n:])
-        parts = {**static, "gradients": grads_all if accumulating else done + (unit.grads if unit else 0), **held,
+        still_gathered = {"gathered parameters (kept)": gathered_root + sum(kept_layers[j] for j in order[n:])} \
+            if kept_layers else {}  # units whose backward has ended are resharded
+        parts = {**static, **still_gathered, "gradients": grads_all if accumulating else done + (unit.grads if unit else 0), **held,
                  "activations (saved)": below + other_chunks, **fixed,
                  f"layer {i}: saved + recomputed": kept[i] + recompute[i],
                  f"layer {i}: backward scratch": act.backward_transient(args, mb, i, e, train, score_buffer),
@@ -165,6 +165,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
         phases.append(Phase(f"layer {i} backward", parts))
         if unit is not None:
             done += unit.grads
+    if kept_layers:  # every layer's backward has ended: only the roots stay gathered
+        static["gathered parameters (kept)"] = gathered_root
     if fsdp:  # the root's post-backward: embedding and head gradients unsharded, staged in fp32, reduced
         root = sum(units[u].trainable_gathered for u in ("embed", "head") if u in units)
         phases.append(Phase("root gradient reduction", {
