@@ -25,8 +25,10 @@ def test_glm5_sft_4k_on_h100_and_h200(capsys):
     peak_gib = report["memory"]["peak_bytes"] / 2**30
     assert 40 < peak_gib < 80  # the state alone is 16 B x 754B / 256 ranks = 44 GiB
     parts, state = report["memory"]["peak_parts"], report["memory"]["state"]
-    # fp32 masters: 4 B of parameters + 8 B of AdamW per 4 B of gradients (a few frozen parameters aside)
-    assert abs(parts["parameters"] + parts["optimizer state"] - 3 * state["grads"]) < 0.02 * parts["parameters"]
+    # fp32 masters: 4 B of parameters + 8 B of AdamW per 4 B of gradients, frozen parameters aside
+    # (the busiest rank is the last stage, which holds the frozen MTP layer: ~5% of its parameters)
+    assert report["memory"]["rank"] == 192
+    assert abs(parts["parameters"] + parts["optimizer state"] - 3 * state["grads"]) < 0.06 * parts["parameters"]
     # the peak is early in the backward, where a pipeline's units have reduced few gradients yet
     assert report["memory"]["peak_phase"].endswith("backward") and parts["gradients"] < 0.5 * state["grads"]
     for gpu in by_gpu.values():
