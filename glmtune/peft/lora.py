@@ -35,7 +35,9 @@ Legend: N routed (token, expert) pairs, D model dim, I expert width, E experts, 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +128,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = getattr(self, "weight_scale_inv", None)
+        if getattr(self, "adapter_off", False):  # `adapters_disabled`: the base layer alone
+            return linear_fp8(x, self.weight, scale, self.fp8_backend) if scale is not None \
+                else F.linear(x, self.weight, self.bias)
         dtype = self.spec.compute_dtype(x.dtype if scale is not None else self.weight.dtype)
         # The scale folds into the [out, r] factor: no extra pass over the activations.
         a_rI = self.lora_A.weight.to(dtype)
@@ -227,7 +232,7 @@ class LoRAGroupedExperts(GroupedExperts):
     def _project(self, x_NX: torch.Tensor, proj: str, counts_E: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         """x through one stacked projection, its adapter's update included."""
         pair = self.adapter(proj)
-        if pair is None:
+        if pair is None or getattr(self, "adapter_off", False):
             return self.project(x_NX, proj, offsets_E)
         if self._fused(x_NX):
             b_EOr = (pair[1] * self.scaling).to(x_NX.dtype)
@@ -278,3 +283,18 @@ LORA_MODULES = (LoRALinear, LoRAGroupedExperts)
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAGroupedExperts]]:
     """Every LoRA module of `model` with its name, in module order."""
     return [(name, module) for name, module in model.named_modules() if isinstance(module, LORA_MODULES)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside it, every LoRA module of `model` computes its base layer alone: the model it was
+    adapted from, with no second copy of the weights (a preference objective's reference model).
+    An attribute, not a parameter: state dicts, FSDP2 and the adapters' gradients are untouched."""
+    modules = [module for _, module in lora_modules(model)]
+    for module in modules:
+        module.adapter_off = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.adapter_off = False

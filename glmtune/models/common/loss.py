@@ -16,6 +16,10 @@ backends:
   * "checkpoint": autograd through each slice, recomputed in backward.
 `full_cross_entropy` is the plain reference both are tested against.
 
+`chunked_token_logps` gives the per-token log-probabilities themselves (preference losses
+sum them per document), under the same one-slice-at-a-time bound: its backward recomputes
+each slice's logits and applies d logp / d logits = one_hot - softmax, scaled per token.
+
 Targets are next-token ids aligned with the inputs (`targets[t]` is the token
 that should follow position t, -100 where no loss applies), so no shift happens
 here and packed rows never predict across a document boundary.
@@ -162,6 +166,82 @@ def chunked_cross_entropy(
         else:
             total = total + _chunk_loss_sum(h, weight_VD, t)
     return total, num_tokens
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """log p(target) per supervised row of `hidden @ weight.T`, one [chunk, V] fp32 slice at a time.
+
+    Unlike the fused cross-entropy, the upstream gradient is per token (a preference loss
+    weighs each document differently), so the gradients cannot be formed in forward: backward
+    recomputes each slice's logits (one more head GEMM) from the saved fp32 log-normalizers.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size):
+        logp_N = hidden_ND.new_empty(hidden_ND.shape[0], dtype=torch.float32)
+        lse_N = torch.empty_like(logp_N)
+        for start in range(0, hidden_ND.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = F.linear(hidden_ND[start:end], weight_VD).float()
+            lse_N[start:end] = torch.logsumexp(logits, dim=-1)
+            logp_N[start:end] = logits.gather(1, targets_N[start:end, None]).squeeze(1) - lse_N[start:end]
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N)
+        ctx.chunk_size = chunk_size
+        return logp_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp_N):
+        hidden_ND, weight_VD, targets_N, lse_N = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden_ND) if need_hidden else None
+        # Accumulated in the weight's dtype, one rounding per slice, as the fused cross-entropy does.
+        grad_weight = torch.zeros_like(weight_VD) if need_weight else None
+        chunk_size = ctx.chunk_size
+        for start in range(0, hidden_ND.shape[0], chunk_size):
+            end = start + chunk_size
+            h, t, g = hidden_ND[start:end], targets_N[start:end], grad_logp_N[start:end].float()
+            # d logp / d logits = one_hot - softmax, times the incoming gradient of each token;
+            # built in place over the slice's fp32 logits (the only [chunk, V] buffer alive).
+            dlogits = F.linear(h, weight_VD).float().sub_(lse_N[start:end, None]).exp_().mul_(-g[:, None])
+            dlogits.scatter_add_(1, t[:, None], g[:, None])
+            dlogits = dlogits.to(weight_VD.dtype)
+            if need_hidden:
+                grad_hidden[start:end] = dlogits @ weight_VD
+            if need_weight:
+                grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype))
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_token_logps(hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor,
+                        chunk_size: int = 4096, num_supervised: int | None = None) -> torch.Tensor:
+    """fp32 log p(targets[b, s]) under `hidden @ weight.T` where the target is not -100, 0 elsewhere.
+
+    Only supervised positions pay for the LM head, and at most one [chunk, V] fp32 slice of
+    logits is alive in forward and in backward. `num_supervised` (the count of targets != -100,
+    known on the host) spares the host sync of finding the supervised rows, as in
+    `chunked_cross_entropy`.
+    """
+    hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+    targets_N = targets_BS.reshape(-1)
+    keep_N = targets_N != IGNORE_INDEX
+    if num_supervised is None:
+        kept = keep_N.nonzero().squeeze(1)
+    else:
+        kept = keep_N.nonzero_static(size=num_supervised).squeeze(1)
+    logp_K = _ChunkedTokenLogps.apply(hidden_ND.index_select(0, kept), weight_VD, targets_N.index_select(0, kept),
+                                      chunk_size)
+    # index_copy keeps the result connected to the graph even with no supervised token.
+    logp_N = hidden_ND.new_zeros(targets_N.shape[0], dtype=torch.float32).index_copy(0, kept, logp_K)
+    return logp_N.view(targets_BS.shape)
+
+
+def full_token_logps(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Reference: fp32 log-softmax over materialized logits, gathered at the targets (0 where -100)."""
+    logp_BSV = torch.log_softmax(logits_BSV.float(), dim=-1)
+    keep_BS = targets_BS != IGNORE_INDEX
+    logp_BS = logp_BSV.gather(-1, targets_BS.clamp_min(0)[..., None]).squeeze(-1)
+    return torch.where(keep_BS, logp_BS, torch.zeros_like(logp_BS))
 
 
 def full_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from glmtune.models.common.document_masks import allowed_mask, longest_document, single_document_rows
-from glmtune.models.common.loss import chunked_cross_entropy
+from glmtune.models.common.loss import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logps
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.common.sequence_shard import SequenceShard
@@ -42,7 +42,8 @@ class Glm5Output:
     logits: torch.Tensor | None  # [B, S, V] in the model dtype, or None when not asked for
     hidden_states: torch.Tensor  # [B, S, D] after the final norm
     loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when targets were given
-    num_targets: torch.Tensor | None = None  # supervised tokens in loss_sum
+    num_targets: torch.Tensor | None = None  # supervised tokens in loss_sum (or token_logps)
+    token_logps: torch.Tensor | None = None  # [B, S] fp32 log p(target), 0 where -100 (forward(token_logps=True))
 
 
 class DecoderLayer(nn.Module):
@@ -218,7 +219,7 @@ class Glm5ForCausalLM(nn.Module):
     def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
                 targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None,
                 num_supervised: int | None = None, loss_grad_scale: float | None = None,
-                single_document: bool | None = None) -> Glm5Output:
+                single_document: bool | None = None, token_logps: bool = False) -> Glm5Output:
         """Args:
             input_ids: [B, T] token ids. Under context parallelism (`model.sequence_shard`) every
                 argument describes the full rows and the outputs (hidden states, logits, loss
@@ -239,15 +240,23 @@ class Glm5ForCausalLM(nn.Module):
             loss_grad_scale: the factor the caller multiplies `loss_sum` by before backward
                 (e.g. 1 / supervised tokens of the step), if known on the host: the fused loss
                 folds it into its gradient GEMMs instead of a scaling pass in backward.
+            token_logps: with `targets`, return `token_logps` (per-token fp32 log-probabilities of
+                the targets, 0 where -100; chunked like the loss) instead of `loss_sum`, for losses
+                that weigh tokens per document (preference optimization).
         """
         hidden_BSD = self.model(input_ids, position_ids, document_ids, longest_document, single_document)
         logits = self.lm_head(hidden_BSD) if compute_logits else None
         out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
         if targets is not None:
             targets = self.model.local_tokens(targets)
-            out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
-                                                                  loss_chunk_size, num_supervised=num_supervised,
-                                                                  grad_scale=loss_grad_scale)
+            if token_logps:
+                out.token_logps = chunked_token_logps(hidden_BSD, self.lm_head.weight, targets, loss_chunk_size,
+                                                      num_supervised)
+                out.num_targets = (targets != IGNORE_INDEX).sum()
+            else:
+                out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
+                                                                      loss_chunk_size, num_supervised=num_supervised,
+                                                                      grad_scale=loss_grad_scale)
         return out
 
     def freeze_untrained_by_default(self) -> None:
