@@ -1,9 +1,11 @@
-"""`glmtune data validate|prepare|synth`: check, version and generate chat datasets.
+"""`glmtune data validate|prepare|synth`: check, version and generate chat and preference datasets.
 
   glmtune data validate PATH... [--schema S]    every contract violation as file:line: field: reason
   glmtune data prepare PATH... --out DIR         dedup, PII lint, group split, versioned JSONL + manifest
-  glmtune data synth OUT [--rows N --seed S]     the bundled support-ticket task as JSONL
+  glmtune data synth OUT [--kind K --rows N --seed S]   the bundled support-ticket task as JSONL
 (prepare and synth refuse an existing non-empty output unless --overwrite; synth never replaces a directory)
+Each file's kind is detected from its rows: chat rows (`messages`) or preference rows
+(`prompt`/`chosen`/`rejected`); validate and prepare print it, prepare's manifest records it.
 """
 
 from __future__ import annotations
@@ -11,17 +13,22 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+SYNTH_KINDS = ("support_tickets", "support_preferences")
+
 
 def _validate(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.data.contract import load_schema, validate_row
+    from glmtune.data.contract import load_schema
+    from glmtune.data.preferences import validate_any_rows
     from glmtune.data.sources import no_rows_message, read_rows
 
     schema = load_schema(args.schema) if args.schema else None
     num_rows = num_violations = num_bad_rows = 0
-    for row in read_rows(args.paths):
+    kinds: dict[str, int] = {}
+    for row, kind, violations in validate_any_rows(read_rows(args.paths), schema):
         num_rows += 1
-        violations = validate_row(row, schema)
+        if kind is not None:
+            kinds[kind] = kinds.get(kind, 0) + 1
         num_bad_rows += bool(violations)
         num_violations += len(violations)
         for violation in violations:
@@ -31,7 +38,7 @@ def _validate(args: argparse.Namespace) -> int:
     if num_violations:
         print(f"{num_violations} violation(s) in {num_bad_rows} of {num_rows} row(s)")
         return 1
-    print(f"OK: {num_rows} row(s), 0 violations")
+    print(f"OK: {num_rows} row(s), 0 violations ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})")
     return 0
 
 
@@ -42,8 +49,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
     result = prepare_dataset(args.paths, args.out, ratios=parse_ratios(args.ratios), pii_action=args.pii,
                              schema_path=args.schema, split_seed=args.split_seed, overwrite=args.overwrite)
-    counts, pii = result.manifest["counts"], result.manifest["pii"]
-    print(f"read {counts['input_rows']} row(s); dropped {counts['exact_duplicates']} exact and "
+    counts, pii, kind = result.manifest["counts"], result.manifest["pii"], result.manifest["kind"]
+    print(f"read {counts['input_rows']} {kind} row(s); dropped {counts['exact_duplicates']} exact and "
           f"{counts['normalized_duplicates']} normalized duplicate(s), {counts['pii_dropped']} for PII "
           f"({pii['num_findings']} finding(s) in {pii['num_rows_with_findings']} row(s), see {pii['report']})")
     for name, entry in result.manifest["outputs"].items():
@@ -55,10 +62,13 @@ def _prepare(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.data.synthetic import SCHEMA_PATH, check_jsonl_target, generate_rows, write_jsonl
+    from glmtune.data.synthetic_preferences import generate_preference_rows
 
     check_jsonl_target(args.out, overwrite=args.overwrite)  # before generating the rows
-    path = write_jsonl(generate_rows(args.rows, seed=args.seed), args.out, overwrite=args.overwrite)
-    print(f"wrote {args.rows} row(s) to {path} (answer schema: {SCHEMA_PATH})")
+    generate = generate_preference_rows if args.kind == "support_preferences" else generate_rows
+    path = write_jsonl(generate(args.rows, seed=args.seed), args.out, overwrite=args.overwrite)
+    what = "preference row(s)" if args.kind == "support_preferences" else "row(s)"
+    print(f"wrote {args.rows} {what} to {path} (answer schema: {SCHEMA_PATH})")
     return 0
 
 
@@ -95,8 +105,13 @@ def register(subparsers: Any) -> None:
 
     synth = actions.add_parser(
         "synth", help="write the bundled synthetic support-ticket dataset",
-        description="Generate the deterministic support-ticket triage task (JSON answers, ~20%% tool calls).")
+        description="Generate the deterministic support-ticket triage task (JSON answers, ~20%% tool calls), "
+                    "as chat rows or as preference pairs (chosen = the reference answer, rejected = a wrong "
+                    "severity, a wrong next action or invalid JSON).")
     synth.add_argument("out", metavar="OUT", help="output .jsonl path")
+    synth.add_argument("--kind", choices=SYNTH_KINDS, default=SYNTH_KINDS[0],
+                       help="support_tickets: chat rows; support_preferences: prompt/chosen/rejected rows "
+                            "(default: support_tickets)")
     synth.add_argument("--overwrite", action="store_true", help="replace OUT if it is an existing file (never a directory)")
     synth.add_argument("--rows", type=int, default=2000, help="number of rows (default: 2000)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

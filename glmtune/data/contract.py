@@ -16,6 +16,8 @@ Checks, each reported as `file:line: field: reason` (field like
     be tokenized as real control tokens and forge turn boundaries;
   * optionally, the final answer (last assistant content, parsed as JSON) satisfies
     a JSON Schema.
+Preference rows (prompt/chosen/rejected) reuse these checks through
+`check_conversation` (see preferences.py).
 `normalize_row` maps a valid row to the canonical form the rest of the pipeline
 uses: text content, `{"type": "function", "function": {...}}` calls with dict
 arguments, string group/id, and no None-valued keys (Parquet fills absent fields
@@ -293,11 +295,16 @@ class _RowChecker:
             self.add(path, f"final answer at {error.json_path}: {error.message}")
 
 
+def check_conversation(data: Any, origin: Origin, schema: dict[str, Any] | None = None) -> list[Violation]:
+    """All contract violations of one parsed chat row (`{"messages": ..., "tools": ...}`)."""
+    return _RowChecker(origin, schema).check(data)
+
+
 def validate_row(row: Row, schema: dict[str, Any] | None = None) -> list[Violation]:
     """All contract violations of one row (empty when valid)."""
     if row.parse_error is not None:
         return [Violation(row.origin, "<row>", row.parse_error)]
-    return _RowChecker(row.origin, schema).check(row.data)
+    return check_conversation(row.data, row.origin, schema)
 
 
 def validate_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None) -> list[Violation]:
@@ -311,15 +318,21 @@ def check_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None, ma
     rows = list(rows)
     violations = validate_rows(rows, schema)
     if violations:
-        # The first line names the first violation: a one-line error display keeps file:line.
-        shown = "".join(f"\n  {v}" for v in violations[1:max_shown])
-        more = f"\n  ... and {len(violations) - max_shown} more" if len(violations) > max_shown else ""
-        raise ValueError(f"{len(violations)} data contract violation(s) (run `glmtune data validate` for all); "
-                         f"the first: {violations[0]}{shown}{more}")
+        raise violations_error(violations, max_shown)
     return [Row(normalize_row(row.data), row.origin) for row in rows]
 
 
-def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
+def violations_error(violations: list[Violation], max_shown: int = 10) -> ValueError:
+    """The ValueError `check_or_raise` raises for a non-empty list of violations."""
+    # The first line names the first violation: a one-line error display keeps file:line.
+    shown = "".join(f"\n  {v}" for v in violations[1:max_shown])
+    more = f"\n  ... and {len(violations) - max_shown} more" if len(violations) > max_shown else ""
+    return ValueError(f"{len(violations)} data contract violation(s) (run `glmtune data validate` for all); "
+                      f"the first: {violations[0]}{shown}{more}")
+
+
+def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Canonical form of one valid message (text content, dict tool-call arguments)."""
     out = {key: value for key, value in message.items() if value is not None}
     out["content"] = content_text(message.get("content"))
     calls = []
@@ -341,7 +354,7 @@ def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
 def normalize_row(data: dict[str, Any]) -> dict[str, Any]:
     """Canonical form of a valid row (see module docstring); the input is not modified."""
     out = {key: value for key, value in data.items() if value is not None}
-    out["messages"] = [_normalize_message(message) for message in data["messages"]]
+    out["messages"] = [normalize_message(message) for message in data["messages"]]
     if not out.get("tools"):
         out.pop("tools", None)
     for key in ("group", "id"):

@@ -10,6 +10,12 @@ independent of anything but the input.
 `glmtune data prepare` drops both kinds; `glmtune train` drops exact duplicates only,
 since rows that match only after normalization can differ in what the model learns
 (the casing or punctuation of an answer) and a recipe trains on its data as given.
+
+Preference rows (preferences.py) are keyed by (prompt, chosen, rejected) and their
+tools: the same prompt with another pair of answers is another row, and so is the
+same pair with chosen and rejected swapped. Their normalized key normalizes the prompt
+only; the answers count exactly, since what makes one answer preferred is often
+punctuation (a JSON answer against the same text in single quotes).
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from glmtune.data.preferences import ANSWER_FIELDS, PREFERENCE_FIELDS, row_kind
 from glmtune.data.sources import Row
 
 _PUNCTUATION = re.compile(r"[^\w\s]|_")
 
 
 def _training_view(data: dict[str, Any]) -> dict[str, Any]:
+    if row_kind(data) == "preference":
+        return {**{field: data.get(field) for field in PREFERENCE_FIELDS}, "tools": data.get("tools") or None}
     return {"messages": data.get("messages"), "tools": data.get("tools") or None}
 
 
@@ -40,16 +49,27 @@ def normalize_text(text: str) -> str:
     return " ".join(_PUNCTUATION.sub("", text.lower()).split())
 
 
-def normalized_key(data: dict[str, Any]) -> str:
-    """sha256 of the normalized text of every message (role included) and the tools."""
+def _message_parts(messages: list[dict[str, Any]]) -> list[str]:
     parts = []
-    for message in data.get("messages") or []:
+    for message in messages:
         parts.append(f"{message.get('role')} {message.get('content') or ''} {message.get('reasoning_content') or ''}")
         for call in message.get("tool_calls") or []:
             parts.append(json.dumps(call, sort_keys=True, ensure_ascii=False))
+    return parts
+
+
+def normalized_key(data: dict[str, Any]) -> str:
+    """sha256 of the normalized text of every message (role included) and the tools;
+    for a preference row, of its normalized prompt and tools and its exact answers."""
+    preference = row_kind(data) == "preference"
+    parts = _message_parts(data.get("prompt" if preference else "messages") or [])
     if data.get("tools"):
         parts.append(json.dumps(data["tools"], sort_keys=True, ensure_ascii=False))
-    return hashlib.sha256(normalize_text("\n".join(parts)).encode()).hexdigest()
+    text = normalize_text("\n".join(parts))
+    if preference:  # answers exactly: their punctuation is often what was preferred (valid JSON or not)
+        answers = {field: data.get(field) for field in ANSWER_FIELDS}
+        text += "\0" + json.dumps(answers, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass

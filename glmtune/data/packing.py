@@ -27,6 +27,16 @@ they would only cost compute. Counts are returned in `PackingStats`.
 First-fit decreasing: samples sorted by length (longest first, ties by input
 order), each placed in the first row with room, found in O(log n) with a max
 segment tree over the rows' free space. Deterministic for a given input order.
+
+Packed preference pairs (`pack_pairs`), same row format. Within a row, documents
+2i and 2i+1 are the chosen and the rejected answer of the row's pair i (chosen
+first, at the even document id), each with its prompt: a pair is one unit of
+first-fit decreasing over its total length, so it is never split across rows, and
+the boundary rule applies to each of its two documents. Truncation is not offered
+(a truncated answer is not the one that was preferred): a pair longer than a row is
+dropped, and so is a pair whose chosen or rejected has no target left. In the
+`PackingStats` of `pack_pairs`, num_samples, num_packed_samples, num_dropped_* count
+pairs and longest_sample is the longest pair's total length.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ PAD_DOCUMENT_ID = -1
 LongSamplePolicy = Literal["truncate", "drop"]
 LONG_SAMPLE_POLICIES: tuple[str, ...] = ("truncate", "drop")
 PACKED_FIELDS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "document_ids")
+Document = tuple[list[int], list[int]]  # (input_ids, labels) after the boundary rule
 
 
 @dataclass
@@ -137,27 +148,85 @@ def pack_samples(samples: Sequence[TokenizedSample], packed_sequence_size: int, 
         raise ValueError(f"long_samples must be one of {LONG_SAMPLE_POLICIES}, got {long_samples!r}")
     stats = PackingStats(num_samples=len(samples))
     docs = _prepare(samples, packed_sequence_size, long_samples, stats)
-    rows = []
-    for bin_indices in first_fit_decreasing([len(ids) for ids, _ in docs], packed_sequence_size):
-        row: dict[str, list[int]] = {field: [] for field in PACKED_FIELDS}
-        for document_id, index in enumerate(bin_indices):
-            input_ids, labels = docs[index]
-            row["input_ids"] += input_ids
-            row["labels"] += labels
-            row["position_ids"] += range(len(input_ids))
-            row["document_ids"] += [document_id] * len(input_ids)
-        num_padding = packed_sequence_size - len(row["input_ids"])
-        row["input_ids"] += [pad_token_id] * num_padding
-        row["labels"] += [IGNORE_INDEX] * num_padding
-        row["position_ids"] += range(num_padding)
-        row["document_ids"] += [PAD_DOCUMENT_ID] * num_padding
-        assert all(len(row[field]) == packed_sequence_size for field in PACKED_FIELDS)
-        stats.num_tokens += packed_sequence_size - num_padding
-        stats.num_padding += num_padding
-        rows.append(row)
+    rows = [_build_row([docs[index] for index in bin_indices], packed_sequence_size, pad_token_id, stats)
+            for bin_indices in first_fit_decreasing([len(ids) for ids, _ in docs], packed_sequence_size)]
     stats.num_rows = len(rows)
     stats.num_packed_samples = len(docs)
     return rows, stats
+
+
+def _build_row(documents: list[Document], size: int, pad_token_id: int, stats: PackingStats) -> dict[str, list[int]]:
+    """One packed row: the documents in order (document ids 0, 1, ...), then padding."""
+    row: dict[str, list[int]] = {field: [] for field in PACKED_FIELDS}
+    for document_id, (input_ids, labels) in enumerate(documents):
+        row["input_ids"] += input_ids
+        row["labels"] += labels
+        row["position_ids"] += range(len(input_ids))
+        row["document_ids"] += [document_id] * len(input_ids)
+    num_padding = size - len(row["input_ids"])
+    row["input_ids"] += [pad_token_id] * num_padding
+    row["labels"] += [IGNORE_INDEX] * num_padding
+    row["position_ids"] += range(num_padding)
+    row["document_ids"] += [PAD_DOCUMENT_ID] * num_padding
+    assert all(len(row[field]) == size for field in PACKED_FIELDS)
+    stats.num_tokens += size - num_padding
+    stats.num_padding += num_padding
+    return row
+
+
+def _prepare_pairs(pairs: Sequence[tuple[TokenizedSample, TokenizedSample]], size: int,
+                   stats: PackingStats) -> list[tuple[Document, Document]]:
+    """The boundary rule on both documents of each pair; drop too-long and target-less pairs."""
+    kept = []
+    for pair in pairs:
+        documents = []
+        for sample in pair:
+            labels = list(sample.labels)
+            if labels:
+                labels[0] = IGNORE_INDEX  # boundary rule (module docstring)
+            documents.append((list(sample.input_ids), labels))
+        length = sum(len(input_ids) for input_ids, _ in documents)
+        stats.longest_sample = max(stats.longest_sample, length)
+        if length > size:
+            stats.num_dropped_too_long += 1
+        elif any(all(label == IGNORE_INDEX for label in labels) for _, labels in documents):
+            stats.num_dropped_no_targets += 1
+        else:
+            kept.append((documents[0], documents[1]))
+    return kept
+
+
+def pack_pairs(pairs: Sequence[tuple[TokenizedSample, TokenizedSample]], packed_sequence_size: int, *,
+               pad_token_id: int) -> tuple[list[dict[str, list[int]]], PackingStats]:
+    """Pack (chosen, rejected) pairs into rows, a pair never split (module docstring).
+
+    Args:
+        pairs: (chosen, rejected) samples of one prompt each (preferences.tokenize_pair).
+        packed_sequence_size: length of every output row.
+        pad_token_id: filler token id; never a target.
+
+    Returns:
+        (rows, stats): rows as `pack_samples` makes them, document 2i the chosen and
+        2i+1 the rejected answer of pair i of the row; stats count pairs.
+    """
+    if packed_sequence_size < 2:
+        raise ValueError(f"packed_sequence_size must be >= 2, got {packed_sequence_size}")
+    stats = PackingStats(num_samples=len(pairs))
+    kept = _prepare_pairs(pairs, packed_sequence_size, stats)
+    lengths = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in kept]
+    rows = [_build_row([document for index in bin_indices for document in kept[index]], packed_sequence_size,
+                       pad_token_id, stats)
+            for bin_indices in first_fit_decreasing(lengths, packed_sequence_size)]
+    stats.num_rows = len(rows)
+    stats.num_packed_samples = len(kept)
+    return rows, stats
+
+
+def pair_document_count(document_ids: Sequence[int]) -> int:
+    """The number of pairs in a row packed by `pack_pairs` (its documents / 2)."""
+    num_documents = max(document_ids, default=PAD_DOCUMENT_ID) + 1
+    assert num_documents % 2 == 0, "a row of pairs holds an even number of documents"
+    return num_documents // 2
 
 
 def next_token_targets(labels: Sequence[int]) -> list[int]:

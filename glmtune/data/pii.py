@@ -3,8 +3,9 @@
 Regex detectors for credentials (API keys such as `sk-...`, AWS access key ids,
 GitHub and Slack tokens, bearer tokens, `api_key=...`-style assignments, PEM
 private keys) and personal data (e-mail addresses, phone numbers). Every string of
-a row is scanned (messages, tool calls and responses, tools, metadata), and each
-finding records the row's `file:line` and the field path. Matches are redacted in
+a row is scanned (messages, or a preference row's prompt, chosen and rejected; tool
+calls and responses, tools, metadata), and each finding records the row's `file:line`
+and the field path (`messages[1].content`, `chosen[0].content`). Matches are redacted in
 findings so the report itself never leaks the secret it flags.
 
 Detectors run most specific first, and a match overlapping an earlier one in the

@@ -1,18 +1,20 @@
 """`glmtune data prepare`: raw rows in, versioned train/validation/test JSONL out.
 
 Pipeline, in order:
-  1. read every input (sources.py) and enforce the data contract (contract.py);
+  1. read every input (sources.py) and enforce the data contract (contract.py, or
+     preferences.py for preference rows: the kind is detected, one for all inputs);
      rows are normalized to the canonical form; no rows at all is an error, raised
      before anything is written;
   2. secrets/PII lint (pii.py), written to `pii_report.json`; the action decides
      what happens to rows with findings: `report` keeps them, `drop` removes them,
      `fail` raises after writing the report;
-  3. exact then normalized-text dedup (dedup.py), before splitting so a duplicate
-     can never sit in both train and test;
-  4. group-aware split (split.py);
+  3. exact then normalized-text dedup (dedup.py; preference rows by prompt, chosen
+     and rejected), before splitting so a duplicate can never sit in both train and test;
+  4. group-aware split (split.py; preference rows without a group by their prompt);
   5. each split is written as `{split}-{sha256[:12]}.jsonl` (named by its content
      hash, so a file name pins its exact contents) and `manifest.json` records
-     input hashes, counts, dedup/lint stats and the output files.
+     the kind ("chat" or "preference"), input hashes, counts, dedup/lint stats and
+     the output files.
 The data version is the sha256 of the output files' hashes: identical outputs give
 the same version whatever the inputs' paths or order of runs. The manifest has no
 timestamps, so re-running on the same inputs rewrites the same bytes.
@@ -31,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.io.version import __version__
-from glmtune.data.contract import check_or_raise, load_schema
+from glmtune.data.contract import load_schema
 from glmtune.data.dedup import dedup_rows
 from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows
+from glmtune.data.preferences import check_rows_or_raise
 from glmtune.data.sources import Row, expand_inputs, file_sha256, no_rows_message, read_rows
 from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
 from glmtune.io.outputs import check_output, output_dir
@@ -65,12 +68,13 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
 
     Args:
         inputs: JSONL/Parquet files, `datasets` save_to_disk directories, or
-            directories of JSONL/Parquet files.
+            directories of JSONL/Parquet files; chat rows or preference rows, one kind.
         out_dir: created if missing; split files, the manifest and the PII report go here.
             Must not be, be inside or contain an input.
         ratios: train/validation/test fractions summing to 1.
         pii_action: "report", "drop" or "fail" (see module docstring).
-        schema_path: optional JSON Schema for final answers (contract check).
+        schema_path: optional JSON Schema for final answers (contract check; for
+            preference rows, chosen answers).
         split_seed: salt of the group hash; change it to draw a different split.
         overwrite: replace an existing non-empty `out_dir`.
 
@@ -92,7 +96,7 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
         rows.extend(unit_rows)
     if not rows:  # refused before anything is written: an empty version is never what was meant
         raise ValueError(f"{no_rows_message(inputs)}: nothing to prepare")
-    rows = check_or_raise(rows, schema)
+    kind, rows = check_rows_or_raise(rows, schema)
 
     per_row_findings = lint_rows(rows)
     report = build_report(per_row_findings, pii_action)
@@ -120,6 +124,7 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
     manifest = {
         "version": version,
         "glmtune_version": __version__,
+        "kind": kind,
         "inputs": input_records,
         "options": {
             "ratios": dict(zip(SPLITS, ratios)),

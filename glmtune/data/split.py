@@ -6,15 +6,21 @@ rows of a group therefore land in the same split, so the model is never evaluate
 on a customer, document or conversation family it trained on, and adding rows never
 moves existing groups between splits. The achieved ratios are close to the
 requested ones only when there are many groups.
+
+A preference row (preferences.py) without a group is split by its prompt (and
+tools), never by its id or answers: all pairs of one prompt land in one split, so a
+model is never validated on a prompt whose other pairs it trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from typing import Any
 
 from glmtune.data.dedup import exact_key
+from glmtune.data.preferences import row_kind
 from glmtune.data.sources import Row
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")  # HF datasets split names
@@ -43,9 +49,18 @@ def split_key(data: dict[str, Any]) -> str:
     """The identity that decides a row's split (see module docstring)."""
     if data.get("group") is not None:
         return f"group:{data['group']}"
+    if row_kind(data) == "preference":
+        return f"prompt:{prompt_key(data)}"
     if data.get("id") is not None:
         return f"id:{data['id']}"
     return f"content:{exact_key(data)}"
+
+
+def prompt_key(data: dict[str, Any]) -> str:
+    """sha256 of a preference row's prompt and tools (canonical JSON)."""
+    view = {"prompt": data.get("prompt"), "tools": data.get("tools") or None}
+    canonical = json.dumps(view, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def assign_split(key: str, ratios: tuple[float, float, float], seed: int = 0) -> str:

@@ -10,7 +10,11 @@ sidecar describing what went into the key. The key is the sha256 of
   * the options that change labels: loss_on, enable_thinking,
   * the final-answer JSON Schema, if any (a hit skips validation, so it must have
     passed the same contract),
-  * a format version, bumped whenever tokenization code changes its output.
+  * a format version, bumped whenever tokenization code changes its output,
+  * for preference data, the kind "preference" (absent for chat data, whose keys
+    predate it), so the same files never share an entry between SFT and DPO.
+Preference data (`tokenize_preference_dataset`) is stored as its samples interleaved:
+chosen of pair 0, rejected of pair 0, chosen of pair 1, ...
 A hit therefore needs neither the tokenizer nor the data to be read: only hashed.
 Writes go to a temporary file then `os.replace`, so concurrent writers (several
 ranks) never expose a partial file; the last complete write wins.
@@ -33,6 +37,7 @@ import numpy as np
 
 from glmtune.data.chat_template import LOSS_ON_CHOICES, LossOn, TokenizedSample, load_chat_template, tokenize_row
 from glmtune.data.contract import check_or_raise
+from glmtune.data.preferences import check_preferences_or_raise, tokenize_pair
 from glmtune.data.sources import inputs_sha256, read_rows
 from glmtune.data.tokenizer import TOKENIZER_FILES, load_tokenizer, resolve_tokenizer_dir
 
@@ -62,7 +67,7 @@ def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
 
 
 def cache_key(*, tokenizer_hash: str, template: str, data_hash: str, loss_on: str, enable_thinking: bool,
-              schema: dict[str, Any] | None = None) -> str:
+              schema: dict[str, Any] | None = None, kind: str = "chat") -> str:
     """The cache key for one tokenized dataset (components in the module docstring)."""
     components = {
         "format": CACHE_FORMAT_VERSION,
@@ -73,6 +78,8 @@ def cache_key(*, tokenizer_hash: str, template: str, data_hash: str, loss_on: st
         "enable_thinking": enable_thinking,
         "schema": None if schema is None else hashlib.sha256(json.dumps(schema, sort_keys=True).encode()).hexdigest(),
     }
+    if kind != "chat":  # chat keys stay what they were before preference data existed
+        components["kind"] = kind
     return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
 
 
@@ -156,3 +163,44 @@ def tokenize_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str
     meta = {"tokenizer_dir": str(directory), "data": [str(p) for p in paths], "loss_on": loss_on,
             "enable_thinking": enable_thinking}
     return TokenizedDataset(samples, key, cache_hit=False, cache_path=cache.put(key, samples, meta))
+
+
+@dataclass
+class TokenizedPairs:
+    pairs: list[tuple[TokenizedSample, TokenizedSample]]  # (chosen, rejected), in input order
+    key: str
+    cache_hit: bool
+    cache_path: Path | None
+
+
+def tokenize_preference_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str | Path | None = None,
+                                enable_thinking: bool = True, schema: dict[str, Any] | None = None,
+                                cache_dir: str | Path | None = None, use_cache: bool = True) -> TokenizedPairs:
+    """Tokenize preference files (preferences.tokenize_pair) through the cache.
+
+    Args:
+        paths: data files/directories of preference rows (see sources.read_rows).
+        tokenizer_dir: model or tokenizer directory; None for the bundled tiny tokenizer.
+        enable_thinking: see chat_template.tokenize_conversation.
+        schema: optional final-answer JSON Schema for chosen answers, enforced on a miss.
+        cache_dir: cache root (default in module docstring).
+        use_cache: False always tokenizes and writes nothing.
+    """
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    directory = resolve_tokenizer_dir(tokenizer_dir)
+    template = load_chat_template(directory)
+    key = cache_key(tokenizer_hash=tokenizer_sha256(directory), template=template, data_hash=inputs_sha256(paths),
+                    loss_on="completion", enable_thinking=enable_thinking, schema=schema, kind="preference")
+    cache = TokenizationCache(cache_dir)
+    if use_cache and (samples := cache.get(key)) is not None:
+        return TokenizedPairs(list(zip(samples[0::2], samples[1::2])), key, cache_hit=True, cache_path=cache.path(key))
+    tokenizer = load_tokenizer(directory)
+    rows = check_preferences_or_raise(read_rows(paths), schema)
+    pairs = [tokenize_pair(row.data, tokenizer, template=template, enable_thinking=enable_thinking,
+                           name=str(row.origin)) for row in rows]
+    if not use_cache:
+        return TokenizedPairs(pairs, key, cache_hit=False, cache_path=None)
+    meta = {"kind": "preference", "num_pairs": len(pairs), "tokenizer_dir": str(directory),
+            "data": [str(p) for p in paths], "enable_thinking": enable_thinking}
+    path = cache.put(key, [sample for pair in pairs for sample in pair], meta)
+    return TokenizedPairs(pairs, key, cache_hit=False, cache_path=path)

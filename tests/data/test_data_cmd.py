@@ -89,3 +89,39 @@ def test_synth_never_replaces_a_directory_by_a_file(tmp_path, capsys):
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["data", "synth", str(out), "--rows", "8", "--overwrite"]) == 0
     assert len(out.read_text().splitlines()) == 8
+
+
+def test_preference_synth_validate_prepare(tmp_path, capsys):
+    out = tmp_path / "prefs.jsonl"
+    assert run(["data", "synth", str(out), "--kind", "support_preferences", "--rows", "90", "--seed", "1"]) == 0
+    assert f"wrote 90 preference row(s) to {out}" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 90 and all({"prompt", "chosen", "rejected", "rejected_kind"} <= set(row) for row in rows)
+    assert run(["data", "validate", str(out), "--schema", str(SCHEMA_PATH)]) == 0
+    assert "OK: 90 row(s), 0 violations (90 preference)" in capsys.readouterr().out
+
+    assert run(["data", "prepare", str(out), "--out", str(tmp_path / "prep"), "--ratios", "0.6,0.2,0.2"]) == 0
+    printed = capsys.readouterr().out
+    manifest = json.loads((tmp_path / "prep" / "manifest.json").read_text())
+    assert printed.startswith("read 90 preference row(s); dropped") and manifest["kind"] == "preference"
+    groups = {}
+    for name, entry in manifest["outputs"].items():
+        for line in (tmp_path / "prep" / entry["file"]).read_text().splitlines():
+            assert groups.setdefault(json.loads(line)["group"], name) == name  # a customer in one split
+
+
+def test_validate_lists_preference_violations(tmp_path, write_jsonl, capsys):
+    good = {"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "assistant", "content": "b"}]}
+    path = write_jsonl("prefs.jsonl", [good, {**good, "rejected": good["chosen"]},
+                                       {**good, "chosen": [{"role": "assistant", "content": None}]},
+                                       chat(("user", "u"), ("assistant", "a"))])
+    assert run(["data", "validate", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}:2: rejected: identical to chosen; a pair needs two different answers",
+        f"{path}:3: chosen[0].content: missing (only an assistant turn with tool_calls may omit it)",
+        f"{path}:4: <row>: a chat row in a file of preference rows (the first at {path}:1); one file holds one kind",
+        "3 violation(s) in 3 of 4 row(s)",
+    ]
+    assert run(["data", "validate", str(write_jsonl("chat.jsonl", [chat(("user", "u"), ("assistant", "a"))]))]) == 0
+    assert "OK: 1 row(s), 0 violations (1 chat)" in capsys.readouterr().out
