@@ -67,7 +67,9 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generated data, so a run needs no files (the tiny default uses it)."""
 
-    kind: Literal["support_tickets"] = "support_tickets"  # generator: support ticket -> JSON answer
+    # support_tickets: ticket -> JSON answer (chat rows); support_preferences: the same prompts with the
+    # reference answer chosen over a plausible wrong one (preference rows, train.objective: dpo)
+    kind: Literal["support_tickets", "support_preferences"] = "support_tickets"
     rows: int = 2000  # number of conversations to generate
     seed: int = 0  # generator seed, independent of train.seed
 
@@ -113,6 +115,9 @@ class TrainConfig:
     # fast path, warned at start). auto: fp32 for full fine-tuning with model.dtype bfloat16, none otherwise.
     master_weights: Literal["auto", "fp32", "none"] = "auto"
     generate_samples: int = 0  # held-out prompts answered greedily before and after training, scored (3 printed)
+    # sft: next-token loss on the assistant turns; dpo: preference optimization on prompt/chosen/rejected
+    # rows (the `dpo` section; docs/preference.md)
+    objective: Literal["sft", "dpo"] = "sft"
 
 
 @dataclass
@@ -127,6 +132,20 @@ class OptimConfig:
     scheduler: Literal["cosine", "constant", "linear"] = "cosine"  # decay after warmup
     warmup_steps: int = 0  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine/linear)
+
+
+@dataclass
+class DpoConfig:
+    """Preference optimization (`train.objective: dpo`); formulas and sources in docs/preference.md."""
+
+    beta: float = 0.1  # strength of the implicit KL to the reference (DPO's beta)
+    loss: Literal["sigmoid", "ipo", "robust"] = "sigmoid"  # DPO, IPO (per-token averaged), robust DPO
+    label_smoothing: float = 0.0  # assumed share of flipped preferences (sigmoid: cDPO; robust: its epsilon)
+    sft_weight: float = 0.0  # weight of the chosen answers' next-token loss added to the preference loss (RPO)
+    # model: the starting model (LoRA: the same weights with the adapters off; full fine-tuning:
+    # log-probabilities computed once before training and cached); none: reference-free (SimPO)
+    reference: Literal["model", "none"] = "model"
+    simpo_gamma: float = 0.5  # SimPO's target reward margin (reference: none only)
 
 
 @dataclass
@@ -210,6 +229,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)

@@ -37,7 +37,7 @@ import dataclasses
 import math
 
 from glmtune.config.degrees import MeshDegrees, raise_config_errors as _raise
-from glmtune.config.schema import JobConfig, ParallelConfig, PeftConfig
+from glmtune.config.schema import DataConfig, DpoConfig, JobConfig, ParallelConfig, PeftConfig
 
 # Schedules that place one stage per rank, and the V-shaped ones that need exactly two.
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
@@ -172,7 +172,7 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
-        + list(model_refusals) + pipeline_context_errors(cfg, num_layers)
+        + list(model_refusals) + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -207,6 +207,54 @@ def pipeline_context_errors(cfg: JobConfig, num_layers: int) -> list[str]:
                       f"model in each process, which {' and '.join(degrees)} split; set train.generate_samples: 0 "
                       "(score the run with the exported model instead)")
     return errors
+
+
+def objective_errors(cfg: JobConfig) -> list[str]:
+    """`train.objective` and the `dpo` section: settings that would be ignored, or that the
+    preference objective cannot honour (why: docs/preference.md)."""
+    t, dpo, d = cfg.train, cfg.dpo, cfg.data
+    if t.objective == "sft":
+        defaults = DpoConfig()
+        errors = [f"dpo.{f.name} is set but train.objective is sft; set train.objective: dpo or remove it"
+                  for f in dataclasses.fields(DpoConfig) if getattr(dpo, f.name) != getattr(defaults, f.name)]
+        if d.synthetic is not None and d.synthetic.kind == "support_preferences":
+            errors.append("data.synthetic.kind: support_preferences makes preference rows; train.objective: sft "
+                          "needs chat rows (kind support_tickets), or set train.objective: dpo")
+        return errors
+    rules = [
+        (dpo.beta > 0, f"dpo.beta must be > 0, got {dpo.beta}"),
+        (0 <= dpo.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}"),
+        (dpo.sft_weight >= 0, f"dpo.sft_weight must be >= 0, got {dpo.sft_weight}"),
+        (dpo.simpo_gamma >= 0, f"dpo.simpo_gamma must be >= 0, got {dpo.simpo_gamma}"),
+        (dpo.loss != "ipo" or dpo.label_smoothing == 0,
+         "dpo.label_smoothing with dpo.loss: ipo: IPO's squared loss has no label smoothing; use loss sigmoid "
+         "(cDPO) or robust"),
+        (dpo.reference == "model" or dpo.loss == "sigmoid",
+         f"dpo.reference: none is SimPO, a sigmoid loss on length-normalized log-probabilities; dpo.loss: "
+         f"{dpo.loss} needs a reference model"),
+        (dpo.reference == "none" or dpo.simpo_gamma == DpoConfig().simpo_gamma,
+         "dpo.simpo_gamma is set but dpo.reference is model (the margin is SimPO's, reference: none)"),
+        (d.loss_on == DataConfig().loss_on,
+         f"data.loss_on: {d.loss_on} with train.objective: dpo: the preference loss reads the chosen and "
+         "rejected answers only; remove data.loss_on"),
+        (d.synthetic is None or d.synthetic.kind == "support_preferences",
+         f"data.synthetic.kind: {d.synthetic.kind if d.synthetic else None} makes chat rows; "
+         "train.objective: dpo needs preference rows (kind support_preferences)"),
+        (d.too_long == "drop",
+         "data.too_long: truncate with train.objective: dpo: a cut answer is not the answer that was preferred; "
+         "pairs longer than data.packed_sequence_size are dropped (set data.too_long: drop)"),
+        (dpo.reference == "none" or cfg.peft.method == "lora",
+         "train.objective: dpo with dpo.reference: model and full fine-tuning needs the reference log-probabilities "
+         "computed before training, which is not built yet; use peft.method: lora (the reference is the model "
+         "with its adapters off) or dpo.reference: none (SimPO)"),
+        (cfg.parallel.pp == 1 and cfg.parallel.cp == 1,
+         "train.objective: dpo under parallel.pp > 1 or parallel.cp > 1 is not built yet (FSDP2 and EP are); "
+         "use parallel.pp: 1 and parallel.cp: 1"),
+        (t.generate_samples == 0,
+         "train.generate_samples answers held-out prompts for SFT runs; with train.objective: dpo set it to 0 "
+         "and score the run with glmtune eval's preference scorer"),
+    ]
+    return [message for ok, message in rules if not ok]
 
 
 def precision_errors(cfg: JobConfig) -> list[str]:

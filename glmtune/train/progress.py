@@ -53,8 +53,8 @@ class StepProgress:
 
     def update(self, record: dict[str, Any]) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}",
-                                 tps=f"{record['tokens_per_s']:.0f}")
+            loss = "  ".join([f"{record['loss']:.4f}", *_preference(record)])
+            self.progress.update(self.task, completed=record["step"], loss=loss, tps=f"{record['tokens_per_s']:.0f}")
         elif self.plain and self._logged(record):
             # flush: a Slurm log is a file, block-buffered; the line must be there when the step is
             print(self.line(record), flush=True)
@@ -72,6 +72,7 @@ class StepProgress:
         parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}"]
         if "val_loss" in record and record["val_loss"] is not None:
             parts.append(f"val_loss {record['val_loss']:.4f}")
+        parts += _preference(record)
         parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
                   f"tok/s {record['tokens_per_s']:.0f}"]
         if record.get("mfu") is not None:
@@ -84,3 +85,10 @@ class StepProgress:
     def __exit__(self, *exc) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def _preference(record: dict[str, Any]) -> list[str]:
+    """A preference objective's margin and accuracy (`dpo/...` in the record), else nothing."""
+    if "dpo/margin" not in record:
+        return []
+    return [f"margin {record['dpo/margin']:.3f}", f"acc {record['dpo/accuracy']:.0%}"]

@@ -21,6 +21,7 @@ one ExitStack when it ends, however it ends. Rank 0 alone writes files other tha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -62,6 +63,7 @@ from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
+from glmtune.train.preference import PreferenceObjective, documents_per_row, pair_counts, preference_summary
 from glmtune.train.precision import Precision, bf16_only_warning, bf16_rounded_away, resolve_precision
 from glmtune.train.model_source import build_model_from_config, tokenizer_dir_for
 from glmtune.train.process import DistributedInfo, check_recipe, init_distributed, resolve_device
@@ -269,8 +271,9 @@ def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console:
     if info.is_main:
         (run_dir / "data_manifest.json").write_text(json.dumps(data.manifest, indent=2) + "\n")
         packing = data.manifest["train_packing"]
+        unit = "preference pairs" if cfg.train.objective == "dpo" else "conversations"
         console.print(f"data: {data.manifest['train_conversations']} train / "
-                      f"{data.manifest['validation_conversations']} validation conversations -> "
+                      f"{data.manifest['validation_conversations']} validation {unit} -> "
                       f"{packing['num_rows']} packed rows of {cfg.data.packed_sequence_size} "
                       f"({packing['num_tokens']:,} tokens)")
         for note in data.notes:  # rows the data pipeline dropped, truncated or deduplicated
@@ -376,8 +379,15 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
-    trainer = Trainer(model, optimizer, scheduler, launch.spec.loss, train_loader, val_loader, checkpoints, metrics,
-                      trainer_settings(cfg, launch, model, mesh, hooks), console if info.is_main else None)
+    settings = trainer_settings(cfg, launch, model, mesh, hooks)
+    loss_fn = launch.spec.loss
+    if cfg.train.objective == "dpo":
+        objective = PreferenceObjective(launch.spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
+        loss_fn = objective.loss
+        settings = dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
+                                       stats_prefix="dpo/")
+    trainer = Trainer(model, optimizer, scheduler, loss_fn, train_loader, val_loader, checkpoints, metrics,
+                      settings, console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -387,7 +397,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
                       f"shard when sharded); {launch.precision.describe()}; {launch.degrees.describe()}; "
                       f"grad_accum {launch.grad_accum}; run dir {launch.run_dir}")
         if initial_val is not None:
-            console.print(f"validation loss before training: {initial_val:.4f}")
+            console.print(f"validation loss before training: {initial_val:.4f}{preference_summary(trainer.val_stats)}")
     return trainer
 
 
@@ -417,7 +427,8 @@ def finish(cfg: JobConfig, launch: Launch, built: BuiltModel, samples: LaidOut, 
         return 0
     if info.is_main:
         console.print(f"finished step {result.step}: train loss {result.last_loss:.4f}"
-                      + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
+                      + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+                      + preference_summary(result.val_stats))
         if samples.prompts:
             _report_samples(samples.before, after, run_dir, console)
     if cfg.peft.method == "lora":

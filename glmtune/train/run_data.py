@@ -16,12 +16,14 @@ from typing import Any
 from glmtune.config import JobConfig
 from glmtune.data.contract import check_or_raise, load_schema
 from glmtune.data.dedup import dedup_rows
-from glmtune.data.packing import pack_samples
+from glmtune.data.packing import pack_pairs, pack_samples
 from glmtune.data.pii import build_report, lint_rows
+from glmtune.data.preferences import check_preferences_or_raise
 from glmtune.data.sources import check_format, no_rows_message, read_rows
 from glmtune.data.split import split_rows
 from glmtune.data.synthetic import generate_rows, write_jsonl
-from glmtune.data.token_cache import tokenize_dataset
+from glmtune.data.synthetic_preferences import generate_preference_rows
+from glmtune.data.token_cache import tokenize_dataset, tokenize_preference_dataset
 from glmtune.data.tokenizer import load_tokenizer
 
 
@@ -65,23 +67,20 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     tokenizer = load_tokenizer(tokenizer_dir)
     if len(tokenizer) > vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
-    options = dict(tokenizer_dir=tokenizer_dir, loss_on=d.loss_on, enable_thinking=d.enable_thinking,
-                   schema=schema, cache_dir=d.cache_dir)
-    train_tok = tokenize_dataset([train_file], **options)
-    train_rows, train_stats = pack_samples(train_tok.samples, d.packed_sequence_size,
-                                          pad_token_id=tokenizer.pad_token_id, long_samples=d.too_long)
-    packing_notes = _packing_notes(train_stats, "training", d.packed_sequence_size, d.too_long)
+    tokenize_and_pack = _pairs if cfg.train.objective == "dpo" else _conversations
+    train_tok, train_rows, train_stats = tokenize_and_pack(cfg, [train_file], tokenizer_dir, schema,
+                                                           tokenizer.pad_token_id)
+    unit = "pairs" if cfg.train.objective == "dpo" else "conversations"
+    packing_notes = _packing_notes(train_stats, f"training {unit}", d.packed_sequence_size, d.too_long)
     if not train_rows:
-        advice = "; raise data.packed_sequence_size" + (" or set data.too_long: truncate"
-                                                         if train_stats.num_dropped_too_long else "")
+        truncate = train_stats.num_dropped_too_long and cfg.train.objective != "dpo"
+        advice = "; raise data.packed_sequence_size" + (" or set data.too_long: truncate" if truncate else "")
         raise ValueError(f"nothing left to train on: {'; '.join(packing_notes)}{advice}")
     notes += packing_notes
     val_rows, val_stats = [], None
     if val_paths:
-        val_tok = tokenize_dataset(val_paths, **options)
-        val_rows, val_stats = pack_samples(val_tok.samples, d.packed_sequence_size,
-                                           pad_token_id=tokenizer.pad_token_id, long_samples=d.too_long)
-        notes += _packing_notes(val_stats, "validation", d.packed_sequence_size, d.too_long)
+        _, val_rows, val_stats = tokenize_and_pack(cfg, val_paths, tokenizer_dir, schema, tokenizer.pad_token_id)
+        notes += _packing_notes(val_stats, f"validation {unit}", d.packed_sequence_size, d.too_long)
     manifest = {
         "train_file": str(train_file), "train_conversations": len(train_data),
         "validation_conversations": len(val_data), "validation_files": [str(p) for p in val_paths],
@@ -94,6 +93,25 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     return PreparedData(train_rows, val_rows, val_data, manifest, notes)
 
 
+def _conversations(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, pad_token_id: int):
+    """Chat rows tokenized through the cache and packed: (tokenized, rows, stats)."""
+    d = cfg.data
+    tokenized = tokenize_dataset(paths, tokenizer_dir=tokenizer_dir, loss_on=d.loss_on,
+                                 enable_thinking=d.enable_thinking, schema=schema, cache_dir=d.cache_dir)
+    rows, stats = pack_samples(tokenized.samples, d.packed_sequence_size, pad_token_id=pad_token_id,
+                               long_samples=d.too_long)
+    return tokenized, rows, stats
+
+
+def _pairs(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, pad_token_id: int):
+    """Preference rows tokenized through the cache and packed a pair to a row's two documents."""
+    d = cfg.data
+    tokenized = tokenize_preference_dataset(paths, tokenizer_dir=tokenizer_dir, enable_thinking=d.enable_thinking,
+                                            schema=schema, cache_dir=d.cache_dir)
+    rows, stats = pack_pairs(tokenized.pairs, d.packed_sequence_size, pad_token_id=pad_token_id)
+    return tokenized, rows, stats
+
+
 def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str]) -> tuple[list, dict, Any]:
     """The training rows (the synthetic ones written first), every one through the contract, then
     the PII policy and exact dedup; the counts the manifest's `filters` records; the JSON schema."""
@@ -103,14 +121,15 @@ def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str
         synthetic = data_dir / f"synthetic-{d.synthetic.kind}-{d.synthetic.rows}-seed{d.synthetic.seed}.jsonl"
         if not synthetic.exists():  # written under a temporary name: a killed run leaves no partial file
             tmp = synthetic.with_suffix(".partial")
-            write_jsonl(generate_rows(d.synthetic.rows, d.synthetic.seed), tmp)
+            generate = generate_preference_rows if d.synthetic.kind == "support_preferences" else generate_rows
+            write_jsonl(generate(d.synthetic.rows, d.synthetic.seed), tmp)
             tmp.replace(synthetic)
         train_paths.append(synthetic)
     if not train_paths:
         raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
     check_format([*d.train, *d.validation], d.format)
     schema = load_schema(d.json_schema) if d.json_schema else None
-    rows = check_or_raise(read_rows(train_paths), schema)  # every row, before any training
+    rows = _row_check(cfg)(read_rows(train_paths), schema)  # every row, before any training
     if not rows:
         raise ValueError(f"data.train: {no_rows_message(train_paths)}: nothing to train on")
     num_input_rows = len(rows)
@@ -124,13 +143,18 @@ def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str
                   "exact_duplicates": dedup_stats.num_exact_duplicates}, schema
 
 
+def _row_check(cfg: JobConfig):
+    """The data contract for the objective's rows: chat rows (SFT) or preference rows (DPO)."""
+    return check_preferences_or_raise if cfg.train.objective == "dpo" else check_or_raise
+
+
 def _split(cfg: JobConfig, rows: list, data_dir: Path, schema) -> tuple[list, list, list[Path]]:
     """(training conversations, validation conversations, validation files): data.validation's
     files, else the group-aware split of the training rows (its validation part written out)."""
     d = cfg.data
     if d.validation:
         val_paths = [Path(p) for p in d.validation]
-        val_data = [r.data for r in check_or_raise(read_rows(val_paths), schema)]
+        val_data = [r.data for r in _row_check(cfg)(read_rows(val_paths), schema)]
         if not val_data:
             raise ValueError(f"data.validation: {no_rows_message(val_paths)}; "
                              "leave data.validation empty to carve validation rows from data.train")
@@ -148,7 +172,7 @@ def _split(cfg: JobConfig, rows: list, data_dir: Path, schema) -> tuple[list, li
 
 def _packing_notes(stats: Any, split: str, size: int, too_long: str) -> list[str]:
     """What packing (its PackingStats) removed or cut from one split's conversations, one line each."""
-    total, longest = f"{stats.num_samples:,} {split} conversations", f"longest {stats.longest_sample:,} tokens"
+    total, longest = f"{stats.num_samples:,} {split}", f"longest {stats.longest_sample:,} tokens"
     notes = []
     if stats.num_dropped_too_long:
         notes.append(f"dropped {stats.num_dropped_too_long:,} of {total} longer than data.packed_sequence_size "

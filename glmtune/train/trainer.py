@@ -34,7 +34,13 @@ from glmtune.train.metrics import MetricsWriter, routing_stats
 from glmtune.train.progress import StepProgress
 from glmtune.train.router_balance import update_router_biases
 
-LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]
+# (model, micro-batch) -> (loss sum over the batch's loss units, unit count[, sums of logged statistics])
+LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, ...]]
+
+
+def supervised_tokens(batch: dict[str, Any]) -> dict[str, int]:
+    """The next-token loss's units: the batch's supervised tokens, counted on the host by the loader."""
+    return {"tokens": batch["num_supervised"]}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -85,6 +91,14 @@ class TrainerSettings:
     # trainer runs forward and backward itself).
     moe_layers: list[tuple[str, nn.Module]] = field(default_factory=list)
     pipeline: Any = None
+    # Host counts of a micro-batch that the step totals (over its micro-batches and the data-parallel
+    # ranks): the first is the loss's unit, each micro-loss sum is divided by its total; all of them
+    # reach the loss function as `step_totals` (a preference objective's pairs and chosen tokens).
+    unit_counts: Callable[[dict[str, Any]], dict[str, int]] = supervised_tokens
+    # Facts of a micro-batch read from its host tensors before they move to the device, added to it
+    # for the loss function (a preference objective's documents per row); None: none.
+    host_facts: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    stats_prefix: str = ""  # the loss function's logged statistics are recorded as prefix + name
 
 
 @dataclass
@@ -95,6 +109,7 @@ class TrainResult:
     val_loss: float | None
     checkpoint: str | None
     losses: list[float] = field(default_factory=list)
+    val_stats: dict[str, float] = field(default_factory=dict)  # the last validation's statistics, if any
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
@@ -143,6 +158,12 @@ def _all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     return value
 
 
+def _add_stats(sums: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
+    for name, value in stats.items():
+        value = value.detach().to(torch.float64)
+        sums[name] = sums[name] + value if name in sums else value
+
+
 def _layer_order(key: str) -> tuple[int, str]:
     # "moe/model.layers.12.mlp/max_load" -> (12, key): layer 12 after layer 3, not between 1 and 2
     parts = key.split(".")
@@ -170,6 +191,7 @@ class Trainer:
         self._moe = settings.moe_layers
         self._window: dict[str, float] = {}  # throughput since the last logged step (`_throughput`)
         self.pipeline = settings.pipeline
+        self.val_stats: dict[str, float] = {}  # the last validation's statistics (objectives that log some)
 
     # -- state ------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -200,6 +222,8 @@ class Trainer:
     def _forward_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.s.local_targets is not None:  # the loss counts this rank's queries only
             batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()))
+        if self.s.host_facts is not None:
+            batch = dict(batch, **self.s.host_facts(batch))
         # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
         batch = {k: v.to(self.s.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in batch.items()}
@@ -210,17 +234,23 @@ class Trainer:
         data_start = time.perf_counter()
         batches = [self.train_loader.next_batch() for _ in range(self.s.grad_accum)]
         data_seconds = time.perf_counter() - data_start
-        row_targets = sum(b["num_supervised"] for b in batches)  # counted on the host by the loader
+        counts = [self.s.unit_counts(b) for b in batches]  # counted on the host
+        keys = list(counts[0])
+        local_counts = [sum(c[k] for c in counts) for k in keys]
         # int64: a float32 count is exact only up to 2**24 tokens per step.
-        total_targets = _all_reduce_sum(torch.tensor(row_targets, dtype=torch.int64, device=self.s.device),
-                                        self.s.row_group)
+        totals = _all_reduce_sum(torch.tensor(local_counts, dtype=torch.int64, device=self.s.device),
+                                 self.s.row_group)
+        total_targets = totals[0]
         denominator = total_targets.clamp_min(1).float()
         loss_sum = torch.zeros((), device=self.s.device)
+        stat_sums: dict[str, torch.Tensor] = {}
         load = {name: torch.zeros_like(m.tokens_per_expert) for name, m in self._moe}
         # The factor each micro-loss is divided by, announced to the fused loss (its head
         # gradient comes out already scaled). Across processes the total is needed on the host:
         # one sync at the step's start, where the GPU is idle anyway after the last step's .item().
-        total_on_host = int(total_targets.item()) if dist.is_initialized() else row_targets
+        totals_on_host = totals.tolist() if dist.is_initialized() else local_counts
+        total_on_host = int(totals_on_host[0])
+        step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
         if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
             for batch in batches:
                 loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1))
@@ -229,11 +259,13 @@ class Trainer:
                     load[name] += counts
                 stage.expert_load = {}
         else:
-            batches = [dict(b, loss_grad_scale=1.0 / max(total_on_host, 1)) for b in batches]
+            batches = [dict(b, loss_grad_scale=1.0 / max(total_on_host, 1), step_totals=step_totals)
+                       for b in batches]
         for batch in batches if self.pipeline is None else ():
-            micro_loss, _ = self._forward_loss(batch)
+            micro_loss, _, *stats = self._forward_loss(batch)
             (micro_loss / denominator).backward()
             loss_sum += micro_loss.detach()
+            _add_stats(stat_sums, stats[0] if stats else {})
             for name, module in self._moe:
                 load[name] += module.tokens_per_expert
         if self.s.on_gradients is not None:
@@ -268,8 +300,12 @@ class Trainer:
                                                      self.s.row_group).tolist()
         self.tokens_seen += int(tokens)
         self._window_add(tokens=tokens, real_tokens=real_tokens, flops=flops, data_s=data_seconds)
-        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen,
-                                  "supervised_tokens": int(total_targets.item())}
+        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
+        if keys == ["tokens"]:
+            record["supervised_tokens"] = int(total_targets.item())
+        else:  # another objective's units: their step totals, and its statistics' means per unit
+            record.update({f"{self.s.stats_prefix}{k}": n for k, n in step_totals.items()})
+            record.update(self._stat_means(stat_sums, denominator))
         record["grad_norm"] = grad_norm
         stats = {f"moe/{name}/{key}": value for name, counts in load.items()
                  for key, value in routing_stats(counts).items()}
@@ -280,6 +316,16 @@ class Trainer:
             stats = dict(sorted(stats.items(), key=lambda item: _layer_order(item[0])))
         record.update(stats)
         return record
+
+    def _stat_means(self, sums: dict[str, torch.Tensor], denominator: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """The loss function's statistics summed over the step's (or validation's) micro-batches and
+        the data-parallel ranks, per loss unit: one all-reduce of them all."""
+        if not sums:
+            return {}
+        names = sorted(sums)
+        total = _all_reduce_sum(torch.stack([sums[n] for n in names]), self.s.row_group)
+        means = (total / denominator.to(torch.float64)).tolist()
+        return {f"{prefix}{self.s.stats_prefix}{name}": value for name, value in zip(names, means)}
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -293,12 +339,16 @@ class Trainer:
             num_batches = min(num_batches, self.s.val_steps)
         loss_sum = torch.zeros((), device=self.s.device)
         count = torch.zeros((), device=self.s.device)
+        stat_sums: dict[str, torch.Tensor] = {}
         for _ in range(num_batches):
             batch = self.val_loader.next_batch()
             if self.pipeline is not None:
                 batch_loss, batch_count = self.pipeline.evaluate(batch)
             else:
-                batch_loss, batch_count = self._forward_loss(batch)
+                # One batch's own totals: validation reports per-unit means of each batch's sums.
+                batch = dict(batch, step_totals=self.s.unit_counts(batch))
+                batch_loss, batch_count, *stats = self._forward_loss(batch)
+                _add_stats(stat_sums, stats[0] if stats else {})
             loss_sum += batch_loss.float()
             count += batch_count
         self.val_loader.load_state_dict(saved)
@@ -306,7 +356,9 @@ class Trainer:
         release_gathered(self.model)  # the next training step must gather the weights afresh
         for stage in self.pipeline.stages if self.pipeline is not None else ():
             release_gathered(stage)
-        return (_all_reduce_sum(loss_sum) / _all_reduce_sum(count).clamp_min(1)).item()
+        count = _all_reduce_sum(count).clamp_min(1)
+        self.val_stats = self._stat_means(stat_sums, count, prefix="val_")
+        return (_all_reduce_sum(loss_sum) / count).item()
 
     # -- throughput over the logging window ---------------------------------------------
     def _window_add(self, **amounts: float) -> None:
@@ -361,6 +413,7 @@ class Trainer:
                     if self.s.val_every and self.step % self.s.val_every == 0:
                         val_loss = self.validate()
                         record["val_loss"] = val_loss
+                        record.update(self.val_stats)
                     logged = self.step % self.s.log_every == 0 or self.step == self.s.max_steps or "val_loss" in record
                     if logged:
                         if not self._window:  # only the first step so far: it is all there is to report
@@ -382,7 +435,8 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return TrainResult(self.step, self._stop_reason is not None,
-                           last_record["loss"] if last_record else None, val_loss, checkpoint, losses)
+                           last_record["loss"] if last_record else None, val_loss, checkpoint, losses,
+                           self.val_stats if val_loss is not None else {})
 
     def _stop_requested(self) -> bool:
         """A signal or the stop file may reach ranks at different steps: agree, so that all save together.

@@ -146,6 +146,10 @@ class ModelSpec(ABC):
         """(summed token loss, supervised tokens) of one packed batch."""
 
     @abstractmethod
+    def token_logps(self, model: Any, batch: dict[str, Any]) -> Any:
+        """fp32 [B, S] log-probability of each supervised target of one packed batch (0 elsewhere)."""
+
+    @abstractmethod
     def flops_per_token(self, args: Any, doc_lengths: list[int]) -> float:
         """Model FLOPs (forward + backward) per token over documents of these lengths."""
 

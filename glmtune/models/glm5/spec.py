@@ -159,6 +159,13 @@ class Glm5Spec(ModelSpec):
                     single_document=batch.get("single_document"))
         return out.loss_sum, out.num_targets
 
+    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                    compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
+                    num_supervised=batch.get("num_supervised"), single_document=batch.get("single_document"),
+                    token_logps=True)
+        return out.token_logps
+
     def flops_per_token(self, args: Glm5Args, doc_lengths: list[int]) -> float:
         return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
 
