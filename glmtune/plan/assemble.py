@@ -77,6 +77,7 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
         "micro_batch": f"{cfg.train.micro_batch_size} x {cfg.data.packed_sequence_size} tokens, activation "
                        f"checkpointing {cfg.parallel.activation_checkpointing}, "
                        f"{'one-document' if one_document else 'packed multi-document'} rows",
+        "objective": _objective_note(cfg),
         "memory": memory.to_dict(),
         "headroom": {"context_gib": options.context_gib, "fragmentation": options.fragmentation},
         "data": data.to_dict() if data else {"note": why_no_data},
@@ -130,6 +131,19 @@ def _steps_and_tokens(cfg: JobConfig, data: EpochTokens | None, epochs: float | 
     else:
         steps = cfg.train.max_steps
     return steps, steps * row_tokens
+
+
+def _objective_note(cfg) -> str:
+    """What the training objective adds to the step, in the plan's words (docs/preference.md)."""
+    if cfg.train.objective == "sft":
+        return "sft: next-token loss on the assistant turns"
+    if cfg.dpo.reference == "none":
+        return "dpo, reference-free (SimPO): the step's memory and work are SFT's"
+    if cfg.peft.method == "lora":
+        return ("dpo: the reference is the model with its adapters off, one extra forward per micro-batch "
+                "under no_grad (freed layer by layer): no extra weights, the step's peak is SFT's")
+    return ("dpo: the reference's log-probabilities are computed once before training (one forward over "
+            "the data) and held per supervised token (4 B each, host memory): no reference weights")
 
 
 def _throughput_note(measurement: Measurement | None) -> dict[str, Any]:

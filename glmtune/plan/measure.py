@@ -46,7 +46,7 @@ from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import resolve_precision
 from glmtune.train.process import DistributedInfo, resolve_device
-from glmtune.train.run import Launch, RunHooks, trainer_settings
+from glmtune.train.run import Launch, RunHooks, objective, trainer_settings
 from glmtune.train.trainer import Trainer
 
 GIB = 2**30
@@ -92,13 +92,21 @@ class RankMeasurement:
                                                                                        "total")))
 
 
-def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, list[int]]]:
-    """`count` copies of one packed row: one document of `seq_len` random tokens, every token
-    supervised. Every rank reads the same tokens (their values change neither time nor memory),
-    so a data-parallel rank under the loopback group computes what the real one does."""
+def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int, documents: int = 1
+                   ) -> list[dict[str, list[int]]]:
+    """`count` copies of one packed row: `documents` documents of equal length (one: the costliest
+    attention a row can have; two: a preference pair, chosen and rejected) of random tokens, every
+    token supervised but each document's first. Every rank reads the same tokens (their values
+    change neither time nor memory), so a data-parallel rank under the loopback group computes
+    what the real one does."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (seq_len,), generator=generator).tolist()
-    row = {"input_ids": ids, "labels": ids, "position_ids": list(range(seq_len)), "document_ids": [0] * seq_len}
+    length = seq_len // documents
+    document_ids = [min(i // length, documents - 1) for i in range(seq_len)]
+    starts = {i * length for i in range(documents)}
+    positions = [i - document_ids[i] * length for i in range(seq_len)]
+    labels = [-100 if i in starts else token for i, token in enumerate(ids)]
+    row = {"input_ids": ids, "labels": labels, "position_ids": positions, "document_ids": document_ids}
     return [row] * count
 
 
@@ -208,7 +216,8 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
 
         def forward_done(module, args, out) -> None:
             clock.mark("backward")
-            micro_losses.append(out.loss_sum.detach())
+            if out.loss_sum is not None:  # a preference objective's forwards return log-probabilities
+                micro_losses.append(out.loss_sum.detach())
 
         model.register_forward_hook(forward_done)
     seq = cfg.data.packed_sequence_size
@@ -275,10 +284,10 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
                                 o.min_lr_ratio)
     vocab = launch.spec.vocab_size(launch.spec.args_of(model))
     rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, cfg.data.packed_sequence_size, vocab,
-                          cfg.train.seed)
+                          cfg.train.seed, documents=2 if cfg.train.objective == "dpo" else 1)
     loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
-    return Trainer(model, optimizer, scheduler, launch.spec.loss, loader, None, None, None,
-                   trainer_settings(cfg, launch, model, mesh, hooks))
+    loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
+    return Trainer(model, optimizer, scheduler, loss_fn, loader, None, None, None, settings)
 
 
 def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:

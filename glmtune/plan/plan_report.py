@@ -39,6 +39,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             table.add_row(part, _gib(value))
     table.add_row("[bold]planned peak (allocator)[/bold]", f"[bold]{_gib(mem['peak_bytes'])}[/bold]")
     console.print(table)
+    console.print(f"objective: {report['objective']}")
     console.print(f"micro-batch: {report['micro_batch']}; headroom: {report['headroom']['context_gib']} GiB "
                   f"context + {report['headroom']['fragmentation']:.0%} of the peak")
 

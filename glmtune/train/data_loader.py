@@ -32,6 +32,10 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
     batch["longest_document"] = longest_document(seq_len, document_ids_BS=batch["document_ids"])
     batch["single_document"] = single_document_rows(seq_len, document_ids_BS=batch["document_ids"])
     batch["num_supervised"] = int((batch["targets"] != -100).sum())
+    if "ref_token_logps" in rows[0]:  # a preference run's reference, per supervised target (reference_logps.py)
+        ref = torch.zeros(batch["targets"].shape, dtype=torch.float32)
+        ref[batch["targets"] != -100] = torch.cat([r["ref_token_logps"] for r in rows])
+        batch["ref_token_logps"] = ref
     return batch
 
 

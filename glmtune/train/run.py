@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import json
 import random
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +67,7 @@ from glmtune.train.optim import build_optimizer
 from glmtune.train.preference import PreferenceObjective, documents_per_row, pair_counts, preference_summary
 from glmtune.train.precision import Precision, bf16_only_warning, bf16_rounded_away, resolve_precision
 from glmtune.train.model_source import build_model_from_config, tokenizer_dir_for
+from glmtune.train import reference_logps
 from glmtune.train.process import DistributedInfo, check_recipe, init_distributed, resolve_device
 from glmtune.train.run_data import PreparedData, prepare_data
 from glmtune.train.run_dir import RunDirectory, check_writable, save_run_config
@@ -166,6 +168,7 @@ def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None
         built = build_model(cfg, launch, console, hooks)
         data = prepare_run_data(cfg, launch, built, console)
         laid_out = lay_out_and_load(cfg, launch, built, data, console, resources)
+        attach_reference(cfg, launch, built, data, laid_out.mesh, console)
         trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, run_id, console, hooks)
         result = train(trainer, console)
         if result is None or result.interrupted:
@@ -328,6 +331,45 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     return LaidOut(mesh, tokenizer, template, prompts, before)
 
 
+def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData,
+                     mesh: ParallelMesh | None, console: Console) -> None:
+    """A full fine-tuning preference run's reference: the starting weights' log-probabilities of every
+    row, read from the cache or computed now, before a resume loads a checkpoint (reference_logps.py)."""
+    if not (cfg.train.objective == "dpo" and cfg.dpo.reference == "model" and cfg.peft.method == "none"):
+        return
+    cache = reference_logps
+    train_rows, val_rows = data.train_rows, data.val_rows
+
+    def locate() -> tuple[str, bool]:  # rank 0's view: its identity of the base, its cache directory
+        if built.model_dir is None:  # a preset: its weights' hash (its base directory is the run's own)
+            starting = {k: built.base_identity[k] for k in ("config_sha256", "weights_sha256")}
+        else:
+            starting = cache.model_files_identity(Path(built.model_dir))
+        compute = {"model": config_to_dict(cfg)["model"], "compute_dtype": str(launch.precision.compute_dtype)}
+        path = cache.cache_path(cfg.data.cache_dir, cache.cache_key(starting, compute, train_rows, val_rows))
+        return str(path), path.is_file()
+
+    path_text, cached = decide_on_rank0(locate)
+    path = Path(path_text)
+    if cached:  # read by rank 0 and handed to every rank: other nodes need not see its cache directory
+        train_values, val_values = decide_on_rank0(lambda: cache.load(path, train_rows, val_rows))
+        said = f"read from {path}"
+    else:
+        start = time.perf_counter()
+        score = functools.partial(cache.compute, built.model, launch.spec.token_logps, device=launch.device,
+                                  micro_batch=cfg.train.micro_batch_size,
+                                  group=mesh.group("dp") if mesh is not None else None)
+        train_values, val_values = score(train_rows), score(val_rows)
+        if launch.info.is_main:
+            cache.save(path, train_values, val_values, {"rows": len(train_rows) + len(val_rows)})
+        barrier()
+        said = f"computed from the starting weights in {time.perf_counter() - start:.1f} s, cached at {path}"
+    cache.attach(train_rows, train_values)
+    cache.attach(val_rows, val_values)
+    if launch.info.is_main:
+        console.print(f"reference log-probabilities of {len(train_rows) + len(val_rows)} rows: {said}")
+
+
 def _loaders(cfg: JobConfig, data: PreparedData, mesh: ParallelMesh | None, dp_size: int):
     """This rank's training rows, and the validation rows when every rank gets a micro batch."""
     dp_rank = mesh.dp_rank if mesh is not None else 0
@@ -361,6 +403,16 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
     )
 
 
+def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tuple[Any, TrainerSettings]:
+    """The loss function of `train.objective` and the trainer settings it needs: SFT's next-token
+    loss, or the preference objective (pairs as its unit, its statistics logged as dpo/...)."""
+    if cfg.train.objective == "sft":
+        return spec.loss, settings
+    preference = PreferenceObjective(spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
+    return preference.loss, dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
+                                                stats_prefix="dpo/")
+
+
 def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, mesh: ParallelMesh | None,
                   run_id: str, console: Console, hooks: RunHooks) -> Trainer:
     """Optimizer, schedule, loaders, checkpoints, metrics and the trainer; resumed as the recipe says."""
@@ -379,13 +431,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
-    settings = trainer_settings(cfg, launch, model, mesh, hooks)
-    loss_fn = launch.spec.loss
-    if cfg.train.objective == "dpo":
-        objective = PreferenceObjective(launch.spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
-        loss_fn = objective.loss
-        settings = dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
-                                       stats_prefix="dpo/")
+    loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
     trainer = Trainer(model, optimizer, scheduler, loss_fn, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:

@@ -91,3 +91,14 @@ def test_the_command_prints_the_rank_beside_the_plan_and_its_line_is_a_speed_sou
 def test_refusals_before_anything_runs(argv, message, capsys):
     assert main(["plan", "tiny/sft_support_json", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_preference_recipe_is_measured_with_its_objective(capsys):
+    """--measure of a DPO recipe runs the preference objective (rows of two documents, a chosen and a
+    rejected answer; the LoRA reference forward) and holds the bytes the plan gives it."""
+    assert main(["plan", "tiny/dpo_support_json", "--measure", "--gpus", "2", "--rank", "0", "--steps", "1",
+                 "--warmup-steps", "0", "--json", "--model.name_or_path", "tiny", "--train.max_steps", "5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory"]["held"] == report["memory"]["planned_held"]
+    assert report["time"]["steps_timed"] == 1 and len(report["time"]["losses"]) == 1
+    assert 0 < report["time"]["losses"][0] < 5  # a pair loss (random adapters: the policy is not its reference)
