@@ -83,7 +83,9 @@ def field_records(set_name: str, rows: list[EvalRow], scores: Scores, labels: li
 
 
 def example_records(set_name: str, rows: list[EvalRow], outputs: dict[str, list[ModelOutput]], scores: Scores,
-                    labels: list[str]) -> list[dict]:
+                    labels: list[str], pairs: bool = False) -> list[dict]:
+    """Every row's record; `pairs` (a preference set): each model's `preference` (the pair's
+    log-probabilities, margin and implicit margin; null when not computed) beside its summary text."""
     records = []
     for i, row in enumerate(rows):
         per_model = {}
@@ -97,6 +99,8 @@ def example_records(set_name: str, rows: list[EvalRow], outputs: dict[str, list[
                                 "latency_s": round(out.latency_s, 6), "generated_tokens": out.generated_tokens,
                                 "finish": out.finish, "error": out.error, "passed": not failures,
                                 "failures": failures}
+            if pairs:
+                per_model[label]["preference"] = out.preference.to_json() if out.preference is not None else None
         reference = row.reference
         if reference is None and row.reference_calls:
             reference = "; ".join(f"calls {c['name']}({c['arguments']})" for c in row.reference_calls)

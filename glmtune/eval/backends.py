@@ -12,7 +12,8 @@ teacher-forced:
 
 `answering.run_rows` owns the tool-call loop, the rounds and the batches; a backend only turns
 prompts into text. Latency is per request: a local batch's wall time is the latency of each
-request in it (what a server batching the same way would show).
+request in it (what a server batching the same way would show). A preference set generates
+nothing: the backend scores each pair's two answers teacher-forced (`pair_logps`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from glmtune.eval.scorers.preference import PairLogps, local_pair_logps
 from glmtune.eval.scorers.reference_loss import row_loss
 from glmtune.eval.general_text import general_text_loss
 from glmtune.eval.tool_calls import ParsedCall
@@ -62,17 +64,21 @@ class Backend(Protocol):
 
     def text_loss(self, windows: list[list[int]]) -> tuple[float, int]: ...
 
+    def pair_logps(self, row, prompting) -> PairLogps: ...
+
 
 class LocalModel:
     """A model in this process: `glmtune.generation.generate` in batches of `decoding.batch_size`.
 
     A batch whose generation raises is retried one request at a time, so only the request that
     breaks it (its prompt too long, say) fails. `lockstep` (sharded runs, `sharded.Lockstep`) keeps
-    the ranks' collectives in step; None in one process."""
+    the ranks' collectives in step; None in one process. `token_logps`: the model family's
+    `spec.token_logps` (the preference scorer's per-token log-probabilities)."""
 
-    def __init__(self, net, lockstep=None) -> None:
+    def __init__(self, net, lockstep=None, token_logps=None) -> None:
         self.net = net
         self.lockstep = lockstep
+        self.token_logps = token_logps
 
     def batch_size(self, decoding) -> int:
         return decoding.batch_size
@@ -131,3 +137,8 @@ class LocalModel:
     @torch.no_grad()
     def text_loss(self, windows: list[list[int]]) -> tuple[float, int]:
         return general_text_loss(self.net, windows)
+
+    def pair_logps(self, row, prompting) -> PairLogps:
+        # Sharded: as reference_loss, every rank scores every pair in step.
+        assert self.token_logps is not None, "a preference set needs the family's token_logps (Placement.load)"
+        return local_pair_logps(self.net, self.token_logps, row, prompting)

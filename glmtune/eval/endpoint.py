@@ -17,8 +17,9 @@ Two request modes (`--api`):
     template and tool-call parser: what production traffic sees); the returned `tool_calls`
     become the turn's calls (an argument string that is not a JSON object: a call with an error).
 
-Teacher-forced metrics (reference loss, general-text loss) need the prompt's log-probabilities:
-/v1/completions with token ids, `echo` and `logprobs` (vLLM). An engine that refuses or ignores
+Teacher-forced metrics (reference loss, general-text loss, the preference scorer's pair
+log-probabilities) need the prompt's log-probabilities: /v1/completions with token ids, `echo`
+and `logprobs` (vLLM). An engine that refuses or ignores
 that (`transformers serve` ignores echo and logprobs and takes text prompts only) raises
 `NotAvailable`, and the scorecard says "not available from this engine" for those metrics.
 
@@ -42,10 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.data.chat_template import IGNORE_INDEX, render_conversation
+from glmtune.data.packing import next_token_targets
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.eval.backends import Failed, NotAvailable, Turn
 from glmtune.eval.endpoint_client import FaultLog, MalformedResponse, RequestFailed, RetryPolicy, call
 from glmtune.eval.operations import summarize
+from glmtune.eval.scorers.preference import PairLogps, pair_samples
 from glmtune.eval.scorers.reference_loss import reference_sample
 from glmtune.eval.tool_calls import ParsedCall
 
@@ -345,6 +348,18 @@ class Endpoint:
         logprobs = self._prompt_logprobs(ids)  # logprobs[i] scores ids[i + 1], the target of position i
         scored = [-logprobs[i] for i, target in enumerate(targets[:-1]) if target != IGNORE_INDEX]
         return sum(scored) / max(len(scored), 1)
+
+    def pair_logps(self, row, prompting) -> PairLogps:
+        """The pair's sums over each answer's tokens, from the engine's prompt log-probabilities of
+        prompt + answer (the tokens `tokenize_pair` labels, as the local model scores them)."""
+        sums, counts = [], []
+        for sample in pair_samples(row, prompting):
+            logprobs = self._prompt_logprobs(sample.input_ids)  # logprobs[i] scores input_ids[i + 1]
+            targets = next_token_targets(sample.labels)
+            scored = [logprobs[i] for i, target in enumerate(targets[:-1]) if target != IGNORE_INDEX]
+            sums.append(sum(scored))
+            counts.append(len(scored))
+        return PairLogps(sums[0], sums[1], counts[0], counts[1])
 
     def text_loss(self, windows: list[list[int]]) -> tuple[float, int]:
         total, count = 0.0, 0

@@ -7,8 +7,10 @@ candidate's; a base with other tokenizer or template files is refused, naming bo
 sets (data contract, file:line), the models' fingerprints (an adapter or run whose recorded base
 differs is refused), the tool functions (each imports) and the reference tool calls, the
 scorers' row checks, every row's prompt rendered once (a template the sandbox refuses is named
-here). Then each model in turn (base, candidate, candidate-merged): load, answer every set,
-score the general text, measure operations, free it, so memory holds one model.
+here). Then each model in turn (base, candidate, candidate-merged): load, answer every set (a
+preference set's pairs are scored teacher-forced instead), score the general text, measure
+operations, free it, so memory holds one model. Last, each candidate's implicit reward margins
+against the base's log-probabilities of the same pairs (`scorers/preference.py`).
 
 A model given as a server URL (`endpoint.py`) answers over HTTP instead of loading here: no
 tokenizer check of its own (the local model's or --tokenizer's is used), no memory measured,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,7 +54,8 @@ from glmtune.eval.placement import Placement
 from glmtune.eval.sharded import ShardedLayout
 from glmtune.eval.report_html import render_html
 from glmtune.eval.report_md import render_markdown
-from glmtune.eval.scorers.base import RowScore
+from glmtune.eval.scorers.base import ModelOutput, RowScore
+from glmtune.eval.scorers.preference import summary_text
 from glmtune.eval.scorers.reference_loss import ReferenceLoss
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
@@ -172,6 +176,7 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
         _check_prompts(loaded, prompting)
         results = {m.label: _evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
                                             windows, placement, log, endpoint) for m in models}
+    _implicit_margins(loaded, results, labels)
     card = _scorecard(suite, loaded, models, prints, results, template, labels)
     if placement.is_main:
         _write(out, overwrite, reads, suite, loaded, card)
@@ -234,9 +239,32 @@ def _reference_losses(backend: Backend, rows: list, outs: list, prompting: Promp
         raise raised[0]
 
 
+def _pair_logps(backend: Backend, rows: list, prompting: Prompting) -> list[ModelOutput]:
+    """A preference set's outputs: nothing generated, each pair's log-probabilities (or why not)."""
+    outs = [ModelOutput("", "", [], 0.0, 0, "teacher_forced") for _ in rows]
+    raised = []
+    for row, out in zip(rows, outs):
+        try:
+            out.preference = backend.pair_logps(row, prompting)
+            out.text = summary_text(out.preference)
+        except NotAvailable as exc:  # the backend cannot, for any row: no values, and no row fails
+            for each in outs:
+                each.preference_not_available = str(exc)
+            return outs
+        except Exception as exc:
+            raised.append(exc)
+            out.preference_error = failure_text(exc)
+    if raised and len(raised) == len(rows):
+        raise raised[0]
+    return outs
+
+
 def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, set_index: int,
                ranks=ONE_PROCESS):
     """(outputs, {scorer name: row scores}, generate seconds) of one model on one set."""
+    if s.spec.row_kind == "preference":  # pairs, teacher-forced: nothing to generate
+        outs = _pair_logps(backend, s.rows, prompting)
+        return outs, {scorer.name: _score_rows(scorer, s.rows, outs) for scorer in s.spec.scorers}, 0.0
     outs, seconds = run_rows(backend, s.rows, prompting, executor, set_index, ranks)
     if any(isinstance(scorer, ReferenceLoss) for scorer in s.spec.scorers):
         _reference_losses(backend, s.rows, outs, prompting)
@@ -254,8 +282,13 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
     outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
     try:
         for index, s in enumerate(loaded):
+            began = time.perf_counter()
             outs, scores[s.spec.name], seconds = answer_set(backend, s, prompting, executor, index, placement.ranks)
             outputs[s.spec.name] = outs
+            if s.spec.row_kind == "preference":  # no requests: not part of the operations
+                log(f"{what}: {s.spec.name}, {len(outs)} pairs scored in {time.perf_counter() - began:.1f} s")
+                not_available.update(_pairs_not_available(s, outs))
+                continue
             latencies += [o.latency_s for o in outs]
             tokens += sum(o.generated_tokens for o in outs)
             generate_s += seconds
@@ -271,6 +304,33 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
         placement.release()
     ops = served_ops or placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
     return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops, "not_available": not_available}
+
+
+def _pairs_not_available(s: LoadedSet, outs: list[ModelOutput]) -> dict[str, str]:
+    """Metric id -> why, for every metric of a preference set the backend could not compute."""
+    why = outs[0].preference_not_available if outs else None
+    return {f"{s.spec.name}/{scorer.name}/{m.name}": why for scorer in s.spec.scorers
+            for m in scorer.metrics(scorer.options)} if why else {}
+
+
+def _implicit_margins(loaded: list[LoadedSet], results: dict, labels: list[str]) -> None:
+    """Each candidate's preference scores again, now with its implicit reward margin against the
+    base's log-probabilities of the same pairs (`Preference.with_base`)."""
+    for s in loaded:
+        if s.spec.row_kind != "preference":
+            continue
+        name, base = s.spec.name, results["base"]["outputs"][s.spec.name]
+        for label in labels[1:]:
+            outs = results[label]["outputs"][name]
+            for scorer in s.spec.scorers:
+                for out, base_out in zip(outs, base):
+                    scorer.with_base(out, base_out)
+                    out.text = summary_text(out.preference) if out.preference is not None else out.text
+                results[label]["scores"][name][scorer.name] = _score_rows(scorer, s.rows, outs)
+                why = base[0].preference_not_available if base else None
+                for m in scorer.metrics(scorer.options):
+                    if why and m.candidate_only and not outs[0].preference_not_available:
+                        results[label]["not_available"][f"{name}/{scorer.name}/{m.name}"] = f"{why} (the base)"
 
 
 def _text_loss(backend: Backend, windows, not_available: dict[str, str]) -> tuple[float | None, int] | None:
@@ -294,7 +354,8 @@ def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource],
         metrics += aggregate.set_metrics(name, s.rows, s.spec.scorers, scores, labels)
         if any(scorer.name == "task_success" for scorer in s.spec.scorers):
             fields += aggregate.field_records(name, s.rows, scores, labels)
-        examples += aggregate.example_records(name, s.rows, {lb: outputs[lb][name] for lb in labels}, scores, labels)
+        examples += aggregate.example_records(name, s.rows, {lb: outputs[lb][name] for lb in labels}, scores, labels,
+                                              pairs=s.spec.row_kind == "preference")
     if suite.general_text_path is not None:
         losses = {label: results[label]["loss"] for label in labels}
         metrics.append(aggregate.single_metric("general_text/loss/loss", GENERAL_TEXT_METRIC,

@@ -22,6 +22,7 @@ from glmtune.distributed.lockstep import ONE_PROCESS
 from glmtune.eval.backends import LocalModel
 from glmtune.eval.models import ModelSource, load_model
 from glmtune.eval.sharded import ShardedLayout, join, load_sharded_model
+from glmtune.models.registry import spec_for
 
 
 @dataclass
@@ -62,9 +63,11 @@ class Placement:
         return value
 
     def load(self, model: ModelSource) -> LocalModel:
+        token_logps = spec_for(model.weights_dir).token_logps
         if self.layout is None:
-            return LocalModel(load_model(model, self.device, self.dtype, self.fp8_base))
-        return LocalModel(load_sharded_model(model, self.layout, self.ranks, self.device, self.dtype), self.ranks)
+            return LocalModel(load_model(model, self.device, self.dtype, self.fp8_base), token_logps=token_logps)
+        return LocalModel(load_sharded_model(model, self.layout, self.ranks, self.device, self.dtype), self.ranks,
+                          token_logps)
 
     def release(self) -> None:
         gc.collect()

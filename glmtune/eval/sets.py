@@ -12,6 +12,11 @@ A row is cut at its last user turn: the messages up to it are the prompt (with t
 reference: its tool calls (`reference_calls`) and its final content (`reference`). The category
 is the row's `category` field, else "tool_call" when the reference calls a tool, else "other".
 Each scorer then checks the rows it needs fields from (`check_row`).
+
+A set of the `preference` scorer holds preference rows instead (prompt/chosen/rejected, checked by
+the preference contract, `glmtune.data.preferences`): the prompt is the row's, chosen is the
+reference, the category the row's `category` else "other"; nothing is generated for them. A row
+of the other kind than the set's scorers read is refused at its file:line.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.data.contract import check_or_raise
+from glmtune.data.preferences import check_preferences_or_raise, row_kind
 from glmtune.data.sources import Row, no_rows_message, read_rows
 from glmtune.eval.models import ModelSource
 from glmtune.eval.scorers.base import EvalRow
@@ -90,6 +96,36 @@ def _eval_row(spec: EvalSet, row: Row, index: int, system_prompt: str | None) ->
                    data.get("tools"), reference, calls, after)
 
 
+def _eval_pair(spec: EvalSet, row: Row, index: int, system_prompt: str | None) -> EvalRow:
+    """A preference row as an evaluated row: its prompt, chosen as the reference (scored with
+    rejected, teacher-forced, by the preference scorer: the row's `data` keeps both)."""
+    data = row.data
+    prompt = data["prompt"]
+    if system_prompt is not None:
+        prompt = [{"role": "system", "content": system_prompt}] + [m for m in prompt if m["role"] != "system"]
+    final = data["chosen"][-1]
+    reference = final["content"] if final["role"] == "assistant" and final["content"].strip() else None
+    category = data.get("category")
+    category = category if isinstance(category, str) and category else "other"
+    return EvalRow(spec.name, str(data.get("id") or f"{spec.name}-{index + 1}"), category, str(row.origin), data,
+                   prompt, data.get("tools"), reference, [], data["chosen"])
+
+
+def _check_kind(spec: EvalSet, rows: list[Row]) -> None:
+    """The set's rows are the kind its scorers read (ValueError at the first row that is not)."""
+    wanted = spec.row_kind
+    for row in rows:
+        kind = row_kind(row.data) if row.parse_error is None else wanted
+        if kind == wanted:
+            continue
+        if wanted == "preference":
+            raise ValueError(f"{row.origin}: <row>: a chat row (messages), but the preference scorer scores "
+                             "preference rows (prompt/chosen/rejected); give the set a file of pairs")
+        names = ", ".join(scorer.name for scorer in spec.scorers)
+        raise ValueError(f"{row.origin}: <row>: a preference row (prompt/chosen/rejected), but {names} score "
+                         "generated answers to chat rows (messages); score pairs with the preference scorer")
+
+
 def _read_set(spec: EvalSet, files: list[Path], where: str) -> list[Row]:
     """The set's first `limit` rows (at most MAX_SET_ROWS), checked by the data contract."""
     for path in files:
@@ -102,6 +138,9 @@ def _read_set(spec: EvalSet, files: list[Path], where: str) -> list[Row]:
         if len(rows) > wanted and spec.limit is None:
             raise ValueError(f"more than {MAX_SET_ROWS:,} rows, the most a set evaluates (MAX_SET_ROWS); give the "
                              "set a limit")
+        _check_kind(spec, rows[:wanted])
+        if spec.row_kind == "preference":
+            return check_preferences_or_raise(rows[:wanted])
         return check_or_raise(rows[:wanted])
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(f"{where}: {exc}") from None
@@ -116,7 +155,8 @@ def load_sets(suite: Suite, candidate: ModelSource) -> list[LoadedSet]:
         rows = _read_set(spec, files, where)
         if not rows:
             raise ValueError(f"{where}: {no_rows_message(files)}")
-        evaluated = [_eval_row(spec, row, i, suite.file.system_prompt) for i, row in enumerate(rows)]
+        cut = _eval_pair if spec.row_kind == "preference" else _eval_row
+        evaluated = [cut(spec, row, i, suite.file.system_prompt) for i, row in enumerate(rows)]
         jsonl = "".join(json.dumps(row.data, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
         source = str(spec.path) if spec.path is not None else f"run:{spec.run_split}"
         loaded.append(LoadedSet(spec, source, evaluated, jsonl, files))

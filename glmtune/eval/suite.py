@@ -130,6 +130,11 @@ class EvalSet:
     scorers: list[Any]  # scorer instances, in file order
     where: str  # file:line of the set
 
+    @property
+    def row_kind(self) -> str:
+        """The kind of row the set holds, its scorers' (one kind per set, checked at load)."""
+        return "preference" if any(scorer.row_kind == "preference" for scorer in self.scorers) else "chat"
+
 
 @dataclass
 class Suite:
@@ -281,8 +286,20 @@ def _build_sets(file: SuiteFile, suite_dir: Path, converter: Converter, errors: 
             elif scorer is not None:
                 names.add(scorer.name)
                 scorers.append(scorer)
+        _check_row_kinds(scorers, where, s.name, errors)
         sets.append(EvalSet(s.name, path, s.run_split, s.limit, scorers, errors.where.get(where, errors.label)))
     return sets
+
+
+def _check_row_kinds(scorers: list[Any], where: tuple, set_name: str, errors: _Errors) -> None:
+    """A set's scorers all read one kind of row: chat rows answered by generation, or preference
+    pairs scored teacher-forced (the `preference` scorer)."""
+    pairs = [scorer.name for scorer in scorers if scorer.row_kind == "preference"]
+    chat = [scorer.name for scorer in scorers if scorer.row_kind == "chat"]
+    if pairs and chat:
+        errors.at(where + ("scorers",), f"set {set_name}: {', '.join(pairs)} scores preference pairs "
+                  f"(prompt/chosen/rejected) and {', '.join(chat)} score generated answers to chat rows; "
+                  "a set holds one kind of row: put them in two sets")
 
 
 def _build_scorer(entry: Any, path: tuple, suite_dir: Path, converter: Converter, errors: _Errors):
@@ -311,6 +328,9 @@ def _check_gates(gates: list[GateConfig], metrics: dict[str, MetricDef], errors:
             close = [m for m in metrics if m.split("/")[-1] == gate.metric.split("/")[-1]]
             hint = f" (did you mean {close[0]}?)" if close else f"; the suite's metrics: {', '.join(sorted(metrics))}"
             errors.at(where + ("metric",), f"unknown metric {gate.metric!r}{hint}")
+        if gate.metric in metrics and metrics[gate.metric].candidate_only and gate.rule not in ("min", "max"):
+            errors.at(where + ("rule",), f"{gate.metric} is measured against the base (the base has no value of "
+                      f"its own), so rule {gate.rule} has nothing to compare; use min or max with a threshold")
         if gate.rule in ("min", "max", "max_increase") and gate.threshold is None:
             errors.at(where + ("threshold",), f"rule {gate.rule} needs a threshold")
         if gate.threshold is not None:

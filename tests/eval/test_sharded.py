@@ -12,7 +12,8 @@ rank's peak memory must be reported.
     adapters with them; FSDP2 over the dense weights).
 
 The suite has an odd number of batches per set (rank 1 then takes idle steps in the last round)
-and the tickets set a reference loss; the general-text loss runs on both ranks.
+and the tickets set a reference loss; the general-text loss runs on both ranks, and so do the
+preference set's pair log-probabilities.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 import yaml
 
 from glmtune.data.synthetic import SCHEMA_PATH, generate_rows
+from glmtune.data.synthetic_preferences import generate_preference_rows
 from tests.train.run_helpers import TWO_STEPS, WITH_EXPORT, shared_run
 
 BUNDLED = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "eval_support_json"
@@ -39,6 +41,8 @@ def _suite(directory: Path) -> Path:
     plain = [r for r in rows if not r.get("tools")][:3]  # five rows in batches of 2: rank 1 idles in the third
     (directory / "tools.jsonl").write_text("".join(json.dumps(r) + "\n" for r in calls + plain))
     (directory / "general_text.txt").write_text((BUNDLED / "general_text.txt").read_text())
+    pairs = generate_preference_rows(2, seed=11)  # the preference scorer: every rank scores each pair in step
+    (directory / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     suite = {
         "name": "sharded", "version": "1",
         "decoding": {"max_new_tokens": 10, "batch_size": 2, "max_tool_rounds": 1},
@@ -48,6 +52,7 @@ def _suite(directory: Path) -> Path:
              "scorers": [{"type": "task_success", "fields": ["product", "severity", "next_action"]},
                          {"type": "format", "schema": str(SCHEMA_PATH)}, "reference_loss"]},
             {"name": "tools", "path": "tools.jsonl", "scorers": ["tool_execution", "task_success"]},
+            {"name": "pairs", "path": "pairs.jsonl", "scorers": ["preference"]},
         ],
         "general_text": {"path": "general_text.txt", "max_tokens": 192, "window": 64},
         "gates": [{"name": "reference loss", "metric": "tickets/reference_loss/loss", "rule": "max",

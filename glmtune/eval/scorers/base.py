@@ -2,6 +2,8 @@
 the per-row score a scorer returns.
 
 A scorer is a class with
+  * `row_kind`: the rows it scores: "chat" (answered by generation) or "preference" (pairs scored
+    teacher-forced); a set's scorers share one kind;
   * `Options`: a dataclass of its suite-file options (typed, unknown keys are errors);
   * `metrics(options)`: the `MetricDef`s it reports (fixed per options, so a gate's metric id
     is checked when the suite loads);
@@ -30,9 +32,10 @@ Reduce = Literal["mean", "sum"]
 class MetricDef:
     name: str
     description: str
-    unit: str  # "ratio" | "count" | "seconds" | "tokens_per_s" | "gib" | "nats_per_token"
+    unit: str  # "ratio" | "count" | "seconds" | "tokens_per_s" | "gib" | "nats_per_token" | "nats"
     higher_is_better: bool
     reduce: Reduce = "mean"
+    candidate_only: bool = False  # measured against the base (the base's value is null): gates min/max only
 
 
 @dataclass
@@ -78,11 +81,14 @@ class ModelOutput:
     tool_calls: list[ToolCall]
     latency_s: float  # model time for this request: the generate calls it took part in
     generated_tokens: int
-    finish: str  # "answer" | "length" | "tool_rounds_exhausted" | "bad_tool_call" | "error"
+    finish: str  # "answer" | "length" | "tool_rounds_exhausted" | "bad_tool_call" | "error" | "teacher_forced"
     reference_loss: float | None = None  # set when the set has the reference_loss scorer
     error: str | None = None  # why the request failed (finish "error"): rendering, generation, a tool
     reference_loss_error: str | None = None  # why reference_loss is None for a reference_loss set
     reference_loss_not_available: str | None = None  # the backend cannot compute it (an engine): why
+    preference: Any = None  # a preference set's `scorers.preference.PairLogps` of this pair
+    preference_error: str | None = None  # why `preference` is None (its log-probabilities raised)
+    preference_not_available: str | None = None  # the backend cannot compute it (an engine): why
 
 
 @dataclass

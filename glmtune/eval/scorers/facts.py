@@ -27,6 +27,7 @@ def _normalize(text: str, case_sensitive: bool) -> str:
 
 class Facts:
     name = "facts"
+    row_kind = "chat"  # the rows it scores: chat rows, answered by generation
 
     @dataclass
     class Options:

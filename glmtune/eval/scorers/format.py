@@ -24,6 +24,7 @@ MAX_SCHEMA_BYTES = 4 << 20
 
 class Format:
     name = "format"
+    row_kind = "chat"  # the rows it scores: chat rows, answered by generation
 
     @dataclass
     class Options:

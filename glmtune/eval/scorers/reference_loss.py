@@ -29,6 +29,7 @@ from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore
 
 class ReferenceLoss:
     name = "reference_loss"
+    row_kind = "chat"  # the rows it scores: chat rows, answered by generation
 
     @dataclass
     class Options:

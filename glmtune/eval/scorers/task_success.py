@@ -17,6 +17,7 @@ from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore,
 
 class TaskSuccess:
     name = "task_success"
+    row_kind = "chat"  # the rows it scores: chat rows, answered by generation
 
     @dataclass
     class Options:

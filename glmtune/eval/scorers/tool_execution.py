@@ -25,6 +25,7 @@ from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore,
 
 class ToolExecution:
     name = "tool_execution"
+    row_kind = "chat"  # the rows it scores: chat rows, answered by generation
 
     @dataclass
     class Options:
