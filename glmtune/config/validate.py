@@ -243,13 +243,10 @@ def objective_errors(cfg: JobConfig) -> list[str]:
         (d.too_long == "drop",
          "data.too_long: truncate with train.objective: dpo: a cut answer is not the answer that was preferred; "
          "pairs longer than data.packed_sequence_size are dropped (set data.too_long: drop)"),
-        (dpo.reference == "none" or cfg.peft.method == "lora",
-         "train.objective: dpo with dpo.reference: model and full fine-tuning needs the reference log-probabilities "
-         "computed before training, which is not built yet; use peft.method: lora (the reference is the model "
-         "with its adapters off) or dpo.reference: none (SimPO)"),
-        (cfg.parallel.pp == 1 and cfg.parallel.cp == 1,
-         "train.objective: dpo under parallel.pp > 1 or parallel.cp > 1 is not built yet (FSDP2 and EP are); "
-         "use parallel.pp: 1 and parallel.cp: 1"),
+        (dpo.reference == "none" or cfg.peft.method == "lora" or (cfg.parallel.pp == 1 and cfg.parallel.cp == 1),
+         "train.objective: dpo with full fine-tuning and dpo.reference: model under parallel.pp > 1 or "
+         "parallel.cp > 1: the reference log-probabilities computed before training need the whole model and "
+         "whole rows (not built for these layouts yet); use peft.method: lora or dpo.reference: none"),
         (t.generate_samples == 0,
          "train.generate_samples answers held-out prompts for SFT runs; with train.objective: dpo set it to 0 "
          "and score the run with glmtune eval's preference scorer"),

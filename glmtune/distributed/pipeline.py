@@ -9,6 +9,10 @@ and runs the configured schedule:
     loss_sum = pipeline.train_step(batch, loss_scale)   # forward + backward of one micro batch
     loss_sum, count = pipeline.evaluate(batch)           # forward only (validation)
 
+Another objective than next-token (preference pairs) passes `token_losses`, one callable per
+pipeline microbatch (`row_slices`: whole rows of the micro batch, in order): the last stage
+gives it the microbatch's targets' log-probabilities and returns what it returns as the loss sum.
+
 Loss: the last stage computes each microbatch's summed token loss and multiplies it
 by `loss_scale` (1 / the step's supervised tokens over every rank): the schedule's
 backward starts there, so gradients add up over microbatches, micro batches and ranks
@@ -42,6 +46,7 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
     receive_selection     set here: () -> (mask, flag), called by a `carry_in` stage
     microbatch_facts      list of `MicrobatchFacts` (`glmtune/models/common/microbatch_facts.py`),
                           queued here one per microbatch, consumed in order by the forward
+                          (with `token_loss`, the last stage's loss of that microbatch)
     loss_sums             list of tensors: the last stage appends each microbatch's unscaled
                           loss sum; read and cleared here
     local_tokens(t_BT)    this rank's queries of a per-token tensor of the full rows ([B, T, ...]
@@ -155,14 +160,21 @@ class Pipeline:
         self._pending = []
 
     # -- host facts -------------------------------------------------------------------------
-    def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local) -> None:
+    def row_slices(self, num_rows: int) -> list[slice]:
+        """The rows of each pipeline microbatch of a micro batch of `num_rows` rows: whole rows,
+        in order (what a row holds, e.g. a preference pair, never splits across microbatches)."""
+        assert num_rows % self.microbatches == 0, (num_rows, self.microbatches)
+        rows = num_rows // self.microbatches
+        return [slice(m * rows, (m + 1) * rows) for m in range(self.microbatches)]
+
+    def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local,
+                     token_losses: list | None = None) -> None:
         """Each stage's per-microbatch host facts, from the host copies of the ids."""
-        rows = batch["input_ids"].shape[0] // self.microbatches
         facts = []
-        for m in range(self.microbatches):
-            part = slice(m * rows, (m + 1) * rows)
+        for m, part in enumerate(self.row_slices(batch["input_ids"].shape[0])):
             supervised = int((local(batch["targets"][part]) != -100).sum())
-            facts.append(MicrobatchFacts.of_rows(batch["document_ids"][part], supervised, loss_scale))
+            facts.append(MicrobatchFacts.of_rows(batch["document_ids"][part], supervised, loss_scale,
+                                                 token_losses[m] if token_losses is not None else None))
         for stage in self.stages:
             stage.microbatch_facts = list(facts)
             stage.loss_sums = []
@@ -175,9 +187,10 @@ class Pipeline:
         return self.stages[0].local_tokens
 
     # -- steps ------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, Any], loss_scale: float) -> torch.Tensor:
-        """Forward and backward of one micro batch (host tensors); this rank's summed token loss."""
-        self._queue_facts(batch, loss_scale, self._local())
+    def train_step(self, batch: dict[str, Any], loss_scale: float, token_losses: list | None = None) -> torch.Tensor:
+        """Forward and backward of one micro batch (host tensors); this rank's summed token loss
+        (or the sum of `token_losses`' results: module docstring)."""
+        self._queue_facts(batch, loss_scale, self._local(), token_losses)
         kwargs = self._device_kwargs(batch)
         args = (batch["input_ids"].to(self.device, non_blocking=True),) if self.has_first else ()
         # The loss needs no target of the schedule's (the last stage has the targets as a keyword
@@ -188,17 +201,16 @@ class Pipeline:
         return self._loss_sum()
 
     @torch.no_grad()
-    def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only: (this rank's summed token loss, its supervised tokens; 0 without the last stage)."""
+    def evaluate(self, batch: dict[str, Any], token_losses: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only: (this rank's summed token loss, its supervised tokens; 0 without the last stage);
+        with `token_losses`, the sum of their results as the loss (module docstring)."""
         local = self._local()
-        self._queue_facts(batch, None, local)
+        self._queue_facts(batch, None, local, token_losses)
         kwargs = self._device_kwargs(batch)
-        rows = batch["input_ids"].shape[0] // self.microbatches
         pp_rank = dist.get_rank(self.group)
         owner = self.owner
         count = torch.zeros((), dtype=torch.int64, device=self.device)
-        for m in range(self.microbatches):
-            part = slice(m * rows, (m + 1) * rows)
+        for part in self.row_slices(batch["input_ids"].shape[0]):
             mb_kwargs = {k: v[part] for k, v in kwargs.items()}
             carried: tuple = ()
             for index in range(self.num_stages):

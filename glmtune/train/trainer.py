@@ -34,7 +34,10 @@ from glmtune.train.metrics import MetricsWriter, routing_stats
 from glmtune.train.progress import StepProgress
 from glmtune.train.router_balance import update_router_biases
 
-# (model, micro-batch) -> (loss sum over the batch's loss units, unit count[, sums of logged statistics])
+# (model, micro-batch) -> (loss sum over the batch's loss units, unit count[, sums of logged statistics]).
+# Under pipeline parallelism an objective other than next-token gets the `Pipeline` instead of the
+# model and the micro-batch's host tensors (with `loss_grad_scale`): it runs the pipeline's forward
+# and, when gradients are enabled, its backward (the schedule's), and returns the sums detached.
 LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, ...]]
 
 
@@ -224,6 +227,8 @@ class Trainer:
             batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()))
         if self.s.host_facts is not None:
             batch = dict(batch, **self.s.host_facts(batch))
+        if self.pipeline is not None:  # another objective drives the pipeline, which reads host tensors
+            return self.loss_fn(self.pipeline, batch)
         # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
         batch = {k: v.to(self.s.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in batch.items()}
@@ -253,7 +258,14 @@ class Trainer:
         step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
         if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
             for batch in batches:
-                loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1))
+                if self.s.unit_counts is supervised_tokens:  # the stages' own next-token loss
+                    loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1))
+                    continue
+                # Another objective runs the schedule itself (LossFn); its sums are its last stage's.
+                micro_loss, _, *stats = self._forward_loss(
+                    dict(batch, loss_grad_scale=1.0 / max(total_on_host, 1), step_totals=step_totals))
+                loss_sum += micro_loss.detach()
+                _add_stats(stat_sums, stats[0] if stats else {})
             for stage in self.pipeline.stages:
                 for name, counts in stage.expert_load.items():
                     load[name] += counts
@@ -324,6 +336,8 @@ class Trainer:
             return {}
         names = sorted(sums)
         total = _all_reduce_sum(torch.stack([sums[n] for n in names]), self.s.row_group)
+        if self.s.pp_group is not None:  # the last stage's statistics (zeros on the other stages)
+            _all_reduce_sum(total, self.s.pp_group)
         means = (total / denominator.to(torch.float64)).tolist()
         return {f"{prefix}{self.s.stats_prefix}{name}": value for name, value in zip(names, means)}
 
@@ -342,7 +356,7 @@ class Trainer:
         stat_sums: dict[str, torch.Tensor] = {}
         for _ in range(num_batches):
             batch = self.val_loader.next_batch()
-            if self.pipeline is not None:
+            if self.pipeline is not None and self.s.unit_counts is supervised_tokens:
                 batch_loss, batch_count = self.pipeline.evaluate(batch)
             else:
                 # One batch's own totals: validation reports per-unit means of each batch's sums.

@@ -5,6 +5,9 @@ independent of the micro-batch split, and a LoRA run whose reference is the adap
 from __future__ import annotations
 
 import json
+import math
+import signal
+import time
 
 import pytest
 import torch
@@ -21,9 +24,10 @@ from glmtune.peft import apply_lora
 from glmtune.peft.lora import adapters_disabled
 from glmtune.train.data_loader import collate
 from glmtune.train.preference import PreferenceObjective, documents_per_row, pair_counts
+from glmtune.train import reference_logps
 from glmtune.train.preference_loss import pair_logps, preference_loss, total_loss
 from tests.peft.conftest import lora_cfg, randomize_adapters
-from tests.train.run_helpers import run
+from tests.train.run_helpers import losses, run, start
 
 RECIPE = "recipes/tiny/dpo_support_json.yaml"
 
@@ -38,13 +42,13 @@ def _refusals(*overrides: str) -> str:
 @pytest.mark.parametrize("overrides, said", [
     (["--train.objective", "sft"], "support_preferences makes preference rows"),
     (["--train.objective", "sft", "--dpo.beta", "0.2"], "dpo.beta is set but train.objective is sft"),
-    (["--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64"], "needs the reference log-probabilities"),
     (["--dpo.loss", "ipo", "--dpo.label_smoothing", "0.1"], "IPO's squared loss has no label smoothing"),
     (["--dpo.reference", "none", "--dpo.loss", "robust"], "dpo.reference: none is SimPO"),
     (["--dpo.simpo_gamma", "1.0"], "dpo.simpo_gamma is set but dpo.reference is model"),
     (["--data.too_long", "truncate"], "a cut answer is not the answer that was preferred"),
     (["--data.synthetic.kind", "support_tickets"], "needs preference rows"),
-    (["--parallel.pp", "2", "--parallel.world_size", "2"], "is not built yet"),
+    (["--parallel.cp", "2", "--parallel.world_size", "2", "--peft.method", "none", "--peft.rank", "32",
+      "--peft.alpha", "64"], "not built for these layouts yet"),
     (["--dpo.beta", "0"], "dpo.beta must be > 0"),
 ])
 def test_settings_a_preference_run_cannot_honour_are_refused(overrides, said):
@@ -148,3 +152,46 @@ def test_a_lora_run_logs_pairs_and_its_step_is_the_same_however_the_rows_are_spl
     assert first["dpo/margin"] == 0 and first["dpo/rewards_chosen"] == 0  # B = 0: the policy is the reference
     assert split[-1]["dpo/margin"] != 0 and "val_dpo/accuracy" in split[-1]
     assert "preference accuracy" in out and "preference pairs" in out
+
+
+FULL = ["--model.name_or_path", "tiny", "--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64",
+        "--data.packed_sequence_size", "1024", "--data.synthetic.rows", "120", "--train.max_steps", "4"]
+
+
+def test_full_fine_tuning_reference_is_cached_and_a_killed_run_resumes_without_recomputing_it(tmp_path):
+    """The reference log-probabilities are computed once from the starting weights; a run killed with
+    SIGKILL and resumed reads them back (the file untouched) and gives the uninterrupted losses."""
+    straight = run(tmp_path / "straight", tmp_path / "cache-a", *FULL, recipe="tiny/dpo_support_json")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert "computed from the starting weights" in straight.stdout
+    expected = losses(tmp_path / "straight")
+    assert sorted(expected) == list(range(1, 5)) and expected[1] == pytest.approx(math.log(2), abs=1e-6)
+
+    killed_dir, cache = tmp_path / "killed", tmp_path / "cache-b"
+    proc = start(killed_dir, cache, *FULL, recipe="tiny/dpo_support_json")
+    ckpt = killed_dir / "checkpoints" / "step-00000002"
+    deadline = time.monotonic() + 300
+    while not (ckpt / "checksums.json").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    output = proc.communicate()[0]
+    assert proc.returncode == -signal.SIGKILL, output
+    (cached,) = (cache / "reference_logps").glob("*.safetensors")
+    written = cached.stat().st_mtime_ns
+
+    resumed = run(killed_dir, cache, *FULL, "--checkpoint.resume", "auto", recipe="tiny/dpo_support_json")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    said = resumed.stdout.replace("\n", "")  # rich wraps long lines
+    assert "read from" in said and cached.name in said and "computed from" not in said
+    assert cached.stat().st_mtime_ns == written
+    assert losses(killed_dir) == expected  # the same floats at every step
+
+
+def test_a_reference_cache_that_does_not_match_the_rows_is_refused_not_used(tmp_path, packed_rows):
+    values = [torch.randn(sum(t != -100 for t in row["labels"][1:])) for row in packed_rows]
+    path = tmp_path / "ref.safetensors"
+    reference_logps.save(path, values, [], {"rows": len(values)})
+    train, val = reference_logps.load(path, packed_rows, [])
+    assert all(torch.equal(a, b) for a, b in zip(train, values)) and val == []
+    with pytest.raises(ValueError, match="do not match this run's train rows"):
+        reference_logps.load(path, packed_rows[1:], [])

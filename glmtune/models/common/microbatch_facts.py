@@ -12,7 +12,8 @@ Legend: B rows of the microbatch, T tokens of a row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,11 +28,15 @@ class MicrobatchFacts:
     single_document: bool
     supervised: int | None = None  # targets != -100 among this rank's queries (None: counted on the device)
     loss_scale: float | None = None  # the last stage returns loss_sum x this (1 / the step's supervised tokens)
+    # Another objective's loss sum of these rows from the targets' log-probabilities (this rank's
+    # queries, fp32 [B, S], 0 where -100), e.g. preference pairs; None: the summed cross-entropy.
+    token_loss: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
 
     @classmethod
     def of_rows(cls, document_ids_BT: torch.Tensor, supervised: int | None = None,
-                loss_scale: float | None = None) -> MicrobatchFacts:
+                loss_scale: float | None = None, token_loss=None) -> MicrobatchFacts:
         """The facts of rows with documents `document_ids_BT` (host tensor [B, T])."""
         seq_len = document_ids_BT.shape[1]
         return cls(longest_document(seq_len, document_ids_BS=document_ids_BT),
-                   single_document_rows(seq_len, document_ids_BS=document_ids_BT), supervised, loss_scale)
+                   single_document_rows(seq_len, document_ids_BS=document_ids_BT), supervised, loss_scale,
+                   token_loss)

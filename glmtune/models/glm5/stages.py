@@ -10,6 +10,10 @@ part in the forward pass; they stay outside the stage module).
     stage i:        h (+ carried selection) -> h (+ carried selection)
     last stage:     h (+ carried selection) -> loss_sum x loss_scale   ([1])
 
+The last stage's loss is the summed cross-entropy of the targets, or, when the microbatch's facts
+carry a `token_loss` (another objective: preference pairs), that function of the targets'
+log-probabilities.
+
 Side inputs every stage needs (positions, documents, targets) come as keyword
 arguments; `torch.distributed.pipelining` hands each microbatch's keyword arguments to
 every stage, and only the activations travel between stages. Facts about a
@@ -40,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glmtune.models.common.loss import chunked_cross_entropy
+from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logps
 from glmtune.models.common.microbatch_facts import MicrobatchFacts
 from glmtune.models.glm5.model import Glm5ForCausalLM
 from glmtune.models.glm5.moe import MoE
@@ -105,6 +109,11 @@ class Glm5Stage(nn.Module):
         itself without context parallelism."""
         return self.core[0].local_tokens(t_BT)
 
+    @property
+    def sequence_shard(self):
+        """The model's context-parallel shard (None: every query is local), for losses over whole rows."""
+        return self.core[0].sequence_shard
+
     def forward(self, x, carried_mask=None, carried_all=None, *, position_ids, document_ids, targets=None):
         """One microbatch through this stage.
 
@@ -146,8 +155,13 @@ class Glm5Stage(nn.Module):
         if not self.is_last:
             return h_BSD
         hidden_BSD = self.norm(h_BSD)
-        loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(targets), self.loss_chunk_size,
-                                            num_supervised=facts.supervised, grad_scale=facts.loss_scale)
+        if facts.token_loss is not None:  # another objective: a function of the targets' log-probabilities
+            loss_sum = facts.token_loss(chunked_token_logps(hidden_BSD, self.lm_head.weight, local(targets),
+                                                            self.loss_chunk_size, facts.supervised))
+        else:
+            loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(targets),
+                                                self.loss_chunk_size, num_supervised=facts.supervised,
+                                                grad_scale=facts.loss_scale)
         self.loss_sums.append(loss_sum.detach())
         scaled = loss_sum * facts.loss_scale if facts.loss_scale is not None else loss_sum
         return scaled.reshape(1)  # [1]: the schedule concatenates the microbatches' outputs

@@ -1,0 +1,147 @@
+"""`train.objective: dpo` under torchrun (gloo, CPU) at every layout, against one process.
+
+The tiny DPO recipe (LoRA, fp32; the reference is the adapters-off model) on 120 synthetic pairs
+in rows of 1024 tokens, two steps of four rows with validation at step 2: FSDP2 over 2 ranks, expert
+parallelism 2 (over the FSDP2-sharded ranks), pipeline parallelism 2 (the last stage scores each pipeline
+microbatch's pairs; the reference is a forward-only pass through the pipeline) and context
+parallelism 2 (each cp rank's token log-probabilities gathered into the full rows before the
+pair sums, each rank carrying 1/cp of the loss) each give the one-process steps: loss, gradient
+norm, log-probabilities and the SFT term to relative 1e-5; margin and rewards, differences of
+log-probabilities near -200, to absolute 2e-5. SimPO (`dpo.reference: none`) with full fine-tuning
+under FSDP2 too. Every layout reads the same four rows per step (data-parallel ranks two each;
+validation: one batch per data-parallel rank, two in one process: the same four rows).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from glmtune.config import DpoConfig, ParallelConfig
+from glmtune.data.packing import pack_pairs
+from glmtune.data.preferences import tokenize_pair
+from glmtune.data.synthetic_preferences import generate_preference_rows
+from glmtune.data.tokenizer import load_tokenizer
+from glmtune.distributed.mesh import ParallelMesh
+from glmtune.models.glm5 import build_model, get_preset
+from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
+from glmtune.models.glm5.spec import GLM5
+from glmtune.train.data_loader import collate
+from glmtune.train.preference import REFERENCE_CACHE, PreferenceObjective, documents_per_row, pair_counts
+from tests.distributed.gloo_helpers import run_gloo
+from tests.train.run_helpers import shared_run, torchrun
+
+RECIPE = "tiny/dpo_support_json"
+STEPS = ["--model.name_or_path", "tiny", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "1024",
+         "--train.max_steps", "2", "--checkpoint.every_steps", "2", "--train.val_every", "2",
+         "--train.val_steps", "2"]
+DATA_PARALLEL = ["--train.val_steps", "1"]  # one validation batch per rank: the one-process run's two
+SIMPO_FULL = ["--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64", "--dpo.reference", "none"]
+RELATIVE = ("loss", "grad_norm", "dpo/logps_chosen", "dpo/logps_rejected", "dpo/sft_loss", "dpo/accuracy",
+            "dpo/pairs", "dpo/chosen_tokens", "val_loss", "val_dpo/logps_chosen", "val_dpo/logps_rejected",
+            "val_dpo/sft_loss", "val_dpo/accuracy")
+ABSOLUTE = ("dpo/margin", "dpo/rewards_chosen", "dpo/rewards_rejected", "val_dpo/margin",
+            "val_dpo/rewards_chosen", "val_dpo/rewards_rejected")
+
+LAYOUTS = {
+    "fsdp2": DATA_PARALLEL,
+    "ep2": ["--parallel.ep", "2", *DATA_PARALLEL],
+    "pp2": ["--parallel.pp", "2"],
+    "cp2": ["--parallel.cp", "2"],
+}
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _assert_same_steps(actual: dict[int, dict], expected: dict[int, dict]) -> None:
+    assert sorted(actual) == sorted(expected) == [1, 2]
+    for step, want in expected.items():
+        got = actual[step]
+        for key in (*RELATIVE, *ABSOLUTE):
+            if key.startswith("val_") and step != 2:
+                continue
+            tolerance = dict(rel=1e-5, abs=1e-7) if key in RELATIVE else dict(abs=2e-5)
+            assert got[key] == pytest.approx(want[key], **tolerance), (step, key)
+    assert expected[2]["dpo/margin"] != 0  # the policy has left its reference: the rewards are compared
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_dpo_layouts_match_one_process(layout, tmp_path, shared_results):
+    single = shared_run(shared_results, *STEPS, recipe=RECIPE)
+    done = torchrun(2, tmp_path / layout, single.cache_dir, *STEPS, *LAYOUTS[layout], recipe=RECIPE)
+    described = " ".join(done.stdout.split())  # the console wraps long lines
+    assert {"fsdp2": "dp_shard 2", "ep2": "ep 2", "pp2": "pipeline: 2 stages", "cp2": "cp 2"}[layout] in described
+    _assert_same_steps(_records(tmp_path / layout), _records(single.run_dir))
+
+
+def test_reference_free_full_fine_tuning_under_fsdp2_matches_one_process(tmp_path, shared_results):
+    single = shared_run(shared_results, *STEPS, *SIMPO_FULL, recipe=RECIPE)
+    done = torchrun(2, tmp_path / "fsdp", single.cache_dir, *STEPS, *SIMPO_FULL, *DATA_PARALLEL, recipe=RECIPE)
+    assert "dp_shard 2" in " ".join(done.stdout.split())
+    _assert_same_steps(_records(tmp_path / "fsdp"), _records(single.run_dir))
+
+
+# -- the reference cache (`ref_token_logps`) under context and pipeline parallelism -------------
+
+def _preference_batch() -> dict:
+    """Two packed preference rows of 1024 tokens, with a synthetic reference beside the targets."""
+    tokenizer = load_tokenizer(None)
+    pairs = [tokenize_pair(row, tokenizer) for row in generate_preference_rows(8, seed=3)]
+    rows, _ = pack_pairs(pairs, 1024, pad_token_id=tokenizer.pad_token_id)
+    batch = collate(rows[:2])
+    batch.update(documents_per_row(batch), step_totals=pair_counts(batch))
+    noise = torch.rand(batch["targets"].shape, generator=torch.Generator().manual_seed(5))
+    batch[REFERENCE_CACHE] = torch.where(batch["targets"] != -100, -1.0 - 4.0 * noise, 0.0)
+    return batch
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _cache_under_layout(rank: int, world_size: int, layout: str) -> None:
+    """On each rank: the one-process loss and gradients, then the layout's, which must add up to them."""
+    batch = _preference_batch()
+    objective = PreferenceObjective(GLM5.token_logps, DpoConfig(sft_weight=0.5), lora=False)
+    num_pairs = batch["step_totals"]["pairs"]
+    single = build_model(get_preset("tiny"), torch.float32, seed=0)
+    want_loss, want_pairs, want_stats = objective.loss(single, batch)
+    (want_loss / num_pairs).backward()
+    assert want_stats["margin"] != 0  # the synthetic reference differs from the policy
+    model = build_model(get_preset("tiny"), torch.float32, seed=0)
+    mesh = ParallelMesh.from_config(ParallelConfig(**{layout: 2}), world_size=world_size)
+    options = PipelineOptions("1F1B", 1, microbatches=2, micro_batch=2, seq_len=1024) if layout == "pp" else None
+    parallelize_glm5(model, mesh=mesh, pipeline=options)
+    if layout == "cp":  # the trainer's count of this rank's targets
+        local = model.model.local_tokens(batch["targets"])
+        loss, pairs, stats = objective.loss(model, dict(batch, num_supervised=int((local != -100).sum())))
+        (loss / num_pairs).backward()
+        dist.all_reduce(pairs := pairs.clone())  # each cp rank carries 1/cp of the loss and pairs
+    else:  # the schedule runs the backward; the last stage's rank holds the sums
+        loss, pairs, stats = objective.loss(model.pipeline, dict(batch, loss_grad_scale=1.0 / num_pairs))
+        for value in [pairs, *stats.values()]:
+            dist.all_reduce(value)
+    dist.all_reduce(loss := loss.detach().clone())
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=0)
+    assert float(pairs) == float(want_pairs) == num_pairs
+    for name, value in want_stats.items():
+        torch.testing.assert_close(stats[name], value, rtol=1e-5, atol=2e-5, msg=name)
+    expected, got = _gradients(single), _gradients(model)
+    assert got and set(got) <= set(expected)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["cp", "pp"])
+def test_a_cached_reference_under_cp2_and_pp2_adds_up_to_one_process(layout, tmp_path):
+    """Full fine-tuning with the reference cache's per-token log-probabilities (synthetic here):
+    the cp ranks' loss shares and FSDP2-reduced gradients, or the last stage's loss and each
+    stage's gradients, equal the one-process loss and gradients."""
+    run_gloo(_cache_under_layout, 2, tmp_path, layout)
