@@ -243,10 +243,6 @@ def objective_errors(cfg: JobConfig) -> list[str]:
         (d.too_long == "drop",
          "data.too_long: truncate with train.objective: dpo: a cut answer is not the answer that was preferred; "
          "pairs longer than data.packed_sequence_size are dropped (set data.too_long: drop)"),
-        (dpo.reference == "none" or cfg.peft.method == "lora" or (cfg.parallel.pp == 1 and cfg.parallel.cp == 1),
-         "train.objective: dpo with full fine-tuning and dpo.reference: model under parallel.pp > 1 or "
-         "parallel.cp > 1: the reference log-probabilities computed before training need the whole model and "
-         "whole rows (not built for these layouts yet); use peft.method: lora or dpo.reference: none"),
         (t.generate_samples == 0,
          "train.generate_samples answers held-out prompts for SFT runs; with train.objective: dpo set it to 0 "
          "and score the run with glmtune eval's preference scorer"),

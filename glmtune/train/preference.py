@@ -73,13 +73,13 @@ def documents_per_row(batch: dict[str, Any]) -> dict[str, Any]:
     return {"documents_per_row": (batch["document_ids"].max(dim=1).values + 1).tolist()}
 
 
-def _sequence_shard(module: nn.Module) -> SequenceShard | None:
+def sequence_shard_of(module: nn.Module) -> SequenceShard | None:
     """The context-parallel shard of a model (on its core `model.model`) or of a pipeline stage:
     context_parallel.py's interface; None when every token is local."""
     return getattr(getattr(module, "model", module), "sequence_shard", None)
 
 
-def _full_rows(token_logps_BS: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
+def full_rows(token_logps_BS: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
     """[B, T]: every token of the rows from this rank's [B, S] (gathered over the cp group,
     differentiably); itself without context parallelism."""
     if shard is None:
@@ -109,14 +109,14 @@ class PreferenceObjective:
         assert self.lora, "a full fine-tuning reference needs the reference log-probabilities of reference_logps.py"
         with torch.no_grad(), adapters_disabled(model):
             token_logps = self.token_logps(model, batch)
-        return _rows_pair_logps(_full_rows(token_logps, _sequence_shard(model)), batch)
+        return _rows_pair_logps(full_rows(token_logps, sequence_shard_of(model)), batch)
 
     def loss(self, model: nn.Module | Pipeline, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if isinstance(model, Pipeline):
             return self.pipeline_loss(model, batch)
         ref = self.reference_logps(model, batch)
-        shard = _sequence_shard(model)
-        return self.rows_loss(_full_rows(self.token_logps(model, batch), shard), batch, ref, shard)
+        shard = sequence_shard_of(model)
+        return self.rows_loss(full_rows(self.token_logps(model, batch), shard), batch, ref, shard)
 
     def rows_loss(self, token_logps_BT: torch.Tensor, rows: dict[str, Any], ref: dict[str, torch.Tensor] | None,
                   shard: SequenceShard | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -151,7 +151,7 @@ class PreferenceObjective:
         parts = pipeline.row_slices(batch["input_ids"].shape[0])
         rows = [self._microbatch_rows(batch, part, pipeline.device) if pipeline.has_last else None
                 for part in parts]
-        shard = _sequence_shard(pipeline.stages[0])  # every stage of a rank shares the model's shard
+        shard = sequence_shard_of(pipeline.stages[0])  # every stage of a rank shares the model's shard
         refs = self._pipeline_reference(pipeline, batch, rows, shard)
         scored: list[tuple[torch.Tensor, dict]] = []
         losses = [functools.partial(self._record_loss, scored, mb_rows, ref, shard) for mb_rows, ref in zip(rows, refs)]
@@ -174,7 +174,7 @@ class PreferenceObjective:
                      token_logps_BS: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one microbatch (`MicrobatchFacts.token_loss`); its pairs and
         statistics are kept in `scored`."""
-        loss_sum, pairs, sums = self.rows_loss(_full_rows(token_logps_BS, shard), rows, ref, shard)
+        loss_sum, pairs, sums = self.rows_loss(full_rows(token_logps_BS, shard), rows, ref, shard)
         scored.append((pairs, sums))
         return loss_sum
 
@@ -190,7 +190,7 @@ class PreferenceObjective:
         refs: list = [None] * len(rows)
 
         def keep(m: int, token_logps_BS: torch.Tensor) -> torch.Tensor:
-            refs[m] = _rows_pair_logps(_full_rows(token_logps_BS, shard), rows[m])
+            refs[m] = _rows_pair_logps(full_rows(token_logps_BS, shard), rows[m])
             return token_logps_BS.new_zeros(())
 
         with ExitStack() as adapters_off, torch.no_grad():

@@ -358,7 +358,8 @@ def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
         start = time.perf_counter()
         score = functools.partial(cache.compute, built.model, launch.spec.token_logps, device=launch.device,
                                   micro_batch=cfg.train.micro_batch_size,
-                                  group=mesh.group("dp") if mesh is not None else None)
+                                  group=mesh.group("dp") if mesh is not None else None,
+                                  pipeline=launch.spec.pipeline(built.model))  # under pp: through the stages
         train_values, val_values = score(train_rows), score(val_rows)
         if launch.info.is_main:
             cache.save(path, train_values, val_values, {"rows": len(train_rows) + len(val_rows)})

@@ -8,18 +8,22 @@ parallelism 2 (each cp rank's token log-probabilities gathered into the full row
 pair sums, each rank carrying 1/cp of the loss) each give the one-process steps: loss, gradient
 norm, log-probabilities and the SFT term to relative 1e-5; margin and rewards, differences of
 log-probabilities near -200, to absolute 2e-5. SimPO (`dpo.reference: none`) with full fine-tuning
-under FSDP2 too. Every layout reads the same four rows per step (data-parallel ranks two each;
+under FSDP2 too, and full fine-tuning with the reference model under PP 2 and CP 2 (40 pairs): its
+reference log-probabilities, computed before training through the pipeline or gathered over the cp
+ranks, are the one-process cache file's (1e-6), and the steps the one-process full fine-tuning run's. Every layout reads the same four rows per step (data-parallel ranks two each;
 validation: one batch per data-parallel rank, two in one process: the same four rows).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from glmtune.config import DpoConfig, ParallelConfig
 from glmtune.data.packing import pack_pairs
@@ -40,7 +44,10 @@ STEPS = ["--model.name_or_path", "tiny", "--data.synthetic.rows", "120", "--data
          "--train.max_steps", "2", "--checkpoint.every_steps", "2", "--train.val_every", "2",
          "--train.val_steps", "2"]
 DATA_PARALLEL = ["--train.val_steps", "1"]  # one validation batch per rank: the one-process run's two
-SIMPO_FULL = ["--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64", "--dpo.reference", "none"]
+FULL = ["--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64"]  # LoRA's settings at their defaults
+SIMPO_FULL = [*FULL, "--dpo.reference", "none"]
+# The reference pass scores every row once before training: 40 pairs (18 rows) keep it short.
+FULL_REFERENCE = [*STEPS, *FULL, "--data.synthetic.rows", "40"]
 RELATIVE = ("loss", "grad_norm", "dpo/logps_chosen", "dpo/logps_rejected", "dpo/sft_loss", "dpo/accuracy",
             "dpo/pairs", "dpo/chosen_tokens", "val_loss", "val_dpo/logps_chosen", "val_dpo/logps_rejected",
             "val_dpo/sft_loss", "val_dpo/accuracy")
@@ -85,6 +92,32 @@ def test_reference_free_full_fine_tuning_under_fsdp2_matches_one_process(tmp_pat
     done = torchrun(2, tmp_path / "fsdp", single.cache_dir, *STEPS, *SIMPO_FULL, *DATA_PARALLEL, recipe=RECIPE)
     assert "dp_shard 2" in " ".join(done.stdout.split())
     _assert_same_steps(_records(tmp_path / "fsdp"), _records(single.run_dir))
+
+
+def _reference_cache(cache_dir: Path) -> Path:
+    (path,) = (cache_dir / "reference_logps").glob("*.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("layout", ["pp2", "cp2"])
+def test_full_fine_tuning_with_the_reference_model_under_pp2_and_cp2_matches_one_process(layout, tmp_path,
+                                                                                       shared_results):
+    """The reference log-probabilities computed before training under the layout (through the
+    pipeline; gathered over the cp ranks) are the one-process ones, and so are the steps."""
+    single = shared_run(shared_results, *FULL_REFERENCE, recipe=RECIPE)
+    cache_dir = tmp_path / "cache"  # the tokenized data, not the reference: the layout computes its own
+    shutil.copytree(single.cache_dir, cache_dir, ignore=shutil.ignore_patterns("reference_logps"))
+    done = torchrun(2, tmp_path / layout, cache_dir, *FULL_REFERENCE, *LAYOUTS[layout], recipe=RECIPE)
+    described = " ".join(done.stdout.split())
+    assert {"pp2": "pipeline: 2 stages", "cp2": "cp 2"}[layout] in described
+    assert "computed from the starting weights" in described
+    want_path, got_path = _reference_cache(single.cache_dir), _reference_cache(cache_dir)
+    assert got_path.name == want_path.name  # the same key: the same model and rows
+    want, got = load_file(want_path), load_file(got_path)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
+    _assert_same_steps(_records(tmp_path / layout), _records(single.run_dir))
 
 
 # -- the reference cache (`ref_token_logps`) under context and pipeline parallelism -------------

@@ -47,8 +47,6 @@ def _refusals(*overrides: str) -> str:
     (["--dpo.simpo_gamma", "1.0"], "dpo.simpo_gamma is set but dpo.reference is model"),
     (["--data.too_long", "truncate"], "a cut answer is not the answer that was preferred"),
     (["--data.synthetic.kind", "support_tickets"], "needs preference rows"),
-    (["--parallel.cp", "2", "--parallel.world_size", "2", "--peft.method", "none", "--peft.rank", "32",
-      "--peft.alpha", "64"], "not built for these layouts yet"),
     (["--dpo.beta", "0"], "dpo.beta must be > 0"),
 ])
 def test_settings_a_preference_run_cannot_honour_are_refused(overrides, said):
