@@ -28,7 +28,7 @@ from typing import Any, Literal, Sequence
 
 import yaml
 
-from glmtune.config.schema import JobConfig, ModelConfig, OptimConfig, TrainConfig
+from glmtune.config.schema import JobConfig, OptimConfig, TrainConfig
 from glmtune.config.yaml_layers import KeyPath, Layer, format_path, merge_layers, parse_overrides, read_recipe
 
 # Recipes shipped in the source tree (`pip install -e .`); lets `glmtune config show
@@ -52,8 +52,6 @@ class RemovedKey:
 REMOVED_KEYS: dict[tuple[type, str], RemovedKey] = {
     (TrainConfig, "autocast"): RemovedKey("glmtune computes in model.dtype (bf16 under fp32 master weights) "
                                           "without torch.autocast", ("auto", "none")),
-    (ModelConfig, "indexer_trainable"): RemovedKey("the DSA indexer has no loss yet, so it is always frozen",
-                                                   (False,)),
     (OptimConfig, "name"): RemovedKey("the optimizer is always AdamW (optim.fused picks its kernel)", ("adamw",)),
 }
 

@@ -60,6 +60,9 @@ class ModelConfig:
     # only, an HF directory): dequant = each layer's weight dequantized into a
     # transient for a bf16 GEMM (docs/benchmarks.md); none = FP8 checkpoints are dequantized on load
     fp8_base: Literal["none", "dequant"] = "none"
+    # train the DSA indexers (the MTP layer's included) with their KL loss (train.indexer_loss_weight > 0);
+    # false: frozen, as transformers and the released checkpoints leave them (docs/auxiliary-losses.md)
+    indexer_trainable: bool = False
     validate_as: str | None = None  # a preset whose dims `config validate` uses when name_or_path is not readable
 
 
@@ -118,6 +121,16 @@ class TrainConfig:
     # sft: next-token loss on the assistant turns; dpo: preference optimization on prompt/chosen/rejected
     # rows (the `dpo` section; docs/preference.md)
     objective: Literal["sft", "dpo"] = "sft"
+    # GLM-5's multi-token-prediction layer predicts token t+2 from the model's state at t and the
+    # embedding of t+1 (what serving engines draft with); its loss, averaged over its own supervised
+    # tokens, is added with this weight and the MTP layer trains (0: frozen, no loss). docs/auxiliary-losses.md
+    mtp_loss_weight: float = 0.0
+    # weight of the DSA indexers' KL loss (their scores against the main attention over the selected keys,
+    # both sides detached from the main model); needs model.indexer_trainable: true
+    indexer_loss_weight: float = 0.0
+    # first N steps: dense attention and only the indexers train, against the dense attention (DeepSeek-V3.2's
+    # warm-up, for long-context adaptation); needs the indexer loss
+    indexer_warmup_steps: int = 0
 
 
 @dataclass

@@ -172,7 +172,8 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     """
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
-        + list(model_refusals) + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg)
+        + list(model_refusals) + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) \
+        + auxiliary_loss_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -247,6 +248,39 @@ def objective_errors(cfg: JobConfig) -> list[str]:
          "train.generate_samples answers held-out prompts for SFT runs; with train.objective: dpo set it to 0 "
          "and score the run with glmtune eval's preference scorer"),
     ]
+    return [message for ok, message in rules if not ok]
+
+
+def auxiliary_loss_errors(cfg: JobConfig) -> list[str]:
+    """The MTP and indexer losses (`train.mtp_loss_weight`, `train.indexer_loss_weight`,
+    `model.indexer_trainable`, `train.indexer_warmup_steps`): each takes effect or is refused."""
+    t, m = cfg.train, cfg.model
+    indexer_on = t.indexer_loss_weight > 0
+    rules = [
+        (t.mtp_loss_weight >= 0, f"train.mtp_loss_weight must be >= 0, got {t.mtp_loss_weight}"),
+        (t.indexer_loss_weight >= 0, f"train.indexer_loss_weight must be >= 0, got {t.indexer_loss_weight}"),
+        (t.indexer_warmup_steps >= 0, f"train.indexer_warmup_steps must be >= 0, got {t.indexer_warmup_steps}"),
+        (indexer_on == m.indexer_trainable,
+         "model.indexer_trainable: true needs train.indexer_loss_weight > 0 (the indexer learns from its KL loss "
+         "only)" if m.indexer_trainable else
+         "train.indexer_loss_weight > 0 needs model.indexer_trainable: true (a frozen indexer has nothing to learn)"),
+        (t.indexer_warmup_steps == 0 or indexer_on,
+         "train.indexer_warmup_steps trains the indexers alone: it needs train.indexer_loss_weight > 0 and "
+         "model.indexer_trainable: true"),
+        (t.indexer_warmup_steps < t.max_steps,
+         f"train.indexer_warmup_steps ({t.indexer_warmup_steps}) must be < train.max_steps ({t.max_steps}): the "
+         "model itself would never train"),
+    ]
+    extras = [name for name, on in (("train.mtp_loss_weight", t.mtp_loss_weight > 0),
+                                    ("model.indexer_trainable", m.indexer_trainable)) if on]
+    for name in extras:
+        rules += [
+            (t.objective == "sft", f"{name} with train.objective: {t.objective}: the auxiliary losses ride on the "
+                                   "next-token loss (SFT); remove it for preference optimization"),
+            (cfg.peft.method == "none", f"{name} with peft.method: {cfg.peft.method}: the MTP layer and the indexers "
+                                        "train as full weights, which a PEFT adapter cannot carry; use full "
+                                        "fine-tuning (peft.method: none)"),
+        ]
     return [message for ok, message in rules if not ok]
 
 

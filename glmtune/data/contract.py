@@ -351,13 +351,25 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def normalize_row(data: dict[str, Any]) -> dict[str, Any]:
-    """Canonical form of a valid row (see module docstring); the input is not modified."""
+def normalize_fields(data: dict[str, Any], message_fields: Iterable[str]) -> dict[str, Any]:
+    """Canonical form of a valid row whose messages are in `message_fields` (each a list of
+    messages): None-valued keys dropped, each message normalized (`normalize_message`), an
+    empty `tools` dropped, group/id as strings. The input is not modified.
+
+    The common part of `normalize_row` (chat rows, `messages`) and
+    `preferences.normalize_preference_row` (prompt/chosen/rejected).
+    """
     out = {key: value for key, value in data.items() if value is not None}
-    out["messages"] = [normalize_message(message) for message in data["messages"]]
+    for field in message_fields:
+        out[field] = [normalize_message(message) for message in data[field]]
     if not out.get("tools"):
         out.pop("tools", None)
     for key in ("group", "id"):
         if key in out:
             out[key] = str(out[key])
     return out
+
+
+def normalize_row(data: dict[str, Any]) -> dict[str, Any]:
+    """Canonical form of a valid row (see module docstring); the input is not modified."""
+    return normalize_fields(data, ("messages",))

@@ -233,3 +233,13 @@ def next_token_targets(labels: Sequence[int]) -> list[int]:
     """What a standard causal loss scores position t against: labels[t + 1], and -100
     at the last position. With packed rows no such target crosses a document boundary."""
     return list(labels[1:]) + [IGNORE_INDEX]
+
+
+def second_next_targets(labels: Sequence[int], document_ids: Sequence[int]) -> list[int]:
+    """What a multi-token-prediction layer at position t is scored against: labels[t + 2] (the
+    token after next), -100 where t + 2 is past the row or in another document than t (MTP at
+    t reads the embedding of token t + 1, so t + 1 and t + 2 both must belong to t's document)."""
+    shifted = [label if here >= 0 and here == after else IGNORE_INDEX
+               for label, here, after in zip(labels[2:], document_ids, document_ids[2:])]
+    return shifted + [IGNORE_INDEX] * min(2, len(labels))
+

@@ -36,8 +36,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample, tokenize_conversation
-from glmtune.data.contract import (Violation, check_conversation, content_text, normalize_message, normalize_row,
-                                   validate_row, violations_error)
+from glmtune.data.contract import (Violation, check_conversation, content_text, normalize_fields, normalize_message,
+                                   normalize_row, validate_row, violations_error)
 from glmtune.data.sources import Origin, Row
 
 PREFERENCE_FIELDS: tuple[str, ...] = ("prompt", "chosen", "rejected")
@@ -154,15 +154,7 @@ def validate_any_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None
 
 def normalize_preference_row(data: dict[str, Any]) -> dict[str, Any]:
     """Canonical form of a valid preference row (as contract.normalize_row for chat rows)."""
-    out = {key: value for key, value in data.items() if value is not None}
-    for field in PREFERENCE_FIELDS:
-        out[field] = [normalize_message(message) for message in data[field]]
-    if not out.get("tools"):
-        out.pop("tools", None)
-    for key in ("group", "id"):
-        if key in out:
-            out[key] = str(out[key])
-    return out
+    return normalize_fields(data, PREFERENCE_FIELDS)
 
 
 def check_rows_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None,

@@ -12,19 +12,28 @@ from typing import Any
 
 import torch
 
-from glmtune.data.packing import next_token_targets
+from glmtune.data.packing import next_token_targets, second_next_targets
 from glmtune.models.common.document_masks import longest_document, single_document_rows
+
+# A preference run's reference log-probabilities (reference_logps.py): per supervised target in a
+# packed row, [B, T] fp32 beside `targets` in a batch (preference.py reads it there).
+REFERENCE_CACHE = "ref_token_logps"
 
 
 def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Stack packed rows; `targets[t]` is the token that should follow position t (-100: none).
 
-    `longest_document`, `single_document` and `num_supervised` (ints, a bool) are computed here, on the host, so the
+    `mtp_targets[t]` is the token after that (`packing.second_next_targets`), for a multi-token-
+    prediction layer. `longest_document`, `single_document`, `num_supervised` and `num_mtp_supervised`
+    (ints, a bool) are computed here, on the host, so the
     model's forward needs no host sync to pick its attention path or its loss rows.
     """
     batch = {
         "input_ids": torch.tensor([r["input_ids"] for r in rows], dtype=torch.long),
         "targets": torch.tensor([next_token_targets(r["labels"]) for r in rows], dtype=torch.long),
+        # the MTP layer's (token t + 2); read only when it trains
+        "mtp_targets": torch.tensor([second_next_targets(r["labels"], r["document_ids"]) for r in rows],
+                                    dtype=torch.long),
         "position_ids": torch.tensor([r["position_ids"] for r in rows], dtype=torch.long),
         "document_ids": torch.tensor([r["document_ids"] for r in rows], dtype=torch.long),
     }
@@ -32,10 +41,11 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
     batch["longest_document"] = longest_document(seq_len, document_ids_BS=batch["document_ids"])
     batch["single_document"] = single_document_rows(seq_len, document_ids_BS=batch["document_ids"])
     batch["num_supervised"] = int((batch["targets"] != -100).sum())
-    if "ref_token_logps" in rows[0]:  # a preference run's reference, per supervised target (reference_logps.py)
+    batch["num_mtp_supervised"] = int((batch["mtp_targets"] != -100).sum())
+    if REFERENCE_CACHE in rows[0]:  # a preference run's reference, per supervised target (reference_logps.py)
         ref = torch.zeros(batch["targets"].shape, dtype=torch.float32)
-        ref[batch["targets"] != -100] = torch.cat([r["ref_token_logps"] for r in rows])
-        batch["ref_token_logps"] = ref
+        ref[batch["targets"] != -100] = torch.cat([r[REFERENCE_CACHE] for r in rows])
+        batch[REFERENCE_CACHE] = ref
     return batch
 
 

@@ -52,11 +52,11 @@ from glmtune.distributed.pipeline import Pipeline
 from glmtune.models.common.loss import IGNORE_INDEX
 from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.peft.lora import adapters_disabled
+from glmtune.train.data_loader import REFERENCE_CACHE  # a full fine-tuning run's reference: [B, T] fp32
 from glmtune.train.preference_loss import pair_logps, preference_loss
 
 # Per-pair statistics the trainer logs (as dpo/<name>, means over the step's pairs).
 STATS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy", "logps_chosen", "logps_rejected")
-REFERENCE_CACHE = "ref_token_logps"  # a full fine-tuning run's reference: [B, T] fp32 beside `targets`
 _ROW_KEYS = ("targets", "document_ids", REFERENCE_CACHE)  # per-token tensors the pair losses read
 
 

@@ -46,11 +46,10 @@ from safetensors.torch import load_file, save_file
 from glmtune.data.packing import next_token_targets
 from glmtune.data.token_cache import default_cache_dir
 from glmtune.distributed.fsdp_state import release_gathered
-from glmtune.train.data_loader import collate
+from glmtune.train.data_loader import REFERENCE_CACHE, collate
 from glmtune.train.preference import full_rows, sequence_shard_of
 
 CACHE_VERSION = 1
-FIELD = "ref_token_logps"
 
 
 def rows_sha256(rows: list[dict[str, Any]]) -> str:
@@ -198,4 +197,4 @@ def load(path: Path, train_rows, val_rows) -> tuple[list[torch.Tensor], list[tor
 
 def attach(rows: list[dict[str, Any]], values: list[torch.Tensor]) -> None:
     for row, row_values in zip(rows, values):
-        row[FIELD] = row_values
+        row[REFERENCE_CACHE] = row_values

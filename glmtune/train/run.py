@@ -56,6 +56,7 @@ from glmtune.distributed.process_group import one_rank_process_group
 from glmtune.kernels.device_peaks import peak_tflops
 from glmtune.kernels.fp8_blocks import is_fp8
 from glmtune.kernels.lowrank_add import resolve_backend
+from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.registry import is_preset, model_spec
 from glmtune.peft import apply_lora, build_inventory, export_run_adapters, print_inventory
@@ -72,7 +73,7 @@ from glmtune.train.process import DistributedInfo, check_recipe, init_distribute
 from glmtune.train.run_data import PreparedData, prepare_data
 from glmtune.train.run_dir import RunDirectory, check_writable, save_run_config
 from glmtune.train.samples import prompts_from, run_samples, score
-from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings
+from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings, supervised_tokens_and_mtp
 
 
 def barrier() -> None:
@@ -245,6 +246,8 @@ def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHook
         # it), an adapter names it, and an evaluation compares against it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
         base_identity = _write_preset_base(cfg, launch.spec, model, run_dir / BASE_DIR, console, info.is_main)
+    # The MTP layer and the indexers train only with their losses (before LoRA and any wrapping).
+    launch.spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     # LoRA is a transformation of the built model, before any parallel wrapping.
     inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
         else build_inventory(model)
@@ -408,7 +411,12 @@ def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tup
     """The loss function of `train.objective` and the trainer settings it needs: SFT's next-token
     loss, or the preference objective (pairs as its unit, its statistics logged as dpo/...)."""
     if cfg.train.objective == "sft":
-        return spec.loss, settings
+        t = cfg.train
+        if t.mtp_loss_weight == 0 and t.indexer_loss_weight == 0:
+            return spec.loss, settings
+        aux = AuxiliaryLosses(t.mtp_loss_weight, t.indexer_loss_weight)
+        units = supervised_tokens_and_mtp if t.mtp_loss_weight > 0 else settings.unit_counts
+        return functools.partial(spec.loss, aux=aux), dataclasses.replace(settings, unit_counts=units)
     preference = PreferenceObjective(spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
     return preference.loss, dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
                                                 stats_prefix="dpo/")

@@ -46,6 +46,14 @@ def supervised_tokens(batch: dict[str, Any]) -> dict[str, int]:
     return {"tokens": batch["num_supervised"]}
 
 
+def supervised_tokens_and_mtp(batch: dict[str, Any]) -> dict[str, int]:
+    """The next-token loss's units and the MTP layer's (its loss is averaged over its own tokens)."""
+    return {"tokens": batch["num_supervised"], "mtp_tokens": batch["num_mtp_supervised"]}
+
+
+NEXT_TOKEN_UNITS = (supervised_tokens, supervised_tokens_and_mtp)
+
+
 class NonFiniteLossError(RuntimeError):
     pass
 
@@ -224,7 +232,8 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------
     def _forward_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.s.local_targets is not None:  # the loss counts this rank's queries only
-            batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()))
+            batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()),
+                         num_mtp_supervised=int((self.s.local_targets(batch["mtp_targets"]) != -100).sum()))
         if self.s.host_facts is not None:
             batch = dict(batch, **self.s.host_facts(batch))
         if self.pipeline is not None:  # another objective drives the pipeline, which reads host tensors
@@ -258,7 +267,7 @@ class Trainer:
         step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
         if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
             for batch in batches:
-                if self.s.unit_counts is supervised_tokens:  # the stages' own next-token loss
+                if self.s.unit_counts in NEXT_TOKEN_UNITS:  # the stages' own next-token loss
                     loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1))
                     continue
                 # Another objective runs the schedule itself (LossFn); its sums are its last stage's.
@@ -313,11 +322,12 @@ class Trainer:
         self.tokens_seen += int(tokens)
         self._window_add(tokens=tokens, real_tokens=real_tokens, flops=flops, data_s=data_seconds)
         record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
-        if keys == ["tokens"]:
+        if keys[0] == "tokens":
             record["supervised_tokens"] = int(total_targets.item())
-        else:  # another objective's units: their step totals, and its statistics' means per unit
+            record.update({k: n for k, n in step_totals.items() if k != "tokens"})
+        else:  # another objective's units: their step totals
             record.update({f"{self.s.stats_prefix}{k}": n for k, n in step_totals.items()})
-            record.update(self._stat_means(stat_sums, denominator))
+        record.update(self._stat_means(stat_sums, denominator))  # its statistics' means per unit
         record["grad_norm"] = grad_norm
         stats = {f"moe/{name}/{key}": value for name, counts in load.items()
                  for key, value in routing_stats(counts).items()}
@@ -331,15 +341,20 @@ class Trainer:
 
     def _stat_means(self, sums: dict[str, torch.Tensor], denominator: torch.Tensor, prefix: str = "") -> dict[str, float]:
         """The loss function's statistics summed over the step's (or validation's) micro-batches and
-        the data-parallel ranks, per loss unit: one all-reduce of them all."""
+        the data-parallel ranks, per loss unit: one all-reduce of them all. A statistic given as a
+        (sum, count) pair (an auxiliary loss and its own tokens) is reported as sum / count."""
         if not sums:
             return {}
         names = sorted(sums)
-        total = _all_reduce_sum(torch.stack([sums[n] for n in names]), self.s.row_group)
+        total = _all_reduce_sum(torch.cat([sums[n].reshape(-1) for n in names]), self.s.row_group)
         if self.s.pp_group is not None:  # the last stage's statistics (zeros on the other stages)
             _all_reduce_sum(total, self.s.pp_group)
-        means = (total / denominator.to(torch.float64)).tolist()
-        return {f"{prefix}{self.s.stats_prefix}{name}": value for name, value in zip(names, means)}
+        flat, units = total.tolist(), float(denominator.to(torch.float64))
+        values, at = {}, 0
+        for name in names:
+            values[name] = flat[at] / max(flat[at + 1], 1.0) if sums[name].numel() == 2 else flat[at] / units
+            at += sums[name].numel()
+        return {f"{prefix}{self.s.stats_prefix}{name}": value for name, value in values.items()}
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -356,7 +371,7 @@ class Trainer:
         stat_sums: dict[str, torch.Tensor] = {}
         for _ in range(num_batches):
             batch = self.val_loader.next_batch()
-            if self.pipeline is not None and self.s.unit_counts is supervised_tokens:
+            if self.pipeline is not None and self.s.unit_counts in NEXT_TOKEN_UNITS:
                 batch_loss, batch_count = self.pipeline.evaluate(batch)
             else:
                 # One batch's own totals: validation reports per-unit means of each batch's sums.

@@ -98,7 +98,6 @@ def test_validate_refuses_the_precision_settings_train_refuses(capsys):
 @pytest.mark.parametrize("section, key, value, why", [
     ("train", "autocast", "bf16", "glmtune computes in model.dtype (bf16 under fp32 master weights) without "
                                   "torch.autocast"),
-    ("model", "indexer_trainable", "false", "the DSA indexer has no loss yet, so it is always frozen"),
     ("optim", "name", "adamw", "the optimizer is always AdamW (optim.fused picks its kernel)"),
 ])
 def test_an_old_recipe_setting_a_removed_key_fails_at_its_line(tmp_path, capsys, section, key, value, why):

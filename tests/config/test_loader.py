@@ -144,15 +144,12 @@ def test_dump_then_load_round_trips(tmp_path):
 
 REMOVED = {  # key -> why, as the refusal says it (issue 29: keys with one working value)
     "train.autocast": "glmtune computes in model.dtype (bf16 under fp32 master weights) without torch.autocast",
-    "model.indexer_trainable": "the DSA indexer has no loss yet, so it is always frozen",
     "optim.name": "the optimizer is always AdamW (optim.fused picks its kernel)",
 }
 
 
 def test_a_removed_key_is_refused_with_its_reason_at_its_line(tmp_path):
     path = write(tmp_path, """
-        model:
-          indexer_trainable: false
         train:
           max_steps: 10
           autocast: none
@@ -163,10 +160,9 @@ def test_a_removed_key_is_refused_with_its_reason_at_its_line(tmp_path):
     with pytest.raises(ValueError) as exc:
         load_config(path)
     assert str(exc.value).splitlines() == [
-        "3 config errors:",
-        f"  {path}:2: model.indexer_trainable was removed: {REMOVED['model.indexer_trainable']}; delete the line",
-        f"  {path}:5: train.autocast was removed: {REMOVED['train.autocast']}; delete the line",
-        f"  {path}:7: optim.name was removed: {REMOVED['optim.name']}; delete the line",
+        "2 config errors:",
+        f"  {path}:3: train.autocast was removed: {REMOVED['train.autocast']}; delete the line",
+        f"  {path}:5: optim.name was removed: {REMOVED['optim.name']}; delete the line",
     ]
 
 
@@ -184,10 +180,11 @@ def test_a_runs_saved_config_drops_removed_keys_at_the_values_they_could_have(tm
     dump_config(load_config("tiny/sft_support_json"), saved)
     text = saved.read_text()
     old = text.replace("train:\n", "train:\n  autocast: none\n", 1).replace("optim:\n", "optim:\n  name: adamw\n", 1)
-    saved.write_text(old.replace("model:\n", "model:\n  indexer_trainable: false\n", 1))
+    saved.write_text(old)
     assert load_run_config(saved) == load_config("tiny/sft_support_json")
-    saved.write_text(old.replace("model:\n", "model:\n  indexer_trainable: true\n", 1))
-    with pytest.raises(ValueError, match="model.indexer_trainable was removed"):
+    saved.write_text(old.replace("autocast: none", "autocast: bf16", 1))
+    with pytest.raises(ValueError, match="train.autocast was removed"):
         load_run_config(saved)
+    saved.write_text(old)
     with pytest.raises(ValueError, match="train.autocast was removed"):
         load_config(saved)  # a recipe gets the sentence for every removed key

@@ -9,48 +9,15 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
-import torch
 
 from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.eval.evaluate import run_eval
 from glmtune.models.glm5 import build_model, get_preset
-
-
-def _handler(model):
-    class Engine(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def _json(self, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self._json({"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "stub"}]})
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if isinstance(body["prompt"], str):  # generation: a fixed answer
-                return self._json({"id": "g", "object": "text_completion", "created": 0, "model": "tiny",
-                                   "choices": [{"index": 0, "text": "Fine.", "finish_reason": "stop"}]})
-            assert body["echo"] and body["logprobs"] == 0 and body["max_tokens"] == 1
-            ids = body["prompt"]
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
-            scored = [None] + [float(logp[j - 1, ids[j]]) for j in range(1, len(ids))]
-            self._json({"id": "l", "object": "text_completion", "created": 0, "model": "tiny",
-                        "choices": [{"index": 0, "text": "x", "finish_reason": "length",
-                                     "logprobs": {"tokens": [str(i) for i in ids] + ["x"],
-                                                  "token_logprobs": scored + [-1.0]}}]})
-    return Engine
+from tests.eval.endpoint_stub import engine
 
 
 @pytest.fixture
@@ -60,7 +27,7 @@ def served_tiny(tmp_path):
     save_pretrained(model, hf_dir)
     for path in resolve_tokenizer_dir(None).iterdir():
         shutil.copy(path, hf_dir / path.name)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(model))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), engine(model))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield hf_dir, f"http://127.0.0.1:{server.server_address[1]}/v1"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -36,6 +36,7 @@ from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.eval.evaluate import run_eval
 from glmtune.eval.suite import load_suite
 from glmtune.models.glm5 import build_model, get_preset
+from tests.eval.endpoint_stub import engine
 
 BETA = 0.25
 CATEGORIES = ["billing", "billing", "login", "login", "outage"]
@@ -204,38 +205,10 @@ def test_one_set_holds_one_kind_of_row(tmp_path):
         load_suite(_suite(tmp_path, scorers="[preference, facts]"))
 
 
-def _engine(model, with_logprobs: bool):
-    class Engine(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def _json(self, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self._json({"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "stub"}]})
-
-        def do_POST(self) -> None:  # only prompt log-probabilities are asked: a preference set generates nothing
-            ids = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
-            choice = {"index": 0, "text": "x", "finish_reason": "length"}
-            if with_logprobs:  # as vLLM: logprob j scores token j given the ones before it
-                with torch.no_grad():
-                    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
-                scored = [None] + [float(logp[j - 1, ids[j]]) for j in range(1, len(ids))]
-                choice["logprobs"] = {"tokens": [str(i) for i in ids] + ["x"], "token_logprobs": scored + [-1.0]}
-            self._json({"id": "l", "object": "text_completion", "created": 0, "model": "tiny", "choices": [choice]})
-    return Engine
-
-
 @pytest.mark.parametrize("with_logprobs", [True, False], ids=["logprobs", "no-logprobs"])
 def test_endpoint(models, tmp_path, with_logprobs):
     base_dir, _, base_model = models
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _engine(base_model, with_logprobs))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), engine(base_model, with_logprobs))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"

@@ -37,9 +37,11 @@ STYLES = {
 }
 
 
-def make_hf_model(style: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> GlmMoeDsaForCausalLM:
+def make_hf_model(style: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  **overrides) -> GlmMoeDsaForCausalLM:
+    """A model of `style` (`overrides`: config fields that replace the style's and BASE's)."""
     torch.manual_seed(seed)
-    config = GlmMoeDsaConfig(**{**BASE, **STYLES[style]})
+    config = GlmMoeDsaConfig(**{**BASE, **STYLES[style], **overrides})
     model = GlmMoeDsaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -36,8 +36,7 @@ from datasets import Dataset
 from peft import LoraConfig, set_peft_model_state_dict
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import AutoModelForCausalLM, GlmMoeDsaForCausalLM, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 
@@ -47,7 +46,7 @@ from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft import adapter_state, apply_lora, export_adapter
 from glmtune.peft.lora import adapters_disabled
 from glmtune.train.preference_loss import document_sums, pair_logps, pairs, preference_loss, total_loss
-from tests.parity.hf_reference import BASE
+from tests.parity.hf_reference import make_hf_model
 from tests.peft.conftest import lora_cfg, randomize_adapters
 
 VOCAB = 512
@@ -79,17 +78,7 @@ def _text_pairs() -> list[dict[str, str]]:
 
 
 def _save_hf(path: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    config = GlmMoeDsaConfig(**{**BASE, "index_topk": 64, "pad_token_id": PAD})
-    model = GlmMoeDsaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():  # non-trivial norms and router bias, as the parity models
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-        for name, buf in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                buf.copy_(torch.rand_like(buf) * 0.05)
-    model.save_pretrained(path)
+    make_hf_model("glm5", seed, index_topk=64, pad_token_id=PAD).save_pretrained(path)
     return path
 
 

@@ -3,6 +3,7 @@
 Above kernels/ only: a module here imports kernels/ and models/common/, never a model
 family, so both the families and distributed/ build on it.
 
+  aux_loss          auxiliary losses carried by the main loss's backward (`attach`)
   document_masks    block-causal masks of packed rows, longest document, one-document rows
   hf_config         an HF checkpoint's config.json, read with the same refusals everywhere
   loss              the chunked causal-LM cross-entropy

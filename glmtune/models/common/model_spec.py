@@ -142,8 +142,16 @@ class ModelSpec(ABC):
 
     # -- train -------------------------------------------------------------------------
     @abstractmethod
-    def loss(self, model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
-        """(summed token loss, supervised tokens) of one packed batch."""
+    def loss(self, model: Any, batch: dict[str, Any], aux: Any = None) -> tuple[Any, ...]:
+        """(summed token loss, supervised tokens[, statistics]) of one packed batch. `aux`
+        (`aux_loss.AuxiliaryLosses`) adds the family's auxiliary losses, differentiated with the
+        main one; their (sum, count) pairs come back as statistics."""
+
+    def set_auxiliary_training(self, model: Any, mtp: bool, indexer: bool) -> None:
+        """Make the multi-token-prediction layers / the sparse-attention indexers trainable (before
+        sharding); a family without them refuses."""
+        if mtp or indexer:
+            raise ValueError(f"model family {self.family} has no multi-token-prediction layer or indexer to train")
 
     @abstractmethod
     def token_logps(self, model: Any, batch: dict[str, Any]) -> Any:

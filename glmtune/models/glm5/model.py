@@ -7,7 +7,14 @@ The module tree uses transformers' in-memory names (`model.layers.3.mlp.experts.
 gate_up_proj`, ...) so adapters and PEFT exports line up with it; the HF checkpoint
 mapping itself lives only in `state_dict_adapter.py`. Multi-token-prediction
 (MTP) layers are built (under `mtp`) so checkpoints keep their weights through a
-load/save round trip; they take no part in the forward pass of the main model.
+load/save round trip; the first one runs only when its loss is asked for
+(`forward(mtp_targets=...)`, `train.mtp_loss_weight`):
+
+    MTP at t:  eh_proj([enorm(embed(x[t+1])); hnorm(h[t])]) -> decoder layer -> shared_head.norm
+               -> lm_head -> token t+2
+
+h[t] being the main model's final-normed hidden state (what serving engines hand their MTP
+drafter). Its loss is attached to the main loss's backward (`models/common/aux_loss.py`).
 
 The model knows nothing of parallelism; `parallelize_glm5()` transforms it. Under
 context parallelism it is handed a `SequenceShard` (`Glm5Model.sequence_shard`): it
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glmtune.models.common.aux_loss import attach
 from glmtune.models.common.document_masks import allowed_mask, longest_document, single_document_rows
 from glmtune.models.common.loss import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logps
 from glmtune.models.common.rmsnorm import RMSNorm
@@ -44,6 +52,9 @@ class Glm5Output:
     loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when targets were given
     num_targets: torch.Tensor | None = None  # supervised tokens in loss_sum (or token_logps)
     token_logps: torch.Tensor | None = None  # [B, S] fp32 log p(target), 0 where -100 (forward(token_logps=True))
+    mtp_loss_sum: torch.Tensor | None = None  # fp32 sum of the MTP layer's token losses (forward(mtp_targets=...))
+    mtp_num_targets: torch.Tensor | None = None  # supervised tokens in mtp_loss_sum
+    mtp_hidden_states: torch.Tensor | None = None  # [B, S, D] the MTP layer's head input (shared_head.norm applied)
 
 
 class DecoderLayer(nn.Module):
@@ -97,6 +108,16 @@ class MTPLayer(DecoderLayer):
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
         self.shared_head = SharedHead(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, hidden_BSD, next_embeds_BSD, cos, sin, allowed_BST, plain_causal=False, sparse_needed=True,
+                shard=None):
+        """The head input [B, S, D] predicting token t+2 from the main model's final-normed hidden
+        state at t (`hidden_BSD`) and the embedding of token t+1 (`next_embeds_BSD`); the layer
+        selects its keys with its own indexer. One call, so that a sharded wrapper (FSDP2) gathers
+        the glue and the layer together."""
+        h_BSD = self.eh_proj(torch.cat([self.enorm(next_embeds_BSD), self.hnorm(hidden_BSD)], dim=-1))
+        h_BSD, _ = super().forward(h_BSD, cos, sin, allowed_BST, None, plain_causal, sparse_needed, shard)
+        return self.shared_head.norm(h_BSD)
 
     def reset_parameters(self, std: float) -> None:
         super().reset_parameters(std)
@@ -191,12 +212,23 @@ class Glm5Model(nn.Module):
                 single_document: bool | None = None):
         """Final-normed hidden states [B, S, D] of the rows `input_ids_BS` [B, T] (this rank's
         queries under a sequence shard; every query otherwise)."""
+        return self.hidden_and_inputs(input_ids_BS, position_ids_BS, document_ids_BS, longest, single_document)[0]
+
+    def hidden_and_inputs(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None,
+                          longest: int | None = None, single_document: bool | None = None):
+        """`forward`'s hidden states and the layers' shared inputs (`LayerInputs`: an MTP layer reuses them)."""
         batch, seq_len = input_ids_BS.shape
         h_BSD = self.embed_tokens(self.local_tokens(input_ids_BS))
         inputs = self.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids_BS, document_ids_BS,
                                    longest, single_document)
         h_BSD, _ = self.run_layers(self.layers, h_BSD, inputs)
-        return self.norm(h_BSD)
+        return self.norm(h_BSD), inputs
+
+    def next_token_embeds(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, S, D] of the token after each local position (an MTP layer's input); the
+        row's last position, which has none, gets the padding embedding (its MTP target is -100)."""
+        filler = torch.full_like(input_ids_BT[:, :1], self.padding_idx or 0)
+        return self.embed_tokens(self.local_tokens(torch.cat([input_ids_BT[:, 1:], filler], dim=1)))
 
 
 class Glm5ForCausalLM(nn.Module):
@@ -219,7 +251,8 @@ class Glm5ForCausalLM(nn.Module):
     def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
                 targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None,
                 num_supervised: int | None = None, loss_grad_scale: float | None = None,
-                single_document: bool | None = None, token_logps: bool = False) -> Glm5Output:
+                single_document: bool | None = None, token_logps: bool = False, mtp_targets=None,
+                mtp_num_supervised: int | None = None, mtp_grad_scale: float | None = None) -> Glm5Output:
         """Args:
             input_ids: [B, T] token ids. Under context parallelism (`model.sequence_shard`) every
                 argument describes the full rows and the outputs (hidden states, logits, loss
@@ -243,10 +276,24 @@ class Glm5ForCausalLM(nn.Module):
             token_logps: with `targets`, return `token_logps` (per-token fp32 log-probabilities of
                 the targets, 0 where -100; chunked like the loss) instead of `loss_sum`, for losses
                 that weigh tokens per document (preference optimization).
+            mtp_targets: [B, T] the token after next (`packing.second_next_targets`; -100 = no
+                loss): the first MTP layer runs and its loss sum is returned (`mtp_loss_sum`,
+                `mtp_num_targets`; `mtp_hidden_states` its head input). `mtp_num_supervised` is its
+                host count (this rank's queries), like `num_supervised`.
+            mtp_grad_scale: with `targets` and gradients, the MTP loss sum is differentiated with
+                this factor in the same backward as `loss_sum` (`aux_loss.attach`; e.g. the loss
+                weight / the step's supervised MTP tokens); None: it is returned only.
         """
-        hidden_BSD = self.model(input_ids, position_ids, document_ids, longest_document, single_document)
+        if self.model.sequence_shard is None and mtp_targets is None:
+            hidden_BSD, inputs = self.model(input_ids, position_ids, document_ids, longest_document,
+                                            single_document), None
+        else:
+            hidden_BSD, inputs = self.model.hidden_and_inputs(input_ids, position_ids, document_ids,
+                                                              longest_document, single_document)
         logits = self.lm_head(hidden_BSD) if compute_logits else None
         out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
+        if mtp_targets is not None:
+            self._mtp_loss(out, input_ids, inputs, mtp_targets, loss_chunk_size, mtp_num_supervised, mtp_grad_scale)
         if targets is not None:
             targets = self.model.local_tokens(targets)
             if token_logps:
@@ -257,14 +304,35 @@ class Glm5ForCausalLM(nn.Module):
                 out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
                                                                       loss_chunk_size, num_supervised=num_supervised,
                                                                       grad_scale=loss_grad_scale)
+            if mtp_grad_scale is not None and out.mtp_loss_sum is not None and out.loss_sum is not None:
+                out.loss_sum = attach(out.loss_sum, out.mtp_loss_sum, mtp_grad_scale)
         return out
 
+    def _mtp_loss(self, out: Glm5Output, input_ids_BT, inputs: LayerInputs, mtp_targets_BT, chunk_size: int,
+                  num_supervised: int | None, grad_scale: float | None) -> None:
+        """The first MTP layer over this forward's hidden states, and its loss against `mtp_targets_BT`."""
+        assert len(self.mtp) >= 1, "this model has no MTP layer"
+        mtp_BSD = self.mtp[0](out.hidden_states, self.model.next_token_embeds(input_ids_BT), inputs.cos, inputs.sin,
+                              inputs.allowed_BST, inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+        out.mtp_hidden_states = mtp_BSD
+        out.mtp_loss_sum, out.mtp_num_targets = chunked_cross_entropy(
+            mtp_BSD, self.lm_head.weight, self.model.local_tokens(mtp_targets_BT), chunk_size,
+            num_supervised=num_supervised, grad_scale=grad_scale)
+
     def freeze_untrained_by_default(self) -> None:
-        """Indexers get no gradient in transformers (no indexer loss) and MTP has no loss
-        here: mark them frozen so optimizers hold no state for them."""
+        """Indexers get no gradient in transformers (no indexer loss) and MTP layers run only
+        when their loss is asked for: mark them frozen so optimizers hold no state for them
+        (`set_trainable_extras` unfreezes them for a run that trains them)."""
+        self.set_trainable_extras(mtp=False, indexer=False)
+
+    def set_trainable_extras(self, mtp: bool, indexer: bool) -> None:
+        """Whether the MTP layers (but their indexers) and the DSA indexers (the MTP layers'
+        included) train: before sharding and before an optimizer is built."""
         for name, param in self.named_parameters():
-            if ".indexer." in name or name.startswith("mtp."):
-                param.requires_grad_(False)
+            if ".indexer." in name:
+                param.requires_grad_(indexer)
+            elif name.startswith("mtp."):
+                param.requires_grad_(mtp)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

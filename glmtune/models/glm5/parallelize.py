@@ -105,12 +105,12 @@ def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selectiv
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
     keep = keep_matmul_min_k if mode == "selective" else None
-    for layer in decoder_layers(model):
+    for layer in [*decoder_layers(model), *model.mtp]:  # an MTP layer runs only when it trains
         layer.forward = functools.partial(_checkpointed_forward, layer.forward, keep)
 
 
 def apply_compile(model: Glm5ForCausalLM) -> None:
-    for layer in decoder_layers(model):
+    for layer in [*decoder_layers(model), *model.mtp]:
         layer.compile()
 
 
@@ -127,7 +127,7 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
     Routers are units of their own that keep their fp32 weight (no `compute_dtype` cast):
     routing runs in fp32 whatever the layers compute in, and a unit needs one parameter
     dtype (a bf16 layer around an fp32 router is refused by `fully_shard`). MTP layers
-    take no part in the forward pass: as their own units they are never gathered.
+    run only when their loss is on: as their own units they are otherwise never gathered.
     Under expert parallelism (`expert_mesh` given) the routed experts, already split
     over the ep ranks, are a unit of their own sharded over the ranks that hold the
     same experts (efsdp); everything else is sharded over the dense mesh.

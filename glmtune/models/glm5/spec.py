@@ -29,6 +29,7 @@ from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
+from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.common.model_spec import ModelDims, ModelSpec
 from glmtune.models.glm5.args import PRESETS, Glm5Args, covering_layers, truncated_args
 from glmtune.models.glm5.attention import set_attention_score_buffer
@@ -152,12 +153,27 @@ class Glm5Spec(ModelSpec):
         return Glm5StateDictAdapter(args)
 
     # -- train -------------------------------------------------------------------------
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor],
+             aux: AuxiliaryLosses | None = None) -> tuple[torch.Tensor, ...]:
+        mtp = {}
+        if aux is not None and aux.mtp_weight > 0:  # averaged over the step's own supervised MTP tokens
+            total = batch.get("step_totals", {}).get("mtp_tokens", batch.get("num_mtp_supervised"))
+            mtp = {"mtp_targets": batch["mtp_targets"], "mtp_num_supervised": batch.get("num_mtp_supervised"),
+                   "mtp_grad_scale": aux.mtp_weight / max(int(total), 1) if total is not None else None}
         out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
                     compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
                     num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"),
-                    single_document=batch.get("single_document"))
-        return out.loss_sum, out.num_targets
+                    single_document=batch.get("single_document"), **mtp)
+        if not mtp:
+            return out.loss_sum, out.num_targets
+        pair = torch.stack([out.mtp_loss_sum.detach().float(), out.mtp_num_targets.float()])
+        return out.loss_sum, out.num_targets, {"mtp_loss": pair}
+
+    def set_auxiliary_training(self, model: nn.Module, mtp: bool, indexer: bool) -> None:
+        if mtp and not model.mtp:
+            raise ValueError("train.mtp_loss_weight > 0, but this checkpoint has no MTP layer "
+                             "(config.json num_nextn_predict_layers: 0)")
+        model.set_trainable_extras(mtp=mtp, indexer=indexer)
 
     def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
