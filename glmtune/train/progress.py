@@ -72,7 +72,7 @@ class StepProgress:
         parts = [f"step {step}/{self.total}", f"loss {record['loss']:.4f}"]
         if "val_loss" in record and record["val_loss"] is not None:
             parts.append(f"val_loss {record['val_loss']:.4f}")
-        parts += _preference(record)
+        parts += _preference(record) + _auxiliary(record)
         parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
                   f"tok/s {record['tokens_per_s']:.0f}"]
         if record.get("mfu") is not None:
@@ -92,3 +92,10 @@ def _preference(record: dict[str, Any]) -> list[str]:
     if "dpo/margin" not in record:
         return []
     return [f"margin {record['dpo/margin']:.3f}", f"acc {record['dpo/accuracy']:.0%}"]
+
+
+def _auxiliary(record: dict[str, Any]) -> list[str]:
+    """The auxiliary losses' figures when they train (`mtp_loss`, `mtp_acceptance`, `indexer_kl`), else nothing."""
+    names = (("mtp_loss", "mtp_loss {:.4f}"), ("mtp_acceptance", "mtp_acc {:.0%}"), ("indexer_kl", "indexer_kl {:.4f}"))
+    return [form.format(record[name]) for name, form in names if record.get(name) is not None]
+

@@ -127,3 +127,22 @@ def test_without_a_gradient_scale_the_mtp_loss_is_reported_and_not_trained():
     out.loss_sum.backward()
     assert out.mtp_loss_sum > 0
     assert all(p.grad is None for name, p in model.named_parameters() if name.startswith("mtp."))
+
+
+def test_mtp_acceptance_counts_the_drafts_the_model_itself_would_emit():
+    model = _model()
+    rows = _rows(model.args.vocab_size)
+    batch = _batch(rows)
+    mtp_targets = torch.tensor([_reference_targets(r["labels"], r["document_ids"]) for r in rows])
+    with torch.no_grad():
+        out = model(**batch, targets=mtp_targets, mtp_targets=mtp_targets, loss_chunk_size=5)
+        greedy = out.logits.argmax(-1)  # the main model's token after t+1, at position t+1
+        drafted = model.lm_head(out.mtp_hidden_states).argmax(-1)
+    scored = mtp_targets != IGNORE_INDEX
+    expected = ((drafted[:, :-1] == greedy[:, 1:]) & scored[:, :-1]).sum()
+    assert out.mtp_accepted.tolist() == [float(expected), float(scored.sum())]
+    # a layer that drafts the main model's own token is always accepted
+    model.mtp[0].shared_head.norm.weight.data.zero_()  # every draft is token 0 (all logits 0: argmax 0)
+    with torch.no_grad():
+        out = model(**batch, targets=mtp_targets, mtp_targets=mtp_targets)
+    assert out.mtp_accepted[0] == ((greedy[:, 1:] == 0) & scored[:, :-1]).sum()

@@ -250,3 +250,15 @@ def full_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> tu
     loss = F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), targets_N,
                            ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, (targets_N != IGNORE_INDEX).sum()
+
+
+@torch.no_grad()
+def chunked_greedy(hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
+    """int64 [B, S]: the argmax token of `hidden @ weight.T` at every position, one [chunk, V]
+    slice of logits at a time (greedy decoding's choice, without the logits)."""
+    hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+    greedy_N = torch.empty(hidden_ND.shape[0], dtype=torch.long, device=hidden_ND.device)
+    for start in range(0, hidden_ND.shape[0], chunk_size):
+        greedy_N[start:start + chunk_size] = F.linear(hidden_ND[start:start + chunk_size], weight_VD).argmax(-1)
+    return greedy_N.view(hidden_BSD.shape[:-1])
+

@@ -35,7 +35,7 @@ from torch import nn
 
 from glmtune.models.common.aux_loss import attach
 from glmtune.models.common.document_masks import allowed_mask, longest_document, single_document_rows
-from glmtune.models.common.loss import IGNORE_INDEX, chunked_cross_entropy, chunked_token_logps
+from glmtune.models.common.loss import IGNORE_INDEX, chunked_cross_entropy, chunked_greedy, chunked_token_logps
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.common.sequence_shard import SequenceShard
@@ -55,6 +55,9 @@ class Glm5Output:
     mtp_loss_sum: torch.Tensor | None = None  # fp32 sum of the MTP layer's token losses (forward(mtp_targets=...))
     mtp_num_targets: torch.Tensor | None = None  # supervised tokens in mtp_loss_sum
     mtp_hidden_states: torch.Tensor | None = None  # [B, S, D] the MTP layer's head input (shared_head.norm applied)
+    # MTP acceptance over the MTP-supervised positions t: the MTP layer's greedy token for t+2 equals
+    # the model's own greedy token at t+1 (what speculative decoding accepts), as (accepted, positions)
+    mtp_accepted: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -315,9 +318,25 @@ class Glm5ForCausalLM(nn.Module):
         mtp_BSD = self.mtp[0](out.hidden_states, self.model.next_token_embeds(input_ids_BT), inputs.cos, inputs.sin,
                               inputs.allowed_BST, inputs.plain_causal, inputs.sparse_needed, inputs.shard)
         out.mtp_hidden_states = mtp_BSD
+        local_targets_BS = self.model.local_tokens(mtp_targets_BT)
         out.mtp_loss_sum, out.mtp_num_targets = chunked_cross_entropy(
-            mtp_BSD, self.lm_head.weight, self.model.local_tokens(mtp_targets_BT), chunk_size,
+            mtp_BSD, self.lm_head.weight, local_targets_BS, chunk_size,
             num_supervised=num_supervised, grad_scale=grad_scale)
+        out.mtp_accepted = self._mtp_acceptance(out.hidden_states, mtp_BSD, local_targets_BS, chunk_size)
+
+    @torch.no_grad()
+    def _mtp_acceptance(self, hidden_BSD, mtp_BSD, local_targets_BS, chunk_size: int) -> torch.Tensor:
+        """(accepted, positions) fp32 [2] over the positions with an MTP target (`Glm5Output.mtp_accepted`):
+        two greedy head passes, no logits kept; the main model's greedy tokens are gathered over the
+        full rows first (under context parallelism position t+1 may be another rank's)."""
+        greedy_BS = chunked_greedy(hidden_BSD, self.lm_head.weight, chunk_size)
+        shard = self.model.sequence_shard
+        greedy_BT = greedy_BS if shard is None else shard.gather(greedy_BS.unsqueeze(-1)).squeeze(-1)
+        next_greedy_BS = self.model.local_tokens(torch.cat([greedy_BT[:, 1:], greedy_BT[:, -1:]], dim=1))
+        drafted_BS = chunked_greedy(mtp_BSD, self.lm_head.weight, chunk_size)
+        scored_BS = local_targets_BS != IGNORE_INDEX
+        accepted = ((drafted_BS == next_greedy_BS) & scored_BS).sum()
+        return torch.stack([accepted, scored_BS.sum()]).float()
 
     def freeze_untrained_by_default(self) -> None:
         """Indexers get no gradient in transformers (no indexer loss) and MTP layers run only

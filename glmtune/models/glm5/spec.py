@@ -167,7 +167,7 @@ class Glm5Spec(ModelSpec):
         if not mtp:
             return out.loss_sum, out.num_targets
         pair = torch.stack([out.mtp_loss_sum.detach().float(), out.mtp_num_targets.float()])
-        return out.loss_sum, out.num_targets, {"mtp_loss": pair}
+        return out.loss_sum, out.num_targets, {"mtp_loss": pair, "mtp_acceptance": out.mtp_accepted}
 
     def set_auxiliary_training(self, model: nn.Module, mtp: bool, indexer: bool) -> None:
         if mtp and not model.mtp:
