@@ -132,6 +132,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
         gathered_root = sum(units[u].gathered for u in ("embed", "head") if u in units)
         if degrees.pp > 1:  # stages keep every unit gathered from forward to its last backward
             kept_layers = {i: units[f"layer.{i}"].gathered for i in layers}
+            if last and cfg.train.mtp_loss_weight > 0 and "mtp.0" in units:  # the last stage runs the MTP layer
+                gathered_root += units["mtp.0"].gathered
         static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
     fixed = {"masks": act.BOOL * mb.queries * mb.keys if not (one_document and mb.seq <= args.index_topk) else 0}
@@ -149,10 +151,16 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     # computes each microbatch (measured: sft_4k's last stage, 3.5 GiB of its 3.9 GiB gap).
     if head_grad and fsdp and precision.mixed and degrees.pp > 1 and pipeline_microbatches(cfg) > 1:
         held["head gradient accumulated over the microbatches (fp32)"] = args.vocab_size * args.hidden_size * act.F32
+    mtp_saved, mtp_backward = _mtp_terms(cfg, args, mb, e, train, p, head_grad) if last else ({}, {})
     phases = [Phase("forward end", {
         **static, "gradients (accumulated)": grads_all if accumulating else 0,
-        "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held,
+        "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held, **mtp_saved,
         "forward scratch": forward_scratch, **moe_transients})]
+    if mtp_backward:  # the MTP loss's backward runs first; its layer's activations are freed after it
+        phases.append(Phase("MTP layer backward", {
+            **static, "gradients (accumulated)": grads_all if accumulating else 0,
+            "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held, **mtp_backward,
+            **moe_transients}))
 
     done = 0  # sharded gradients finished (not accumulating); the head's is `held` until then
     below = sum(kept.values())
@@ -181,6 +189,23 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     phases.append(Phase("optimizer step", {**static, "gradients": grads_all}))
     peak = max(phases, key=lambda ph: ph.total)
     return MemoryPlan(rank, state, peak, phases, {i: kept[i] for i in layers})
+
+
+def _mtp_terms(cfg, args, mb, e: int, train, p, head_grad: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The MTP loss's memory on the last stage (`train.mtp_loss_weight` > 0): at the forward's end, its
+    layer's saved activations (sized as the deepest MoE layer with an indexer: the MTP layer is one),
+    its [enorm(e); hnorm(h)] input rows, its loss rows and the head weight gradient its own fused loss
+    computes in forward; during its backward, the layer's recompute instead of the loss terms."""
+    if cfg.train.mtp_loss_weight <= 0 or not args.num_nextn_predict_layers:
+        return {}, {}
+    like = max(i for i in range(args.num_hidden_layers)
+               if args.mlp_layer_types[i] == "sparse" and args.indexer_types[i] == "full")
+    kept, recompute = _layer_activations(args, mb, [like], e, train, p)
+    rows = e * mb.queries * args.hidden_size
+    saved = {"MTP layer: activations (saved)": kept[like] + 2 * rows, "MTP loss: hidden rows and their gradient":
+             2 * rows, "MTP head weight gradient (its fused loss)": head_grad}
+    return saved, {"MTP layer: saved + recomputed": kept[like] + recompute[like] + 2 * rows,
+                   "MTP head weight gradient (its fused loss)": head_grad}
 
 
 def _layer_activations(args, mb, layers: list[int], e: int, train, p) -> tuple[dict[int, int], dict[int, int]]:

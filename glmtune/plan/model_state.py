@@ -106,6 +106,9 @@ def build_meta_model(cfg: JobConfig) -> nn.Module:
     model, _ = build_model_from_config(_readable(cfg), "meta")
     if cfg.model.fp8_base != "none" and not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
         model_spec(cfg.model).convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
+    # the MTP layer and the indexers train with their losses: their gradients and optimizer state count
+    model_spec(cfg.model).set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0,
+                                                 indexer=cfg.model.indexer_trainable)
     if cfg.peft.method == "lora":
         apply_lora(model, cfg.peft, seed=cfg.train.seed)
     return model

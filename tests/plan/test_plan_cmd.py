@@ -38,6 +38,19 @@ def test_glm5_sft_4k_on_h100_and_h200(capsys):
     assert report["data"]["note"].startswith("not read")
 
 
+def test_the_mtp_loss_counts_its_layer_state_and_its_last_stage_memory(capsys):
+    """With `train.mtp_loss_weight` the MTP layer trains (its gradients and AdamW state count) and the
+    last stage holds its activations, its loss rows and its own head weight gradient at the forward's end."""
+    base = _plan(capsys, "recipes/glm5/sft_4k.yaml", "--no-data")
+    mtp = _plan(capsys, "recipes/glm5/sft_4k.yaml", "--no-data", "--train.mtp_loss_weight", "0.3")
+    state, state_mtp = base["memory"]["state"], mtp["memory"]["state"]
+    # GLM-5's MTP layer (a MoE layer with an indexer and its glue, ~9.95B parameters) lives on the last
+    # stage, sharded over its 64 dp_shard ranks (experts: over the 64 ep ranks): ~155M on rank 192
+    assert abs((state_mtp["trainable_params"] - state["trainable_params"]) - 9.95e9 / 64) < 0.05 * 9.95e9 / 64
+    assert mtp["memory"]["rank"] == 192 and mtp["memory"]["peak_bytes"] > base["memory"]["peak_bytes"]
+    assert "the MTP loss (weight 0.3" in mtp["objective"]
+
+
 def test_tiny_recipe_counts_its_packed_data_and_prices_the_run(capsys):
     report = _plan(capsys, "recipes/tiny/sft_support_json.yaml", "--gpu", "h200-141g", "--tflops-per-gpu", "100",
                    "--price-per-gpu-hour", "2.5", "--restarts", "0", "--train.max_steps", "50")

@@ -147,6 +147,14 @@ class ModelSpec(ABC):
         (`aux_loss.AuxiliaryLosses`) adds the family's auxiliary losses, differentiated with the
         main one; their (sum, count) pairs come back as statistics."""
 
+    def serving_metrics(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        """What a server of the model relies on beyond its answers, teacher-forced over one packed
+        batch (no gradient): name -> (sum, count) fp32 [2], summed over batches and reported as
+        sum / count. `mtp_acceptance`: the multi-token-prediction layer's drafts the model itself
+        would emit; `indexer_recall`: the attention mass the sparse selection keeps. A family
+        without those parts returns {} (the evaluation says "not available")."""
+        return {}
+
     def set_auxiliary_training(self, model: Any, mtp: bool, indexer: bool) -> None:
         """Make the multi-token-prediction layers / the sparse-attention indexers trainable (before
         sharding); a family without them refuses."""

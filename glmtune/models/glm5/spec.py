@@ -169,6 +169,16 @@ class Glm5Spec(ModelSpec):
         pair = torch.stack([out.mtp_loss_sum.detach().float(), out.mtp_num_targets.float()])
         return out.loss_sum, out.num_targets, {"mtp_loss": pair, "mtp_acceptance": out.mtp_accepted}
 
+    @torch.no_grad()
+    def serving_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not model.mtp:
+            return {}
+        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                    compute_logits=False, longest_document=batch.get("longest_document"),
+                    single_document=batch.get("single_document"), mtp_targets=batch["mtp_targets"],
+                    mtp_num_supervised=batch.get("num_mtp_supervised"))
+        return {"mtp_acceptance": out.mtp_accepted}
+
     def set_auxiliary_training(self, model: nn.Module, mtp: bool, indexer: bool) -> None:
         if mtp and not model.mtp:
             raise ValueError("train.mtp_loss_weight > 0, but this checkpoint has no MTP layer "
