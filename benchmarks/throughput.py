@@ -170,18 +170,24 @@ def run_hf(cfg, state, batches, a):
         free_memory()
 
 
-def build_glmtune(cfg, state, a, dtype):
-    """glmtune's proxy on the device with `state`'s weights (cast to `dtype`), not yet parallelized."""
+def build_glmtune(cfg, state, a, dtype, mtp_layers: int = 0):
+    """glmtune's proxy on the device with `state`'s weights (cast to `dtype`), not yet parallelized;
+    with `mtp_layers` MTP layers (GLM-5 has one), which transformers' proxy lacks: drawn N(0, 0.02)
+    (norms 1) from a fixed seed."""
     from glmtune.models.glm5.args import Glm5Args
     from glmtune.models.glm5.attention import set_attention_score_buffer
     from glmtune.models.glm5.model import build_model
     from glmtune.models.glm5.moe import set_moe_dispatch_backend
 
-    args = Glm5Args.from_hf_dict(cfg.to_dict())
+    args = Glm5Args.from_hf_dict(cfg.to_dict()).replace(num_nextn_predict_layers=mtp_layers)
     model = build_model(args, dtype, DEVICE, a.attention, "grouped_mm", init=False, indexer_backend=a.indexer)
     set_moe_dispatch_backend(model, a.dispatch)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
+    assert not unexpected and all(key.startswith("mtp.") for key in missing), (missing, unexpected)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for layer in model.mtp:
+            layer.reset_parameters(0.02)
     if a.score_buffer_mib is not None:
         set_attention_score_buffer(model, a.score_buffer_mib)
     if a.query_block is not None:

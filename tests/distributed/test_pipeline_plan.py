@@ -106,3 +106,12 @@ def test_pruned_model_keeps_the_full_model_names():
     assert parts[0] | parts[1] == full and not parts[0] & parts[1]
     assert "model.embed_tokens.weight" in parts[0] and "lm_head.weight" in parts[1]
     assert any(k.startswith("mtp.") for k in parts[1]) and not any(k.startswith("mtp.") for k in parts[0])
+
+
+def test_stages_start_only_where_allowed_and_stay_balanced_among_those_splits():
+    costs = [1.0] * 12
+    assert balanced_split(costs, 3) == [4, 4, 4]
+    allowed = frozenset({0, 4, 5, 9})  # e.g. the layers running their own indexer
+    assert balanced_split(costs, 3, starts=allowed) == [4, 5, 3]  # costliest stage 5; [4, 1, 7] would be 7
+    with pytest.raises(ValueError, match="only 2 layers may start a pipeline stage"):
+        balanced_split(costs, 4, starts=frozenset({0, 5}))
