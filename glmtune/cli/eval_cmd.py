@@ -120,8 +120,9 @@ def _table(card: dict):
             table.add_column(column, justify="left" if column == "category" else "right", no_wrap=True)
     for metric in card["metrics"]:
         entry = metric["by_category"]["all"]
-        values = [_fmt(entry["values"][label], metric["unit"]) if label not in metric.get("not_available", {})
-                  else "n/a (engine)" for label in labels]
+        why = metric.get("not_available", {})  # "not available from this engine: ..." -> "n/a (this engine)"
+        values = [_fmt(entry["values"][label], metric["unit"]) if label not in why
+                  else f"n/a ({why[label].split(':')[0].removeprefix('not available from ')})" for label in labels]
         deltas = [_delta(entry["delta"][label], metric["unit"]) for label in labels[1:]]
         table.add_row(metric["id"], "all", str(entry["n"]), *values, *deltas)
     return table

@@ -13,7 +13,8 @@ teacher-forced:
 `answering.run_rows` owns the tool-call loop, the rounds and the batches; a backend only turns
 prompts into text. Latency is per request: a local batch's wall time is the latency of each
 request in it (what a server batching the same way would show). A preference set generates
-nothing: the backend scores each pair's two answers teacher-forced (`pair_logps`).
+nothing: the backend scores each pair's two answers teacher-forced (`pair_logps`). The serving
+metrics (`serving.py`) are teacher-forced too: `serving_sums` of each chat row.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from glmtune.eval.scorers.preference import PairLogps, local_pair_logps
 from glmtune.eval.scorers.reference_loss import row_loss
 from glmtune.eval.general_text import general_text_loss
+from glmtune.eval.serving import row_serving_sums
 from glmtune.eval.tool_calls import ParsedCall
 from glmtune.generation import generate
 
@@ -66,6 +68,8 @@ class Backend(Protocol):
 
     def pair_logps(self, row, prompting) -> PairLogps: ...
 
+    def serving_sums(self, row, prompting) -> dict[str, tuple[float, float]]: ...
+
 
 class LocalModel:
     """A model in this process: `glmtune.generation.generate` in batches of `decoding.batch_size`.
@@ -73,12 +77,14 @@ class LocalModel:
     A batch whose generation raises is retried one request at a time, so only the request that
     breaks it (its prompt too long, say) fails. `lockstep` (sharded runs, `sharded.Lockstep`) keeps
     the ranks' collectives in step; None in one process. `token_logps`: the model family's
-    `spec.token_logps` (the preference scorer's per-token log-probabilities)."""
+    `spec.token_logps` (the preference scorer's per-token log-probabilities); `serving_metrics`:
+    its `spec.serving_metrics` (`serving.py`)."""
 
-    def __init__(self, net, lockstep=None, token_logps=None) -> None:
+    def __init__(self, net, lockstep=None, token_logps=None, serving_metrics=None) -> None:
         self.net = net
         self.lockstep = lockstep
         self.token_logps = token_logps
+        self.serving_metrics = serving_metrics
 
     def batch_size(self, decoding) -> int:
         return decoding.batch_size
@@ -142,3 +148,8 @@ class LocalModel:
         # Sharded: as reference_loss, every rank scores every pair in step.
         assert self.token_logps is not None, "a preference set needs the family's token_logps (Placement.load)"
         return local_pair_logps(self.net, self.token_logps, row, prompting)
+
+    def serving_sums(self, row, prompting) -> dict[str, tuple[float, float]]:
+        # Sharded: as reference_loss, every rank runs every row in step.
+        assert self.serving_metrics is not None, "the serving metrics need the family's spec (Placement.load)"
+        return row_serving_sums(self.net, self.serving_metrics, row, prompting)

@@ -22,6 +22,8 @@ log-probabilities) need the prompt's log-probabilities: /v1/completions with tok
 and `logprobs` (vLLM). An engine that refuses or ignores
 that (`transformers serve` ignores echo and logprobs and takes text prompts only) raises
 `NotAvailable`, and the scorecard says "not available from this engine" for those metrics.
+The serving metrics (MTP acceptance, indexer recall: `serving.py`) read the model's own layers,
+which no engine exposes: not available from any endpoint.
 
 Requests run `--concurrency` at a time, each with `--timeout` and `--retries` (endpoint_client);
 a request that still fails is that request's failure, counted by kind in the operations.
@@ -360,6 +362,10 @@ class Endpoint:
             sums.append(sum(scored))
             counts.append(len(scored))
         return PairLogps(sums[0], sums[1], counts[0], counts[1])
+
+    def serving_sums(self, row, prompting) -> dict[str, tuple[float, float]]:
+        raise NotAvailable(f"{NOT_AVAILABLE}: a served model exposes no MTP drafts or indexer selections "
+                           "(evaluate the checkpoint in-process for them)")
 
     def text_loss(self, windows: list[list[int]]) -> tuple[float, int]:
         total, count = 0.0, 0

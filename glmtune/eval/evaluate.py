@@ -9,7 +9,8 @@ differs is refused), the tool functions (each imports) and the reference tool ca
 scorers' row checks, every row's prompt rendered once (a template the sandbox refuses is named
 here). Then each model in turn (base, candidate, candidate-merged): load, answer every set (a
 preference set's pairs are scored teacher-forced instead), score the general text, measure
-operations, free it, so memory holds one model. Last, each candidate's implicit reward margins
+operations (the serving metrics teacher-forced over the chat rows' reference answers:
+`serving.py`), free it, so memory holds one model. Last, each candidate's implicit reward margins
 against the base's log-probabilities of the same pairs (`scorers/preference.py`).
 
 A model given as a server URL (`endpoint.py`) answers over HTTP instead of loading here: no
@@ -57,6 +58,7 @@ from glmtune.eval.report_md import render_markdown
 from glmtune.eval.scorers.base import ModelOutput, RowScore
 from glmtune.eval.scorers.preference import summary_text
 from glmtune.eval.scorers.reference_loss import ReferenceLoss
+from glmtune.eval.serving import SERVING_METRICS, serving_count, serving_entry
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
@@ -296,6 +298,10 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
             not_available.update({f"{s.spec.name}/reference_loss/loss": o.reference_loss_not_available
                                   for o in outs[:1] if o.reference_loss_not_available})
         loss = _text_loss(backend, windows, not_available)
+        began = time.perf_counter()
+        serving = _serving(backend, loaded, prompting, not_available)
+        if serving is not None:
+            log(f"{what}: serving metrics over {serving['rows']} rows in {time.perf_counter() - began:.1f} s")
         served_ops = backend.operations(latencies, tokens, generate_s) if isinstance(backend, Endpoint) else None
     finally:
         if isinstance(backend, Endpoint):
@@ -303,6 +309,7 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
         del backend
         placement.release()
     ops = served_ops or placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
+    ops = {**ops, "serving": serving} if serving is not None else ops
     return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops, "not_available": not_available}
 
 
@@ -333,6 +340,35 @@ def _implicit_margins(loaded: list[LoadedSet], results: dict, labels: list[str])
                         results[label]["not_available"][f"{name}/{scorer.name}/{m.name}"] = f"{why} (the base)"
 
 
+def _serving(backend: Backend, loaded: list[LoadedSet], prompting: Prompting,
+             not_available: dict[str, str]) -> dict[str, Any] | None:
+    """The operations entry's `serving`: each serving metric's (sum, count) over the rows of the
+    chat sets (`serving.py`); None, the reasons in `not_available`, when the backend cannot. A row
+    that raises is counted in the entry and left out; every row raising is raised."""
+    rows = [row for s in loaded if s.spec.row_kind == "chat" for row in s.rows]
+    totals: dict[str, list[float]] = {}
+    failed, raised = [], []
+    for row in rows:
+        try:
+            sums = backend.serving_sums(row, prompting)
+        except NotAvailable as exc:  # the backend cannot, for any row
+            not_available.update({f"operations/serving/{m.definition.name}": str(exc) for m in SERVING_METRICS})
+            return None
+        except Exception as exc:  # one row's trouble (a row too long for memory, say): the others still count
+            raised.append(exc)
+            failed.append(f"{row.origin}: {failure_text(exc)}")
+            continue
+        for name, (total, count) in sums.items():
+            totals.setdefault(name, [0.0, 0.0])
+            totals[name][0] += total
+            totals[name][1] += count
+    if raised and len(raised) == len(rows):
+        raise raised[0]
+    entry, why = serving_entry(totals, rows, failed, prompting)
+    not_available.update(why)
+    return entry
+
+
 def _text_loss(backend: Backend, windows, not_available: dict[str, str]) -> tuple[float | None, int] | None:
     """The general-text loss (None without general text); (None, 0) and the reason when the backend cannot."""
     if windows is None:
@@ -361,15 +397,17 @@ def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource],
         metrics.append(aggregate.single_metric("general_text/loss/loss", GENERAL_TEXT_METRIC,
                                                {lb: loss[0] for lb, loss in losses.items()},
                                                max(loss[1] for loss in losses.values()), labels))
+    operations = {label: results[label]["operations"] for label in labels}
+    for group, definition in OPERATIONS_METRICS:
+        values = {label: operations_values(operations[label])[definition.name] for label in labels}
+        n = operations[labels[0]]["requests"]
+        if group == "serving":  # positions (queries) counted, not requests
+            n = max(serving_count(operations[label], definition.name) for label in labels)
+        metrics.append(aggregate.single_metric(f"operations/{group}/{definition.name}", definition, values, n, labels))
     for metric in metrics:  # null values a backend could not compute say so (never a silent zero)
         reasons = {lb: results[lb].get("not_available", {}).get(metric["id"]) for lb in labels}
         if any(reasons.values()):
             metric["not_available"] = {lb: why for lb, why in reasons.items() if why}
-    operations = {label: results[label]["operations"] for label in labels}
-    for group, definition in OPERATIONS_METRICS:
-        values = {label: operations_values(operations[label])[definition.name] for label in labels}
-        metrics.append(aggregate.single_metric(f"operations/{group}/{definition.name}", definition, values,
-                                               operations[labels[0]]["requests"], labels))
 
     gates = evaluate_gates(suite.file.gates, metrics, labels[1:])
     offered = tools_offered(loaded)

@@ -1,4 +1,5 @@
-"""Operations: latency per request, generated tokens per second and peak memory of one model.
+"""Operations: latency per request, generated tokens per second, peak memory and the serving
+metrics of one model.
 
   * latency of a request: the wall time of the `generate` calls it took part in (every tool
     round; tool execution itself is not model time and is left out). Requests are decoded in
@@ -11,6 +12,8 @@
     span (VmHWM, reset through /proc/self/clear_refs), which also counts the interpreter and
     libraries (a few hundred MiB) and memory the allocator kept from the previous model; null
     where neither is available.
+  * serving (`serving.py`): MTP speculative-decoding acceptance and the sparse-attention
+    indexer's recall, teacher-forced over the chat sets' reference answers.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from glmtune.eval.scorers.base import MetricDef
+from glmtune.eval.serving import SERVING_METRICS, serving_value
 
 OPERATIONS_METRICS: list[tuple[str, MetricDef]] = [
     ("latency", MetricDef("p50_s", "median latency per request", "seconds", False)),
@@ -28,7 +32,7 @@ OPERATIONS_METRICS: list[tuple[str, MetricDef]] = [
     ("throughput", MetricDef("generated_tokens_per_s", "generated tokens per second of generation time",
                              "tokens_per_s", True)),
     ("memory", MetricDef("peak_gib", "peak memory while the model was loaded and evaluated", "gib", False)),
-]
+] + [("serving", metric.definition) for metric in SERVING_METRICS]
 _GIB = float(1 << 30)
 
 
@@ -88,4 +92,5 @@ def summarize(latencies: list[float], generated_tokens: int, generate_s: float, 
 def operations_values(ops: dict) -> dict[str, float | None]:
     """Metric name -> value, for the `operations/*` metrics."""
     return {"p50_s": ops["p50_s"], "p95_s": ops["p95_s"], "generated_tokens_per_s": ops["generated_tokens_per_s"],
-            "peak_gib": ops["peak_memory_gib"]}
+            "peak_gib": ops["peak_memory_gib"],
+            **{m.definition.name: serving_value(ops, m.definition.name) for m in SERVING_METRICS}}

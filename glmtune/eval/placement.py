@@ -63,11 +63,12 @@ class Placement:
         return value
 
     def load(self, model: ModelSource) -> LocalModel:
-        token_logps = spec_for(model.weights_dir).token_logps
+        spec = spec_for(model.weights_dir)
         if self.layout is None:
-            return LocalModel(load_model(model, self.device, self.dtype, self.fp8_base), token_logps=token_logps)
+            return LocalModel(load_model(model, self.device, self.dtype, self.fp8_base), token_logps=spec.token_logps,
+                              serving_metrics=spec.serving_metrics)
         return LocalModel(load_sharded_model(model, self.layout, self.ranks, self.device, self.dtype), self.ranks,
-                          token_logps)
+                          spec.token_logps, spec.serving_metrics)
 
     def release(self) -> None:
         gc.collect()

@@ -93,13 +93,14 @@ def _metric_sections(metrics: list[dict], set_order: list[str], labels: list[str
                            "svg": grouped_bars(chart_id=f"chart-{len(sections)}-{len(charts)}",
                                                title=f"{metric.get('id')}: {metric.get('description') or ''}",
                                                groups=groups, models=labels, unit=unit, filter_set=set_name)})
+            why = metric.get("not_available") or {}  # "not available from this engine: ..." -> its first clause
             for c in cats:
                 cell = by_cat[c] or {}
                 values, deltas = cell.get("values") or {}, cell.get("delta") or {}
                 rows.append({"metric": metric.get("id", "?"), "first": c == cats[0], "span": len(cats),
                              "category": c, "n": cell.get("n"), "unit": unit or "",
-                             "vals": [fmt_value(values.get(lab), unit) if lab not in metric.get("not_available", {})
-                                      else "n/a (not available from this engine)" for lab in labels],
+                             "vals": [fmt_value(values.get(lab), unit) if lab not in why
+                                      else f"n/a ({str(why[lab]).split(':')[0]})" for lab in labels],
                              "deltas": [(fmt_delta(deltas.get(lab), unit), delta_class(deltas.get(lab), hib))
                                         for lab in candidates]})
         sections.append({"set": set_name, "charts": charts, "rows": rows})

@@ -60,8 +60,9 @@ def render_markdown(card: dict[str, Any], max_failures: int = 10) -> str:
     lines += ["## Metrics", "", f"| metric | category | n | {head} |", "|---|---|---|" + "---|" * (2 * len(labels) - 1)]
     for metric in card["metrics"]:
         for category, entry in metric["by_category"].items():
-            cells = [_v(entry["values"].get(label), metric["unit"]) if label not in metric.get("not_available", {})
-                     else "n/a (not available from this engine)" for label in labels]
+            why = metric.get("not_available", {})  # "not available from this engine: ..." -> its first clause
+            cells = [_v(entry["values"].get(label), metric["unit"]) if label not in why
+                     else f"n/a ({why[label].split(':')[0]})" for label in labels]
             cells += [_d(entry["delta"].get(c), metric["unit"]) for c in candidates]
             lines.append(f"| {metric['id']} | {category} | {entry['n']} | " + " | ".join(cells) + " |")
     if card["fields"]:

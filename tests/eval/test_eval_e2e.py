@@ -131,9 +131,13 @@ def test_every_scorer_runs_on_real_outputs_and_every_gate_passes(baseline, sft_r
     metrics = {m["id"]: m for m in card["metrics"]}
     scorers = {m["scorer"] for m in card["metrics"]}
     assert scorers == {"task_success", "format", "tool_execution", "reference_loss", "refusal", "facts", "loss",
-                       "latency", "throughput", "memory"}
+                       "latency", "throughput", "memory", "serving"}
+    assert metrics["operations/serving/mtp_acceptance"]["by_category"]["all"]["n"] > 0
     for metric in metrics.values():
         entry = metric["by_category"]["all"]
+        if metric["id"] == "operations/serving/indexer_recall" and "not_available" in metric:  # rows below top-k
+            assert [label for label, v in entry["values"].items() if v is None] == list(metric["not_available"])
+            continue
         assert entry["n"] > 0 and set(entry["values"]) == {"base", "candidate"}, metric["id"]
         if metric["scorer"] != "memory":  # CPU: the process's peak RSS (Linux); checked below
             assert all(v is not None for v in entry["values"].values()), metric["id"]

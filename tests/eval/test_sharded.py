@@ -3,9 +3,10 @@
 Each model is built on the meta device, parallelized by the training plan and loaded sharded
 (`glmtune/eval/sharded.py`); the batches are split over the ranks (`answering.run_rows`). The
 reference is `glmtune eval` in this process on the same weights. Every per-example output
-(text, transcript, tool calls, finish, the reference loss) and every task metric must be equal;
-the operations (latency, tokens/s, memory) are the only figures allowed to differ, and each
-rank's peak memory must be reported.
+(text, transcript, tool calls, finish, the reference loss), every task metric and the serving
+metrics (MTP acceptance: every rank runs every row's MTP layer in step) must be equal; latency,
+tokens/s and memory are the only figures allowed to differ, and each rank's peak memory must be
+reported.
 
   * dp 2: the full fine-tuning run's export (FSDP2 over both ranks);
   * ep 2: the LoRA run's adapter on its base (routed experts split over the two ranks, their
@@ -74,7 +75,8 @@ def _eval(suite: Path, base: Path, candidate: Path, out: Path, *extra: str) -> d
 
 
 def _without_operations(card: dict) -> tuple[list, list, list, list]:
-    metrics = [m for m in card["metrics"] if not m["id"].startswith("operations/")]
+    metrics = [m for m in card["metrics"]
+               if not m["id"].startswith("operations/") or m["id"].startswith("operations/serving/")]
     examples = [{**e, "outputs": {label: {k: v for k, v in out.items() if k != "latency_s"}
                                   for label, out in e["outputs"].items()}} for e in card["examples"]]
     return metrics, card["fields"], examples, [(g["name"], g["passed"]) for g in card["gates"]]
@@ -94,6 +96,8 @@ def test_two_ranks_give_the_scorecard_of_one_process(shared_results, suite, tmp_
     one = _eval(suite, run_dir, run_dir, tmp_path / "one")
     two = _eval(suite, run_dir, run_dir, tmp_path / "two", "--nproc-per-node", "2", *layout)
     assert _without_operations(two) == _without_operations(one)
+    mtp = next(m for m in two["metrics"] if m["id"] == "operations/serving/mtp_acceptance")
+    assert all(v is not None for v in mtp["by_category"]["all"]["values"].values()) and mtp["by_category"]["all"]["n"]
     tool_rows = [e for e in one["examples"] if e["set"] == "tools"]
     assert tool_rows and all(e["outputs"]["candidate"]["finish"] for e in tool_rows)
     for label, ops in two["operations"].items():

@@ -55,15 +55,21 @@ class ReferenceLoss:
         return RowScore({"loss": output.reference_loss})
 
 
-def reference_sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
-    """(input ids, next-token targets) of the whole reference conversation, targets only on
-    the assistant turns after the last user turn."""
+def reference_labels(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of the whole reference conversation, labels (the token itself, -100
+    elsewhere) only on the assistant turns after the last user turn: a training row's shape."""
     sample = tokenize_conversation(row.prompt + row.reference_turns, prompting.tokenizer, tools=row.tools,
                                    template=prompting.template, enable_thinking=prompting.enable_thinking)
     user_id = prompting.tokenizer.convert_tokens_to_ids("<|user|>")
     last_user = max(i for i, token in enumerate(sample.input_ids) if token == user_id)
-    labels = [IGNORE_INDEX if i < last_user else label for i, label in enumerate(sample.labels)]
-    return sample.input_ids, next_token_targets(labels)
+    return sample.input_ids, [IGNORE_INDEX if i < last_user else label for i, label in enumerate(sample.labels)]
+
+
+def reference_sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
+    """(input ids, next-token targets) of the whole reference conversation, targets only on
+    the assistant turns after the last user turn."""
+    ids, labels = reference_labels(row, prompting)
+    return ids, next_token_targets(labels)
 
 
 @torch.no_grad()
