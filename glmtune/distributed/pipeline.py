@@ -13,6 +13,15 @@ Another objective than next-token (preference pairs) passes `token_losses`, one 
 pipeline microbatch (`row_slices`: whole rows of the micro batch, in order): the last stage
 gives it the microbatch's targets' log-probabilities and returns what it returns as the loss sum.
 
+A multi-token-prediction loss (`mtp_loss_weight` > 0: stages built to run it) rides on the
+next-token one: the batch's `mtp_targets` reach every stage as a keyword, each microbatch's
+facts carry its MTP targets on this rank and the factor its sum is differentiated with
+(weight / `mtp_total`, the step's MTP targets over every rank, as in one process), and the
+last stage reports (sum, count) in its `statistics`, which `take_statistics` sums:
+
+    loss_sum = pipeline.train_step(batch, loss_scale, mtp_total=n)
+    stats = pipeline.take_statistics()                     # {"mtp_loss": tensor([sum, count])}
+
 Loss: the last stage computes each microbatch's summed token loss and multiplies it
 by `loss_scale` (1 / the step's supervised tokens over every rank): the schedule's
 backward starts there, so gradients add up over microbatches, micro batches and ranks
@@ -20,7 +29,10 @@ exactly as in one process (schedules built with `scale_grads=False`). The loss s
 a rank reports are its own last stages' (0 elsewhere): summed over all ranks they are
 the step's.
 
-Activations between stages: hidden states [mb, S, D] in the compute dtype. Their
+Activations between stages: `num_activations` tensors [mb, S, D] in the compute dtype
+(hidden states; a model may add its own, e.g. GLM-5's next-token embeddings for its MTP
+layer, each as many bytes again per boundary and microbatch, forward and backward). They are
+floating point and carry gradients: the schedule moves them, and their gradients back. Their
 shapes are given to each PipelineStage up front (static metadata), so no trial
 microbatch runs before the first step. Every microbatch of a run has the same shape
 (packed rows). A selection a stage may need from the previous one (GLM-5: the top-k
@@ -39,7 +51,9 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
 `Glm5Stage`); this module imports no model family and relies on these members only:
 
     is_first, is_last     bool: the stage takes the token ids [mb, T] / returns the scaled
-                          loss sum of the microbatch, a [1] tensor (else hidden states)
+                          loss sum of the microbatch, a [1] tensor (else its activations)
+    num_activations       int: the [mb, S, D] tensors a stage passes the next one (the same for
+                          every stage of the pipeline): positional outputs, then inputs
     carry_in, carry_out   bool: the stage receives / sends the selection above
     send_selection        set here: (mask uint8 [mb, S, T], flag uint8 [1]) -> None, called
                           by a `carry_out` stage during its forward
@@ -49,10 +63,15 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
                           (with `token_loss`, the last stage's loss of that microbatch)
     loss_sums             list of tensors: the last stage appends each microbatch's unscaled
                           loss sum; read and cleared here
+    statistic_names       the auxiliary losses the last stage reports (the same names on every
+                          stage, so that every rank reduces the same statistics)
+    statistics            dict name -> fp32 (sum, count) [2]: the last stage adds each microbatch's;
+                          read and cleared here
     local_tokens(t_BT)    this rank's queries of a per-token tensor of the full rows ([B, T, ...]
                           -> [B, S, ...]; itself without context parallelism)
-    forward(x, *, position_ids, document_ids, targets)
-                          x: ids or hidden states; the keywords are [mb, T] tensors of the rows
+    forward(x, *activations, position_ids, document_ids, targets[, mtp_targets])
+                          x: ids or hidden states, then the other activations; the keywords
+                          are [mb, T] tensors of the rows (`mtp_targets` with an MTP loss)
 
 Legend: mb rows of a microbatch, S this rank's queries of a row, T tokens of a row, D model dim.
 """
@@ -88,11 +107,13 @@ class Pipeline:
             queries per row (seq_len, or its slice under context parallelism).
         hidden_size, dtype: the activations' width and dtype.
         carry_group: a second group of the same pp ranks, for the carried top-k selections.
+        mtp_loss_weight: the multi-token-prediction loss's weight (0: none), for stages built to
+            run it (module docstring).
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
-                 dtype: torch.dtype, carry_group=None) -> None:
+                 dtype: torch.dtype, carry_group=None, mtp_loss_weight: float = 0.0) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -102,7 +123,9 @@ class Pipeline:
         rows = micro_batch // microbatches
         meta = torch.device("meta")
         # requires_grad: a stage sends its input's gradient back only for inputs that require it
-        hidden = torch.empty(rows, queries, hidden_size, dtype=dtype, device=meta, requires_grad=True)
+        activations = tuple(torch.empty(rows, queries, hidden_size, dtype=dtype, device=meta, requires_grad=True)
+                            for _ in range(stages[0].num_activations))
+        self.mtp_loss_weight = mtp_loss_weight
         self.pipeline_stages, self.input_metas = [], []
         self.schedule_name = schedule
         self._carry_shape = (rows, queries, seq_len)
@@ -118,8 +141,8 @@ class Pipeline:
                 stage.send_selection = self._sender(index + 1, owner[index + 1])
             if stage.carry_in:
                 stage.receive_selection = self._receiver(index, owner[index - 1])
-            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device=meta),) if stage.is_first else (hidden,)
-            outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last else (hidden,)
+            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device=meta),) if stage.is_first else activations
+            outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last else activations
             self.input_metas.append(inputs)
             self.pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
                                                       output_args=outputs, group=group))
@@ -168,29 +191,38 @@ class Pipeline:
         return [slice(m * rows, (m + 1) * rows) for m in range(self.microbatches)]
 
     def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local,
-                     token_losses: list | None = None) -> None:
+                     token_losses: list | None = None, mtp_grad_scale: float | None = None) -> None:
         """Each stage's per-microbatch host facts, from the host copies of the ids."""
         facts = []
         for m, part in enumerate(self.row_slices(batch["input_ids"].shape[0])):
             supervised = int((local(batch["targets"][part]) != -100).sum())
+            mtp_supervised = int((local(batch["mtp_targets"][part]) != -100).sum()) if self.mtp_loss_weight else None
             facts.append(MicrobatchFacts.of_rows(batch["document_ids"][part], supervised, loss_scale,
-                                                 token_losses[m] if token_losses is not None else None))
+                                                 token_losses[m] if token_losses is not None else None,
+                                                 mtp_supervised, mtp_grad_scale))
         for stage in self.stages:
             stage.microbatch_facts = list(facts)
             stage.loss_sums = []
+            stage.statistics = {}
 
     def _device_kwargs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {key: batch[key].to(self.device, non_blocking=True)
-                for key in ("position_ids", "document_ids", "targets")}
+        keys = ("position_ids", "document_ids", "targets", *(("mtp_targets",) if self.mtp_loss_weight else ()))
+        return {key: batch[key].to(self.device, non_blocking=True) for key in keys}
 
     def _local(self):
         return self.stages[0].local_tokens
 
     # -- steps ------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, Any], loss_scale: float, token_losses: list | None = None) -> torch.Tensor:
+    def train_step(self, batch: dict[str, Any], loss_scale: float, token_losses: list | None = None,
+                   mtp_total: int | None = None) -> torch.Tensor:
         """Forward and backward of one micro batch (host tensors); this rank's summed token loss
-        (or the sum of `token_losses`' results: module docstring)."""
-        self._queue_facts(batch, loss_scale, self._local(), token_losses)
+        (or the sum of `token_losses`' results: module docstring). `mtp_total`: the step's MTP
+        targets over every rank, with an MTP loss."""
+        mtp_grad_scale = None
+        if self.mtp_loss_weight:
+            assert mtp_total is not None, "an MTP loss needs the step's MTP targets (mtp_total)"
+            mtp_grad_scale = self.mtp_loss_weight / max(mtp_total, 1)
+        self._queue_facts(batch, loss_scale, self._local(), token_losses, mtp_grad_scale)
         kwargs = self._device_kwargs(batch)
         args = (batch["input_ids"].to(self.device, non_blocking=True),) if self.has_first else ()
         # The loss needs no target of the schedule's (the last stage has the targets as a keyword
@@ -228,9 +260,11 @@ class Pipeline:
                 if stage.is_last:
                     count += (local(mb_kwargs["targets"]) != -100).sum()
                     continue
-                carried = (out,)
+                carried = out if isinstance(out, tuple) else (out,)
                 if owner[index + 1] != pp_rank:
-                    dist.send(out.contiguous(), dist.get_global_rank(self.group, owner[index + 1]), group=self.group)
+                    for tensor in carried:
+                        dist.send(tensor.contiguous(), dist.get_global_rank(self.group, owner[index + 1]),
+                                  group=self.group)
         self._complete_sends()
         return self._loss_sum(), count
 
@@ -238,6 +272,17 @@ class Pipeline:
         buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         dist.recv(buffer, dist.get_global_rank(self.group, source), group=self.group)
         return buffer
+
+    def take_statistics(self) -> dict[str, torch.Tensor]:
+        """The last stages' auxiliary-loss statistics since the last call: name -> fp32 (sum, count)
+        [2], zeros on a rank without the last stage (every rank names the same ones)."""
+        totals = {name: torch.zeros(2, dtype=torch.float32, device=self.device)
+                  for name in self.stages[0].statistic_names}
+        for stage in self.stages:
+            for name, value in stage.statistics.items():
+                totals[name] += value
+            stage.statistics = {}
+        return totals
 
     def _loss_sum(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -176,8 +176,8 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     pipeline = spec.pipeline_options(
         schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
-        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=launch.device) \
-        if degrees.pp > 1 else None
+        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=launch.device,
+        mtp_loss_weight=cfg.train.mtp_loss_weight) if degrees.pp > 1 else None
     spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
                      pipeline=pipeline)
     fill_random_weights(model, launch.device, spec.args_of(model).initializer_range, cfg.train.seed)

@@ -317,7 +317,8 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     pipeline = spec.pipeline_options(
         schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
-        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=device) if degrees.pp > 1 else None
+        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=device,
+        mtp_loss_weight=cfg.train.mtp_loss_weight) if degrees.pp > 1 else None
     spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
                      pipeline=pipeline)
     if spec.pipeline(model) is not None and info.is_main:
@@ -407,6 +408,34 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
     )
 
 
+def non_padding_queries(batch: dict[str, Any]) -> int:
+    """The batch's queries that are not padding (the indexer KL's unit), counted on the host."""
+    return int((batch["document_ids"] >= 0).sum())
+
+
+def supervised_tokens_and_queries(batch: dict[str, Any]) -> dict[str, int]:
+    """The next-token loss's units and the indexer KL's (averaged over the step's non-padding queries)."""
+    return {"tokens": batch["num_supervised"], "queries": non_padding_queries(batch)}
+
+
+def supervised_tokens_mtp_and_queries(batch: dict[str, Any]) -> dict[str, int]:
+    return {**supervised_tokens_and_mtp(batch), "queries": non_padding_queries(batch)}
+
+
+@dataclasses.dataclass
+class IndexerWarmup:
+    """`train.indexer_warmup_steps`: marks the batches of the first N optimizer steps for the indexer
+    warm-up (dense attention, only the indexers train: the model family's loss reads
+    `indexer_warmup`). The step is the trainer's own (steps done, restored on resume): bound once
+    the trainer is built. Validation after step k runs as step k + 1 will."""
+
+    steps: int
+    trainer: Trainer | None = None
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {"indexer_warmup": self.trainer.step < self.steps}
+
+
 def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tuple[Any, TrainerSettings]:
     """The loss function of `train.objective` and the trainer settings it needs: SFT's next-token
     loss, or the preference objective (pairs as its unit, its statistics logged as dpo/...)."""
@@ -416,7 +445,11 @@ def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tup
             return spec.loss, settings
         aux = AuxiliaryLosses(t.mtp_loss_weight, t.indexer_loss_weight)
         units = supervised_tokens_and_mtp if t.mtp_loss_weight > 0 else settings.unit_counts
-        return functools.partial(spec.loss, aux=aux), dataclasses.replace(settings, unit_counts=units)
+        if t.indexer_loss_weight > 0:  # the KL is averaged over the step's non-padding queries
+            units = supervised_tokens_mtp_and_queries if t.mtp_loss_weight > 0 else supervised_tokens_and_queries
+        warmup = IndexerWarmup(t.indexer_warmup_steps) if t.indexer_warmup_steps > 0 else settings.host_facts
+        return functools.partial(spec.loss, aux=aux), dataclasses.replace(settings, unit_counts=units,
+                                                                           host_facts=warmup)
     preference = PreferenceObjective(spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
     return preference.loss, dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
                                                 stats_prefix="dpo/")
@@ -443,6 +476,8 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
     trainer = Trainer(model, optimizer, scheduler, loss_fn, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
+    if isinstance(settings.host_facts, IndexerWarmup):
+        settings.host_facts.trainer = trainer
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

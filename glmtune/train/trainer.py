@@ -267,8 +267,10 @@ class Trainer:
         step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
         if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
             for batch in batches:
-                if self.s.unit_counts in NEXT_TOKEN_UNITS:  # the stages' own next-token loss
-                    loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1))
+                if self.s.unit_counts in NEXT_TOKEN_UNITS:  # the stages' own next-token loss (and MTP's)
+                    loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1),
+                                                         mtp_total=step_totals.get("mtp_tokens"))
+                    _add_stats(stat_sums, self.pipeline.take_statistics())
                     continue
                 # Another objective runs the schedule itself (LossFn); its sums are its last stage's.
                 micro_loss, _, *stats = self._forward_loss(
@@ -342,19 +344,23 @@ class Trainer:
     def _stat_means(self, sums: dict[str, torch.Tensor], denominator: torch.Tensor, prefix: str = "") -> dict[str, float]:
         """The loss function's statistics summed over the step's (or validation's) micro-batches and
         the data-parallel ranks, per loss unit: one all-reduce of them all. A statistic given as a
-        (sum, count) pair (an auxiliary loss and its own tokens) is reported as sum / count."""
-        if not sums:
-            return {}
-        names = sorted(sums)
-        total = _all_reduce_sum(torch.cat([sums[n].reshape(-1) for n in names]), self.s.row_group)
-        if self.s.pp_group is not None:  # the last stage's statistics (zeros on the other stages)
-            _all_reduce_sum(total, self.s.pp_group)
-        flat, units = total.tolist(), float(denominator.to(torch.float64))
-        values, at = {}, 0
-        for name in names:
-            values[name] = flat[at] / max(flat[at + 1], 1.0) if sums[name].numel() == 2 else flat[at] / units
-            at += sums[name].numel()
-        return {f"{prefix}{self.s.stats_prefix}{name}": value for name, value in values.items()}
+        (sum, count) pair (an auxiliary loss and its own tokens) is reported as sum / count, its pairs
+        summed over every rank in a second all-reduce: each rank's pair covers its own tokens (under
+        context parallelism its queries; zeros off the last pipeline stage), and ranks that repeat a
+        pair leave the ratio as it is."""
+        values: dict[str, float] = {}
+        means = sorted(n for n in sums if sums[n].numel() == 1)
+        if means:
+            total = _all_reduce_sum(torch.cat([sums[n].reshape(-1) for n in means]), self.s.row_group)
+            if self.s.pp_group is not None:  # the last stage's statistics (zeros on the other stages)
+                _all_reduce_sum(total, self.s.pp_group)
+            units = float(denominator.to(torch.float64))
+            values.update({name: value / units for name, value in zip(means, total.tolist())})
+        pairs = sorted(n for n in sums if sums[n].numel() == 2)
+        if pairs:
+            total = _all_reduce_sum(torch.stack([sums[n].reshape(2) for n in pairs]))
+            values.update({name: pair_sum / max(count, 1.0) for name, (pair_sum, count) in zip(pairs, total.tolist())})
+        return {f"{prefix}{self.s.stats_prefix}{name}": values[name] for name in sorted(values)}
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -373,6 +379,7 @@ class Trainer:
             batch = self.val_loader.next_batch()
             if self.pipeline is not None and self.s.unit_counts in NEXT_TOKEN_UNITS:
                 batch_loss, batch_count = self.pipeline.evaluate(batch)
+                _add_stats(stat_sums, self.pipeline.take_statistics())
             else:
                 # One batch's own totals: validation reports per-unit means of each batch's sums.
                 batch = dict(batch, step_totals=self.s.unit_counts(batch))

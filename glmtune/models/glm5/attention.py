@@ -37,6 +37,7 @@ Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,8 @@ from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention
 from glmtune.models.glm5.indexer import Indexer
+from glmtune.models.glm5.indexer_loss import IndexerKLRequest
+from glmtune.models.glm5.indexer_loss import indexer_kl as indexer_kl_stats
 from glmtune.models.glm5.triton_attention import triton_attention_available, triton_masked_attention
 
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton")
@@ -127,6 +130,7 @@ class MLAttention(nn.Module):
         self.query_block = 1024  # sdpa backend: queries per masked block (keys beyond a block are skipped)
         self.score_buffer_bytes = SCORE_BUFFER_BYTES  # triton backend: bound on its backward's dS / P buffers
         self.indexer = Indexer(args, indexer_backend) if has_indexer else None
+        self.index_softmax_scale = args.index_head_dim**-0.5  # every indexer's (shared layers': the owner's)
 
     def forward(
         self,
@@ -138,7 +142,8 @@ class MLAttention(nn.Module):
         plain_causal: bool = False,
         sparse_needed: bool = True,
         shard: SequenceShard | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, bool]]:
+        indexer_kl: IndexerKLRequest | None = None,
+    ) -> tuple[torch.Tensor, tuple]:
         """Returns the attention output [B, S, D] and the sparse selection this layer used
         (mask [B, S, T], whether it selects every allowed key).
 
@@ -151,6 +156,11 @@ class MLAttention(nn.Module):
         KV of every token (normed latent | roped k_rot) is all-gathered, kv_b runs over the
         keys up to the last local query, and each piece of local queries attends its
         causal past through the backend.
+
+        `indexer_kl` (`indexer_loss.py`): a third value, the [2] (KL sum, counted queries) of
+        the selecting indexer against this layer's attention, differentiable with respect to
+        that indexer only. The selection then carries the indexer's projections (with their
+        graph) as a third element, for the shared-indexer layers that reuse it.
         """
         batch, seq_len, _ = x_BSD.shape
         q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
@@ -175,11 +185,14 @@ class MLAttention(nn.Module):
         q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
 
         if self.indexer is not None:
-            selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal, shard)
+            # The warm-up runs the main model without gradients: the indexer's KL graph is built anyway.
+            with torch.enable_grad() if indexer_kl is not None and indexer_kl.indexer_only else nullcontext():
+                selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal,
+                                         shard, keep_projections=indexer_kl is not None)
         else:
             assert shared is not None, "a shared-indexer layer needs an earlier full layer"
             selection = shared
-        sparse_BST, all_selected = selection
+        sparse_BST, all_selected = selection[:2]
 
         if shard is None:
             causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
@@ -195,7 +208,18 @@ class MLAttention(nn.Module):
                 local += length
             out_BNSV = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
-        return self.o_proj(out_BSX), selection
+        if indexer_kl is None:
+            return self.o_proj(out_BSX), selection
+        assert len(selection) == 3, "the selecting layer ran without its indexer's KL"
+        most_keys = indexer_kl.most_keys if all_selected else min(self.index_topk, indexer_kl.most_keys)
+        pieces = None if shard is None else [n for piece in shard.pieces(allowed_BST.shape[-1]) for n in piece]
+        kv_BTC = torch.cat([latent_BTR, k_rot_B1TK.squeeze(1)], dim=-1)
+        w_kb_NPR = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)[:, :self.nope_dim]
+        with torch.enable_grad() if indexer_kl.indexer_only else nullcontext():
+            kl_stats = indexer_kl_stats(q_BNSK, k_BNTK, kv_BTC, w_kb_NPR, self.scale, selection[2],
+                                        self.index_softmax_scale, sparse_BST, indexer_kl.queries_BS, most_keys,
+                                        pieces)
+        return self.o_proj(out_BSX), selection, kl_stats
 
     def _gathered_keys(self, latent_BSR, k_rot_B1SK, shard: SequenceShard, seq_len: int):
         """Every token's normed latent [B, T', R] and roped k_rot [B, 1, T', K] from all cp ranks,

@@ -95,7 +95,8 @@ class Indexer(nn.Module):
         sparse_needed: bool = True,
         plain_causal: bool = False,
         shard: SequenceShard | None = None,
-    ) -> tuple[torch.Tensor, bool]:
+        keep_projections: bool = False,
+    ) -> tuple[torch.Tensor, bool] | tuple[torch.Tensor, bool, tuple[torch.Tensor, ...]]:
         """The sparse attention mask, bool [B, S, T] (True where allowed and selected), and
         whether it selects every allowed key (then it *is* `allowed_BST`).
 
@@ -110,7 +111,16 @@ class Indexer(nn.Module):
         when the indexer trains) and each local query's top-k is taken over all of them,
         exactly as in one process. `sparse_needed` must be the same on every rank (the
         model derives it from the full rows): the gather is a collective.
+
+        `keep_projections` (the indexer's KL loss, `indexer_loss.py`): the projections (q, k of
+        all T keys, head weights) come back as a third element, computed from the *detached*
+        inputs (the indexer learns from its KL only) with a graph when gradients are enabled
+        and the indexer trains; they are computed (and, under a shard, gathered) even when no
+        query needs a selection.
         """
+        if keep_projections:
+            return self._selection_and_projections(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed,
+                                                   plain_causal, shard)
         if not sparse_needed:
             return allowed_BST, True
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
@@ -120,14 +130,28 @@ class Indexer(nn.Module):
             q_BSHD, k_BTD, weights_BSH = self.project(x_BSD, q_resid_BSR, cos, sin)
             if shard is not None:
                 k_BTD = shard.gather(k_BTD)
-            if self.backend == "reference":
-                return self._reference_mask(self.combine(q_BSHD, k_BTD, weights_BSH, self.softmax_scale),
-                                            allowed_BST), False
+            return self._mask(q_BSHD, k_BTD, weights_BSH, allowed_BST, plain_causal, shard), False
+
+    def _selection_and_projections(self, x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal,
+                                   shard):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.wq_b.weight.requires_grad):
+            q_BSHD, k_BTD, weights_BSH = self.project(x_BSD.detach(), q_resid_BSR.detach(), cos, sin)
+            if shard is not None:
+                k_BTD = shard.gather(k_BTD)
+        projections = (q_BSHD, k_BTD, weights_BSH)
+        if not sparse_needed:
+            return allowed_BST, True, projections
+        mask_BST = self._mask(*(t.detach() for t in projections), allowed_BST, plain_causal, shard)
+        return mask_BST, False, projections
+
+    def _mask(self, q_BSHD, k_BTD, weights_BSH, allowed_BST, plain_causal, shard) -> torch.Tensor:
+        """The top-k selection from the projections (k of all T keys)."""
+        if self.backend == "reference":
+            return self._reference_mask(self.combine(q_BSHD, k_BTD, weights_BSH, self.softmax_scale), allowed_BST)
         first_query = self.index_topk if plain_causal else 0
         pieces = None if shard is None else [n for piece in shard.pieces(k_BTD.shape[1]) for n in piece]
-        mask_BST = torch.ops.glmtune.dsa_topk_mask(q_BSHD, k_BTD, weights_BSH, allowed_BST, self.softmax_scale,
-                                                    self.index_topk, first_query, self._fused_for(q_BSHD), pieces)
-        return mask_BST, False
+        return torch.ops.glmtune.dsa_topk_mask(q_BSHD, k_BTD, weights_BSH, allowed_BST, self.softmax_scale,
+                                               self.index_topk, first_query, self._fused_for(q_BSHD), pieces)
 
     def _reference_mask(self, scores_BST: torch.Tensor, allowed_BST: torch.Tensor) -> torch.Tensor:
         scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)

@@ -42,6 +42,7 @@ from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.attention import MLAttention
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+from glmtune.models.glm5.indexer_loss import IndexerKL, IndexerKLRequest
 from glmtune.models.glm5.moe import DenseMLP, MoE
 
 
@@ -58,6 +59,9 @@ class Glm5Output:
     # MTP acceptance over the MTP-supervised positions t: the MTP layer's greedy token for t+2 equals
     # the model's own greedy token at t+1 (what speculative decoding accepts), as (accepted, positions)
     mtp_accepted: torch.Tensor | None = None
+    # fp64 [2]: the indexers' KL summed over the layers and non-padding queries, and their number
+    # (layers x queries); forward(indexer_kl=True)
+    indexer_kl: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -76,12 +80,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(args, moe_backend) if sparse_mlp else DenseMLP(args.hidden_size, args.intermediate_size)
 
     def forward(self, h_BSD, cos, sin, allowed_BST, shared=None, plain_causal=False, sparse_needed=True,
-                shard=None):
-        attn_out, selection = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared,
-                                             plain_causal, sparse_needed, shard)
-        h_BSD = h_BSD + attn_out
-        h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
-        return h_BSD, selection
+                shard=None, indexer_kl: IndexerKLRequest | None = None):
+        """(hidden states, selection), and with `indexer_kl` a third value: the [2] (KL sum, counted
+        queries) of the selecting indexer against this layer's attention (`indexer_loss.py`). In the
+        warm-up (`indexer_kl.indexer_only`) the layer is called with gradients (a sharded wrapper then
+        prepares the indexer's backward) and computes without them, but for the indexer and its KL."""
+        with torch.no_grad() if indexer_kl is not None and indexer_kl.indexer_only else contextlib.nullcontext():
+            attn_out, selection, *kl = self.self_attn(self.input_layernorm(h_BSD), cos, sin, allowed_BST, shared,
+                                                      plain_causal, sparse_needed, shard, indexer_kl)
+            h_BSD = h_BSD + attn_out
+            h_BSD = h_BSD + self.mlp(self.post_attention_layernorm(h_BSD))
+        return (h_BSD, selection, *kl)
 
     def reset_parameters(self, std: float) -> None:
         self.input_layernorm.reset_parameters()
@@ -113,14 +122,16 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, hidden_BSD, next_embeds_BSD, cos, sin, allowed_BST, plain_causal=False, sparse_needed=True,
-                shard=None):
+                shard=None, indexer_kl: IndexerKLRequest | None = None):
         """The head input [B, S, D] predicting token t+2 from the main model's final-normed hidden
         state at t (`hidden_BSD`) and the embedding of token t+1 (`next_embeds_BSD`); the layer
         selects its keys with its own indexer. One call, so that a sharded wrapper (FSDP2) gathers
-        the glue and the layer together."""
-        h_BSD = self.eh_proj(torch.cat([self.enorm(next_embeds_BSD), self.hnorm(hidden_BSD)], dim=-1))
-        h_BSD, _ = super().forward(h_BSD, cos, sin, allowed_BST, None, plain_causal, sparse_needed, shard)
-        return self.shared_head.norm(h_BSD)
+        the glue and the layer together. With `indexer_kl`: (head input, its indexer's KL [2])."""
+        with torch.no_grad() if indexer_kl is not None and indexer_kl.indexer_only else contextlib.nullcontext():
+            h_BSD = self.eh_proj(torch.cat([self.enorm(next_embeds_BSD), self.hnorm(hidden_BSD)], dim=-1))
+        h_BSD, _, *kl = super().forward(h_BSD, cos, sin, allowed_BST, None, plain_causal, sparse_needed, shard,
+                                        indexer_kl)
+        return (self.shared_head.norm(h_BSD), *kl) if kl else self.shared_head.norm(h_BSD)
 
     def reset_parameters(self, std: float) -> None:
         super().reset_parameters(std)
@@ -142,6 +153,9 @@ class LayerInputs:
     plain_causal: bool  # every row is one document: `allowed_BST` is the causal mask
     sparse_needed: bool  # some query of the rows has more allowed keys than the indexer's top-k
     shard: SequenceShard | None = None  # context parallelism: this rank's queries S of the T tokens
+    # The indexers' KL loss of this forward (`indexer_loss.py`): every layer computes its KL and
+    # `run_layers` attaches it to the layer's output and adds up its statistics here; None: off.
+    indexer_kl: IndexerKL | None = None
 
 
 class Glm5Model(nn.Module):
@@ -170,7 +184,8 @@ class Glm5Model(nn.Module):
 
     def layer_inputs(self, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype,
                      position_ids_BS=None, document_ids_BS=None, longest: int | None = None,
-                     single_document: bool | None = None) -> LayerInputs:
+                     single_document: bool | None = None, indexer_grad_scale: float | None = None,
+                     indexer_kl: bool = False, dense: bool = False, indexer_only: bool = False) -> LayerInputs:
         """The shared inputs of the decoder layers for rows of `seq_len` tokens.
 
         `longest` (`document_masks.longest_document`) and `single_document`
@@ -184,6 +199,11 @@ class Glm5Model(nn.Module):
         [B, S, T] (causal by index in the row, same document) and the shard itself, which
         the layers use to gather keys. The hidden states fed to `run_layers` must then be
         the local tokens' ([B, S, D], e.g. `embed_tokens(local_tokens(ids))`).
+
+        `indexer_kl`: the layers compute their indexer's KL over the queries of documents (not
+        padding: `document_ids_BS` >= 0), attached with `indexer_grad_scale` (None: reported only).
+        `dense`: every query attends all its allowed keys (the indexer warm-up); `indexer_only`:
+        the caller runs the main model without gradients and only the KL graphs are built.
         """
         shard = self.sequence_shard
         query_index_S = None if shard is None else shard.query_index(seq_len, device)
@@ -199,16 +219,29 @@ class Glm5Model(nn.Module):
         cos, sin = self.rotary_emb(position_ids_BS.expand(batch, -1), dtype)
         # does any query have more allowed keys than top-k? Asked of the full rows, so that
         # every cp rank takes the same path (the indexer's key gather is a collective).
-        return LayerInputs(cos, sin, allowed_BST, single_document, longest > self.index_topk, shard)
+        sparse_needed = longest > self.index_topk and not dense
+        kl = None
+        if indexer_kl:
+            queries_BS = None if document_ids_BS is None else self.local_tokens(document_ids_BS.expand(batch, -1)) >= 0
+            kl = IndexerKL(IndexerKLRequest(queries_BS, longest, indexer_only), indexer_grad_scale)
+        return LayerInputs(cos, sin, allowed_BST, single_document, sparse_needed, shard, kl)
 
     @staticmethod
     def run_layers(layers, h_BSD: torch.Tensor, inputs: LayerInputs, selection=None):
         """`layers` in order over `h_BSD`; `selection` is the (sparse mask, selects-everything)
         of the latest full-indexer layer before them (None at the first layer). Returns the
         hidden states and the selection after the last of them."""
+        kl = inputs.indexer_kl
         for layer in layers:
-            h_BSD, selection = layer(h_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, selection,
-                                     inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+            if kl is None:
+                h_BSD, selection = layer(h_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, selection,
+                                         inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+                continue
+            with kl.grad_context():  # the warm-up: each layer builds its indexer's graph
+                h_BSD, selection, kl_stats = layer(h_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, selection,
+                                                   inputs.plain_causal, inputs.sparse_needed, inputs.shard,
+                                                   kl.request)
+            h_BSD = kl.collect(h_BSD, kl_stats)
         return h_BSD, selection
 
     def forward(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None, longest: int | None = None,
@@ -218,12 +251,13 @@ class Glm5Model(nn.Module):
         return self.hidden_and_inputs(input_ids_BS, position_ids_BS, document_ids_BS, longest, single_document)[0]
 
     def hidden_and_inputs(self, input_ids_BS, position_ids_BS=None, document_ids_BS=None,
-                          longest: int | None = None, single_document: bool | None = None):
-        """`forward`'s hidden states and the layers' shared inputs (`LayerInputs`: an MTP layer reuses them)."""
+                          longest: int | None = None, single_document: bool | None = None, **indexer_kl):
+        """`forward`'s hidden states and the layers' shared inputs (`LayerInputs`: an MTP layer reuses
+        them); `indexer_kl`: `layer_inputs`' indexer KL settings."""
         batch, seq_len = input_ids_BS.shape
         h_BSD = self.embed_tokens(self.local_tokens(input_ids_BS))
         inputs = self.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids_BS, document_ids_BS,
-                                   longest, single_document)
+                                   longest, single_document, **indexer_kl)
         h_BSD, _ = self.run_layers(self.layers, h_BSD, inputs)
         return self.norm(h_BSD), inputs
 
@@ -255,7 +289,9 @@ class Glm5ForCausalLM(nn.Module):
                 targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None,
                 num_supervised: int | None = None, loss_grad_scale: float | None = None,
                 single_document: bool | None = None, token_logps: bool = False, mtp_targets=None,
-                mtp_num_supervised: int | None = None, mtp_grad_scale: float | None = None) -> Glm5Output:
+                mtp_num_supervised: int | None = None, mtp_grad_scale: float | None = None,
+                indexer_kl: bool = False, indexer_grad_scale: float | None = None,
+                indexer_warmup: bool = False) -> Glm5Output:
         """Args:
             input_ids: [B, T] token ids. Under context parallelism (`model.sequence_shard`) every
                 argument describes the full rows and the outputs (hidden states, logits, loss
@@ -286,37 +322,62 @@ class Glm5ForCausalLM(nn.Module):
             mtp_grad_scale: with `targets` and gradients, the MTP loss sum is differentiated with
                 this factor in the same backward as `loss_sum` (`aux_loss.attach`; e.g. the loss
                 weight / the step's supervised MTP tokens); None: it is returned only.
+            indexer_kl: every layer (the MTP layer too, when it runs) computes the KL of the indexer
+                whose selection it attends against its own attention (`indexer_loss.py`): summed
+                with its query count into `indexer_kl` ([2], over this forward's non-padding queries
+                and layers). `indexer_grad_scale`: with gradients, each layer's KL sum is
+                differentiated with this factor in the main backward (the loss weight / (the step's
+                non-padding queries x the layers computing a KL)); None: reported only.
+            indexer_warmup: with `indexer_kl`, the indexer warm-up: attention is dense (every
+                allowed key), and with gradients the main model runs without them: the returned
+                `loss_sum` is the main loss detached, carrying only the indexers' KL graphs.
         """
-        if self.model.sequence_shard is None and mtp_targets is None:
-            hidden_BSD, inputs = self.model(input_ids, position_ids, document_ids, longest_document,
-                                            single_document), None
-        else:
-            hidden_BSD, inputs = self.model.hidden_and_inputs(input_ids, position_ids, document_ids,
-                                                              longest_document, single_document)
-        logits = self.lm_head(hidden_BSD) if compute_logits else None
-        out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
-        if mtp_targets is not None:
-            self._mtp_loss(out, input_ids, inputs, mtp_targets, loss_chunk_size, mtp_num_supervised, mtp_grad_scale)
-        if targets is not None:
-            targets = self.model.local_tokens(targets)
-            if token_logps:
-                out.token_logps = chunked_token_logps(hidden_BSD, self.lm_head.weight, targets, loss_chunk_size,
-                                                      num_supervised)
-                out.num_targets = (targets != IGNORE_INDEX).sum()
+        only_indexers = indexer_kl and indexer_warmup and torch.is_grad_enabled()
+        kl = dict(indexer_kl=True, indexer_grad_scale=indexer_grad_scale, dense=indexer_warmup,
+                  indexer_only=only_indexers) if indexer_kl else {}
+        with torch.no_grad() if only_indexers else contextlib.nullcontext():
+            if self.model.sequence_shard is None and mtp_targets is None and not kl:
+                hidden_BSD, inputs = self.model(input_ids, position_ids, document_ids, longest_document,
+                                                single_document), None
             else:
-                out.loss_sum, out.num_targets = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, targets,
-                                                                      loss_chunk_size, num_supervised=num_supervised,
-                                                                      grad_scale=loss_grad_scale)
-            if mtp_grad_scale is not None and out.mtp_loss_sum is not None and out.loss_sum is not None:
-                out.loss_sum = attach(out.loss_sum, out.mtp_loss_sum, mtp_grad_scale)
+                hidden_BSD, inputs = self.model.hidden_and_inputs(input_ids, position_ids, document_ids,
+                                                                  longest_document, single_document, **kl)
+            logits = self.lm_head(hidden_BSD) if compute_logits else None
+            out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
+            if mtp_targets is not None:
+                self._mtp_loss(out, input_ids, inputs, mtp_targets, loss_chunk_size, mtp_num_supervised,
+                               mtp_grad_scale)
+            if targets is not None:
+                targets = self.model.local_tokens(targets)
+                if token_logps:
+                    out.token_logps = chunked_token_logps(hidden_BSD, self.lm_head.weight, targets, loss_chunk_size,
+                                                          num_supervised)
+                    out.num_targets = (targets != IGNORE_INDEX).sum()
+                else:
+                    out.loss_sum, out.num_targets = chunked_cross_entropy(
+                        hidden_BSD, self.lm_head.weight, targets, loss_chunk_size, num_supervised=num_supervised,
+                        grad_scale=loss_grad_scale)
+                if mtp_grad_scale is not None and out.mtp_loss_sum is not None and out.loss_sum is not None:
+                    out.loss_sum = attach(out.loss_sum, out.mtp_loss_sum, mtp_grad_scale)
+        if kl:
+            out.indexer_kl = inputs.indexer_kl.stats
+            if out.loss_sum is not None:  # the warm-up's KL sums: no layer output had a gradient to carry them
+                out.loss_sum = inputs.indexer_kl.attach_pending(out.loss_sum)
         return out
 
     def _mtp_loss(self, out: Glm5Output, input_ids_BT, inputs: LayerInputs, mtp_targets_BT, chunk_size: int,
                   num_supervised: int | None, grad_scale: float | None) -> None:
         """The first MTP layer over this forward's hidden states, and its loss against `mtp_targets_BT`."""
         assert len(self.mtp) >= 1, "this model has no MTP layer"
-        mtp_BSD = self.mtp[0](out.hidden_states, self.model.next_token_embeds(input_ids_BT), inputs.cos, inputs.sin,
-                              inputs.allowed_BST, inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+        layer_args = (out.hidden_states, self.model.next_token_embeds(input_ids_BT), inputs.cos, inputs.sin,
+                      inputs.allowed_BST, inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+        kl = inputs.indexer_kl
+        if kl is None:
+            mtp_BSD = self.mtp[0](*layer_args)
+        else:  # the MTP layer's indexer learns with the others
+            with kl.grad_context():
+                mtp_BSD, kl_stats = self.mtp[0](*layer_args, indexer_kl=kl.request)
+            mtp_BSD = kl.collect(mtp_BSD, kl_stats)
         out.mtp_hidden_states = mtp_BSD
         local_targets_BS = self.model.local_tokens(mtp_targets_BT)
         out.mtp_loss_sum, out.mtp_num_targets = chunked_cross_entropy(

@@ -51,9 +51,10 @@ from glmtune.models.glm5.stages import Glm5Stage, decoder_layers, needs_carry, s
 
 def _saved_under_checkpointing():
     aten = torch.ops.aten
-    # Registered by the model's indexer, GEMM- and Triton-attention modules.
+    # Registered by the model's indexer, GEMM- and Triton-attention modules, and the indexer's KL
+    # (`indexer_loss.py`: its saved gradients, linear in the tokens, instead of a second KL pass).
     ops = [torch.ops.glmtune.dsa_topk_mask.default, torch.ops.glmtune.gemm_attention.default,
-           torch.ops.glmtune.sparse_attention.default]
+           torch.ops.glmtune.sparse_attention.default, torch.ops.glmtune.indexer_kl.default]
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):
@@ -149,7 +150,8 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
     efsdp only, never over ep.
 
     Under pipeline parallelism (`stages` given) each stage is a root unit of its own (its
-    embedding, final norm and head): the schedule runs stages, not the model. Units keep
+    embedding, final norm and head): the schedule runs stages, not the model. The MTP layer's unit
+    is then under the last stage's root when its loss trains, and under no root otherwise. Units keep
     their gathered parameters from forward to backward (no reshard after forward):
     resharding would all-gather every layer again for every microbatch.
     """
@@ -178,14 +180,31 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
 
 def split_model(model: Glm5ForCausalLM, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int,
                 seq_len: int, explicit_split: list[int] | None = None,
-                loss_chunk_size: int = 2048) -> list[Glm5Stage]:
+                loss_chunk_size: int = 2048, mtp: bool = False) -> list[Glm5Stage]:
     """Prune `model` to this pp rank's stages and return them: the layers split by their training
     cost (`stage_costs.py`, balanced by `glmtune/distributed/pipeline_plan.py`) or as
-    `explicit_split` says, the stages placed on ranks as `schedule` wants (`models/glm5/stages.py`)."""
+    `explicit_split` says, the stages placed on ranks as `schedule` wants (`models/glm5/stages.py`;
+    `mtp`: the last stage runs the MTP layer and its loss).
+
+    Trained indexers (`model.indexer_trainable`): a shared-indexer layer's KL trains the indexer of
+    the full layer before it through the selection's graph, which does not cross stages: stages
+    start only on full-indexer layers (the balanced split keeps to them; an explicit one that does
+    not is refused)."""
     args = model.args
-    layers_per_stage = plan_stages(layer_costs(args, seq_len), head_cost(args), pp * stages_per_rank, explicit_split)
+    starts = None
+    if any(param.requires_grad for name, param in model.named_parameters() if ".indexer." in name):
+        starts = frozenset(i for i, kind in enumerate(args.indexer_types) if kind == "full")
+        first_layers = [sum(explicit_split[:i]) for i in range(1, len(explicit_split))] if explicit_split else []
+        shared = [layer for layer in first_layers if layer not in starts]
+        if shared:
+            raise ValueError(f"parallel.pp_layer_split {explicit_split} starts a stage on shared-indexer layer(s) "
+                             f"{shared}: with model.indexer_trainable their KL trains the indexer of the stage "
+                             "before; start every stage on a full-indexer layer "
+                             f"({sorted(starts)}) or leave the split to the planner")
+    layers_per_stage = plan_stages(layer_costs(args, seq_len), head_cost(args), pp * stages_per_rank, explicit_split,
+                                   starts)
     stage_ids = stage_ids_for_rank(schedule, pp_rank, pp, stages_per_rank)
-    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size)
+    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size, mtp)
     model.layers_per_stage = layers_per_stage  # for the run's description
     return stages
 
@@ -202,6 +221,9 @@ class PipelineOptions:
     layer_split: list[int] | None = None  # layers per stage; None = balanced by cost
     dtype: torch.dtype = torch.float32  # the activations' dtype between stages
     device: torch.device | None = None  # where the stages run; None = the model's parameters'
+    # train.mtp_loss_weight: > 0, the last stage runs the MTP layer and its loss (the next tokens'
+    # embeddings travel with the hidden states: models/glm5/stages.py)
+    mtp_loss_weight: float = 0.0
 
 
 def parallelize_glm5(
@@ -238,7 +260,7 @@ def parallelize_glm5(
         assert pipeline is not None, "a pipelined mesh needs PipelineOptions"
         stages = split_model(model, pp=mesh.size("pp"), pp_rank=mesh.rank("pp"), schedule=pipeline.schedule,
                              stages_per_rank=pipeline.stages_per_rank, seq_len=pipeline.seq_len,
-                             explicit_split=pipeline.layer_split)
+                             explicit_split=pipeline.layer_split, mtp=pipeline.mtp_loss_weight > 0)
     expert_parallel = mesh is not None and mesh.ep_size > 1
     if expert_parallel:
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
@@ -258,7 +280,8 @@ def parallelize_glm5(
             mesh.size("pp") * pipeline.stages_per_rank, mesh.group("pp"), pipeline.device or _device(model),
             pipeline.schedule,
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
-            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None)
+            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None,
+            mtp_loss_weight=pipeline.mtp_loss_weight)
     return model
 
 

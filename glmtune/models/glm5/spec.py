@@ -155,19 +155,29 @@ class Glm5Spec(ModelSpec):
     # -- train -------------------------------------------------------------------------
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor],
              aux: AuxiliaryLosses | None = None) -> tuple[torch.Tensor, ...]:
-        mtp = {}
+        mtp, indexer = {}, {}
         if aux is not None and aux.mtp_weight > 0:  # averaged over the step's own supervised MTP tokens
             total = batch.get("step_totals", {}).get("mtp_tokens", batch.get("num_mtp_supervised"))
             mtp = {"mtp_targets": batch["mtp_targets"], "mtp_num_supervised": batch.get("num_mtp_supervised"),
                    "mtp_grad_scale": aux.mtp_weight / max(int(total), 1) if total is not None else None}
+        if aux is not None and aux.indexer_weight > 0:  # averaged over the step's queries and the KL layers
+            queries = batch.get("step_totals", {}).get("queries")
+            if queries is None:  # one batch on its own (a host sync when the ids are on the GPU)
+                queries = int((batch["document_ids"] >= 0).sum())
+            layers = model.args.num_hidden_layers + (1 if mtp else 0)  # every layer attends a selection
+            indexer = {"indexer_kl": True, "indexer_grad_scale": aux.indexer_weight / max(queries * layers, 1),
+                       "indexer_warmup": bool(batch.get("indexer_warmup", False))}
         out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
                     compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
                     num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"),
-                    single_document=batch.get("single_document"), **mtp)
-        if not mtp:
+                    single_document=batch.get("single_document"), **mtp, **indexer)
+        if not mtp and not indexer:
             return out.loss_sum, out.num_targets
-        pair = torch.stack([out.mtp_loss_sum.detach().float(), out.mtp_num_targets.float()])
-        return out.loss_sum, out.num_targets, {"mtp_loss": pair, "mtp_acceptance": out.mtp_accepted}
+        stats = {"indexer_kl": out.indexer_kl} if indexer else {}
+        if mtp:
+            stats["mtp_loss"] = torch.stack([out.mtp_loss_sum.detach().float(), out.mtp_num_targets.float()])
+            stats["mtp_acceptance"] = out.mtp_accepted
+        return out.loss_sum, out.num_targets, stats
 
     @torch.no_grad()
     def serving_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,16 +3,33 @@
 A stage runs layers [first, last) of a `Glm5ForCausalLM` and shares the model's own
 modules (no copy: the parameters a stage trains are the model's, under the model's
 names). The first stage also embeds the tokens; the last also applies the final norm,
-the LM head and the loss, and owns the MTP layers (kept for checkpoints; they take no
-part in the forward pass; they stay outside the stage module).
+the LM head and the loss, and, when the multi-token-prediction loss trains (`mtp`), the
+first MTP layer and its loss.
 
-    stage 0:        ids [B, T]              -> h [B, S, D] (+ carried selection)
-    stage i:        h (+ carried selection) -> h (+ carried selection)
-    last stage:     h (+ carried selection) -> loss_sum x loss_scale   ([1])
+    stage 0:        ids [B, T]              -> h [B, S, D] (+ e) (+ carried selection)
+    stage i:        h (+ e) (+ carried selection) -> h (+ e) (+ carried selection)
+    last stage:     h (+ e) (+ carried selection) -> loss_sum x loss_scale   ([1])
 
 The last stage's loss is the summed cross-entropy of the targets, or, when the microbatch's facts
 carry a `token_loss` (another objective: preference pairs), that function of the targets'
 log-probabilities.
+
+The MTP layer at position t reads the embedding of token t + 1 (`model.py`), and the embedding
+lives on the first stage. With `mtp` the first stage embeds the next tokens too
+(`Glm5Model.next_token_embeds`, the one-process lookup) and that activation `e` [B, S, D]
+travels beside the hidden states through every stage (a stage in between passes a copy of it
+on), and its gradient travels back the same way, into the embedding's: exact, and the schedule
+keeps it in order with everything else. Cost: a second activation of the hidden states' size at
+every stage boundary, B x S x D x the compute dtype's bytes per microbatch forward (bf16 GLM-5,
+D 6144: 12 KiB per token) and the same again backward, doubling the pipeline's point-to-point
+traffic, and as much memory per microbatch in flight on a stage (twice on one in between); the
+alternative, a copy of the 154880 x 6144 embedding on the last stage, would cost its weights,
+their optimizer state and a gradient all-reduce every step. The MTP layer is then part of the last stage's module tree (an FSDP2 unit under the
+stage's root: gathered, and its gradients reduced, with the stage's); without `mtp` the MTP
+layers stay outside every stage: never run, they must not be units of a stage's FSDP tree,
+whose no-sync microbatches touch every unit's gradients. Its loss is attached to the main
+loss's backward with the microbatch's `mtp_grad_scale` (`models/common/aux_loss.py`); its
+(sum, count) and its acceptance's (`Glm5ForCausalLM._mtp_acceptance`) are kept in `statistics`.
 
 Side inputs every stage needs (positions, documents, targets) come as keyword
 arguments; `torch.distributed.pipelining` hands each microbatch's keyword arguments to
@@ -26,15 +43,15 @@ Shared-indexer layers (GLM-5.2/5.3 IndexShare) reuse the top-k selection of the
 latest full-indexer layer. When a stage starts on such a layer, the previous stage
 hands that selection on: the [B, S, T] mask as uint8 (what every transport carries)
 and one flag, "selects every allowed key" (then the mask is the allowed mask itself).
-By default they are extra outputs / inputs of the stages; a caller that moves them
-itself (a pipeline schedule only moves tensors that can carry a gradient) sets
-`send_selection` / `receive_selection`, and the stages then pass hidden states only.
+By default they are extra outputs / inputs of the stages, after the activations; a caller
+that moves them itself (a pipeline schedule only moves tensors that can carry a gradient) sets
+`send_selection` / `receive_selection`, and the stages then pass activations only.
 
 A stage implements the stage interface `glmtune/distributed/pipeline.py` documents
-(`is_first`, `is_last`, `carry_in`, `carry_out`, `send_selection`, `receive_selection`,
-`microbatch_facts`, `loss_sums`, `local_tokens`). The model knows nothing of
-parallelism: which stages exist, on which rank, and how their activations move is the
-pipeline's business; the split itself is the plan's (`parallelize.split_model`).
+(`is_first`, `is_last`, `num_activations`, `carry_in`, `carry_out`, `send_selection`,
+`receive_selection`, `microbatch_facts`, `loss_sums`, `statistics`, `local_tokens`). The model
+knows nothing of parallelism: which stages exist, on which rank, and how their activations move
+is the pipeline's business; the split itself is the plan's (`parallelize.split_model`).
 
 Legend: B rows in a microbatch, S queries on this rank, T tokens of a row, D model dim.
 """
@@ -44,9 +61,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glmtune.models.common.aux_loss import attach
 from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logps
 from glmtune.models.common.microbatch_facts import MicrobatchFacts
-from glmtune.models.glm5.model import Glm5ForCausalLM
+from glmtune.models.glm5.model import Glm5ForCausalLM, LayerInputs
 from glmtune.models.glm5.moe import MoE
 
 
@@ -69,10 +87,12 @@ class Glm5Stage(nn.Module):
         layer_ids: the decoder layers of this stage, e.g. range(0, 20).
         is_first / is_last: whether the stage embeds the tokens / computes the loss.
         loss_chunk_size: tokens per slice of the chunked cross-entropy (last stage).
+        mtp: the multi-token-prediction loss trains: the next tokens' embeddings travel with the
+            hidden states and the last stage runs the first MTP layer (module docstring).
     """
 
     def __init__(self, model: Glm5ForCausalLM, layer_ids: range, is_first: bool, is_last: bool,
-                 loss_chunk_size: int = 2048) -> None:
+                 loss_chunk_size: int = 2048, mtp: bool = False) -> None:
         super().__init__()
         assert len(layer_ids) > 0 and layer_ids.step == 1, layer_ids
         core = model.model
@@ -82,6 +102,7 @@ class Glm5Stage(nn.Module):
         self.carry_out = not is_last and needs_carry(model.args.indexer_types, layer_ids.stop)
         self.loss_chunk_size = loss_chunk_size
         self.core = [core]  # a list: the shared model core must not be registered as a submodule
+        self.causal_lm = [model]  # the same: its MTP acceptance reads the head (last stage)
         self.layers = nn.ModuleDict({str(i): core.layers[i] for i in layer_ids})
         self.rotary_emb = core.rotary_emb
         if is_first:
@@ -89,10 +110,16 @@ class Glm5Stage(nn.Module):
         if is_last:
             self.norm = core.norm
             self.lm_head = model.lm_head
-        # The MTP layers stay on the model (the last stage's rank keeps them), not in the stage:
-        # never run, they must not be units of the stage's FSDP tree, whose no-sync microbatches
-        # touch every unit's gradients.
+        # Hidden states, and with the MTP loss the next tokens' embeddings: [B, S, D] each.
+        self.mtp = mtp
+        self.num_activations = 2 if mtp else 1
+        if mtp and is_last:  # in the stage's tree only when it runs (module docstring)
+            self.mtp_layer = model.mtp[0]
         self.loss_sums: list[torch.Tensor] = []  # unscaled loss sums of the microbatches, for logging
+        # (sum, count) of the auxiliary losses over the microbatches since the caller last cleared
+        # them, added by the last stage; every stage names the same ones (each rank reduces them).
+        self.statistic_names = ("mtp_loss", "mtp_acceptance") if mtp else ()
+        self.statistics: dict[str, torch.Tensor] = {}
         # Tokens routed to each expert, summed over the training microbatches since the caller
         # last cleared it (read right after the layers ran: a recompute in backward overwrites
         # the MoE's own record).
@@ -114,46 +141,58 @@ class Glm5Stage(nn.Module):
         """The model's context-parallel shard (None: every query is local), for losses over whole rows."""
         return self.core[0].sequence_shard
 
-    def forward(self, x, carried_mask=None, carried_all=None, *, position_ids, document_ids, targets=None):
+    def forward(self, x, *received, position_ids, document_ids, targets=None, mtp_targets=None):
         """One microbatch through this stage.
 
         Args:
             x: token ids [B, T] on the first stage, hidden states [B, S, D] after it.
-            carried_mask / carried_all: the previous stage's selection (uint8 [B, S, T] and
-                uint8 [1]) when this stage starts on a shared-indexer layer.
+            received: after the first stage, the next tokens' embeddings [B, S, D] (with `mtp`),
+                then the previous stage's selection (uint8 [B, S, T] and uint8 [1]) when this stage
+                starts on a shared-indexer layer and no `receive_selection` is set.
             position_ids, document_ids: [B, T] of the full rows.
             targets: [B, T] next-token ids (-100: no loss), used by the last stage.
+            mtp_targets: [B, T] the tokens after next (-100: no loss), used by the last stage with `mtp`.
         The next entry of `microbatch_facts` describes this microbatch.
         """
         assert self.microbatch_facts, "queue the microbatch's host facts before running the stage"
         facts = self.microbatch_facts.pop(0)
         core = self.core[0]
-        local = self.local_tokens  # the query slice under context parallelism
+        received = list(received)
         if self.is_first:
-            h_BSD = self.embed_tokens(local(x))
+            h_BSD = self.embed_tokens(self.local_tokens(x))  # the query slice under context parallelism
+            next_BSD = core.next_token_embeds(x) if self.mtp else None
         else:
-            h_BSD = x
+            h_BSD, next_BSD = x, received.pop(0) if self.mtp else None
         batch, seq_len = position_ids.shape
         inputs = core.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids, document_ids,
                                    facts.longest, facts.single_document)
         selection = None
         if self.carry_in:
-            if self.receive_selection is not None:
-                carried_mask, carried_all = self.receive_selection()
+            carried_mask, carried_all = received if self.receive_selection is None else self.receive_selection()
             selection = (carried_mask.bool(), bool(carried_all.item()))
         h_BSD, selection = core.run_layers(self.layers.values(), h_BSD, inputs, selection)
         if torch.is_grad_enabled():
             for name, moe in self.moe:
                 self.expert_load[name] = self.expert_load.get(name, 0) + moe.tokens_per_expert
+        if self.is_last:
+            return self._loss(h_BSD, next_BSD, inputs, facts, targets, mtp_targets)
+        outputs = [h_BSD]
+        if next_BSD is not None:
+            # Passed on as a copy: the received tensor itself is the schedule's receive buffer (a
+            # leaf), and zero-bubble schedules detach their outputs in place, which a view refuses.
+            outputs.append(next_BSD if self.is_first else next_BSD.clone())
         if self.carry_out:
             mask_BST, every = selection
             carried = (mask_BST.to(torch.uint8), torch.tensor([int(every)], dtype=torch.uint8, device=h_BSD.device))
             if self.send_selection is None:
-                return (h_BSD, *carried)
-            self.send_selection(*carried)
-            return h_BSD
-        if not self.is_last:
-            return h_BSD
+                outputs += carried
+            else:
+                self.send_selection(*carried)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _loss(self, h_BSD, next_BSD, inputs: LayerInputs, facts: MicrobatchFacts, targets, mtp_targets):
+        """The last stage's loss of the microbatch: its sum x `facts.loss_scale`, as a [1] tensor."""
+        local = self.local_tokens
         hidden_BSD = self.norm(h_BSD)
         if facts.token_loss is not None:  # another objective: a function of the targets' log-probabilities
             loss_sum = facts.token_loss(chunked_token_logps(hidden_BSD, self.lm_head.weight, local(targets),
@@ -163,21 +202,44 @@ class Glm5Stage(nn.Module):
                                                 self.loss_chunk_size, num_supervised=facts.supervised,
                                                 grad_scale=facts.loss_scale)
         self.loss_sums.append(loss_sum.detach())
+        if self.mtp:
+            loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, facts, mtp_targets)
         scaled = loss_sum * facts.loss_scale if facts.loss_scale is not None else loss_sum
         return scaled.reshape(1)  # [1]: the schedule concatenates the microbatches' outputs
 
+    def _attach_mtp_loss(self, loss_sum, hidden_BSD, next_BSD, inputs: LayerInputs, facts: MicrobatchFacts,
+                         mtp_targets) -> torch.Tensor:
+        """The first MTP layer over the final-normed hidden states (as `Glm5ForCausalLM.forward` runs
+        it), its loss attached to `loss_sum`'s backward with `facts.mtp_grad_scale`; (sum, count)
+        of the loss and of its acceptance added to `statistics`."""
+        mtp_BSD = self.mtp_layer(hidden_BSD, next_BSD, inputs.cos, inputs.sin, inputs.allowed_BST,
+                                 inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+        local_targets_BS = self.local_tokens(mtp_targets)
+        mtp_sum, count = chunked_cross_entropy(mtp_BSD, self.lm_head.weight, local_targets_BS,
+                                               self.loss_chunk_size, num_supervised=facts.mtp_supervised,
+                                               grad_scale=facts.mtp_grad_scale)
+        accepted = self.causal_lm[0]._mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
+        for name, pair in (("mtp_loss", torch.stack([mtp_sum.detach().float(), count.float()])),
+                           ("mtp_acceptance", accepted)):
+            self.statistics[name] = self.statistics[name] + pair if name in self.statistics else pair
+        if facts.mtp_grad_scale is None:  # forward only
+            return loss_sum
+        return attach(loss_sum, mtp_sum, facts.mtp_grad_scale)
+
 
 def split_into_stages(model: Glm5ForCausalLM, layers_per_stage: list[int], stage_ids: list[int],
-                      loss_chunk_size: int = 2048) -> list[Glm5Stage]:
+                      loss_chunk_size: int = 2048, mtp: bool = False) -> list[Glm5Stage]:
     """This process's stages (`stage_ids`, in order) of the split `layers_per_stage`, and the
     model pruned to them: layers, embedding, norm, head and MTP of other stages are removed,
     so its state dict names exactly what this process holds, under the full model's names
-    (`model.layers.{i}` keeps its index: the decoder layers become a ModuleDict)."""
+    (`model.layers.{i}` keeps its index: the decoder layers become a ModuleDict). `mtp`: the
+    last stage runs the first MTP layer and its loss (`Glm5Stage`)."""
     assert sum(layers_per_stage) == model.args.num_hidden_layers, layers_per_stage
+    assert not mtp or len(model.mtp) > 0, "the MTP loss needs a model with an MTP layer"
     starts = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
     last = len(layers_per_stage) - 1
     stages = [Glm5Stage(model, range(starts[i], starts[i] + layers_per_stage[i]), i == 0, i == last,
-                        loss_chunk_size) for i in stage_ids]
+                        loss_chunk_size, mtp) for i in stage_ids]
     kept = {i for stage in stages for i in stage.layer_ids}
     core = model.model
     core.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(core.layers) if i in kept})
