@@ -163,26 +163,12 @@ class MLAttention(nn.Module):
         graph) as a third element, for the shared-indexer layers that reuse it.
         """
         batch, seq_len, _ = x_BSD.shape
-        q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
-        q_BNSK = self.q_b_proj(q_resid_BSR).view(batch, seq_len, self.num_heads, self.qk_dim).transpose(1, 2)
-        q_nope, q_rot = q_BNSK.split([self.nope_dim, self.rope_dim], dim=-1)
-
-        kv_a = self.kv_a_proj_with_mqa(x_BSD)
-        latent_BSR, k_rot_BSK = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
-        latent_BSR = self.kv_a_layernorm(latent_BSR)
-        rope_cos, rope_sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q_rot = apply_interleaved_rope(q_rot, rope_cos, rope_sin)
-        k_rot_B1SK = apply_interleaved_rope(k_rot_BSK.unsqueeze(1), rope_cos, rope_sin)
+        q_BNSK, q_resid_BSR, latent_BSR, k_rot_B1SK = self.project(x_BSD, cos, sin)
         if shard is None:
             latent_BTR, k_rot_B1TK = latent_BSR, k_rot_B1SK
         else:
             latent_BTR, k_rot_B1TK = self._gathered_keys(latent_BSR, k_rot_B1SK, shard, allowed_BST.shape[-1])
-        num_keys = latent_BTR.shape[1]
-
-        kv_BNTX = self.kv_b_proj(latent_BTR).view(batch, num_keys, self.num_heads, -1).transpose(1, 2)
-        k_nope, v_BNTV = kv_BNTX.split([self.nope_dim, self.v_dim], dim=-1)
-        k_BNTK = torch.cat([k_nope, k_rot_B1TK.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        q_BNSK = torch.cat([q_nope, q_rot], dim=-1)
+        k_BNTK, v_BNTV = self.keys_and_values(latent_BTR, k_rot_B1TK)
 
         if self.indexer is not None:
             # The warm-up runs the main model without gradients: the indexer's KL graph is built anyway.
@@ -220,6 +206,28 @@ class MLAttention(nn.Module):
                                         self.index_softmax_scale, sparse_BST, indexer_kl.queries_BS, most_keys,
                                         pieces)
         return self.o_proj(out_BSX), selection, kl_stats
+
+    def project(self, x_BSD, cos, sin):
+        """Roped queries [B, N, S, K] (nope | rope), the query latent q_resid [B, S, Q] (the indexer's
+        input), the normed KV latent [B, S, R] and the roped shared rope key [B, 1, S, rope dim]."""
+        batch, seq_len, _ = x_BSD.shape
+        q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSD))
+        q_BNSK = self.q_b_proj(q_resid_BSR).view(batch, seq_len, self.num_heads, self.qk_dim).transpose(1, 2)
+        q_nope, q_rot = q_BNSK.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_a = self.kv_a_proj_with_mqa(x_BSD)
+        latent_BSR, k_rot_BSK = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
+        latent_BSR = self.kv_a_layernorm(latent_BSR)
+        rope_cos, rope_sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_rot = apply_interleaved_rope(q_rot, rope_cos, rope_sin)
+        k_rot_B1SK = apply_interleaved_rope(k_rot_BSK.unsqueeze(1), rope_cos, rope_sin)
+        return torch.cat([q_nope, q_rot], dim=-1), q_resid_BSR, latent_BSR, k_rot_B1SK
+
+    def keys_and_values(self, latent_BTR, k_rot_B1TK):
+        """Per-head keys [B, N, T, K] (kv_b's nope part | the shared rope key) and values [B, N, T, V]."""
+        batch, num_keys, _ = latent_BTR.shape
+        kv_BNTX = self.kv_b_proj(latent_BTR).view(batch, num_keys, self.num_heads, -1).transpose(1, 2)
+        k_nope, v_BNTV = kv_BNTX.split([self.nope_dim, self.v_dim], dim=-1)
+        return torch.cat([k_nope, k_rot_B1TK.expand(-1, self.num_heads, -1, -1)], dim=-1), v_BNTV
 
     def _gathered_keys(self, latent_BSR, k_rot_B1SK, shard: SequenceShard, seq_len: int):
         """Every token's normed latent [B, T', R] and roped k_rot [B, 1, T', K] from all cp ranks,

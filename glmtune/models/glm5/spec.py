@@ -36,11 +36,13 @@ from glmtune.models.glm5.attention import set_attention_score_buffer
 from glmtune.models.glm5.counts import layer_runs, parameter_report
 from glmtune.models.glm5.flops import flops_per_token
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+from glmtune.models.glm5.indexer_recall import RecallProbe
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import MoE, set_moe_dispatch_backend
 from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
 from glmtune.models.glm5.param_groups import GROUPS, param_group
 from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.models.glm5.stages import decoder_layers
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.models.glm5.summary import architecture_summary
 
@@ -181,13 +183,22 @@ class Glm5Spec(ModelSpec):
 
     @torch.no_grad()
     def serving_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not model.mtp:
-            return {}
-        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                    compute_logits=False, longest_document=batch.get("longest_document"),
-                    single_document=batch.get("single_document"), mtp_targets=batch["mtp_targets"],
-                    mtp_num_supervised=batch.get("num_mtp_supervised"))
-        return {"mtp_acceptance": out.mtp_accepted}
+        """MTP acceptance (`Glm5Output.mtp_accepted`; a checkpoint without an MTP layer has none) and
+        the main layers' indexer recall on sampled queries (`indexer_recall.py`), from one forward."""
+        mtp = {"mtp_targets": batch["mtp_targets"], "mtp_num_supervised": batch.get("num_mtp_supervised")} \
+            if model.mtp else {}
+        probe = RecallProbe(decoder_layers(model), model.args.index_topk)
+        try:
+            out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                        compute_logits=False, longest_document=batch.get("longest_document"),
+                        single_document=batch.get("single_document"), **mtp)
+        finally:
+            recall = probe.close()
+        device = out.hidden_states.device
+        metrics = {"indexer_recall": recall if recall is not None else torch.zeros(2, device=device)}
+        if mtp:
+            metrics["mtp_acceptance"] = out.mtp_accepted
+        return metrics
 
     def set_auxiliary_training(self, model: nn.Module, mtp: bool, indexer: bool) -> None:
         if mtp and not model.mtp:
