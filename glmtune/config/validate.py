@@ -270,9 +270,10 @@ def auxiliary_loss_errors(cfg: JobConfig) -> list[str]:
         (t.indexer_warmup_steps < t.max_steps,
          f"train.indexer_warmup_steps ({t.indexer_warmup_steps}) must be < train.max_steps ({t.max_steps}): the "
          "model itself would never train"),
-        (not m.indexer_trainable or cfg.parallel.pp == 1,
-         "model.indexer_trainable with parallel.pp > 1: the pipeline stages do not run the indexers' KL loss yet; "
-         "train the indexers with FSDP, EP or CP layouts"),
+        (t.indexer_warmup_steps == 0 or cfg.parallel.pp == 1,
+         f"train.indexer_warmup_steps ({t.indexer_warmup_steps}) with parallel.pp > 1: the stage outputs carry no "
+         "graph during the warm-up (the main model runs without gradients); set train.indexer_warmup_steps: 0 or "
+         "warm up without pipeline parallelism"),
     ]
     extras = [name for name, on in (("train.mtp_loss_weight", t.mtp_loss_weight > 0),
                                     ("model.indexer_trainable", m.indexer_trainable)) if on]

@@ -22,6 +22,15 @@ last stage reports (sum, count) in its `statistics`, which `take_statistics` sum
     loss_sum = pipeline.train_step(batch, loss_scale, mtp_total=n)
     stats = pipeline.take_statistics()                     # {"mtp_loss": tensor([sum, count])}
 
+An auxiliary loss every stage computes over its own layers (GLM-5's indexer KL,
+`indexer_loss_weight` > 0: stages built to run it) is differentiated with weight / (`query_total`,
+the step's non-padding queries over every rank, x `indexer_kl_layers`, the model's layers that
+compute it), the one-process factor, carried by each microbatch's facts; every stage adds its
+layers' (sum, count) to its `statistics`, and `take_statistics` sums those of this rank's stages
+(summed over the ranks, they are one process's):
+
+    loss_sum = pipeline.train_step(batch, loss_scale, query_total=n)
+
 Loss: the last stage computes each microbatch's summed token loss and multiplies it
 by `loss_scale` (1 / the step's supervised tokens over every rank): the schedule's
 backward starts there, so gradients add up over microbatches, micro batches and ranks
@@ -63,10 +72,11 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
                           (with `token_loss`, the last stage's loss of that microbatch)
     loss_sums             list of tensors: the last stage appends each microbatch's unscaled
                           loss sum; read and cleared here
-    statistic_names       the auxiliary losses the last stage reports (the same names on every
+    statistic_names       the auxiliary losses the stages report (the same names on every
                           stage, so that every rank reduces the same statistics)
-    statistics            dict name -> fp32 (sum, count) [2]: the last stage adds each microbatch's;
-                          read and cleared here
+    statistics            dict name -> (sum, count) [2] (fp32, or fp64): the stage that computes the
+                          loss (the last stage; every stage for a per-layer loss) adds each
+                          microbatch's; read and cleared here
     local_tokens(t_BT)    this rank's queries of a per-token tensor of the full rows ([B, T, ...]
                           -> [B, S, ...]; itself without context parallelism)
     forward(x, *activations, position_ids, document_ids, targets[, mtp_targets])
@@ -109,11 +119,14 @@ class Pipeline:
         carry_group: a second group of the same pp ranks, for the carried top-k selections.
         mtp_loss_weight: the multi-token-prediction loss's weight (0: none), for stages built to
             run it (module docstring).
+        indexer_loss_weight: the per-layer auxiliary loss's weight (0: none), for stages built to run
+            it; indexer_kl_layers: the layers computing it over the whole model (module docstring).
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
-                 dtype: torch.dtype, carry_group=None, mtp_loss_weight: float = 0.0) -> None:
+                 dtype: torch.dtype, carry_group=None, mtp_loss_weight: float = 0.0,
+                 indexer_loss_weight: float = 0.0, indexer_kl_layers: int = 0) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -126,6 +139,8 @@ class Pipeline:
         activations = tuple(torch.empty(rows, queries, hidden_size, dtype=dtype, device=meta, requires_grad=True)
                             for _ in range(stages[0].num_activations))
         self.mtp_loss_weight = mtp_loss_weight
+        self.indexer_loss_weight, self.indexer_kl_layers = indexer_loss_weight, indexer_kl_layers
+        assert not indexer_loss_weight or indexer_kl_layers > 0, "an indexer loss needs its layer count"
         self.pipeline_stages, self.input_metas = [], []
         self.schedule_name = schedule
         self._carry_shape = (rows, queries, seq_len)
@@ -191,7 +206,8 @@ class Pipeline:
         return [slice(m * rows, (m + 1) * rows) for m in range(self.microbatches)]
 
     def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local,
-                     token_losses: list | None = None, mtp_grad_scale: float | None = None) -> None:
+                     token_losses: list | None = None, mtp_grad_scale: float | None = None,
+                     indexer_grad_scale: float | None = None) -> None:
         """Each stage's per-microbatch host facts, from the host copies of the ids."""
         facts = []
         for m, part in enumerate(self.row_slices(batch["input_ids"].shape[0])):
@@ -199,7 +215,7 @@ class Pipeline:
             mtp_supervised = int((local(batch["mtp_targets"][part]) != -100).sum()) if self.mtp_loss_weight else None
             facts.append(MicrobatchFacts.of_rows(batch["document_ids"][part], supervised, loss_scale,
                                                  token_losses[m] if token_losses is not None else None,
-                                                 mtp_supervised, mtp_grad_scale))
+                                                 mtp_supervised, mtp_grad_scale, indexer_grad_scale))
         for stage in self.stages:
             stage.microbatch_facts = list(facts)
             stage.loss_sums = []
@@ -214,15 +230,19 @@ class Pipeline:
 
     # -- steps ------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, Any], loss_scale: float, token_losses: list | None = None,
-                   mtp_total: int | None = None) -> torch.Tensor:
+                   mtp_total: int | None = None, query_total: int | None = None) -> torch.Tensor:
         """Forward and backward of one micro batch (host tensors); this rank's summed token loss
         (or the sum of `token_losses`' results: module docstring). `mtp_total`: the step's MTP
-        targets over every rank, with an MTP loss."""
-        mtp_grad_scale = None
+        targets over every rank, with an MTP loss; `query_total`: the step's non-padding queries
+        over every rank, with an indexer loss."""
+        mtp_grad_scale = indexer_grad_scale = None
         if self.mtp_loss_weight:
             assert mtp_total is not None, "an MTP loss needs the step's MTP targets (mtp_total)"
             mtp_grad_scale = self.mtp_loss_weight / max(mtp_total, 1)
-        self._queue_facts(batch, loss_scale, self._local(), token_losses, mtp_grad_scale)
+        if self.indexer_loss_weight:  # as one process: weight / (queries x KL layers)
+            assert query_total is not None, "an indexer loss needs the step's queries (query_total)"
+            indexer_grad_scale = self.indexer_loss_weight / max(query_total * self.indexer_kl_layers, 1)
+        self._queue_facts(batch, loss_scale, self._local(), token_losses, mtp_grad_scale, indexer_grad_scale)
         kwargs = self._device_kwargs(batch)
         args = (batch["input_ids"].to(self.device, non_blocking=True),) if self.has_first else ()
         # The loss needs no target of the schedule's (the last stage has the targets as a keyword
@@ -274,13 +294,14 @@ class Pipeline:
         return buffer
 
     def take_statistics(self) -> dict[str, torch.Tensor]:
-        """The last stages' auxiliary-loss statistics since the last call: name -> fp32 (sum, count)
-        [2], zeros on a rank without the last stage (every rank names the same ones)."""
+        """This rank's stages' auxiliary-loss statistics since the last call: name -> (sum, count)
+        [2] (fp32, or the stages' own wider dtype), zeros on a rank whose stages report none (every
+        rank names the same ones)."""
         totals = {name: torch.zeros(2, dtype=torch.float32, device=self.device)
                   for name in self.stages[0].statistic_names}
         for stage in self.stages:
             for name, value in stage.statistics.items():
-                totals[name] += value
+                totals[name] = totals[name] + value  # an fp64 count stays exact
             stage.statistics = {}
         return totals
 

@@ -73,7 +73,14 @@ from glmtune.train.process import DistributedInfo, check_recipe, init_distribute
 from glmtune.train.run_data import PreparedData, prepare_data
 from glmtune.train.run_dir import RunDirectory, check_writable, save_run_config
 from glmtune.train.samples import prompts_from, run_samples, score
-from glmtune.train.trainer import NonFiniteLossError, Trainer, TrainerSettings, supervised_tokens_and_mtp
+from glmtune.train.trainer import (
+    NonFiniteLossError,
+    Trainer,
+    TrainerSettings,
+    supervised_tokens_and_mtp,
+    supervised_tokens_and_queries,
+    supervised_tokens_mtp_and_queries,
+)
 
 
 def barrier() -> None:
@@ -318,7 +325,8 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
         schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
         layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=device,
-        mtp_loss_weight=cfg.train.mtp_loss_weight) if degrees.pp > 1 else None
+        mtp_loss_weight=cfg.train.mtp_loss_weight, indexer_loss_weight=cfg.train.indexer_loss_weight
+    ) if degrees.pp > 1 else None
     spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
                      pipeline=pipeline)
     if spec.pipeline(model) is not None and info.is_main:
@@ -406,20 +414,6 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
         on_gradients=hooks.on_gradients,
         on_optimizer_step=hooks.on_optimizer_step,
     )
-
-
-def non_padding_queries(batch: dict[str, Any]) -> int:
-    """The batch's queries that are not padding (the indexer KL's unit), counted on the host."""
-    return int((batch["document_ids"] >= 0).sum())
-
-
-def supervised_tokens_and_queries(batch: dict[str, Any]) -> dict[str, int]:
-    """The next-token loss's units and the indexer KL's (averaged over the step's non-padding queries)."""
-    return {"tokens": batch["num_supervised"], "queries": non_padding_queries(batch)}
-
-
-def supervised_tokens_mtp_and_queries(batch: dict[str, Any]) -> dict[str, int]:
-    return {**supervised_tokens_and_mtp(batch), "queries": non_padding_queries(batch)}
 
 
 @dataclasses.dataclass

@@ -51,7 +51,25 @@ def supervised_tokens_and_mtp(batch: dict[str, Any]) -> dict[str, int]:
     return {"tokens": batch["num_supervised"], "mtp_tokens": batch["num_mtp_supervised"]}
 
 
-NEXT_TOKEN_UNITS = (supervised_tokens, supervised_tokens_and_mtp)
+def non_padding_queries(batch: dict[str, Any]) -> int:
+    """The batch's queries that are not padding (the indexer KL's unit), counted on the host."""
+    return int((batch["document_ids"] >= 0).sum())
+
+
+def supervised_tokens_and_queries(batch: dict[str, Any]) -> dict[str, int]:
+    """The next-token loss's units and the indexer KL's (averaged over the step's non-padding queries)."""
+    return {"tokens": batch["num_supervised"], "queries": non_padding_queries(batch)}
+
+
+def supervised_tokens_mtp_and_queries(batch: dict[str, Any]) -> dict[str, int]:
+    """The next-token loss's units, the MTP layer's and the indexer KL's."""
+    return {**supervised_tokens_and_mtp(batch), "queries": non_padding_queries(batch)}
+
+
+# The next-token loss with its auxiliary losses: under pipeline parallelism the stages compute them
+# (`Pipeline.train_step` with the step's totals), no loss function does.
+NEXT_TOKEN_UNITS = (supervised_tokens, supervised_tokens_and_mtp, supervised_tokens_and_queries,
+                    supervised_tokens_mtp_and_queries)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -267,9 +285,10 @@ class Trainer:
         step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
         if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
             for batch in batches:
-                if self.s.unit_counts in NEXT_TOKEN_UNITS:  # the stages' own next-token loss (and MTP's)
+                if self.s.unit_counts in NEXT_TOKEN_UNITS:  # the stages' own next-token loss (MTP's, the KL)
                     loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1),
-                                                         mtp_total=step_totals.get("mtp_tokens"))
+                                                         mtp_total=step_totals.get("mtp_tokens"),
+                                                         query_total=step_totals.get("queries"))
                     _add_stats(stat_sums, self.pipeline.take_statistics())
                     continue
                 # Another objective runs the schedule itself (LossFn); its sums are its last stage's.

@@ -13,6 +13,12 @@ same four rows per step (data-parallel ranks two each; validation: one batch per
 rank, two in one process). bf16 compute on fp32 master weights (FSDP2 in one process) runs the
 warm-up, whose main parameters have no gradient.
 
+Pipeline parallelism runs sparse steps only (the warm-up is refused there: the stage outputs carry no
+graph while the main model runs without gradients): two stages of [2, 2] layers (each starts on a
+full-indexer layer) give the one-process sparse steps, with the indexer loss alone and with the MTP
+loss too (`--train.mtp_loss_weight 0.3`: the MTP layer's indexer learns on the last stage); so does
+FSDP2 with both. Two stages chained in one process (fp64) give the model's loss, KL and every gradient.
+
 Under context parallelism each rank's KL covers its own queries, over keys gathered from every rank with
 their gradient: on gloo (fp64, packed rows whose documents cross the cp slices), the ranks' KL sums
 and query counts add up to one process's, and so do their indexer gradients (the gather's backward
@@ -27,9 +33,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
+from glmtune.config import load_config
+from glmtune.config.validate import auxiliary_loss_errors
 from glmtune.distributed.context_parallel import apply_context_parallel
+from glmtune.models.common.microbatch_facts import MicrobatchFacts
 from glmtune.models.glm5 import build_model, get_preset
+from glmtune.models.glm5.stages import split_into_stages
 from tests.distributed.gloo_helpers import run_gloo
 from tests.train.run_helpers import shared_run
 
@@ -46,6 +57,23 @@ LAYOUTS = {
 DESCRIBED = {"fsdp2": "dp_shard 2", "ep2": "ep 2", "cp2": "cp 2"}
 COMPARED = ("loss", "grad_norm", "indexer_kl", "queries", "supervised_tokens")
 VALIDATION = ("val_loss", "val_indexer_kl")
+# Sparse steps only (no warm-up), for pipeline parallelism; with the MTP loss too.
+SPARSE = [*STEPS[:4], *STEPS[6:], "--checkpoint.export_hf", "true"]
+assert "--train.indexer_warmup_steps" in STEPS[4:6] and "--train.indexer_warmup_steps" not in SPARSE
+WITH_MTP = [*SPARSE, "--train.mtp_loss_weight", "0.3"]
+MTP_COMPARED = ("mtp_loss", "mtp_acceptance", "mtp_tokens")
+MTP_VALIDATION = ("val_mtp_loss", "val_mtp_acceptance")
+PIPELINE = ["--parallel.pp", "2", "--parallel.pp_layer_split", "[2,2]"]  # stages start on layers 0 and 2: full
+# Four one-layer stages (every layer its own indexer) on 2 ranks: split backward, the KL's weight
+# gradients in its second pass.
+ALL_FULL = [*WITH_MTP, "--model.overrides.indexer_types", "[full,full,full,full]"]
+ZBV = ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"]
+SPARSE_LAYOUTS = {  # name -> (steps, layout flags, described, compared keys)
+    "pp2": (SPARSE, PIPELINE, "pipeline: 2 stages of 2/2 layers", ()),
+    "pp2-mtp": (WITH_MTP, PIPELINE, "pipeline: 2 stages of 2/2 layers", MTP_COMPARED),
+    "pp2-zbv-mtp": (ALL_FULL, ZBV, "pipeline: 4 stages of 1/1/1/1 layers", MTP_COMPARED),
+    "fsdp2-mtp": (WITH_MTP, DATA_PARALLEL, "dp_shard 2", MTP_COMPARED),
+}
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -81,6 +109,40 @@ def test_layouts_match_one_process(layout, shared_results):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (layout, step, key)
 
 
+@pytest.mark.parametrize("layout", list(SPARSE_LAYOUTS))
+def test_sparse_layouts_match_one_process(layout, shared_results):
+    steps, flags, described, extra = SPARSE_LAYOUTS[layout]
+    single = shared_run(shared_results, *steps)
+    done = shared_run(shared_results, *steps, *flags, nproc=2)
+    assert described in " ".join(done.stdout.split())  # the console wraps long lines
+    got, want = _records(done.run_dir), _records(single.run_dir)
+    assert sorted(got) == sorted(want) == [1, 2]
+    assert want[1]["grad_norm"] > 1e-3 and want[2]["indexer_kl"] > 0  # no warm-up: everything trains
+    validation = VALIDATION + (MTP_VALIDATION if extra else ())
+    for step in (1, 2):
+        for key in COMPARED + extra + (validation if step == 2 else ()):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (layout, step, key)
+    exported = load_file(done.run_dir / "hf" / "model.safetensors")
+    reference = load_file(single.run_dir / "hf" / "model.safetensors")
+    base = load_file(single.run_dir / "base" / "model.safetensors")
+    indexers = [name for name in reference if ".indexer." in name]
+    assert len(indexers) >= 10 and list(exported) == list(reference)
+    trained = [name for name in indexers if extra or not name.startswith("model.layers.4.")]  # 4: the MTP layer
+    assert all(not torch.equal(reference[name], base[name]) for name in trained)
+    for name in indexers:  # the layout trained the same indexers (the MTP layer's too)
+        torch.testing.assert_close(exported[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_warm_up_is_refused_under_pipeline_parallelism():
+    def errors(*flags):
+        return auxiliary_loss_errors(load_config("tiny/sft_support_json", [*STEPS[:8], *flags]))
+    assert errors("--parallel.pp", "2", "--train.indexer_warmup_steps", "0") == []
+    assert errors("--parallel.pp", "1") == []
+    refused = errors("--parallel.pp", "2")
+    assert len(refused) == 1 and "train.indexer_warmup_steps (1) with parallel.pp > 1" in refused[0]
+    assert "carry no graph during the warm-up" in refused[0]
+
+
 def _packed_rows():
     """Two rows of 512 tokens: documents of 300 + 212, and 40 + 280 + 192 (the last 20 padding)."""
     generator = torch.Generator().manual_seed(1)
@@ -105,11 +167,51 @@ def _kl_and_indexer_grads(model, warmup: bool):
     return out.indexer_kl.detach(), grads
 
 
-def _tiny_fp64():
+def _tiny_fp64(mtp: bool = False):
     model = build_model(get_preset("tiny").replace(index_topk=64), torch.float64, attention_backend="eager",
                         moe_backend="loop", seed=0)
-    model.set_trainable_extras(mtp=False, indexer=True)
+    model.set_trainable_extras(mtp=mtp, indexer=True)
     return model
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_chained_stages_compute_the_kl_and_gradients(mtp):
+    """Two stages [2, 2] in one process (fp64), with the MTP loss or not, against the model: the same loss,
+    KL (sum, count) summed over the stages, and every gradient (the indexers', the MTP layer's included)."""
+    ids, positions, document_ids = _packed_rows()
+    rows = dict(position_ids=positions, document_ids=document_ids, targets=torch.roll(ids, -1, 1))
+    num_mtp = None
+    if mtp:
+        rows["mtp_targets"] = torch.roll(ids, -2, 1)
+        num_mtp = int((rows["mtp_targets"] != -100).sum())
+    mtp_scale = 0.3 / num_mtp if mtp else None
+    scale = 0.01 / (int((document_ids >= 0).sum()) * (5 if mtp else 4))  # queries x KL layers, as `Glm5Spec.loss`
+    reference = _tiny_fp64(mtp)
+    out = reference(ids, compute_logits=False, indexer_kl=True, indexer_grad_scale=scale, mtp_grad_scale=mtp_scale,
+                    **rows)
+    out.loss_sum.backward()
+
+    model = _tiny_fp64(mtp)
+    stages = split_into_stages(model, [2, 2], [0, 1], mtp=mtp, indexer_kl=True)
+    facts = MicrobatchFacts.of_rows(document_ids, int((rows["targets"] != -100).sum()), None, None, num_mtp,
+                                    mtp_scale, scale)
+    for stage in stages:
+        stage.microbatch_facts = [facts]
+        assert "indexer_kl" in stage.statistic_names
+    carried = stages[0](ids, **rows)
+    loss = stages[1](*(carried if mtp else (carried,)), **rows)
+    torch.testing.assert_close(loss, out.loss_sum.reshape(1), rtol=1e-12, atol=0)
+    kl = stages[0].statistics["indexer_kl"] + stages[1].statistics["indexer_kl"]
+    assert kl[1] == (5 if mtp else 4) * 1004  # queries x KL layers, as one process counts them
+    torch.testing.assert_close(kl, out.indexer_kl, rtol=1e-12, atol=0)
+    loss.sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys()
+    assert "model.layers.2.self_attn.indexer.wk.weight" in grads
+    assert mtp == ("mtp.0.self_attn.indexer.wk.weight" in grads)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-14, msg=name)
 
 
 def _cp_kl_worker(rank: int, world_size: int, out_dir: str, warmup: bool) -> None:

@@ -6,7 +6,8 @@ on the device they cost a host sync each, which stalls the launch queue; counted
 host from the data loader's batch they are free. Whoever splits a batch into microbatches
 (the pipeline, `glmtune/distributed/pipeline.py`) builds one per microbatch and queues it
 for the model's stages; the stages read them in order. An auxiliary loss the last stage adds
-(multi-token prediction) is sized the same way: its own supervised count and gradient factor.
+(multi-token prediction) is sized the same way: its own supervised count and gradient factor; so is
+one every stage adds (the indexer KL): its gradient factor.
 
 Legend: B rows of the microbatch, T tokens of a row.
 """
@@ -37,13 +38,17 @@ class MicrobatchFacts:
     # weight / the step's MTP targets over every rank; None: forward only).
     mtp_supervised: int | None = None
     mtp_grad_scale: float | None = None
+    # An indexer KL loss of these rows (every stage's layers compute one): the factor each layer's KL
+    # sum is differentiated with (the loss weight / (the step's non-padding queries over every rank x
+    # the layers computing a KL); None: reported only, or no KL).
+    indexer_grad_scale: float | None = None
 
     @classmethod
     def of_rows(cls, document_ids_BT: torch.Tensor, supervised: int | None = None,
                 loss_scale: float | None = None, token_loss=None, mtp_supervised: int | None = None,
-                mtp_grad_scale: float | None = None) -> MicrobatchFacts:
+                mtp_grad_scale: float | None = None, indexer_grad_scale: float | None = None) -> MicrobatchFacts:
         """The facts of rows with documents `document_ids_BT` (host tensor [B, T])."""
         seq_len = document_ids_BT.shape[1]
         return cls(longest_document(seq_len, document_ids_BS=document_ids_BT),
                    single_document_rows(seq_len, document_ids_BS=document_ids_BT), supervised, loss_scale,
-                   token_loss, mtp_supervised, mtp_grad_scale)
+                   token_loss, mtp_supervised, mtp_grad_scale, indexer_grad_scale)

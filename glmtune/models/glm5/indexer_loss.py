@@ -41,7 +41,8 @@ agreement, e.g. a fresh indexer at ~1e-4 nats a query, they are differences of n
 fp32 numbers). On CUDA the gathered keys' gradient is summed with atomics (`index_add_`):
 not bit-reproducible run to run.
 
-Cost, measured on an H200 at GLM-5's widths (64 heads, qk 256, latent 512 + 64, indexer 32 x
+Cost, a first development measurement (2026-12-03, not yet re-run from a committed benchmark
+nor recorded in docs/benchmarks.md) on an H200 at GLM-5's widths (64 heads, qk 256, latent 512 + 64, indexer 32 x
 128, top-k 2048, bf16, one row of one document), per layer, forward with the indexer's
 gradient, against the layer's sparse attention forward + backward (Triton backend):
     4,096 tokens   17.8 ms vs 7.4 ms  (dense chunks: no query has many more keys than k)

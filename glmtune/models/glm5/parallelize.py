@@ -180,11 +180,12 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
 
 def split_model(model: Glm5ForCausalLM, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int,
                 seq_len: int, explicit_split: list[int] | None = None,
-                loss_chunk_size: int = 2048, mtp: bool = False) -> list[Glm5Stage]:
+                loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False) -> list[Glm5Stage]:
     """Prune `model` to this pp rank's stages and return them: the layers split by their training
     cost (`stage_costs.py`, balanced by `glmtune/distributed/pipeline_plan.py`) or as
     `explicit_split` says, the stages placed on ranks as `schedule` wants (`models/glm5/stages.py`;
-    `mtp`: the last stage runs the MTP layer and its loss).
+    `mtp`: the last stage runs the MTP layer and its loss; `indexer_kl`: every layer computes its
+    indexer's KL loss).
 
     Trained indexers (`model.indexer_trainable`): a shared-indexer layer's KL trains the indexer of
     the full layer before it through the selection's graph, which does not cross stages: stages
@@ -204,7 +205,7 @@ def split_model(model: Glm5ForCausalLM, *, pp: int, pp_rank: int, schedule: str,
     layers_per_stage = plan_stages(layer_costs(args, seq_len), head_cost(args), pp * stages_per_rank, explicit_split,
                                    starts)
     stage_ids = stage_ids_for_rank(schedule, pp_rank, pp, stages_per_rank)
-    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size, mtp)
+    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size, mtp, indexer_kl)
     model.layers_per_stage = layers_per_stage  # for the run's description
     return stages
 
@@ -224,6 +225,9 @@ class PipelineOptions:
     # train.mtp_loss_weight: > 0, the last stage runs the MTP layer and its loss (the next tokens'
     # embeddings travel with the hidden states: models/glm5/stages.py)
     mtp_loss_weight: float = 0.0
+    # train.indexer_loss_weight: > 0, every stage's layers (and the MTP layer, when it runs) compute
+    # their indexer's KL loss (models/glm5/stages.py)
+    indexer_loss_weight: float = 0.0
 
 
 def parallelize_glm5(
@@ -260,7 +264,8 @@ def parallelize_glm5(
         assert pipeline is not None, "a pipelined mesh needs PipelineOptions"
         stages = split_model(model, pp=mesh.size("pp"), pp_rank=mesh.rank("pp"), schedule=pipeline.schedule,
                              stages_per_rank=pipeline.stages_per_rank, seq_len=pipeline.seq_len,
-                             explicit_split=pipeline.layer_split, mtp=pipeline.mtp_loss_weight > 0)
+                             explicit_split=pipeline.layer_split, mtp=pipeline.mtp_loss_weight > 0,
+                             indexer_kl=pipeline.indexer_loss_weight > 0)
     expert_parallel = mesh is not None and mesh.ep_size > 1
     if expert_parallel:
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
@@ -281,7 +286,9 @@ def parallelize_glm5(
             pipeline.schedule,
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
             pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None,
-            mtp_loss_weight=pipeline.mtp_loss_weight)
+            mtp_loss_weight=pipeline.mtp_loss_weight, indexer_loss_weight=pipeline.indexer_loss_weight,
+            # the layers computing a KL, as one process counts them (`Glm5Spec.loss`)
+            indexer_kl_layers=model.args.num_hidden_layers + (1 if pipeline.mtp_loss_weight > 0 else 0))
     return model
 
 

@@ -31,6 +31,16 @@ whose no-sync microbatches touch every unit's gradients. Its loss is attached to
 loss's backward with the microbatch's `mtp_grad_scale` (`models/common/aux_loss.py`); its
 (sum, count) and its acceptance's (`Glm5ForCausalLM._mtp_acceptance`) are kept in `statistics`.
 
+With the indexers' KL loss (`indexer_kl`, `indexer_loss.py`) every stage's layers compute their KL
+and `run_layers` attaches each to its layer's output with the microbatch's `indexer_grad_scale`
+(the one-process factor: weight / (the step's queries x the model's KL layers)), so the schedule's
+backward through a stage differentiates its own layers' KL; the last stage's MTP layer adds its own.
+Each stage adds its layers' fp64 (KL sum, counted queries x layers) to `statistics["indexer_kl"]`:
+summed over the stages, one process's. The selection's graph (a shared-indexer layer's KL trains
+the indexer of the full layer it reuses) never crosses a stage: stages start on full-indexer layers
+(`parallelize.split_model`). The warm-up (dense attention, the main model without gradients) does not
+run here: a stage's output would carry no graph back to the stages before it.
+
 Side inputs every stage needs (positions, documents, targets) come as keyword
 arguments; `torch.distributed.pipelining` hands each microbatch's keyword arguments to
 every stage, and only the activations travel between stages. Facts about a
@@ -89,10 +99,11 @@ class Glm5Stage(nn.Module):
         loss_chunk_size: tokens per slice of the chunked cross-entropy (last stage).
         mtp: the multi-token-prediction loss trains: the next tokens' embeddings travel with the
             hidden states and the last stage runs the first MTP layer (module docstring).
+        indexer_kl: the indexers' KL loss trains: every layer computes its KL (module docstring).
     """
 
     def __init__(self, model: Glm5ForCausalLM, layer_ids: range, is_first: bool, is_last: bool,
-                 loss_chunk_size: int = 2048, mtp: bool = False) -> None:
+                 loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False) -> None:
         super().__init__()
         assert len(layer_ids) > 0 and layer_ids.step == 1, layer_ids
         core = model.model
@@ -117,8 +128,11 @@ class Glm5Stage(nn.Module):
             self.mtp_layer = model.mtp[0]
         self.loss_sums: list[torch.Tensor] = []  # unscaled loss sums of the microbatches, for logging
         # (sum, count) of the auxiliary losses over the microbatches since the caller last cleared
-        # them, added by the last stage; every stage names the same ones (each rank reduces them).
-        self.statistic_names = ("mtp_loss", "mtp_acceptance") if mtp else ()
+        # them, added by the last stage (the indexer KL: by every stage); every stage names the same
+        # ones (each rank reduces them).
+        self.indexer_kl = indexer_kl
+        self.statistic_names = (*(("mtp_loss", "mtp_acceptance") if mtp else ()),
+                                *(("indexer_kl",) if indexer_kl else ()))
         self.statistics: dict[str, torch.Tensor] = {}
         # Tokens routed to each expert, summed over the training microbatches since the caller
         # last cleared it (read right after the layers ran: a recompute in backward overwrites
@@ -165,7 +179,8 @@ class Glm5Stage(nn.Module):
             h_BSD, next_BSD = x, received.pop(0) if self.mtp else None
         batch, seq_len = position_ids.shape
         inputs = core.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids, document_ids,
-                                   facts.longest, facts.single_document)
+                                   facts.longest, facts.single_document, indexer_kl=self.indexer_kl,
+                                   indexer_grad_scale=facts.indexer_grad_scale, dense=False)
         selection = None
         if self.carry_in:
             carried_mask, carried_all = received if self.receive_selection is None else self.receive_selection()
@@ -175,8 +190,13 @@ class Glm5Stage(nn.Module):
             for name, moe in self.moe:
                 self.expert_load[name] = self.expert_load.get(name, 0) + moe.tokens_per_expert
         if self.is_last:
-            return self._loss(h_BSD, next_BSD, inputs, facts, targets, mtp_targets)
-        outputs = [h_BSD]
+            loss = self._loss(h_BSD, next_BSD, inputs, facts, targets, mtp_targets)
+            self._add_indexer_kl(inputs)  # after the MTP layer's
+            return loss
+        self._add_indexer_kl(inputs)
+        # A copy when the last layer's KL is attached to it (`aux_loss.attach` returns a view): split-
+        # backward schedules (ZBVZeroBubble) detach a stage's outputs in place, which a view refuses.
+        outputs = [h_BSD.clone() if h_BSD._is_view() else h_BSD]
         if next_BSD is not None:
             # Passed on as a copy: the received tensor itself is the schedule's receive buffer (a
             # leaf), and zero-bubble schedules detach their outputs in place, which a view refuses.
@@ -189,6 +209,14 @@ class Glm5Stage(nn.Module):
             else:
                 self.send_selection(*carried)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _add_statistic(self, name: str, pair: torch.Tensor) -> None:
+        self.statistics[name] = self.statistics[name] + pair if name in self.statistics else pair
+
+    def _add_indexer_kl(self, inputs: LayerInputs) -> None:
+        """This microbatch's KL (sum, counted queries x layers) of the stage's layers (fp64 [2])."""
+        if inputs.indexer_kl is not None:
+            self._add_statistic("indexer_kl", inputs.indexer_kl.stats)
 
     def _loss(self, h_BSD, next_BSD, inputs: LayerInputs, facts: MicrobatchFacts, targets, mtp_targets):
         """The last stage's loss of the microbatch: its sum x `facts.loss_scale`, as a [1] tensor."""
@@ -212,8 +240,15 @@ class Glm5Stage(nn.Module):
         """The first MTP layer over the final-normed hidden states (as `Glm5ForCausalLM.forward` runs
         it), its loss attached to `loss_sum`'s backward with `facts.mtp_grad_scale`; (sum, count)
         of the loss and of its acceptance added to `statistics`."""
-        mtp_BSD = self.mtp_layer(hidden_BSD, next_BSD, inputs.cos, inputs.sin, inputs.allowed_BST,
-                                 inputs.plain_causal, inputs.sparse_needed, inputs.shard)
+        layer_args = (hidden_BSD, next_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, inputs.plain_causal,
+                      inputs.sparse_needed, inputs.shard)
+        kl = inputs.indexer_kl
+        if kl is None:
+            mtp_BSD = self.mtp_layer(*layer_args)
+        else:  # the MTP layer's indexer learns with the others (`Glm5ForCausalLM._mtp_loss`)
+            with kl.grad_context():
+                mtp_BSD, kl_stats = self.mtp_layer(*layer_args, indexer_kl=kl.request)
+            mtp_BSD = kl.collect(mtp_BSD, kl_stats)
         local_targets_BS = self.local_tokens(mtp_targets)
         mtp_sum, count = chunked_cross_entropy(mtp_BSD, self.lm_head.weight, local_targets_BS,
                                                self.loss_chunk_size, num_supervised=facts.mtp_supervised,
@@ -221,25 +256,26 @@ class Glm5Stage(nn.Module):
         accepted = self.causal_lm[0]._mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
         for name, pair in (("mtp_loss", torch.stack([mtp_sum.detach().float(), count.float()])),
                            ("mtp_acceptance", accepted)):
-            self.statistics[name] = self.statistics[name] + pair if name in self.statistics else pair
+            self._add_statistic(name, pair)
         if facts.mtp_grad_scale is None:  # forward only
             return loss_sum
         return attach(loss_sum, mtp_sum, facts.mtp_grad_scale)
 
 
 def split_into_stages(model: Glm5ForCausalLM, layers_per_stage: list[int], stage_ids: list[int],
-                      loss_chunk_size: int = 2048, mtp: bool = False) -> list[Glm5Stage]:
+                      loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False) -> list[Glm5Stage]:
     """This process's stages (`stage_ids`, in order) of the split `layers_per_stage`, and the
     model pruned to them: layers, embedding, norm, head and MTP of other stages are removed,
     so its state dict names exactly what this process holds, under the full model's names
     (`model.layers.{i}` keeps its index: the decoder layers become a ModuleDict). `mtp`: the
-    last stage runs the first MTP layer and its loss (`Glm5Stage`)."""
+    last stage runs the first MTP layer and its loss; `indexer_kl`: every layer computes its indexer's
+    KL (`Glm5Stage`)."""
     assert sum(layers_per_stage) == model.args.num_hidden_layers, layers_per_stage
     assert not mtp or len(model.mtp) > 0, "the MTP loss needs a model with an MTP layer"
     starts = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
     last = len(layers_per_stage) - 1
     stages = [Glm5Stage(model, range(starts[i], starts[i] + layers_per_stage[i]), i == 0, i == last,
-                        loss_chunk_size, mtp) for i in stage_ids]
+                        loss_chunk_size, mtp, indexer_kl) for i in stage_ids]
     kept = {i for stage in stages for i in stage.layer_ids}
     core = model.model
     core.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(core.layers) if i in kept})
