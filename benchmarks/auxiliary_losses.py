@@ -22,6 +22,7 @@ here and ~1/79 of GLM-5's; the record carries the layer count so the two can be 
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import build_glmtune, init_weights, make_batches, parse_args, proxy_config  # noqa: E402
-from benchmarks.timing import DEVICE, emit, free_memory, time_training  # noqa: E402
+from benchmarks.timing import DEVICE, emit, free_memory, loss_step, time_training  # noqa: E402
 from glmtune.models.common.aux_loss import AuxiliaryLosses  # noqa: E402
 from glmtune.models.glm5.parallelize import parallelize_glm5  # noqa: E402
 from glmtune.models.glm5.spec import GLM5  # noqa: E402
@@ -65,16 +66,7 @@ def build(cfg, state, a, aux: AuxiliaryLosses):
 
 
 def train_step(model, opt, batches, aux: AuxiliaryLosses):
-    def step(i):
-        batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batches[i].items()}
-        loss_sum, count, *_ = GLM5.loss(model, batch, aux)
-        loss = loss_sum / count
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return loss_step(model, opt, batches, functools.partial(GLM5.loss, aux=aux))
 
 
 def run(side: str, cfg, state, a, batches) -> dict:

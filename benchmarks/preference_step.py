@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.lora_bench import peft_config
 from benchmarks.throughput import build_glmtune, glmtune_step, init_weights, make_batches, parse_args, proxy_config
-from benchmarks.timing import DEVICE, emit, free_memory, time_training
+from benchmarks.timing import DEVICE, emit, free_memory, loss_step, time_training
 from glmtune.config import DpoConfig
 from glmtune.models.glm5.parallelize import parallelize_glm5
 from glmtune.models.glm5.spec import GLM5
@@ -57,17 +57,7 @@ def pair_rows(ids_R_B_S: torch.Tensor, lengths: list[int]) -> list[dict]:
 
 def dpo_step(model, opt, batches):
     objective = PreferenceObjective(GLM5.token_logps, DpoConfig(), lora=True)
-
-    def step(i):
-        batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batches[i].items()}
-        loss_sum, pairs, _ = objective.loss(model, batch)
-        loss = loss_sum / pairs
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return loss_step(model, opt, batches, objective.loss)
 
 
 def run(side: str, cfg, state, a, raw, batches) -> dict:

@@ -45,6 +45,22 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
+def loss_step(model, opt, batches: list[dict], loss_of):
+    """step(i): batch i on the device, `loss_of(model, batch)` -> (loss sum, its count, ...), the mean's
+    backward and an optimizer step; the mean, detached."""
+
+    def step(i):
+        batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batches[i].items()}
+        loss_sum, count, *_ = loss_of(model, batch)
+        loss = loss_sum / count
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def time_training(step_fn, a):
     """`a.warmup` untimed steps, then `a.steps` timed: (seconds per step, every step's loss, peak GiB)."""
     losses = []

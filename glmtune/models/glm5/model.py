@@ -383,10 +383,10 @@ class Glm5ForCausalLM(nn.Module):
         out.mtp_loss_sum, out.mtp_num_targets = chunked_cross_entropy(
             mtp_BSD, self.lm_head.weight, local_targets_BS, chunk_size,
             num_supervised=num_supervised, grad_scale=grad_scale)
-        out.mtp_accepted = self._mtp_acceptance(out.hidden_states, mtp_BSD, local_targets_BS, chunk_size)
+        out.mtp_accepted = self.mtp_acceptance(out.hidden_states, mtp_BSD, local_targets_BS, chunk_size)
 
     @torch.no_grad()
-    def _mtp_acceptance(self, hidden_BSD, mtp_BSD, local_targets_BS, chunk_size: int) -> torch.Tensor:
+    def mtp_acceptance(self, hidden_BSD, mtp_BSD, local_targets_BS, chunk_size: int) -> torch.Tensor:
         """(accepted, positions) fp32 [2] over the positions with an MTP target (`Glm5Output.mtp_accepted`):
         two greedy head passes, no logits kept; the main model's greedy tokens are gathered over the
         full rows first (under context parallelism position t+1 may be another rank's)."""

@@ -29,7 +29,7 @@ stage's root: gathered, and its gradients reduced, with the stage's); without `m
 layers stay outside every stage: never run, they must not be units of a stage's FSDP tree,
 whose no-sync microbatches touch every unit's gradients. Its loss is attached to the main
 loss's backward with the microbatch's `mtp_grad_scale` (`models/common/aux_loss.py`); its
-(sum, count) and its acceptance's (`Glm5ForCausalLM._mtp_acceptance`) are kept in `statistics`.
+(sum, count) and its acceptance's (`Glm5ForCausalLM.mtp_acceptance`) are kept in `statistics`.
 
 With the indexers' KL loss (`indexer_kl`, `indexer_loss.py`) every stage's layers compute their KL
 and `run_layers` attaches each to its layer's output with the microbatch's `indexer_grad_scale`
@@ -253,7 +253,7 @@ class Glm5Stage(nn.Module):
         mtp_sum, count = chunked_cross_entropy(mtp_BSD, self.lm_head.weight, local_targets_BS,
                                                self.loss_chunk_size, num_supervised=facts.mtp_supervised,
                                                grad_scale=facts.mtp_grad_scale)
-        accepted = self.causal_lm[0]._mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
+        accepted = self.causal_lm[0].mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
         for name, pair in (("mtp_loss", torch.stack([mtp_sum.detach().float(), count.float()])),
                            ("mtp_acceptance", accepted)):
             self._add_statistic(name, pair)
