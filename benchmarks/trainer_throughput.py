@@ -11,6 +11,7 @@ trainer's steady figure is the mean `tokens_per_s` of its logged windows after t
 
     python benchmarks/trainer_throughput.py --steps 40 --log-every 10
     python benchmarks/trainer_throughput.py --clip 1.0      # the recipes' gradient clipping (throughput.py has none)
+    python benchmarks/trainer_throughput.py --clip 1.0 --master-weights auto --skip-reference   # the recipes' defaults
 
 The run directory and data go under --work (default: a temporary directory); the final
 checkpoint is written there too (the trainer always saves at the end). Results append to
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--clip", type=float, default=None, help="train.clip_grad_norm (default: none, as throughput.py)")
+    p.add_argument("--master-weights", choices=["auto", "fp32", "none"], default="none",
+                   help="train.master_weights (default: none, as throughput.py's fast path; auto = the recipes' default)")
     p.add_argument("--work", default=None)
     p.add_argument("--skip-reference", action="store_true", help="only the trainer")
     p.add_argument("--profile", action="store_true",
@@ -68,7 +71,7 @@ def recipe(a, data: Path, run_dir: Path) -> dict:
              "num_nextn_predict_layers": 0, "max_position_embeddings": max(2 * a.seq, 4096)}
     model = {"name_or_path": "glm5", "dtype": "bfloat16", "overrides": proxy}
     train = {"max_steps": a.steps, "global_batch_size": 1, "micro_batch_size": 1, "val_every": 0,
-             "log_every": a.log_every, "clip_grad_norm": a.clip, "master_weights": "none", "device": "cuda"}
+             "log_every": a.log_every, "clip_grad_norm": a.clip, "master_weights": a.master_weights, "device": "cuda"}
     optim = {"lr": 1e-5, "fused": "triton", "scheduler": "constant"}
     if a.tiny:
         model, train["device"], optim["fused"] = {"name_or_path": "tiny", "dtype": "float32"}, "cpu", "auto"
