@@ -41,7 +41,7 @@ def test_glm5_sft_4k_on_h100_and_h200(capsys):
 def test_the_mtp_loss_counts_its_layer_state_and_its_last_stage_memory(capsys):
     """With `train.mtp_loss_weight` the MTP layer trains (its gradients and AdamW state count) and the
     last stage holds its activations, its loss rows and its own head weight gradient at the forward's end."""
-    base = _plan(capsys, "recipes/glm5/sft_4k.yaml", "--no-data")
+    base = _plan(capsys, "recipes/glm5/sft_4k.yaml", "--no-data", "--train.mtp_loss_weight", "0")
     mtp = _plan(capsys, "recipes/glm5/sft_4k.yaml", "--no-data", "--train.mtp_loss_weight", "0.3")
     state, state_mtp = base["memory"]["state"], mtp["memory"]["state"]
     # GLM-5's MTP layer (a MoE layer with an indexer and its glue, ~9.95B parameters) lives on the last
