@@ -13,8 +13,9 @@ trainer's steady figure is the mean `tokens_per_s` of its logged windows after t
     python benchmarks/trainer_throughput.py --clip 1.0      # the recipes' gradient clipping (throughput.py has none)
     python benchmarks/trainer_throughput.py --clip 1.0 --master-weights auto --skip-reference   # the recipes' defaults
 
-The run directory and data go under --work (default: a temporary directory); the final
-checkpoint is written there too (the trainer always saves at the end). Results append to
+The run directory and data go under --work (default: a temporary directory); the run writes no
+checkpoint (`checkpoint.save_at_end: false`, `every_steps: 0`): the 6.5B-parameter proxy's final
+one would not fit on the machine's disk, and the probe keeps no weights. Results append to
 $OUT/trainer_throughput.jsonl (or --out).
 """
 
@@ -80,7 +81,7 @@ def recipe(a, data: Path, run_dir: Path) -> dict:
         "data": {"train": [str(data)], "packed_sequence_size": a.seq,
                  "too_long": "truncate"},
         "parallel": {"compile": not a.tiny},
-        "checkpoint": {"every_steps": 0, "keep_last": 1},
+        "checkpoint": {"every_steps": 0, "keep_last": 1, "save_at_end": False},
         "logging": {"run_dir": str(run_dir), "tensorboard": False, "progress": False},
     }
 

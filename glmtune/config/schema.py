@@ -166,11 +166,14 @@ class CheckpointConfig:
     """Saving, retention and resume."""
 
     dir: str | None = None  # null = <logging.run_dir>/checkpoints
-    every_steps: int = 0  # save every N steps; 0 = only at the end
+    every_steps: int = 0  # save every N steps; 0 = only at the end (see save_at_end)
     keep_last: int = 2  # checkpoints kept on disk; 0 = keep all
     resume: str = "none"  # none | auto (latest in dir, if any) | a checkpoint path
     export_hf: bool = False  # also write an HF-loadable model (or PEFT adapter) at the end
     async_save: bool = False  # write checkpoints in the background
+    # false: no checkpoint after the last step (throughput probes); the trained weights are kept
+    # only by checkpoint.export_hf (or LoRA's adapters) or an earlier every_steps checkpoint
+    save_at_end: bool = True
 
 
 @dataclass

@@ -115,7 +115,10 @@ def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console, resources:
 
 def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) -> None:
     lora = cfg.peft.method != "none"
-    needs = [(Path(cfg.checkpoint.dir), checkpoint_bytes(model, trainable_only=lora), "one checkpoint")]
+    needs = []
+    # Without periodic saves or the one at the end, only a stop request would save: not planned for.
+    if cfg.checkpoint.every_steps or cfg.checkpoint.save_at_end:
+        needs.append((Path(cfg.checkpoint.dir), checkpoint_bytes(model, trainable_only=lora), "one checkpoint"))
     if cfg.checkpoint.export_hf and not lora:
         needs.append((Path(cfg.logging.run_dir) / "hf", export_bytes(model), "the HF export"))
     for warning in check_free_space(needs, cfg.checkpoint.keep_last):
@@ -401,7 +404,8 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
     return TrainerSettings(
         max_steps=cfg.train.max_steps, grad_accum=launch.grad_accum, clip_grad_norm=cfg.train.clip_grad_norm,
         log_every=cfg.train.log_every, val_every=cfg.train.val_every, val_steps=cfg.train.val_steps,
-        checkpoint_every=cfg.checkpoint.every_steps, router_bias_update=cfg.train.router_bias_update,
+        checkpoint_every=cfg.checkpoint.every_steps, save_at_end=cfg.checkpoint.save_at_end,
+        router_bias_update=cfg.train.router_bias_update,
         router_bias_rate=cfg.train.router_bias_update_rate, device=device,
         progress=cfg.logging.progress and info.is_main, async_save=cfg.checkpoint.async_save,
         stop_file=launch.run_dir / STOP_FILE,
@@ -482,7 +486,16 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
                       f"grad_accum {launch.grad_accum}; run dir {launch.run_dir}")
         if initial_val is not None:
             console.print(f"validation loss before training: {initial_val:.4f}{preference_summary(trainer.val_stats)}")
+        if _weights_not_kept(cfg):
+            console.print("[yellow]checkpoint.save_at_end is false with checkpoint.every_steps 0 and "
+                          "checkpoint.export_hf false: the trained weights will not be kept[/yellow]")
     return trainer
+
+
+def _weights_not_kept(cfg: JobConfig) -> bool:
+    """No checkpoint, HF export or LoRA adapter will hold the trained weights when the run ends."""
+    c = cfg.checkpoint
+    return not (c.save_at_end or c.every_steps or c.export_hf or cfg.peft.method == "lora")
 
 
 def train(trainer: Trainer, console: Console):

@@ -85,6 +85,7 @@ class TrainerSettings:
     val_every: int
     val_steps: int | None
     checkpoint_every: int
+    save_at_end: bool = True  # false: the last step saves only when checkpoint_every (or a stop) asks
     router_bias_update: str = "none"
     router_bias_rate: float = 1e-3
     async_save: bool = False
@@ -480,7 +481,8 @@ class Trainer:
                     bar.update({**throughput, **record})
                     stop = self._stop_requested()
                     due = self.s.checkpoint_every and self.step % self.s.checkpoint_every == 0
-                    if stop or due or self.step == self.s.max_steps:
+                    at_end = self.s.save_at_end and self.step == self.s.max_steps
+                    if stop or due or at_end:
                         checkpoint = self.save()
                     if stop:
                         self._acknowledge_stop(checkpoint)

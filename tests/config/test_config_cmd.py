@@ -39,6 +39,13 @@ def test_validate_many_recipes_and_world_size(capsys):
     assert "world 256 = dp_replicate 1 x dp_shard 256" in capsys.readouterr().out
 
 
+def test_validate_accepts_save_at_end_and_refuses_a_non_bool(capsys):
+    assert main(["config", "validate", TINY, "--checkpoint.every_steps=0", "--checkpoint.save_at_end=false"]) == 0
+    assert "ok   " + TINY in capsys.readouterr().out
+    assert main(["config", "show", TINY, "--checkpoint.save_at_end=sometimes"]) == 2
+    assert "checkpoint.save_at_end: expected bool" in capsys.readouterr().err
+
+
 def test_validate_prints_nvidias_pipeline_and_context_layouts(capsys):
     """NVIDIA's pp 4 / cp 8 topologies validate at their own world sizes, with the cost-balanced split."""
     sft, long = str(RECIPES_DIR / "glm5" / "sft_4k.yaml"), str(RECIPES_DIR / "glm5" / "sft_32k_cp8.yaml")

@@ -111,6 +111,17 @@ def test_union_bool_or_auto(tmp_path):
         load_config(write(tmp_path, "optim: {fused: maybe}\n"))
 
 
+def test_checkpoint_save_at_end_is_a_bool(tmp_path):
+    assert JobConfig().checkpoint.save_at_end is True
+    cfg = load_config(write(tmp_path, "checkpoint:\n  every_steps: 0\n  save_at_end: false\n"))
+    assert cfg.checkpoint.save_at_end is False and cfg.checkpoint.every_steps == 0
+    assert load_config(write(tmp_path, "{}\n"), ["--checkpoint.save_at_end=false"]).checkpoint.save_at_end is False
+    with pytest.raises(ValueError, match="checkpoint.save_at_end: expected bool, got 'never'"):
+        load_config(write(tmp_path, "checkpoint:\n  save_at_end: never\n"))
+    with pytest.raises(ValueError, match="checkpoint.save_at_end: expected bool, got 0"):
+        load_config(write(tmp_path, "checkpoint:\n  save_at_end: 0\n"))
+
+
 def test_optional_section_null_and_mapping(tmp_path):
     cfg = load_config(write(tmp_path, "data: {synthetic: {rows: 10}}\n"))
     assert cfg.data.synthetic is not None and cfg.data.synthetic.rows == 10 and cfg.data.synthetic.seed == 0

@@ -10,9 +10,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from rich.console import Console
 
+from glmtune.config import RECIPES_DIR, load_config
+from glmtune.train.run import _check_disk_space
 from tests.train.run_helpers import TWO_STEPS, losses, run, shared_run, start
 from tests.tree_snapshot import changes, snapshot
 
@@ -136,6 +141,20 @@ def test_too_little_disk_for_a_checkpoint_is_found_before_training(tmp_path, mou
     _refused(result, f"not enough disk space for {small / 'ckpt'}", "this run needs")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert list(small.iterdir()) == []
+
+
+def test_no_checkpoint_space_is_needed_without_any_save(tmp_path, monkeypatch):
+    """every_steps 0 and save_at_end false: a full disk refuses only what is still written (the HF export)."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=1, used=0, free=1))
+    model = torch.nn.Linear(64, 64)
+    tiny = RECIPES_DIR / "tiny" / "sft_support_json.yaml"
+    base = [f"--logging.run_dir={tmp_path / 'run'}", "--checkpoint.every_steps=0", "--checkpoint.export_hf=false"]
+    with pytest.raises(ValueError, match="one checkpoint"):
+        _check_disk_space(load_config(tiny, base), model, Console())
+    _check_disk_space(load_config(tiny, [*base, "--checkpoint.save_at_end=false"]), model, Console())
+    with pytest.raises(ValueError, match=r"this run needs .* \(the HF export"):
+        _check_disk_space(load_config(tiny, [*base, "--checkpoint.save_at_end=false", "--checkpoint.export_hf=true"]),
+                          model, Console())
 
 
 def test_ctrl_c_while_starting_is_one_line(tmp_path):

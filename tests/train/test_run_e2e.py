@@ -41,6 +41,19 @@ def test_short_run_writes_everything_and_exports_loadable_hf(tmp_path):
         assert (reference(ids).logits - ours(ids).logits).abs().max().item() <= 1e-4
 
 
+def test_save_at_end_false_writes_no_checkpoint_and_says_so(tmp_path):
+    """Throughput probes: no every_steps save and none at the end, yet the run finishes normally."""
+    run_dir = tmp_path / "run"
+    result = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.every_steps", "0",
+                 "--checkpoint.save_at_end", "false")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the trained weights will not be kept" in result.stdout
+    assert "finished step 2" in result.stdout
+    checkpoints = run_dir / "checkpoints"
+    assert not checkpoints.exists() or not list(checkpoints.iterdir())
+    assert sorted(losses(run_dir)) == [1, 2]
+
+
 def test_contract_violation_stops_before_training(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "{}"}]}
     bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}

@@ -87,6 +87,26 @@ def test_partial_checkpoints_are_never_picked_and_retention(tmp_path):
     assert manager.latest().step == 6
 
 
+def test_save_at_end_false_skips_only_the_final_save(tmp_path):
+    """checkpoint.save_at_end false: no save after the last step; every_steps saves and stop requests still save."""
+    default = _trainer(tmp_path / "default", micro=2, accum=1, steps=3)
+    assert default.fit().checkpoint is not None
+    assert [c.step for c in default.checkpoints.complete()] == [3]
+    none = _trainer(tmp_path / "none", micro=2, accum=1, steps=3)
+    none.s.save_at_end = False
+    assert none.fit().checkpoint is None
+    assert none.checkpoints.complete() == []
+    periodic = _trainer(tmp_path / "periodic", micro=2, accum=1, steps=3, every=2)
+    periodic.s.save_at_end = False
+    periodic.fit()
+    assert [c.step for c in periodic.checkpoints.complete()] == [2]
+    stopped = _trainer(tmp_path / "stopped", micro=2, accum=1, steps=3)
+    stopped.s.save_at_end, stopped.s.stop_file = False, tmp_path / "STOP_REQUESTED"
+    stopped.s.stop_file.touch()
+    assert stopped.fit().interrupted
+    assert [c.step for c in stopped.checkpoints.complete()] == [1]
+
+
 def test_async_save_becomes_visible_and_resumes_exactly(tmp_path):
     straight = _trainer(tmp_path / "straight", micro=2, accum=1, steps=6).fit()
     first = _trainer(tmp_path / "run", micro=2, accum=1, steps=3, every=3)
