@@ -86,7 +86,10 @@ def adapter_model(cfg):
     from glmtune.models.registry import model_args, model_spec
     from glmtune.peft import apply_lora
 
-    model = model_spec(cfg.model).build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
+    spec = model_spec(cfg.model)
+    model = spec.build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
+    # a run with the MTP loss adapted its MTP layer too (glmtune/peft/apply.py): the same adapters here
+    spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     apply_lora(model, cfg.peft)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):

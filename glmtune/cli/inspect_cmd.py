@@ -65,6 +65,8 @@ def trainable_inventory(recipe: str) -> tuple[ModelSpec, Any, Any]:
     cfg = load_config(recipe)
     spec, args = model_spec(cfg.model), model_args(cfg.model)
     model = spec.build(args, device="meta")
+    # as training does: the MTP layer and the indexers train with their losses (LoRA adapts the MTP layer then)
+    spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
     return spec, args, inventory
 

@@ -278,13 +278,13 @@ def auxiliary_loss_errors(cfg: JobConfig) -> list[str]:
     extras = [name for name, on in (("train.mtp_loss_weight", t.mtp_loss_weight > 0),
                                     ("model.indexer_trainable", m.indexer_trainable)) if on]
     for name in extras:
-        rules += [
-            (t.objective == "sft", f"{name} with train.objective: {t.objective}: the auxiliary losses ride on the "
-                                   "next-token loss (SFT); remove it for preference optimization"),
-            (cfg.peft.method == "none", f"{name} with peft.method: {cfg.peft.method}: the MTP layer and the indexers "
-                                        "train as full weights, which a PEFT adapter cannot carry; use full "
-                                        "fine-tuning (peft.method: none)"),
-        ]
+        rules.append((t.objective == "sft", f"{name} with train.objective: {t.objective}: the auxiliary losses ride "
+                                            "on the next-token loss (SFT); remove it for preference optimization"))
+    # Under LoRA the MTP layer takes adapters like the decoder layers (glmtune/peft/apply.py); the
+    # indexers learn from their KL loss as full weights, which no adapter carries.
+    rules.append((cfg.peft.method == "none" or not m.indexer_trainable,
+                  f"model.indexer_trainable with peft.method: {cfg.peft.method}: the indexers train as full weights, "
+                  "which a PEFT adapter cannot carry; use full fine-tuning (peft.method: none)"))
     return [message for ok, message in rules if not ok]
 
 

@@ -24,6 +24,11 @@ Two layouts of the same adapter, both with HF module names under the
 Both are exact: nothing is approximated or dropped. Anything trainable that a LoRA
 adapter cannot carry (an unfrozen norm, say) makes the export raise.
 
+An MTP layer's adapters (a run with the MTP loss; `apply.py`) are written under the HF
+names the state-dict adapter gives that layer (`mtp.{j}.*` -> `model.layers.{L + j}.*`),
+in both layouts. transformers' GlmMoeDsaForCausalLM has no such layer in memory, so PEFT
+leaves those keys unloaded; merging (`merge.py`) folds them into the MTP layer's weights.
+
 Given the base's identity (`glmtune.checkpoint.fingerprint`), an export also writes
 `glmtune_adapter.json` ({"base": identity, "glmtune_version", "layout"}) beside the
 PEFT files, for `glmtune merge` to check its BASE_DIR against; PEFT never reads it.
@@ -44,6 +49,7 @@ from torch import nn
 from glmtune.distributed.pipeline_state import merge_on_rank0, model_order
 from glmtune.io.outputs import Source, output_dir
 from glmtune.io.version import __version__
+from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
 LAYOUTS = ("peft", "per_expert")
@@ -75,7 +81,7 @@ def check_exportable(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAGroup
             raise ValueError(f"parameter {name} is trainable but a LoRA adapter cannot represent it; "
                              "refusing to export an adapter that silently drops it")
     for name, _ in adapted:
-        assert not name.startswith("mtp.") and ".indexer." not in name, name
+        assert ".indexer." not in name, name
     spec = adapted[0][1].spec
     assert all(module.spec == spec for _, module in adapted), "one LoRA spec per model"
     return adapted
@@ -167,9 +173,11 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
         raise ValueError(f"adapter layout {layout!r} unknown; choose from {', '.join(LAYOUTS)}")
     adapted = check_exportable(model)
     spec = adapted[0][1].spec
+    to_hf = Glm5StateDictAdapter(model.args).hf_prefix  # an MTP layer's modules get its on-disk names
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters = [], []
-    for name, module in adapted:
+    for internal_name, module in adapted:
+        name = to_hf(internal_name)
         if isinstance(module, LoRALinear):
             tensors[f"{name}.lora_A.weight"] = _full(module.lora_A.weight)
             tensors[f"{name}.lora_B.weight"] = _full(module.lora_B.weight)
@@ -184,8 +192,13 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
             tensors.update(_per_expert_tensors(name, module))
             leaves = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
             modules.extend(f"{name}.{leaf}" for proj in module.targets for leaf in leaves[proj])
-    hf_modules = [n for n, _ in model.named_modules() if n and not n.startswith("mtp")]
-    hf_params = [n for n, _ in model.named_parameters() if not n.startswith("mtp.") and ".lora_" not in n]
+    # The names the target lists must select exactly among; the MTP layer's only when it is adapted,
+    # so an adapter without it keeps the lists of a model without it.
+    with_mtp = any(n.startswith("mtp.") for n, _ in adapted)
+    hf_modules = [to_hf(n) for n, _ in model.named_modules()
+                  if n and (not n.startswith("mtp") or with_mtp and to_hf(n) != n)]
+    hf_params = [to_hf(n) for n, _ in model.named_parameters()
+                 if (not n.startswith("mtp.") or with_mtp) and ".lora_" not in n]
     tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
     if pp_group is not None:
         parts = merge_on_rank0({"tensors": tensors, "modules": modules, "parameters": parameters,

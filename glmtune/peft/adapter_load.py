@@ -10,7 +10,9 @@ ran) around the base's own parameters, with A and B copied from the file.
 PEFT layout: Linear stems map one to one; the fused expert keys are un-reshaped
 (A [E*r, in] -> [E, r, in]; B [out, r*E] with column k*E + e -> [E, out, r]). Per-expert layout:
 each expert's gate_proj and up_proj must share one A (glmtune's export writes it so, and the
-fused [gate; up] adapter needs it), their Bs stack as [gate; up].
+fused [gate; up] adapter needs it), their Bs stack as [gate; up]. An MTP layer's keys
+(`model.layers.{L + j}.*`) land on its in-memory modules (`mtp.{j}.*`, the state-dict adapter's
+names).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from glmtune.models.glm5.moe import GroupedExperts
+from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft.init import set_whole_value
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 from glmtune.peft.merge import FUSED_EXPERTS_RE, PER_EXPERT_RE, fused_expert_proj, lora_pairs, read_adapter
@@ -78,6 +81,7 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
     if lora_modules(model):
         raise ValueError("apply_adapter needs a plain model; this one already carries LoRA adapters")
     spec = _spec(config)
+    internal = Glm5StateDictAdapter(model.args).internal_prefix
     linears: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     per_expert: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
@@ -85,18 +89,18 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
         a, b = pair["A"], pair["B"]
         per, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
         try:
-            module = model.get_submodule(fused.group(1)) if fused else None
+            module = model.get_submodule(internal(fused.group(1))) if fused else None
         except AttributeError as exc:
             raise ValueError(f"{adapter_dir}: adapter module {stem} does not fit this model: {exc}") from None
         if per:
-            per_expert[per.group(1)][per.group(3)][int(per.group(2))] = (a, b)
+            per_expert[internal(per.group(1))][per.group(3)][int(per.group(2))] = (a, b)
         elif isinstance(module, GroupedExperts):
             num = module.num_experts
             proj = fused_expert_proj(fused.group(1), bool(fused.group(2)), config)
-            experts[fused.group(1)][proj] = (a.reshape(num, -1, a.shape[-1]),
-                                             b.reshape(b.shape[0], -1, num).permute(2, 0, 1).contiguous())
+            experts[internal(fused.group(1))][proj] = (a.reshape(num, -1, a.shape[-1]),
+                                                       b.reshape(b.shape[0], -1, num).permute(2, 0, 1).contiguous())
         else:
-            linears[stem] = (a, b)
+            linears[internal(stem)] = (a, b)
     for name, leaves in per_expert.items():
         experts[name].update(_stack_per_expert(adapter_dir, name, leaves, model.get_submodule(name).num_experts))
     for param in model.parameters():

@@ -13,10 +13,17 @@ parallel wrapping. It
      whose fp32 adapters are the only trainable parameters.
 
 Globs that match nothing are errors, so a typo cannot silently train nothing on
-the experts. The router, the DSA indexer, MTP layers, embeddings and lm_head cannot
-take LoRA: the router and indexer are frozen by design, MTP layers are not in the
-forward pass, and the loss reads `lm_head.weight` directly (a wrapped head would be
-bypassed).
+the experts. The router, the DSA indexer, embeddings and lm_head cannot take LoRA:
+the router and indexer are frozen by design, and the loss reads `lm_head.weight`
+directly (a wrapped head would be bypassed).
+
+The MTP layer (`mtp.{j}`) runs only with the MTP loss (`train.mtp_loss_weight > 0`),
+whose switch is the spec's `set_auxiliary_training`: it unfreezes the MTP layer before
+`apply_lora` runs. When it has, the MTP layer's modules are targets like the decoder
+layers' (the same globs select them: `*.self_attn.q_a_proj` names `mtp.0.self_attn.
+q_a_proj` too; its glue Linear `eh_proj` only when a glob names it; its norms and
+indexer never) and its base weights are frozen again with the rest. Otherwise they
+cannot take LoRA and the adapters are those of a model without the MTP layer.
 """
 
 from __future__ import annotations
@@ -50,10 +57,16 @@ def lora_spec(peft_cfg: PeftConfig) -> LoraSpec:
                     peft_cfg.adapter_compute, peft_cfg.adapter_kernel)
 
 
-def _frozen_reason(name: str, module: nn.Module) -> str | None:
+def mtp_trains(model: nn.Module) -> bool:
+    """Whether the MTP layer runs in training: `set_auxiliary_training(mtp=True)` unfroze it
+    (its indexer follows the indexer switch instead)."""
+    return any(p.requires_grad for n, p in model.named_parameters() if n.startswith("mtp.") and ".indexer." not in n)
+
+
+def _frozen_reason(name: str, module: nn.Module, mtp: bool) -> str | None:
     """Why a module with weights cannot take LoRA, or None when it can (or has no weights)."""
-    if name.startswith("mtp.") or name == "mtp":
-        return "MTP layers are not in the forward pass"
+    if (name.startswith("mtp.") or name == "mtp") and not mtp:
+        return "the MTP layer runs only with the MTP loss (train.mtp_loss_weight > 0)"
     if ".indexer" in f".{name}":
         return "the DSA indexer stays frozen (no indexer loss)"
     if isinstance(module, Router):
@@ -69,10 +82,11 @@ def _candidates(model: nn.Module) -> tuple[dict[str, set[Target]], dict[str, str
     """Names a glob may match -> the targets they select; and frozen names -> reason."""
     candidates: dict[str, set[Target]] = {}
     frozen: dict[str, str] = {}
+    mtp = mtp_trains(model)
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, GroupedExperts, Router, nn.Embedding)):
             continue
-        reason = _frozen_reason(name, module)
+        reason = _frozen_reason(name, module, mtp)
         if reason is not None:
             frozen[name] = reason
         elif isinstance(module, GroupedExperts):
@@ -125,7 +139,8 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig, seed: int | None = None) 
     """Freeze `model` and add LoRA adapters on the modules `peft_cfg` targets, in place.
 
     Args:
-        model: a built GLM-5 model, not yet wrapped for parallelism.
+        model: a built GLM-5 model, not yet wrapped for parallelism; with the MTP loss,
+            after `set_auxiliary_training(mtp=True)` (its MTP layer is then adapted too).
         peft_cfg: the `peft` section; `method` must be `lora`.
         seed: seeds the adapters' A initialisation (the global RNG is left untouched);
             None draws from the global CPU RNG. A model on the meta device gets

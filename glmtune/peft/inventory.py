@@ -121,7 +121,7 @@ def print_inventory(inventory: LoraInventory, console: Console | None = None) ->
 
 
 def _target_label(name: str, module: nn.Module) -> str:
-    label = module_kind(name).removeprefix("model.layers.*.")
+    label = module_kind(name).removeprefix("model.layers.*.").removeprefix("mtp.*.")  # the group says which
     if isinstance(module, LoRAGroupedExperts):
         return f"{label}.{'+'.join(module.targets)}, {module.num_experts} experts"
     return label

@@ -2,7 +2,8 @@
 
 The model is built on the meta device by its family's spec (`glmtune.models.registry`; no
 memory, the 754B configurations included) and transformed as training transforms it
-(`apply_lora`, or nothing for full fine-tuning), then inventoried by
+(the MTP layer and the indexers unfrozen when their losses train, then `apply_lora`, or nothing
+more for full fine-tuning), then inventoried by
 `glmtune.peft.build_inventory`: trainable and frozen elements per group (the spec's
 `param_groups`: attention, indexer, router, shared and routed experts, dense MLP, norms,
 embeddings, head, MTP) and the LoRA targets behind them.
@@ -10,8 +11,7 @@ embeddings, head, MTP) and the LoRA targets behind them.
 Fails when nothing trains; for LoRA when a `peft.target_modules` entry matches no module
 (apply_lora's own error), when an entry's modules end up with no trainable adapter
 parameter, or when a group lists LoRA targets but trains nothing; for full fine-tuning when
-a group other than the indexer and MTP layers (frozen by design: no indexer loss, MTP is not
-in the forward pass) is frozen.
+a group other than the indexer and MTP layers (frozen unless their losses train) is frozen.
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.train.precision import resolve_precision
 
-FROZEN_BY_DESIGN = {"indexer": "the DSA indexer has no loss yet",
-                    "mtp": "MTP layers are not in the training forward pass"}
+FROZEN_BY_DESIGN = {"indexer": "the DSA indexers train only with train.indexer_loss_weight > 0",
+                    "mtp": "the MTP layer trains only with train.mtp_loss_weight > 0"}
 
 
 def transformed_meta_model(cfg: JobConfig, args: Any = None) -> tuple[nn.Module, LoraInventory]:
     """The model `cfg` trains (or `args`, the family's architecture, e.g. a truncated one) on the
     meta device, after its LoRA transform, in the run's parameter dtype; and its inventory."""
-    model = model_spec(cfg.model).build(args or model_args(cfg.model), resolve_precision(cfg).param_dtype, "meta")
+    spec = model_spec(cfg.model)
+    model = spec.build(args or model_args(cfg.model), resolve_precision(cfg).param_dtype, "meta")
+    if args is None:  # the recipe's model: MTP layer and indexers as training sets them (a truncated one has no MTP)
+        spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
     return model, inventory
 

@@ -230,3 +230,21 @@ def test_lora_settings_without_lora_are_refused_by_name():
     assert any(e.startswith("peft.rank is set but peft.method is none") for e in errors)
     assert any(e.startswith("peft.adapter_compute is set but peft.method is none") for e in errors)
     assert not any(e.startswith("peft.") for e in check_ranges(load_config("tiny/sft_support_json")))
+
+
+def test_lora_takes_the_mtp_loss_and_refuses_trainable_indexers():
+    from glmtune.config.validate import auxiliary_loss_errors
+
+    # The MTP layer takes adapters under LoRA (glmtune/peft/apply.py): no refusal.
+    mtp = load_config("tiny/lora_support_json", ["--train.mtp_loss_weight", "0.3"])
+    assert not any("mtp_loss_weight" in e for e in auxiliary_loss_errors(mtp))
+    # The indexers learn as full weights: refused with LoRA, by name; accepted with full fine-tuning.
+    indexer = ["--model.indexer_trainable", "true", "--train.indexer_loss_weight", "0.01"]
+    errors = auxiliary_loss_errors(load_config("tiny/lora_support_json", indexer))
+    assert [e for e in errors if "indexer" in e] == [
+        "model.indexer_trainable with peft.method: lora: the indexers train as full weights, which a PEFT adapter "
+        "cannot carry; use full fine-tuning (peft.method: none)"]
+    assert not any("indexer" in e for e in auxiliary_loss_errors(load_config("tiny/sft_support_json", indexer)))
+    dpo = auxiliary_loss_errors(load_config("tiny/lora_support_json", ["--train.mtp_loss_weight", "0.3",
+                                                             "--train.objective", "dpo"]))
+    assert any(e.startswith("train.mtp_loss_weight with train.objective: dpo") for e in dpo)

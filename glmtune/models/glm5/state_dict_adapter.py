@@ -85,6 +85,14 @@ class Glm5StateDictAdapter:
             return f"model.layers.{self.num_layers + int(match.group(1))}.{match.group(2)}"
         return internal_key
 
+    def internal_prefix(self, hf_name: str) -> str:
+        """The in-memory name of an HF module name or key prefix, `hf_prefix`'s inverse: an MTP
+        layer's `model.layers.{L + j}.rest` -> `mtp.{j}.rest`; other names are unchanged."""
+        match = _LAYER_RE.match(hf_name)
+        if match and 0 <= int(match.group(1)) - self.num_layers < self.args.num_nextn_predict_layers:
+            return f"mtp.{int(match.group(1)) - self.num_layers}.{match.group(2)}"
+        return hf_name
+
     def to_hf(self, internal_key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """HF (key, tensor) pairs for one internal tensor; stacked experts are split."""
         key = self.hf_prefix(internal_key)
