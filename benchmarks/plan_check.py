@@ -97,8 +97,7 @@ def planned(hf_cfg, cfg):
     from glmtune.peft import apply_lora
     from glmtune.plan.planner import plan_memory
 
-    model = build_model(Glm5Args.from_hf_dict(hf_cfg.to_dict()),
-                        torch.float32 if cfg.train.master_weights == "fp32" else torch.bfloat16, "meta")
+    model = build_model(Glm5Args.from_hf_dict(hf_cfg.to_dict()), torch.bfloat16, "meta")  # masters: the optimizer's
     if cfg.peft.method == "lora":
         apply_lora(model, cfg.peft, seed=0)
     return plan_memory(cfg, model)
@@ -130,22 +129,22 @@ class SavedCensus:
 def measure(hf_cfg, state, b, cfg, census: bool):
     """(timed peak GiB, GiB allocated at one forward's end, census or None)."""
     from benchmarks.throughput import build_glmtune, glmtune_step, make_batches
-    from glmtune.distributed.process_group import one_rank_process_group
     from glmtune.models.glm5.parallelize import parallelize_glm5
     from glmtune.models.common.document_masks import longest_document
+    from glmtune.train.optim import build_optimizer
 
     lora, fp32 = cfg.peft.method == "lora", cfg.train.master_weights == "fp32"
     batches = make_batches(b, hf_cfg.vocab_size)
-    model = build_glmtune(hf_cfg, state, b, torch.float32 if fp32 else torch.bfloat16)
+    model = build_glmtune(hf_cfg, state, b, torch.bfloat16)
     if lora:
         from glmtune.peft import apply_lora
 
         apply_lora(model, cfg.peft, seed=0)
-    own_group = fp32 and one_rank_process_group(DEVICE)
     parallelize_glm5(model, activation_checkpointing=cfg.parallel.activation_checkpointing, compile=b.compile,
-                     ac_keep_matmul_min_k=b.ac_min_k, compute_dtype=torch.bfloat16 if fp32 else None)
+                     ac_keep_matmul_min_k=b.ac_min_k)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=DEVICE == "cuda")
+    # the run's optimizer: torch's fused AdamW, or glmtune's with the fp32 masters it holds
+    opt = build_optimizer(model, 1e-5, 0.0, (0.9, 0.999), 1e-8, "auto", masters=fp32)
     step = glmtune_step(model, opt, batches, b)
     counted = SavedCensus(model) if census else None
     try:
@@ -166,8 +165,6 @@ def measure(hf_cfg, state, b, cfg, census: bool):
     finally:
         model = opt = step = None
         free_memory()
-        if own_group:
-            torch.distributed.destroy_process_group()
 
 
 def main(argv=None) -> int:

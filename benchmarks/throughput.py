@@ -16,9 +16,10 @@ memory; then the glmtune/transformers ratio and the largest per-step loss differ
     python benchmarks/throughput.py --seq 4096 --docs 4     # packed rows of 4 documents
     python benchmarks/throughput.py --seq 4096 --impl glmtune --master-weights both   # + fp32 master weights
 
-`--master-weights fp32` trains glmtune's proxy as `train.master_weights: fp32` does: fp32
-parameters, gradients and AdamW state, the layers computing on bf16 copies (FSDP2 mixed
-precision on a one-rank mesh); `both` reports it beside the bf16-only figure.
+`--master-weights fp32` trains glmtune's proxy as `train.master_weights: fp32` does: bf16
+parameters and gradients, fp32 masters and moments held by the optimizer (`MasterAdamW`, its
+Triton kernel with `--optimizer triton`, else its torch reference); `both` reports it beside
+the bf16-only figure.
 
 Results append to $OUT/throughput.jsonl (or --out) as JSON lines.
 """
@@ -220,18 +221,17 @@ def glmtune_step(model, opt, batches, a):
 
 
 def run_glmtune(cfg, state, batches, a, master_weights="none"):
-    from glmtune.distributed.process_group import one_rank_process_group
     from glmtune.models.glm5.parallelize import parallelize_glm5
+    from glmtune.train.master_adamw import MasterAdamW
 
-    fp32_masters = master_weights == "fp32"
-    # fp32 masters hold the same bf16 starting weights exactly (load_state_dict upcasts).
-    model = build_glmtune(cfg, state, a, torch.float32 if fp32_masters else torch.bfloat16)
-    own_group = fp32_masters and one_rank_process_group(DEVICE)
+    model = build_glmtune(cfg, state, a, torch.bfloat16)
     parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
-                     ac_keep_matmul_min_k=a.ac_min_k, compute_dtype=torch.bfloat16 if fp32_masters else None)
+                     ac_keep_matmul_min_k=a.ac_min_k)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if a.optimizer == "triton":
+    if master_weights == "fp32":  # train.master_weights: fp32 (its masters start from the bf16 weights exactly)
+        opt = MasterAdamW(trainable, lr=1e-5, backend="triton" if a.optimizer == "triton" else "torch")
+    elif a.optimizer == "triton":
         from glmtune.train.optim import TritonAdamW
 
         opt = TritonAdamW(trainable, lr=1e-5)
@@ -246,8 +246,6 @@ def run_glmtune(cfg, state, batches, a, master_weights="none"):
     finally:
         model = opt = step = None  # drop the last references before freeing GPU memory
         free_memory()
-        if own_group:
-            torch.distributed.destroy_process_group()
 
 
 def report(name, cfg, a, lengths, measured):

@@ -294,6 +294,14 @@ class CheckpointManager:
         # Adapter runs save no frozen base weights, so loading them back cannot be strict.
         return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
+    def _state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What a checkpoint holds: DCP's model and optimizer state dicts. An optimizer holding
+        fp32 masters of the parameters (`glmtune.train.master_adamw.MasterAdamW.with_masters`)
+        puts them in the parameters' place: saved instead of their bf16 copies, loaded into."""
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
+        with_masters = getattr(optimizer, "with_masters", None)
+        return {"model": with_masters(model_sd) if with_masters else model_sd, "optim": optim_sd}
+
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], async_save: bool = False) -> Path:
         """Write checkpoint `step`. With `async_save`, tensors are staged to host memory and
@@ -313,8 +321,7 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             partial.mkdir()
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         rng = capture_rng()
         trainer_state = dict(trainer_state, step=step, run_id=self.run_id)
         try:
@@ -394,8 +401,7 @@ class CheckpointManager:
         Raises:
             DamagedCheckpointError: a file of the checkpoint cannot be read.
         """
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         try:
             trainer_state = read_trainer_state(checkpoint.path)
             with _quiet_single_process():

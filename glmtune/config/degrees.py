@@ -103,10 +103,9 @@ class MeshDegrees:
         return [f"parallel.{key} is {getattr(self, key)}, but {kind} parallelism is not built in this version "
                 f"yet; set parallel.{key}: 1" for key, kind in NOT_BUILT.items() if getattr(self, key) > 1]
 
-    def fsdp_applies(self, mixed_precision: bool) -> bool:
-        """Whether parameters are FSDP2 shards: any multi-rank run, and fp32 master weights in one
-        process too (FSDP2's mixed precision computes each unit on a bf16 copy)."""
-        return self.world_size > 1 or mixed_precision
+    def fsdp_applies(self) -> bool:
+        """Whether parameters are FSDP2 shards: any multi-rank run (one process holds them whole)."""
+        return self.world_size > 1
 
     def describe(self) -> str:
         return (

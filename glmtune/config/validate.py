@@ -294,6 +294,10 @@ def precision_errors(cfg: JobConfig) -> list[str]:
     if cfg.train.master_weights == "fp32" and cfg.peft.method != "none":
         errors.append("train.master_weights: fp32 with peft.method: lora: the LoRA adapters are fp32 already and "
                       "the base is frozen (fp32 copies of it would only double its memory); use auto or none")
+    if cfg.optim.fused is True and fp32_master_weights(cfg) and cfg.model.dtype == "bfloat16":
+        errors.append("optim.fused: true with fp32 master weights (train.master_weights: "
+                      f"{cfg.train.master_weights}): torch's fused AdamW holds no masters of bf16 parameters; use "
+                      "optim.fused: auto or triton (glmtune's fused master kernel), or train.master_weights: none")
     return errors
 
 
@@ -309,9 +313,9 @@ def fp8_base_errors(cfg: JobConfig) -> list[str]:
 
 
 def fp32_master_weights(cfg: JobConfig) -> bool:
-    """Whether the parameters are fp32 (masters under bf16 compute when model.dtype is bfloat16):
-    `train.master_weights: fp32`, or `auto` for full fine-tuning with model.dtype bfloat16 (LoRA's
-    adapters are fp32 already and its base is frozen)."""
+    """Whether AdamW updates fp32 weights (with model.dtype bfloat16: fp32 masters the optimizer
+    holds for the bf16 parameters): `train.master_weights: fp32`, or `auto` for full fine-tuning
+    with model.dtype bfloat16 (LoRA's adapters are fp32 already and its base is frozen)."""
     choice = cfg.train.master_weights
     return choice == "fp32" or (choice == "auto" and cfg.model.dtype == "bfloat16" and cfg.peft.method == "none")
 

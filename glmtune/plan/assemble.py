@@ -24,6 +24,7 @@ from glmtune.plan.model_state import build_meta_model
 from glmtune.plan.planner import degrees_for, plan_memory
 from glmtune.plan.search import layout_config, smallest_fit
 from glmtune.plan.throughput_source import Measurement, tokens_per_s_per_gpu
+from glmtune.train.precision import resolve_precision
 
 GIB = 2**30
 
@@ -57,7 +58,8 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     spec, model = model_spec(cfg.model), build_meta_model(cfg)
     lora_cfg = copy.deepcopy(cfg)
     lora_cfg.peft.method = "lora"
-    floor = floor_table(model, build_meta_model(lora_cfg)) + [recipe_row(model, spec)]
+    floor = floor_table(model, build_meta_model(lora_cfg)) + [recipe_row(model, spec,
+                                                                          resolve_precision(cfg).masters)]
 
     data: EpochTokens | None = None
     why_no_data = unreadable_data(cfg) if options.read_data else "not read (--no-data)"

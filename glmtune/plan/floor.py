@@ -9,8 +9,9 @@ activation, buffer or sharding:
 and the alternatives the guide weighs: LoRA keeps the base frozen in bf16 (2 bytes, no
 gradient or moments) and trains adapters at 16 bytes each (fp32 adapter, gradient, moments);
 an FP8 frozen base stores e4m3 weights with fp32 128 x 128 block scales instead (~1 byte).
-Beside them, `recipe` is what glmtune allocates for the recipe itself (its dtypes: fp32
-masters with fp32 moments, bf16-only with bf16 moments, LoRA, FP8), from the meta model.
+Beside them, `recipe` is what glmtune allocates for the recipe itself (its dtypes: bf16
+parameters with fp32 masters and moments in the optimizer, bf16-only with bf16 moments, LoRA,
+FP8), from the meta model.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def floor_table(model: nn.Module, lora_model: nn.Module | None = None) -> list[F
     return rows
 
 
-def recipe_row(model: nn.Module, spec: ModelSpec) -> FloorRow:
-    """What glmtune holds for this recipe over all ranks (parameters, gradients, AdamW state);
-    `spec`: the model's family (`model_spec`)."""
-    state = whole_model_state(model, spec)
+def recipe_row(model: nn.Module, spec: ModelSpec, masters: bool) -> FloorRow:
+    """What glmtune holds for this recipe over all ranks (parameters, gradients, AdamW state with
+    its fp32 masters when `masters`); `spec`: the model's family (`model_spec`)."""
+    state = whole_model_state(model, spec, masters)
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
     return FloorRow("this recipe (glmtune)", state.total,
                     f"parameters {state.params / 1e12:.2f} TB ({'/'.join(dtypes)}), gradients "

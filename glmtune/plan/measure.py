@@ -178,8 +178,7 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
         layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=launch.device,
         mtp_loss_weight=cfg.train.mtp_loss_weight) if degrees.pp > 1 else None
-    spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
-                     pipeline=pipeline)
+    spec.parallelize(model, mesh, p, pipeline=pipeline)
     fill_random_weights(model, launch.device, spec.args_of(model).initializer_range, cfg.train.seed)
     return model
 
@@ -279,7 +278,8 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
              steps: int) -> Trainer:
     """The run's optimizer, schedule and trainer, reading `synthetic_rows` (no checkpoints, no metrics)."""
     o, degrees = cfg.optim, launch.degrees
-    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
+    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused,
+                                masters=launch.precision.masters)
     scheduler = build_scheduler(optimizer, o.warmup_steps, max(cfg.train.max_steps, steps), o.scheduler,
                                 o.min_lr_ratio)
     vocab = launch.spec.vocab_size(launch.spec.args_of(model))

@@ -97,7 +97,7 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     e = _compute_size(cfg)
     p = cfg.parallel
     precision = resolve_precision(cfg)
-    fsdp = degrees.fsdp_applies(precision.mixed)
+    fsdp = degrees.fsdp_applies()
     mesh = ParallelMesh(degrees, rank=rank)
     pp_rank = mesh.rank("pp")
     stage, stages_of_rank = layer_stages(model, cfg, degrees)
@@ -145,11 +145,12 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     # unsharded gradient of the root unit until the root reduces, after the embedding's backward.
     held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
     # Between a pipeline's microbatches FSDP2 keeps each unit's gradient unsharded, upcast to the
-    # reduce dtype when it differs from the compute dtype (fp32 masters: torch's
+    # reduce dtype (fp32) when the parameter is narrower (torch's
     # FSDPParam.to_accumulated_grad_if_needed), until the unit's last microbatch reduces it. The
     # head's is the one the last stage's phases hold on top of the bf16 gradient the fused loss
     # computes each microbatch (measured: sft_4k's last stage, 3.5 GiB of its 3.9 GiB gap).
-    if head_grad and fsdp and precision.mixed and degrees.pp > 1 and pipeline_microbatches(cfg) > 1:
+    narrow_head = precision.param_dtype.itemsize < 4
+    if head_grad and fsdp and narrow_head and degrees.pp > 1 and pipeline_microbatches(cfg) > 1:
         held["head gradient accumulated over the microbatches (fp32)"] = args.vocab_size * args.hidden_size * act.F32
     mtp_saved, mtp_backward = _mtp_terms(cfg, args, mb, e, train, p, head_grad) if last else ({}, {})
     phases = [Phase("forward end", {

@@ -12,13 +12,14 @@ Per rank, each parameter is placed as the family's parallelization plan (the spe
     stage assignment as `glmtune/distributed/pipeline.py`); the embedding on stage 0; the
     final norm, LM head and MTP layers on the last stage;
   * expert parallelism: every parameter of a routed-experts module is split on dim 0 over ep;
-  * FSDP2 (whenever the world has more than one rank, or fp32 master weights need its mixed
-    precision): routed experts shard over the `efsdp` ranks holding the same experts (dim 1
+  * FSDP2 (whenever the world has more than one rank): routed experts shard over the `efsdp` ranks holding the same experts (dim 1
     when there are more shards than local experts), everything else over `dp_shard x cp`;
     dp_replicate ranks hold copies (HSDP). A shard is `torch.chunk`'s piece: rows
     [r*c, min((r+1)*c, n)) with c = ceil(n / shards), empty past the end (FSDP2's rule).
 Gradients exist for trainable parameters, in the parameter's dtype; AdamW keeps two moments
-of the same shape and dtype (the step counters are host scalars and are not counted).
+of the same shape and dtype, except under fp32 master weights, where the optimizer holds an fp32
+master and two fp32 moments of each trainable bf16 parameter (12 bytes per element; the step
+counters are host scalars and are not counted).
 
 Counted bytes are the local shards (`DTensor.to_local()`); FSDP2's padded storage adds at
 most one row per tensor per rank.
@@ -73,13 +74,14 @@ class StateBytes:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
-    def add(self, group: str, numel: int, itemsize: int, trainable: bool) -> None:
+    def add(self, group: str, numel: int, itemsize: int, trainable: bool, masters: bool = False) -> None:
+        """`masters`: the optimizer holds an fp32 master and fp32 moments of a narrower parameter."""
         nbytes = numel * itemsize
         self.params += nbytes
         self.by_group[group] = self.by_group.get(group, 0) + nbytes
         if trainable:
             self.grads += nbytes
-            self.optimizer += 2 * nbytes
+            self.optimizer += 3 * 4 * numel if masters and itemsize < 4 else 2 * nbytes
             self.trainable_params += numel
         else:
             self.frozen_params += numel
@@ -189,8 +191,7 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
     mine = set(stages_of_rank[mesh.rank("pp")])
     last = max(max(s) for s in stages_of_rank)
     precision = resolve_precision(cfg)
-    sharded = degrees.fsdp_applies(precision.mixed)
-    compute_size = torch.empty((), dtype=precision.compute_dtype).element_size()
+    sharded = degrees.fsdp_applies()
     param_group = model_spec(cfg.model).param_group
     state = StateBytes()
     for name, param in model.named_parameters():
@@ -198,24 +199,21 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
             continue
         experts = _EXPERTS in f"{name}."
         numel = _local_numel(param, experts, degrees, mesh, sharded)
-        state.add(param_group(name), numel, param.element_size(), param.requires_grad)
+        state.add(param_group(name), numel, param.element_size(), param.requires_grad, precision.masters)
         unit = state.units.setdefault(unit_of(name), UnitBytes())
         unit.params += numel * param.element_size()
         full = math.prod(_after_ep(param, experts, degrees))
-        # FSDP2 casts floating parameters to the compute dtype for the all-gather (fp32 masters:
-        # the router keeps fp32); a frozen FP8 base travels as stored.
-        mixed_cast = precision.mixed and param.dtype == torch.float32 and ".mlp.gate." not in f"{name}."
-        unit.gathered += full * (compute_size if mixed_cast else param.element_size())
+        unit.gathered += full * param.element_size()  # FSDP2 gathers in the parameter's dtype (FP8 too)
         if param.requires_grad:
             unit.grads += numel * param.element_size()
             unit.trainable_gathered += full
     return state
 
 
-def whole_model_state(model: nn.Module, spec: ModelSpec) -> StateBytes:
+def whole_model_state(model: nn.Module, spec: ModelSpec, masters: bool = False) -> StateBytes:
     """Every parameter once, as one process holds it (`spec`: the model's family, `model_spec`,
-    which names each parameter's group)."""
+    which names each parameter's group; `masters`: fp32 master weights in the optimizer)."""
     state = StateBytes()
     for name, param in model.named_parameters():
-        state.add(spec.param_group(name), param.numel(), param.element_size(), param.requires_grad)
+        state.add(spec.param_group(name), param.numel(), param.element_size(), param.requires_grad, masters)
     return state

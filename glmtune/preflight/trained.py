@@ -20,6 +20,7 @@ from glmtune.peft import apply_lora
 from glmtune.preflight.context import Preflight
 from glmtune.train.optim import build_optimizer
 from glmtune.train.model_source import build_model_from_config
+from glmtune.train.precision import resolve_precision
 
 
 def base_model(pf: Preflight, device: torch.device | None = None) -> nn.Module:
@@ -48,5 +49,7 @@ def trained_model(pf: Preflight, run_dir: Path, device: torch.device | None = No
     if problems:
         raise ValueError(f"checkpoint {checkpoint.path} is damaged: {problems[0]}")
     o = cfg.optim
-    manager.load(checkpoint, model, build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused))
+    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused,
+                                masters=resolve_precision(cfg).masters)
+    manager.load(checkpoint, model, optimizer)
     return model.eval(), checkpoint

@@ -7,6 +7,11 @@ as is common practice for transformer fine-tuning.
 the same update from one bandwidth-bound Triton kernel per tensor
 (`glmtune/kernels/adamw.py`), whose state dict is torch AdamW's (either can resume
 the other's checkpoint).
+
+With fp32 master weights (`masters=True`, `train.master_weights: fp32` over bf16
+parameters) the optimizer is `MasterAdamW` (`master_adamw.py`): "auto" and "triton" update
+on CUDA with its Triton kernel ("auto" elsewhere: its torch reference), false runs the
+reference anywhere; torch's fused AdamW (true) holds no masters and is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 
 from glmtune.kernels import adamw
 from glmtune.kernels.adamw import adamw_step_
+from glmtune.train.master_adamw import MasterAdamW
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
@@ -23,7 +29,7 @@ def _fused_supported(params: list[torch.Tensor]) -> bool:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                    fused: str | bool = "auto") -> torch.optim.Optimizer:
+                    fused: str | bool = "auto", masters: bool = False) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for _, param in model.named_parameters():
         if not param.requires_grad:
@@ -33,6 +39,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
     if not params:
         raise ValueError("no trainable parameters: check model freezing / peft target_modules")
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if masters:
+        return MasterAdamW(groups, lr=lr, betas=tuple(betas), eps=eps, backend=master_backend(fused, params))
     if fused == "triton":
         if not adamw.available() or not _fused_supported(params):
             raise ValueError("optim.fused: triton needs the triton package and all parameters on CUDA")
@@ -41,6 +49,17 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
     if use_fused and not _fused_supported(params):
         raise ValueError("optim.fused: true needs all parameters on CUDA")
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None)
+
+
+def master_backend(fused: str | bool, params: list[torch.Tensor]) -> str:
+    """`optim.fused` read for `MasterAdamW`: its Triton kernel or its torch reference."""
+    if fused is True:
+        raise ValueError("optim.fused: true is torch's fused AdamW, which holds no fp32 master weights; with "
+                         "train.master_weights fp32 use optim.fused: auto or triton (the fused master kernel)")
+    gpu_kernel = adamw.available() and _fused_supported(params)
+    if fused == "triton" and not gpu_kernel:
+        raise ValueError("optim.fused: triton needs the triton package and all parameters on CUDA")
+    return "triton" if fused in ("auto", "triton") and gpu_kernel else "torch"
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,14 @@ changes nothing once half of w's bf16 spacing exceeds lr: for lr 1e-5 that is ev
 |w| >= 2**-8, about 85% of N(0, 0.02) weights. AdamW's update is about lr per step,
 so full fine-tuning in bf16 alone leaves most weights bit-for-bit where they started.
 
-With fp32 master weights the parameters (what AdamW updates and checkpoints hold)
-are fp32 and the layers compute on bf16 copies: FSDP2's mixed precision
-(`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`), applied by
-`parallelize_glm5` in one process too, on a one-rank mesh. The copies are made per
-layer and freed after it, so the layers run the bf16 model's kernels and numerics;
-the cost is 16 instead of 8 bytes per parameter (fp32 parameter, gradient and AdamW
-moments), divided by the shard count.
+With fp32 master weights the parameters stay bf16, and the layers compute on them as the
+bf16-only run does (the same kernels, no per-step cast); the optimizer holds an fp32 master
+of each trainable bf16 parameter beside its fp32 moments, updates the master from the bf16
+gradient and writes it back rounded (`glmtune/train/master_adamw.py`, one Triton kernel per
+tensor on CUDA). Bytes per parameter: 16 (bf16 weight and gradient, fp32 master and two
+moments) instead of 8, divided by the shard count; under FSDP2 the masters shard with their
+parameters. Checkpoints hold the masters in the parameters' place, the layout of fp32
+parameters (`MasterAdamW.with_masters`).
 
 torch.autocast is not used for this: over fp32 parameters it fails in the fused loss
 (a bf16 logit gradient against the fp32 head weight) and it would route tokens in
@@ -40,26 +41,23 @@ _CHUNK = 1 << 26  # elements compared at a time when counting (bounds the tempor
 
 @dataclass(frozen=True)
 class Precision:
-    param_dtype: torch.dtype  # the parameters: built in, updated by AdamW, checkpointed
-    compute_dtype: torch.dtype  # what the layers compute in (model.dtype)
+    param_dtype: torch.dtype  # the parameters the layers compute with (model.dtype)
+    masters: bool = False  # fp32 master weights held by the optimizer for bf16 parameters
 
     @property
-    def mixed(self) -> bool:
-        """fp32 parameters with bf16 compute: FSDP2 casts them per layer, one process included."""
-        return self.param_dtype != self.compute_dtype
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype
 
     def describe(self) -> str:
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-        if self.mixed:
-            return f"{name[self.param_dtype]} master weights, {name[self.compute_dtype]} compute"
-        return f"{name[self.param_dtype]} parameters and compute"
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.param_dtype]
+        return f"{name} parameters and compute" + (", fp32 master weights in the optimizer" if self.masters else "")
 
 
 def resolve_precision(cfg: JobConfig) -> Precision:
     """The run's dtypes; a ValueError naming the keys for a combination that cannot work."""
     raise_config_errors(precision_errors(cfg))
-    compute = DTYPES[cfg.model.dtype]
-    return Precision(torch.float32 if fp32_master_weights(cfg) else compute, compute)
+    dtype = DTYPES[cfg.model.dtype]
+    return Precision(dtype, masters=fp32_master_weights(cfg) and dtype != torch.float32)
 
 
 def rounding_threshold(lr: float) -> float:

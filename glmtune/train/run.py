@@ -52,7 +52,6 @@ from glmtune.distributed.pipeline_plan import describe_split
 from glmtune.io.run_lock import STOP_FILE, read_run_record, write_run_record
 from glmtune.io.sizes import human_bytes
 from glmtune.io.text_limits import printable
-from glmtune.distributed.process_group import one_rank_process_group
 from glmtune.kernels.device_peaks import peak_tflops
 from glmtune.kernels.fp8_blocks import is_fp8
 from glmtune.kernels.lowrank_add import resolve_backend
@@ -178,7 +177,7 @@ def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None
         run_id = claim_run_directory(cfg, launch, overwrite, console, resources)
         built = build_model(cfg, launch, console, hooks)
         data = prepare_run_data(cfg, launch, built, console)
-        laid_out = lay_out_and_load(cfg, launch, built, data, console, resources)
+        laid_out = lay_out_and_load(cfg, launch, built, data, console)
         attach_reference(cfg, launch, built, data, laid_out.mesh, console)
         trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, run_id, console, hooks)
         result = train(trainer, console)
@@ -308,8 +307,8 @@ class LaidOut:
     before: list
 
 
-def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, console: Console,
-                     resources: ExitStack) -> LaidOut:
+def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData,
+                     console: Console) -> LaidOut:
     """The mesh and parallelize; the sharded load; the "before" samples (one model in one process,
     every rank on the sharded one)."""
     info, device, degrees, precision, model = launch.info, launch.device, launch.degrees, launch.precision, built.model
@@ -318,9 +317,6 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     prompts = prompts_from(data.val_conversations, cfg.train.generate_samples)
     before = run_samples(model, tokenizer, template, prompts) if prompts and info.is_main and not built.sharded_load \
         else []
-    # fp32 master weights are FSDP2's mixed precision, in one process too (on a one-rank group).
-    if precision.mixed and info.world_size == 1 and one_rank_process_group(device.type):
-        resources.callback(torch.distributed.destroy_process_group)
     mesh = ParallelMesh(degrees, device_type=device.type) if torch.distributed.is_initialized() else None
     p = cfg.parallel
     spec = launch.spec
@@ -330,8 +326,7 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
         layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=device,
         mtp_loss_weight=cfg.train.mtp_loss_weight, indexer_loss_weight=cfg.train.indexer_loss_weight
     ) if degrees.pp > 1 else None
-    spec.parallelize(model, mesh, p, compute_dtype=precision.compute_dtype if precision.mixed else None,
-                     pipeline=pipeline)
+    spec.parallelize(model, mesh, p, pipeline=pipeline)
     if spec.pipeline(model) is not None and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "
                       f"{describe_split(spec.layers_per_stage(model))} layers, {p.pp_schedule}, "
@@ -457,10 +452,11 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
                   run_id: str, console: Console, hooks: RunHooks) -> Trainer:
     """Optimizer, schedule, loaders, checkpoints, metrics and the trainer; resumed as the recipe says."""
     info, model, o = launch.info, built.model, cfg.optim
-    rounded_away = bf16_rounded_away(model, cfg.optim.lr)  # collective: every rank counts its shard
+    # collective: every rank counts its shard (bf16-only training; fp32 masters move every weight)
+    rounded_away = None if launch.precision.masters else bf16_rounded_away(model, cfg.optim.lr)
     if rounded_away is not None and info.is_main:
         console.print(f"[yellow]{bf16_only_warning(rounded_away, cfg.optim.lr)}[/yellow]")
-    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused)
+    optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused, masters=launch.precision.masters)
     scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
     train_loader, val_loader = _loaders(cfg, data, mesh, launch.degrees.dp)
     # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
@@ -536,7 +532,7 @@ def finish(cfg: JobConfig, launch: Launch, built: BuiltModel, samples: LaidOut, 
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
         out = launch.spec.save_pretrained(model, run_dir / "hf",
                                           source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, built.model_dir)),
-                                          overwrite=True, dtype=launch.precision.compute_dtype,  # fp32 masters
+                                          overwrite=True, dtype=launch.precision.compute_dtype,
                                           pp_group=pp_group)
         if info.is_main:
             console.print(f"exported HF checkpoint: {out}")

@@ -28,7 +28,7 @@ def _run(optimizer, params, steps, seed):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
         optimizer.step()
 
 
@@ -91,9 +91,32 @@ def check_fsdp2_sharded_parameters():
         dist.destroy_process_group()
 
 
+def check_master_kernel_matches_its_reference():
+    """MasterAdamW's kernel against its torch reference (fp16 parameters: the interpreter has no
+    bf16), an fp32 parameter among them (its own master), over 3 steps."""
+    from glmtune.train.master_adamw import MasterAdamW
+
+    sides = []
+    for backend in ("triton", "torch"):
+        params = [p.detach().to(torch.float16).requires_grad_() for p in _params(0)]
+        params.append(torch.randn(11, 7, generator=torch.Generator().manual_seed(5)).requires_grad_())
+        opt = MasterAdamW(_groups(params[:3]) + [{"params": params[3:], "weight_decay": 0.1}], backend=backend,
+                          lr=3e-3, betas=(0.8, 0.95), eps=1e-6)
+        _run(opt, params, 3, seed=1)
+        sides.append((params, opt))
+    (ours, ours_opt), (reference, ref_opt) = sides
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(ours_opt.master_of(a), ref_opt.master_of(b), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours_opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"], rtol=1e-6,
+                                   atol=1e-9)
+        assert torch.equal(a.detach(), ours_opt.master_of(a).to(a.dtype))  # the weight is the rounded master
+    assert len(ours_opt.masters) == 3
+
+
 def test_triton_adamw_in_interpreter():
-    assert run_checks_in_interpreter(__file__) == ["check_matches_torch_adamw", "check_fsdp2_sharded_parameters"]
+    assert run_checks_in_interpreter(__file__) == ["check_matches_torch_adamw", "check_fsdp2_sharded_parameters",
+                                                   "check_master_kernel_matches_its_reference"]
 
 
 if __name__ == "__main__":
-    main(check_matches_torch_adamw, check_fsdp2_sharded_parameters)
+    main(check_matches_torch_adamw, check_fsdp2_sharded_parameters, check_master_kernel_matches_its_reference)

@@ -1,6 +1,6 @@
 """One rank of a short `glmtune train` run that records what this rank holds after its first
-optimizer step: the local bytes of its parameters, gradients and AdamW moments (DTensor local
-shards), as `<out>/rank-<r>.json`. Run by tests/plan/test_model_state.py under torchrun:
+optimizer step: the local bytes of its parameters, gradients and AdamW state (moments and fp32
+masters; DTensor local shards), as `<out>/rank-<r>.json`. Run by tests/plan/test_model_state.py under torchrun:
 
     python -m torch.distributed.run --nproc-per-node N tests/plan/shard_bytes_worker.py OUT RECIPE [overrides]
 """
@@ -38,6 +38,8 @@ def main() -> int:
             for key in ("exp_avg", "exp_avg_sq"):
                 moment = _local(state[key])
                 moments += moment.numel() * moment.element_size()
+        for master in getattr(optimizer, "masters", {}).values():  # fp32 masters held by the optimizer
+            moments += _local(master).numel() * 4
         (out / f"rank-{rank}.json").write_text(json.dumps({"params": params, "grads": grads, "optimizer": moments}))
 
     return run_training(load_config(recipe, overrides), hooks=RunHooks(on_optimizer_step=record))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from glmtune.config import load_config
 from glmtune.models.registry import model_spec
@@ -29,10 +30,10 @@ LAYOUTS = {
         "--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
     # LoRA: frozen base shards, fp32 adapters; experts FSDP-sharded with the dense mesh (ep 1)
     "fsdp2-lora": (2, "tiny/lora_support_json", ["--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
-    # fp32 master weights over bf16 compute: FSDP2's mixed precision on a one-rank mesh
-    "one-process-fp32-masters": (1, "tiny/sft_support_json", [
-        "--model.dtype", "bfloat16", "--train.master_weights", "fp32", "--train.micro_batch_size", "2",
-        "--train.global_batch_size", "2"]),
+    # fp32 master weights held by the optimizer for bf16 parameters, sharded with them (experts over ep)
+    "fsdp2-ep2-fp32-masters": (2, "tiny/sft_support_json", [
+        "--model.dtype", "bfloat16", "--train.master_weights", "fp32", "--parallel.ep", "2",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4"]),
 }
 
 
@@ -65,7 +66,10 @@ def test_the_guides_floor_for_glm5():
     assert 6.0 < rows["Adam moments (fp32)"] < 6.05 and 3.0 < rows["fp32 master weights"] < 3.03
     assert 9.0 < rows["full fine-tuning, without fp32 masters"] < 9.1
     assert 12.0 < rows["full fine-tuning, with fp32 masters"] < 12.1
-    # The recipe trains fp32 masters and fp32 AdamW moments: 16 bytes a trainable parameter.
-    state = whole_model_state(model, model_spec(cfg.model))
+    # The recipe trains bf16 parameters with fp32 masters and moments in the optimizer: 16 bytes a
+    # trainable bf16 parameter; the routers (fp32, their own masters) 16 too.
+    state = whole_model_state(model, model_spec(cfg.model), masters=True)
     trainable = state.trainable_params
-    assert state.grads == 4 * trainable and state.optimizer == 8 * trainable
+    routers = sum(p.numel() for p in model.parameters() if p.requires_grad and p.dtype == torch.float32)
+    assert routers and state.grads == 2 * (trainable - routers) + 4 * routers
+    assert state.optimizer == 12 * (trainable - routers) + 8 * routers

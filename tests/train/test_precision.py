@@ -23,18 +23,21 @@ def _precision(*overrides: str):
 
 def test_bf16_full_fine_tuning_gets_fp32_master_weights_by_default():
     default = _precision("--model.dtype", "bfloat16")
-    assert (default.param_dtype, default.compute_dtype, default.mixed) == (torch.float32, torch.bfloat16, True)
-    assert default.describe() == "fp32 master weights, bf16 compute"
+    assert (default.param_dtype, default.compute_dtype, default.masters) == (torch.bfloat16, torch.bfloat16, True)
+    assert default.describe() == "bf16 parameters and compute, fp32 master weights in the optimizer"
     bf16_only = _precision("--model.dtype", "bfloat16", "--train.master_weights", "none")
-    assert (bf16_only.param_dtype, bf16_only.mixed) == (torch.bfloat16, False)
-    fp32 = _precision("--model.dtype", "float32")  # the tiny recipes: unchanged, nothing mixed
-    assert (fp32.param_dtype, fp32.compute_dtype, fp32.mixed) == (torch.float32, torch.float32, False)
+    assert (bf16_only.param_dtype, bf16_only.masters) == (torch.bfloat16, False)
+    fp32 = _precision("--model.dtype", "float32")  # the tiny recipes: fp32 throughout, nothing to hold
+    assert (fp32.param_dtype, fp32.masters) == (torch.float32, False)
+    fp32_masters = _precision("--model.dtype", "float32", "--train.master_weights", "fp32")
+    assert fp32_masters.masters is False  # fp32 parameters are their own masters
     lora = _precision("--model.dtype", "bfloat16", "--peft.method", "lora")  # adapters are fp32 already
-    assert (lora.param_dtype, lora.mixed) == (torch.bfloat16, False)
+    assert (lora.param_dtype, lora.masters) == (torch.bfloat16, False)
 
 
 @pytest.mark.parametrize("overrides, keys", [
     (["--peft.method", "lora", "--train.master_weights", "fp32"], ["train.master_weights: fp32", "peft.method: lora"]),
+    (["--model.dtype", "bfloat16", "--optim.fused", "true"], ["optim.fused: true", "train.master_weights: auto"]),
 ])
 def test_combinations_that_cannot_work_are_refused_naming_the_keys(overrides, keys):
     with pytest.raises(ValueError) as error:

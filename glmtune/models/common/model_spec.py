@@ -170,8 +170,7 @@ class ModelSpec(ABC):
         """Model FLOPs (forward + backward) per token over documents of these lengths."""
 
     @abstractmethod
-    def parallelize(self, model: Any, mesh: Any, parallel_cfg: Any, compute_dtype: Any = None,
-                    pipeline: Any = None) -> Any:
+    def parallelize(self, model: Any, mesh: Any, parallel_cfg: Any, pipeline: Any = None) -> Any:
         """Apply the family's parallelization plan for the recipe's `parallel` section."""
 
     @abstractmethod

@@ -19,10 +19,9 @@ tensors exist; AC and compile wrap the resulting layer; FSDP2 goes last so it
 shards the final parameters and its hooks wrap everything else. Tensor parallelism
 is refused by the mesh (glmtune/distributed/mesh.py).
 
-FSDP2 also carries the mixed precision of fp32 master weights (`compute_dtype`
-bf16: each unit computes on a bf16 copy of its fp32 parameters, gradients are
-reduced in fp32), so it applies in one process too when `compute_dtype` is given,
-on a one-rank mesh (`glmtune/distributed/process_group.py`).
+FSDP2 gathers the parameters in their own dtype (no cast: fp32 master weights are the
+optimizer's, `glmtune/train/master_adamw.py`) and reduces gradients in fp32, so that a sum
+over many ranks rounds once, into the bf16 gradient, instead of at every step of a ring.
 """
 
 from __future__ import annotations
@@ -36,10 +35,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.context_parallel import apply_context_parallel
 from glmtune.distributed.expert_parallel import apply_expert_parallel
-from glmtune.distributed.mesh import ParallelMesh
 from glmtune.distributed.pipeline import Pipeline
 from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
 from glmtune.kernels import lora_ops as _lora_ops  # noqa: F401  (registers glmtune::lora_linear)
@@ -120,12 +117,12 @@ def _expert_placement(num_experts: int, shards: int):
     return (lambda param: Shard(1)) if shards > num_experts else None
 
 
-def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype = torch.float32, expert_mesh=None, stages=None) -> None:
+def apply_fsdp(model: Glm5ForCausalLM, mesh, reduce_dtype: torch.dtype = torch.float32, expert_mesh=None,
+               stages=None) -> None:
     """Shard with FSDP2: each router, the routed experts (under EP), each decoder and MTP
     layer, then the root (embedding, final norm, head).
 
-    Routers are units of their own that keep their fp32 weight (no `compute_dtype` cast):
+    Routers are units of their own that keep their fp32 weight:
     routing runs in fp32 whatever the layers compute in, and a unit needs one parameter
     dtype (a bf16 layer around an fp32 router is refused by `fully_shard`). MTP layers
     run only when their loss is on: as their own units they are otherwise never gathered.
@@ -134,8 +131,7 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
     same experts (efsdp); everything else is sharded over the dense mesh.
 
     LoRA needs no unit of its own: `fully_shard` asks one dtype of a unit's *trainable*
-    parameters only. A LoRA layer over a frozen bf16 base (the GLM-5 LoRA recipes;
-    `compute_dtype` None) holds bf16 base weights and fp32 adapters, the routed experts
+    parameters only. A LoRA layer over a frozen bf16 base (the GLM-5 LoRA recipes) holds bf16 base weights and fp32 adapters, the routed experts
     (`LoRAGroupedExperts`) their bf16 stacks and fp32 stacked adapters: the trainable ones
     are all fp32, FSDP2 all-gathers the mixed unit through one byte buffer and reduces the
     adapters' gradients in fp32, and the adapters compute in fp32 as in one process
@@ -155,23 +151,22 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, compute_dtype: torch.dtype | None,
     their gathered parameters from forward to backward (no reshard after forward):
     resharding would all-gather every layer again for every microbatch.
     """
-    compute = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-    keep_own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     # FSDP2's own default (None: reshard every unit but the root) without a pipeline; False under one.
     reshard = None if stages is None else False
     for layer in [*decoder_layers(model), *model.mtp]:
         for module in layer.modules():
             if isinstance(module, Router):
-                fully_shard(module, mesh=mesh, mp_policy=keep_own_dtype, reshard_after_forward=reshard)
+                fully_shard(module, mesh=mesh, mp_policy=own_dtype, reshard_after_forward=reshard)
             if isinstance(module, MoE) and expert_mesh is not None:
                 local_experts = module.experts.gate_up_proj.to_local().shape[0] \
                     if hasattr(module.experts.gate_up_proj, "to_local") else module.num_experts
-                fully_shard(module.experts, mesh=expert_mesh, mp_policy=compute, reshard_after_forward=reshard,
+                fully_shard(module.experts, mesh=expert_mesh, mp_policy=own_dtype, reshard_after_forward=reshard,
                             shard_placement_fn=_expert_placement(local_experts, expert_mesh.size()))
-        fully_shard(layer, mesh=mesh, mp_policy=compute, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=own_dtype, reshard_after_forward=reshard)
     roots = [model] if stages is None else stages
     for root in roots:
-        fully_shard(root, mesh=mesh, mp_policy=compute, reshard_after_forward=reshard)
+        fully_shard(root, mesh=mesh, mp_policy=own_dtype, reshard_after_forward=reshard)
     for module in [*model.modules(), *(m for root in roots for m in root.modules())]:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -237,7 +232,6 @@ def parallelize_glm5(
     activation_checkpointing: str = "none",
     ac_keep_matmul_min_k: int = KEEP_MATMUL_MIN_K,
     compile: bool = False,
-    compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     ep_dispatcher: str = "all_to_all",
     cp_balance: str = "head_tail",
@@ -246,18 +240,13 @@ def parallelize_glm5(
     """Apply PP split -> EP -> CP -> AC -> compile -> FSDP2 in that order (see module docstring).
 
     Args:
-        mesh: the run's `ParallelMesh` (glmtune/distributed/mesh.py); None = one process
-            and no process group (a one-rank mesh is made when `compute_dtype` needs FSDP2).
-        compute_dtype: the dtype the layers compute in when it is not the parameters'
-            (fp32 master weights): FSDP2 then applies in one process too, which needs a
-            process group (`glmtune/distributed/process_group.py`).
+        mesh: the run's `ParallelMesh` (glmtune/distributed/mesh.py); None = one process.
+        reduce_dtype: what FSDP2 sums gradients in (module docstring).
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
         cp_balance: which queries each context-parallel rank keeps (`parallel.cp_balance`).
         pipeline: the schedule and split when the mesh has pp > 1; the built
             `glmtune.distributed.pipeline.Pipeline` is then `model.pipeline` (else None).
     """
-    if mesh is None and compute_dtype is not None:
-        mesh = ParallelMesh.from_config(ParallelConfig(), world_size=1, device_type=_device_type(model))
     stages = None
     model.pipeline = None
     if mesh is not None and mesh.size("pp") > 1:
@@ -275,8 +264,8 @@ def parallelize_glm5(
         apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
     if compile:
         apply_compile(model)
-    if mesh is not None and mesh.degrees.fsdp_applies(mixed_precision=compute_dtype is not None):
-        apply_fsdp(model, mesh.fsdp_mesh(), compute_dtype, reduce_dtype,
+    if mesh is not None and mesh.degrees.fsdp_applies():
+        apply_fsdp(model, mesh.fsdp_mesh(), reduce_dtype,
                    expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None, stages=stages)
     if stages is not None:
         queries = pipeline.seq_len // mesh.size("cp")
@@ -303,7 +292,3 @@ def _device(model: nn.Module) -> torch.device:
     param = next(model.parameters())
     local = param.to_local() if hasattr(param, "to_local") else param
     return local.device
-
-
-def _device_type(model: nn.Module) -> str:
-    return next(model.parameters()).device.type

@@ -217,11 +217,11 @@ class Glm5Spec(ModelSpec):
         return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
 
     def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig,
-                    compute_dtype: torch.dtype | None = None, pipeline: PipelineOptions | None = None) -> nn.Module:
+                    pipeline: PipelineOptions | None = None) -> nn.Module:
         p = parallel_cfg
         return parallelize_glm5(model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
                                 ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
-                                compute_dtype=compute_dtype, ep_dispatcher=p.ep_dispatcher,
+                                ep_dispatcher=p.ep_dispatcher,
                                 cp_balance=p.cp_balance, pipeline=pipeline)
 
     def pipeline_options(self, **options: Any) -> PipelineOptions:
