@@ -320,6 +320,15 @@ def fp32_master_weights(cfg: JobConfig) -> bool:
     return choice == "fp32" or (choice == "auto" and cfg.model.dtype == "bfloat16" and cfg.peft.method == "none")
 
 
+def planned_saves(cfg: JobConfig, steps: int) -> int:
+    """Checkpoints a run of `steps` steps writes as planned (`checkpoint.every_steps`, and the one at
+    the end unless `checkpoint.save_at_end` is false or a periodic save falls on the last step);
+    a stop request saves one more."""
+    every = cfg.checkpoint.every_steps
+    periodic = steps // every if every else 0
+    return periodic + (1 if cfg.checkpoint.save_at_end and (not every or steps % every) else 0)
+
+
 def check_ranges(cfg: JobConfig) -> list[str]:
     """Single-section value checks that types alone cannot express."""
     t, o, d, c, peft = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.peft

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
+from glmtune.config.validate import planned_saves
 from glmtune.models.registry import model_spec
 from glmtune.plan import cost as run_cost
 from glmtune.plan.data_tokens import EpochTokens, epoch_tokens, unreadable_data
@@ -114,7 +115,7 @@ def _run_time(cfg: JobConfig, options: PlanOptions, gpu: str, flops_per_token: f
     """The run's time and cost on `gpu` at the measured speed, and the assumptions behind it."""
     steps, tokens = run
     per_gpu, note = tokens_per_s_per_gpu(options.measurement, flops_per_token, gpu)
-    saves = max(1, steps // cfg.checkpoint.every_steps if cfg.checkpoint.every_steps else 1)
+    saves = planned_saves(cfg, steps)
     c = run_cost.run_cost(tokens, steps, world_size, per_gpu, ckpt_bytes, saves,
                           cfg.checkpoint.async_save, options.budget, options.price_per_gpu_hour)
     return {"time": c.to_dict(),

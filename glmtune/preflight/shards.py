@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
+from glmtune.config.validate import planned_saves
 from glmtune.checkpoint.integrity import file_digest
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.checkpoint.hf_verify import verify_checkpoint
@@ -103,13 +104,16 @@ def space_problems(pf: Preflight) -> tuple[list[str], dict[str, Any]]:
     # the reference run's HF export, or the base a LoRA run on a preset writes (adapters are small)
     exported = export_bytes(scratch) if not pf.lora or pf.model_dir is None else 0
     run_dir = Path(cfg.logging.run_dir)
-    outputs = [(Path(cfg.checkpoint.dir), checkpoint_bytes(full, trainable_only=pf.lora), "one checkpoint")]
+    outputs = [(Path(cfg.checkpoint.dir), checkpoint_bytes(full, trainable_only=pf.lora), "one checkpoint")] \
+        if planned_saves(cfg, cfg.train.max_steps) else []
     if cfg.checkpoint.export_hf and not pf.lora:
         outputs.append((run_dir / "hf", export_bytes(full), "the HF export"))
     plans = {"working copy": ([(pf.work, NUM_SCRATCH_CHECKPOINTS * one + exported,
                                 f"{NUM_SCRATCH_CHECKPOINTS} scratch checkpoints and an export")], 0),
              "outputs": (outputs, cfg.checkpoint.keep_last)}
     for label, (needs, keep_last) in plans.items():
+        if not needs:  # no checkpoint and no export planned
+            continue
         free = _free(needs[0][0])
         evidence[label] = {"needs": [{"path": str(d), "bytes": n, "what": w} for d, n, w in needs],
                            "free_bytes": free, "free": human_bytes(free)}

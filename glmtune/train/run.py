@@ -44,6 +44,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
 from glmtune.config.degrees import MeshDegrees
+from glmtune.config.validate import planned_saves
 from glmtune.data.chat_template import load_chat_template
 from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.distributed.agreement import decide_on_rank0
@@ -116,7 +117,7 @@ def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) 
     lora = cfg.peft.method != "none"
     needs = []
     # Without periodic saves or the one at the end, only a stop request would save: not planned for.
-    if cfg.checkpoint.every_steps or cfg.checkpoint.save_at_end:
+    if planned_saves(cfg, cfg.train.max_steps):
         needs.append((Path(cfg.checkpoint.dir), checkpoint_bytes(model, trainable_only=lora), "one checkpoint"))
     if cfg.checkpoint.export_hf and not lora:
         needs.append((Path(cfg.logging.run_dir) / "hf", export_bytes(model), "the HF export"))

@@ -15,7 +15,7 @@ from glmtune.config import (
     validate_config,
     validate_parallel,
 )
-from glmtune.config.validate import fp32_master_weights, grad_accum_steps
+from glmtune.config.validate import fp32_master_weights, grad_accum_steps, planned_saves
 from glmtune.models.registry import model_dims
 
 
@@ -248,3 +248,11 @@ def test_lora_takes_the_mtp_loss_and_refuses_trainable_indexers():
     dpo = auxiliary_loss_errors(load_config("tiny/lora_support_json", ["--train.mtp_loss_weight", "0.3",
                                                              "--train.objective", "dpo"]))
     assert any(e.startswith("train.mtp_loss_weight with train.objective: dpo") for e in dpo)
+
+
+@pytest.mark.parametrize("every, at_end, steps, saves", [
+    (0, True, 100, 1), (0, False, 100, 0), (50, True, 100, 2), (50, False, 100, 2), (30, True, 100, 4),
+    (30, False, 100, 3)])
+def test_planned_saves_count_the_periodic_ones_and_the_one_at_the_end(every, at_end, steps, saves):
+    cfg = load_config(None, ["--checkpoint.every_steps", str(every), "--checkpoint.save_at_end", str(at_end).lower()])
+    assert planned_saves(cfg, steps) == saves
