@@ -68,8 +68,9 @@ def pair_counts(batch: dict[str, Any]) -> dict[str, int]:
     return {"pairs": int(((documents.max(dim=1).values + 1) // 2).sum()), "chosen_tokens": int(chosen.sum())}
 
 
-def documents_per_row(batch: dict[str, Any]) -> dict[str, Any]:
-    """Host fact for the loss: the number of documents of each row (ids 0..n-1, padding -1)."""
+def documents_per_row(batch: dict[str, Any], step: int = 0) -> dict[str, Any]:
+    """Host fact for the loss: the number of documents of each row (ids 0..n-1, padding -1); the
+    step (TrainerSettings.host_facts' second argument) does not matter here."""
     return {"documents_per_row": (batch["document_ids"].max(dim=1).values + 1).tolist()}
 
 

@@ -416,18 +416,17 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class IndexerWarmup:
     """`train.indexer_warmup_steps`: marks the batches of the first N optimizer steps for the indexer
     warm-up (dense attention, only the indexers train: the model family's loss reads
-    `indexer_warmup`). The step is the trainer's own (steps done, restored on resume): bound once
-    the trainer is built. Validation after step k runs as step k + 1 will."""
+    `indexer_warmup`). `step` is the trainer's steps done (restored on resume), so validation
+    after step k runs as step k + 1 will."""
 
     steps: int
-    trainer: Trainer | None = None
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {"indexer_warmup": self.trainer.step < self.steps}
+    def __call__(self, batch: dict[str, Any], step: int) -> dict[str, Any]:
+        return {"indexer_warmup": step < self.steps}
 
 
 def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tuple[Any, TrainerSettings]:
@@ -442,8 +441,8 @@ def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tup
         if t.indexer_loss_weight > 0:  # the KL is averaged over the step's non-padding queries
             units = supervised_tokens_mtp_and_queries if t.mtp_loss_weight > 0 else supervised_tokens_and_queries
         warmup = IndexerWarmup(t.indexer_warmup_steps) if t.indexer_warmup_steps > 0 else settings.host_facts
-        return functools.partial(spec.loss, aux=aux), dataclasses.replace(settings, unit_counts=units,
-                                                                           host_facts=warmup)
+        return functools.partial(spec.loss, aux=aux), dataclasses.replace(
+            settings, unit_counts=units, host_facts=warmup, router_bias_after=t.indexer_warmup_steps)
     preference = PreferenceObjective(spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
     return preference.loss, dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
                                                 stats_prefix="dpo/")
@@ -471,8 +470,6 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
     trainer = Trainer(model, optimizer, scheduler, loss_fn, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
-    if isinstance(settings.host_facts, IndexerWarmup):
-        settings.host_facts.trainer = trainer
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -126,8 +126,12 @@ class TrainerSettings:
     # reach the loss function as `step_totals` (a preference objective's pairs and chosen tokens).
     unit_counts: Callable[[dict[str, Any]], dict[str, int]] = supervised_tokens
     # Facts of a micro-batch read from its host tensors before they move to the device, added to it
-    # for the loss function (a preference objective's documents per row); None: none.
-    host_facts: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # for the loss function; called with (micro-batch, optimizer steps done: restored on resume) (a
+    # preference objective's documents per row, the indexer warm-up's flag); None: none.
+    host_facts: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+    # The router-bias update starts after this many steps (an indexer warm-up trains the indexers
+    # alone: the main model, its routing included, stays as it is).
+    router_bias_after: int = 0
     stats_prefix: str = ""  # the loss function's logged statistics are recorded as prefix + name
 
 
@@ -254,7 +258,7 @@ class Trainer:
             batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()),
                          num_mtp_supervised=int((self.s.local_targets(batch["mtp_targets"]) != -100).sum()))
         if self.s.host_facts is not None:
-            batch = dict(batch, **self.s.host_facts(batch))
+            batch = dict(batch, **self.s.host_facts(batch, self.step))
         if self.pipeline is not None:  # another objective drives the pipeline, which reads host tensors
             return self.loss_fn(self.pipeline, batch)
         # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
@@ -332,7 +336,7 @@ class Trainer:
         self.scheduler.step()
         for name in load:
             _all_reduce_sum(load[name], self.s.stage_group)
-        if self.s.router_bias_update == "sign":
+        if self.s.router_bias_update == "sign" and self.step >= self.s.router_bias_after:
             update_router_biases(self._moe, load, self.s.router_bias_rate)
         self.step += 1
         # Over the data-parallel ranks (the others share rows): all tokens, non-padding ones, model FLOPs.

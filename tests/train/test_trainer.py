@@ -169,3 +169,32 @@ def test_batches_carry_the_longest_document_from_the_host():
     rows[1].update(position_ids=[*range(3), *range(9)], document_ids=[0] * 3 + [1] * 9)
     batch = PackedRowLoader(rows, 2, seed=3).next_batch()
     assert batch["longest_document"] == 9  # the model then needs no host sync to pick its attention path
+
+
+class FakeMoE(nn.Module):
+    """What the router-bias update reads and writes: a load per expert and the gate's bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("tokens_per_expert", torch.tensor([3.0, 1.0]))
+        self.gate = nn.Module()
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(2))
+
+
+def test_the_router_bias_update_waits_out_the_indexer_warm_up(tmp_path):
+    """`router_bias_after` (an indexer warm-up of N steps trains the indexers alone): the first N
+    steps leave the routing biases as they are, each later step moves them by the rate."""
+    biases = {}
+    for after in (0, 2):
+        torch.manual_seed(0)
+        model, moe = TinyLM(), FakeMoE()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        settings = TrainerSettings(max_steps=3, grad_accum=1, clip_grad_norm=None, log_every=1, val_every=0,
+                                   val_steps=None, checkpoint_every=0, progress=False, save_at_end=False,
+                                   router_bias_update="sign", router_bias_rate=0.5, moe_layers=[("moe", moe)],
+                                   router_bias_after=after)
+        Trainer(model, opt, build_scheduler(opt, 0, 3, "constant", 1.0), _loss, PackedRowLoader(_rows(), 2, seed=3),
+                None, CheckpointManager(tmp_path / f"ckpt{after}"), MetricsWriter(tmp_path / f"m{after}",
+                "metrics.jsonl", tensorboard=False), settings).fit()
+        biases[after] = moe.gate.e_score_correction_bias.tolist()
+    assert biases == {0: [-1.5, 1.5], 2: [-0.5, 0.5]}  # the loaded expert down, the idle one up
