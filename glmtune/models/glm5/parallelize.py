@@ -131,8 +131,9 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, reduce_dtype: torch.dtype = torch.f
     same experts (efsdp); everything else is sharded over the dense mesh.
 
     LoRA needs no unit of its own: `fully_shard` asks one dtype of a unit's *trainable*
-    parameters only. A LoRA layer over a frozen bf16 base (the GLM-5 LoRA recipes) holds bf16 base weights and fp32 adapters, the routed experts
-    (`LoRAGroupedExperts`) their bf16 stacks and fp32 stacked adapters: the trainable ones
+    parameters only. A LoRA layer over a frozen bf16 base (the GLM-5 LoRA recipes) holds bf16
+    base weights and fp32 adapters, the routed experts (`LoRAGroupedExperts`) their bf16
+    stacks and fp32 stacked adapters: the trainable ones
     are all fp32, FSDP2 all-gathers the mixed unit through one byte buffer and reduces the
     adapters' gradients in fp32, and the adapters compute in fp32 as in one process
     (tests/distributed/test_lora_bf16_train.py).
