@@ -73,14 +73,7 @@ from glmtune.train.process import DistributedInfo, check_recipe, init_distribute
 from glmtune.train.run_data import PreparedData, prepare_data
 from glmtune.train.run_dir import RunDirectory, check_writable, save_run_config
 from glmtune.train.samples import prompts_from, run_samples, score
-from glmtune.train.trainer import (
-    NonFiniteLossError,
-    Trainer,
-    TrainerSettings,
-    supervised_tokens_and_mtp,
-    supervised_tokens_and_queries,
-    supervised_tokens_mtp_and_queries,
-)
+from glmtune.train.trainer import NextTokenUnits, NonFiniteLossError, Trainer, TrainerSettings
 
 
 def barrier() -> None:
@@ -437,9 +430,7 @@ def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tup
         if t.mtp_loss_weight == 0 and t.indexer_loss_weight == 0:
             return spec.loss, settings
         aux = AuxiliaryLosses(t.mtp_loss_weight, t.indexer_loss_weight)
-        units = supervised_tokens_and_mtp if t.mtp_loss_weight > 0 else settings.unit_counts
-        if t.indexer_loss_weight > 0:  # the KL is averaged over the step's non-padding queries
-            units = supervised_tokens_mtp_and_queries if t.mtp_loss_weight > 0 else supervised_tokens_and_queries
+        units = NextTokenUnits(mtp=t.mtp_loss_weight > 0, queries=t.indexer_loss_weight > 0)
         warmup = IndexerWarmup(t.indexer_warmup_steps) if t.indexer_warmup_steps > 0 else settings.host_facts
         return functools.partial(spec.loss, aux=aux), dataclasses.replace(
             settings, unit_counts=units, host_facts=warmup, router_bias_after=t.indexer_warmup_steps)

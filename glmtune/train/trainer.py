@@ -41,35 +41,31 @@ from glmtune.train.router_balance import update_router_biases
 LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, ...]]
 
 
-def supervised_tokens(batch: dict[str, Any]) -> dict[str, int]:
-    """The next-token loss's units: the batch's supervised tokens, counted on the host by the loader."""
-    return {"tokens": batch["num_supervised"]}
-
-
-def supervised_tokens_and_mtp(batch: dict[str, Any]) -> dict[str, int]:
-    """The next-token loss's units and the MTP layer's (its loss is averaged over its own tokens)."""
-    return {"tokens": batch["num_supervised"], "mtp_tokens": batch["num_mtp_supervised"]}
-
-
 def non_padding_queries(batch: dict[str, Any]) -> int:
     """The batch's queries that are not padding (the indexer KL's unit), counted on the host."""
     return int((batch["document_ids"] >= 0).sum())
 
 
-def supervised_tokens_and_queries(batch: dict[str, Any]) -> dict[str, int]:
-    """The next-token loss's units and the indexer KL's (averaged over the step's non-padding queries)."""
-    return {"tokens": batch["num_supervised"], "queries": non_padding_queries(batch)}
+@dataclass(frozen=True)
+class NextTokenUnits:
+    """The next-token loss's units, counted on the host by the loader: the batch's supervised
+    tokens; with `mtp` the MTP layer's own (its loss is averaged over them), with `queries` the
+    non-padding queries (the indexer KL is averaged over them). Under pipeline parallelism the
+    stages compute these losses themselves (`Pipeline.train_step` with the step's totals)."""
+
+    mtp: bool = False
+    queries: bool = False
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, int]:
+        units = {"tokens": batch["num_supervised"]}
+        if self.mtp:
+            units["mtp_tokens"] = batch["num_mtp_supervised"]
+        if self.queries:
+            units["queries"] = non_padding_queries(batch)
+        return units
 
 
-def supervised_tokens_mtp_and_queries(batch: dict[str, Any]) -> dict[str, int]:
-    """The next-token loss's units, the MTP layer's and the indexer KL's."""
-    return {**supervised_tokens_and_mtp(batch), "queries": non_padding_queries(batch)}
-
-
-# The next-token loss with its auxiliary losses: under pipeline parallelism the stages compute them
-# (`Pipeline.train_step` with the step's totals), no loss function does.
-NEXT_TOKEN_UNITS = (supervised_tokens, supervised_tokens_and_mtp, supervised_tokens_and_queries,
-                    supervised_tokens_mtp_and_queries)
+supervised_tokens = NextTokenUnits()
 
 
 class NonFiniteLossError(RuntimeError):
@@ -290,7 +286,7 @@ class Trainer:
         step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
         if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
             for batch in batches:
-                if self.s.unit_counts in NEXT_TOKEN_UNITS:  # the stages' own next-token loss (MTP's, the KL)
+                if isinstance(self.s.unit_counts, NextTokenUnits):  # the stages' own losses (MTP's, the KL)
                     loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1),
                                                          mtp_total=step_totals.get("mtp_tokens"),
                                                          query_total=step_totals.get("queries"))
@@ -401,7 +397,7 @@ class Trainer:
         stat_sums: dict[str, torch.Tensor] = {}
         for _ in range(num_batches):
             batch = self.val_loader.next_batch()
-            if self.pipeline is not None and self.s.unit_counts in NEXT_TOKEN_UNITS:
+            if self.pipeline is not None and isinstance(self.s.unit_counts, NextTokenUnits):
                 batch_loss, batch_count = self.pipeline.evaluate(batch)
                 _add_stats(stat_sums, self.pipeline.take_statistics())
             else:
