@@ -10,7 +10,7 @@ the FSDP2-sharded ranks) and context parallelism 2 (the indexer keys gathered ov
 with their gradient, each rank's KL over its own queries) each give the one-process steps: loss,
 gradient norm, indexer KL and its validation value to relative 1e-5. Every layout reads the
 same four rows per step (data-parallel ranks two each; validation: one batch per data-parallel
-rank, two in one process). bf16 compute on fp32 master weights (FSDP2 in one process) runs the
+rank, two in one process). bf16 compute on fp32 master weights (held by the optimizer) runs the
 warm-up, whose main parameters have no gradient.
 
 Pipeline parallelism runs sparse steps only (the warm-up is refused there: the stage outputs carry no
@@ -19,7 +19,11 @@ full-indexer layer) give the one-process sparse steps, with the indexer loss alo
 loss too (`--train.mtp_loss_weight 0.3`: the MTP layer's indexer learns on the last stage), and
 ZBVZeroBubble's four one-layer stages (every layer its own indexer: split backward); so does FSDP2
 with both (measured: 6.2e-6 at most, pp2's val_indexer_kl, a KL of ~1.7e-4 nats); every layout
-exports the same trained indexers. Two stages chained in one process (fp64) give the model's loss, KL and every gradient.
+exports the same trained indexers. Two stages chained in one process (fp64) give the model's loss,
+KL and every gradient.
+The runs are `glmtune train` through the CLI's entry point in processes forked with torch and glmtune
+imported (tests/distributed/forked_runs.py): the one-process runs one after another in a process of their
+own (no process group), the layouts one after another on the same two gloo ranks.
 
 Under context parallelism each rank's KL covers its own queries, over keys gathered from every rank with
 their gradient: on gloo (fp64, packed rows whose documents cross the cp slices), the ranks' KL sums
@@ -43,8 +47,8 @@ from glmtune.distributed.context_parallel import apply_context_parallel
 from glmtune.models.common.microbatch_facts import MicrobatchFacts
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.stages import split_into_stages
+from tests.distributed.forked_runs import one_torch_thread, shared_train_runs  # noqa: F401 (autouse: one torch thread)
 from tests.distributed.gloo_helpers import run_gloo
-from tests.train.run_helpers import shared_run
 
 STEPS = ["--model.indexer_trainable", "true", "--train.indexer_loss_weight", "0.01", "--train.indexer_warmup_steps",
          "1", "--model.overrides.index_topk", "64", "--data.synthetic.rows", "480", "--data.packed_sequence_size",
@@ -70,39 +74,59 @@ PIPELINE = ["--parallel.pp", "2", "--parallel.pp_layer_split", "[2,2]"]  # stage
 # gradients in its second pass.
 ALL_FULL = [*WITH_MTP, "--model.overrides.indexer_types", "[full,full,full,full]"]
 ZBV = ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"]
-SPARSE_LAYOUTS = {  # name -> (steps, layout flags, described, compared keys)
-    "pp2": (SPARSE, PIPELINE, "pipeline: 2 stages of 2/2 layers", ()),
-    "pp2-mtp": (WITH_MTP, PIPELINE, "pipeline: 2 stages of 2/2 layers", MTP_COMPARED),
-    "pp2-zbv-mtp": (ALL_FULL, ZBV, "pipeline: 4 stages of 1/1/1/1 layers", MTP_COMPARED),
-    "fsdp2-mtp": (WITH_MTP, DATA_PARALLEL, "dp_shard 2", MTP_COMPARED),
+# Every one-process run (the layouts' references, by their steps, and bf16 on fp32 masters), one after
+# another in one forked process with no process group (tests/distributed/forked_runs.py).
+ONE_PROCESS = {"steps": STEPS, "bf16": [*STEPS, "--model.dtype", "bfloat16"], "sparse": SPARSE,
+               "with_mtp": WITH_MTP, "all_full": ALL_FULL}
+SPARSE_LAYOUTS = {  # name -> (the one-process run of its steps, layout flags, described, compared keys)
+    "pp2": ("sparse", PIPELINE, "pipeline: 2 stages of 2/2 layers", ()),
+    "pp2-mtp": ("with_mtp", PIPELINE, "pipeline: 2 stages of 2/2 layers", MTP_COMPARED),
+    "pp2-zbv-mtp": ("all_full", ZBV, "pipeline: 4 stages of 1/1/1/1 layers", MTP_COMPARED),
+    "fsdp2-mtp": ("with_mtp", DATA_PARALLEL, "dp_shard 2", MTP_COMPARED),
 }
+
+
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_the_one_process_run_warms_up_then_trains_everything(shared_results):
-    records = _records(shared_run(shared_results, *STEPS).run_dir)
+@pytest.fixture(scope="module")
+def one_process(shared_results):
+    return shared_train_runs(shared_results, ONE_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def layouts(shared_results):
+    """Every layout's run (`LAYOUTS` on the warm-up steps, `SPARSE_LAYOUTS`), one after another on the
+    same 2 gloo ranks: their imports paid once."""
+    runs = {**{layout: [*STEPS, *flags] for layout, flags in LAYOUTS.items()},
+            **{f"sparse-{layout}": [*ONE_PROCESS[single], *flags]
+               for layout, (single, flags, _, _) in SPARSE_LAYOUTS.items()}}
+    return shared_train_runs(shared_results, runs, nproc=2)
+
+
+def test_the_one_process_run_warms_up_then_trains_everything(one_process):
+    records = _records(one_process["steps"].run_dir)
     assert sorted(records) == [1, 2]
     assert records[1]["indexer_kl"] > 0 and records[2]["indexer_kl"] > 0
     # the warm-up's gradient is the indexers' alone (weight 0.01 over queries x layers): tiny
     assert records[1]["grad_norm"] < 1e-3 < records[2]["grad_norm"]
 
 
-def test_fp32_master_weights_warm_up_with_main_gradients_absent(shared_results):
-    """bf16 compute on fp32 masters (FSDP2 on a one-rank mesh): the warm-up step leaves every main
-    parameter without a gradient, which FSDP2, the norm and AdamW skip; then everything trains."""
-    done = shared_run(shared_results, *STEPS, "--model.dtype", "bfloat16")
-    assert "fp32 master weights, bf16 compute" in " ".join(done.stdout.split())
+def test_fp32_master_weights_warm_up_with_main_gradients_absent(one_process):
+    """bf16 compute on fp32 masters (held by the optimizer): the warm-up step leaves every main
+    parameter without a gradient, which the norm and the optimizer skip; then everything trains."""
+    done = one_process["bf16"]
+    assert "bf16 parameters and compute, fp32 master weights in the optimizer" in " ".join(done.stdout.split())
     records = _records(done.run_dir)
     assert records[1]["grad_norm"] < 1e-3 < records[2]["grad_norm"] and records[2]["indexer_kl"] > 0
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_one_process(layout, shared_results):
-    single = shared_run(shared_results, *STEPS)
-    done = shared_run(shared_results, *STEPS, *LAYOUTS[layout], nproc=2)
+def test_layouts_match_one_process(layout, one_process, layouts):
+    single, done = one_process["steps"], layouts[layout]
     assert DESCRIBED[layout] in " ".join(done.stdout.split())  # the console wraps long lines
     got, want = _records(done.run_dir), _records(single.run_dir)
     assert sorted(got) == sorted(want) == [1, 2]
@@ -112,10 +136,9 @@ def test_layouts_match_one_process(layout, shared_results):
 
 
 @pytest.mark.parametrize("layout", list(SPARSE_LAYOUTS))
-def test_sparse_layouts_match_one_process(layout, shared_results):
-    steps, flags, described, extra = SPARSE_LAYOUTS[layout]
-    single = shared_run(shared_results, *steps)
-    done = shared_run(shared_results, *steps, *flags, nproc=2)
+def test_sparse_layouts_match_one_process(layout, one_process, layouts):
+    reference, _, described, extra = SPARSE_LAYOUTS[layout]
+    single, done = one_process[reference], layouts[f"sparse-{layout}"]
     assert described in " ".join(done.stdout.split())  # the console wraps long lines
     got, want = _records(done.run_dir), _records(single.run_dir)
     assert sorted(got) == sorted(want) == [1, 2]

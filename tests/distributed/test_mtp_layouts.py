@@ -15,7 +15,9 @@ most) and export the same MTP layer. The one-process export holds the
 trained MTP layer (the last checkpoint's, not the base's), which transformers still loads; a run
 stopped after step 1 and resumed gives the uninterrupted step 2 bit for bit. Every layout reads the
 same four rows per step (data-parallel ranks two each; validation: one batch per data-parallel
-rank, two in one process: the same four rows).
+rank, two in one process: the same four rows). The runs are `glmtune train` through the CLI's entry point
+in processes forked with torch and glmtune imported (tests/distributed/forked_runs.py): the one-process
+run in a process of its own, the layouts one after another on the same two gloo ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.models.common.microbatch_facts import MicrobatchFacts
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.stages import split_into_stages
-from tests.train.run_helpers import run, shared_run
+from tests.distributed.forked_runs import one_torch_thread, shared_train_runs  # noqa: F401 (autouse: one torch thread)
+from tests.train.run_helpers import run
 
 WEIGHT = 0.3
 STEPS = ["--train.mtp_loss_weight", str(WEIGHT), "--data.synthetic.rows", "480", "--data.packed_sequence_size",
@@ -56,13 +59,19 @@ VALIDATION = ("val_loss", "val_mtp_loss", "val_mtp_acceptance")
 MTP_LAYER = "model.layers.4."  # on disk the MTP layer follows the tiny model's 4 decoder layers
 
 
+
+
 @pytest.fixture(scope="module")
 def single(shared_results):
-    return shared_run(shared_results, *STEPS)
+    """The one-process run (one forked process, no process group: tests/distributed/forked_runs.py)."""
+    return shared_train_runs(shared_results, {"single": STEPS})["single"]
 
 
-def _layout_run(shared_results, layout: str):
-    return shared_run(shared_results, *STEPS, *LAYOUTS[layout], nproc=2)
+@pytest.fixture(scope="module")
+def layouts(shared_results):
+    """Every layout's run, one after another on the same 2 gloo ranks (their imports paid once)."""
+    return shared_train_runs(shared_results, {layout: [*STEPS, *flags] for layout, flags in LAYOUTS.items()},
+                             nproc=2)
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -119,8 +128,8 @@ def test_chained_stages_compute_the_mtp_loss_and_gradients():
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_one_process(layout, single, shared_results):
-    done = _layout_run(shared_results, layout)
+def test_layouts_match_one_process(layout, single, layouts):
+    done = layouts[layout]
     assert DESCRIBED[layout] in " ".join(done.stdout.split())  # the console wraps long lines
     expected, actual = _records(single.run_dir), _records(done.run_dir)
     assert sorted(actual) == sorted(expected) == [1, 2]
