@@ -291,7 +291,8 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
 
 
 def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
-    """The local bytes of the parameters, gradients and AdamW moments (DTensors: their shards)."""
+    """The local bytes of the parameters, gradients and AdamW state: moments, and the fp32 masters an
+    optimizer holding them keeps (`MasterAdamW.masters`; DTensors: their shards)."""
     def size(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
@@ -299,7 +300,8 @@ def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
     params = sum(size(p) for p in model.parameters())
     grads = sum(size(p.grad) for p in model.parameters() if p.grad is not None)
     moments = sum(size(state[k]) for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in state)
-    return {"params": params, "grads": grads, "optimizer": moments}
+    masters = sum(size(master) for master in getattr(optimizer, "masters", {}).values())
+    return {"params": params, "grads": grads, "optimizer": moments + masters}
 
 
 # Mesh axes a process group may serve (one group can serve several: ep and dp_shard over the

@@ -102,3 +102,13 @@ def test_a_preference_recipe_is_measured_with_its_objective(capsys):
     assert report["memory"]["held"] == report["memory"]["planned_held"]
     assert report["time"]["steps_timed"] == 1 and len(report["time"]["losses"]) == 1
     assert 0 < report["time"]["losses"][0] < 5  # a pair loss (random adapters: the policy is not its reference)
+
+
+def test_fp32_masters_are_held_as_planned(capsys):
+    """A bf16 full fine-tune (train.master_weights auto: the optimizer's fp32 masters and moments,
+    12 bytes per trainable bf16 parameter) holds the state bytes the plan gives its rank."""
+    assert main(["plan", "tiny/sft_support_json", "--measure", "--gpus", "2", "--rank", "1", "--steps", "1",
+                 "--warmup-steps", "0", "--json", "--model.dtype", "bfloat16", *SHORT]) == 0
+    report = json.loads(capsys.readouterr().out)
+    held = report["memory"]["held"]
+    assert held == report["memory"]["planned_held"] and held["optimizer"] > 5 * held["grads"]
