@@ -1,7 +1,6 @@
 """NVIDIA's GLM-5.x topologies, scaled down: each GLM recipe's own settings (schedule, activation
-checkpointing, router-bias update, asynchronous checkpoints, the SFT recipes' MTP loss, LoRA) at
-degrees of 2 on the tiny model, under torchrun (gloo, CPU), equal one process step by step (fp32,
-relative 1e-5).
+checkpointing, router-bias update, asynchronous checkpoints, LoRA) at degrees of 2 on the tiny
+model, under torchrun (gloo, CPU), equal one process step by step (fp32, relative 1e-5).
 
     recipes/glm5*/sft_4k.yaml       pp 4 x dp_shard 64, ep 64, Interleaved1F1B  -> pp 2 x dp_shard 2, ep 2
     recipes/glm5*/sft_32k_cp8.yaml  pp 4 x dp_shard 16 x cp 8, ep 64            -> pp 2 x dp_shard 2 x cp 2, ep 2

@@ -26,10 +26,10 @@ def test_glm5_sft_4k_on_h100_and_h200(capsys):
     assert 40 < peak_gib < 80  # the state alone is 16 B x 754B / 256 ranks = 44 GiB
     parts, state = report["memory"]["peak_parts"], report["memory"]["state"]
     # fp32 masters in the optimizer: 2 B of bf16 parameters + 12 B of AdamW (master, two moments) per
-    # 2 B of bf16 gradients, the frozen indexers and the fp32 routers aside (the busiest rank is the
-    # last stage, which also trains the MTP layer)
+    # 2 B of bf16 gradients, frozen parameters aside (the busiest rank is the last stage, which holds
+    # the frozen MTP layer: ~5% of its parameters)
     assert report["memory"]["rank"] == 192
-    assert abs(parts["parameters"] + parts["optimizer state"] - 7 * state["grads"]) < 0.01 * parts["parameters"]
+    assert abs(parts["parameters"] + parts["optimizer state"] - 7 * state["grads"]) < 0.06 * parts["parameters"]
     # the peak is early in the backward, where a pipeline's units have reduced few gradients yet
     assert report["memory"]["peak_phase"].endswith("backward") and parts["gradients"] < 0.5 * state["grads"]
     for gpu in by_gpu.values():
