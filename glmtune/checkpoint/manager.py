@@ -42,7 +42,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader, JsonMetadataWriter, WeightsOnlyLoadPlanner
@@ -119,6 +120,20 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], reader: JsonMetadataReader) -> set[str]:
+    """Remove from the optimizer's state template (DCP's `get_state_dict` fills in a state for every
+    parameter of a fresh optimizer) the parameters the checkpoint saved no state of: those its
+    optimizer held but never stepped, as the main weights during an indexer warm-up, which have no
+    gradient. Loaded strictly, they would make the checkpoint unreadable; loaded as the template has
+    them (step 1, zero moments), they would change the later updates. Their names."""
+    saved = reader.read_metadata().state_dict_metadata.keys()
+    absent = {fqn for fqn, entry in optim_state.get("state", {}).items()
+              if not any(f"optim.state.{fqn}.{key}" in saved for key in entry)}
+    for fqn in absent:
+        del optim_state["state"][fqn]
+    return absent
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -404,15 +419,21 @@ class CheckpointManager:
         state = self._state(model, optimizer)
         try:
             trainer_state = read_trainer_state(checkpoint.path)
+            never_stepped = _drop_unsaved_optimizer_state(state["optim"], JsonMetadataReader(checkpoint.path))
             with _quiet_single_process():
                 dcp.load(state, storage_reader=JsonMetadataReader(checkpoint.path), planner=WeightsOnlyLoadPlanner())
+            saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
+            if not never_stepped <= saved_params:
+                raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "
+                                 "checkpoint's optimizer did not hold")
             rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
             rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         except (Exception, CheckpointException) as exc:
             detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise DamagedCheckpointError(f"{checkpoint.path} cannot be read: {detail[:300]}") from exc
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=self._options())
+        # Not strict for the optimizer: the parameters of `never_stepped` stay without state, as they were.
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=replace(self._options(), strict=False))
+        set_model_state_dict(model, state["model"], options=self._options())
         if rng is not None:
             restore_rng(rng)
         return trainer_state
