@@ -16,6 +16,10 @@ Backends: `triton` (one bandwidth-bound kernel per tensor, `glmtune/kernels/adam
 `torch` (the reference the kernel is tested against: torch's single-tensor AdamW arithmetic
 on the master, any device).
 
+The loop over the parameters is `PerTensorAdamW`'s, which `glmtune.train.optim.TritonAdamW`
+shares: torch AdamW's per-parameter state, made at a parameter's first gradient, and one
+in-place update per tensor, the subclass's (`_update`).
+
 The state dict is torch AdamW's (`step`, `exp_avg`, `exp_avg_sq`; moments kept fp32, which
 torch's `load_state_dict` would cast to the parameter's dtype). The masters are not in it: a
 checkpoint stores them in place of the parameters (`with_masters`), so its layout is that of
@@ -62,9 +66,48 @@ def reference_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torc
         param.copy_(master)
 
 
-class MasterAdamW(torch.optim.Optimizer):
+class PerTensorAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's loop and state layout (a CPU step counter, `exp_avg` and `exp_avg_sq`
+    in `moment_dtype`, None: the parameter's), each parameter with a gradient updated in place by
+    `_update`, on this rank's shards; `MasterAdamW` and `glmtune.train.optim.TritonAdamW`."""
+
+    moment_dtype: torch.dtype | None = None
+
+    def _update(self, param: torch.Tensor, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+                step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """One AdamW update of `param`, given as local shards: `p` of it, `g` of its gradient, `m`
+        and `v` of its moments; `step` counts from 1."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:  # as torch.optim.AdamW lays it out: a CPU step counter, then the moments
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, dtype=self.moment_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.moment_dtype)
+                state["step"] += 1
+                self._update(param, _local(param), _local(param.grad), _local(state["exp_avg"]),
+                             _local(state["exp_avg_sq"]), step=int(state["step"].item()), **hyper)
+        return loss
+
+
+class MasterAdamW(PerTensorAdamW):
     """AdamW (decoupled weight decay, torch's defaults) over fp32 masters of the low-precision
     parameters it is given; no amsgrad, maximize or differentiable mode."""
+
+    moment_dtype = torch.float32  # whatever the parameter's dtype
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, backend: str = "torch") -> None:
@@ -85,36 +128,15 @@ class MasterAdamW(torch.optim.Optimizer):
         """The fp32 tensor AdamW updates for `param` (the parameter itself when it is fp32)."""
         return self.masters.get(param, param)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        update = adamw_master_step_ if self.backend == "triton" else reference_master_step_
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"])
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:  # torch.optim.AdamW's layout: a CPU step counter; the moments fp32
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-                state["step"] += 1
-                step = int(state["step"].item())
-                p, g = _local(param), _local(param.grad)
-                m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                if param in self.masters:
-                    update(p, g, _local(self.masters[param]), m, v, step=step, **hyper)
-                elif self.backend == "triton":  # an fp32 parameter is its own master
-                    adamw_step_(p, g, m, v, step=step, **hyper)
-                else:
-                    reference_master_step_(p, g, p, m, v, step=step, **hyper)
-        return loss
+    def _update(self, param: torch.Tensor, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+                step: int, **hyper: float) -> None:
+        if param in self.masters:
+            update = adamw_master_step_ if self.backend == "triton" else reference_master_step_
+            update(p, g, _local(self.masters[param]), m, v, step=step, **hyper)
+        elif self.backend == "triton":  # an fp32 parameter is its own master
+            adamw_step_(p, g, m, v, step=step, **hyper)
+        else:
+            reference_master_step_(p, g, p, m, v, step=step, **hyper)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, except that the moments stay fp32 (torch casts them to the parameter's dtype)."""

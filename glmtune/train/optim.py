@@ -6,7 +6,8 @@ as is common practice for transformer fine-tuning.
 `optim.fused`: "auto" uses torch's fused AdamW on CUDA; "triton" uses `TritonAdamW`,
 the same update from one bandwidth-bound Triton kernel per tensor
 (`glmtune/kernels/adamw.py`), whose state dict is torch AdamW's (either can resume
-the other's checkpoint).
+the other's checkpoint). Its loop over the parameters is `MasterAdamW`'s
+(`master_adamw.PerTensorAdamW`), without masters and with moments in the parameter's dtype.
 
 With fp32 master weights (`masters=True`, `train.master_weights: fp32` over bf16
 parameters) the optimizer is `MasterAdamW` (`master_adamw.py`): "auto" and "triton" update
@@ -21,7 +22,7 @@ from torch import nn
 
 from glmtune.kernels import adamw
 from glmtune.kernels.adamw import adamw_step_
-from glmtune.train.master_adamw import MasterAdamW
+from glmtune.train.master_adamw import MasterAdamW, PerTensorAdamW
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
@@ -62,12 +63,7 @@ def master_backend(fused: str | bool, params: list[torch.Tensor]) -> str:
     return "triton" if fused in ("auto", "triton") and gpu_kernel else "torch"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds (FSDP2 parameters are DTensors)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-class TritonAdamW(torch.optim.Optimizer):
+class TritonAdamW(PerTensorAdamW):
     """AdamW (decoupled weight decay) with torch's defaults and state layout, updated by
     one Triton kernel per tensor. No amsgrad, maximize or closure-free differentiable mode."""
 
@@ -77,24 +73,6 @@ class TritonAdamW(torch.optim.Optimizer):
                         foreach=None, capturable=False, differentiable=False, fused=None)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:  # as torch.optim.AdamW lays it out: a CPU step counter, states like p
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["step"] += 1
-                adamw_step_(_local(param), _local(param.grad), _local(state["exp_avg"]),
-                            _local(state["exp_avg_sq"]), step=int(state["step"].item()), lr=float(group["lr"]),
-                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-        return loss
+    def _update(self, param: torch.Tensor, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+                step: int, **hyper: float) -> None:
+        adamw_step_(p, g, m, v, step=step, **hyper)

@@ -108,15 +108,26 @@ def _train(model, optimizer, steps: int, seed: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def test_a_checkpoint_holds_the_masters_and_resumes_them_exactly(tmp_path):
-    model = _model(torch.bfloat16)
-    opt = build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "auto", masters=True)
-    _train(model, opt, 3, seed=0)
-    CheckpointManager(tmp_path / "ckpt").save(3, model, opt, {})
+def _master_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return build_optimizer(model, 1e-3, 0.0, (0.9, 0.999), 1e-8, "auto", masters=True)
+
+
+def _resume_with_masters(tmp_path, model, optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A checkpoint of `model` and `optimizer` at step 3, loaded into a fresh bf16 model and its
+    `MasterAdamW`: the two returned."""
+    CheckpointManager(tmp_path / "ckpt").save(3, model, optimizer, {})
     resumed = _model(torch.bfloat16)
-    resumed_opt = build_optimizer(resumed, 1e-3, 0.0, (0.9, 0.999), 1e-8, "auto", masters=True)
+    resumed_opt = _master_optimizer(resumed)
     manager = CheckpointManager(tmp_path / "ckpt")
     manager.load(manager.latest(), resumed, resumed_opt)
+    return resumed, resumed_opt
+
+
+def test_a_checkpoint_holds_the_masters_and_resumes_them_exactly(tmp_path):
+    model = _model(torch.bfloat16)
+    opt = _master_optimizer(model)
+    _train(model, opt, 3, seed=0)
+    resumed, resumed_opt = _resume_with_masters(tmp_path, model, opt)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(opt.master_of(a), resumed_opt.master_of(b))
         assert torch.equal(a, b)
@@ -133,11 +144,7 @@ def test_a_checkpoint_of_fp32_parameters_with_torch_adamw_resumes_as_the_masters
     old_opt = build_optimizer(old, 1e-3, 0.0, (0.9, 0.999), 1e-8, "auto")  # torch's AdamW, as that path built it
     assert type(old_opt) is torch.optim.AdamW
     _train(old, old_opt, 3, seed=0)
-    CheckpointManager(tmp_path / "ckpt").save(3, old, old_opt, {})
-    new = _model(torch.bfloat16)
-    new_opt = build_optimizer(new, 1e-3, 0.0, (0.9, 0.999), 1e-8, "auto", masters=True)
-    manager = CheckpointManager(tmp_path / "ckpt")
-    manager.load(manager.latest(), new, new_opt)
+    new, new_opt = _resume_with_masters(tmp_path, old, old_opt)
     for before, param in zip(old.parameters(), new.parameters()):
         assert torch.equal(new_opt.master_of(param), before.detach())
         assert torch.equal(param.detach(), before.detach().to(torch.bfloat16))
