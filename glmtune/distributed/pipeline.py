@@ -67,6 +67,9 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
     send_selection        set here: (mask uint8 [mb, S, T], flag uint8 [1]) -> None, called
                           by a `carry_out` stage during its forward
     receive_selection     set here: () -> (mask, flag), called by a `carry_in` stage
+    backward_twice        set here: True under a zero-bubble schedule, whose backward runs twice per
+                          microbatch (input gradients, then weight gradients): a function that
+                          forms its gradients at once keeps them for the second call
     microbatch_facts      list of `MicrobatchFacts` (`glmtune/models/common/microbatch_facts.py`),
                           queued here one per microbatch, consumed in order by the forward
                           (with `token_loss`, the last stage's loss of that microbatch)
@@ -102,6 +105,14 @@ def _identity_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     # The last stage returns its scaled loss already (it needs the targets inside its FSDP unit),
     # as a [1] tensor: the schedule concatenates the last stage's outputs over microbatches.
     return output.sum()
+
+
+def _splits_backward(schedule) -> bool:
+    """Whether the schedule runs a stage's backward as input, then weight gradients (a W action:
+    the zero-bubble schedules); single-stage schedules have no action list and run it whole."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(action is not None and action.computation_type == "W" for actions in order.values()
+               for action in actions)
 
 
 class Pipeline:
@@ -168,6 +179,8 @@ class Pipeline:
                                        n_microbatches=microbatches, loss_fn=_identity_loss, scale_grads=False)
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
+        for stage in stages:
+            stage.backward_twice = _splits_backward(self.schedule)
 
     # -- the carried top-k selection ------------------------------------------------------
     def _sender(self, next_stage: int, next_rank: int):

@@ -141,17 +141,7 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     head_grad = args.vocab_size * args.hidden_size * e if last and head is not None and head.grads else 0
     loss, forward_scratch = _loss_terms(args, mb, layers, e, train, last)
     moe_transients = _moe_transients(cfg, args, mb, e, degrees)
-    # The fused loss computes the head's weight gradient in forward. Under FSDP2 it stays an
-    # unsharded gradient of the root unit until the root reduces, after the embedding's backward.
-    held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
-    # Between a pipeline's microbatches FSDP2 keeps each unit's gradient unsharded, upcast to the
-    # reduce dtype (fp32) when the parameter is narrower (torch's
-    # FSDPParam.to_accumulated_grad_if_needed), until the unit's last microbatch reduces it. The
-    # head's is the one the last stage's phases hold on top of the bf16 gradient the fused loss
-    # computes each microbatch (measured: sft_4k's last stage, 3.5 GiB of its 3.9 GiB gap).
-    narrow_head = precision.param_dtype.itemsize < 4
-    if head_grad and fsdp and narrow_head and degrees.pp > 1 and pipeline_microbatches(cfg) > 1:
-        held["head gradient accumulated over the microbatches (fp32)"] = args.vocab_size * args.hidden_size * act.F32
+    held = _head_gradients(cfg, args, degrees, precision, fsdp, accumulating, head_grad)
     mtp_saved, mtp_backward = _mtp_terms(cfg, args, mb, e, train, p, head_grad) if last else ({}, {})
     phases = [Phase("forward end", {
         **static, "gradients (accumulated)": grads_all if accumulating else 0,
@@ -190,6 +180,23 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     phases.append(Phase("optimizer step", {**static, "gradients": grads_all}))
     peak = max(phases, key=lambda ph: ph.total)
     return MemoryPlan(rank, state, peak, phases, {i: kept[i] for i in layers})
+
+
+def _head_gradients(cfg: JobConfig, args, degrees: MeshDegrees, precision, fsdp: bool, accumulating: bool,
+                    head_grad: int) -> dict[str, int]:
+    """The head's weight gradient as the last stage holds it from the loss to the root's reduction."""
+    # The fused loss computes it in forward. Under FSDP2 it stays an unsharded gradient of the
+    # root unit until the root reduces, after the embedding's backward.
+    held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
+    # Between a pipeline's microbatches FSDP2 keeps each unit's gradient unsharded, upcast to the
+    # reduce dtype (fp32) when the parameter is narrower (torch's
+    # FSDPParam.to_accumulated_grad_if_needed), until the unit's last microbatch reduces it. The
+    # head's is the one the last stage's phases hold on top of the bf16 gradient the fused loss
+    # computes each microbatch (measured: sft_4k's last stage, 3.5 GiB of its 3.9 GiB gap).
+    narrow_head = precision.param_dtype.itemsize < 4
+    if head_grad and fsdp and narrow_head and degrees.pp > 1 and pipeline_microbatches(cfg) > 1:
+        held["head gradient accumulated over the microbatches (fp32)"] = args.vocab_size * args.hidden_size * act.F32
+    return held
 
 
 def _mtp_terms(cfg, args, mb, e: int, train, p, head_grad: int) -> tuple[dict[str, int], dict[str, int]]:

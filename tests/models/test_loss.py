@@ -102,3 +102,28 @@ def test_frozen_head_gets_no_weight_gradient_and_the_same_hidden_gradient(monkey
     assert calls == [] and weight.grad is None
     torch.testing.assert_close(loss_c, loss_f, rtol=1e-6, atol=0)
     torch.testing.assert_close(hidden.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("backward_twice", [False, True])
+def test_gradients_are_released_once_backward_has_returned_them(backward_twice):
+    """A pipeline schedule keeps each microbatch's loss node to the step's end: the node must not
+    keep the V x D head gradient it returned (one per microbatch, and autograd would copy it instead
+    of taking it over). A zero-bubble schedule calls backward twice (input, then weight gradients):
+    the first call's gradients stay for the second, which returns the same and then releases them."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 21, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 21))
+    loss, count = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, backward_twice=backward_twice)
+    node = loss.grad_fn
+    address = node.grads[1].data_ptr()
+    (loss / count).backward(retain_graph=True)
+    assert (node.grads is None) != backward_twice
+    assert (weight.grad.data_ptr() == address) != backward_twice  # taken over, not copied (once released)
+    if backward_twice:
+        first = tuple(node.grads)
+        again = node.apply(torch.tensor(1.0 / 42))  # the second call returns what the first computed
+        assert again[0] is first[0] and again[1] is first[1] and node.grads is None
+        reference, _ = full_cross_entropy(hidden @ weight.T, targets)
+        torch.testing.assert_close(weight.grad, torch.autograd.grad(reference / count, weight)[0])

@@ -79,7 +79,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Sum of cross-entropy losses of `hidden @ weight.T`, gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size, grad_scale):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size, grad_scale, backward_twice):
         # Only the gradients autograd will ask for: a frozen head (LoRA) skips the V x D
         # weight-gradient GEMM and its buffer (a third of the head's cost).
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -103,9 +103,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 # beta=0 on the first slice: the uninitialized output is ignored (no NaN propagated).
                 grad_weight.addmm_(dlogits.T, h.to(weight_VD.dtype), beta=0 if start == 0 else 1, alpha=alpha)
         # Kept as attributes, not saved tensors: backward scales them in place, and zero-bubble
-        # pipeline schedules run backward twice (input gradients, then weight gradients); the
-        # second call returns what the first computed (`scaled`).
-        ctx.grads, ctx.scaled = (grad_hidden, grad_weight), False
+        # pipeline schedules run backward twice (input gradients, then weight gradients,
+        # `backward_twice`); the second call returns what the first computed (`scaled`).
+        ctx.grads, ctx.scaled, ctx.backward_twice = (grad_hidden, grad_weight), False, backward_twice
         ctx.grad_scale = grad_scale
         return total
 
@@ -113,8 +113,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.grads
+        # Released once returned (after the second call under `backward_twice`): the node outlives
+        # its backward (a pipeline schedule keeps each microbatch's output to the step's end), and a
+        # V x D gradient held there stays allocated, one per microbatch (measured: 7.1 GiB on the
+        # last stage of recipes/glm5/sft_4k.yaml, 14.2 with the MTP loss), and makes autograd copy
+        # it into the parameter's .grad instead of taking it over.
+        if ctx.scaled or not ctx.backward_twice:
+            ctx.grads = None
         if ctx.scaled:
-            return grad_hidden, grad_weight, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None
         ctx.scaled = True
         if grad_hidden is not None:
             scale_in_place((grad_hidden,), grad_total)
@@ -122,7 +129,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # The head gradient already carries grad_scale; what is left is 1 when the caller's
             # factor was the announced one (the scaling kernel then skips the 1.9 GB pass).
             scale_in_place((grad_weight,), grad_total if ctx.grad_scale is None else grad_total / ctx.grad_scale)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 LOSS_BACKENDS = ("fused", "checkpoint")
@@ -131,12 +138,16 @@ LOSS_BACKENDS = ("fused", "checkpoint")
 def chunked_cross_entropy(
     hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor, chunk_size: int = 4096,
     backend: str = "fused", num_supervised: int | None = None, grad_scale: float | None = None,
+    backward_twice: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses and the number of supervised tokens.
 
     `grad_scale`: the factor the caller will multiply the loss sum by before backward, when
     known on the host; the fused backend computes its gradients already scaled by it (any
     other factor still gives exact gradients, through a scaling pass in backward).
+
+    `backward_twice`: a zero-bubble pipeline schedule will call backward a second time (weight
+    gradients after input gradients); the first call's gradients are kept for it.
 
     `num_supervised`, the count of targets != -100 when the caller knows it on the host
     (the data loader does), spares the host sync of finding the supervised rows.
@@ -156,7 +167,8 @@ def chunked_cross_entropy(
     if backend not in LOSS_BACKENDS:
         raise ValueError(f"loss backend {backend!r} unknown; choose from {LOSS_BACKENDS}")
     if backend == "fused" and torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
-        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size, grad_scale), num_tokens
+        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size, grad_scale,
+                                             backward_twice), num_tokens
     total = hidden_ND.new_zeros((), dtype=torch.float32)
     # At least one (possibly empty) slice: with no supervised token the loss is still a graph node.
     for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):

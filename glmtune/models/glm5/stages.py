@@ -144,6 +144,7 @@ class Glm5Stage(nn.Module):
         # (mask uint8 [B, S, T], flag uint8 [1]) -> None, and () -> the same pair: see the module docstring
         self.send_selection = None
         self.receive_selection = None
+        self.backward_twice = False  # set by the pipeline under a zero-bubble schedule
 
     def local_tokens(self, t_BT: torch.Tensor) -> torch.Tensor:
         """This process's tokens of a per-token tensor of the full rows ([B, T, ...] -> [B, S, ...]);
@@ -228,7 +229,8 @@ class Glm5Stage(nn.Module):
         else:
             loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(targets),
                                                 self.loss_chunk_size, num_supervised=facts.supervised,
-                                                grad_scale=facts.loss_scale)
+                                                grad_scale=facts.loss_scale,
+                                                backward_twice=self.backward_twice)
         self.loss_sums.append(loss_sum.detach())
         if self.mtp:
             loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, facts, mtp_targets)
@@ -252,7 +254,8 @@ class Glm5Stage(nn.Module):
         local_targets_BS = self.local_tokens(mtp_targets)
         mtp_sum, count = chunked_cross_entropy(mtp_BSD, self.lm_head.weight, local_targets_BS,
                                                self.loss_chunk_size, num_supervised=facts.mtp_supervised,
-                                               grad_scale=facts.mtp_grad_scale)
+                                               grad_scale=facts.mtp_grad_scale,
+                                               backward_twice=self.backward_twice)
         accepted = self.causal_lm[0].mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
         for name, pair in (("mtp_loss", torch.stack([mtp_sum.detach().float(), count.float()])),
                            ("mtp_acceptance", accepted)):
