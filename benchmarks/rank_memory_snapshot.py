@@ -25,11 +25,18 @@ from glmtune.plan.planner import degrees_for  # noqa: E402
 
 
 def _site(frames: list[dict]) -> str:
-    for frame in frames:  # innermost first
-        name = frame.get("filename", "")
-        if "/glmtune/" in name:
-            return f"{name.split('/glmtune/')[-1]}:{frame.get('line')} {frame.get('name')}"
-    return frames[0].get("filename", "?").split("/")[-1] + f":{frames[0].get('line')}" if frames else "?"
+    """The innermost glmtune source line of an allocation, and the innermost frame itself when it is
+    another library's (e.g. FSDP2's all-gather buffers, allocated under a pipeline schedule's step)."""
+    def where(frame: dict) -> str:
+        name = frame.get("filename", "?")
+        short = name.split("/glmtune/")[-1] if "/glmtune/" in name else "/".join(name.split("/")[-3:])
+        return f"{short}:{frame.get('line')} {frame.get('name')}"
+
+    inner = next((f for f in frames if f.get("filename", "").endswith(".py")), frames[0] if frames else None)
+    ours = next((f for f in frames if "/glmtune/" in f.get("filename", "")), None)
+    if ours is None:
+        return where(inner) if inner else "?"
+    return where(ours) if inner is ours or inner is None else f"{where(ours)} <- {where(inner)}"
 
 
 def main(argv=None) -> int:
@@ -57,7 +64,7 @@ def main(argv=None) -> int:
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     measure.measure_rank(cfg, degrees_for(cfg), a.rank, steps=1, warmup=1)
     lines = [f"{a.recipe} rank {a.rank} {' '.join(a.override)} at '{a.phase}':"]
-    for site, size in taken.get(a.phase, Counter()).most_common(30):
+    for site, size in taken.get(a.phase, Counter()).most_common(40):
         lines.append(f"{size / 2**30:8.2f} GiB  {site}")
     text = "\n".join(lines)
     print(text)
