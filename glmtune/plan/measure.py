@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glmtune.config import JobConfig, grad_accum_steps, pipeline_microbatches
+from glmtune.config import JobConfig, grad_accum_steps
 from glmtune.config.degrees import MeshDegrees
 from glmtune.distributed.loopback import join_loopback_world, moved_bytes_by_group
 from glmtune.distributed.mesh import ParallelMesh
@@ -46,7 +46,7 @@ from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import resolve_precision
 from glmtune.train.process import DistributedInfo, resolve_device
-from glmtune.train.run import Launch, RunHooks, objective, trainer_settings
+from glmtune.train.run import Launch, RunHooks, objective, pipeline_options, trainer_settings
 from glmtune.train.trainer import Trainer
 
 GIB = 2**30
@@ -82,6 +82,8 @@ class RankMeasurement:
     # timed steps' micro-batches ("forward end": after a step's last forward; "layer i backward":
     # when layer i's backward starts, before its recomputation and scratch)
     phase_starts: dict[str, int] = field(default_factory=dict)
+    # the auxiliary losses' means of each timed step, as the trainer logs them (proof they ran)
+    auxiliary_losses: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def step(self) -> StepTimes:
@@ -164,6 +166,9 @@ class _Clock:
         return StepTimes(forward, to_grads - (forward or 0.0), optimizer, total)
 
 
+AUXILIARY_LOSSES = ("mtp_loss", "indexer_kl")  # trainer metrics of `train.mtp_loss_weight`, `indexer_loss_weight`
+
+
 def _launch(cfg: JobConfig, degrees: MeshDegrees, rank: int, device: torch.device) -> Launch:
     return Launch(model_spec(cfg.model), device, DistributedInfo(rank, degrees.world_size, 0, False), degrees,
                   resolve_precision(cfg), grad_accum_steps(cfg, degrees), Path(cfg.logging.run_dir))
@@ -171,14 +176,9 @@ def _launch(cfg: JobConfig, degrees: MeshDegrees, rank: int, device: torch.devic
 
 def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     """The rank's share of the model on its device: meta, parallelized, random weights."""
-    spec, degrees, p, precision = launch.spec, launch.degrees, cfg.parallel, launch.precision
+    spec = launch.spec
     model = build_meta_model(cfg)
-    pipeline = spec.pipeline_options(
-        schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
-        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
-        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=launch.device,
-        mtp_loss_weight=cfg.train.mtp_loss_weight) if degrees.pp > 1 else None
-    spec.parallelize(model, mesh, p, pipeline=pipeline)
+    spec.parallelize(model, mesh, cfg.parallel, pipeline=pipeline_options(cfg, launch))
     fill_random_weights(model, launch.device, spec.args_of(model).initializer_range, cfg.train.seed)
     return model
 
@@ -243,6 +243,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
         if index >= warmup:
             result.steps.append(times)
             result.losses.append(record["loss"])
+            result.auxiliary_losses.append({k: record[k] for k in AUXILIARY_LOSSES if k in record})
             result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
     if device.type == "cuda":
         result.peak_bytes = torch.cuda.max_memory_allocated(device)

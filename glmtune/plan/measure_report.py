@@ -69,7 +69,7 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
             "micro_batches": m.micro_batches, "tokens_per_micro_batch": m.tokens_per_micro_batch,
             "forward_s": step.forward, "backward_s": step.backward, "optimizer_s": step.optimizer,
             "step_s": step.total, "per_micro_batch_s": (step.total - step.optimizer) / m.micro_batches,
-            "steps_timed": len(m.steps), "losses": m.losses,
+            "steps_timed": len(m.steps), "losses": m.losses, "auxiliary_losses": m.auxiliary_losses,
         },
         "comm": [{"axes": t.axes, "op": t.op, "ranks": len(t.ranks), "link": t.link, "bytes": t.bytes_received,
                   "seconds": t.seconds, "overlapped": t.overlapped} for t in traffic],

@@ -301,11 +301,24 @@ class LaidOut:
     before: list
 
 
+def pipeline_options(cfg: JobConfig, launch: Launch) -> Any:
+    """The model family's pipeline options for the run (None without pipeline parallelism): what
+    the trainer and `glmtune plan --measure` parallelize with, the auxiliary losses' stages included."""
+    if launch.degrees.pp == 1:
+        return None
+    p = cfg.parallel
+    return launch.spec.pipeline_options(
+        schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
+        layer_split=p.pp_layer_split or None, dtype=launch.precision.compute_dtype, device=launch.device,
+        mtp_loss_weight=cfg.train.mtp_loss_weight, indexer_loss_weight=cfg.train.indexer_loss_weight)
+
+
 def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData,
                      console: Console) -> LaidOut:
     """The mesh and parallelize; the sharded load; the "before" samples (one model in one process,
     every rank on the sharded one)."""
-    info, device, degrees, precision, model = launch.info, launch.device, launch.degrees, launch.precision, built.model
+    info, device, degrees, model = launch.info, launch.device, launch.degrees, built.model
     tokenizer_dir = tokenizer_dir_for(cfg, built.model_dir)
     tokenizer, template = load_tokenizer(tokenizer_dir), load_chat_template(resolve_tokenizer_dir(tokenizer_dir))
     prompts = prompts_from(data.val_conversations, cfg.train.generate_samples)
@@ -314,12 +327,7 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     mesh = ParallelMesh(degrees, device_type=device.type) if torch.distributed.is_initialized() else None
     p = cfg.parallel
     spec = launch.spec
-    pipeline = spec.pipeline_options(
-        schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
-        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
-        layer_split=p.pp_layer_split or None, dtype=precision.compute_dtype, device=device,
-        mtp_loss_weight=cfg.train.mtp_loss_weight, indexer_loss_weight=cfg.train.indexer_loss_weight
-    ) if degrees.pp > 1 else None
+    pipeline = pipeline_options(cfg, launch)
     spec.parallelize(model, mesh, p, pipeline=pipeline)
     if spec.pipeline(model) is not None and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "

@@ -112,3 +112,16 @@ def test_fp32_masters_are_held_as_planned(capsys):
     report = json.loads(capsys.readouterr().out)
     held = report["memory"]["held"]
     assert held == report["memory"]["planned_held"] and held["optimizer"] > 5 * held["grads"]
+
+
+def test_a_pipelined_rank_runs_the_auxiliary_losses_it_is_given(capsys):
+    """Under pipeline parallelism the measured rank's stages are built with the recipe's auxiliary
+    losses (the trainer's pipeline options): the MTP loss and the indexer KL run and are reported."""
+    assert main(["plan", "tiny/sft_support_json", "--measure", "--gpus", "2", "--rank", "1", "--steps", "1",
+                 "--warmup-steps", "0", "--json", "--parallel.pp", "2", "--parallel.pp_microbatches", "2",
+                 "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.mtp_loss_weight", "0.3",
+                 "--model.indexer_trainable", "true", "--train.indexer_loss_weight", "0.01",
+                 "--model.overrides.index_topk", "64", *SHORT]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (aux,) = report["time"]["auxiliary_losses"]
+    assert aux["mtp_loss"] > 0 and aux["indexer_kl"] > 0, aux
