@@ -41,8 +41,9 @@ agreement, e.g. a fresh indexer at ~1e-4 nats a query, they are differences of n
 fp32 numbers). On CUDA the gathered keys' gradient is summed with atomics (`index_add_`):
 not bit-reproducible run to run.
 
-Cost, a first development measurement (2026-12-03, not yet re-run from a committed benchmark
-nor recorded in docs/benchmarks.md) on an H200 at GLM-5's widths (64 heads, qk 256, latent 512 + 64, indexer 32 x
+Cost, a first development measurement (2026-12-03; the recorded ones, docs/benchmarks.md
+2026-12-04: the 4-layer proxy's step 0.72x tokens/s at 4,096, 0.63x at 16,384 + AC; one rank of
+recipes/glm5/sft_32k_cp8.yaml 1.49x its compute) on an H200 at GLM-5's widths (64 heads, qk 256, latent 512 + 64, indexer 32 x
 128, top-k 2048, bf16, one row of one document), per layer, forward with the indexer's
 gradient, against the layer's sparse attention forward + backward (Triton backend):
     4,096 tokens   17.8 ms vs 7.4 ms  (dense chunks: no query has many more keys than k)
