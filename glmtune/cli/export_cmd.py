@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
 _EXAMPLES = """examples:
@@ -199,8 +200,8 @@ def _export_adapter(ns: argparse.Namespace, cfg, run_dir: Path, record: dict | N
         facts, traits, notes = engine
         print(f"serve it with {facts.name} (facts checked against {facts.name} {facts.checked}, docs/lora.md):")
         print("  " + shlex.join(serve_command(facts, named_base, str(Path(out).resolve()), traits)))
-        for note in notes:
-            print(f"note: {note}")
+        for note in notes:  # what the engine will not apply as training did (engines.caveats)
+            print(f"warning: {note}", file=sys.stderr)
     return 0
 
 

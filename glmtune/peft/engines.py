@@ -8,14 +8,22 @@ loads exactly, the flags an adapter needs, and what it applies differently. `glm
 
   * `serve_command` is the exact command line that serves the base with the adapter;
   * `refusals` are one line each, with the fix, for an adapter the engine would apply
-    differently from training (and would not say so): rsLoRA scaling where the engine always
-    scales alpha/r, a routed-expert adapter on one of the two expert projections only, a rank
-    above the engine's limit, a layout the engine does not load;
-  * `caveats` are what the engine applies differently but knowingly, which a release records.
+    differently from training (and would not say so) or would not load: rsLoRA scaling where the
+    engine always scales alpha/r, a routed-expert adapter on one of the two expert projections
+    only, a rank above the engine's limit, a layout the engine does not load, MTP-layer adapters
+    (a run with `train.mtp_loss_weight > 0`) where the engine refuses them (SGLang: any; vLLM: an
+    adapted `eh_proj`);
+  * `caveats` are what the engine applies differently but knowingly, which a release records and
+    `glmtune export --engine` prints as a warning: a kv_b_proj delta under vLLM's absorbed decode,
+    MTP-layer adapters vLLM loads and never applies (its draft model runs the base MTP layer).
+
+Neither engine applies an adapter to its MTP draft model (docs/lora.md, "The MTP layer under
+LoRA"): the trained drafter is served by merging (`glmtune merge`), which every refusal and
+caveat about the MTP layer says.
 
 `AdapterTraits` describes an adapter by what the LoRA modules of the model adapt (no key names:
-the modules themselves are inspected), so a run's config is enough to know before anything is
-written.
+the modules themselves are inspected; an MTP layer is named as on disk by the state-dict
+adapter, for the messages), so a run's config is enough to know before anything is written.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from glmtune.models.glm5.attention import MLAttention
+from glmtune.models.glm5.model import MTPLayer
 from glmtune.models.glm5.param_groups import param_group
+from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, lora_modules
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
@@ -41,6 +51,10 @@ class EngineFacts:
     max_rank: int | None  # the largest --max-lora-rank it accepts (None: no limit)
     max_lora_rank_default: int | None  # what --max-lora-rank is when not given (None: from the adapters)
     one_expert_projection: bool  # applies a routed-expert adapter on one of the two projections (with its command)
+    # An adapter holding an MTP layer's tensors (`model.layers.{L + j}.*`, a run with the MTP loss):
+    loads_mtp_layer: bool  # loads it (SGLang: its LoRAAdapter holds num_hidden_layers layers, IndexError)
+    loads_mtp_eh_proj: bool  # loads it when the MTP layer's eh_proj is adapted (no module of the target model)
+    applies_mtp_layer: bool  # its MTP draft model (speculative decoding) applies those tensors
     notes: tuple[str, ...] = ()
 
 
@@ -48,6 +62,9 @@ ENGINES: dict[str, EngineFacts] = {
     "vllm": EngineFacts(
         "vllm", "0.34.0", "per_expert", scales_rslora=True, applies_kv_b_in_decode=False, max_rank=512,
         max_lora_rank_default=16, one_expert_projection=False,  # PackedLoRALayerWeights.pack_moe asserts
+        # LoRAModel.from_local_checkpoint: MTP tensors pass by leaf name (unused), eh_proj is an unexpected module;
+        # the draft model (DeepseekV32MTP) is not SupportsLoRA
+        loads_mtp_layer=True, loads_mtp_eh_proj=False, applies_mtp_layer=False,
         notes=("the PEFT layout loads only with --enable-mixed-moe-lora-format and a LoRA request declaring "
                "is_3d_lora_weight: true",
                "--max-lora-rank defaults to 16",
@@ -56,6 +73,8 @@ ENGINES: dict[str, EngineFacts] = {
     "sglang": EngineFacts(
         "sglang", "0.5.23", "per_expert", scales_rslora=False, applies_kv_b_in_decode=True, max_rank=None,
         max_lora_rank_default=None, one_expert_projection=True,  # with --lora-target-modules all (the command's)
+        # LoRAAdapter._process_weight: IndexError on model.layers.{L}; no LoRA manager on the draft worker
+        loads_mtp_layer=False, loads_mtp_eh_proj=False, applies_mtp_layer=False,
         notes=("the PEFT layout is not served: target_parameters are ignored and the first request fails",
                "shared experts are fused into the routed layer (256 routed + 1 shared, sm80+, EP 1) unless "
                "--disable-shared-experts-fusion: their deltas would be zero",
@@ -72,10 +91,13 @@ class AdapterTraits:
     kv_b: bool  # an attention kv_b_proj is adapted
     shared_experts: bool  # a shared expert's projection is adapted
     expert_projections: frozenset[str] = field(default_factory=frozenset)  # routed: "gate_up_proj", "down_proj"
+    mtp_layers: tuple[str, ...] = ()  # the MTP layers holding adapters, by their on-disk names (model.layers.{L + j})
+    mtp_eh_proj: tuple[str, ...] = ()  # the adapted eh_proj of MTP layers, on disk (peft.target_modules "*.eh_proj")
 
 
 def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> AdapterTraits:
-    """What the LoRA modules of `model` (after `apply_lora`) adapt."""
+    """What the LoRA modules of `model` (after `apply_lora`; with the MTP loss, after
+    `set_auxiliary_training(mtp=True)`, as training did) adapt."""
     adapted = {id(module) for _, module in lora_modules(model)}
     kv_b = any(isinstance(m, MLAttention) and id(m.kv_b_proj) in adapted for m in model.modules())
     shared, projections = False, set()
@@ -84,7 +106,13 @@ def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> A
             projections |= {proj for proj in EXPERT_PARAMS if module.adapter(proj) is not None}
         elif isinstance(module, LoRALinear) and param_group(name) == "shared_experts":
             shared = True
-    return AdapterTraits(rank, alpha, rslora, kv_b, shared, frozenset(projections))
+    mtp = [(name, layer) for name, layer in model.named_modules()
+           if isinstance(layer, MTPLayer) and any(id(m) in adapted for m in layer.modules())]
+    # the on-disk name of the layer (`mtp.{j}` -> `model.layers.{L + j}`) is the state-dict adapter's
+    on_disk = Glm5StateDictAdapter(model.args).hf_prefix
+    mtp_layers = tuple(on_disk(f"{name}.eh_proj").removesuffix(".eh_proj") for name, _ in mtp)
+    eh_proj = tuple(on_disk(f"{name}.eh_proj") for name, layer in mtp if id(layer.eh_proj) in adapted)
+    return AdapterTraits(rank, alpha, rslora, kv_b, shared, frozenset(projections), mtp_layers, eh_proj)
 
 
 def engine_facts(name: str) -> EngineFacts:
@@ -94,7 +122,8 @@ def engine_facts(name: str) -> EngineFacts:
 
 
 def refusals(engine: EngineFacts, traits: AdapterTraits, layout: str) -> list[str]:
-    """One line per way `engine` would apply the adapter differently from training, each with its fix."""
+    """One line per way `engine` would apply the adapter differently from training, or not load it, each
+    with its fix."""
     out = []
     if layout != engine.layout:
         out.append(f"{engine.name} loads the {engine.layout} layout exactly, not {layout}: export with "
@@ -111,17 +140,48 @@ def refusals(engine: EngineFacts, traits: AdapterTraits, layout: str) -> list[st
     if engine.max_rank is not None and traits.rank > engine.max_rank:
         out.append(f"rank {traits.rank} is above {engine.name}'s largest --max-lora-rank {engine.max_rank}; "
                    f"train at rank <= {engine.max_rank}")
+    if traits.mtp_layers and not engine.loads_mtp_layer:
+        out.append(f"the adapter holds LoRA tensors of the MTP layer ({_mtp_tensors(traits)}, trained with "
+                   f"train.mtp_loss_weight > 0): {engine.name} {engine.checked} fails to load an adapter with "
+                   f"MTP-layer tensors (the server does not start), and no engine applies an adapter to its MTP "
+                   f"draft model; {_MTP_WAY_OUT}")
+    elif traits.mtp_eh_proj and not engine.loads_mtp_eh_proj:
+        out.append(f"the adapter adapts the MTP layer's eh_proj ({', '.join(traits.mtp_eh_proj)}, peft.target_modules "
+                   f"\"*.eh_proj\"): {engine.name} {engine.checked} refuses such an adapter (eh_proj is no module "
+                   f"of the model it adapts), and no engine applies an adapter to its MTP draft model; "
+                   f"{_MTP_WAY_OUT}, or without \"*.eh_proj\" (then {engine.name} loads it but drafts with the "
+                   "base MTP layer)")
     return out
 
 
+_MERGE = ("to serve the trained drafter, merge it into the base (glmtune merge BASE_DIR RUN_DIR/adapter OUT_DIR) "
+          "and serve OUT_DIR with the engine's MTP speculative decoding")
+_MTP_WAY_OUT = (f"{_MERGE}; to serve an adapter, train without the MTP loss (train.mtp_loss_weight 0) or without "
+                "MTP targets (peft.exclude_modules [\"mtp.*\"])")
+
+
+def _mtp_tensors(traits: AdapterTraits) -> str:
+    return ", ".join(f"{layer}.*" for layer in traits.mtp_layers)
+
+
+def _mtp_loaded(engine: EngineFacts, traits: AdapterTraits) -> bool:
+    return engine.loads_mtp_layer and (engine.loads_mtp_eh_proj or not traits.mtp_eh_proj)
+
+
 def caveats(engine: EngineFacts, traits: AdapterTraits) -> list[str]:
-    """What the engine applies differently, knowingly (a release records it)."""
+    """What the engine applies differently, knowingly (a release records it, an export warns)."""
+    out = []
     if traits.kv_b and not engine.applies_kv_b_in_decode:
-        return [f"{engine.name}'s MLA attention uses W_UK / W_UV precomputed from the base kv_b_proj (absorbed "
-                "decode; under GLM-5's sparse MLA every token, prefill included): this adapter's kv_b_proj delta is "
-                "not applied (docs/lora.md; leave kv_b_proj out of peft.target_modules, the default, for this "
-                "engine)"]
-    return []
+        out.append(f"{engine.name}'s MLA attention uses W_UK / W_UV precomputed from the base kv_b_proj (absorbed "
+                   "decode; under GLM-5's sparse MLA every token, prefill included): this adapter's kv_b_proj delta "
+                   "is not applied (docs/lora.md; leave kv_b_proj out of peft.target_modules, the default, for this "
+                   "engine)")
+    if traits.mtp_layers and _mtp_loaded(engine, traits) and not engine.applies_mtp_layer:
+        out.append(f"the adapter's MTP-layer tensors ({_mtp_tensors(traits)}, trained with train.mtp_loss_weight > 0) "
+                   f"load but are never applied: {engine.name} {engine.checked} applies the decoder layers' adapters "
+                   "only, and its MTP draft model (speculative decoding) runs the base MTP layer, not the trained "
+                   f"drafter (docs/lora.md); {_MERGE}")
+    return out
 
 
 def serve_command(engine: EngineFacts, base: str, adapter: str | None, traits: AdapterTraits | None,

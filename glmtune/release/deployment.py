@@ -5,10 +5,13 @@ engine in `glmtune.peft.engines.ENGINES` (vLLM, SGLang) the manifest's `engine` 
 `serve_command` (the exact command: base + the per-expert adapter with the flags it needs, or the
 full checkpoint), `facts_checked` (the engine version the facts were read from; a different
 pinned version is recorded as such, not refused) and `caveats` (what the engine applies
-differently, knowingly: a kv_b_proj delta under vLLM's absorbed decode). An adapter the engine
-would apply differently from training and silently (rsLoRA on SGLang, a routed-expert adapter on
-one projection, a rank beyond the engine's limit, no per-expert layout) is refused, one line with
-the fix, before anything is written. Another engine is recorded by name and version only.
+differently, knowingly: a kv_b_proj delta under vLLM's absorbed decode; the MTP layer's adapters
+of a run with the MTP loss, which vLLM loads and never applies). An adapter the engine would apply
+differently from training and silently (rsLoRA on SGLang, a routed-expert adapter on one
+projection, a rank beyond the engine's limit, no per-expert layout) or would not load (MTP-layer
+adapters on SGLang, an adapted MTP eh_proj on vLLM) is refused, one line with the fix, before
+anything is written: `glmtune export --engine` refuses the same. Another engine is recorded by
+name and version only.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ def deployment(engine: dict[str, str], cfg, run_dir: Path, base_dir: Path) -> di
     if cfg.peft.method != "lora":
         command = serve_command(facts, str((run_dir / "hf").resolve()), None, None)
         return {"serve_command": shlex.join(command), "facts_checked": facts.checked, "caveats": []}
-    model = model_spec(cfg.model).build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
+    spec = model_spec(cfg.model)
+    model = spec.build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
+    # a run with the MTP loss adapted its MTP layer too (glmtune/peft/apply.py): the same adapters here
+    spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     apply_lora(model, cfg.peft)
     traits = adapter_traits(model, cfg.peft.rank, cfg.peft.alpha, cfg.peft.rslora)
     adapter = run_dir / "adapter_per_expert"

@@ -76,3 +76,29 @@ def test_sglang_shared_expert_fusion_zeroes_shared_deltas():
 def test_sglang_skips_peft_layout_experts():
     view = _fixture("sglang", "peft", "full")["configs"]["default"]
     assert view["skipped_weights"] == 24
+
+
+def test_mtp_layer_adapters():
+    """docs/lora.md, The MTP layer under LoRA: SGLang loads no adapter with MTP-layer tensors, vLLM loads one
+    but never applies those tensors, and refuses it when the MTP layer's eh_proj is adapted; neither engine's
+    MTP draft model applies an adapter. Each fact of the table against the fixtures (every layout and config)."""
+    for layout in ("peft", "per_expert"):
+        for variant in ("mtp", "mtp_eh_proj"):
+            views = _fixture("sglang", layout, variant)["configs"].values()
+            assert all("IndexError in LoRAAdapter._process_weight" in (v["refusal"] or "") for v in views)
+            views = _fixture("vllm", layout, variant)["configs"].values()
+            assert all(("eh_proj" in (v["refusal"] or "")) == (variant == "mtp_eh_proj") for v in views)
+    assert not ENGINES["sglang"].loads_mtp_layer and not ENGINES["sglang"].loads_mtp_eh_proj
+    assert ENGINES["vllm"].loads_mtp_layer and not ENGINES["vllm"].loads_mtp_eh_proj
+    # vLLM, its layout: applied exactly the tensors of the adapter without the MTP layer, the MTP layer's not at all
+    layout = ENGINES["vllm"].layout
+    view = _fixture("vllm", layout, "mtp")["configs"]["default"]
+    decoder = set(_fixture("vllm", layout, "full")["configs"]["default"]["tensors"])
+    mtp = {n: t for n, t in view["tensors"].items() if n not in decoder}
+    assert view["refusal"] is None and mtp and len({n.split(".")[4] for n in mtp}) == 1  # one layer
+    assert {n for n, t in view["tensors"].items() if t["applied"]} == decoder
+    # The draft models: vLLM's take no LoRA, SGLang's draft worker gets no LoRA manager.
+    vllm, sglang = _fixture("vllm", layout, "mtp")["mtp"], _fixture("sglang", layout, "mtp")["mtp"]
+    assert not any(d["supports_lora"] for d in vllm["draft_models"].values())
+    assert "not self.is_draft_worker" in sglang["lora_in_speculative_decoding"]["lora_manager_created_if"]
+    assert not ENGINES["vllm"].applies_mtp_layer and not ENGINES["sglang"].applies_mtp_layer
