@@ -1,12 +1,13 @@
 """Exact resume across the indexer warm-up (`train.indexer_warmup_steps`, issue 34).
 
-The tiny recipe (fp32, one process) with a trainable indexer, `train.indexer_loss_weight 0.01`,
-a warm-up of W = 2 steps (dense attention, only the indexers train), top-k 64 on rows of 256
+The tiny recipe (fp32, one process) with both auxiliary losses on (a trainable indexer,
+`train.indexer_loss_weight 0.01`, and `train.mtp_loss_weight 0.3`, whose MTP layer trains after the
+warm-up), a warm-up of W = 2 steps (dense attention, only the indexers train), top-k 64 on rows of 256
 tokens (so the sparse steps select) and the router-bias update on (`sign`, which waits out the
 warm-up: `TrainerSettings.router_bias_after`), 4 steps with a checkpoint after every one. A copy
 of that run stopped after step 1 (inside the warm-up) or after step W (its last step) and resumed
-gives the uninterrupted run's later steps bit for bit (loss, indexer KL, gradient norm, routing
-statistics), the switch to sparse training of everything at step W + 1 included, and the same
+gives the uninterrupted run's later steps bit for bit (loss, indexer KL, MTP loss and acceptance,
+gradient norm, routing statistics), the switch to sparse training of everything at step W + 1 included, and the same
 final checkpoint: every weight, router bias and optimizer state.
 
 A warm-up checkpoint holds no optimizer state for the main weights (they have no gradient before
@@ -28,14 +29,17 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader
+from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.checkpoint.manager import CheckpointManager, DamagedCheckpointError
 from tests.train.run_helpers import run, shared_run
 
 WARMUP = 2
 FLAGS = ["--model.indexer_trainable", "true", "--train.indexer_loss_weight", "0.01",
          "--train.indexer_warmup_steps", str(WARMUP), "--model.overrides.index_topk", "64",
-         "--train.router_bias_update", "sign", "--train.max_steps", "4", "--checkpoint.every_steps", "1"]
-COMPARED = ("loss", "indexer_kl", "queries", "grad_norm", "lr", "tokens", "supervised_tokens")
+         "--train.router_bias_update", "sign", "--train.max_steps", "4", "--checkpoint.every_steps", "1",
+         "--train.mtp_loss_weight", "0.3", "--checkpoint.export_hf", "true"]
+COMPARED = ("loss", "indexer_kl", "mtp_loss", "mtp_acceptance", "queries", "grad_norm", "lr", "tokens",
+            "supervised_tokens")
 BIASES = [f"model.model.layers.{layer}.mlp.gate.e_score_correction_bias" for layer in (2, 3)]  # the MoE layers
 MAIN_WEIGHT_STATE = "optim.state.model.embed_tokens.weight.exp_avg"
 
@@ -71,7 +75,7 @@ def _saved_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 def test_the_reference_warms_up_the_indexers_then_trains_everything(straight):
     records = _records(straight.run_dir)
     assert sorted(records) == [1, 2, 3, 4]
-    assert all(records[step]["indexer_kl"] > 0 for step in records)
+    assert all(records[step]["indexer_kl"] > 0 and records[step]["mtp_loss"] > 0 for step in records)
     # the warm-up's gradient is the indexers' alone (weight 0.01): tiny; then everything trains
     grad_norms = [records[step]["grad_norm"] for step in (1, 2, 3, 4)]
     assert max(grad_norms[:WARMUP]) < 1e-3 < min(grad_norms[WARMUP:])
@@ -142,3 +146,18 @@ def test_parameters_the_optimizer_never_stepped_resume_without_state(tmp_path):
     resumed = _two_layers()
     with pytest.raises(DamagedCheckpointError, match="no optimizer state for 0.weight"):
         manager.load(manager.latest(), resumed, torch.optim.AdamW(resumed.parameters()))
+
+
+def test_the_export_holds_the_trained_indexers_and_mtp_layer(straight):
+    """The HF export's indexers and MTP layer are the last checkpoint's weights (step 4), bit for bit,
+    and both moved from the base's."""
+    final = _saved_tensors(_checkpoint(straight.run_dir, 4))
+    exported = dict(load_pretrained(straight.run_dir / "hf", torch.float32, "cpu").named_parameters())
+    base = dict(load_pretrained(straight.run_dir / "base", torch.float32, "cpu").named_parameters())
+    names = [n for n in exported if ".indexer." in n or n.startswith("mtp.")]
+    assert any(".indexer." in n for n in names) and any(n.startswith("mtp.") for n in names)
+    for name in names:
+        assert torch.equal(exported[name], final[f"model.{name}"]), name
+    moved = {n for n in names if not torch.equal(exported[n], base[n])}
+    assert {n for n in names if n.endswith("indexer.wk.weight")} <= moved
+    assert "mtp.0.eh_proj.weight" in moved
