@@ -11,9 +11,9 @@ starting on a shared-indexer layer), sharing their runs.
 A change that is meant to change numerics re-records them, saying so in its commit:
 `GLMTUNE_RECORD_GOLDEN=1 python -m pytest tests/test_golden_losses.py`.
 
-Bits depend on the kernels torch picks, so each file records the torch version and CPU
-capability it was made with; elsewhere (another torch, a CPU with other vector units)
-the comparison is relative 1e-5, the equivalence tests' own bound.
+Bits depend on the kernels torch picks, so each file records the torch version, CPU
+capability and CPU vendor it was made with; elsewhere (another torch, a CPU with other vector
+units or of another vendor) the comparison is relative 1e-5, the equivalence tests' own bound.
 """
 
 from __future__ import annotations
@@ -70,4 +70,13 @@ def test_per_step_losses_are_bit_identical_to_the_golden_file(name, shared_resul
 
 
 def _environment() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    # The vendor too: the same torch and vector units pick other kernels (and roundings) on AMD and
+    # Intel CPUs (2026-12-04: one ulp apart at step 1 between the two, every run).
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_vendor": _cpu_vendor()}
+
+
+def _cpu_vendor() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "unknown")
