@@ -419,9 +419,10 @@ class CheckpointManager:
         state = self._state(model, optimizer)
         try:
             trainer_state = read_trainer_state(checkpoint.path)
-            never_stepped = _drop_unsaved_optimizer_state(state["optim"], JsonMetadataReader(checkpoint.path))
+            reader = JsonMetadataReader(checkpoint.path)
+            never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
             with _quiet_single_process():
-                dcp.load(state, storage_reader=JsonMetadataReader(checkpoint.path), planner=WeightsOnlyLoadPlanner())
+                dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
             saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
             if not never_stepped <= saved_params:
                 raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "

@@ -179,8 +179,9 @@ class Pipeline:
                                        n_microbatches=microbatches, loss_fn=_identity_loss, scale_grads=False)
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
+        backward_twice = _splits_backward(self.schedule)
         for stage in stages:
-            stage.backward_twice = _splits_backward(self.schedule)
+            stage.backward_twice = backward_twice
 
     # -- the carried top-k selection ------------------------------------------------------
     def _sender(self, next_stage: int, next_rank: int):
