@@ -18,6 +18,9 @@
     by several runs, only checkpoints recording this run's id go, and a `.partial` save
     or an abandoned checkpoint only when it is provably this run's (its name or trainer
     state carries the run id: `CheckpointManager.owned_leftovers`); the rest stay, named;
+  * a resume (`checkpoint.resume auto`) that finds none of the run's checkpoints is refused
+    when the directory holds what a finished run leaves (hf/, the adapters, samples.json):
+    starting again at step 0 would replace them;
   * the run and checkpoint directories must be writable, checked with a probe file.
 
 The lock's mechanics, the run record and the stop file are glmtune/io/run_lock.py's (other
@@ -45,6 +48,9 @@ from glmtune.io.run_lock import LOCK_FILE, RUN_FILE, STOP_FILE, RunLock, read_ru
 # removes these and nothing else (data/ is content-addressed and safe to reuse).
 RUN_OUTPUTS = ("config.yaml", RUN_FILE, "metrics.jsonl", "tensorboard", "trainable.json", "data_manifest.json",
                "pii_report.json", "samples.json", "hf", "base", "adapter", "adapter_per_expert", STOP_FILE)
+# What a run writes when it finishes: its trained weights and the after-training samples. A run that
+# restarts at step 0 (nothing to resume from) would replace them.
+FINISHED_OUTPUTS = ("hf", "adapter", "adapter_per_expert", "samples.json")
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -139,10 +145,13 @@ class RunDirectory:
             self._remove_previous_run(record["run_id"])
         elif fresh:
             self._refuse_mixed_run(record["run_id"], config_yaml)
-        elif (self.run_dir / "config.yaml").is_file():
-            changed = config_changes((self.run_dir / "config.yaml").read_text(encoding="utf-8"), config_yaml)
-            if changed:
-                self.say("resuming with changed settings: " + "; ".join(changed))
+        else:
+            if resume == "auto":
+                self._refuse_restart_over_outputs(record["run_id"])
+            if (self.run_dir / "config.yaml").is_file():
+                changed = config_changes((self.run_dir / "config.yaml").read_text(encoding="utf-8"), config_yaml)
+                if changed:
+                    self.say("resuming with changed settings: " + "; ".join(changed))
         continued = record if (record and not fresh and not overwrite) else None
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         run_id = continued["run_id"] if continued else uuid.uuid4().hex[:16]
@@ -193,6 +202,20 @@ class RunDirectory:
                              "continue it with --checkpoint.resume auto, start a new run in another "
                              "--logging.run_dir, or replace this one with --overwrite (removes only that run's "
                              "checkpoints and outputs)")
+
+    def _refuse_restart_over_outputs(self, run_id: str) -> None:
+        """`resume auto` into run `run_id` with none of its checkpoints left: it would start again at
+        step 0 and, at its end, replace the outputs the finished run left (its only trained weights
+        when it was trained with checkpoint.save_at_end false). Refused while any of them is there; a
+        run that died before its first checkpoint left none, and restarts (a requeued job)."""
+        if CheckpointManager(self.checkpoint_dir, run_id=run_id).owned():
+            return
+        found = [name for name in FINISHED_OUTPUTS if os.path.lexists(self.run_dir / name)]
+        if found:
+            raise ValueError(f"checkpoint.resume auto: no checkpoint of the run in {self.run_dir} is left in "
+                             f"{self.checkpoint_dir} to resume from, and starting again at step 0 would replace "
+                             f"the finished run's outputs ({', '.join(found)}); keep them and train in another "
+                             "--logging.run_dir, or start this run over with --overwrite")
 
     def _remove_previous_run(self, run_id: str) -> None:
         """--overwrite: run `run_id`'s checkpoints and outputs go; what other runs wrote, and what

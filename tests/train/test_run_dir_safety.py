@@ -18,7 +18,7 @@ from rich.console import Console
 
 from glmtune.config import RECIPES_DIR, load_config
 from glmtune.train.run import _check_disk_space
-from tests.train.run_helpers import TWO_STEPS, losses, run, shared_run, start
+from tests.train.run_helpers import TWO_STEPS, WITH_EXPORT, losses, run, shared_run, start
 from tests.tree_snapshot import changes, snapshot
 
 QUICK = TWO_STEPS
@@ -82,6 +82,21 @@ def test_resume_auto_continues_and_reports_changed_settings(copy):
     assert "resuming with changed settings: train.max_steps: 2 -> 3" in result.stdout
     assert "resumed from" in result.stdout
     assert sorted(losses(copy / "run")) == [1, 2, 3]
+
+
+def test_resume_auto_with_nothing_to_resume_keeps_a_finished_runs_outputs(shared_results, tmp_path):
+    """A finished run whose checkpoints are gone (trained with checkpoint.save_at_end false, or
+    removed) still holds its trained weights: a resume that finds no checkpoint must not start
+    again at step 0 over them (it replaced hf/ and metrics.jsonl without --overwrite)."""
+    exported = shared_run(shared_results, *WITH_EXPORT).run_dir.parent
+    shutil.copytree(exported, tmp_path / "w")
+    shutil.rmtree(tmp_path / "w" / "run" / "checkpoints")
+    before = snapshot(tmp_path / "w")
+    result = run(tmp_path / "w" / "run", tmp_path / "w" / "cache", *WITH_EXPORT, "--train.max_steps", "6",
+                 "--checkpoint.resume", "auto")
+    _refused(result, "checkpoint.resume auto: no checkpoint of the run", "(hf)", "--overwrite",
+             "another --logging.run_dir")
+    assert changes(before, snapshot(tmp_path / "w")) == []
 
 
 def test_second_run_into_a_running_directory_is_refused(tmp_path):
