@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
+from glmtune.io.escape import console_text
 from glmtune.io.text_limits import printable
 
 EXIT_PASSED, EXIT_GATE_FAILED, EXIT_USER_ERROR, EXIT_INTERNAL_ERROR = 0, 1, 2, 3  # 2 is printed by glmtune.cli.main
@@ -112,8 +113,10 @@ def _table(card: dict):
     from rich.table import Table
 
     labels = [m["label"] for m in card["models"]]
-    table = Table(title=f"scorecard: {card['suite']['name']} v{card['suite']['version']} (category all)")
-    for column in ("metric", "category", "n", *labels, *[f"Δ {label}" for label in labels[1:]]):
+    suite = card["suite"]
+    table = Table(title=f"scorecard: {console_text(suite['name'])} v{console_text(suite['version'])} (category all)")
+    names = [console_text(label) for label in labels]  # every string from the card is shown as written
+    for column in ("metric", "category", "n", *names, *[f"Δ {name}" for name in names[1:]]):
         if column == "metric":
             table.add_column(column, overflow="fold")  # a narrow terminal folds the id, never a number
         else:
@@ -122,9 +125,10 @@ def _table(card: dict):
         entry = metric["by_category"]["all"]
         why = metric.get("not_available", {})  # "not available from this engine: ..." -> "n/a (this engine)"
         values = [_fmt(entry["values"][label], metric["unit"]) if label not in why
-                  else f"n/a ({why[label].split(':')[0].removeprefix('not available from ')})" for label in labels]
+                  else f"n/a ({console_text(str(why[label]).split(':')[0].removeprefix('not available from '))})"
+                  for label in labels]
         deltas = [_delta(entry["delta"][label], metric["unit"]) for label in labels[1:]]
-        table.add_row(metric["id"], "all", str(entry["n"]), *values, *deltas)
+        table.add_row(console_text(metric["id"]), "all", str(entry["n"]), *values, *deltas)
     return table
 
 
@@ -197,7 +201,7 @@ def _evaluate(ns: argparse.Namespace) -> int:
     progress = Console(stderr=True, highlight=False, quiet=not main_rank)
     dtype = None if ns.dtype == "auto" else getattr(torch, ns.dtype)
     card, out = run_eval(ns.suite, ns.base, ns.candidate, ns.out, overwrite=ns.overwrite, device=ns.device,
-                         dtype=dtype, merged=ns.merged, log=progress.print,
+                         dtype=dtype, merged=ns.merged, log=lambda message: progress.print(console_text(message)),
                          sharded=ShardedLayout(ns.ep, ns.fp8_base) if sharded else None,
                          fp8_base=ns.fp8_base or "none", endpoint=_endpoint_options(ns))
     return _report(ns, card, out) if main_rank else EXIT_PASSED
@@ -218,10 +222,10 @@ def _report(ns: argparse.Namespace, card: dict, out: Path) -> int:
     progress = Console(stderr=True, highlight=False)
     failed = [g for g in card["gates"] if not g["passed"]]
     if ns.json:
-        json.dump(card, sys.stdout, ensure_ascii=False)
+        json.dump(card, sys.stdout)  # ASCII: no C1 control or bidi override reaches a terminal as itself
         sys.stdout.write("\n")
         for gate in failed:  # stdout holds only the JSON: say on stderr why the exit status is 1
-            progress.print(f"gate failed: {gate['name']}: {gate['message']}")
+            progress.print(f"gate failed: {console_text(gate['name'])}: {console_text(gate['message'])}")
     else:
         console = Console(highlight=False)
         if not console.is_terminal:
@@ -229,6 +233,6 @@ def _report(ns: argparse.Namespace, card: dict, out: Path) -> int:
         console.print(_table(card))
         for gate in card["gates"]:
             mark = "[green]PASS[/green]" if gate["passed"] else "[red]FAIL[/red]"
-            console.print(f"{mark} {gate['name']}: {gate['message']}")
-        console.print(f"report: {out / 'scorecard.html'} (also scorecard.md, scorecard.json)")
+            console.print(f"{mark} {console_text(gate['name'])}: {console_text(gate['message'])}")
+        console.print(f"report: {console_text(out / 'scorecard.html')} (also scorecard.md, scorecard.json)")
     return EXIT_GATE_FAILED if failed else EXIT_PASSED

@@ -4,7 +4,11 @@ The page is one file that opens from disk with no network: the stylesheet
 (`report_html.css`), the script (`report_html.js`) and the charts (SVG drawn by
 `report_charts.py`) are inlined. Its Content-Security-Policy allows nothing to be fetched and
 only this module's own script and stylesheet to run, by hash: model outputs are escaped by
-Jinja's autoescape, and even a piece of markup that slipped through could not execute.
+Jinja's autoescape, and even a piece of markup that slipped through could not execute. Before
+that, every string of the scorecard (keys too: labels and categories are keys) has its control
+characters and bidi overrides shown escaped (`glmtune.io.escape.visible`), so an answer cannot
+reorder the text around it; the page holds no JSON inside a <script> (the script's data are the
+rows' autoescaped `data-*` attributes).
 
 Sections: header (suite, models with sources and fingerprints, decoding, overall PASS/FAIL),
 release gates, charts (each metric per category, per-field accuracy, latency per model), the
@@ -29,6 +33,7 @@ from pathlib import Path
 import jinja2
 
 from glmtune.eval.report_charts import delta_class, fmt_delta, fmt_value, grouped_bars, latency_boxes
+from glmtune.io.escape import visible
 
 FORMAT = "glmtune.scorecard/1"
 _HERE = Path(__file__).parent
@@ -173,6 +178,17 @@ def _examples(examples: list[dict], labels: list[str], candidates: list[str]):
     return out, sorted(sets.items()), sorted(cats.items())
 
 
+def _visible_tree(value):
+    """`value` with every string in it (dict keys included) passed through `visible`."""
+    if isinstance(value, str):
+        return visible(value)
+    if isinstance(value, dict):
+        return {_visible_tree(k): _visible_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_visible_tree(v) for v in value]
+    return value
+
+
 def render_html(scorecard: dict) -> str:
     """The report page for one scorecard dict (format `glmtune.scorecard/1`), as a string.
 
@@ -183,6 +199,7 @@ def render_html(scorecard: dict) -> str:
         got = scorecard.get("format") if isinstance(scorecard, dict) else type(scorecard).__name__
         raise ValueError(f"scorecard: format {got!r} is not {FORMAT!r}")
     template, css, js = _assets()
+    scorecard = _visible_tree(scorecard)
     suite = scorecard.get("suite") or {}
     models = [m for m in (scorecard.get("models") or []) if isinstance(m, dict)]
     labels = [str(m.get("label")) for m in models]

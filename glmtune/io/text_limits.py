@@ -22,10 +22,11 @@ import re
 import unicodedata
 from typing import Any
 
-# C0 and C1 controls, DEL, and the Unicode line/paragraph separators and bidi overrides
-# that reorder what a terminal shows.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_UNSAFE_NO_LINES = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0 and C1 controls, DEL, the Unicode line/paragraph separators, and the bidi overrides,
+# isolates and marks that reorder what a terminal shows.
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029{_BIDI}]")
+_UNSAFE_NO_LINES = re.compile(f"[\x00-\x1f\x7f-\x9f\u2028\u2029{_BIDI}]")
 
 MAX_JSON_DEPTH = 64
 
