@@ -148,6 +148,8 @@ def _create(run_dir: str, ns: argparse.Namespace) -> int:
     triggers = m["rollback"]["triggers"]
     target = f"release {m['rollback']['to']}" if m["rollback"]["to"] else "the previous deployment (no --previous)"
     lines.append(f"  rollback  to {target} when: " + ("; ".join(t["expression"] for t in triggers) or "no triggers"))
+    lines += [f"  rollback  no trigger on {u['metric']}@{u['category']} ({u['source']}): {u['reason']}"
+              for u in m["rollback"].get("untriggered") or []]
     approval = m["data"]["approval"]
     lines.append(f"  approval  {approval['approved_by'] if approval else 'none recorded (--approved-by)'}")
     signature = m["signature"]

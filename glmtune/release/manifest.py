@@ -218,7 +218,8 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     # Hashing: the deployable artifacts first (the candidate check needs them), then the rest.
     artifacts, shipped = _record_deployable(deployable, manifest_dir)
     candidate, evaluated = released_candidate(scorecard, run_dir, shipped, eval_dir)
-    rollback = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback), req.rollback_margin)
+    rollback, untriggered = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback),
+                                                      req.rollback_margin)
     base, base_artifact = record_base(cfg, run_dir, run_record, manifest_dir, lora)
     check_evaluated_base(candidate, base, eval_dir)
     if base_artifact is not None:
@@ -251,7 +252,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         "environment": environment(),
         "previous": previous,
         "rollback": {"margin": req.rollback_margin, "to": previous["id"] if previous else None,
-                     "triggers": rollback},
+                     "triggers": rollback, "untriggered": untriggered},
         "artifacts": artifacts,
         "signature": None,
     }

@@ -12,7 +12,10 @@ METRIC is a metric id of the release's scorecard or an operations signal; CATEGO
 that metric's categories in the scorecard. The direction must be the bad one (a trigger
 fires when a higher-is-better metric falls, `<`/`<=`, or a lower-is-better one rises,
 `>`/`>=`), and a trigger must not already hold for the candidate's own evaluated value:
-either would roll the release back at once.
+either would roll the release back at once. Nor may a trigger be true, or false, for every value
+the metric can take (`UNIT_RANGES`: a ratio lies in [0, 1]; counts, losses, durations,
+throughputs and memory sizes are never negative): `error_rate>-1` would fire at once and
+`tickets/task_success/exact<0` never; either is refused in one sentence naming the trigger.
 
 Defaults come from the eval's release gates on the released candidate: each gated metric
 gets a trigger at the candidate's evaluated value moved by the margin (`--rollback-margin`,
@@ -20,7 +23,12 @@ relative, default 0.1) in the bad direction, or at the gate's own bar (a `min`/`
 threshold, the base's value for `improves`/`no_regression`/`max_increase`) when that comes
 first: production should never be worse than what the gate let through. Several gates on
 one metric and category give one trigger, the tightest. A user trigger on the same metric
-and category replaces the default.
+and category replaces the default. A default that the metric's range would leave unable to
+fire (a lower-is-better ratio at 0.95 moved 10% up is 1.045) sits at the end of the range with
+`>=`/`<=` instead (`>= 1`). A candidate already at the worst value its metric can take (a ratio
+of 0 let through by a `min 0` gate, or released with failed gates) has no trigger on it that
+could fire without firing at once: the metric gets none, and the release records and prints
+which gated metric has none and why, rather than a trigger that could never fire.
 """
 
 from __future__ import annotations
@@ -38,6 +46,16 @@ OPERATIONS: dict[str, tuple[bool, str, str | None, str]] = {
     "error_rate": (False, "ratio", None, "share of requests that end in an infrastructure error"),
 }
 DEFAULT_MARGIN = 0.1
+# unit -> (lowest, highest, what): the values a metric of that unit can take (another unit, or
+# none, is unbounded: "nats" margins of a preference pair can be any number).
+UNIT_RANGES: dict[str, tuple[float, float, str]] = {
+    "ratio": (0.0, 1.0, "a ratio, between 0 and 1"),
+    "count": (0.0, math.inf, "a count, never negative"),
+    "seconds": (0.0, math.inf, "a duration, never negative"),
+    "tokens_per_s": (0.0, math.inf, "a throughput, never negative"),
+    "gib": (0.0, math.inf, "a memory size, never negative"),
+    "nats_per_token": (0.0, math.inf, "a loss, never negative"),
+}
 _SYNTAX = re.compile(r"^\s*(?P<metric>[A-Za-z0-9_.\-/]+)(?:@(?P<category>[A-Za-z0-9_.\-]+))?\s*"
                      r"(?P<op><=|>=|<|>)\s*(?P<value>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 _HOLDS = {"<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
@@ -47,6 +65,26 @@ SYNTAX_HELP = "METRIC[@CATEGORY] OP NUMBER with OP one of < <= > >= (e.g. ticket
 def expression(trigger: dict[str, Any]) -> str:
     category = "" if trigger["category"] == "all" else f"@{trigger['category']}"
     return f"{trigger['metric']}{category} {trigger['op']} {trigger['threshold']:g}"
+
+
+def value_range(unit: str | None) -> tuple[float, float, str]:
+    """The lowest and highest value of a metric in `unit`, and what such a metric is."""
+    return UNIT_RANGES.get(unit or "", (-math.inf, math.inf, "unbounded"))
+
+
+def vacuous(metric: str, op: str, threshold: float, unit: str | None) -> str | None:
+    """Why `METRIC OP THRESHOLD` is true for every value the metric can take, or for none (a
+    clause for a message); None when some values make it true and others false. The condition
+    is monotone in the value, so the two ends of the range decide."""
+    if not math.isfinite(threshold):
+        return f"{threshold:g} is not a finite number"
+    lowest, highest, what = value_range(unit)
+    at_lowest, at_highest = _HOLDS[op](lowest, threshold), _HOLDS[op](highest, threshold)
+    if at_lowest and at_highest:
+        return f"it is true for every value {metric} can take ({what}), so the release would be rolled back at once"
+    if not (at_lowest or at_highest):
+        return f"it is false for every value {metric} can take ({what}), so it could never roll the release back"
+    return None
 
 
 def _round(value: float) -> float:
@@ -90,6 +128,9 @@ def parse_trigger(text: str, scorecard: dict[str, Any], label: str) -> dict[str,
         better = "higher" if signal["higher_is_better"] else "lower"
         raise ValueError(f"{option}: {metric} is better {better}, so a rollback trigger fires when it "
                          f"{'falls' if signal['higher_is_better'] else 'rises'}: use {' or '.join(bad)}")
+    why = vacuous(metric, op, threshold, signal["unit"])
+    if why:
+        raise ValueError(f"{option}: {why}")
     trigger = {"metric": metric, "category": category, "op": op, "threshold": threshold, **signal,
                "source": "--rollback"}
     value = signal["eval_value"]
@@ -129,6 +170,30 @@ def _gate_signal(scorecard: dict[str, Any], label: str, gate: dict[str, Any], me
                 "base_value": gate.get("base_value")}
 
 
+def _default_condition(gate: dict[str, Any], signal: dict[str, Any], margin: float) -> tuple[str, float]:
+    """The op and threshold of the trigger one gate gives: the margin or the gate's bar, whichever
+    comes first, held inside the metric's range (at its end with `<=`/`>=`, where a strict
+    comparison could never hold)."""
+    value, hib = signal["eval_value"], signal["higher_is_better"]
+    bound = value - margin * abs(value) if hib else value + margin * abs(value)
+    bar = _gate_bar(gate, hib) if gate.get("passed") else None  # a failed gate's bar holds already
+    if bar is not None:
+        bound = max(bound, bar) if hib else min(bound, bar)
+    lowest, highest, _ = value_range(signal["unit"])
+    if hib and bound <= lowest:
+        return "<=", lowest
+    if not hib and bound >= highest:
+        return ">=", highest
+    return ("<" if hib else ">"), _round(bound)
+
+
+def _tightest(a: tuple[str, float], b: tuple[str, float], hib: bool) -> tuple[str, float]:
+    """Of two conditions on one metric, the one that fires first (at equal thresholds, `<=`/`>=`)."""
+    if a[1] != b[1]:
+        return max(a, b, key=lambda c: c[1]) if hib else min(a, b, key=lambda c: c[1])
+    return a if a[0] in ("<=", ">=") else b
+
+
 def default_triggers(scorecard: dict[str, Any], label: str, margin: float) -> list[dict[str, Any]]:
     """One trigger per metric and category the gates on `label` check (see the module docstring)."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
@@ -137,30 +202,36 @@ def default_triggers(scorecard: dict[str, Any], label: str, margin: float) -> li
             continue
         metric, category = gate["metric"], gate.get("category") or "all"
         signal = _gate_signal(scorecard, label, gate, metric, category)
-        if signal is None:
-            continue
-        value = signal["eval_value"]
-        if value is None:
-            continue  # not measured: no value to hold production to
-        hib = signal["higher_is_better"]
-        bound = value - margin * abs(value) if hib else value + margin * abs(value)
-        bar = _gate_bar(gate, hib) if gate.get("passed") else None  # a failed gate's bar holds already
-        if bar is not None:
-            bound = max(bound, bar) if hib else min(bound, bar)
+        if signal is None or signal["eval_value"] is None:
+            continue  # no direction, or not measured: no value to hold production to
+        condition = _default_condition(gate, signal, margin)
         key = (metric, category)
         if key in merged:
             old = merged[key]
-            bound = max(bound, old["threshold"]) if hib else min(bound, old["threshold"])
+            condition = _tightest(condition, (old["op"], old["threshold"]), signal["higher_is_better"])
             sources = f"{old['source']}; {gate.get('name')}"
         else:
             sources = f"gate: {gate.get('name')}"
-        merged[key] = {"metric": metric, "category": category, "op": "<" if hib else ">",
-                       "threshold": _round(bound), **signal, "source": sources}
+        merged[key] = {"metric": metric, "category": category, "op": condition[0], "threshold": condition[1],
+                       **signal, "source": sources}
     return list(merged.values())
 
 
-def resolve_triggers(scorecard: dict[str, Any], label: str, user: list[str], margin: float) -> list[dict[str, Any]]:
-    """The release's triggers: the gates' defaults, each replaced by a user trigger on the same key."""
+def _unfireable(trigger: dict[str, Any], label: str) -> str | None:
+    """Why a default trigger could never fire, or would fire at once (None when it can do its job)."""
+    value = trigger["eval_value"]
+    why = vacuous(trigger["metric"], trigger["op"], trigger["threshold"], trigger["unit"])
+    if why is None and _HOLDS[trigger["op"]](value, trigger["threshold"]):
+        why = (f"candidate {label!r}'s {value:g} is already the worst value {trigger['metric']} can take "
+               f"({value_range(trigger['unit'])[2]}), so a trigger on it could only fire at once")
+    return why
+
+
+def resolve_triggers(scorecard: dict[str, Any], label: str, user: list[str],
+                     margin: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The release's triggers: the gates' defaults, each replaced by a user trigger on the same key;
+    and the gated metrics left without one, each with its gates and why (a default that could not
+    fire without firing at once: the candidate is at the worst value its metric can take)."""
     if not (0.0 <= margin < 1.0) or math.isnan(margin):
         raise ValueError(f"--rollback-margin {margin}: must be in [0, 1) (a fraction of the evaluated value)")
     parsed = [parse_trigger(text, scorecard, label) for text in user]
@@ -171,8 +242,17 @@ def resolve_triggers(scorecard: dict[str, Any], label: str, user: list[str], mar
             raise ValueError(f"--rollback {text!r}: {trigger['metric']}@{trigger['category']} already has a "
                              f"trigger ({seen[key]!r}); give one per metric and category")
         seen[key] = text
-    defaults = [t for t in default_triggers(scorecard, label, margin) if (t["metric"], t["category"]) not in seen]
+    defaults, untriggered = [], []
+    for trigger in default_triggers(scorecard, label, margin):
+        if (trigger["metric"], trigger["category"]) in seen:
+            continue
+        why = _unfireable(trigger, label)
+        if why is None:
+            defaults.append(trigger)
+        else:
+            untriggered.append({"metric": trigger["metric"], "category": trigger["category"],
+                                "source": trigger["source"], "reason": why})
     triggers = defaults + parsed
     for trigger in triggers:
         trigger["expression"] = expression(trigger)
-    return triggers
+    return triggers, untriggered

@@ -97,12 +97,17 @@ def test_refused_failed_gates_unless_allowed(sft_run, tmp_path, capsys):
     _refused(capsys, argv, "the eval failed its release gates: task success improves on the base",
              "zero critical format failures", "--allow-failed-gates releases anyway")
     assert main([*argv, "--allow-failed-gates"]) == 0
-    assert "released with --allow-failed-gates" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "released with --allow-failed-gates" in out
     m = json.loads((run / "release.json").read_text())
     assert m["eval"]["passed"] is False and m["eval"]["allowed_failed_gates"] is True
     # A failed gate's bar is already crossed: its trigger sits on the candidate's value instead.
     assert {t["metric"]: t["expression"] for t in m["rollback"]["triggers"]}["tickets/format/critical_failures"] \
         == "tickets/format/critical_failures > 2.2"
+    # Exact 0 is the worst a ratio can be: no trigger on it could fire without firing at once.
+    assert m["rollback"]["untriggered"][0]["metric"] == "tickets/task_success/exact"
+    assert "no trigger on tickets/task_success/exact@all (gate: task success improves on the base): candidate " \
+           "'candidate''s 0 is already the worst value" in out
 
 
 def test_refused_candidate_mismatch_and_edited_eval(sft_run, lora_source, tmp_path, capsys):
