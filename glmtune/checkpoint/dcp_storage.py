@@ -10,9 +10,12 @@ unpickles with the full unpickler, where a planted file runs code:
 
 Here the layout is written as JSON instead (`dcp_metadata.json`; no `.metadata` is
 written, so no tool is invited to unpickle one) and rebuilt into DCP's dataclasses
-field by field, with every type checked; non-tensor values are read with torch's
-weights-only unpickler, which builds tensors, numbers, strings and plain containers
-and refuses any other global. Tensor data was already read weights-only by DCP.
+field by field, with every type checked. Every stored item (a tensor, or a non-tensor
+value) is a torch.save archive; before DCP hands one to torch.load, its pickle's
+opcodes are checked (`pickle_scan.py`: only tensors and plain values, decided without
+unpickling anything), and a planted item is refused in one sentence naming the file,
+the byte it starts at and the value it claims to be. What passes is then read with
+torch's weights-only unpickler (non-tensor values here, tensors by DCP itself).
 
 A checkpoint written by glmtune before this file existed has only a pickled `.metadata`;
 it is refused with a sentence rather than unpickled (`LegacyCheckpointError`).
@@ -39,7 +42,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import ReadItem
+
+from glmtune.checkpoint.pickle_scan import check_torch_save
 
 METADATA_NAME = "dcp_metadata.json"
 PICKLED_METADATA_NAME = ".metadata"  # DCP's own, never read
@@ -48,6 +54,9 @@ _FORMAT_VERSION = 1
 # 1 GiB of layout would describe millions of chunks: anything larger is not a glmtune checkpoint.
 _MAX_METADATA_BYTES = 1 << 30
 
+# The dtypes a training checkpoint stores (weights, optimizer moments and steps, counters).
+_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int16",
+           "int8", "uint8", "bool")
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
@@ -146,20 +155,24 @@ def _decode_entry(value: Any, where: str) -> Any:
         return BytesStorageMetadata()
     if kind != "tensor":
         raise ValueError(f"{where}.kind: {kind!r:.40} is neither 'tensor' nor 'bytes'")
-    dtype = getattr(torch, fields.get("dtype", str), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}.dtype: {fields.get('dtype', str)!r:.40} is not a torch dtype")
+    if fields.get("dtype", str) not in _DTYPES:
+        raise ValueError(f"{where}.dtype: {fields.get('dtype', str)!r:.40} is not a torch dtype a checkpoint stores")
+    dtype = getattr(torch, fields.get("dtype", str))
     layout, memory_format = fields.get("layout", str), fields.get("memory_format", str)
     if layout not in _LAYOUTS or memory_format not in _MEMORY_FORMATS:
         raise ValueError(f"{where}: unknown layout {layout!r:.40} or memory format {memory_format!r:.40}")
     properties = TensorProperties(dtype=dtype, layout=_LAYOUTS[layout], requires_grad=fields.get("requires_grad", bool),
                                   memory_format=_MEMORY_FORMATS[memory_format], pin_memory=fields.get("pin_memory", bool))
+    size = fields.ints("size")
     chunks = []
     for i, chunk in enumerate(fields.get("chunks", list)):
         chunk_fields = _Fields(chunk, f"{where}.chunks[{i}]")
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(chunk_fields.ints("offsets")),
-                                           sizes=torch.Size(chunk_fields.ints("sizes"))))
-    return TensorStorageMetadata(properties=properties, size=torch.Size(fields.ints("size")), chunks=chunks)
+        offsets, sizes = chunk_fields.ints("offsets"), chunk_fields.ints("sizes")
+        if len(offsets) != len(size) or len(sizes) != len(size) or \
+                any(o + n > whole for o, n, whole in zip(offsets, sizes, size)):
+            raise ValueError(f"{where}.chunks[{i}]: not a part of a tensor of size {size}")
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
 
 
 def _decode_storage(value: Any, where: str) -> tuple[MetadataIndex, _StorageInfo]:
@@ -167,13 +180,14 @@ def _decode_storage(value: Any, where: str) -> tuple[MetadataIndex, _StorageInfo
     relative_path = fields.get("file", str)
     if os.path.isabs(relative_path) or os.sep in relative_path or relative_path in ("", ".", ".."):
         raise ValueError(f"{where}.file: {relative_path!r:.60} is not a file name inside the checkpoint")
-    transforms = fields.get("transforms", list, optional=True)
-    if transforms is not None and not all(isinstance(t, str) for t in transforms):
-        raise ValueError(f"{where}.transforms: expected a list of strings")
+    if fields.get("transforms", list, optional=True) is not None:  # DCP's experimental stream extensions
+        raise ValueError(f"{where}.transforms: glmtune writes items without transforms")
+    offset, length = fields.get("file_offset", int), fields.get("length", int)
+    if offset < 0 or length < 0:
+        raise ValueError(f"{where}: a negative file_offset or length")
     index = MetadataIndex(fqn=fields.get("fqn", str), offset=fields.ints("offset", optional=True),
                           index=fields.get("index", int, optional=True))
-    info = _StorageInfo(relative_path=relative_path, offset=fields.get("file_offset", int),
-                        length=fields.get("length", int), transform_descriptors=transforms)
+    info = _StorageInfo(relative_path=relative_path, offset=offset, length=length, transform_descriptors=None)
     return index, info
 
 
@@ -222,6 +236,13 @@ class JsonMetadataReader(FileSystemReader):
     """DCP's file reader, taking the layout from `dcp_metadata.json`; a pickled one is refused."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self._read_layout()
+        # Which value each stored item claims to be, for the refusal of a planted one (`_slice_file`).
+        self._item_names = {(info.relative_path, info.offset): index.fqn
+                            for index, info in metadata.storage_data.items()}
+        return metadata
+
+    def _read_layout(self) -> Metadata:
         directory = os.fspath(self.path)
         path = os.path.join(directory, METADATA_NAME)
         if not os.path.isfile(path):
@@ -240,6 +261,26 @@ class JsonMetadataReader(FileSystemReader):
         metadata = decode_metadata(value, METADATA_NAME)
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _slice_file(self, file, sinfo: _StorageInfo):
+        """One stored item, checked to hold only tensors and plain values before DCP unpickles it."""
+        view = super()._slice_file(file, sinfo)
+        fqn = getattr(self, "_item_names", {}).get((sinfo.relative_path, sinfo.offset), "an item")
+        where = f"{os.path.join(os.fspath(self.path), sinfo.relative_path)}: the stored {fqn} (byte {sinfo.offset})"
+        check_torch_save(view, where)
+        return view
+
+
+def failure_of(exc: BaseException) -> str:
+    """One line for a failed DCP load: the first rank's own error (DCP wraps each rank's in a
+    CheckpointException whose text is a traceback), a refusal's sentence as it is."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = exc.failures[min(exc.failures)]
+        exc = first[0] if isinstance(first, tuple) else first
+    text = str(exc).strip()
+    if isinstance(exc, ValueError) and text:
+        return text.splitlines()[0]
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else 'no detail'}"
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

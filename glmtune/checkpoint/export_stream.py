@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from glmtune.checkpoint.dcp_storage import JsonMetadataReader, WeightsOnlyLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+from glmtune.checkpoint.dcp_storage import JsonMetadataReader, WeightsOnlyLoadPlanner, failure_of
 from glmtune.checkpoint.hf_io import host_copy, shard_plan, write_metadata, write_planned_shards, written_dtypes
 from glmtune.io.outputs import output_dir
 from glmtune.io.sizes import parse_size
@@ -183,9 +185,12 @@ class _CheckpointUnits:
             assert experts[0] is None or experts == list(range(first, first + len(experts))), (key, experts)
             boxes[MODEL_PREFIX + key] = ((first,) + (0,) * (len(shape) - 1), sizes)
             destinations[MODEL_PREFIX + key] = torch.empty(sizes, dtype=self.stored[key])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(destinations, storage_reader=self.reader, planner=_BoxLoadPlanner(boxes), no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+                dcp.load(destinations, storage_reader=self.reader, planner=_BoxLoadPlanner(boxes), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # a damaged or planted item, named by the reader
+            raise ValueError(f"checkpoint {self.reader.path} cannot be read: {failure_of(exc)[:400]}") from exc
         loaded = {}
         for (key, expert) in group:
             tensor = destinations[MODEL_PREFIX + key]

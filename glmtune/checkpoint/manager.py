@@ -6,15 +6,20 @@ A checkpoint is a directory `RUN_DIR/checkpoints/step-00000123/` holding
   * `trainer_state.json`: step, run id, scheduler, data-loader position, counters (rank 0),
   * `rng-rank{R}.pt`: every RNG state of rank R (python, torch CPU, CUDA): tensors, ints
     and tuples only, read back with `weights_only=True`,
-  * `checksums.json`: size and sha256 of every other file (integrity.py), written last.
+  * `checksums.json`: size and sha256 of every other file (integrity.py), written last; it
+    lists the directory exactly (a file not listed, or listed and missing, is damage).
 Nothing is unpickled as code: the layout and the trainer state are JSON, tensors and the
-optimizer's non-tensor values (lr, betas, parameter names) and the RNG files go through
-torch's weights-only unpickler, which refuses anything but tensors, numbers, strings and
-plain containers. A file planted in a checkpoint (with its checksums rewritten to match)
-therefore fails to load as a damaged checkpoint and never runs. The checksums detect
-damage, not tampering: whoever can write the checkpoint can rewrite them too. A
-checkpoint without `checksums.json` is damaged (every checkpoint glmtune writes has one).
-Router correction biases are persistent model buffers and travel with the model.
+optimizer's non-tensor values (lr, betas, parameter names) and the RNG files are torch.save
+archives whose pickles are checked before loading (pickle_scan.py: tensors and plain values
+only) and then read by torch's weights-only unpickler. A file planted in a checkpoint (with
+its checksums rewritten to match) therefore fails to load as a damaged checkpoint and never
+runs. What is read is checked against what the writer writes before it is applied
+(state_schema.py): the trainer state against the trainer's own (`expected_state`), the
+optimizer's param_groups against the optimizer's, the RNG states against their types; a
+hostile value is a damaged checkpoint named in one line, never an attribute set on the
+scheduler. The checksums detect damage, not tampering: whoever can write the checkpoint can
+rewrite them too. A checkpoint without `checksums.json` is damaged (every checkpoint glmtune
+writes has one). Router correction biases are persistent model buffers and travel with the model.
 
 Atomicity: everything is written under `.step-00000123.RUNID.partial/`, renamed to its
 final name only after every file is on disk and checksummed; a run killed mid-save
@@ -32,6 +37,7 @@ saved as `step-N-RUNID`.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -57,10 +63,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from glmtune.checkpoint.dcp_storage import JsonMetadataReader, JsonMetadataWriter, WeightsOnlyLoadPlanner
+from glmtune.checkpoint.dcp_storage import JsonMetadataReader, JsonMetadataWriter, WeightsOnlyLoadPlanner, failure_of
 from glmtune.checkpoint.integrity import CHECKSUMS_NAME, has_checksums, verify_checksums, write_checksums
+from glmtune.checkpoint.pickle_scan import check_torch_save
+from glmtune.checkpoint.state_schema import check_like
 from glmtune.io.sizes import human_bytes
-from glmtune.io.text_limits import parse_json
+from glmtune.io.text_limits import parse_json, printable
 
 # `step-N`, or `step-N-RUNID` when another run sharing the directory already holds step N.
 _STEP_RE = re.compile(r"^step-(\d+)(?:-([\w-]{1,64}))?$")
@@ -115,6 +123,25 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+def read_rng(path: Path) -> dict[str, Any]:
+    """A rank's RNG states as `capture_rng` wrote them; ValueError naming the file for anything else."""
+    with open(path, "rb") as fh:
+        check_torch_save(fh, str(path))
+        state = torch.load(fh, weights_only=True)
+    expected = torch.get_rng_state()
+    cuda = state.get("cuda", []) if isinstance(state, dict) else None
+    if not (isinstance(state, dict) and {"python", "torch"} <= set(state) <= {"python", "torch", "cuda"}
+            and isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == expected.dtype
+            and state["torch"].shape == expected.shape and isinstance(cuda, list)
+            and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda)):
+        raise ValueError(f"{path}: not the RNG states glmtune writes (python, torch and CUDA generator states)")
+    try:
+        random.Random().setstate(state["python"])  # Python's own check of a Mersenne Twister state
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{path}: not a Python random state ({exc})") from None
+    return state
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
@@ -134,6 +161,24 @@ def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], reader: JsonMetad
     for fqn in absent:
         del optim_state["state"][fqn]
     return absent
+
+
+def check_trainer_state(state: dict[str, Any], checkpoint: Checkpoint, expected: dict[str, Any] | None) -> None:
+    """The trainer state of `checkpoint` is what a trainer writes: `step` (the directory's) and `run_id`,
+    and, given the state the resuming trainer would write now (`expected`), exactly its fields, each
+    like the trainer's own (state_schema.py). ValueError naming trainer_state.json and the field."""
+    where = STATE_NAME
+    step, run_id = state.get("step"), state.get("run_id")
+    if type(step) is not int or step != checkpoint.step:
+        raise ValueError(f"{where}: step is {printable(repr(step))[:40]}, the checkpoint's directory says "
+                         f"{checkpoint.step}")
+    if run_id is not None and not isinstance(run_id, str):
+        raise ValueError(f"{where}: run_id is a {type(run_id).__name__}, not a run id")
+    if expected is None:
+        return
+    fields = {key: value for key, value in state.items() if key not in ("step", "run_id")}
+    check_like(fields, {key: value for key, value in expected.items() if key not in ("step", "run_id")},
+               where.removesuffix(".json"))
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -269,12 +314,14 @@ class CheckpointManager:
         return verify_checksums(checkpoint.path)
 
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                say: Callable[[str], None]) -> tuple[Checkpoint | None, dict[str, Any] | None]:
+                say: Callable[[str], None], expected_state: dict[str, Any] | None = None
+                ) -> tuple[Checkpoint | None, dict[str, Any] | None]:
         """Load what `checkpoint.resume` names and return it with its trainer state.
 
         `auto` takes the newest intact checkpoint of this run: a damaged one is named
         and skipped (falling back to the one before it); finding none is said, too. An
-        explicitly named checkpoint that is damaged is an error.
+        explicitly named checkpoint that is damaged is an error. `expected_state`: the
+        trainer state the caller would save now, which the checkpoint's must be like (`load`).
         """
         if resume in ("none", "", None):
             return None, None
@@ -284,7 +331,7 @@ class CheckpointManager:
             if problems:
                 raise DamagedCheckpointError(f"checkpoint.resume: {checkpoint.path} is damaged: {problems[0]}"
                                              + _more(problems) + "; resume from another checkpoint")
-            return checkpoint, self.load(checkpoint, model, optimizer)
+            return checkpoint, self.load(checkpoint, model, optimizer, expected_state)
         candidates = self.owned()
         others = len(self.complete()) - len(candidates)
         if others:
@@ -296,7 +343,7 @@ class CheckpointManager:
             problems = self.verify(checkpoint)
             if not problems:
                 try:
-                    return checkpoint, self.load(checkpoint, model, optimizer)
+                    return checkpoint, self.load(checkpoint, model, optimizer, expected_state)
                 except DamagedCheckpointError as exc:
                     problems = [str(exc)]
             say(f"checkpoint {checkpoint.path} is damaged ({problems[0]}{_more(problems)}); "
@@ -409,32 +456,39 @@ class CheckpointManager:
         return CheckpointWriteError(cause.errno, f"cannot write checkpoint {final}: {reason}; removed the "
                                                  f"partial checkpoint; {kept}")
 
-    def load(self, checkpoint: Checkpoint, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def load(self, checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             expected_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Restores model, optimizer and this rank's RNG; returns the trainer state.
 
+        Args:
+            expected_state: the trainer state the caller would save now; the checkpoint's must
+                have exactly its fields, each of the same kind (`check_trainer_state`).
+
         Raises:
-            DamagedCheckpointError: a file of the checkpoint cannot be read.
+            DamagedCheckpointError: a file of the checkpoint cannot be read, or holds a value
+                the writer never writes.
         """
         state = self._state(model, optimizer)
+        groups_written = copy.deepcopy(state["optim"].get("param_groups", []))  # what this optimizer writes
         try:
             trainer_state = read_trainer_state(checkpoint.path)
+            check_trainer_state(trainer_state, checkpoint, expected_state)
             reader = JsonMetadataReader(checkpoint.path)
             never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
             with _quiet_single_process():
                 dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+            check_like(state["optim"].get("param_groups", []), groups_written, "the optimizer's param_groups")
             saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
             if not never_stepped <= saved_params:
                 raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "
                                  "checkpoint's optimizer did not hold")
             rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
-            rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+            rng = read_rng(rng_file) if rng_file.is_file() else None
+            # Not strict for the optimizer: the parameters of `never_stepped` stay without state, as they were.
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=replace(self._options(), strict=False))
+            set_model_state_dict(model, state["model"], options=self._options())
         except (Exception, CheckpointException) as exc:
-            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise DamagedCheckpointError(f"{checkpoint.path} cannot be read: {detail[:300]}") from exc
-        # Not strict for the optimizer: the parameters of `never_stepped` stay without state, as they were.
-        set_optimizer_state_dict(model, optimizer, state["optim"], options=replace(self._options(), strict=False))
-        set_model_state_dict(model, state["model"], options=self._options())
+            raise DamagedCheckpointError(f"{checkpoint.path} cannot be read: {failure_of(exc)[:400]}") from exc
         if rng is not None:
             restore_rng(rng)
         return trainer_state

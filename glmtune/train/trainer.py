@@ -230,7 +230,8 @@ class Trainer:
 
     def resume(self, resume: str) -> int:
         """Load what `checkpoint.resume` names (see `CheckpointManager.restore`); the step reached."""
-        checkpoint, state = self.checkpoints.restore(resume, self.model, self.optimizer, self._print)
+        checkpoint, state = self.checkpoints.restore(resume, self.model, self.optimizer, self._print,
+                                                     expected_state=self.trainer_state())
         if checkpoint is None:
             return 0
         for moved in self.checkpoints.set_aside_after(checkpoint.step):

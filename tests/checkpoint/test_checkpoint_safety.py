@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -263,14 +265,22 @@ def test_disk_full_save_removes_its_partial_and_says_so(tmp_path, small_disk):
 
 
 def test_the_planted_optimizer_value_would_run_under_dcps_default_planner(tmp_path):
-    """The plant above is real: DCP's own planner unpickles it fully (so the weights-only one is what stops it)."""
+    """The plant above is real: DCP's own planner unpickles it fully when the items are not checked
+    first; with the check (JsonMetadataReader), even that full unpickler never sees it."""
     trainer, _ = _fit_with_checkpoints(tmp_path)
     newest = _newest(tmp_path)
     marker = tmp_path / "payload-ran"
     _plant_optimizer_value(newest, marker)
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=JsonMetadataReader(newest),
-             planner=DefaultLoadPlanner())
+    with pytest.raises(CheckpointException, match="refused before unpickling"):
+        dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=JsonMetadataReader(newest),
+                 planner=DefaultLoadPlanner())
+    assert not marker.exists()
+
+    class Unchecked(JsonMetadataReader):
+        _slice_file = FileSystemReader._slice_file
+
+    dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=Unchecked(newest), planner=DefaultLoadPlanner())
     assert marker.exists()
 
 
