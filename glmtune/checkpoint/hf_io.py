@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glmtune.checkpoint.safetensors_header import read_header
+from glmtune.checkpoint.shard_paths import outside_reason, shard_file
 from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
 from glmtune.io.outputs import check_output, output_dir
 from glmtune.io.sizes import parse_size
@@ -69,23 +70,33 @@ TOKENIZER_FILES = (
 
 
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
-    """HF key -> shard file, from the index (sharded) or the single safetensors file."""
+    """HF key -> shard file, from the index (sharded) or the single safetensors file.
+
+    Every file named stays inside `path` (shard_paths.py): a name that leaves it is a
+    ValueError naming the index and the entry, before any file is opened."""
     path = Path(path)
     index = path / INDEX_NAME
     if index.is_file():
         try:
             weight_map = parse_json(index.read_bytes(), str(index), max_bytes=256 << 20)["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            if not isinstance(weight_map, dict):
                 raise KeyError("weight_map is not an object of file names")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc})") from None
-        files = {key: path / name for key, name in weight_map.items()}
+        files, checked = {}, {}
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or name not in checked:
+                checked[name] = shard_file(path, name, index, key)  # raises for all but a name inside `path`
+            files[key] = checked[name]
         for file in sorted(set(files.values())):
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: shard named in {INDEX_NAME} is missing")
         return files
     single = path / SINGLE_NAME
-    if single.is_file():
+    if os.path.lexists(single):
+        reason = outside_reason(path, SINGLE_NAME)
+        if reason:
+            raise ValueError(f"{single} {reason}")
         return {key: single for key in _open(single).keys()}
     raise FileNotFoundError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME}")
 

@@ -6,7 +6,8 @@ key -> {dtype, shape, data_offsets}, then the raw data), so a 1.5 TB checkpoint
 verifies in seconds. Checked:
 
   * config.json loads (`Glm5Args.from_hf_config`);
-  * every shard the index names exists, and its header parses;
+  * every shard the index names lies inside the directory (shard_paths.py; a name that
+    leaves it is reported, never opened), exists, and its header parses;
   * index and headers agree key by key, in both directions;
   * each file's size equals the header's data end (catches truncated copies) and
     each tensor's byte range matches its dtype and shape;
@@ -29,10 +30,11 @@ from typing import Any
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
 from glmtune.checkpoint.safetensors_header import read_header
+from glmtune.checkpoint.shard_paths import outside_reason
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.state_dict_adapter import FP8_BLOCK, SCALE_SUFFIX, Glm5StateDictAdapter
-from glmtune.io.text_limits import parse_json
+from glmtune.io.text_limits import parse_json, printable
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -100,10 +102,13 @@ def _index(path: Path, report: VerifyReport) -> dict[str, str] | None:
             weight_map = parse_json(index.read_bytes(), INDEX_NAME, max_bytes=256 << 20)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
+            odd = next((key for key, name in weight_map.items() if not isinstance(name, str)), None)
+            if odd is not None:
+                raise TypeError(f"the entry for {printable(repr(odd))[:120]} is not a file name")
         except (ValueError, KeyError, TypeError) as exc:
             report.add(INDEX_NAME, None, f"not a safetensors index ({exc})")
             return None
-        return {str(k): str(v) for k, v in weight_map.items()}
+        return dict(weight_map)
     if (path / SINGLE_NAME).is_file():
         return {}
     report.add(str(path), None, f"no {INDEX_NAME} or {SINGLE_NAME}")
@@ -214,6 +219,10 @@ def _read_headers(path: Path, files: list[str], weight_map: dict[str, str],
     headers: dict[str, tuple[str, dict]] = {}
     readable: set[str] = set()
     for name in files:
+        outside = outside_reason(path, name) if weight_map else None
+        if outside:  # never opened: the index may name any file on the machine
+            report.add(INDEX_NAME, None, f"names {printable(repr(name))[:120]}, which {outside}")
+            continue
         file = path / name
         if not file.is_file():
             num_keys = sum(1 for v in weight_map.values() if v == name)

@@ -188,7 +188,7 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
         _check_header(handle, file, entries)
         for key in handle.keys():
             meta = handle.get_slice(key)
-            stats.checkpoint_bytes += _numel(meta.get_shape()) * _itemsize(meta.get_dtype())
+            stats.checkpoint_bytes += _numel(meta.get_shape()) * _itemsize(meta.get_dtype(), file, key)
         for hf_key, target in entries:
             tensor, index = destinations[target.key]
             load_tensor(handle, file, files, hf_key, target, tensor, index, stats)
@@ -331,7 +331,9 @@ _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 
              "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def _itemsize(dtype: str) -> int:
+def _itemsize(dtype: str, file: Path, key: str) -> int:
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"{file}: tensor {key} is {dtype}, a dtype no GLM-5 checkpoint stores")
     return _ITEMSIZE[dtype]
 
 
