@@ -13,10 +13,13 @@ and for scores the delta B - A):
   gates        each gate's verdict and value, and the overall verdict
   config       the resolved training config, flattened to dotted keys
   data         data manifest, counts, contract, schema, PII policy, sources, approval
-  rollback     each trigger's condition, the margin, the release it rolls back to
+  rollback     each trigger's condition, the margin, the release it rolls back to, and
+               the gated metrics left without a trigger (why)
   environment  glmtune version and commit, library versions
 
-Manifests are untrusted text: every cell and line of the table goes through `printable`
+Manifests are untrusted: every field the diff reads goes through a typed `Fields` view (a
+list where an object belongs, a string where a number belongs: one ValueError naming the file
+and the field, never a traceback), and every cell and line of the table through `printable`
 (an ESC in a metric name shows as `\x1b`); `--json` is escaped by json.dumps.
 """
 
@@ -28,6 +31,7 @@ from typing import Any
 
 from glmtune.io.sizes import human_bytes
 from glmtune.io.text_limits import printable
+from glmtune.release.fields import Fields
 from glmtune.release.manifest import load_release
 
 SECTIONS = ("release", "base", "artifacts", "tokenizer", "engine", "prompt", "suite", "scores", "gates", "config",
@@ -45,66 +49,83 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: value} if prefix else {}
 
 
-def _gate_key(gate: dict[str, Any]) -> str:
-    return f"{gate.get('name')} [{gate.get('model')}]"
+def _gate_key(gate: Fields) -> str:
+    return f"{gate.str('name')} [{gate.str('model')}]"
 
 
-def _projection(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _suite(ev: Fields) -> dict[str, Any]:
+    suite = ev.dict("suite")
+    sets = suite.list("sets")
+    return {"name": suite.scalar("name"), "version": suite.scalar("version"), "sha256": suite.str("sha256"),
+            **{f"set {s.str('name')}": s.str("sha256") for s in sets},
+            **{f"set {s.str('name')} rows": s.number("rows") for s in sets},
+            **flatten(ev.dict("decoding").value, "decoding.")}
+
+
+def _data(data: Fields) -> dict[str, Any]:
+    manifest = data.dict("manifest")
+    return {"manifest.sha256": manifest.str("sha256"),
+            **{f"manifest.{k}": manifest.number(k)
+               for k in ("train_conversations", "validation_conversations", "train_rows", "train_tokens")},
+            **flatten(data.dict("sources").value, "sources."),
+            "contract.sha256": data.dict("contract").str("sha256"),
+            "json_schema.sha256": data.dict("json_schema").str("sha256"),
+            "pii.policy": data.dict("pii").scalar("policy"),
+            "approval.approved_by": data.dict("approval").str("approved_by"),
+            "approval.note": data.dict("approval").str("note")}
+
+
+def _trigger(t: Fields) -> tuple[str, str]:
+    key = f"{t.str('metric', required=True)}@{t.str('category', required=True)}"
+    return key, f"{t.str('op', required=True)} {t.number('threshold', required=True):g}"
+
+
+def _projection(m: Fields) -> dict[str, dict[str, Any]]:
     """Each section (except artifacts and scores) as a flat {key: value} to compare."""
-    base, tokenizer, ev, data = m.get("base") or {}, m.get("tokenizer") or {}, m.get("eval") or {}, m.get("data") or {}
-    suite = ev.get("suite") or {}
-    env = m.get("environment") or {}
-    rollback = m.get("rollback") or {}
+    run, base, tokenizer, ev = m.dict("run"), m.dict("base"), m.dict("tokenizer"), m.dict("eval")
+    env, rollback, template = m.dict("environment"), m.dict("rollback"), m.dict("tokenizer").dict("chat_template")
     return {
-        "release": {"run.run_id": (m.get("run") or {}).get("run_id"), "run.name": (m.get("run") or {}).get("name"),
-                    "run.method": (m.get("run") or {}).get("method"), "run.path": (m.get("run") or {}).get("path")},
-        "base": {k: base.get(k) for k in ("name_or_path", "preset", "seed", "revision", "revision_source",
-                                          "config_sha256", "weights_sha256", "num_tensors")},
-        "tokenizer": {"chat_template.source": (tokenizer.get("chat_template") or {}).get("source"),
-                      "chat_template.sha256": (tokenizer.get("chat_template") or {}).get("sha256"),
-                      **{f"file {name}": sha for name, sha in (tokenizer.get("files") or {}).items()}},
-        "engine": dict(m.get("engine") or {}),
-        "prompt": dict(m.get("prompt") or {}),
-        "suite": {"name": suite.get("name"), "version": suite.get("version"), "sha256": suite.get("sha256"),
-                  **{f"set {s.get('name')}": s.get("sha256") for s in suite.get("sets", [])},
-                  **{f"set {s.get('name')} rows": s.get("rows") for s in suite.get("sets", [])},
-                  **flatten(ev.get("decoding") or {}, "decoding.")},
-        "gates": {"passed": ev.get("passed"), "allowed_failed_gates": ev.get("allowed_failed_gates"),
-                  **{_gate_key(g): f"{'passed' if g.get('passed') else 'FAILED'} ({g.get('value')})"
-                     for g in ev.get("gates", [])}},
-        "config": flatten((m.get("config") or {}).get("resolved") or {}),
-        "data": {"manifest.sha256": (data.get("manifest") or {}).get("sha256"),
-                 **{f"manifest.{k}": (data.get("manifest") or {}).get(k)
-                    for k in ("train_conversations", "validation_conversations", "train_rows", "train_tokens")},
-                 **flatten(data.get("sources") or {}, "sources."),
-                 "contract.sha256": (data.get("contract") or {}).get("sha256"),
-                 "json_schema.sha256": (data.get("json_schema") or {}).get("sha256"),
-                 "pii.policy": (data.get("pii") or {}).get("policy"),
-                 "approval.approved_by": (data.get("approval") or {}).get("approved_by"),
-                 "approval.note": (data.get("approval") or {}).get("note")},
-        "rollback": {"margin": rollback.get("margin"), "to": rollback.get("to"),
-                     **{f"{t['metric']}@{t['category']}": f"{t['op']} {t['threshold']:g}"
-                        for t in rollback.get("triggers", [])}},
-        "environment": {"glmtune.version": (env.get("glmtune") or {}).get("version"),
-                        "glmtune.commit": (env.get("glmtune") or {}).get("commit"),
-                        **{f"libraries.{k}": v for k, v in (env.get("libraries") or {}).items()}},
+        "release": {f"run.{k}": run.scalar(k) for k in ("run_id", "name", "method", "path")},
+        "base": {k: base.scalar(k) for k in ("name_or_path", "preset", "seed", "revision", "revision_source",
+                                             "config_sha256", "weights_sha256", "num_tensors")},
+        "tokenizer": {"chat_template.source": template.scalar("source"), "chat_template.sha256": template.str("sha256"),
+                      **{f"file {name}": sha for name, sha in tokenizer.dict("files").items()}},
+        "engine": dict(m.dict("engine").items()),
+        "prompt": dict(m.dict("prompt").items()),
+        "suite": _suite(ev),
+        "gates": {"passed": ev.scalar("passed"), "allowed_failed_gates": ev.scalar("allowed_failed_gates"),
+                  **{_gate_key(g): f"{'passed' if g.raw('passed') else 'FAILED'} ({g.scalar('value')})"
+                     for g in ev.list("gates")}},
+        "config": flatten(m.dict("config").dict("resolved").value),
+        "data": _data(m.dict("data")),
+        "rollback": {"margin": rollback.number("margin"), "to": rollback.str("to"),
+                     **dict(_trigger(t) for t in rollback.list("triggers")),
+                     **{f"no trigger on {u.str('metric', required=True)}@{u.str('category', required=True)}":
+                        u.str("reason", required=True) for u in rollback.list("untriggered")}},
+        "environment": {"glmtune.version": env.dict("glmtune").scalar("version"),
+                        "glmtune.commit": env.dict("glmtune").scalar("commit"),
+                        **{f"libraries.{k}": v for k, v in env.dict("libraries").items()}},
     }
 
 
-def _artifact_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    def summary(entry):
-        if entry is None:
-            return None
-        return f"{entry['num_files']} file{'' if entry['num_files'] == 1 else 's'}, {human_bytes(entry['size'])}"
+def _artifacts(m: Fields) -> dict[str, tuple[str, dict[str, str]]]:
+    """name -> (its summary, {file path: sha256})."""
+    out = {}
+    for entry in m.list("artifacts"):
+        count, size = entry.number("num_files", required=True), entry.number("size", required=True)
+        files = {f.str("path", required=True): f.str("sha256", required=True) for f in entry.list("files")}
+        out[entry.str("name", required=True)] = (f"{count} file{'' if count == 1 else 's'}, {human_bytes(size)}",
+                                                 files)
+    return out
 
-    by_a = {x["name"]: x for x in a.get("artifacts", [])}
-    by_b = {x["name"]: x for x in b.get("artifacts", [])}
+
+def _artifact_changes(a: Fields, b: Fields) -> list[dict[str, Any]]:
+    by_a, by_b = _artifacts(a), _artifacts(b)
     changes = []
     for name in [*by_a, *(n for n in by_b if n not in by_a)]:
         old, new = by_a.get(name), by_b.get(name)
         if old is not None and new is not None:
-            files_a = {f["path"]: f["sha256"] for f in old["files"]}
-            files_b = {f["path"]: f["sha256"] for f in new["files"]}
+            files_a, files_b = old[1], new[1]
             if files_a == files_b:
                 continue
             parts = ([f"{p} changed" for p in files_a if p in files_b and files_a[p] != files_b[p]]
@@ -113,15 +134,15 @@ def _artifact_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, An
             detail = "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
         else:
             detail = "added" if old is None else "removed"
-        changes.append({"section": "artifacts", "key": name, "a": summary(old), "b": summary(new), "delta": None,
-                        "detail": detail})
+        changes.append({"section": "artifacts", "key": name, "a": old and old[0], "b": new and new[0],
+                        "delta": None, "detail": detail})
     return changes
 
 
-def _score_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    def values(m):
-        return {(s["id"], label): v for s in (m.get("eval") or {}).get("scores", [])
-                for label, v in (s.get("values") or {}).items()}
+def _score_changes(a: Fields, b: Fields) -> list[dict[str, Any]]:
+    def values(m: Fields):
+        return {(s.str("id", required=True), label): s.dict("values").scalar(label)
+                for s in m.dict("eval").list("scores") for label, _ in s.dict("values").items()}
 
     va, vb = values(a), values(b)
     changes = []
@@ -129,16 +150,21 @@ def _score_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]
         old, new = va.get(key), vb.get(key)
         if old == new:
             continue
-        numeric = isinstance(old, (int, float)) and isinstance(new, (int, float))
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (old, new))
         changes.append({"section": "scores", "key": f"{key[0]} [{key[1]}]", "a": old, "b": new,
                         "delta": new - old if numeric else None, "detail": None})
     return changes
 
 
 def diff_releases(path_a: str | Path, path_b: str | Path) -> dict[str, Any]:
-    """{"a", "b", "chained", "changes": [{"section", "key", "a", "b", "delta", "detail"}], "unchanged": [...]}."""
-    a, sha_a = load_release(path_a, "A")
-    b, sha_b = load_release(path_b, "B")
+    """{"a", "b", "chained", "changes": [{"section", "key", "a", "b", "delta", "detail"}], "unchanged": [...]}.
+
+    Raises:
+        ValueError: a file is not a release, or a field the diff reads has the wrong type (naming it).
+    """
+    manifest_a, sha_a = load_release(path_a, "A")
+    manifest_b, sha_b = load_release(path_b, "B")
+    a, b = Fields(manifest_a, f"A {path_a}"), Fields(manifest_b, f"B {path_b}")
     changes = []
     proj_a, proj_b = _projection(a), _projection(b)
     for section in SECTIONS:
@@ -152,11 +178,11 @@ def diff_releases(path_a: str | Path, path_b: str | Path) -> dict[str, Any]:
                 if old.get(key) != new.get(key):
                     changes.append({"section": section, "key": key, "a": old.get(key), "b": new.get(key),
                                     "delta": None, "detail": None})
-    previous_b = b.get("previous") or {}
-    chained = previous_b.get("id") == a.get("id") and previous_b.get("sha256") == sha_a
+    previous_b = b.dict("previous")
+    chained = previous_b.str("id") == a.str("id") and previous_b.str("sha256") == sha_a
     changed_sections = {c["section"] for c in changes}
-    return {"a": {"path": str(path_a), "id": a.get("id"), "created": a.get("created"), "sha256": sha_a},
-            "b": {"path": str(path_b), "id": b.get("id"), "created": b.get("created"), "sha256": sha_b},
+    return {"a": {"path": str(path_a), "id": a.str("id"), "created": a.scalar("created"), "sha256": sha_a},
+            "b": {"path": str(path_b), "id": b.str("id"), "created": b.scalar("created"), "sha256": sha_b},
             "chained": chained, "changes": changes,
             "unchanged": [s for s in SECTIONS if s not in changed_sections]}
 

@@ -47,6 +47,7 @@ from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_jso
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
 from glmtune.release.deployment import deployment
 from glmtune.release.eval_record import check_evaluated_base, eval_section, failed_gates, load_eval, released_candidate
+from glmtune.release.fields import Fields
 from glmtune.release.paths import innermost, walk, within
 from glmtune.release.provenance import data_section, environment, tokenizer_section
 
@@ -184,8 +185,9 @@ def _previous(path: Path | None, manifest_dir: Path) -> dict[str, Any] | None:
     if previous.get("id") != release_id(previous):
         raise ValueError(f"--previous {path}: its content does not match its id {printable(previous.get('id'))} "
                          "(edited after it was written)")
-    return {"path": stored_root(path, manifest_dir), "sha256": sha, "id": previous["id"],
-            "created": previous.get("created"), "run_id": (previous.get("run") or {}).get("run_id")}
+    fields = Fields(previous, f"--previous {path}")  # a hand-made manifest may hold any type anywhere
+    return {"path": stored_root(path, manifest_dir), "sha256": sha, "id": fields.str("id", required=True),
+            "created": fields.scalar("created"), "run_id": fields.dict("run").scalar("run_id")}
 
 
 def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
