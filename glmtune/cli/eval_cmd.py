@@ -89,9 +89,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="completions (default): glmtune renders the suite's chat template and parses tool "
                              "calls, as in-process; chat: the engine's template and tool-call parser")
     served.add_argument("--concurrency", type=int, metavar="N", help="requests in flight (default 8)")
-    served.add_argument("--timeout", type=float, metavar="S", help="seconds per request attempt (default 120)")
+    served.add_argument("--timeout", type=float, metavar="S",
+                        help="seconds per request attempt, its whole duration (default 120); a request with its "
+                             "retries ends within timeout x (retries + 1)")
     served.add_argument("--retries", type=int, metavar="N",
                         help="retries of a request after a 408/429/5xx, a timeout or a lost connection (default 3)")
+    served.add_argument("--max-response-bytes", type=int, metavar="B",
+                        help="the most bytes read of any one response, larger ones fail their request (default "
+                             "16777216, 16 MiB; from 1024 to 1073741824)")
     served.add_argument("--tokenizer", metavar="DIR", help="tokenizer and chat template for the suite's prompts "
                         "when no model is local (default: the local model's)")
     parser.set_defaults(func=_run)
@@ -212,7 +217,7 @@ def _endpoint_options(ns: argparse.Namespace):
     from glmtune.eval.endpoint import EndpointOptions
 
     return EndpointOptions(ns.api, ns.concurrency, ns.timeout, ns.retries, ns.base_model, ns.candidate_model,
-                           Path(ns.tokenizer) if ns.tokenizer is not None else None)
+                           Path(ns.tokenizer) if ns.tokenizer is not None else None, ns.max_response_bytes)
 
 
 def _report(ns: argparse.Namespace, card: dict, out: Path) -> int:

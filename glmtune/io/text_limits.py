@@ -13,6 +13,8 @@ that would otherwise act on it:
   * `parse_json(text, what, ...)`: a parser. A model's output or a data row nested
     thousands deep would raise RecursionError deep inside `json`; size and depth are
     bounded and a violation is a ValueError naming `what`.
+  * `clipped(value, limit)`: a message. What a server or a file said, quoted in an error
+    (a listing of 200,001 model ids), is cut to `limit` characters on one line.
 """
 
 from __future__ import annotations
@@ -113,3 +115,14 @@ def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None,
     if json_depth(value) > max_depth:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels")
     return value
+
+
+def clipped(value: Any, limit: int = 200) -> str:
+    """`value` (via str) as a message may quote it when someone else wrote it (a server's answer, a
+    row): on one line (runs of whitespace as one space), control characters escaped (`printable`),
+    at most `limit` characters; a longer one is cut and says how long it was."""
+    text = str(value)
+    flat = printable(" ".join(text[:4 * limit].split()))
+    if len(text) <= limit and len(flat) <= limit:
+        return flat
+    return f"{flat[:limit]}… ({len(text):,} characters)"

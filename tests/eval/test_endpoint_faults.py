@@ -123,8 +123,11 @@ def test_faults_are_counted_named_and_bounded(tmp_path, stub_url):
                           "fault-malformed": 2, "fault-drop": 6}
     for label in ("base", "candidate"):
         ops = card["operations"][label]
+        failed_examples = ops["endpoint"].pop("failed_examples")
+        assert len(failed_examples) == 4 and all(f"(server {stub_url}, request glmtune-" in m for m in failed_examples)
         assert ops["endpoint"] == {
             "api": "completions", "model": "stub-model", "concurrency": 4, "timeout_s": TIMEOUT_S, "max_retries": 2,
+            "max_response_bytes": 16 << 20, "answered_by": [f"127.0.0.1:{stub_url.split(':')[2][:-3]}"],
             "http_requests": 13, "retries": 6, "failed_requests": 4,
             "failures": {"connection": 1, "http 500": 1, "malformed": 1, "timeout": 1},
             "faults": {"connection": 3, "http 429": 1, "http 500": 3, "malformed": 1, "timeout": 2},
@@ -152,7 +155,8 @@ def test_faults_are_counted_named_and_bounded(tmp_path, stub_url):
     assert "n/a (not available from this engine)" in (tmp_path / "eval" / "scorecard.html").read_text()
     assert card["models"][1]["fingerprint"] == {"endpoint": stub_url, "model": "stub-model", "api": "completions",
                                                 "engine_server": "BaseHTTP/0.6 Python/" + _python(),
-                                                "engine_owned_by": "tests", "engine_version": None}
+                                                "engine_owned_by": "tests", "engine_version": None,
+                                                "answered_by": f"127.0.0.1:{stub_url.split(':')[2][:-3]}"}
 
 
 def _python() -> str:
@@ -162,13 +166,8 @@ def _python() -> str:
 
 
 def test_engine_tool_calls_and_chat_history():
-    class Function:
-        def __init__(self, name, arguments):
-            self.name, self.arguments = name, arguments
-
-    class Call:
-        def __init__(self, name, arguments):
-            self.function = Function(name, arguments)
+    def Call(name, arguments):  # noqa: N802 (reads as the chat API's object)
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
     parsed = _engine_calls([Call("lookup_order", '{"order_id": "A-1"}'), Call("lookup_order", '{"order_id": '),
                             Call("lookup_order", "[1]")])
@@ -190,6 +189,10 @@ def test_engine_tool_calls_and_chat_history():
     (EndpointOptions(concurrency=0), "/m", "--concurrency 0: expected an integer from 1"),
     (EndpointOptions(timeout_s=0.0), "http://127.0.0.1:9/v1", "--timeout 0.0: expected seconds above 0"),
     (EndpointOptions(base_model="x"), "/m", "--base-model names a served model, but --base /m is not an endpoint"),
+    (EndpointOptions(max_response_bytes=100), "http://127.0.0.1:9/v1",
+     "--max-response-bytes 100: expected bytes from 1024 to 1073741824"),
+    (EndpointOptions(max_response_bytes=1 << 31), "http://127.0.0.1:9/v1", "--max-response-bytes 2147483648: "),
+    (EndpointOptions(max_response_bytes=4096), "/m", "--max-response-bytes applies to an endpoint model"),
 ])
 def test_endpoint_options_refused_in_one_line(options, base, message):
     with pytest.raises(ValueError, match=message):
