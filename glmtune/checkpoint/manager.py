@@ -181,6 +181,21 @@ def check_trainer_state(state: dict[str, Any], checkpoint: Checkpoint, expected:
                where.removesuffix(".json"))
 
 
+def _check_param_groups(loaded: Any, written: list[dict[str, Any]]) -> None:
+    """The optimizer's param_groups read back are like the ones this optimizer writes (state_schema.py),
+    but for the parameter names, which need only be names: which parameters the saved optimizer held
+    is checked against the state it saved (`load`)."""
+    where = "the optimizer's param_groups"
+    if not isinstance(loaded, list) or not all(isinstance(g, dict) for g in loaded):
+        raise ValueError(f"{where}: not a list of groups")
+    for i, group in enumerate(loaded):
+        names = group.get("params")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{where}[{i}].params: not a list of parameter names")
+    check_like([{k: v for k, v in g.items() if k != "params"} for g in loaded],
+               [{k: v for k, v in g.items() if k != "params"} for g in written], where)
+
+
 def read_trainer_state(path: Path) -> dict[str, Any]:
     """The trainer state of checkpoint directory `path` (JSON, its size and depth bounded)."""
     if not (path / STATE_NAME).is_file():
@@ -477,7 +492,7 @@ class CheckpointManager:
             never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
             with _quiet_single_process():
                 dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
-            check_like(state["optim"].get("param_groups", []), groups_written, "the optimizer's param_groups")
+            _check_param_groups(state["optim"].get("param_groups", []), groups_written)
             saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
             if not never_stepped <= saved_params:
                 raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "

@@ -88,21 +88,24 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
     for stem, pair in lora_pairs(adapter_dir, tensors).items():
         a, b = pair["A"], pair["B"]
         per, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
-        try:
+        try:  # get_submodule; the reshape of a fused pair whose rows are not E x rank
             module = model.get_submodule(internal(fused.group(1))) if fused else None
-        except AttributeError as exc:
+            if per:
+                per_expert[internal(per.group(1))][per.group(3)][int(per.group(2))] = (a, b)
+            elif isinstance(module, GroupedExperts):
+                num = module.num_experts
+                proj = fused_expert_proj(fused.group(1), bool(fused.group(2)), config)
+                experts[internal(fused.group(1))][proj] = (
+                    a.reshape(num, -1, a.shape[-1]), b.reshape(b.shape[0], -1, num).permute(2, 0, 1).contiguous())
+            else:
+                linears[internal(stem)] = (a, b)
+        except (AttributeError, RuntimeError) as exc:
             raise ValueError(f"{adapter_dir}: adapter module {stem} does not fit this model: {exc}") from None
-        if per:
-            per_expert[internal(per.group(1))][per.group(3)][int(per.group(2))] = (a, b)
-        elif isinstance(module, GroupedExperts):
-            num = module.num_experts
-            proj = fused_expert_proj(fused.group(1), bool(fused.group(2)), config)
-            experts[internal(fused.group(1))][proj] = (a.reshape(num, -1, a.shape[-1]),
-                                                       b.reshape(b.shape[0], -1, num).permute(2, 0, 1).contiguous())
-        else:
-            linears[internal(stem)] = (a, b)
     for name, leaves in per_expert.items():
-        experts[name].update(_stack_per_expert(adapter_dir, name, leaves, model.get_submodule(name).num_experts))
+        try:  # get_submodule; stacking experts' factors of different shapes
+            experts[name].update(_stack_per_expert(adapter_dir, name, leaves, model.get_submodule(name).num_experts))
+        except (AttributeError, RuntimeError) as exc:
+            raise ValueError(f"{adapter_dir}: adapter module {name} does not fit this model: {exc}") from None
     for param in model.parameters():
         param.requires_grad_(False)
     deferred: dict[str, torch.Tensor] = {}

@@ -25,12 +25,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.hf_io import _check_shard_sizes, _open, _read
 from glmtune.io.outputs import check_output
 from glmtune.io.text_limits import parse_json
+from glmtune.models.common.hf_config import read_hf_config
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.moe import GroupedExperts
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
@@ -67,10 +68,34 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """adapter_config.json and the tensors (keys without the `base_model.model.` prefix)."""
+    """adapter_config.json and the tensors (keys without the `base_model.model.` prefix).
+
+    Either file hostile (cut short, not safetensors, not JSON, fields of the wrong type) is a
+    ValueError naming the file (`read_adapter_config`, `read_adapter_weights`)."""
     config = read_adapter_config(adapter_dir)
-    tensors = load_file(str(Path(adapter_dir) / WEIGHTS_NAME))
-    return config, {k.removeprefix(PREFIX): v for k, v in tensors.items()}
+    return config, read_adapter_weights(adapter_dir)
+
+
+def read_adapter_weights(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors, its header and size checked before a tensor is read."""
+    file = Path(adapter_dir) / WEIGHTS_NAME
+    _check_shard_sizes({WEIGHTS_NAME: file})  # not safetensors, or cut short: named, before safetensors reads it
+    handle = _open(file)
+    return {key.removeprefix(PREFIX): _read(handle, file, key) for key in handle.keys()}
+
+
+def _config_problem(config: dict) -> str | None:
+    """The first field of an adapter config merging reads that is not of its type (None if none)."""
+    rank, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_parameters")
+    if type(rank) is not int or rank <= 0:
+        return f"r is {rank!r:.40}, not a positive integer"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        return f"lora_alpha is {alpha!r:.40}, not a number"
+    if not isinstance(config.get("use_rslora", False), bool):
+        return "use_rslora is not true or false"
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        return "target_parameters is not a list of names"
+    return None
 
 
 def read_adapter_config(adapter_dir: str | Path) -> dict:
@@ -83,10 +108,13 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{adapter_dir / CONFIG_NAME}: not an adapter config (a JSON object)")
     if str(config.get("peft_type", "")).upper() != "LORA":
-        raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r:.40} is not LORA")
+    problem = _config_problem(config)
+    if problem:
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: {problem}")
     for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)):
         if config.get(key, ok) != ok:
-            raise ValueError(f"{adapter_dir}: {key}={config[key]!r} is not supported (expected {ok!r})")
+            raise ValueError(f"{adapter_dir}: {key}={config[key]!r:.40} is not supported (expected {ok!r})")
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
             raise ValueError(f"{adapter_dir}: {key} is not supported by glmtune merge")
@@ -94,15 +122,24 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
 
 
 def lora_pairs(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """stem -> {"A": lora_A, "B": lora_B} in fp32; ValueError naming the adapter file for a tensor that
+    is not a LoRA factor, a factor without its partner, or a pair that is not two matrices of one rank."""
+    where = Path(adapter_dir) / WEIGHTS_NAME
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY_RE.match(key)
         if match is None:
-            raise ValueError(f"{adapter_dir}: tensor {key} is not a LoRA factor (lora_A/lora_B weight)")
+            raise ValueError(f"{where}: tensor {key} is not a LoRA factor (lora_A/lora_B weight)")
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            raise ValueError(f"{where}: {key} is a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, "
+                             "not a matrix of floating-point numbers")
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor.float()
     for stem, pair in pairs.items():
         if set(pair) != {"A", "B"}:
-            raise ValueError(f"{adapter_dir}: {stem} has lora_{next(iter(pair))} but no partner factor")
+            raise ValueError(f"{where}: {stem} has lora_{next(iter(pair))} but no partner factor")
+        if pair["A"].shape[0] != pair["B"].shape[1]:
+            raise ValueError(f"{where}: {stem}: lora_A has {pair['A'].shape[0]} rows, lora_B "
+                             f"{pair['B'].shape[1]} columns (one rank for both)")
     return pairs
 
 
@@ -234,7 +271,7 @@ def merge_adapter_dir(model: nn.Module, adapter_dir: str | Path) -> int:
 
 
 def config_dtype(base_dir: Path) -> torch.dtype:
-    config = parse_json((base_dir / "config.json").read_bytes(), str(base_dir / "config.json"), max_bytes=64 << 20)
+    config = read_hf_config(base_dir)
     name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
@@ -255,10 +292,11 @@ def check_base(base_dir: str | Path, adapter_dir: str | Path, force: bool = Fals
     meta_path = Path(adapter_dir) / META_NAME
     recorded = None
     if meta_path.is_file():
-        try:
-            recorded = parse_json(meta_path.read_bytes(), str(meta_path), max_bytes=1 << 20).get("base")
-        except (ValueError, AttributeError) as exc:
-            raise ValueError(f"{meta_path}: not a glmtune adapter record ({exc})") from None
+        meta = parse_json(meta_path.read_bytes(), str(meta_path), max_bytes=1 << 20)
+        recorded = meta.get("base") if isinstance(meta, dict) else []
+        if recorded is not None and not (isinstance(recorded, dict) and all(
+                isinstance(recorded.get(key, ""), str) for key in ("config_sha256", "weights_sha256"))):
+            raise ValueError(f"{meta_path}: not a glmtune adapter record (its base is not an identity of hashes)")
     if not recorded:
         return f"note: ADAPTER_DIR {adapter_dir} records no base ({META_NAME}); the base could not be checked"
     reasons = identity_mismatch(recorded, base_identity_from_dir(base_dir))
