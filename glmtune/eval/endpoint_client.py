@@ -25,6 +25,7 @@ the transport or `endpoint_responses` refuses (`ServerFault`: "too large", "redi
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import Counter
@@ -120,9 +121,10 @@ def _wait_s(attempt: int, exc: BaseException) -> float:
     retry_after = response.headers.get("retry-after") if response is not None else None
     if retry_after is not None:
         try:
-            wait = float(retry_after)
+            given = float(retry_after)
         except ValueError:
-            pass  # an HTTP date: keep the backoff
+            given = math.nan  # an HTTP date: keep the backoff
+        wait = given if math.isfinite(given) else wait  # "nan" would reach time.sleep
     return min(max(wait, 0.0), _MAX_BACKOFF_S)
 
 

@@ -107,9 +107,13 @@ class _Watchdog:
         self._timer.start()
 
     def trace(self, event: str, info: dict) -> None:
-        if event not in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+        # "connection.connect_tcp.complete", "connection.start_tls.complete", "proxy.start_tls.complete"
+        # (TLS through a proxy's tunnel): the latest stream's socket is the one that holds the fd.
+        if not event.endswith((".connect_tcp.complete", ".start_tls.complete")):
             return
-        sock = info["return_value"].get_extra_info("socket")  # after TLS: the wrapping socket
+        sock = info["return_value"].get_extra_info("socket")
+        if sock is None:
+            return
         with contextlib.suppress(OSError):
             host, port = sock.getpeername()[:2]
             self.peer = f"{host}:{port}"
@@ -224,8 +228,13 @@ class GuardedTransport(httpx.BaseTransport):
         """Refuse a redirect off the origin, a compressed body, a stated length over the cap."""
         location = response.headers.get("location")
         if response.status_code in _REDIRECTS and location is not None:
-            target = request.url.join(location)
-            if origin(target) != self.origin:
+            try:
+                target = request.url.join(location)
+                off = origin(target) != self.origin
+            except Exception:  # httpx.InvalidURL and the like: the header is not a URL
+                raise MalformedResponse(f"{what}: a {response.status_code} redirect to {clipped(location)}, which "
+                                        "is not a URL") from None
+            if off:
                 raise RedirectRefused(f"{clipped(request.url)} answered {response.status_code}, a redirect to "
                                       f"{clipped(target)}, off the endpoint's origin "
                                       f"{origin_text(self.base_url)}; refused (give that server's URL instead)")

@@ -21,6 +21,7 @@ Messages quote the server through `clipped`: a listing of 200,001 model ids is n
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -30,6 +31,7 @@ from glmtune.eval.endpoint_http import MalformedResponse
 from glmtune.io.text_limits import clipped, parse_json
 
 _COUNT = {"type": ["integer", "null"], "minimum": 0}
+_MAX_ID = 1024  # a served model's id: a name or a path (it goes into every request and the fingerprint)
 _REASON = {"type": ["string", "null"]}
 
 
@@ -38,7 +40,8 @@ def _with_choices(choice: dict[str, Any], max_new_tokens: int | None = None) -> 
         "prompt_tokens": _COUNT,
         "completion_tokens": {**_COUNT, **({"maximum": max_new_tokens} if max_new_tokens is not None else {})}}}
     return {"type": "object", "required": ["choices"], "properties": {
-        "choices": {"type": "array", "minItems": 1, "items": {"type": "object", **choice}}, "usage": usage}}
+        # Only the first choice is read (n = 1): the others are not checked, nor walked.
+        "choices": {"type": "array", "minItems": 1, "prefixItems": [{"type": "object", **choice}]}, "usage": usage}}
 
 
 _COMPLETION_CHOICE = {"required": ["text"], "properties": {"text": {"type": "string"}, "finish_reason": _REASON}}
@@ -71,10 +74,15 @@ def read(body: bytes, kind: str, what: str, max_new_tokens: int | None = None) -
         value = parse_json(body, what)
     except ValueError as exc:
         raise MalformedResponse(clipped(exc, 300)) from None
-    error = jsonschema.exceptions.best_match(_validator(kind, max_new_tokens).iter_errors(value))
-    if error is not None:
-        raise MalformedResponse(f"{what}: {clipped(error.json_path, 80)}: {clipped(error.message, 200)}")
-    return value
+    # The best of the first few errors: a body of a million wrong items would otherwise make a million errors.
+    errors = itertools.islice(_validator(kind, max_new_tokens).iter_errors(value), 16)
+    error = jsonschema.exceptions.best_match(errors)
+    if error is None:
+        return value
+    message = error.message  # it quotes the value at fault, which may be long: then the value is cut, not the why
+    if len(message) > 200:
+        message = f"{clipped(repr(error.instance), 80)} fails {error.validator!r}: {clipped(error.validator_value, 80)}"
+    raise MalformedResponse(f"{what}: {clipped(error.json_path, 80)}: {clipped(message, 300)}")
 
 
 def answer_chars(max_new_tokens: int, longest_token: int, api: str) -> int:
@@ -114,10 +122,10 @@ def served_models(response: dict[str, Any]) -> dict[str, str | None]:
     model that is not an object with a non-empty string id and a string or null owned_by."""
     served = {}
     for i, m in enumerate(response["data"]):
-        if not (isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+        if not (isinstance(m, dict) and isinstance(m.get("id"), str) and 0 < len(m["id"]) <= _MAX_ID
                 and isinstance(m.get("owned_by"), (str, type(None)))):
-            raise MalformedResponse(f"GET /v1/models: $.data[{i}]: {clipped(m, 100)} is not a model (a non-empty "
-                                    "string id, a string or null owned_by)")
+            raise MalformedResponse(f"GET /v1/models: $.data[{i}]: {clipped(m, 100)} is not a model (a string id "
+                                    f"of 1 to {_MAX_ID} characters, a string or null owned_by)")
         served[m["id"]] = m.get("owned_by")
     return served
 

@@ -6,7 +6,8 @@ an echo request, one model ("stub-model") for GET /v1/models.
 
 A behaviour is a function (handler, request body) that writes the whole response. The ones here:
 a huge body (stated or streamed), a drip (one byte every `DRIP_S`, of the body or of the headers),
-a redirect, a completion with given fields, echoed log-probabilities with one value replaced.
+a redirect, a completion with given fields, echoed log-probabilities with one value replaced, any
+bytes with any headers.
 `Server.seen` counts the requests per marker (and per path for GET), `Server.sent` the body bytes a
 huge answer got out before the client went away.
 """
@@ -98,6 +99,18 @@ def drip(headers: bool) -> Behaviour:
                 time.sleep(DRIP_S)
         except OSError:
             pass
+    return write
+
+
+def raw(status: int, data: bytes, **headers: str) -> Behaviour:
+    """`data` as the body, with a Content-Length and `headers` (Content_Encoding: Content-Encoding)."""
+    def write(handler, body):
+        handler.send_response(status)
+        handler.send_header("Content-Length", str(len(data)))
+        for name, value in headers.items():
+            handler.send_header(name.replace("_", "-"), value)
+        handler.end_headers()
+        handler.wfile.write(data)
     return write
 
 

@@ -23,8 +23,8 @@ from glmtune.eval.backends import Failed, Turn
 from glmtune.eval.endpoint import Endpoint, EndpointOptions, resolve_endpoint
 from glmtune.eval.evaluate import run_eval
 from glmtune.eval.suite import DecodingConfig
-from tests.eval.hostile_stub import (ANSWER, DRIP_FOR_S, Server, completion, drip, echo_logprobs, huge, redirect,
-                                     reply)
+from tests.eval.hostile_stub import (ANSWER, DRIP_FOR_S, Server, completion, drip, echo_logprobs, huge, raw,
+                                     redirect, reply)
 
 MAX_NEW_TOKENS = 8
 
@@ -97,6 +97,36 @@ def test_a_drip_is_cut_at_the_request_deadline(prompting):
         assert "no complete response within the deadline" in _error(result)
     assert server.seen["drip-body"] == server.seen["drip-headers"] == 2  # the retry, cut by the request's deadline
     assert done["ops"]["failures"] == {"timeout": 2}
+
+
+def _completion_with(**choice) -> bytes:
+    return json.dumps({"choices": [{"index": 0, "text": ANSWER, "finish_reason": "stop", **choice}]}).encode()
+
+
+MALFORMED = {  # marker: (the answer, what the failure says)
+    "not-json": (raw(200, b"garbage"), "not valid JSON"),
+    "not-utf8": (raw(200, b'{"choices": [{"text": "\xff"}]}'), "not valid JSON"),
+    "deep": (raw(200, b"[" * 100_000), "nested deeper than 64 levels"),
+    "no-choices": (raw(200, b'{"choices": []}'), "$.choices: [] should be non-empty"),
+    "text-number": (raw(200, _completion_with(text=5)), "$.choices[0].text: 5 is not of type 'string'"),
+    "reason-object": (raw(200, _completion_with(finish_reason={"a": 1})), "$.choices[0].finish_reason: "),
+    "gzip": (raw(200, _completion_with(), Content_Encoding="gzip"), "a body in Content-Encoding 'gzip' though "
+                                                                     "identity was asked"),
+    "bad-location": (raw(307, b"{}", Location="http://[::1"), "a 307 redirect to http://[::1, which is not a URL"),
+}
+
+
+def test_a_malformed_answer_of_any_kind_fails_its_request_only(prompting):
+    behaviours = {marker: answer for marker, (answer, _) in MALFORMED.items()}
+    behaviours["nan-retry"] = raw(429, b"{}", Retry_After="nan")  # waits the backoff, not time.sleep(nan)
+    with Server(behaviours) as server:
+        results, ops = _answer(server.url, prompting, [*MALFORMED, "nan-retry", "ok"], retries=1)
+    for (marker, (_, says)), result in zip(MALFORMED.items(), results):
+        assert _error(result).startswith("malformed after 1 attempt: "), (marker, _error(result))
+        assert says in _error(result) and f"(server {server.url}, request glmtune-" in _error(result), marker
+    assert _error(results[-2]).startswith("http 429 after 2 attempts: ")
+    assert isinstance(results[-1], Turn) and results[-1].text == ANSWER
+    assert ops["failures"] == {"http 429": 1, "malformed": len(MALFORMED)}
 
 
 def _suite(tmp_path: Path, rows: list[str], scorers: str = "[refusal]", general_text: str | None = None) -> Path:
