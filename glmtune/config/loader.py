@@ -30,6 +30,7 @@ import yaml
 
 from glmtune.config.schema import JobConfig, OptimConfig, TrainConfig
 from glmtune.config.yaml_layers import KeyPath, Layer, format_path, merge_layers, parse_overrides, read_recipe
+from glmtune.io.regular import check_regular_file
 
 # Recipes shipped in the source tree (`pip install -e .`); lets `glmtune config show
 # tiny/sft_support_json` work from any directory.
@@ -61,6 +62,8 @@ def resolve_recipe_path(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.exists() and not path.is_dir():  # a FIFO or a device: refused, not looked up under recipes/
+        return check_regular_file(path, "recipe")
     for candidate in (RECIPES_DIR / path, RECIPES_DIR / f"{path}.yaml"):
         if candidate.is_file():
             return candidate

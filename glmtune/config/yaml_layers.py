@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import yaml
 
+from glmtune.io.regular import open_regular
+
 # A key path into the config tree: section and field names, list indices as ints.
 KeyPath = tuple[Any, ...]
 
@@ -102,7 +104,7 @@ def _compose(text: str, name: str, kind: str) -> yaml.Node | None:
 
 def _read_text(path: Path, label: str, kind: str, max_bytes: int) -> str:
     """The file as UTF-8 text, at most `max_bytes`; else one line naming the file (and line, column)."""
-    with open(path, "rb") as stream:
+    with open_regular(path, kind) as stream:  # a FIFO would block the read
         data = stream.read(max_bytes + 1)  # bounded even for a file that grows or lies about its size
     if len(data) > max_bytes:
         raise ValueError(f"{label}: more than {max_bytes:,} bytes, too large for a {kind} (a few KiB is usual)")

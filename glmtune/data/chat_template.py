@@ -34,6 +34,7 @@ or that calls `raise_exception` is a ValueError naming the file it was read from
 from __future__ import annotations
 
 import bisect
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS
+from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import parse_json
 
 BUNDLED_TEMPLATE_PATH = Path(__file__).parent / "templates" / "glm5.jinja"
@@ -103,11 +105,14 @@ def load_chat_template(tokenizer_dir: str | Path | None = None) -> str:
     if tokenizer_dir is not None:
         directory = Path(tokenizer_dir)
         jinja_file = directory / "chat_template.jinja"
-        if jinja_file.is_file():
-            return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file))
+        # A FIFO or a directory under either name is refused, not skipped for another template.
+        if jinja_file.exists():
+            with io.TextIOWrapper(open_regular(jinja_file, "chat template"), encoding="utf-8") as f:
+                return ChatTemplate(f.read(), str(jinja_file))  # universal newlines, as read_text
         config_file = directory / "tokenizer_config.json"
-        if config_file.is_file():
-            config = parse_json(config_file.read_bytes(), str(config_file), max_bytes=64 << 20)
+        if config_file.exists():
+            with open_regular(config_file, "tokenizer config") as f:
+                config = parse_json(f.read(), str(config_file), max_bytes=64 << 20)
             template = config.get("chat_template") if isinstance(config, dict) else None
             if isinstance(template, list):
                 named = {entry.get("name"): entry.get("template") for entry in template}

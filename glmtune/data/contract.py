@@ -36,6 +36,7 @@ import jsonschema
 
 from glmtune.data.sources import Origin, Row, loads_bounded
 from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS
+from glmtune.io.regular import check_regular_file
 from glmtune.io.text_limits import parse_json
 
 # A JSON Schema for answers is a few KiB; this bounds what a mistyped path (a dataset) would read.
@@ -57,8 +58,9 @@ class Violation:
 def load_schema(path: str | Path) -> dict[str, Any]:
     """Read a JSON Schema file and check that it is itself a valid schema."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"schema file not found: {path}")
+    check_regular_file(path, "schema file")  # a FIFO would block the read
     if path.stat().st_size > MAX_SCHEMA_BYTES:
         raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_SCHEMA_BYTES:,} a JSON Schema "
                          "file may have (MAX_SCHEMA_BYTES)")

@@ -40,6 +40,7 @@ from glmtune.data.preferences import check_rows_or_raise
 from glmtune.data.sources import Row, expand_inputs, file_sha256, no_rows_message, read_rows
 from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
 from glmtune.io.outputs import check_output, output_dir
+from glmtune.io.regular import open_regular
 
 MANIFEST_NAME = "manifest.json"
 PII_REPORT_NAME = "pii_report.json"
@@ -156,7 +157,8 @@ def split_files(out_dir: str | Path) -> dict[str, Path]:
     """The split files a prepared directory's manifest points at."""
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST_NAME
-    if not manifest_path.is_file():
+    if not manifest_path.exists():
         raise FileNotFoundError(f"no {MANIFEST_NAME} in {out_dir}; run `glmtune data prepare` first")
-    manifest = json.loads(manifest_path.read_text())
+    with open_regular(manifest_path, "prepared data manifest") as f:
+        manifest = json.loads(f.read())
     return {name: out_dir / entry["file"] for name, entry in manifest["outputs"].items()}

@@ -11,7 +11,10 @@ than that) and a row nested deeper than MAX_JSON_DEPTH (64; a chat row with tool
 and tool specs uses about 12), which would otherwise raise RecursionError in `json` or
 in the checks that walk rows; Parquet and `datasets` rows get the depth check too. A
 file that cannot be read at all (a `.parquet` that is not Parquet, a damaged
-`datasets` directory) is a ValueError naming it.
+`datasets` directory) is a ValueError naming it; so is an input that is not a regular file
+(a FIFO, a socket, a device, a directory named like a data file, or one inside a `datasets`
+directory), refused before anything opens it (`glmtune.io.regular`): a FIFO would block the
+read forever.
 
 Row schema (checked by contract.py):
     {"messages": [{"role": "system|user|assistant|tool",
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from glmtune.io.regular import check_entries, check_regular_file, open_regular
 from glmtune.io.text_limits import MAX_JSON_DEPTH, JsonSyntaxError, json_depth, parse_json
 
 JSONL_SUFFIXES = (".jsonl",)
@@ -105,7 +109,7 @@ def _lines(f: BinaryIO) -> Iterator[tuple[bytes, bool]]:
 def _read_jsonl(path: Path) -> Iterator[Row]:
     # Bytes, split at b"\n" only: a decode error then names its line, and a stray
     # b"\r" inside a line does not shift the line numbers editors show.
-    with path.open("rb") as f:
+    with open_regular(path, "data file") as f:
         for line_number, (raw, whole) in enumerate(_lines(f), start=1):
             origin = Origin(str(path), line_number)
             if not whole:
@@ -163,6 +167,7 @@ def _read_parquet(path: Path) -> Iterator[Row]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    check_regular_file(path, "data file")  # pyarrow opens it: a FIFO would block there
     index = 0
     try:  # a damaged page can surface only when its batch is read, so the loop is covered too
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
@@ -180,6 +185,7 @@ def _read_hf_dataset(path: Path) -> Iterator[Row]:
         raise ValueError(f"{path}: reading a `datasets` directory needs the datasets package "
                          "(pip install datasets)") from exc
 
+    check_entries(path, "`datasets` directory entry", recursive=True)  # datasets opens every file in it
     try:
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
@@ -217,9 +223,9 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
             found = sorted(p for p in path.iterdir() if p.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES)
             if not found:
                 raise ValueError(f"{path} holds no .jsonl or .parquet files and is not a `datasets` directory")
-            units.extend(found)
+            units.extend(check_regular_file(p, "data file") for p in found)
         elif path.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES:
-            units.append(path)
+            units.append(check_regular_file(path, "data file"))
         else:
             raise ValueError(f"{path}: unsupported data file (expected .jsonl, .parquet, or a save_to_disk directory)")
     return units
@@ -247,11 +253,16 @@ def file_sha256(path: str | Path) -> str:
     """sha256 of a file, or of a directory's files (relative names and contents, sorted)."""
     path = Path(path)
     digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    if path.is_dir():
+        check_entries(path, "data directory entry", recursive=True)
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        check_regular_file(path, "data file")
+        files = [path]
     for file in files:
         if file is not path:
             digest.update(file.relative_to(path).as_posix().encode() + b"\0")
-        with file.open("rb") as f:
+        with open_regular(file, "data file") as f:
             while chunk := f.read(_HASH_CHUNK):
                 digest.update(chunk)
     return digest.hexdigest()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from glmtune.io.regular import check_entries
+
 TINY_TOKENIZER_DIR = Path(__file__).parent / "assets" / "tiny_tokenizer"
 TINY_VOCAB_SIZE = 4096
 
@@ -54,6 +56,7 @@ def resolve_tokenizer_dir(path: str | Path | None) -> Path:
         raise FileNotFoundError(f"tokenizer directory not found: {path} (pass a local model or tokenizer directory)")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    check_entries(path, "tokenizer directory entry")  # transformers opens what it finds: a FIFO would block
     return path
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from glmtune.eval.scorers.base import MetricDef
+from glmtune.io.regular import open_regular
 
 BYTES_PER_TOKEN = 64
 GENERAL_TEXT_METRIC = MetricDef("loss", "mean next-token loss on the held-out general text", "nats_per_token", False)
@@ -29,7 +30,7 @@ GENERAL_TEXT_METRIC = MetricDef("loss", "mean next-token loss on the held-out ge
 def read_prefix(path: Path, max_bytes: int) -> str:
     """The file's text up to `max_bytes` bytes; when that cuts it, up to its last whitespace, so
     the last word is whole and tokenizes as it does in the full text."""
-    with path.open("rb") as f:
+    with open_regular(path, "general_text") as f:  # a FIFO would block the read
         data = f.read(max_bytes + 1)
     cut = len(data) > max_bytes
     try:

@@ -40,6 +40,7 @@ from glmtune.config.yaml_layers import format_path, read_yaml_layer
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC
 from glmtune.eval.operations import OPERATIONS_METRICS
 from glmtune.eval.scorers import SCORERS, MetricDef
+from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import safe_name
 
 RESERVED_SETS = ("general_text", "operations")  # metric-id prefixes the suite itself produces
@@ -201,7 +202,8 @@ def load_suite(path: str | Path) -> Suite:
     if path.is_file() and path.stat().st_size > MAX_SUITE_BYTES:
         raise ValueError(f"{path}: {path.stat().st_size:,} bytes, more than the {MAX_SUITE_BYTES:,} a suite file "
                          "may have (MAX_SUITE_BYTES); the rows belong in set files")
-    data = path.read_bytes()  # hashed and copied into the eval directory as read
+    with open_regular(path, "suite") as f:  # a FIFO would block the read
+        data = f.read()  # hashed and copied into the eval directory as read
     layer = read_yaml_layer(path, kind="suite")
     label = str(path)
     converter = Converter(layer.where, label)
