@@ -2,7 +2,8 @@
 http.server in a thread, answering each request as the first of its `behaviours` whose marker the
 prompt holds (a text prompt as it is, a token-id prompt decoded with the bundled tokenizer), else
 as an honest engine: "Sure, here is the answer." for a completion, log-probabilities of -1.0 for
-an echo request, one model ("stub-model") for GET /v1/models.
+an echo request, one model ("stub-model") for GET /v1/models (or the `models` behaviour), a 404
+for GET /version (or the `version` behaviour).
 
 A behaviour is a function (handler, request body) that writes the whole response. The ones here:
 a huge body (stated or streamed), a drip (one byte every `DRIP_S`, of the body or of the headers),
@@ -123,9 +124,10 @@ def redirect(to: str) -> Behaviour:
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, behaviours: dict[str, Behaviour], models: Behaviour | None = None) -> None:
+    def __init__(self, behaviours: dict[str, Behaviour], models: Behaviour | None = None,
+                 version: Behaviour | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.behaviours, self.models = behaviours, models
+        self.behaviours, self.models, self.version = behaviours, models, version
         self.seen: Counter[str] = Counter()
         self.sent: dict[str, int] = {}
         self.tokenizer = load_tokenizer() if behaviours else None
@@ -158,6 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.seen[f"GET {self.path}"] += 1
         if self.path == "/v1/models" and self.server.models is not None:
             return self.server.models(self, {})
+        if self.path == "/version" and self.server.version is not None:
+            return self.server.version(self, {})
         if self.path == "/v1/models":
             return reply(self, 200, {"object": "list", "data": [{"id": "stub-model", "owned_by": "tests"}]})
         reply(self, 404, {"error": "not found"})

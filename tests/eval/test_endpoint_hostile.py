@@ -55,7 +55,7 @@ def test_a_huge_body_fails_its_request_and_is_not_read(prompting):
     cap = 64 << 10
     behaviours = {"huge-stated": huge(48 << 20, stated=True), "huge-streamed": huge(48 << 20, stated=False),
                   "long-text": completion("word " * 10_000)}  # 50 kB: under the cap, over 8 tokens' worth
-    with Server(behaviours) as server:
+    with Server(behaviours, version=huge(48 << 20, stated=False)) as server:
         _answer(server.url, prompting, ["warm-up"])  # the client's imports and first connection: not measured
         tracemalloc.start()
         try:
@@ -66,6 +66,7 @@ def test_a_huge_body_fails_its_request_and_is_not_read(prompting):
             tracemalloc.stop()
     assert peak < 8 << 20, f"{peak:,} bytes allocated at the peak for a 48 MiB answer under a 64 KiB cap"
     assert server.sent["/v1/completions"] < 24 << 20  # the client left: what TCP buffers held, not 48 MiB
+    assert server.sent["/version"] < 24 << 20 and server.seen["GET /version"] == 2  # the engine's version: none
     assert "states 50,331,648 bytes, over the 65,536-byte cap (--max-response-bytes)" in _error(results[0])
     assert "passed the 65,536-byte cap (--max-response-bytes); the rest was not read" in _error(results[1])
     assert "an answer of 50,000 characters, more than 8 tokens can spell" in _error(results[2])
@@ -229,7 +230,12 @@ def test_a_listing_of_200001_models_gives_a_short_error():
             resolve_endpoint(server.url, "candidate", EndpointOptions())
         with pytest.raises(ValueError) as unknown:
             resolve_endpoint(server.url, "candidate", EndpointOptions(candidate_model="other"))
+        with pytest.raises(ValueError) as too_large:
+            resolve_endpoint(server.url, "candidate", EndpointOptions(max_response_bytes=1 << 20))
     assert str(several.value).startswith(f"--candidate {server.url} serves 200,001 models (model-000000, ")
     assert "and 199,993 more); name one with --candidate-model" in str(several.value)
     assert "and 199,993 more" in str(unknown.value)
     assert len(str(several.value)) < 500 and len(str(unknown.value)) < 500
+    assert str(too_large.value).startswith(f"--candidate {server.url}: GET /v1/models failed (too large after 1 "
+                                           "attempt: ResponseTooLarge: GET ")
+    assert "over the 1,048,576-byte cap (--max-response-bytes)" in str(too_large.value)
