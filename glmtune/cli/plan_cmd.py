@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
 from glmtune.cli.arg_types import RecipeOptions
 
@@ -42,9 +41,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-gbps", type=float, default=1.0, help="checkpoint write GB/s per GPU")
     parser.add_argument("--restarts", type=int, default=None, help="restarts to budget (default: one a day)")
     parser.add_argument("--restart-minutes", type=float, default=20.0, help="minutes lost per restart")
-    parser.add_argument("--headroom-gib", type=float, default=2.5,
-                        help="per GPU, outside the allocator: CUDA context, NCCL and cuBLAS workspaces")
-    parser.add_argument("--fragmentation", type=float, default=0.05, help="allocator fragmentation, share of peak")
+    parser.add_argument("--headroom-gib", type=float, default=None,
+                        help="per GPU, outside the allocator: CUDA context, NCCL and cuBLAS workspaces (default "
+                             "2.5; with --measure, added to the rank's peak in the check against the device)")
+    parser.add_argument("--fragmentation", type=float, default=None,
+                        help="allocator fragmentation, share of peak (default 0.05; with --measure, as above)")
     parser.add_argument("--max-gpus", type=int, default=_MAX_GPUS, help="largest GPU count the fit search tries")
     parser.add_argument("--no-data", action="store_true", help="do not read and pack the recipe's data")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -115,6 +116,15 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--{name.replace('_', '-')} must be {kind}{bound}, got {value}")
 
 
+def check_headroom(headroom_gib: float, gpus: list) -> None:
+    """A headroom a targeted GPU cannot hold is refused: every layout would show a negative free memory."""
+    for gpu in gpus:
+        if headroom_gib >= gpu.memory_gib:
+            raise ValueError(f"--headroom-gib {headroom_gib:g} is not below the {gpu.key}'s {gpu.memory_gib:g} GiB of "
+                             "memory: no layout could fit beside it; give the GiB each GPU keeps outside the "
+                             "allocator (default 2.5)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     _OPTIONS.register(
         subparsers, "plan", help="memory, GPUs, time and cost of a recipe before running it",
@@ -145,6 +155,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.measure:
         return _measure(args, cfg)
     gpus = args.gpu or ["h100-80g", "h200-141g"]
+    headroom = PlanOptions.context_gib if args.headroom_gib is None else args.headroom_gib
+    check_headroom(headroom, [gpu_spec(key) for key in gpus])
     measurement = read_measurement(args.throughput) if args.throughput else None
     if args.tflops_per_gpu:
         measured = args.measured_gpu or gpus[0]
@@ -154,7 +166,8 @@ def _run(args: argparse.Namespace) -> int:
                              f"({peak:g} TFLOP/s), which no run reaches; give the model TFLOP/s per GPU measured")
         measurement = Measurement("--tflops-per-gpu", args.tflops_per_gpu, peak, 1)
     options = PlanOptions(gpus=gpus, world_size=args.gpus, price_per_gpu_hour=args.price_per_gpu_hour,
-                          measurement=measurement, context_gib=args.headroom_gib, fragmentation=args.fragmentation,
+                          measurement=measurement, context_gib=headroom,
+                          fragmentation=PlanOptions.fragmentation if args.fragmentation is None else args.fragmentation,
                           budget=FailureBudget(write_gbps=args.write_gbps, restart_minutes=args.restart_minutes,
                                                restarts=args.restarts),
                           epochs=args.epochs, read_data=not args.no_data, max_gpus=args.max_gpus)
@@ -187,7 +200,7 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     defaults = Links()
     links = Links(args.nvlink_gbps or defaults.nvlink_gbps, args.fabric_gbps or defaults.fabric_gbps,
                   cfg.parallel.gpus_per_node or defaults.gpus_per_node)
-    check_device_holds(plan, *_device_memory(cfg))
+    check_device_holds(plan, *_device_memory(cfg), context_gib=args.headroom_gib, fragmentation=args.fragmentation)
     console = Console(stderr=True)
     console.print(f"measuring rank {rank} of {degrees.describe()}")
     measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
@@ -205,13 +218,10 @@ def _device_memory(cfg) -> tuple[int | None, str]:
     available memory (None where the system does not say)."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     import torch
+    from glmtune.plan.measure import host_available_bytes
     from glmtune.train.process import resolve_device
 
     device = resolve_device(cfg.train.device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1], torch.cuda.get_device_name(device)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        available = None
-    return available, "CPU (available memory)"
+    return host_available_bytes(), "CPU (available memory)"

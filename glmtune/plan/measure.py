@@ -50,6 +50,7 @@ from glmtune.train.run import Launch, RunHooks, objective, pipeline_options, tra
 from glmtune.train.trainer import Trainer
 
 GIB = 2**30
+MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass
@@ -112,15 +113,40 @@ def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int, documen
     return [row] * count
 
 
-def check_device_holds(plan: MemoryPlan, device_bytes: int | None, device_name: str) -> None:
+def host_available_bytes(meminfo: Path | None = None) -> int | None:
+    """The host memory a new process can have without swapping: /proc/meminfo's MemAvailable (free
+    memory plus the page cache and reclaimable slabs the kernel would drop). MemFree alone leaves
+    the cache out, and a busy host fills its memory with cache: 0.1 GiB free can be 13 GiB
+    available. None where the system does not say (no /proc/meminfo)."""
+    try:
+        text = (meminfo or MEMINFO).read_text()
+    except OSError:
+        return None
+    found = re.search(r"^MemAvailable:\s+(\d+) kB\s*$", text, re.MULTILINE)
+    return int(found[1]) * 1024 if found else None
+
+
+def check_device_holds(plan: MemoryPlan, device_bytes: int | None, device_name: str,
+                       context_gib: float | None = None, fragmentation: float | None = None) -> None:
     """Refuse, before anything is allocated, a rank whose planned peak exceeds the whole device
     (`device_bytes`: a GPU's total, a host's available memory; None: unknown, not checked): it
     could only fail part-way (on a host, by swapping or being killed). The plan is within 7% of
-    the measured ranks (docs/plan.md), so a rank planned just under the device's size is tried."""
-    if device_bytes is not None and plan.peak.total > device_bytes:
-        raise ValueError(f"rank {plan.rank} plans {plan.peak.total / GIB:.1f} GiB at its peak ({plan.peak.name}); "
-                         f"this {device_name} has {device_bytes / GIB:.1f} GiB: measure it on a larger GPU, or a rank "
-                         "of a layout with more ranks (--gpus)")
+    the measured ranks (docs/plan.md), so a rank planned just under the device's size is tried.
+    `context_gib` and `fragmentation` (`--headroom-gib`, `--fragmentation`, when given) come on top
+    of the peak; a headroom the device cannot hold at all is refused on its own."""
+    if device_bytes is None:
+        return
+    have = f"this {device_name} has {device_bytes / GIB:.1f} GiB"
+    if context_gib is not None and context_gib * GIB >= device_bytes:
+        raise ValueError(f"--headroom-gib {context_gib:g} is not below what {have}: no rank could fit beside it; "
+                         "give the GiB the run keeps outside the allocator (default 2.5)")
+    need = plan.peak.total * (1 + (fragmentation or 0.0)) + (context_gib or 0.0) * GIB
+    if need > device_bytes:
+        asked = "" if context_gib is None and fragmentation is None else (
+            f" + the headroom given (--headroom-gib {context_gib or 0:g}, --fragmentation {fragmentation or 0:g}) "
+            f"= {need / GIB:.1f} GiB")
+        raise ValueError(f"rank {plan.rank} plans {plan.peak.total / GIB:.1f} GiB at its peak ({plan.peak.name})"
+                         f"{asked}; {have}: measure it on a larger GPU, or a rank of a layout with more ranks (--gpus)")
 
 
 def planned_for(cfg: JobConfig, degrees: MeshDegrees, rank: int | None) -> MemoryPlan:
