@@ -9,11 +9,17 @@ scatters it back to [B, T] beside `targets`).
 
 The values are cached beside the tokenized data (`<data.cache_dir>/reference_logps/<key>.safetensors`,
 written atomically, read without unpickling). The key hashes what the numbers depend on: the
-starting model (an HF directory's config and its weight files' names, sizes and modification
-times — not their bytes, which for GLM-5 would take an hour to hash; a preset's base weights'
-hash), the compute dtype and kernel backends, and the packed rows themselves. A resumed run, or a
-second run on the same data and model, reads them instead of computing again; a file whose
-shapes do not match the rows is refused, never used.
+starting model, the compute dtype and kernel backends, and the packed rows themselves. An HF
+directory's identity is its config and its weight files' names, sizes and modification times,
+and, since those can all be kept by a file swapped in (`cp -p`, `touch -r`, `os.utime`), a
+sample of their content: each safetensors file's header and `SAMPLE_BYTES` from the start and
+the middle of every tensor (`content_sample`), a few reads per tensor where hashing every byte
+of GLM-5 would take an hour. Different weights change every element of the tensors they touch
+(a fine-tune, a merged adapter, another base), so a swapped file changes the key and the
+reference is computed again. A preset's identity is its base weights' full hash. A resumed run,
+or a second run on the same data and model, reads the values instead of computing them again
+(the log names the file, whose name is the key); a cache file that is not what `save` writes,
+or whose shapes do not match the rows, is refused in one sentence naming it, never used.
 
 The rows are split over the data-parallel ranks (row i on rank i mod dp); each rank scores its
 rows (every rank runs the same number of forwards: FSDP2 and EP gather inside them), and one
@@ -35,6 +41,7 @@ import json
 import math
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +50,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.data.packing import next_token_targets
 from glmtune.data.token_cache import default_cache_dir
 from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import REFERENCE_CACHE, collate
 from glmtune.train.preference import full_rows, sequence_shard_of
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: an HF directory's identity samples its weights' content
+SAMPLE_BYTES = 64  # per tensor, at its start and in its middle
 
 
 def rows_sha256(rows: list[dict[str, Any]]) -> str:
@@ -62,11 +71,36 @@ def rows_sha256(rows: list[dict[str, Any]]) -> str:
     return digest.hexdigest()
 
 
+def content_sample(file: Path) -> str:
+    """sha256 of a safetensors file's header and of `SAMPLE_BYTES` at the start and in the middle
+    of each of its tensors (module docstring). ValueError naming the file when it is not safetensors."""
+    try:
+        entries, data_start = read_header(file)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from None
+    digest = hashlib.sha256()
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        digest.update(os.pread(fd, data_start, 0))
+        for entry in sorted(entries.values(), key=lambda e: e["data_offsets"]):
+            begin, end = (data_start + offset for offset in entry["data_offsets"])
+            for at in sorted({begin, max(begin, (begin + end - SAMPLE_BYTES) // 2)}):
+                digest.update(os.pread(fd, min(SAMPLE_BYTES, end - at), at))
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
 def model_files_identity(model_dir: Path) -> dict[str, Any]:
-    """An HF directory's config and its weight files' names, sizes and mtimes (module docstring)."""
+    """An HF directory's config and its weight files' names, sizes, mtimes and sampled content
+    (module docstring); the files sampled in parallel (reads release the GIL)."""
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json"))
+    weights = [p for p in files if p.suffix == ".safetensors"]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        samples = dict(zip((p.name for p in weights), pool.map(content_sample, weights)))
     return {"path": str(model_dir.resolve()),
-            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+            "content": samples}
 
 
 def cache_key(starting_model: dict[str, Any], compute: dict[str, Any], train_rows, val_rows) -> str:
@@ -182,9 +216,29 @@ def save(path: Path, train: list[torch.Tensor], val: list[torch.Tensor], meta: d
     os.replace(tmp, path)
 
 
+def _read_cache(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors `save` writes, each of its dtype and shape; ValueError naming the file otherwise."""
+    try:
+        entries, data_start = read_header(path)
+        if path.stat().st_size < data_start + max((e["data_offsets"][1] for e in entries.values()), default=0):
+            raise ValueError("truncated")
+        tensors = load_file(path)
+    except Exception as exc:  # read_header's ValueError; safetensors' own SafetensorError
+        raise ValueError(f"{path}: not a reference log-probability cache (unreadable safetensors: {exc}); "
+                         "delete it to compute them again") from None
+    for split in ("train", "validation"):
+        values, counts = tensors.get(f"{split}.values"), tensors.get(f"{split}.counts")
+        if not (isinstance(values, torch.Tensor) and values.dtype == torch.float32 and values.dim() == 1
+                and isinstance(counts, torch.Tensor) and counts.dtype == torch.int64 and counts.dim() == 1
+                and bool((counts >= 0).all()) and int(counts.sum()) == values.numel()):
+            raise ValueError(f"{path}: not a reference log-probability cache ({split} values and counts are not "
+                             "what glmtune writes); delete it to compute them again")
+    return tensors
+
+
 def load(path: Path, train_rows, val_rows) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The cached values, checked against the rows' supervised counts (a mismatch is refused)."""
-    tensors = load_file(path)
+    tensors = _read_cache(path)
     out = []
     for split, rows in (("train", train_rows), ("validation", val_rows)):
         counts = tensors[f"{split}.counts"].tolist()
