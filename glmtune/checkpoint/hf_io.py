@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glmtune.checkpoint.safetensors_header import read_header
-from glmtune.checkpoint.shard_paths import outside_reason, shard_file
+from glmtune.checkpoint.shard_paths import outside_reason, shard_file, view_source
 from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
 from glmtune.io.outputs import check_output, output_dir
 from glmtune.io.sizes import parse_size
@@ -78,15 +78,16 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = parse_json(index.read_bytes(), str(index), max_bytes=256 << 20)["weight_map"]
+            parsed = parse_json(index.read_bytes(), str(index), max_bytes=256 << 20)
+            weight_map = parsed["weight_map"]
             if not isinstance(weight_map, dict):
                 raise KeyError("weight_map is not an object of file names")
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc})") from None
-        files, checked = {}, {}
+        files, checked, source = {}, {}, view_source(parsed)
         for key, name in weight_map.items():
-            if not isinstance(name, str) or name not in checked:
-                checked[name] = shard_file(path, name, index, key)  # raises for all but a name inside `path`
+            if not isinstance(name, str) or name not in checked:  # raises for all but a name inside `path`:
+                checked[name] = shard_file(path, name, index, key, source)
             files[key] = checked[name]
         for file in sorted(set(files.values())):
             if not file.is_file():

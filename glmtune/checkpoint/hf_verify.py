@@ -30,7 +30,7 @@ from typing import Any
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME
 from glmtune.checkpoint.safetensors_header import read_header
-from glmtune.checkpoint.shard_paths import outside_reason
+from glmtune.checkpoint.shard_paths import outside_reason, view_source
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.state_dict_adapter import FP8_BLOCK, SCALE_SUFFIX, Glm5StateDictAdapter
@@ -94,12 +94,14 @@ def expected_hf_shapes(args: Glm5Args) -> dict[str, tuple[int, ...]]:
     return Glm5StateDictAdapter(args).hf_shapes({k: tuple(v.shape) for k, v in state.items()})
 
 
-def _index(path: Path, report: VerifyReport) -> dict[str, str] | None:
-    """key -> shard name from the index; {} for a single-file checkpoint; None if neither."""
+def _index(path: Path, report: VerifyReport) -> tuple[dict[str, str], Path | None] | None:
+    """(key -> shard name from the index, the checkpoint a truncated view links to or None);
+    ({}, None) for a single-file checkpoint; None if neither."""
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = parse_json(index.read_bytes(), INDEX_NAME, max_bytes=256 << 20)["weight_map"]
+            parsed = parse_json(index.read_bytes(), INDEX_NAME, max_bytes=256 << 20)
+            weight_map = parsed["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
             odd = next((key for key, name in weight_map.items() if not isinstance(name, str)), None)
@@ -108,9 +110,9 @@ def _index(path: Path, report: VerifyReport) -> dict[str, str] | None:
         except (ValueError, KeyError, TypeError) as exc:
             report.add(INDEX_NAME, None, f"not a safetensors index ({exc})")
             return None
-        return dict(weight_map)
+        return dict(weight_map), view_source(parsed)
     if (path / SINGLE_NAME).is_file():
-        return {}
+        return {}, None
     report.add(str(path), None, f"no {INDEX_NAME} or {SINGLE_NAME}")
     return None
 
@@ -199,13 +201,14 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
     except (ValueError, FileNotFoundError, TypeError) as exc:
         report.add("config.json", None, f"does not load: {exc}")
 
-    weight_map = _index(path, report)
-    if weight_map is None:
+    indexed = _index(path, report)
+    if indexed is None:
         return report
+    weight_map, source = indexed
     sharded = bool(weight_map)
     files = sorted(set(weight_map.values())) if sharded else [SINGLE_NAME]
     report.num_files = len(files)
-    headers = _read_headers(path, files, weight_map, report)
+    headers = _read_headers(path, files, weight_map, source, report)
     if not sharded:
         weight_map = {key: SINGLE_NAME for key in headers}
     if report.args is not None:  # without a config there is nothing to compare the tensors to
@@ -213,15 +216,16 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
     return report
 
 
-def _read_headers(path: Path, files: list[str], weight_map: dict[str, str],
+def _read_headers(path: Path, files: list[str], weight_map: dict[str, str], source: Path | None,
                   report: VerifyReport) -> dict[str, tuple[str, dict]]:
     """key -> (file, header entry) over all readable shards; index/header mismatches reported."""
     headers: dict[str, tuple[str, dict]] = {}
     readable: set[str] = set()
     for name in files:
-        outside = outside_reason(path, name) if weight_map else None
+        outside = outside_reason(path, name, source)
         if outside:  # never opened: the index may name any file on the machine
-            report.add(INDEX_NAME, None, f"names {printable(repr(name))[:120]}, which {outside}")
+            report.add(INDEX_NAME if weight_map else name, None,
+                       f"names {printable(repr(name))[:120]}, which {outside}" if weight_map else outside)
             continue
         file = path / name
         if not file.is_file():

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, TOKENIZER_FILES, checkpoint_files
+from glmtune.checkpoint.shard_paths import VIEW_SOURCE_KEY
 from glmtune.models.glm5.args import Glm5Args, truncated_args
 from glmtune.models.glm5.state_dict_adapter import SCALE_SUFFIX, Glm5StateDictAdapter
 
@@ -50,7 +51,7 @@ def truncated_view(src: str | Path, dst: str | Path, num_layers: int) -> Path:
                     "index_topk_pattern", "layer_types")})
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weight_map = {key: files[key].name for key in sorted(kept)}
-    index = {"metadata": {"truncated_from": str(src), "num_hidden_layers": num_layers}, "weight_map": weight_map}
+    index = {"metadata": {VIEW_SOURCE_KEY: str(src), "num_hidden_layers": num_layers}, "weight_map": weight_map}
     (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     for name in {*weight_map.values(), *(n for n in TOKENIZER_FILES if (src / n).is_file())}:
         if (dst / name).is_symlink():  # a view written before (a preflight run again in its directory)

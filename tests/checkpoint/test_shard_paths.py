@@ -3,7 +3,7 @@ a name that leaves it (`..`, an absolute path, a link out, something not a file)
 sentence naming the index and the entry, by every reader of the index (loading for train and eval,
 `inspect`'s verifier, the base fingerprint), and the file outside is never opened. A file that is
 not safetensors is said to be so. Names inside (a subdirectory, a Hugging Face cache snapshot's
-links into its blobs/) load as before."""
+links into its blobs/, preflight's truncated view's links to its source) load as before."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, load_pretrained
 from glmtune.checkpoint.hf_verify import verify_checkpoint
+from glmtune.checkpoint.truncated_view import truncated_view
 from tests.checkpoint_fixtures import Q_A, weight_map
 
 
@@ -122,3 +123,25 @@ def test_a_hugging_face_cache_snapshot_links_into_its_blobs(ckpt, tmp_path):
     (snapshot / weight_map(ckpt)[Q_A]).symlink_to(outside)
     with pytest.raises(ValueError, match="which is a link that leads out of"):
         checkpoint_files(snapshot)
+
+
+def test_a_truncated_view_links_only_to_its_sources_same_named_files(ckpt, tmp_path):
+    """preflight's K-layer view (truncated_view.py) is a directory of links to the checkpoint it was
+    cut from: loadable; a link of it to any other file (another shard of the source, a file outside
+    the source) is refused, whatever its index claims."""
+    view = truncated_view(ckpt, tmp_path / "view", 2)
+    assert checkpoint_files(view) and not any("leads out" in p.message for p in verify_checkpoint(view).problems)
+    names = sorted(set(json.loads((view / INDEX_NAME).read_text())["weight_map"].values()))
+    others = sorted(set(weight_map(ckpt).values()) - set(names))
+    (view / names[0]).unlink()
+    (view / names[0]).symlink_to(ckpt / others[0])  # another shard of the source
+    with pytest.raises(ValueError, match=f"names '{names[0]}', which is a link that leads out of {view}"):
+        checkpoint_files(view)
+    shutil.copy(ckpt / names[0], tmp_path / names[0])
+    index = json.loads((view / INDEX_NAME).read_text())
+    index["metadata"]["truncated_from"] = str(tmp_path)  # a copy outside the source, the index edited to match
+    (view / INDEX_NAME).write_text(json.dumps(index))
+    (view / names[0]).unlink()
+    (view / names[0]).symlink_to(tmp_path / names[0])
+    with pytest.raises(ValueError, match="which is a link that leads out of"):
+        checkpoint_files(view)  # tmp_path has no config.json: not a checkpoint a view is cut from
