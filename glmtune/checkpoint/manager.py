@@ -105,6 +105,15 @@ def _quiet_single_process():
         yield
 
 
+def _gathered(value: Any) -> list[Any]:
+    """Every rank's `value` on every rank (a list of one without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def _all_ok(ok: bool) -> bool:
     """Whether every rank's `ok` is true (each rank learns the same answer)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -484,22 +493,17 @@ class CheckpointManager:
                 the writer never writes.
         """
         state = self._state(model, optimizer)
-        groups_written = copy.deepcopy(state["optim"].get("param_groups", []))  # what this optimizer writes
+        read, problem, cause = None, None, None
         try:
-            trainer_state = read_trainer_state(checkpoint.path)
-            check_trainer_state(trainer_state, checkpoint, expected_state)
-            reader = JsonMetadataReader(checkpoint.path)
-            never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
-            with _quiet_single_process():
-                dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
-            _check_param_groups(state["optim"].get("param_groups", []), groups_written)
-            saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
-            if not never_stepped <= saved_params:
-                raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "
-                                 "checkpoint's optimizer did not hold")
-            rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
-            rng = read_rng(rng_file) if rng_file.is_file() else None
-            # Not strict for the optimizer: the parameters of `never_stepped` stay without state, as they were.
+            read = self._read(checkpoint, state, expected_state)
+        except (Exception, CheckpointException) as exc:
+            problem, cause = failure_of(exc)[:400], exc
+        problems = [p for p in _gathered(problem) if p]  # a rank's own RNG file fails every rank alike
+        if problems:
+            raise DamagedCheckpointError(f"{checkpoint.path} cannot be read: {problems[0]}") from cause
+        trainer_state, rng = read
+        try:
+            # Not strict for the optimizer: the parameters it never stepped stay without state, as they were.
             set_optimizer_state_dict(model, optimizer, state["optim"], options=replace(self._options(), strict=False))
             set_model_state_dict(model, state["model"], options=self._options())
         except (Exception, CheckpointException) as exc:
@@ -507,6 +511,25 @@ class CheckpointManager:
         if rng is not None:
             restore_rng(rng)
         return trainer_state
+
+    def _read(self, checkpoint: Checkpoint, state: dict[str, Any], expected_state: dict[str, Any] | None
+              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Fill `state` (model, optimizer) from `checkpoint`, every value checked against what this
+        optimizer writes; (its trainer state, this rank's RNG states or None)."""
+        groups_written = copy.deepcopy(state["optim"].get("param_groups", []))  # what this optimizer writes
+        trainer_state = read_trainer_state(checkpoint.path)
+        check_trainer_state(trainer_state, checkpoint, expected_state)
+        reader = JsonMetadataReader(checkpoint.path)
+        never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+        _check_param_groups(state["optim"].get("param_groups", []), groups_written)
+        saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
+        if not never_stepped <= saved_params:
+            raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "
+                             "checkpoint's optimizer did not hold")
+        rng_file = checkpoint.path / f"rng-rank{_rank()}.pt"
+        return trainer_state, read_rng(rng_file) if rng_file.is_file() else None
 
     def set_aside_after(self, step: int) -> list[Path]:
         """Resuming from `step` abandons this run's newer checkpoints (a damaged one included):

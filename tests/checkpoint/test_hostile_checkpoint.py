@@ -26,6 +26,7 @@ from glmtune.checkpoint.manager import CheckpointManager, DamagedCheckpointError
 from glmtune.cli import main
 from tests.checkpoint.test_checkpoint_safety import _Payload, _fit_with_checkpoints, _flip, _newest, _splice, \
     _torch_saved
+from tests.distributed.gloo_helpers import run_gloo
 from tests.train.run_helpers import WITH_EXPORT, run, shared_run
 from tests.train.test_trainer import _trainer
 from tests.tree_snapshot import changes, snapshot
@@ -340,3 +341,34 @@ def test_a_manager_without_an_expected_state_still_checks_step_and_run(tmp_path)
     manager = CheckpointManager(tmp_path / "ckpt")
     with pytest.raises(DamagedCheckpointError, match=r"trainer_state.json: step is \[4\]"):
         manager.load(manager.latest(), trainer.model, trainer.optimizer)
+
+
+def _two_ranks_one_planted_rng(rank: int, world_size: int, root: str) -> None:
+    """Two ranks save a checkpoint; rank 1's RNG file is replaced; each rank's load must refuse it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    manager = CheckpointManager(Path(root) / "ckpt")
+    path = manager.save(1, model, optimizer, {})
+    if rank == 1:
+        (path / "rng-rank1.pt").write_bytes(_saved([1, 2]))
+    torch.distributed.barrier()
+    write_checksums(path)
+    try:
+        manager.load(manager.latest(), model, optimizer)
+        outcome = "loaded"
+    except DamagedCheckpointError as exc:
+        outcome = str(exc)
+    (Path(root) / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_one_ranks_hostile_rng_file_fails_every_rank_alike(tmp_path):
+    """A rank's own RNG file is read by that rank alone: its refusal reaches every rank (none goes on
+    to apply the checkpoint, or waits in a collective for one that stopped)."""
+    run_gloo(_two_ranks_one_planted_rng, 2, tmp_path, str(tmp_path))
+    for rank in (0, 1):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert said.endswith("cannot be read: " + str(tmp_path / "ckpt" / "step-00000001" / "rng-rank1.pt")
+                             + ": not the RNG states glmtune writes (python, torch and CUDA generator states)"), said
