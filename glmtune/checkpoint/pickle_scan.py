@@ -10,7 +10,8 @@ outside its allowlist; this check runs first and decides from the pickle's opcod
     read with torch's own zip reader, so the bytes checked are the bytes torch would load;
   * `data.pkl` uses only the opcodes of numbers, strings, tuples, lists, dicts, `None`/booleans,
     tensor storages (BINPERSID) and calls, and its only globals are
-    `torch._utils._rebuild_tensor_v2`, `collections.OrderedDict` and `torch.<dtype>Storage`.
+    torch's tensor rebuilders (`torch._utils._rebuild_tensor_v2`/`_v3`), `collections.OrderedDict`,
+    the storage classes (`torch.<dtype>Storage`, `torch.storage.UntypedStorage`) and a few dtypes.
 
 Anything else (a planted `__reduce__`, `os.system`, a protocol-4 `STACK_GLOBAL` naming a
 callable, a TorchScript archive, a legacy non-zip pickle, a truncated archive) is a
@@ -31,8 +32,13 @@ _RECORD = re.compile(r"data\.pkl|\.format_version|\.storage_alignment|byteorder|
                      r"|data/\d{1,12}")
 # Non-tensor values of an optimizer, a scheduler or an RNG state are small; a larger pickle is not glmtune's.
 MAX_PICKLE_BYTES = 64 << 20
-ALLOWED_GLOBALS = frozenset({"torch._utils _rebuild_tensor_v2", "collections OrderedDict"})
-_STORAGE_GLOBAL = re.compile(r"torch [A-Z][A-Za-z0-9]{0,40}Storage")
+# How torch.save rebuilds a tensor: v2 with a typed storage class, v3 (dtypes without one: float8,
+# uint16-64) with an untyped storage and the dtype named.
+ALLOWED_GLOBALS = frozenset({"torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_tensor_v3",
+                             "torch.storage UntypedStorage", "collections OrderedDict",
+                             *(f"torch {name}" for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
+                                                            "uint64"))})
+_STORAGE_GLOBAL = re.compile(r"torch [A-Z][A-Za-z0-9_]{0,40}Storage")
 # Data, containers, memo, calls and persistent ids (tensor storages): what protocol 2, which
 # torch.save uses, needs for tensors and plain values. Left out: STACK_GLOBAL, INST, OBJ,
 # NEWOBJ(_EX), BUILD, EXT1/2/4, PERSID and every other way of naming or building an object.
