@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, filesystem
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -42,10 +43,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import ReadItem
 
 from glmtune.checkpoint.pickle_scan import check_torch_save
+from glmtune.io.text_limits import printable
 
 METADATA_NAME = "dcp_metadata.json"
 PICKLED_METADATA_NAME = ".metadata"  # DCP's own, never read
@@ -235,6 +236,10 @@ class JsonMetadataWriter(FileSystemWriter):
 class JsonMetadataReader(FileSystemReader):
     """DCP's file reader, taking the layout from `dcp_metadata.json`; a pickled one is refused."""
 
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._item_names: dict[tuple[str, int], str] = {}  # (file, offset) -> the value stored there
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._read_layout()
         # Which value each stored item claims to be, for the refusal of a planted one (`_slice_file`).
@@ -265,7 +270,7 @@ class JsonMetadataReader(FileSystemReader):
     def _slice_file(self, file, sinfo: _StorageInfo):
         """One stored item, checked to hold only tensors and plain values before DCP unpickles it."""
         view = super()._slice_file(file, sinfo)
-        fqn = getattr(self, "_item_names", {}).get((sinfo.relative_path, sinfo.offset), "an item")
+        fqn = printable(self._item_names.get((sinfo.relative_path, sinfo.offset), "item"))[:200]
         where = f"{os.path.join(os.fspath(self.path), sinfo.relative_path)}: the stored {fqn} (byte {sinfo.offset})"
         check_torch_save(view, where)
         return view
