@@ -28,9 +28,10 @@ PipelineSchedule = Literal[
 # (`self_attn.indexer.*`) and the router (`mlp.gate`) are deliberately not matched.
 # kv_b_proj only when asked (list "*.self_attn.kv_b_proj" in peft.target_modules): vLLM's
 # absorbed MLA decode multiplies by W_UK / W_UV taken from the BASE kv_b_proj at load time,
-# so a kv_b delta is missing for every key and value a decode query attends (sparse MLA,
-# GLM-5's, runs the prompt that way too); measured: logits move by up to 0.56 on a trained
-# tiny adapter whose logits span +-2.3 (benchmarks/kv_b_absorbed.py, docs/benchmarks.md).
+# so a kv_b delta is missing for every key and value a decode query attends (its prefill, dense
+# up to 2048 tokens, calls the base kv_b_proj layer: docs/lora.md); measured: logits move by up
+# to 0.56 on a trained tiny adapter whose logits span +-2.3 (benchmarks/kv_b_absorbed.py,
+# docs/benchmarks.md).
 DEFAULT_LORA_TARGETS = (
     "*.self_attn.q_a_proj",
     "*.self_attn.q_b_proj",

@@ -6,7 +6,10 @@ version is in `checked`; docs/lora.md, "Serving with vLLM and SGLang"): the adap
 loads exactly, the flags an adapter needs, and what it applies differently. `glmtune export
 --engine` and `glmtune release --engine` read it:
 
-  * `serve_command` is the exact command line that serves the base with the adapter;
+  * `serve_command` is the exact command line that serves the base with the adapter (for SGLang
+    the adapter's own module names, `sglang_target_modules`: `all` would take in the DSA indexer's
+    `wq_b`, which SGLang refuses at start-up on GLM-5 on NVIDIA GPUs, where it fuses the indexer's
+    projections; and shared-expert fusion off whenever the MoE layers take LoRA);
   * `refusals` are one line each, with the fix, for an adapter the engine would apply
     differently from training (and would not say so) or would not load: rsLoRA scaling where the
     engine always scales alpha/r, a routed-expert adapter on one of the two expert projections
@@ -14,7 +17,7 @@ loads exactly, the flags an adapter needs, and what it applies differently. `glm
     (a run with `train.mtp_loss_weight > 0`) where the engine refuses them (SGLang: any; vLLM: an
     adapted `eh_proj`);
   * `caveats` are what the engine applies differently but knowingly, which a release records and
-    `glmtune export --engine` prints as a warning: a kv_b_proj delta under vLLM's absorbed decode,
+    `glmtune export --engine` prints as a warning: a kv_b_proj delta vLLM's MLA never applies,
     MTP-layer adapters vLLM loads and never applies (its draft model runs the base MTP layer).
 
 Neither engine applies an adapter to its MTP draft model (docs/lora.md, "The MTP layer under
@@ -39,6 +42,13 @@ from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, lora_modules
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+# The names SGLang 0.5.23's --lora-target-modules accepts besides `all` (its argparse choices,
+# srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES; `make test-engines` compares the installed list).
+SGLANG_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
+                         "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                         "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud")
+# The leaf names a routed-expert projection is written under in the per-expert layout (adapter_export.py).
+EXPERT_LEAVES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class EngineFacts:
     checked: str  # the engine version the facts were read from
     layout: str  # the adapter layout it loads exactly (glmtune.peft.adapter_export.LAYOUTS)
     scales_rslora: bool  # applies alpha/sqrt(r) when the adapter says use_rslora
-    applies_kv_b_in_decode: bool  # a kv_b_proj delta reaches attention (vLLM's absorbed MLA: never for GLM-5)
+    applies_kv_b: bool  # a kv_b_proj delta reaches attention (vLLM: neither absorbed decode nor prefill)
     max_rank: int | None  # the largest --max-lora-rank it accepts (None: no limit)
     max_lora_rank_default: int | None  # what --max-lora-rank is when not given (None: from the adapters)
     one_expert_projection: bool  # applies a routed-expert adapter on one of the two projections (with its command)
@@ -60,7 +70,7 @@ class EngineFacts:
 
 ENGINES: dict[str, EngineFacts] = {
     "vllm": EngineFacts(
-        "vllm", "0.34.0", "per_expert", scales_rslora=True, applies_kv_b_in_decode=False, max_rank=512,
+        "vllm", "0.34.0", "per_expert", scales_rslora=True, applies_kv_b=False, max_rank=512,
         max_lora_rank_default=16, one_expert_projection=False,  # PackedLoRALayerWeights.pack_moe asserts
         # LoRAModel.from_local_checkpoint: MTP tensors pass by leaf name (unused), eh_proj is an unexpected module;
         # the draft model (DeepseekV32MTP) is not SupportsLoRA
@@ -71,15 +81,19 @@ ENGINES: dict[str, EngineFacts] = {
                "--lora-target-modules copied from peft.target_modules leaves the routed experts unwrapped: "
                "not passed")),
     "sglang": EngineFacts(
-        "sglang", "0.5.23", "per_expert", scales_rslora=False, applies_kv_b_in_decode=True, max_rank=None,
-        max_lora_rank_default=None, one_expert_projection=True,  # with --lora-target-modules all (the command's)
+        "sglang", "0.5.23", "per_expert", scales_rslora=False, applies_kv_b=True, max_rank=None,
+        max_lora_rank_default=None, one_expert_projection=True,  # the command names both projections
         # LoRAAdapter._process_weight: IndexError on model.layers.{L}; no LoRA manager on the draft worker
         loads_mtp_layer=False, loads_mtp_eh_proj=False, applies_mtp_layer=False,
         notes=("the PEFT layout is not served: target_parameters are ignored and the first request fails",
+               "--lora-target-modules all takes in the DSA indexer's wq_b: on NVIDIA GPUs (indexer_rope_interleave, "
+               "GLM-5's) the indexer is fused and the server refuses to start; the command names the adapter's "
+               "modules",
                "shared experts are fused into the routed layer (256 routed + 1 shared, sm80+, EP 1) unless "
-               "--disable-shared-experts-fusion: their deltas would be zero",
-               "an expert adapter on one projection is dropped silently when the adapter's target_modules lack the "
-               "other projection's names, unless --lora-target-modules all (the command passes it)")),
+               "--disable-shared-experts-fusion: a shared expert's delta would be zero, and an MoE layer taking "
+               "LoRA has 257 expert slots against 256-expert LoRA buffers (the MoE LoRA runners refuse it)",
+               "an expert adapter on one projection is dropped silently unless --lora-target-modules names the "
+               "other projection too (the MoE layer is wrapped only with both; the command names both)")),
 }
 
 
@@ -93,6 +107,7 @@ class AdapterTraits:
     expert_projections: frozenset[str] = field(default_factory=frozenset)  # routed: "gate_up_proj", "down_proj"
     mtp_layers: tuple[str, ...] = ()  # the MTP layers holding adapters, by their on-disk names (model.layers.{L + j})
     mtp_eh_proj: tuple[str, ...] = ()  # the adapted eh_proj of MTP layers, on disk (peft.target_modules "*.eh_proj")
+    modules: frozenset[str] = frozenset()  # the per-expert adapter_config's target_modules: adapted leaf names
 
 
 def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> AdapterTraits:
@@ -100,19 +115,23 @@ def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> A
     `set_auxiliary_training(mtp=True)`, as training did) adapt."""
     adapted = {id(module) for _, module in lora_modules(model)}
     kv_b = any(isinstance(m, MLAttention) and id(m.kv_b_proj) in adapted for m in model.modules())
-    shared, projections = False, set()
+    shared, projections, leaves = False, set(), set()
     for name, module in lora_modules(model):
         if isinstance(module, LoRAGroupedExperts):
-            projections |= {proj for proj in EXPERT_PARAMS if module.adapter(proj) is not None}
-        elif isinstance(module, LoRALinear) and param_group(name) == "shared_experts":
-            shared = True
+            adapted_projections = {proj for proj in EXPERT_PARAMS if module.adapter(proj) is not None}
+            projections |= adapted_projections
+            leaves.update(leaf for proj in adapted_projections for leaf in EXPERT_LEAVES[proj])
+        else:
+            leaves.add(name.rpartition(".")[2])
+            shared |= isinstance(module, LoRALinear) and param_group(name) == "shared_experts"
     mtp = [(name, layer) for name, layer in model.named_modules()
            if isinstance(layer, MTPLayer) and any(id(m) in adapted for m in layer.modules())]
     # the on-disk name of the layer (`mtp.{j}` -> `model.layers.{L + j}`) is the state-dict adapter's
     on_disk = Glm5StateDictAdapter(model.args).hf_prefix
     mtp_layers = tuple(on_disk(f"{name}.eh_proj").removesuffix(".eh_proj") for name, _ in mtp)
     eh_proj = tuple(on_disk(f"{name}.eh_proj") for name, layer in mtp if id(layer.eh_proj) in adapted)
-    return AdapterTraits(rank, alpha, rslora, kv_b, shared, frozenset(projections), mtp_layers, eh_proj)
+    return AdapterTraits(rank, alpha, rslora, kv_b, shared, frozenset(projections), mtp_layers, eh_proj,
+                         frozenset(leaves))
 
 
 def engine_facts(name: str) -> EngineFacts:
@@ -171,11 +190,12 @@ def _mtp_loaded(engine: EngineFacts, traits: AdapterTraits) -> bool:
 def caveats(engine: EngineFacts, traits: AdapterTraits) -> list[str]:
     """What the engine applies differently, knowingly (a release records it, an export warns)."""
     out = []
-    if traits.kv_b and not engine.applies_kv_b_in_decode:
-        out.append(f"{engine.name}'s MLA attention uses W_UK / W_UV precomputed from the base kv_b_proj (absorbed "
-                   "decode; under GLM-5's sparse MLA every token, prefill included): this adapter's kv_b_proj delta "
-                   "is not applied (docs/lora.md; leave kv_b_proj out of peft.target_modules, the default, for this "
-                   "engine)")
+    if traits.kv_b and not engine.applies_kv_b:
+        out.append(f"{engine.name}'s MLA attention decodes with W_UK / W_UV precomputed from the base kv_b_proj "
+                   "(absorbed), and its prefill (dense attention for prompts up to the indexer's top-k, 2048 tokens "
+                   "on GLM-5) calls the base kv_b_proj layer its attention backend holds, not the LoRA-wrapped "
+                   "module: this adapter's kv_b_proj delta is not applied (docs/lora.md; leave kv_b_proj out of "
+                   "peft.target_modules, the default, for this engine)")
     if traits.mtp_layers and _mtp_loaded(engine, traits) and not engine.applies_mtp_layer:
         out.append(f"the adapter's MTP-layer tensors ({_mtp_tensors(traits)}, trained with train.mtp_loss_weight > 0) "
                    f"load but are never applied: {engine.name} {engine.checked} applies the decoder layers' adapters "
@@ -196,8 +216,33 @@ def serve_command(engine: EngineFacts, base: str, adapter: str | None, traits: A
         return command
     command = ["python", "-m", "sglang.launch_server", "--model-path", base]
     if adapter is not None:
+        modules = sglang_target_modules(traits)
         command += ["--enable-lora", "--lora-paths", f"{name}={adapter}", "--max-lora-rank", str(traits.rank),
-                    "--lora-target-modules", "all"]
-        if traits.shared_experts:
+                    "--lora-target-modules", *modules]
+        if traits.shared_experts or _sglang_wraps_moe(modules):
             command.append("--disable-shared-experts-fusion")
     return command
+
+
+def sglang_target_modules(traits: AdapterTraits) -> list[str]:
+    """SGLang's --lora-target-modules for the adapter: the names its config lists (which SGLang requires
+    the list to cover), plus both expert projections' when routed experts are adapted: SGLang wraps an MoE
+    layer only when gate_up_proj and down_proj are both targets (lora_manager.py init_lora_modules), and
+    otherwise drops a one-projection expert adapter silently; the other projection's LoRA buffers stay zero.
+    Never `all`: SGLang resolves it from the model and, with the DSA indexer fused (NVIDIA, GLM-5's
+    indexer_rope_interleave), refuses the indexer's wq_b at start-up (lora_manager.py init_lora_shapes)."""
+    assert traits.modules, "an adapter adapts at least one module"
+    modules = set(traits.modules)
+    if traits.expert_projections:
+        modules.update(leaf for leaves in EXPERT_LEAVES.values() for leaf in leaves)
+    refused = modules - set(SGLANG_TARGET_MODULES)  # eh_proj only (an adapted MTP layer, refused for SGLang)
+    assert not refused, f"--lora-target-modules accepts none of {sorted(refused)}"
+    return sorted(modules)
+
+
+def _sglang_wraps_moe(modules: list[str]) -> bool:
+    """Whether SGLang wraps the MoE layers with LoRA (gate_up_proj and down_proj both targets, whatever
+    module supplies the names): fused with the shared expert, such a layer has 257 expert slots against
+    LoRA buffers of 256 experts (lora/mem_pool.py), which the MoE LoRA runners refuse (lora/moe/runner.py
+    MoeLoraRunner._admit: "without fused shared experts")."""
+    return bool({"gate_proj", "up_proj"} & set(modules)) and "down_proj" in modules

@@ -13,8 +13,11 @@ vLLM 0.34 (`GlmMoeDsaForCausalLM` -> a `DeepseekV2ForCausalLM` subclass: deepsee
 SGLang 0.5.23: `LoRAConfig`, `get_normalized_target_modules`, `get_target_module_name`, `get_layer_id`
   and `LoRAAdapter.normalize_gate_up_proj` / `normalize_fused_qkv_a_proj` are taken from the installed
   sources; the memory pool's routing (mem_pool.py `load_lora_weight_to_buffer`), the MoE wrapping
-  condition (lora_manager.py `update_lora_info`) and shared-expert fusion (deepseek_v2.py
-  `shared_experts_fusion_disable_reason`) are restated from the source.
+  condition (lora_manager.py `init_lora_modules`) and shared-expert fusion (deepseek_v2.py
+  `shared_experts_fusion_disable_reason`) are restated from the source. What `--lora-target-modules
+  all` resolves to is not restated here: it depends on the model SGLang builds (on NVIDIA GPUs it
+  takes in the fused DSA indexer's wq_b and the server refuses to start); tests/engines/
+  sglang_startup.py runs SGLang's own start-up on GLM-5 for the commands glmtune prints.
 
 The MTP layer (`train.mtp_loss_weight > 0`: adapters under `model.layers.{num_hidden_layers + j}.*`):
   vLLM's `LoRAModel.from_local_checkpoint` runs on the adapter as above (it refuses `eh_proj`, no
@@ -49,9 +52,13 @@ VLLM_CONFIGS = {
     "target_modules_copied": dict(max_lora_rank=16, mixed_moe=False, is_3d=False, copy_targets=True),
 }
 SGLANG_CONFIGS = {
-    "default": dict(lora_target_modules=None, shared_fused=False, strict=False),
-    "target_all": dict(lora_target_modules="all", shared_fused=False, strict=False),
-    "glm5_shared_fused": dict(lora_target_modules=None, shared_fused=True, strict=False),
+    # --lora-target-modules not given: the adapter_config's target_modules
+    "default": dict(extra_target_modules=None, shared_fused=False, strict=False),
+    # --lora-target-modules: the adapter_config's names and both expert projections' (glmtune's command for an
+    # adapter with routed experts)
+    "both_expert_projections": dict(extra_target_modules=("gate_proj", "up_proj", "down_proj"), shared_fused=False,
+                                    strict=False),
+    "glm5_shared_fused": dict(extra_target_modules=None, shared_fused=True, strict=False),
 }
 
 
@@ -261,8 +268,8 @@ def sglang_load(adapter_dir: Path, base_dir: Path) -> str | None:
     return None
 
 
-def sglang_view(adapter_dir: Path, base_dir: Path, *, lora_target_modules: str | None, shared_fused: bool,
-                strict: bool) -> dict:
+def sglang_view(adapter_dir: Path, base_dir: Path, *, extra_target_modules: tuple[str, ...] | None,
+                shared_fused: bool, strict: bool) -> dict:
     failed = sglang_load(adapter_dir, base_dir)
     if failed:
         reason = f"adapter not loaded: {failed}"
@@ -277,11 +284,8 @@ def sglang_view(adapter_dir: Path, base_dir: Path, *, lora_target_modules: str |
     adapter_cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     r, alpha = adapter_cfg["r"], adapter_cfg["lora_alpha"]
     scale = alpha / r  # lora.py: self.scaling = lora_alpha / r, whatever use_rslora says
-    if lora_target_modules == "all":  # auto_detect_lora_target_modules on the GLM-5 model
-        targets = {"fused_qkv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj", "gate_up_proj", "down_proj",
-                   "embed_tokens", "lm_head"}
-    else:
-        targets = normalized(adapter_cfg["target_modules"])
+    # lora_manager.py init_lora_shapes: the --lora-target-modules names, normalized (the adapter's must be among them)
+    targets = normalized([*adapter_cfg["target_modules"], *(extra_target_modules or ())])
     # normalization, per layer, keeping track of which file tensors each normalized weight came from
     tensors = _tensors(adapter_dir)
     sources: dict[str, list[str]] = {n: [n] for n in tensors}
@@ -299,7 +303,7 @@ def sglang_view(adapter_dir: Path, base_dir: Path, *, lora_target_modules: str |
                     old = new.replace("gate_up_proj", "gate_proj") if key == "gate_up_proj" else new.replace(key, "q_a_proj")
                     partner = old.replace("gate_proj", "up_proj") if key == "gate_up_proj" else old.replace("q_a_proj", "kv_a_proj_with_mqa")
                     sources[new] = [s for s in (old, partner) if s in tensors]
-    moe_wrapped = "gate_up_proj" in targets and "down_proj" in targets  # lora_manager.update_lora_info
+    moe_wrapped = "gate_up_proj" in targets and "down_proj" in targets  # lora_manager.init_lora_modules
     out: dict[str, dict] = {}
     skipped = []
     for weights in layers.values():
@@ -333,6 +337,14 @@ def sglang_view(adapter_dir: Path, base_dir: Path, *, lora_target_modules: str |
     if skipped and strict:
         refusal = f"ValueError: {len(skipped)} weight(s) skipped (strict loading)"
     return {"refusal": refusal, "skipped_weights": len(skipped), "tensors": dict(sorted(out.items()))}
+
+
+def sglang_target_module_choices() -> list[str]:
+    """The names SGLang's --lora-target-modules accepts besides `all` (its argparse choices, lora.py's
+    `lora_target_modules` field: srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES)."""
+    tree = ast.parse(_engine_file("sglang.srt.utils.common").read_text())
+    return next(ast.literal_eval(n.value) for n in tree.body
+                if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "SUPPORTED_LORA_TARGET_MODULES")
 
 
 # ------------------------------------------------------------------------- the MTP draft model

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from glmtune.peft.engines import ENGINES, AdapterTraits, serve_command
+from glmtune.peft.engines import ENGINES, SGLANG_TARGET_MODULES, AdapterTraits, serve_command
 
-_TRAITS = AdapterTraits(rank=8, alpha=16.0, rslora=False, kv_b=False, shared_experts=True,
-                        expert_projections=frozenset({"down_proj"}))
+# The experts_down_only variant: attention and the routed experts' down_proj only.
+_TRAITS = AdapterTraits(rank=8, alpha=16.0, rslora=False, kv_b=True, shared_experts=False,
+                        expert_projections=frozenset({"down_proj"}),
+                        modules=frozenset({"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                           "down_proj"}))
 
 FIXTURES = Path(__file__).parent / "engine_fixtures"
 
@@ -56,14 +59,46 @@ def test_vllm_rank_default_and_copied_targets():
 
 def test_sglang_drops_expert_deltas_silently_without_both_projection_names():
     fix = _fixture("sglang", "per_expert", "experts_down_only")
-    default, all_ = fix["configs"]["default"], fix["configs"]["target_all"]
+    default, both = fix["configs"]["default"], fix["configs"]["both_expert_projections"]
     dropped = [n for n, t in default["tensors"].items() if not t["applied"]]
     assert dropped and all(".mlp.experts." in n for n in dropped)
     assert default["refusal"] is None and default["skipped_weights"] == 0  # no warning, strict or not
-    assert all(t["applied"] for t in all_["tensors"].values())
-    # The table: applied, because the serve command passes --lora-target-modules all.
+    assert _exact(fix, "both_expert_projections") and both["skipped_weights"] == 0
+    # The table: applied, because the serve command names both expert projections (and nothing else beyond
+    # the adapter's own modules).
     assert ENGINES["sglang"].one_expert_projection
-    assert "--lora-target-modules all" in " ".join(serve_command(ENGINES["sglang"], "b", "a", _TRAITS))
+    command = serve_command(ENGINES["sglang"], "b", "a", _TRAITS)
+    names = command[command.index("--lora-target-modules") + 1:]
+    assert names == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj",
+                     "up_proj", "--disable-shared-experts-fusion"]
+    assert set(names[:-1]) == set(fix["adapter"]["target_modules"]) | {"gate_proj", "up_proj"}
+
+
+def _startup() -> dict:
+    return json.loads((FIXTURES / "sglang-startup.json").read_text())
+
+
+def test_sglang_accepts_the_names_the_command_passes():
+    """SGLANG_TARGET_MODULES is SGLang's --lora-target-modules choices (read from its installed source)."""
+    startup = _startup()
+    assert startup["engine_version"] == ENGINES["sglang"].checked
+    assert set(SGLANG_TARGET_MODULES) == set(startup["lora_target_modules_choices"])
+
+
+def test_sglang_started_with_each_command_and_refused_the_earlier_ones():
+    """make test-engines ran SGLang's own start-up (tests/engines/sglang_startup.py) on GLM-5 as on an H200 with
+    the command glmtune printed for each variant: past every check, no fused shared expert under MoE LoRA; and
+    `--lora-target-modules all` refused (the fused DSA indexer's wq_b), shared experts fused give MoE layers
+    257 expert slots against 256-expert LoRA buffers, which the MoE LoRA runner refuses."""
+    startup = _startup()
+    for variant, started in startup["commands"].items():
+        assert started["started"] and started["indexer_fused"], variant
+        assert started["moe_expert_slots"] == [started["lora_buffer_experts"]] == [256], variant
+        assert started["moe_lora_runner"].startswith("admitted") and "all" not in started["lora_flags"], variant
+    controls = startup["controls"]
+    assert "LoRA targets the DSA indexer" in controls["full, --lora-target-modules all"]["error"]
+    fused = controls["experts_down_only, shared experts fused"]
+    assert fused["moe_expert_slots"] == [257] and "without fused shared experts" in fused["moe_lora_runner"]
 
 
 def test_sglang_shared_expert_fusion_zeroes_shared_deltas():

@@ -144,8 +144,8 @@ def test_an_adapter_without_mtp_layer_adapters_exports_as_before(plain_run, tmp_
     command = {"vllm": f"vllm serve {base} --enable-lora --lora-modules adapter={adapter} --max-lora-rank 8 "
                        "--max-loras 1",
                "sglang": f"python -m sglang.launch_server --model-path {base} --enable-lora --lora-paths "
-                         f"adapter={adapter} --max-lora-rank 8 --lora-target-modules all "
-                         "--disable-shared-experts-fusion"}[engine]
+                         f"adapter={adapter} --max-lora-rank 8 --lora-target-modules down_proj gate_proj "
+                         "kv_a_proj_with_mqa o_proj q_a_proj q_b_proj up_proj --disable-shared-experts-fusion"}[engine]
     checked = {"vllm": "0.34.0", "sglang": "0.5.23"}[engine]
     assert printed.splitlines() == [
         f"exported per_expert adapter from {plain_run / 'checkpoints' / 'step-00000002'} (step 2) to {tmp_path / 'e'}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from glmtune.config import ModelConfig, PeftConfig
 from glmtune.config.schema import DEFAULT_LORA_TARGETS
 from glmtune.models.registry import model_args, model_spec
 from glmtune.peft import apply_lora
-from glmtune.peft.engines import ENGINES, adapter_traits, caveats, refusals, serve_command
+from glmtune.peft.engines import ENGINES, SGLANG_TARGET_MODULES, adapter_traits, caveats, refusals, serve_command
+from tests.engines.variants import SGLANG_SERVED, peft_overrides
 from tests.release.eval_fixture import make_eval_dir
 from tests.train.run_helpers import TWO_STEPS, shared_run
 
@@ -37,6 +39,9 @@ def test_the_default_targets_adapt_kv_b_only_when_asked_shared_and_both_expert_p
     assert refusals(ENGINES["vllm"], traits, "per_expert") == refusals(ENGINES["sglang"], traits, "per_expert") == []
     [note] = caveats(ENGINES["vllm"], traits)
     assert "precomputed from the base kv_b_proj" in note and "delta is not applied" in note
+    # prefill is not absorbed: up to index_topk tokens it is dense, through the backend's base kv_b_proj
+    assert "prefill (dense attention for prompts up to the indexer's top-k, 2048 tokens on GLM-5) calls the base " \
+           "kv_b_proj layer its attention backend holds, not the LoRA-wrapped module" in note
     assert caveats(ENGINES["sglang"], traits) == []  # SGLang corrects its absorbed path for a kv_b LoRA
 
 
@@ -46,7 +51,7 @@ def test_what_each_engine_would_apply_differently_is_refused_with_the_fix():
     assert single.expert_projections == {"down_proj"}
     [why] = refusals(ENGINES["vllm"], single, "per_expert")  # vLLM's pack_moe asserts on it
     assert "covers down_proj only" in why and "target both expert projections" in why
-    assert refusals(ENGINES["sglang"], single, "per_expert") == []  # applied with --lora-target-modules all
+    assert refusals(ENGINES["sglang"], single, "per_expert") == []  # applied: the command names both projections
     rslora = _traits(rslora=True, rank=32)
     assert refusals(ENGINES["vllm"], rslora, "per_expert") == []  # vLLM scales alpha/sqrt(r)
     [why] = refusals(ENGINES["sglang"], rslora, "per_expert")
@@ -57,16 +62,73 @@ def test_what_each_engine_would_apply_differently_is_refused_with_the_fix():
     assert "export with --layout per_expert" in why
 
 
+_ATTENTION = ["*.self_attn.q_a_proj", "*.self_attn.q_b_proj", "*.self_attn.kv_a_proj_with_mqa", "*.self_attn.o_proj"]
+_DEFAULT_NAMES = ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "o_proj", "q_a_proj", "q_b_proj", "up_proj"]
+
+
+def _sglang_lora_flags(traits) -> list[str]:
+    command = serve_command(ENGINES["sglang"], "/m/base", "/m/a", traits)
+    assert command[:9] == ["python", "-m", "sglang.launch_server", "--model-path", "/m/base", "--enable-lora",
+                           "--lora-paths", "adapter=/m/a", "--max-lora-rank"]
+    return command[10:]
+
+
 def test_the_serve_commands_carry_the_flags_the_adapter_needs():
     traits = _traits(rank=24)
     assert serve_command(ENGINES["vllm"], "/m/base", "/m/a", traits) == [
         "vllm", "serve", "/m/base", "--enable-lora", "--lora-modules", "adapter=/m/a", "--max-lora-rank", "32",
         "--max-loras", "1"]  # 24 rounds up to vLLM's next allowed rank; default 16 would refuse it
-    no_shared = _traits(exclude_modules=["*.mlp.shared_experts.*"])
-    assert serve_command(ENGINES["sglang"], "/m/base", "/m/a", no_shared)[-2:] == ["--lora-target-modules", "all"]
-    assert serve_command(ENGINES["sglang"], "/m/base", "/m/a", traits)[-1] == "--disable-shared-experts-fusion"
+    assert serve_command(ENGINES["sglang"], "/m/base", "/m/a", traits)[8:10] == ["--max-lora-rank", "24"]
     assert serve_command(ENGINES["sglang"], "/m/hf", None, None) == [
         "python", "-m", "sglang.launch_server", "--model-path", "/m/hf"]
+
+
+def test_sglang_gets_the_adapters_module_names_never_all():
+    """`--lora-target-modules all` takes in the DSA indexer's wq_b, which SGLang refuses at start-up on
+    GLM-5 on NVIDIA GPUs (indexer fusion): the command names the adapter's modules (the per-expert
+    adapter_config's target_modules), with both expert projections when routed experts are adapted
+    (SGLang wraps the MoE layer only with both), each a name SGLang's --lora-target-modules accepts."""
+    assert _sglang_lora_flags(_traits()) == ["--lora-target-modules", *_DEFAULT_NAMES,
+                                             "--disable-shared-experts-fusion"]
+    attention = _traits(target_modules=_ATTENTION)
+    assert _sglang_lora_flags(attention) == [
+        "--lora-target-modules", "kv_a_proj_with_mqa", "o_proj", "q_a_proj", "q_b_proj"]  # the MoE stays unwrapped
+    # routed experts on down_proj only, no MLP targeted: gate_proj/up_proj added so the MoE layer is wrapped
+    experts_down = _traits(target_modules=[*_ATTENTION, "*.mlp.experts.down_proj"])
+    assert experts_down.modules == {"kv_a_proj_with_mqa", "o_proj", "q_a_proj", "q_b_proj", "down_proj"}
+    assert _sglang_lora_flags(experts_down) == ["--lora-target-modules", *_DEFAULT_NAMES,
+                                                "--disable-shared-experts-fusion"]
+    for traits in (attention, experts_down, _traits(target_modules=[*DEFAULT_LORA_TARGETS, "*.self_attn.kv_b_proj"])):
+        names = _sglang_lora_flags(traits)[1:]
+        assert "all" not in names and set(names) - {"--disable-shared-experts-fusion"} <= set(SGLANG_TARGET_MODULES)
+
+
+def test_sglang_unfuses_shared_experts_whenever_the_experts_take_lora():
+    """Fused, the MoE layer has 257 expert slots (256 routed + the shared one) against LoRA buffers of 256
+    experts: SGLang's MoE LoRA runners refuse it (or index past the buffers). The command turns fusion off
+    whenever the MoE layer is wrapped (routed experts, or both MLP projections' names) or a shared expert
+    is adapted (its delta would be dropped)."""
+    flag = "--disable-shared-experts-fusion"
+    routed_only = _traits(exclude_modules=["*.mlp.shared_experts.*"])
+    assert not routed_only.shared_experts and routed_only.expert_projections == {"gate_up_proj", "down_proj"}
+    assert _sglang_lora_flags(routed_only)[-1] == flag
+    assert _sglang_lora_flags(_traits(target_modules=[*_ATTENTION, "*.mlp.experts"]))[-1] == flag
+    dense = _traits(target_modules=[*_ATTENTION, "*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"])
+    assert not dense.expert_projections and not dense.shared_experts
+    assert _sglang_lora_flags(dense)[-1] == flag  # the dense MLP's names make SGLang wrap the MoE layers too
+    shared_up = _traits(target_modules=[*_ATTENTION, "*.mlp.shared_experts.up_proj"])  # MoE unwrapped, shared adapted
+    assert _sglang_lora_flags(shared_up)[-1] == flag
+    assert flag not in _sglang_lora_flags(_traits(target_modules=_ATTENTION))
+
+
+@pytest.mark.parametrize("variant", SGLANG_SERVED)
+def test_the_sglang_command_is_the_one_sglang_started_with(variant):
+    """`make test-engines` recorded SGLang's own start-up with the command `glmtune export --engine sglang`
+    printed for each variant (engine_fixtures/sglang-startup.json; test_engine_facts.py checks what SGLang did):
+    today's command for that adapter is the same."""
+    recorded = json.loads((Path(__file__).parent / "engine_fixtures" / "sglang-startup.json").read_text())
+    command = serve_command(ENGINES["sglang"], "/m/base", "/m/a", _traits(**peft_overrides(variant)))
+    assert command[command.index("--max-lora-rank"):] == recorded["commands"][variant]["lora_flags"]
 
 
 def _glmtune(*argv: str) -> tuple[int, str]:
@@ -85,6 +147,11 @@ def test_export_for_an_engine_prints_its_command_and_refuses_before_writing(lora
     code, printed = _glmtune("export", str(lora_run), "--adapter", str(tmp_path / "v"), "--engine", "vllm")
     assert code == 0 and (tmp_path / "v" / "adapter_config.json").is_file(), printed
     assert f"vllm serve {(lora_run / 'base').resolve()} --enable-lora --lora-modules adapter=" in printed
+    # SGLang's command names exactly the modules the adapter's config lists
+    code, printed = _glmtune("export", str(lora_run), "--adapter", str(tmp_path / "s"), "--engine", "sglang")
+    listed = json.loads((tmp_path / "s" / "adapter_config.json").read_text())["target_modules"]
+    assert code == 0 and f"--lora-target-modules {' '.join(listed)} --disable-shared-experts-fusion\n" in printed, \
+        printed
     assert "absorbed MLA decode" not in printed  # the recipe's default targets leave kv_b_proj out
     code, printed = _glmtune("export", str(lora_run), "--adapter", str(tmp_path / "p"), "--engine", "sglang",
                              "--layout", "peft")

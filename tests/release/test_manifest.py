@@ -125,8 +125,8 @@ def test_lora_manifest(lora_run, tmp_path, capsys):
     assert m["engine"]["name"] == "sglang" and m["engine"]["version"] == "0.5.2"
     assert m["engine"]["serve_command"] == (
         f"python -m sglang.launch_server --model-path {(run / 'base').resolve()} --enable-lora --lora-paths "
-        f"adapter={(run / 'adapter_per_expert').resolve()} --max-lora-rank 8 --lora-target-modules all "
-        "--disable-shared-experts-fusion")
+        f"adapter={(run / 'adapter_per_expert').resolve()} --max-lora-rank 8 --lora-target-modules down_proj "
+        "gate_proj kv_a_proj_with_mqa o_proj q_a_proj q_b_proj up_proj --disable-shared-experts-fusion")
     assert m["engine"]["caveats"] == [] and m["engine"]["facts_checked"] == "0.5.23"
     approval = m["data"]["approval"]
     assert approval == {"approved_by": "Ana Ops", "note": "canary 5% first", "at": m["created"]}
