@@ -65,10 +65,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader, JsonMetadataWriter, WeightsOnlyLoadPlanner, failure_of
 from glmtune.checkpoint.integrity import CHECKSUMS_NAME, has_checksums, verify_checksums, write_checksums
-from glmtune.checkpoint.pickle_scan import check_torch_save
-from glmtune.checkpoint.state_schema import check_like
+from glmtune.checkpoint.state_schema import check_param_groups, check_trainer_state, read_rng
 from glmtune.io.sizes import human_bytes
-from glmtune.io.text_limits import parse_json, printable
+from glmtune.io.text_limits import parse_json
 
 # `step-N`, or `step-N-RUNID` when another run sharing the directory already holds step N.
 _STEP_RE = re.compile(r"^step-(\d+)(?:-([\w-]{1,64}))?$")
@@ -132,25 +131,6 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def read_rng(path: Path) -> dict[str, Any]:
-    """A rank's RNG states as `capture_rng` wrote them; ValueError naming the file for anything else."""
-    with open(path, "rb") as fh:
-        check_torch_save(fh, str(path))
-        state = torch.load(fh, weights_only=True)
-    expected = torch.get_rng_state()
-    cuda = state.get("cuda", []) if isinstance(state, dict) else None
-    if not (isinstance(state, dict) and {"python", "torch"} <= set(state) <= {"python", "torch", "cuda"}
-            and isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == expected.dtype
-            and state["torch"].shape == expected.shape and isinstance(cuda, list)
-            and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda)):
-        raise ValueError(f"{path}: not the RNG states glmtune writes (python, torch and CUDA generator states)")
-    try:
-        random.Random().setstate(state["python"])  # Python's own check of a Mersenne Twister state
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{path}: not a Python random state ({exc})") from None
-    return state
-
-
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
@@ -170,39 +150,6 @@ def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], reader: JsonMetad
     for fqn in absent:
         del optim_state["state"][fqn]
     return absent
-
-
-def check_trainer_state(state: dict[str, Any], checkpoint: Checkpoint, expected: dict[str, Any] | None) -> None:
-    """The trainer state of `checkpoint` is what a trainer writes: `step` (the directory's) and `run_id`,
-    and, given the state the resuming trainer would write now (`expected`), exactly its fields, each
-    like the trainer's own (state_schema.py). ValueError naming trainer_state.json and the field."""
-    where = STATE_NAME
-    step, run_id = state.get("step"), state.get("run_id")
-    if type(step) is not int or step != checkpoint.step:
-        raise ValueError(f"{where}: step is {printable(repr(step))[:40]}, the checkpoint's directory says "
-                         f"{checkpoint.step}")
-    if run_id is not None and not isinstance(run_id, str):
-        raise ValueError(f"{where}: run_id is a {type(run_id).__name__}, not a run id")
-    if expected is None:
-        return
-    fields = {key: value for key, value in state.items() if key not in ("step", "run_id")}
-    check_like(fields, {key: value for key, value in expected.items() if key not in ("step", "run_id")},
-               where.removesuffix(".json"))
-
-
-def _check_param_groups(loaded: Any, written: list[dict[str, Any]]) -> None:
-    """The optimizer's param_groups read back are like the ones this optimizer writes (state_schema.py),
-    but for the parameter names, which need only be names: which parameters the saved optimizer held
-    is checked against the state it saved (`load`)."""
-    where = "the optimizer's param_groups"
-    if not isinstance(loaded, list) or not all(isinstance(g, dict) for g in loaded):
-        raise ValueError(f"{where}: not a list of groups")
-    for i, group in enumerate(loaded):
-        names = group.get("params")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{where}[{i}].params: not a list of parameter names")
-    check_like([{k: v for k, v in g.items() if k != "params"} for g in loaded],
-               [{k: v for k, v in g.items() if k != "params"} for g in written], where)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -518,12 +465,12 @@ class CheckpointManager:
         optimizer writes; (its trainer state, this rank's RNG states or None)."""
         groups_written = copy.deepcopy(state["optim"].get("param_groups", []))  # what this optimizer writes
         trainer_state = read_trainer_state(checkpoint.path)
-        check_trainer_state(trainer_state, checkpoint, expected_state)
+        check_trainer_state(trainer_state, STATE_NAME, checkpoint.step, expected_state)
         reader = JsonMetadataReader(checkpoint.path)
         never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
-        _check_param_groups(state["optim"].get("param_groups", []), groups_written)
+        check_param_groups(state["optim"].get("param_groups", []), groups_written)
         saved_params = {fqn for group in state["optim"]["param_groups"] for fqn in group["params"]}
         if not never_stepped <= saved_params:
             raise ValueError(f"no optimizer state for {sorted(never_stepped - saved_params)[0]}, which the "
