@@ -33,6 +33,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import socket
 import sys
 import traceback
 import types
@@ -106,9 +107,10 @@ def _published(argv: list[str]):
     server_args.resolve_once()
     server_args.check_server_args()
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0").items():
-        os.environ.setdefault(key, value)
+    with socket.socket() as free:  # the one-process gloo group's rendezvous, on a port nobody holds
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     parallel_state.initialize_model_parallel(backend="gloo")
