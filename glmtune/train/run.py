@@ -365,7 +365,8 @@ def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     path = Path(path_text)
     if cached:  # read by rank 0 and handed to every rank: other nodes need not see its cache directory
         train_values, val_values = decide_on_rank0(lambda: cache.load(path, train_rows, val_rows))
-        said = f"read from {path}"
+        said = (f"reused from the cache, key {path.stem} (the starting weights' names, sizes, mtimes and "
+                f"sampled content, the model settings, the rows): {path}")
     else:
         start = time.perf_counter()
         score = functools.partial(cache.compute, built.model, launch.spec.token_logps, device=launch.device,

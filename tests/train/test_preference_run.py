@@ -180,7 +180,8 @@ def test_full_fine_tuning_reference_is_cached_and_a_killed_run_resumes_without_r
     resumed = run(killed_dir, cache, *FULL, "--checkpoint.resume", "auto", recipe="tiny/dpo_support_json")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     said = resumed.stdout.replace("\n", "")  # rich wraps long lines
-    assert "read from" in said and cached.name in said and "computed from" not in said
+    assert f"reused from the cache, key {cached.stem}" in " ".join(resumed.stdout.split())
+    assert cached.name in said and "computed from" not in said
     assert cached.stat().st_mtime_ns == written
     assert losses(killed_dir) == expected  # the same floats at every step
 
