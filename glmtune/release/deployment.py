@@ -5,7 +5,8 @@ engine in `glmtune.peft.engines.ENGINES` (vLLM, SGLang) the manifest's `engine` 
 `serve_command` (the exact command: base + the per-expert adapter with the flags it needs, or the
 full checkpoint), `facts_checked` (the engine version the facts were read from; a different
 pinned version is recorded as such, not refused) and `caveats` (what the engine applies
-differently, knowingly: a kv_b_proj delta under vLLM's absorbed decode; the MTP layer's adapters
+differently, knowingly: a kv_b_proj delta vLLM applies in neither its absorbed decode nor its dense
+prefill (both read the base layer its attention impl holds); the MTP layer's adapters
 of a run with the MTP loss, which vLLM loads and never applies). An adapter the engine would apply
 differently from training and silently (rsLoRA on SGLang, a routed-expert adapter on one
 projection, a rank beyond the engine's limit, no per-expert layout) or would not load (MTP-layer
