@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from glmtune.data.tokenizer import resolve_tokenizer_dir
+from tests.eval.hostile_stub import reply
 from glmtune.eval.endpoint import EndpointOptions, _chat_messages, _engine_calls
 from glmtune.eval.evaluate import run_eval
 
@@ -31,14 +32,7 @@ class _Stub(BaseHTTPRequestHandler):
         pass
 
     def _json(self, status: int, body: dict, **headers: str) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers.items():
-            self.send_header(name.replace("_", "-"), value)
-        self.end_headers()
-        self.wfile.write(data)
+        reply(self, status, body, **headers)
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
