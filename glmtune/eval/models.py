@@ -17,7 +17,6 @@ twice: unmerged ("candidate": LoRA modules holding the adapter, `adapters.py`) a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +26,14 @@ from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mism
 from glmtune.config import ModelConfig, load_run_config
 from glmtune.data.sources import file_sha256
 from glmtune.peft.adapter_load import apply_adapter
-from glmtune.io.run_lock import read_run_record
+from glmtune.io.json_file import json_name, read_json_file
+from glmtune.io.run_lock import RUN_FILE, read_run_record
+from glmtune.io.text_limits import clipped
 from glmtune.models.registry import is_preset, spec_for
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from glmtune.peft.merge import config_dtype, merge_adapter_dir
 
+_MAX_RECORD_BYTES = 1 << 20  # adapter_config.json and glmtune_adapter.json are a few hundred bytes
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -67,29 +69,36 @@ class ModelSource:
         return paths
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+def _recorded_base(value: object, where: Path) -> dict | None:
+    """The base identity a glmtune_adapter.json or run.json records (None when it records none), its
+    path and hashes strings; ValueError naming the file for anything else."""
+    if value is None:
+        return None
+    if not (isinstance(value, dict) and all(isinstance(value.get(key, ""), str)
+                                            for key in ("path", "config_sha256", "weights_sha256"))):
+        raise ValueError(f"{where}: its base is {json_name(value)} that is not a glmtune base identity (a path and "
+                         "sha256 strings); not a file glmtune writes")
+    return value
 
 
 def _adapter_base(adapter_dir: Path) -> tuple[Path, dict | None]:
     """The base directory of an exported adapter and the identity it records (None if none)."""
-    config = _read_json(adapter_dir / CONFIG_NAME)
-    meta = _read_json(adapter_dir / META_NAME) if (adapter_dir / META_NAME).is_file() else {}
-    recorded = meta.get("base") if isinstance(meta.get("base"), dict) else None
-    named = [p for p in ((recorded or {}).get("path"), config.get("base_model_name_or_path")) if p]
+    config = read_json_file(adapter_dir / CONFIG_NAME, max_bytes=_MAX_RECORD_BYTES)
+    named_in_config = config.get("base_model_name_or_path")
+    if named_in_config is not None and not isinstance(named_in_config, str):
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: base_model_name_or_path is {json_name(named_in_config)}, "
+                         "not a path")
+    meta_path = adapter_dir / META_NAME
+    meta = read_json_file(meta_path, max_bytes=_MAX_RECORD_BYTES) if meta_path.is_file() else {}
+    recorded = _recorded_base(meta.get("base"), meta_path)
+    named = [p for p in ((recorded or {}).get("path"), named_in_config) if p]
     # A run directory moved since training: its base/ moved with it (taken only when the adapter records
     # the identity `Fingerprints.of` then checks it against).
     beside = [adapter_dir.parent / "base"] if recorded else []
     for candidate in [Path(p) for p in named] + beside:
         if (candidate / "config.json").is_file():
             return candidate.resolve(), recorded
-    raise ValueError(f"{adapter_dir}: its base {named[0] if named else '(not recorded)'} is not a local HF "
+    raise ValueError(f"{adapter_dir}: its base {clipped(named[0]) if named else '(not recorded)'} is not a local HF "
                      "directory; an adapter is evaluated on the base it was trained on")
 
 
@@ -116,12 +125,13 @@ def resolve_model(arg: str | Path, role: str) -> ModelSource:
 def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
     cfg = load_run_config(run_dir / "config.yaml")
     record = read_run_record(run_dir) or {}
+    recorded_base = _recorded_base(record.get("base"), run_dir / RUN_FILE)
     if role == "base":
         if (run_dir / "base" / "config.json").is_file():
-            return ModelSource(role, role, run_dir, "run", run_dir / "base", recorded_base=record.get("base"))
+            return ModelSource(role, role, run_dir, "run", run_dir / "base", recorded_base=recorded_base)
         if not is_preset(cfg.model.name_or_path) and (Path(cfg.model.name_or_path) / "config.json").is_file():
             return ModelSource(role, role, run_dir, "run", Path(cfg.model.name_or_path).resolve(),
-                               recorded_base=record.get("base"))
+                               recorded_base=recorded_base)
         raise ValueError(f"{option} {run_dir}: the run records no base model to evaluate (no base/ and "
                          f"model.name_or_path {cfg.model.name_or_path!r} is not an HF directory); pass the base's "
                          "HF directory")

@@ -3,7 +3,9 @@
 Rows are chat rows like training rows (JSONL or Parquet, `glmtune.data.sources`), each checked
 by the data contract (every violation named file:line before any model loads) and normalized.
 A `run_split: validation` set reads the candidate run directory's held-out split, the files its
-data_manifest.json names. `limit` keeps the first N rows, and only those are read (and checked).
+data_manifest.json names, each looked up by its name in the run's data/ (never a path the manifest
+leads elsewhere: data.validation's own files are given to a set by their path). `limit` keeps the
+first N rows, and only those are read (and checked).
 Reading is bounded: a set file over MAX_SET_FILE_BYTES is refused before it is opened, and a set
 without a limit may hold at most `suite.MAX_SET_ROWS` rows (it is read no further).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from glmtune.data.contract import check_or_raise
@@ -33,7 +35,9 @@ from glmtune.data.sources import Row, no_rows_message, read_rows
 from glmtune.eval.models import ModelSource
 from glmtune.eval.scorers.base import EvalRow
 from glmtune.eval.suite import MAX_SET_ROWS, EvalSet, Suite
-from glmtune.io.text_limits import parse_json
+from glmtune.io.contained import inside
+from glmtune.io.json_file import json_name, read_json_file
+from glmtune.io.text_limits import clipped
 
 MAX_SET_FILE_BYTES = 1 << 30  # one JSONL or Parquet file of a set
 MAX_MANIFEST_BYTES = 64 << 20  # a run's data_manifest.json
@@ -49,29 +53,33 @@ class LoadedSet:
 
 
 def _split_files(candidate: ModelSource, split: str) -> list[Path]:
+    """The files of the run's `split` its data_manifest.json names, each found in the run's data/ by
+    its name (a run directory that was moved keeps its data/ beside the manifest): a name read from
+    the manifest never leads out of the run directory (`glmtune.io.contained`)."""
     if candidate.kind != "run":
         raise ValueError(f"run_split: {split} reads the candidate run directory's held-out split, but --candidate "
                          f"{candidate.source} is not a run directory; give the set a path")
     manifest_path = candidate.source / "data_manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"run_split: {split}: {manifest_path} not found (the run has not prepared its data)")
-    if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ValueError(f"run_split: {split}: {manifest_path} is over {MAX_MANIFEST_BYTES:,} bytes "
-                         "(MAX_MANIFEST_BYTES); not a data manifest")
-    try:
-        recorded = parse_json(manifest_path.read_bytes(), "the file").get(f"{split}_files")
-    except (ValueError, AttributeError) as exc:
-        raise ValueError(f"run_split: {split}: {manifest_path} is not a data manifest ({exc})") from None
+    manifest = read_json_file(manifest_path, f"run_split: {split}: data manifest", max_bytes=MAX_MANIFEST_BYTES)
+    recorded = manifest.get(f"{split}_files")
     if recorded is None:
         raise ValueError(f"run_split: {split}: {manifest_path} names no {split} files (a run from before "
                          "glmtune eval); give the set a path to the split's JSONL")
+    if not isinstance(recorded, list) or not all(isinstance(name, str) for name in recorded):
+        raise ValueError(f"run_split: {split}: {manifest_path}: {split}_files is {json_name(recorded)}, not a list "
+                         "of file names; not a data manifest glmtune writes")
     if not recorded:
         raise ValueError(f"run_split: {split}: the run {candidate.source} has no {split} split")
-    files = []
-    for name in recorded:
-        # A run directory that was moved keeps its data/ beside data_manifest.json.
-        local = candidate.source / "data" / Path(name).name
-        files.append(local if local.is_file() else Path(name))
+    data_dir = candidate.source / "data"
+    files = [inside(data_dir, PurePosixPath(name).name, f"run_split: {split}: {manifest_path}: {split}_files")
+             for name in recorded]
+    for name, file in zip(recorded, files):
+        if not file.is_file():
+            raise ValueError(f"run_split: {split}: {manifest_path} names {clipped(name)}, which is not in {data_dir} "
+                             "(a run's own split is written there; data.validation's files stay where they are): "
+                             "give the set the file's path")
     return files
 
 
