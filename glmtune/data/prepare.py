@@ -39,8 +39,9 @@ from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows
 from glmtune.data.preferences import check_rows_or_raise
 from glmtune.data.sources import Row, expand_inputs, file_sha256, no_rows_message, read_rows
 from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
+from glmtune.io.contained import inside
+from glmtune.io.json_file import read_json_file
 from glmtune.io.outputs import check_output, output_dir
-from glmtune.io.regular import open_regular
 
 MANIFEST_NAME = "manifest.json"
 PII_REPORT_NAME = "pii_report.json"
@@ -154,11 +155,19 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
 
 
 def split_files(out_dir: str | Path) -> dict[str, Path]:
-    """The split files a prepared directory's manifest points at."""
+    """The split files a prepared directory's manifest points at, each a file of that directory
+    (`glmtune.io.contained`); a manifest that is not what `prepare_dataset` writes is one
+    ValueError naming it."""
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST_NAME
     if not manifest_path.exists():
         raise FileNotFoundError(f"no {MANIFEST_NAME} in {out_dir}; run `glmtune data prepare` first")
-    with open_regular(manifest_path, "prepared data manifest") as f:
-        manifest = json.loads(f.read())
-    return {name: out_dir / entry["file"] for name, entry in manifest["outputs"].items()}
+    manifest = read_json_file(manifest_path, "prepared data manifest")
+    outputs = manifest.get("outputs")
+    where = f"prepared data manifest {manifest_path}"
+    if not (isinstance(outputs, dict) and set(outputs) == set(SPLITS)
+            and all(isinstance(entry, dict) for entry in outputs.values())):
+        raise ValueError(f"{where}: its outputs are not one object per split ({', '.join(SPLITS)}); "
+                         "not a manifest `glmtune data prepare` writes")
+    return {name: inside(out_dir, entry.get("file"), f"{where}: outputs.{name}.file")
+            for name, entry in outputs.items()}

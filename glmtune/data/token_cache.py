@@ -19,6 +19,15 @@ A hit therefore needs neither the tokenizer nor the data to be read: only hashed
 Writes go to a temporary file then `os.replace`, so concurrent writers (several
 ranks) never expose a partial file; the last complete write wins.
 
+A cache directory is a place anyone may write to, so an entry is read as untrusted: its
+arrays straight from the `.npz` members (`np.savez`'s uncompressed `.npy` files; each header
+must describe its member's bytes exactly; no object dtype, so nothing is ever unpickled),
+then checked for what `put` writes (flat int32 ids and labels, int64 offsets cutting them into
+samples, ids below the tokenizer's size, labels -100 or the token at their position). An
+entry that is anything else (cut short, damaged, planted) is refused in one sentence naming
+its file and saying to delete it, rather than silently tokenized over: a miss would hide a
+disk or a process that damages the cache, and the file may be another tool's.
+
 Cache directory: the `cache_dir` argument, else $GLMTUNE_CACHE_DIR, else
 $XDG_CACHE_HOME/glmtune, else ~/.cache/glmtune; entries live in `tokenized/`.
 """
@@ -27,22 +36,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from glmtune.data.chat_template import LOSS_ON_CHOICES, LossOn, TokenizedSample, load_chat_template, tokenize_row
+from glmtune.data.chat_template import (IGNORE_INDEX, LOSS_ON_CHOICES, LossOn, TokenizedSample, load_chat_template,
+                                        tokenize_row)
 from glmtune.data.contract import check_or_raise
 from glmtune.data.preferences import check_preferences_or_raise, tokenize_pair
 from glmtune.data.sources import inputs_sha256, read_rows
 from glmtune.data.tokenizer import TOKENIZER_FILES, load_tokenizer, resolve_tokenizer_dir
+from glmtune.io.regular import open_regular
+from glmtune.io.text_limits import clipped
 
 # Bump when tokenization output changes for the same inputs (mask rules, eos handling).
 CACHE_FORMAT_VERSION = 1
+_ENTRY_DTYPES = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}  # what `put` writes
 
 
 def default_cache_dir() -> Path:
@@ -83,6 +98,64 @@ def cache_key(*, tokenizer_hash: str, template: str, data_hash: str, loss_on: st
     return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
 
 
+def _entry_problem(arrays: dict[str, np.ndarray], vocab_size: int | None) -> str | None:
+    """What makes `arrays` other than what `TokenizationCache.put` writes (None when nothing)."""
+    for name, dtype in _ENTRY_DTYPES.items():
+        if arrays[name].dtype != dtype or arrays[name].ndim != 1:
+            return (f"{name} is {arrays[name].dtype} of shape {arrays[name].shape}, not a flat {np.dtype(dtype).name} "
+                    "array")
+    input_ids, labels, offsets = arrays["input_ids"], arrays["labels"], arrays["offsets"]
+    if len(labels) != len(input_ids) or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(input_ids) \
+            or bool((np.diff(offsets) < 0).any()):
+        return "its offsets do not cut its tokens into samples"
+    if bool((input_ids < 0).any()):
+        return "negative token ids"
+    if vocab_size is not None and bool((input_ids >= vocab_size).any()):
+        return f"token ids of {vocab_size} or more, beyond the tokenizer's {vocab_size} tokens"
+    if not bool(((labels == IGNORE_INDEX) | (labels == input_ids)).all()):
+        return f"labels that are neither {IGNORE_INDEX} nor the token at their position"
+    return None
+
+
+def _read_members(fh: BinaryIO) -> dict[str, np.ndarray]:
+    """The arrays of an `.npz` as `np.savez` writes it: its three members stored uncompressed, each
+    `.npy` header checked against the member's size before its data is read (no header can make
+    numpy allocate more than the file holds), no object dtype (nothing is unpickled, ever)."""
+    arrays = {}
+    with zipfile.ZipFile(fh) as archive:
+        members = archive.infolist()
+        if sorted(m.filename for m in members) != sorted(f"{name}.npy" for name in _ENTRY_DTYPES):
+            raise ValueError(f"members {clipped([m.filename for m in members], 120)}, not {sorted(_ENTRY_DTYPES)}")
+        for member in members:
+            if member.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{member.filename} is compressed")
+            with archive.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, fortran, dtype = read_header(f)
+                size = math.prod(shape) * dtype.itemsize
+                if dtype.hasobject or fortran or size != member.file_size - f.tell():
+                    raise ValueError(f"{member.filename}'s header does not describe its {member.file_size:,} bytes")
+                arrays[member.filename.removesuffix(".npy")] = np.frombuffer(f.read(size), dtype).reshape(shape)
+    return arrays
+
+
+def _read_entry(path: Path, vocab_size: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, labels, offsets) of a cache entry, read (`_read_members`) and checked
+    (`_entry_problem`); ValueError naming the file for anything else."""
+    refusal = f"{path}: not a tokenization cache entry glmtune writes ({{}}); delete it to tokenize again"
+    with open_regular(path, "tokenization cache entry") as fh:
+        try:
+            arrays = _read_members(fh)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise ValueError(refusal.format(clipped(exc))) from None
+    problem = _entry_problem(arrays, vocab_size)
+    if problem:
+        raise ValueError(refusal.format(problem))
+    return arrays["input_ids"], arrays["labels"], arrays["offsets"]
+
+
 class TokenizationCache:
     """`get`/`put` lists of TokenizedSample under `<cache_dir>/tokenized/<key>.npz`."""
 
@@ -93,14 +166,15 @@ class TokenizationCache:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.npz"
 
-    def get(self, key: str) -> list[TokenizedSample] | None:
+    def get(self, key: str, vocab_size: int | None = None) -> list[TokenizedSample] | None:
+        """The samples stored under `key` (None when there is no entry); an entry that is not what
+        `put` writes (token ids at or above `vocab_size` included) is a ValueError naming its file."""
         path = self.path(key)
-        if not path.is_file():
+        if not os.path.lexists(path):
             return None
-        with np.load(path) as arrays:
-            input_ids, labels, offsets = arrays["input_ids"], arrays["labels"], arrays["offsets"]
+        input_ids, labels, offsets = _read_entry(path, vocab_size)
         return [TokenizedSample(input_ids[start:end].tolist(), labels[start:end].tolist())
-                for start, end in zip(offsets[:-1], offsets[1:])]
+                for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
     def put(self, key: str, samples: list[TokenizedSample], meta: dict[str, Any] | None = None) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -132,7 +206,7 @@ class TokenizedDataset:
 def tokenize_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str | Path | None = None,
                      loss_on: LossOn = "all_assistant", enable_thinking: bool = True,
                      schema: dict[str, Any] | None = None, cache_dir: str | Path | None = None,
-                     use_cache: bool = True) -> TokenizedDataset:
+                     use_cache: bool = True, vocab_size: int | None = None) -> TokenizedDataset:
     """Tokenize data files with a tokenizer's chat template, through the cache.
 
     Args:
@@ -143,6 +217,7 @@ def tokenize_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str
         schema: optional final-answer JSON Schema enforced by the contract on a miss.
         cache_dir: cache root (default in module docstring).
         use_cache: False always tokenizes and writes nothing.
+        vocab_size: the tokenizer's size, when known: a cached entry holding a larger id is refused.
     """
     if loss_on not in LOSS_ON_CHOICES:
         raise ValueError(f"loss_on must be one of {LOSS_ON_CHOICES}, got {loss_on!r}")
@@ -152,7 +227,7 @@ def tokenize_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str
     key = cache_key(tokenizer_hash=tokenizer_sha256(directory), template=template, data_hash=inputs_sha256(paths),
                     loss_on=loss_on, enable_thinking=enable_thinking, schema=schema)
     cache = TokenizationCache(cache_dir)
-    if use_cache and (samples := cache.get(key)) is not None:
+    if use_cache and (samples := cache.get(key, vocab_size)) is not None:
         return TokenizedDataset(samples, key, cache_hit=True, cache_path=cache.path(key))
     tokenizer = load_tokenizer(directory)
     rows = check_or_raise(read_rows(paths), schema)
@@ -175,7 +250,8 @@ class TokenizedPairs:
 
 def tokenize_preference_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str | Path | None = None,
                                 enable_thinking: bool = True, schema: dict[str, Any] | None = None,
-                                cache_dir: str | Path | None = None, use_cache: bool = True) -> TokenizedPairs:
+                                cache_dir: str | Path | None = None, use_cache: bool = True,
+                                vocab_size: int | None = None) -> TokenizedPairs:
     """Tokenize preference files (preferences.tokenize_pair) through the cache.
 
     Args:
@@ -185,6 +261,7 @@ def tokenize_preference_dataset(paths: str | Path | list[str | Path], *, tokeniz
         schema: optional final-answer JSON Schema for chosen answers, enforced on a miss.
         cache_dir: cache root (default in module docstring).
         use_cache: False always tokenizes and writes nothing.
+        vocab_size: the tokenizer's size, when known: a cached entry holding a larger id is refused.
     """
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     directory = resolve_tokenizer_dir(tokenizer_dir)
@@ -192,7 +269,10 @@ def tokenize_preference_dataset(paths: str | Path | list[str | Path], *, tokeniz
     key = cache_key(tokenizer_hash=tokenizer_sha256(directory), template=template, data_hash=inputs_sha256(paths),
                     loss_on="completion", enable_thinking=enable_thinking, schema=schema, kind="preference")
     cache = TokenizationCache(cache_dir)
-    if use_cache and (samples := cache.get(key)) is not None:
+    if use_cache and (samples := cache.get(key, vocab_size)) is not None:
+        if len(samples) % 2:
+            raise ValueError(f"{cache.path(key)}: not a tokenization cache entry of preference pairs ({len(samples)} "
+                             "samples, an odd number); delete it to tokenize again")
         return TokenizedPairs(list(zip(samples[0::2], samples[1::2])), key, cache_hit=True, cache_path=cache.path(key))
     tokenizer = load_tokenizer(directory)
     rows = check_preferences_or_raise(read_rows(paths), schema)

@@ -5,6 +5,10 @@ is a 4096-entry byte-level BPE trained on the synthetic support-ticket task. It 
 every GLM-5 special token, in GLM-5's order and at the top of the vocabulary as in
 the real 154880-entry tokenizer, and ships the GLM-5 chat template. Tests and tiny
 debug models use it; nothing here touches the network.
+
+A tokenizer directory is read as untrusted: its JSON files are parsed bounded first
+(`glmtune.io.json_file`: size, nesting, an object), and anything transformers then cannot
+load is one ValueError naming the directory.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from glmtune.io.json_file import read_json_file
 from glmtune.io.regular import check_entries
+from glmtune.io.text_limits import clipped
 
 TINY_TOKENIZER_DIR = Path(__file__).parent / "assets" / "tiny_tokenizer"
 TINY_VOCAB_SIZE = 4096
@@ -45,6 +51,9 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )
+# The JSON ones: read bounded by glmtune first (`[[[[...` is a RecursionError inside transformers).
+TOKENIZER_JSON_FILES = tuple(name for name in TOKENIZER_FILES if name.endswith(".json"))
+MAX_TOKENIZER_FILE_BYTES = 512 << 20  # GLM-5's tokenizer.json is about 20 MB
 
 
 def resolve_tokenizer_dir(path: str | Path | None) -> Path:
@@ -73,7 +82,13 @@ def load_tokenizer(path: str | Path | None = None) -> Any:
     from transformers import AutoTokenizer  # heavy import; only callers that tokenize pay for it
 
     directory = resolve_tokenizer_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    for name in TOKENIZER_JSON_FILES:  # bounded and objects before transformers parses them unbounded
+        if (directory / name).is_file():
+            read_json_file(directory / name, "tokenizer file", max_bytes=MAX_TOKENIZER_FILE_BYTES)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers' own errors for a file it cannot use (wrong types, cut short)
+        raise ValueError(f"tokenizer in {directory} does not load: {type(exc).__name__}: {clipped(exc)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer in {directory} is not a fast (tokenizers-backed) tokenizer; "
                          "loss masks need offset mappings")

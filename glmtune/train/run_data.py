@@ -68,8 +68,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     if len(tokenizer) > vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
     tokenize_and_pack = _pairs if cfg.train.objective == "dpo" else _conversations
-    train_tok, train_rows, train_stats = tokenize_and_pack(cfg, [train_file], tokenizer_dir, schema,
-                                                           tokenizer.pad_token_id)
+    train_tok, train_rows, train_stats = tokenize_and_pack(cfg, [train_file], tokenizer_dir, schema, tokenizer)
     unit = "pairs" if cfg.train.objective == "dpo" else "conversations"
     packing_notes = _packing_notes(train_stats, f"training {unit}", d.packed_sequence_size, d.too_long)
     if not train_rows:
@@ -79,7 +78,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     notes += packing_notes
     val_rows, val_stats = [], None
     if val_paths:
-        _, val_rows, val_stats = tokenize_and_pack(cfg, val_paths, tokenizer_dir, schema, tokenizer.pad_token_id)
+        _, val_rows, val_stats = tokenize_and_pack(cfg, val_paths, tokenizer_dir, schema, tokenizer)
         notes += _packing_notes(val_stats, f"validation {unit}", d.packed_sequence_size, d.too_long)
     manifest = {
         "train_file": str(train_file), "train_conversations": len(train_data),
@@ -93,22 +92,24 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     return PreparedData(train_rows, val_rows, val_data, manifest, notes)
 
 
-def _conversations(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, pad_token_id: int):
-    """Chat rows tokenized through the cache and packed: (tokenized, rows, stats)."""
+def _conversations(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, tokenizer):
+    """Chat rows tokenized through the cache (an entry with ids beyond the tokenizer is refused) and
+    packed: (tokenized, rows, stats)."""
     d = cfg.data
     tokenized = tokenize_dataset(paths, tokenizer_dir=tokenizer_dir, loss_on=d.loss_on,
-                                 enable_thinking=d.enable_thinking, schema=schema, cache_dir=d.cache_dir)
-    rows, stats = pack_samples(tokenized.samples, d.packed_sequence_size, pad_token_id=pad_token_id,
+                                 enable_thinking=d.enable_thinking, schema=schema, cache_dir=d.cache_dir,
+                                 vocab_size=len(tokenizer))
+    rows, stats = pack_samples(tokenized.samples, d.packed_sequence_size, pad_token_id=tokenizer.pad_token_id,
                                long_samples=d.too_long)
     return tokenized, rows, stats
 
 
-def _pairs(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, pad_token_id: int):
+def _pairs(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, tokenizer):
     """Preference rows tokenized through the cache and packed a pair to a row's two documents."""
     d = cfg.data
     tokenized = tokenize_preference_dataset(paths, tokenizer_dir=tokenizer_dir, enable_thinking=d.enable_thinking,
-                                            schema=schema, cache_dir=d.cache_dir)
-    rows, stats = pack_pairs(tokenized.pairs, d.packed_sequence_size, pad_token_id=pad_token_id)
+                                            schema=schema, cache_dir=d.cache_dir, vocab_size=len(tokenizer))
+    rows, stats = pack_pairs(tokenized.pairs, d.packed_sequence_size, pad_token_id=tokenizer.pad_token_id)
     return tokenized, rows, stats
 
 
