@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import PurePosixPath
 
 from glmtune.config.degrees import MeshDegrees, raise_config_errors as _raise
 from glmtune.config.schema import DataConfig, DpoConfig, JobConfig, ParallelConfig, PeftConfig
@@ -368,6 +369,9 @@ def check_ranges(cfg: JobConfig) -> list[str]:
         (cfg.model.attention_score_buffer_mib >= 0,
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
         (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),
+        (not cfg.logging.metrics_file or _relative_inside(cfg.logging.metrics_file),
+         f"logging.metrics_file {cfg.logging.metrics_file!r} must be a path inside the run directory (relative, "
+         "without '..'): a resume rewrites that file"),
     ]
     errors = non_finite_errors(cfg)  # the loader refuses these; a config built in code reaches here too
     errors += [message for ok, message in rules if not ok]
@@ -406,6 +410,12 @@ def non_finite_errors(value: object, path: str = "") -> list[str]:
     else:
         return []
     return [error for sub, item in items for error in non_finite_errors(item, sub)]
+
+
+def _relative_inside(path: str) -> bool:
+    """`path` names a file below the directory it is joined to (relative, no `..`, no NUL)."""
+    pure = PurePosixPath(path)
+    return not pure.is_absolute() and ".." not in pure.parts and "\0" not in path and pure.name not in ("", ".")
 
 
 def _split_errors(split: dict[str, float]) -> list[str]:

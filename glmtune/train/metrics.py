@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from glmtune.io.json_file import json_lines
+from glmtune.io.text_limits import clipped
 
 
 def routing_stats(tokens_per_expert: torch.Tensor) -> dict[str, float]:
@@ -62,20 +67,36 @@ class MetricsWriter:
         self.tb_dir = run_dir / "tensorboard" if enabled and tensorboard else None
         self.purge_step: int | None = None
 
+    def kept_lines(self, step: int) -> list[bytes]:
+        """The lines of the metrics file that a resume from `step` keeps (those of steps up to it).
+
+        The file is read as untrusted (`glmtune.io.json_file.json_lines`): a last line cut short by
+        a kill is dropped; any other line that is not a step record glmtune writes (an object with
+        an integer step) is a ValueError naming the file and line, before anything is rewritten."""
+        if not (self.enabled and step > 0 and os.path.lexists(self.path)):
+            return []
+        kept = []
+        for number, record, line in json_lines(self.path, "metrics file", cut_tail=True):
+            logged = record.get("step")
+            if type(logged) is not int or logged < 0:
+                raise ValueError(f"metrics file {self.path}:{number}: step is {clipped(repr(logged), 40)}, not a step "
+                                 "number; not a record glmtune writes (remove the line to resume)")
+            if logged <= step:
+                kept.append(line)
+        return kept
+
     def truncate_after(self, step: int) -> None:
         """On resume, forget records of steps the killed run logged after its last checkpoint
-        (in metrics.jsonl, and in TensorBoard through the writer's purge_step)."""
+        (in metrics.jsonl, rewritten atomically, and in TensorBoard through the writer's purge_step);
+        a fresh run (step 0) starts an empty file."""
         self.purge_step = step + 1
-        if not (self.enabled and self.path.is_file()):
+        if not (self.enabled and os.path.lexists(self.path)):
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                pass  # a line cut short by a kill
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = self.kept_lines(step)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(b"".join(line + b"\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -10,7 +10,6 @@ after training shows, in the terminal, what the fine-tune changed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import nn
 from glmtune.data.chat_template import render_conversation
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.generation.generator import cached_decoding_supported, generate
+from glmtune.io.text_limits import parse_json
 from glmtune.train.generate import greedy_generate
 
 
@@ -28,10 +28,12 @@ class SampleResult:
     reference: str
     output: str
 
+    # What a model wrote and what a data row holds are parsed within parse_json's depth bound:
+    # `[[[[...` is not valid JSON here, never a RecursionError at the end of a run.
     @property
     def valid_json(self) -> bool:
         try:
-            json.loads(self.output)
+            parse_json(self.output, "the output")
             return True
         except ValueError:
             return False
@@ -39,7 +41,7 @@ class SampleResult:
     @property
     def exact(self) -> bool:
         try:
-            return json.loads(self.output) == json.loads(self.reference)
+            return parse_json(self.output, "the output") == parse_json(self.reference, "the reference")
         except ValueError:
             return self.output.strip() == self.reference.strip()
 

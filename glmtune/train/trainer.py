@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.metrics import MetricsWriter, routing_stats
@@ -234,6 +235,8 @@ class Trainer:
                                                      expected_state=self.trainer_state())
         if checkpoint is None:
             return 0
+        # The metrics file is read (rank 0's) before anything moves: a hostile line stops every rank alike.
+        decide_on_rank0(lambda: len(self.metrics.kept_lines(checkpoint.step)))
         for moved in self.checkpoints.set_aside_after(checkpoint.step):
             self._print(f"set aside newer checkpoint {moved.name} (resuming from step {checkpoint.step})")
         self.scheduler.load_state_dict(state["scheduler"])
