@@ -9,7 +9,9 @@ loads exactly, the flags an adapter needs, and what it applies differently. `glm
   * `serve_command` is the exact command line that serves the base with the adapter (for SGLang
     the adapter's own module names, `sglang_target_modules`: `all` would take in the DSA indexer's
     `wq_b`, which SGLang refuses at start-up on GLM-5 on NVIDIA GPUs, where it fuses the indexer's
-    projections; and shared-expert fusion off whenever the MoE layers take LoRA);
+    projections; and shared-expert fusion off whenever the MoE layers take LoRA); the adapter's
+    `--lora-modules` / `--lora-paths` item is NAME=PATH, or the engine's JSON form when the path or
+    name would not survive the engine's split (`lora_item`);
   * `refusals` are one line each, with the fix, for an adapter the engine would apply
     differently from training (and would not say so) or would not load: rsLoRA scaling where the
     engine always scales alpha/r, a routed-expert adapter on one of the two expert projections
@@ -31,6 +33,7 @@ adapter, for the messages), so a run's config is enough to know before anything 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -206,22 +209,47 @@ def caveats(engine: EngineFacts, traits: AdapterTraits) -> list[str]:
 
 def serve_command(engine: EngineFacts, base: str, adapter: str | None, traits: AdapterTraits | None,
                   name: str = "adapter") -> list[str]:
-    """The command line that serves `base` (with `adapter` as the LoRA named `name`) on `engine`."""
+    """The command line that serves `base` (with `adapter` as the LoRA named `name`) on `engine`, one
+    argument per item (`shlex.join` it for a shell)."""
     if engine.name == "vllm":
         command = ["vllm", "serve", base]
         if adapter is not None:
             rank = next(r for r in VLLM_RANKS if r >= traits.rank)
-            command += ["--enable-lora", "--lora-modules", f"{name}={adapter}", "--max-lora-rank", str(rank),
-                        "--max-loras", "1"]
+            command += ["--enable-lora", "--lora-modules", lora_item(engine, name, adapter, base),
+                        "--max-lora-rank", str(rank), "--max-loras", "1"]
         return command
     command = ["python", "-m", "sglang.launch_server", "--model-path", base]
     if adapter is not None:
         modules = sglang_target_modules(traits)
-        command += ["--enable-lora", "--lora-paths", f"{name}={adapter}", "--max-lora-rank", str(traits.rank),
+        command += ["--enable-lora", "--lora-paths", lora_item(engine, name, adapter, base),
+                    "--max-lora-rank", str(traits.rank),
                     "--lora-target-modules", *modules]
         if traits.shared_experts or _sglang_wraps_moe(modules):
             command.append("--disable-shared-experts-fusion")
     return command
+
+
+def lora_item(engine: EngineFacts, name: str, path: str, base: str) -> str:
+    """The adapter's item of vLLM's --lora-modules or SGLang's --lora-paths: `NAME=PATH` when the
+    engine reads that back as exactly `name` and `path`, else the JSON form each engine takes.
+
+    vLLM 0.34 (entrypoints/common/cli_args.py LoRAParserAction) reads an item as NAME=PATH only when
+    it holds `=` and no `,` (then splits at the first `=`), and any other item as JSON: a path with a
+    `,` ("Invalid JSON format") or a name with `=` would be misread. SGLang 0.5.23 strips the item
+    (arg_groups/argparse_actions.py LoRAPathAction), reads one that starts with `{` and ends with `}`
+    as JSON, and splits the rest at the first `=` (arg_groups/lora_hook.py): a name with `=` or a
+    path ending in a space would be misread. The plain form is kept for plain names and paths (what
+    people type); anything else (`,` `=` braces, whitespace at either end, control characters) is
+    JSON, which both read back exactly."""
+    if _plain(name) and _plain(path):
+        return f"{name}={path}"
+    if engine.name == "vllm":
+        return json.dumps({"name": name, "path": path, "base_model_name": base})
+    return json.dumps({"lora_name": name, "lora_path": path})
+
+
+def _plain(text: str) -> bool:
+    return bool(text) and text.isprintable() and text == text.strip() and not set(text) & set(",={}")
 
 
 def sglang_target_modules(traits: AdapterTraits) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -121,6 +122,54 @@ def test_sglang_unfuses_shared_experts_whenever_the_experts_take_lora():
     assert flag not in _sglang_lora_flags(_traits(target_modules=_ATTENTION))
 
 
+def _vllm_reads(item: str) -> tuple[str, str]:
+    """(name, path) vLLM 0.34 reads from one --lora-modules item: entrypoints/common/cli_args.py
+    LoRAParserAction, NAME=PATH only with `=` and no `,` (split at the first `=`), else JSON into
+    LoRAModulePath(name, path, base_model_name=None, is_3d_lora_weight=False)."""
+    if "=" in item and "," not in item:
+        name, path = item.split("=", 1)
+        return name, path
+    fields = json.loads(item)  # vLLM: parser.error("Invalid JSON format for --lora-modules") otherwise
+    assert set(fields) <= {"name", "path", "base_model_name", "is_3d_lora_weight"}, fields
+    return fields["name"], fields["path"]
+
+
+def _sglang_reads(item: str) -> tuple[str, str]:
+    """(name, path) SGLang 0.5.23 reads from one --lora-paths item: arg_groups/argparse_actions.py
+    LoRAPathAction strips it and loads `{...}` as JSON (lora_name, lora_path); arg_groups/lora_hook.py
+    splits any other item at the first `=` (without one, the item is both name and path)."""
+    item = item.strip()
+    if item.startswith("{") and item.endswith("}"):
+        fields = json.loads(item)
+        return fields["lora_name"], fields["lora_path"]
+    if "=" not in item:
+        return item, item
+    name, path = item.split("=", 1)
+    return name, path
+
+
+_LORA_FLAG = {"vllm": ("--lora-modules", _vllm_reads), "sglang": ("--lora-paths", _sglang_reads)}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("name, path", [
+    ("adapter", "/tmp/x/step=2,final"), ("adapter", "/runs/a,b/adapter_per_expert"), ("adapter", "/runs/a=b"),
+    ("my=name", "/m/a"), ("adapter", "/m/with space/a "), ("adapter", "/m/{a}"), ("adapter", "/m/new\nline"),
+    ("ad,apter", "/m/a"), ("adapter", "/m/unicodé/a")])
+def test_the_adapter_item_reads_back_as_its_name_and_path(engine, name, path):
+    """A path with `,` (vLLM reads the item as JSON: "Invalid JSON format"), a name with `=` (both split at
+    the first `=`), a trailing space (SGLang strips the item): the item is the JSON form the engine takes,
+    and the engine's parse gives back exactly the name and the path; a plain one stays NAME=PATH."""
+    flag, reads = _LORA_FLAG[engine]
+    command = serve_command(ENGINES[engine], "/m/base", path, _traits(), name=name)
+    item = command[command.index(flag) + 1]
+    assert reads(item) == (name, path), item
+    if engine == "vllm" and item.startswith("{"):
+        assert json.loads(item)["base_model_name"] == "/m/base"  # the served model, vLLM's /v1/models parent
+    plain = serve_command(ENGINES[engine], "/m/base", "/m/a", _traits())
+    assert plain[plain.index(flag) + 1] == "adapter=/m/a"
+
+
 @pytest.mark.parametrize("variant", SGLANG_SERVED)
 def test_the_sglang_command_is_the_one_sglang_started_with(variant):
     """`make test-engines` recorded SGLang's own start-up with the command `glmtune export --engine sglang`
@@ -157,6 +206,15 @@ def test_export_for_an_engine_prints_its_command_and_refuses_before_writing(lora
                              "--layout", "peft")
     assert code == 2 and "--engine sglang: sglang loads the per_expert layout exactly, not peft" in printed
     assert not (tmp_path / "p").exists()
+
+
+def test_export_to_a_path_with_a_comma_prints_an_item_vllm_reads_back(lora_run, tmp_path):
+    out = tmp_path / "step=2,final"
+    code, printed = _glmtune("export", str(lora_run), "--adapter", str(out), "--engine", "vllm")
+    assert code == 0, printed
+    command = shlex.split(next(line for line in printed.splitlines() if line.startswith("  vllm serve")))
+    item = command[command.index("--lora-modules") + 1]
+    assert _vllm_reads(item) == ("adapter", str(out.resolve())), item
 
 
 def test_release_refuses_an_rslora_adapter_for_sglang(lora_run, tmp_path):
