@@ -14,6 +14,8 @@ what it is.
   * `check_entries(directory, what, recursive)`: the same for every entry of a directory that a
     library reads as a whole (a tokenizer directory, a `datasets` directory); subdirectories
     are allowed there.
+  * `kind_of(path)`: what a path is when it is not a regular file, for a caller that lists or
+    reports such entries itself (`glmtune release` and `release verify`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ def _refusal(path: Path, what: str, mode: int) -> ValueError:
     label = f"{what} {path}" if what else str(path)
     return ValueError(f"{label} is {_kind(mode)}, not a regular file: glmtune reads only regular files "
                       "(a pipe or a device could block or never end); give the file itself")
+
+
+def kind_of(path: str | Path) -> str | None:
+    """None when `path` is (or links to) a regular file, else what it is: "a FIFO (named pipe)",
+    "a socket", "a character device", "a block device", "a directory", "a link to nothing", "missing", or
+    "unreadable (REASON)" (a link loop, no permission)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing" if os.path.islink(path) else "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    return None if stat.S_ISREG(mode) else _kind(mode)
 
 
 def check_regular_file(path: str | Path, what: str = "") -> Path:

@@ -20,6 +20,9 @@ out of the release file's directory under a relative root: recording refuses suc
 verify names it and reads nothing behind it (glmtune/release/paths.py). Verify also refuses
 an entry whose paths could lead out (`..`, an absolute file path, an absolute root unless the
 user vouches for the manifest) or whose `num_files` and `size` are not its file list's.
+Every file is a regular file: recording refuses a FIFO, socket, device or link to nothing
+(listed in a directory, named in a file list, or the root of a one-file artifact) and verify
+reports one as DRIFT; files are opened without blocking (`glmtune.io.regular.open_regular`).
 
 Files are read in 8 MiB chunks (memory stays bounded for a 5 GB shard), several files at
 once in a thread pool: hashlib and file reads release the GIL. A safetensors shard can be
@@ -38,7 +41,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from glmtune.io.text_limits import parse_json
-from glmtune.release.paths import file_path_problem, root_problem, walk, within
+from glmtune.io.regular import kind_of, open_regular
+from glmtune.release.paths import file_path_problem, is_link_refusal, not_regular, root_problem, walk, within
 
 _CHUNK_BYTES = 8 << 20
 KINDS = ("dir", "files", "file")
@@ -66,7 +70,7 @@ def hash_file(path: Path, tensors: Iterable[TensorRange] = ()) -> tuple[int, str
     digest = hashlib.sha256()
     tensor_digests = {r.name: hashlib.sha256() for r in ranges}
     size = 0
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # a FIFO swapped in is refused, never waited on
         while chunk := fh.read(_CHUNK_BYTES):
             digest.update(chunk)
             begin, end = size, size + len(chunk)
@@ -103,16 +107,19 @@ def _recorded_paths(root: Path, kind: str, files: list[str] | None, what: str,
     if tree is not None and not within(root, tree):
         raise ValueError(f"{what}: {root} leads out of {tree} (a link): {_KEEP_INSIDE}")
     if kind == "file":
-        if not root.is_file():
+        found = kind_of(root)
+        if found == "missing":
             raise FileNotFoundError(f"{what}: {root} is missing")
-        rel_paths, base, refused = [root.name], root.parent, {}
+        rel_paths, base = [root.name], root.parent
+        refused = {} if found is None else {root.name: not_regular(root.name, found)}
     else:
         if not root.is_dir():
             raise FileNotFoundError(f"{what}: directory {root} is missing")
         if kind == "dir":
             rel_paths, refused = walk(root, tree)
         else:
-            rel_paths, refused = sorted(files or []), {}
+            rel_paths = sorted(files or [])
+            refused = {rel: not_regular(rel, found) for rel in rel_paths if (found := kind_of(root / rel))}
         base = root
         if not rel_paths and not refused:
             raise ValueError(f"{what}: {root} holds no files")
@@ -121,7 +128,8 @@ def _recorded_paths(root: Path, kind: str, files: list[str] | None, what: str,
                         if rel not in refused and not within(base / rel, tree)})
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-        raise ValueError(f"{what}: {base}: {next(iter(refused.values()))}{more}: {_KEEP_INSIDE}")
+        first = next(iter(refused.values()))
+        raise ValueError(f"{what}: {base}: {first}{more}" + (f": {_KEEP_INSIDE}" if is_link_refusal(first) else ""))
     return rel_paths, base
 
 
@@ -204,31 +212,29 @@ def _disk_problems(entry: dict[str, Any], manifest_dir: Path) -> list[str]:
         return [f"{entry['root']} leads out of {tree} (a link; not read)"]
     kind = entry["kind"]
     base = root.parent if kind == "file" else root
-    if kind == "file" and not root.is_file():
+    if kind == "file" and kind_of(root) == "missing":
         return [f"{root} is missing"]
     if kind != "file" and not root.is_dir():
         return [f"directory {root} is missing"]
     recorded = {f["path"]: f for f in entry["files"]}
     problems, present = [], []
     for rel in recorded:
-        if tree is not None and not within(base / rel, tree):
-            problems.append(f"{rel} leads out of {tree} (a link; not read)")
-        elif (base / rel).is_file():
+        found = None if tree is None or within(base / rel, tree) else "out"
+        found = found or kind_of(base / rel)
+        if found is None:
             present.append(rel)
+        elif found == "out":
+            problems.append(f"{rel} leads out of {tree} (a link; not read)")
         else:
-            problems.append(f"{rel} is missing")
-
-    def current(rel: str) -> tuple[int, str]:
-        path = base / rel
-        size = path.stat().st_size
-        if size != recorded[rel]["size"]:  # no need to read it: it changed
-            return size, ""
-        return size, hash_file(path)[1]
+            problems.append(f"{rel} is missing" if found == "missing" else not_regular(rel, found))
 
     with ThreadPoolExecutor(_num_threads()) as pool:
-        for rel, (size, sha) in zip(present, pool.map(current, present)):
+        for rel, (size, sha, problem) in zip(present, pool.map(lambda rel: _current(base / rel, recorded[rel]),
+                                                               present)):
             want = recorded[rel]
-            if size != want["size"]:
+            if problem:
+                problems.append(f"{rel}: {problem}")
+            elif size != want["size"]:
                 problems.append(f"{rel} size changed ({want['size']} -> {size} bytes)")
             elif sha != want["sha256"]:
                 problems.append(f"{rel} sha256 changed ({want['sha256'][:12]}… -> {sha[:12]}…)")
@@ -239,10 +245,22 @@ def _disk_problems(entry: dict[str, Any], manifest_dir: Path) -> list[str]:
     return problems
 
 
+def _current(path: Path, recorded: dict[str, Any]) -> tuple[int, str, str]:
+    """(size, sha256 or "" when the size alone shows a change, a problem or "") of a recorded file now;
+    a file replaced by a FIFO or removed since it was listed is a problem, not a wait or a traceback."""
+    try:
+        size = path.stat().st_size
+        if size != recorded["size"]:  # no need to read it: it changed
+            return size, "", ""
+        return size, hash_file(path)[1], ""
+    except (OSError, ValueError) as exc:
+        return 0, "", getattr(exc, "strerror", None) or str(exc)
+
+
 def read_json(path: Path, what: str, max_bytes: int = MAX_JSON_BYTES) -> tuple[Any, bytes]:
     """(the JSON in `path`, its bytes), its size and nesting bounded: a ValueError naming `what`
     instead of a RecursionError or a file read whole into memory."""
-    with open(path, "rb") as fh:
+    with open_regular(path, what) as fh:  # a FIFO would block the read
         size = os.fstat(fh.fileno()).st_size
         if size > max_bytes:
             raise ValueError(f"{what}: {size:,} bytes, more than the {max_bytes:,} a JSON record may have")

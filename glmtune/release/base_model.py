@@ -21,6 +21,7 @@ served on weights it was not trained on.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def _check_json_files(hf_dir: Path) -> None:
     """The directory's JSON files that other modules parse (config, index, tokenizer config),
     parsed bounded first: one line naming the file instead of a RecursionError."""
     for name in ("config.json", INDEX_NAME, "tokenizer_config.json"):
-        if (hf_dir / name).is_file():
+        if os.path.lexists(hf_dir / name):  # a FIFO is refused here, before the readers below would wait on it
             read_json(hf_dir / name, str(hf_dir / name))
 
 

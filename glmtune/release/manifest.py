@@ -48,7 +48,7 @@ from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
 from glmtune.release.deployment import deployment
 from glmtune.release.eval_record import check_evaluated_base, eval_section, failed_gates, load_eval, released_candidate
 from glmtune.release.fields import Fields
-from glmtune.release.paths import innermost, walk, within
+from glmtune.release.paths import innermost, is_link_refusal, walk, within
 from glmtune.release.provenance import data_section, environment, tokenizer_section
 
 FORMAT = "glmtune.release/1"
@@ -299,7 +299,8 @@ def _check_links(recorded: list[tuple[str, Path]], run_dir: Path, manifest_dir: 
     """Refuse, before anything is hashed, a link in what the release records that leads out of
     RUN_DIR (for what lies in it) or out of the release file's directory (for what is recorded
     relative to it): verify would refuse to read it, and the release would record files that
-    are not the run's. Links that stay inside are followed."""
+    are not the run's. Links that stay inside are followed. An entry that is not a regular file
+    (a FIFO, a socket, a device, a link to nothing) is refused too (paths.walk)."""
     run_tree = os.path.realpath(run_dir)
     for what, path in recorded:
         tree = innermost(path, [run_dir, manifest_dir])
@@ -312,8 +313,10 @@ def _check_links(recorded: list[tuple[str, Path]], run_dir: Path, manifest_dir: 
         if refused:
             inside = "RUN_DIR" if tree == run_tree else "the release file's directory"
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-            raise ValueError(f"{what} {path}: {next(iter(refused.values()))}{more}: a release follows links only "
-                             f"where they stay inside {inside}; copy the target in")
+            first = next(iter(refused.values()))
+            hint = (f": a release follows links only where they stay inside {inside}; copy the target in"
+                    if is_link_refusal(first) else "")
+            raise ValueError(f"{what} {path}: {first}{more}{hint}")
 
 
 def _check_key_outside(key: Path, recorded: list[tuple[str, Path]]) -> None:

@@ -17,6 +17,12 @@ print what it found. So verify checks every path before it touches the disk:
 resolve inside the manifest's directory, and an artifact inside RUN_DIR inside RUN_DIR),
 so a release it writes is one verify accepts. Links that stay inside are followed: their
 content is recorded under the link's path.
+
+An artifact is regular files (`walk`): a FIFO, a socket, a device, a link to nothing or a
+subdirectory that cannot be listed in a directory artifact is never skipped in silence.
+`glmtune release` refuses it (a release that left it out would ship an artifact without
+that file, and reading a FIFO would block), `release verify` reports it (DRIFT). Hidden
+entries (names starting with ".") are not part of an artifact and are not looked at.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+
+from glmtune.io.regular import kind_of
+
+_LINK = "(a link"  # how every refusal of a link leaving its tree or looping ends
 
 
 def file_path_problem(rel: Any) -> str | None:
@@ -71,16 +81,17 @@ def innermost(path: Path, trees: list[Path]) -> str | None:
 
 
 def walk(root: Path, tree: str | None) -> tuple[list[str], dict[str, str]]:
-    """(relative posix paths of the non-hidden files under `root`, sorted; {relative path: why}
-    of the links under it that lead out of `tree` or loop back, which are not followed).
+    """(relative posix paths of the non-hidden regular files under `root`, sorted; {relative path:
+    why} of what is not recorded: links that lead out of `tree` or loop back (not followed),
+    entries that are not regular files, subdirectories that cannot be listed).
 
     Links are followed otherwise (an HF cache snapshot is a directory of links into blobs/).
     Hidden entries (names starting with ".") are skipped without being resolved.
     """
     root_text = str(root)
-    files, refused = [], {}
+    files, refused, unlisted = [], {}, []
     chains = {root_text: frozenset({os.path.realpath(root_text)})}  # real directories above each walked one
-    for directory, dirnames, filenames in os.walk(root_text, followlinks=True):
+    for directory, dirnames, filenames in os.walk(root_text, followlinks=True, onerror=unlisted.append):
         chain = chains.pop(directory)
         kept = []
         for name in sorted(d for d in dirnames if not d.startswith(".")):
@@ -102,6 +113,25 @@ def walk(root: Path, tree: str | None) -> tuple[list[str], dict[str, str]]:
             rel = os.path.relpath(full, root_text).replace(os.sep, "/")
             if tree is not None and not within(full, tree):
                 refused[rel] = f"{rel} leads out of {tree} (a link; not read)"
-            elif os.path.isfile(full):
+                continue
+            kind = kind_of(full)  # os.walk lists FIFOs, sockets, devices and dangling links as files
+            if kind is None:
                 files.append(rel)
+            else:
+                refused[rel] = not_regular(rel, kind)
+    for error in unlisted:  # os.walk skips a directory it cannot list
+        rel = os.path.relpath(error.filename, root_text).replace(os.sep, "/")
+        refused[rel] = (f"{rel}/ cannot be listed ({error.strerror or error}): a release would leave its files "
+                        "out; make it readable, or move it out")
     return sorted(files), dict(sorted(refused.items()))
+
+
+def not_regular(rel: str, kind: str) -> str:
+    """The phrase for an entry of an artifact that is not a regular file (`kind_of`'s `kind`)."""
+    return (f"{rel} is {kind}, not a regular file (a release records regular files only: put the file itself "
+            "there, or move it out)")
+
+
+def is_link_refusal(why: str) -> bool:
+    """Whether a `walk` refusal is a link leaving its tree or looping (else it names its own way out)."""
+    return _LINK in why

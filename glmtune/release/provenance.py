@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def data_section(cfg: JobConfig, run_dir: Path, data_manifest: dict[str, Any], m
 
 def tokenizer_section(tokenizer_dir: Path, manifest_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the manifest's `tokenizer` section, the tokenizer artifact) for the directory that ships."""
-    names = [n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    # present in any form: a FIFO in a tokenizer file's place is refused by record_artifact, not left out
+    names = [n for n in TOKENIZER_FILES if os.path.lexists(tokenizer_dir / n)]
     if not names:
         raise ValueError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     artifact, _ = record_artifact("tokenizer", tokenizer_dir, "files", "tokenizer and chat template files",
