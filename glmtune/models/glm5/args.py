@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,11 +161,17 @@ class Glm5Args:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling")
         if rope is None:
             rope = {"rope_theta": hf.get("rope_theta", 10000.0), "rope_type": "default"}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config: rope_parameters is {_shown(rope)}, not an object")
         rope = dict(rope)
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "rope_parameters"}
         kwargs = {k: hf[k] for k in known if k in hf}
+        for key, value in {**kwargs, "rope_parameters": rope}.items():
+            problem = _field_problem(key, value)
+            if problem:
+                raise ValueError(f"config: {key} is {_shown(value)}, {problem}")
         kwargs["rope_parameters"] = rope
         extra = {k: hf[k] for k in _PASSTHROUGH_KEYS if k in hf}
         ignored = {"architectures", "model_type", "head_dim", "qk_head_dim", "rope_theta", "rope_scaling",
@@ -176,8 +183,14 @@ class Glm5Args:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> "Glm5Args":
-        """Read `config.json` from a file or a checkpoint directory."""
-        return cls.from_hf_dict(read_hf_config(path))
+        """Read `config.json` from a file or a checkpoint directory; a config the model cannot be
+        built from is a ValueError naming the file."""
+        config = read_hf_config(path)
+        try:
+            return cls.from_hf_dict(config)
+        except ValueError as exc:
+            file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+            raise ValueError(f"{file}: {str(exc).removeprefix('config: ').removeprefix('config.json: ')}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` content that `transformers.AutoConfig` reads back to the same model."""
@@ -192,6 +205,49 @@ class Glm5Args:
         return out
 
 
+# A config.json holds what its writer put there: each field is checked for the kind the model reads
+# (the dataclass default's), sizes are non-negative, and the layer count is bounded (per-layer lists).
+MAX_LAYERS = 10_000
+_NULLABLE_INT = {"pad_token_id"}
+_LAYER_KINDS = {"mlp_layer_types", "indexer_types"}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    """Why `value` cannot be Glm5Args field `name` read from a config.json (None when it can)."""
+    if name in _LAYER_KINDS:
+        ok = value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        return None if ok else "not a list of layer kinds"
+    if name in _NULLABLE_INT or name == "eos_token_id":
+        ok = value is None or _is_int(value) or (name == "eos_token_id" and isinstance(value, list)
+                                                  and all(_is_int(v) for v in value))
+        return None if ok else "not a token id"
+    if name == "rope_parameters":
+        theta = value.get("rope_theta")
+        ok = isinstance(value.get("rope_type"), str) and isinstance(theta, (int, float)) and not isinstance(
+            theta, bool) and math.isfinite(theta)
+        return None if ok else "not a rope_type name and a finite rope_theta"
+    default = _DEFAULTS[name]
+    if isinstance(default, bool) or isinstance(default, str):
+        return None if type(value) is type(default) else f"not a {type(default).__name__}"
+    if isinstance(default, int):
+        if not _is_int(value) or value < 0:
+            return "not a non-negative integer"
+        return f"more than {MAX_LAYERS:,} layers" if name == "num_hidden_layers" and value > MAX_LAYERS else None
+    if isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "not a finite number"
+    raise AssertionError(f"no type rule for Glm5Args.{name}")
+
+
 def derive_indexer_types(num_layers: int, extra: dict[str, Any]) -> list[str]:
     """Per-layer "full"/"shared" indexer kinds, derived as transformers' config does."""
     pattern = extra.get("index_topk_pattern")
@@ -201,10 +257,18 @@ def derive_indexer_types(num_layers: int, extra: dict[str, Any]) -> list[str]:
                 return [{"F": "full", "S": "shared"}[c] for c in pattern]
             except KeyError as exc:
                 raise ValueError(f"config: index_topk_pattern has {exc.args[0]!r}; use F or S") from None
+        if not isinstance(pattern, list):
+            raise ValueError(f"config: index_topk_pattern is {_shown(pattern)}, not a string of F and S or a list")
         return list(pattern)
-    freq = max(int(extra.get("index_topk_freq", 1) or 1), 1)
-    offset = int(extra.get("index_skip_topk_offset", 2))
+    freq, offset = extra.get("index_topk_freq", 1) or 1, extra.get("index_skip_topk_offset", 2)
+    if not (_is_int(freq) and _is_int(offset)):
+        raise ValueError(f"config: index_topk_freq {_shown(freq)} and index_skip_topk_offset {_shown(offset)} must "
+                         "be integers")
+    freq = max(freq, 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Glm5Args) if f.default is not dataclasses.MISSING}
 
 
 def _glm5() -> Glm5Args:
