@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from glmtune.io.text_limits import parse_json
+from glmtune.io.json_file import json_lines
 from glmtune.plan.hardware import GPUS, spec_for_device_name
 
 # One logged step or benchmark line is a few hundred bytes.
@@ -42,10 +42,8 @@ def read_measurement(path: str | Path) -> Measurement:
     if not file.is_file():
         raise ValueError(f"--throughput {path}: no metrics.jsonl or JSON-lines file there")
     records = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = parse_json(line, f"{file}:{number}", max_bytes=MAX_RECORD_BYTES)
+    # bounded, named file:line; the last line of a run still writing (or killed) may be cut short
+    for number, record, _ in json_lines(file, max_line_bytes=MAX_RECORD_BYTES, kind=None, cut_tail=True):
         if not isinstance(record, dict):
             raise ValueError(f"{file}:{number}: a JSON object per line expected, got {type(record).__name__}")
         records.append(record)
