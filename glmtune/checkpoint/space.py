@@ -47,12 +47,15 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_free_space(needs: list[tuple[Path, int, str]], keep_last: int) -> list[str]:
+def check_free_space(needs: list[tuple[Path, int, str]], keep_last: int,
+                     freed: dict[Path, int] | None = None) -> list[str]:
     """Refuse to start when the first checkpoint (and export) cannot fit; warn when later ones may not.
 
     Args:
         needs: (directory, bytes, what) for each output, e.g. (checkpoint.dir, 12e9, "one checkpoint").
         keep_last: checkpoints kept at once (0: all); a save needs room for one more.
+        freed: (directory, bytes) removed before the first save (an --overwrite's set-aside run),
+            counted as free on the directory's filesystem.
 
     Returns:
         warning lines for the console.
@@ -63,10 +66,14 @@ def check_free_space(needs: list[tuple[Path, int, str]], keep_last: int) -> list
     by_device: dict[int, list[tuple[Path, int, str]]] = {}
     for directory, num_bytes, what in needs:
         by_device.setdefault(os.stat(_existing_parent(directory)).st_dev, []).append((directory, num_bytes, what))
+    credit: dict[int, int] = {}
+    for directory, num_bytes in (freed or {}).items():
+        device = os.stat(_existing_parent(directory)).st_dev
+        credit[device] = credit.get(device, 0) + num_bytes
     warnings = []
-    for entries in by_device.values():
+    for device, entries in by_device.items():
         where = _existing_parent(entries[0][0])
-        free = shutil.disk_usage(where).free
+        free = shutil.disk_usage(where).free + credit.get(device, 0)
         needed = sum(num_bytes for _, num_bytes, _ in entries)
         if free < needed:
             parts = " + ".join(f"{what} {_gb(num_bytes)}" for _, num_bytes, what in entries)

@@ -95,18 +95,30 @@ def _samples_table(before, after) -> Table:
     return table
 
 
-def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console, resources: ExitStack) -> str:
-    """Rank 0: lock the run directory (released when the run ends), refuse a mixed run, prove it
-    writable; the run id."""
+def _run_inputs(cfg: JobConfig) -> tuple[tuple[str, str], ...]:
+    """(setting, path) of every file or directory the run reads that may lie in a run directory."""
+    d = cfg.data
+    named = [("model.name_or_path", cfg.model.name_or_path), ("data.tokenizer", d.tokenizer),
+             ("data.chat_template", d.chat_template), ("data.json_schema", d.json_schema),
+             *(("data.train", p) for p in d.train), *(("data.validation", p) for p in d.validation)]
+    return tuple((key, str(value)) for key, value in named if value and not is_preset(value))
+
+
+def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console, resources: ExitStack,
+                   claimed: list[RunDirectory]) -> str:
+    """Rank 0: lock the run directory (released when the run ends; an --overwrite that did not commit
+    is rolled back then), refuse a mixed run, prove it writable; the run id. The claim goes into
+    `claimed` (the --overwrite's commit and the disk check ask it later)."""
     claim = RunDirectory(cfg.logging.run_dir, cfg.checkpoint.dir, console.print)
     claim.lock()
     resources.callback(claim.release)
-    run_id = claim.claim(config_to_yaml(cfg), cfg.checkpoint.resume, overwrite)
+    claimed.append(claim)
+    run_id = claim.claim(config_to_yaml(cfg), cfg.checkpoint.resume, overwrite, _run_inputs(cfg))
     check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
     return run_id
 
 
-def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) -> None:
+def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console, freed: dict[Path, int]) -> None:
     lora = cfg.peft.method != "none"
     needs = []
     # Without periodic saves or the one at the end, only a stop request would save: not planned for.
@@ -114,7 +126,7 @@ def _check_disk_space(cfg: JobConfig, model: torch.nn.Module, console: Console) 
         needs.append((Path(cfg.checkpoint.dir), checkpoint_bytes(model, trainable_only=lora), "one checkpoint"))
     if cfg.checkpoint.export_hf and not lora:
         needs.append((Path(cfg.logging.run_dir) / "hf", export_bytes(model), "the HF export"))
-    for warning in check_free_space(needs, cfg.checkpoint.keep_last):
+    for warning in check_free_space(needs, cfg.checkpoint.keep_last, freed):
         console.print(f"[yellow]{warning}[/yellow]")
 
 
@@ -122,13 +134,13 @@ BASE_DIR = "base"  # RUN_DIR/base: the HF checkpoint of the preset base a run (S
 
 
 def _write_preset_base(cfg: JobConfig, spec: ModelSpec, model: torch.nn.Module, out: Path, console: Console,
-                       is_main: bool) -> dict | None:
+                       is_main: bool, freed: dict[Path, int]) -> dict | None:
     """Every rank (collective under torchrun; rank 0 writes), before LoRA and parallel wrapping:
     the preset's weights as an HF directory (with the tokenizer) that PEFT, `glmtune merge` and
     serving engines can load (the adapter's base), and `glmtune eval --base RUN_DIR` evaluates
     (the model before training, SFT or LoRA). Returns its identity on rank 0."""
     def check_space() -> None:  # rank 0; a refusal (ValueError) stops every rank alike
-        for warning in check_free_space([(out, export_bytes(model), "the preset base")], keep_last=0):
+        for warning in check_free_space([(out, export_bytes(model), "the preset base")], keep_last=0, freed=freed):
             console.print(f"[yellow]{warning}[/yellow]")
 
     decide_on_rank0(check_space)
@@ -168,12 +180,12 @@ def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None
         launch = check_launch(cfg)
         if launch.info.joined:  # torchrun's ranks: leaving without it can abort a rank at exit
             resources.callback(torch.distributed.destroy_process_group)
-        run_id = claim_run_directory(cfg, launch, overwrite, console, resources)
-        built = build_model(cfg, launch, console, hooks)
+        claim = claim_run_directory(cfg, launch, overwrite, console, resources)
+        built = build_model(cfg, launch, console, hooks, claim)
         data = prepare_run_data(cfg, launch, built, console)
         laid_out = lay_out_and_load(cfg, launch, built, data, console)
         attach_reference(cfg, launch, built, data, laid_out.mesh, console)
-        trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, run_id, console, hooks)
+        trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, claim, console, hooks)
         result = train(trainer, console)
         if result is None or result.interrupted:
             return 3 if result is None else 130
@@ -206,16 +218,34 @@ def check_launch(cfg: JobConfig) -> Launch:
                   grad_accum_steps(cfg, degrees), Path(cfg.logging.run_dir))
 
 
+@dataclass
+class Claim:
+    """Step 2's answer: the run id every rank trains as, and rank 0's claim of the run directory."""
+
+    run_id: str
+    directory: RunDirectory | None  # rank 0 only
+
+    def freed(self) -> dict[Path, int]:
+        """Bytes an --overwrite's set-aside run gives back when the run commits (rank 0)."""
+        return self.directory.bytes_set_aside() if self.directory is not None else {}
+
+    def commit(self) -> None:
+        """Every check passed and the run trains: an --overwrite removes the run it set aside."""
+        if self.directory is not None:
+            self.directory.commit_overwrite()
+
+
 def claim_run_directory(cfg: JobConfig, launch: Launch, overwrite: bool, console: Console,
-                        resources: ExitStack) -> str:
-    """The run id: the run directory claimed on rank 0 (every rank learns the answer), the
-    resolved config saved, the seeds set."""
-    run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console, resources))
+                        resources: ExitStack) -> Claim:
+    """The run directory claimed on rank 0 (every rank learns the run id), the resolved config
+    saved, the seeds set."""
+    claimed: list[RunDirectory] = []
+    run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console, resources, claimed))
     if launch.info.is_main:
         save_run_config(cfg, launch.run_dir)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    return run_id
+    return Claim(run_id, claimed[0] if claimed else None)
 
 
 @dataclass
@@ -230,7 +260,7 @@ class BuiltModel:
     sharded_load: bool  # built on the meta device, each rank loads its shards after parallelize
 
 
-def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHooks) -> BuiltModel:
+def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHooks, claim: Claim) -> BuiltModel:
     """Build (or load) the model, write a preset's base, apply LoRA, log what trains."""
     info, run_dir = launch.info, launch.run_dir
     # An adapter names the exact base it was trained on (merge checks it): hash the base
@@ -248,7 +278,8 @@ def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHook
         # A preset's random base exists nowhere else: the run writes it (before training changes
         # it), an adapter names it, and an evaluation compares against it.
         adapter_base = str((run_dir / BASE_DIR).resolve())
-        base_identity = _write_preset_base(cfg, launch.spec, model, run_dir / BASE_DIR, console, info.is_main)
+        base_identity = _write_preset_base(cfg, launch.spec, model, run_dir / BASE_DIR, console, info.is_main,
+                                           claim.freed())
     # The MTP layer and the indexers train only with their losses (before LoRA and any wrapping).
     launch.spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     # LoRA is a transformation of the built model, before any parallel wrapping.
@@ -449,8 +480,9 @@ def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tup
 
 
 def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, mesh: ParallelMesh | None,
-                  run_id: str, console: Console, hooks: RunHooks) -> Trainer:
-    """Optimizer, schedule, loaders, checkpoints, metrics and the trainer; resumed as the recipe says."""
+                  claim: Claim, console: Console, hooks: RunHooks) -> Trainer:
+    """Optimizer, schedule, loaders, checkpoints, metrics and the trainer; resumed as the recipe says.
+    The last check before training: an --overwrite then removes the run it set aside."""
     info, model, o = launch.info, built.model, cfg.optim
     # collective: every rank counts its shard (bf16-only training; fp32 masters move every weight)
     rounded_away = None if launch.precision.masters else bf16_rounded_away(model, cfg.optim.lr)
@@ -462,9 +494,9 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
     async_group = mesh.cpu_group() if cfg.checkpoint.async_save and mesh is not None else None
     checkpoints = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last,
-                                    trainable_only=cfg.peft.method != "none", run_id=run_id,
+                                    trainable_only=cfg.peft.method != "none", run_id=claim.run_id,
                                     async_group=async_group)
-    decide_on_rank0(lambda: _check_disk_space(cfg, model, console))
+    decide_on_rank0(lambda: _check_disk_space(cfg, model, console, claim.freed()))
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
     loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
@@ -483,6 +515,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
         if _weights_not_kept(cfg):
             console.print("[yellow]checkpoint.save_at_end is false with checkpoint.every_steps 0 and "
                           "checkpoint.export_hf false: the trained weights will not be kept[/yellow]")
+    decide_on_rank0(claim.commit)
     return trainer
 
 

@@ -13,11 +13,15 @@
     with its own `config.yaml` or `hf/`) is refused, `--overwrite` or not;
   * a fresh start (`checkpoint.resume none`) into a directory that holds an earlier run's
     checkpoints, or a different resolved config, is refused unless the user resumes it
-    or passes `--overwrite`, which removes that run's checkpoints and outputs (the files
+    or passes `--overwrite`, which replaces that run's checkpoints and outputs (the files
     `glmtune train` writes, nothing else) and says so. In a checkpoint directory shared
     by several runs, only checkpoints recording this run's id go, and a `.partial` save
     or an abandoned checkpoint only when it is provably this run's (its name or trainer
-    state carries the run id: `CheckpointManager.owned_leftovers`); the rest stay, named;
+    state carries the run id: `CheckpointManager.owned_leftovers`); the rest stay, named.
+    The earlier run is set aside, not removed, until the new run has passed every check
+    (`overwrite.SetAside`: `commit_overwrite` removes it before the first step; a run that
+    ends before that moves it back), and an input of the new run that lies among the files
+    it would replace is refused;
   * a resume (`checkpoint.resume auto`) that finds none of the run's checkpoints is refused
     when the directory holds what a finished run leaves (hf/, the adapters, samples.json):
     starting again at step 0 would replace them;
@@ -30,7 +34,6 @@ commands read them too); what needs the checkpoint manager (the claim, `--overwr
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 import uuid
@@ -43,6 +46,7 @@ from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.config import JobConfig, dump_config
 from glmtune.config.yaml_layers import load_yaml_text
 from glmtune.io.run_lock import LOCK_FILE, RUN_FILE, STOP_FILE, RunLock, read_run_record, write_run_record
+from glmtune.train.overwrite import SetAside, recover
 
 # What `glmtune train` writes into a run directory besides checkpoints; `--overwrite`
 # removes these and nothing else (data/ is content-addressed and safe to reuse).
@@ -111,6 +115,7 @@ class RunDirectory:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.say = say
         self._lock = RunLock(self.run_dir)
+        self._aside: SetAside | None = None  # the earlier run, while an --overwrite has not committed
 
     def lock(self) -> None:
         """Take the run directory's lock (kept until `release`) or name its holder."""
@@ -125,27 +130,51 @@ class RunDirectory:
                      "ended without releasing it)")
 
     def release(self) -> None:
-        """End the claim: a run that claimed the directory marks its lock released; a refused one
-        removes the lock file it created (and leaves one that was there as it was)."""
-        self._lock.release()
+        """End the claim: an --overwrite that did not commit moves the earlier run back; a run that
+        claimed the directory marks its lock released; a refused one removes the lock file it
+        created (and leaves one that was there as it was)."""
+        try:
+            if self._aside is not None and not self._aside.committed:
+                self._aside.rollback(self._outputs_present())
+                self.say(f"--overwrite: the run stopped before training; moved run {self._aside.run_id}'s "
+                         f"files back into {self.run_dir}")
+                self._aside = None
+        finally:
+            self._lock.release()
 
-    def claim(self, config_yaml: str, resume: str, overwrite: bool) -> str:
+    def commit_overwrite(self) -> None:
+        """The new run passed its checks and trains: remove the earlier run it set aside (if any)."""
+        if self._aside is not None:
+            removed = self._aside.commit()
+            where = self.run_dir if self.checkpoint_dir.parent == self.run_dir \
+                else f"{self.run_dir} and {self.checkpoint_dir}"
+            self.say(f"--overwrite: removed the previous run's files from {where}: {', '.join(removed)}")
+
+    def bytes_set_aside(self) -> dict[Path, int]:
+        """What committing the --overwrite frees, by directory (the disk check counts it free)."""
+        return self._aside.bytes_held() if self._aside is not None else {}
+
+    def claim(self, config_yaml: str, resume: str, overwrite: bool, inputs: tuple[tuple[str, str], ...] = ()) -> str:
         """Decide whose run this directory holds; returns the run id this process trains as.
 
         Raises ValueError (before anything is written) when the directory holds files a run
-        writes but no glmtune run, or when a fresh start would mix with an earlier run and
-        `overwrite` is not set.
+        writes but no glmtune run, when a fresh start would mix with an earlier run and
+        `overwrite` is not set, or when one of `inputs` ((setting, path) the run reads) lies
+        among the files it would replace.
         """
         assert self._lock.held, "lock() first"
+        recover(self.run_dir, self.checkpoint_dir, self._outputs_present, self.say)
         record, not_a_run = self._previous_run()
         fresh = resume in ("none", "", None)
         if record is None:
             self._refuse_foreign_files(not_a_run, overwrite)
         elif overwrite:
-            self._remove_previous_run(record["run_id"])
+            self._set_aside_previous_run(record["run_id"], inputs)
         elif fresh:
             self._refuse_mixed_run(record["run_id"], config_yaml)
         else:
+            self._refuse_inputs_among([self.run_dir / n for n in FINISHED_OUTPUTS], inputs, "replaces when it "
+                                      "finishes")
             if resume == "auto":
                 self._refuse_restart_over_outputs(record["run_id"])
             if (self.run_dir / "config.yaml").is_file():
@@ -217,27 +246,35 @@ class RunDirectory:
                              f"the finished run's outputs ({', '.join(found)}); keep them and train in another "
                              "--logging.run_dir, or start this run over with --overwrite")
 
-    def _remove_previous_run(self, run_id: str) -> None:
-        """--overwrite: run `run_id`'s checkpoints and outputs go; what other runs wrote, and what
-        nothing ties to this run, stays (named, when it looks like a checkpoint)."""
+    def _outputs_present(self) -> list[Path]:
+        return [self.run_dir / n for n in RUN_OUTPUTS if os.path.lexists(self.run_dir / n)]
+
+    def _refuse_inputs_among(self, replaced: list[Path], inputs, does: str) -> None:
+        """One of `inputs` ((setting, path)) at, inside or holding a file of `replaced`: refused."""
+        for key, value in inputs:
+            source = Path(value).resolve()
+            for path in replaced:
+                target = path.resolve()
+                if os.path.lexists(path) and (source == target or target in source.parents
+                                              or source in target.parents):
+                    raise ValueError(f"{key} {value} is among the files of the earlier run in {self.run_dir} that "
+                                     f"this run {does} ({path}); copy it out of the run directory first, or "
+                                     "choose another --logging.run_dir")
+
+    def _set_aside_previous_run(self, run_id: str, inputs) -> None:
+        """--overwrite: run `run_id`'s checkpoints and outputs are set aside (removed when the new run
+        commits, moved back if it does not); what other runs wrote, and what nothing ties to this run,
+        stays (named, when it looks like a checkpoint)."""
         manager = CheckpointManager(self.checkpoint_dir, run_id=run_id)
         complete = manager.complete()
         mine = [c.path for c in complete if c.run_id == run_id] + manager.owned_leftovers()
-        for path in mine:
-            shutil.rmtree(path)
-        removed = [path.name for path in mine]
-        for name in RUN_OUTPUTS:
-            path = self.run_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-                removed.append(name)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-                removed.append(name)
-        if removed:
-            where = self.run_dir if self.checkpoint_dir.parent == self.run_dir \
-                else f"{self.run_dir} and {self.checkpoint_dir}"
-            self.say(f"--overwrite: removed the previous run's files from {where}: {', '.join(removed)}")
+        outputs = self._outputs_present()
+        self._refuse_inputs_among([*outputs, *mine], inputs, "would replace (--overwrite)")
+        self._aside = SetAside(self.run_dir, self.checkpoint_dir, run_id)
+        self._aside.move(outputs, mine)
+        if outputs or mine:
+            self.say(f"--overwrite: set the previous run's files aside ({', '.join(p.name for p in [*outputs, *mine])});"
+                     " they are removed when this run starts training, and put back if it stops before")
         left = sorted(c.path.name for c in complete if c.run_id is None)
         if self.checkpoint_dir.is_dir():
             left += sorted(p.name for p in [*self.checkpoint_dir.glob(".step-*.partial"),

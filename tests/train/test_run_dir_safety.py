@@ -18,6 +18,7 @@ from rich.console import Console
 
 from glmtune.config import RECIPES_DIR, load_config
 from glmtune.train.run import _check_disk_space
+from glmtune.train.run_dir import RunDirectory
 from tests.train.run_helpers import TWO_STEPS, WITH_EXPORT, losses, run, shared_run, start
 from tests.tree_snapshot import changes, snapshot
 
@@ -73,6 +74,67 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_foreign_files(copy):
     states = [json.loads((c / "trainer_state.json").read_text()) for c in (copy / "run" / "checkpoints").glob("step-*")]
     assert [s["run_id"] for s in states] == [new_id]
     assert sorted(losses(copy / "run")) == [1, 2]
+
+
+LOCK_AND_RECORD = (".glmtune.lock",)  # a refused claim marks the lock released; nothing else may change
+
+
+@pytest.mark.parametrize("refused_by", ["missing data", "data policy"])
+def test_overwrite_refused_after_the_claim_puts_the_earlier_run_back(copy, refused_by):
+    """--overwrite set the earlier run aside; the new run is refused while it reads its data (a typo in
+    a path; rows the PII policy 'fail' refuses, later still): the earlier run is back, as it was, and
+    the refusal is one line."""
+    flags = {"missing data": ["--data.train", '["/nonexistent/rows.jsonl"]'],
+             "data policy": ["--data.pii", "fail", "--data.train", f'["{_rows_with_a_secret(copy)}"]']}[refused_by]
+    before = snapshot(copy / "run", ignore=LOCK_AND_RECORD)
+    result = run(copy / "run", copy / "cache", *QUICK, *flags, "--overwrite")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    said = " ".join(result.stdout.split())
+    assert "set the previous run's files aside" in said and "files back into" in said, said
+    assert changes(before, snapshot(copy / "run", ignore=LOCK_AND_RECORD)) == []
+    assert not list((copy / "run").glob(".overwritten-*"))
+
+
+def _rows_with_a_secret(copy: Path) -> Path:
+    path = copy / "secret.jsonl"
+    row = {"messages": [{"role": "user", "content": "my key is AKIAIOSFODNN7EXAMPLE"},
+                        {"role": "assistant", "content": "{}"}]}
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("key", ["model.name_or_path", "data.train"])
+def test_overwrite_never_removes_an_input_of_the_new_run(copy, key):
+    """The new run reads a file of the run it would replace: refused before anything moves."""
+    inside = {"model.name_or_path": str(copy / "run" / "base"),  # the preset base the earlier run wrote
+              "data.train": f'["{copy / "run" / "checkpoints" / "step-00000002" / "trainer_state.json"}"]'}[key]
+    before = snapshot(copy / "run", ignore=LOCK_AND_RECORD)
+    result = run(copy / "run", copy / "cache", *QUICK, f"--{key}", inside, "--overwrite")
+    _refused(result, f"{key} ", "is among the files of the earlier run", "copy it out of the run directory")
+    assert changes(before, snapshot(copy / "run", ignore=LOCK_AND_RECORD)) == []
+
+
+def test_an_overwrite_killed_before_its_run_trained_is_undone_by_the_next_claim(copy):
+    """A process killed between the set-aside and the commit: the next claim of the directory moves
+    the earlier run back (then decides as for that run), and a committed one finishes its removal."""
+    run_dir = copy / "run"
+    before = snapshot(run_dir, ignore=LOCK_AND_RECORD)
+    first = RunDirectory(run_dir, run_dir / "checkpoints", print)
+    first.lock()
+    first.claim("name: x\n", "none", overwrite=True)  # sets the earlier run aside, writes its own run.json
+    (run_dir / "config.yaml").write_text("the killed run's config\n")
+    first._lock.release()  # the process dies: no rollback, the lock's flock goes
+    assert list(run_dir.glob(".overwritten-*")) and not (run_dir / "checkpoints" / "step-00000002").exists()
+    said: list[str] = []
+    second = RunDirectory(run_dir, run_dir / "checkpoints", said.append)
+    second.lock()
+    with pytest.raises(ValueError, match="already holds another run"):  # the earlier run, back in place
+        second.claim("name: y\n", "none", overwrite=False)
+    second.release()
+    assert any("moved run" in line and "back" in line for line in said), said
+    assert changes(before, snapshot(run_dir, ignore=LOCK_AND_RECORD)) == []
+    assert not list(run_dir.glob(".overwritten-*"))
 
 
 def test_resume_auto_continues_and_reports_changed_settings(copy):
@@ -165,11 +227,11 @@ def test_no_checkpoint_space_is_needed_without_any_save(tmp_path, monkeypatch):
     tiny = RECIPES_DIR / "tiny" / "sft_support_json.yaml"
     base = [f"--logging.run_dir={tmp_path / 'run'}", "--checkpoint.every_steps=0", "--checkpoint.export_hf=false"]
     with pytest.raises(ValueError, match="one checkpoint"):
-        _check_disk_space(load_config(tiny, base), model, Console())
-    _check_disk_space(load_config(tiny, [*base, "--checkpoint.save_at_end=false"]), model, Console())
+        _check_disk_space(load_config(tiny, base), model, Console(), {})
+    _check_disk_space(load_config(tiny, [*base, "--checkpoint.save_at_end=false"]), model, Console(), {})
     with pytest.raises(ValueError, match=r"this run needs .* \(the HF export"):
         _check_disk_space(load_config(tiny, [*base, "--checkpoint.save_at_end=false", "--checkpoint.export_hf=true"]),
-                          model, Console())
+                          model, Console(), {})
 
 
 def test_ctrl_c_while_starting_is_one_line(tmp_path):
