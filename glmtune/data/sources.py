@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from glmtune.io.contained import inside
+from glmtune.io.json_file import json_name, read_json_file
 from glmtune.io.regular import check_entries, check_regular_file, open_regular
 from glmtune.io.text_limits import MAX_JSON_DEPTH, JsonSyntaxError, json_depth, parse_json
 
@@ -48,6 +50,7 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 # One JSONL line, one conversation: 16 MiB holds a million-token conversation (about 4 bytes a
 # token, with JSON escapes) with room to spare; a longer line is a broken file, not a row.
 MAX_ROW_BYTES = 16 << 20
+_MAX_DATASET_JSON_BYTES = 64 << 20  # a `datasets` directory's state.json and dataset_dict.json
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def _read_hf_dataset(path: Path) -> Iterator[Row]:
                          "(pip install datasets)") from exc
 
     check_entries(path, "`datasets` directory entry", recursive=True)  # datasets opens every file in it
+    _check_dataset_listing(path)
     try:
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
@@ -200,6 +204,29 @@ def _read_hf_dataset(path: Path) -> Iterator[Row]:
     except Exception as exc:
         raise ValueError(f"{path}: not a readable `datasets` directory "
                          f"({type(exc).__name__}: {_first_line(exc)})") from exc
+
+
+def _check_dataset_listing(path: Path) -> None:
+    """The files a `datasets` directory's JSON names stay inside it (`glmtune.io.contained`):
+    `datasets` joins dataset_dict.json's splits and state.json's `_data_files` to the directory
+    unchecked, so `../other/data.arrow` would read another dataset. ValueError naming the file."""
+    listing = path / "dataset_dict.json"
+    if listing.is_file():
+        splits = read_json_file(listing, "`datasets` listing", max_bytes=_MAX_DATASET_JSON_BYTES).get("splits")
+        if not isinstance(splits, list):
+            raise ValueError(f"`datasets` listing {listing}: splits is {json_name(splits)}, not a list of names")
+        directories = [inside(path, split, f"`datasets` listing {listing}: splits", want_dir=True) for split in splits]
+    else:
+        directories = [path]
+    for directory in directories:
+        state = directory / "state.json"
+        if not state.is_file():
+            continue
+        files = read_json_file(state, "`datasets` state", max_bytes=_MAX_DATASET_JSON_BYTES).get("_data_files")
+        if not (isinstance(files, list) and all(isinstance(entry, dict) for entry in files)):
+            raise ValueError(f"`datasets` state {state}: _data_files is {json_name(files)}, not a list of files")
+        for entry in files:
+            inside(directory, entry.get("filename"), f"`datasets` state {state}: _data_files")
 
 
 def is_hf_dataset_dir(path: Path) -> bool:

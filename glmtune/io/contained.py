@@ -21,9 +21,9 @@ from pathlib import Path, PurePosixPath
 from glmtune.io.text_limits import clipped
 
 
-def outside_reason(directory: Path, name: object, plain: bool = True) -> str | None:
-    """Why `name` does not name a file inside `directory` (None when it does, or when nothing is
-    there: the callers say a file is missing in their own words)."""
+def outside_reason(directory: Path, name: object, plain: bool = True, want_dir: bool = False) -> str | None:
+    """Why `name` does not name a file (with `want_dir`, a subdirectory) inside `directory` (None
+    when it does, or when nothing is there: the callers say a file is missing in their own words)."""
     if not isinstance(name, str) or name in ("", ".") or "\0" in name or "\\" in name:
         return "is not a file name"
     parts = PurePosixPath(name).parts
@@ -40,16 +40,18 @@ def outside_reason(directory: Path, name: object, plain: bool = True) -> str | N
     if not real.startswith(root + os.sep):
         return f"is a link that leads out of {directory} (to {clipped(real)})"
     try:
-        regular = stat.S_ISREG(os.stat(real).st_mode)
+        mode = os.stat(real).st_mode
     except OSError:
         return None  # a dangling link: reported as a missing file
-    return None if regular else "is not a regular file (a directory, a device or a pipe)"
+    if want_dir:
+        return None if stat.S_ISDIR(mode) else "is not a directory"
+    return None if stat.S_ISREG(mode) else "is not a regular file (a directory, a device or a pipe)"
 
 
-def inside(directory: str | Path, name: object, where: str, plain: bool = True) -> Path:
+def inside(directory: str | Path, name: object, where: str, plain: bool = True, want_dir: bool = False) -> Path:
     """`directory / name` when `name` (read from the file `where` says) stays inside `directory`
     (module docstring); else a ValueError naming `where` and the name."""
-    reason = outside_reason(Path(directory), name, plain)
+    reason = outside_reason(Path(directory), name, plain, want_dir)
     if reason:
         raise ValueError(f"{where} names {clipped(repr(name), 120)}, which {reason}")
     return Path(directory) / str(name)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from glmtune.cli import main
 from glmtune.data.prepare import split_files
 from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.synthetic_preferences import generate_preference_rows
@@ -224,3 +225,57 @@ def test_glmtune_train_refuses_a_damaged_cache_entry_and_a_hostile_tokenizer(sha
     (tokenizer / "tokenizer_config.json").write_text(DEEP)
     result = run(tmp_path / "run2", tmp_path / "cache2", *TWO_STEPS, "--data.tokenizer", str(tokenizer))
     _train_refused(result, f"tokenizer file {tokenizer / 'tokenizer_config.json'}: JSON nested deeper than 64")
+
+
+# -- a `datasets` save_to_disk directory -------------------------------------------------------------------
+
+def _saved_dataset(directory: Path, content: str) -> Path:
+    import datasets
+
+    row = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]}
+    datasets.Dataset.from_list([row]).save_to_disk(str(directory))
+    return directory
+
+
+DATASETS = {  # state.json's _data_files (or dataset_dict.json) -> what the sentence says
+    "traversal to another dataset": (lambda other: {"_data_files": [{"filename": f"../other/{other}"}]},
+                                     "_data_files names '../other/", "which leaves"),
+    "absolute path": (lambda other: {"_data_files": [{"filename": f"/tmp/{other}"}]}, "_data_files names",
+                      "which is an absolute path"),
+    "a file name a number": (lambda other: {"_data_files": [{"filename": 3}]}, "names 3", "not a file name"),
+    "files a string": (lambda other: {"_data_files": "data.arrow"}, "_data_files is a string", "not a list"),
+    "state nested deep": (lambda other: DEEP, "`datasets` state", "nested deeper than 64 levels"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATASETS))
+def test_a_datasets_directory_never_leads_out_of_itself(tmp_path, capsys, case):
+    pytest.importorskip("datasets")
+    directory = _saved_dataset(tmp_path / "mine", "mine")
+    other = _saved_dataset(tmp_path / "other", "SECRET")
+    [shard] = [p.name for p in other.glob("*.arrow")]
+    state = directory / "state.json"
+    make, *said = DATASETS[case]
+    value = make(shard)
+    state.write_text(value if isinstance(value, str) else json.dumps({**json.loads(state.read_text()), **value}))
+    capsys.readouterr()  # datasets' progress bars while saving
+    code = main(["data", "validate", str(directory)])
+    out, err = capsys.readouterr()
+    assert code == 2 and "SECRET" not in out + err and "Traceback" not in err, out + err
+    assert err.startswith("glmtune data validate: error: `datasets` state") and str(state) in err, err
+    for fragment in said:
+        assert fragment in err, err
+
+
+def test_a_datasets_split_that_leads_out_is_refused(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
+    _saved_dataset(tmp_path / "other", "SECRET")
+    listing = tmp_path / "dict" / "dataset_dict.json"
+    listing.write_text(json.dumps({"splits": ["train", "../other"]}))
+    capsys.readouterr()  # datasets' progress bars while saving
+    code = main(["data", "validate", str(tmp_path / "dict")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "SECRET" not in out + err, out + err
+    assert f"`datasets` listing {listing}: splits names '../other', which leaves" in err, err

@@ -111,7 +111,7 @@ def test_a_damaged_datasets_directory_is_one_line_naming_it(tmp_path):
     (path / "state.json").write_text("{bad")
     with pytest.raises(ValueError) as info:
         list(read_rows(path))
-    assert str(info.value) == (f"{path}: not a readable `datasets` directory (JSONDecodeError: Expecting property "
+    assert str(info.value) == (f"`datasets` state {path / 'state.json'}: not valid JSON (Expecting property "
                                "name enclosed in double quotes: line 1 column 2 (char 1))")
 
 
