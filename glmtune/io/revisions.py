@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from glmtune.io.regular import open_regular
 from glmtune.io.version import __version__
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -47,7 +48,8 @@ def model_revision(path: Path) -> tuple[str | None, str]:
         return resolved.name, "HF cache snapshot directory"
     metadata = path / ".cache" / "huggingface" / "download" / "config.json.metadata"
     if metadata.is_file():
-        first = metadata.read_text().splitlines()[:1]
+        with open_regular(metadata, "download record") as fh:  # three short lines; read no more than that
+            first = fh.read(4096).decode("utf-8", errors="replace").splitlines()[:1]
         if first and _COMMIT_RE.match(first[0].strip()):
             return first[0].strip(), str(metadata)
     if (path / ".git").exists():

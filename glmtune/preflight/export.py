@@ -27,7 +27,6 @@ comparisons, each of which can fail on its own:
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,8 @@ import torch
 from safetensors import safe_open
 
 from glmtune.checkpoint.hf_io import checkpoint_files, hf_tensors, load_pretrained, written_dtypes
+from glmtune.io.json_file import json_name, read_json_file
+from glmtune.io.text_limits import clipped
 from glmtune.peft.adapter_export import CONFIG_NAME, RUN_DIRS, WEIGHTS_NAME, adapter_state
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
@@ -70,6 +71,21 @@ def _quiet_transformers():
             logging.enable_progress_bar()
 
 
+def _opened(file: Path):
+    """A safetensors handle on `file`; ValueError naming it when it is not one (cut short, damaged)."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error type (and OSError) for a bad file
+        raise ValueError(f"{file}: unreadable safetensors file ({clipped(exc)})") from None
+
+
+def _tensor(handle, file: Path, key: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(key)
+    except Exception as exc:  # a header that lies about the data: safetensors' own error type
+        raise ValueError(f"{file}: cannot read tensor {key} ({clipped(exc)})") from None
+
+
 def tensor_problems(expected: dict[str, torch.Tensor], files: dict[str, Path], what: str,
                     dtypes: dict[str, torch.dtype] | None = None) -> list[str]:
     """Every tensor of `expected` (HF key -> tensor) stored in `files` (key -> file) with the same bits,
@@ -81,8 +97,9 @@ def tensor_problems(expected: dict[str, torch.Tensor], files: dict[str, Path], w
         if key not in files:
             continue
         file = files[key]
-        handles.setdefault(file, safe_open(str(file), framework="pt", device="cpu"))
-        got = handles[file].get_tensor(key)
+        if file not in handles:
+            handles[file] = _opened(file)
+        got = _tensor(handles[file], file, key)
         if dtypes is not None and got.dtype != dtypes[key]:
             problems.append(f"{what}{file.name}: {key} is stored as {got.dtype}, the run computes it in {dtypes[key]}")
         want = want.detach().to("cpu", got.dtype)
@@ -165,12 +182,14 @@ def _adapter_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, eviden
     for layout, sub in RUN_DIRS.items():
         _, tensors = adapter_state(ours, layout)
         weights = ref.run_dir / sub / WEIGHTS_NAME
-        with safe_open(str(weights), framework="pt", device="cpu") as handle:
-            files = dict.fromkeys(handle.keys(), weights)
+        files = dict.fromkeys(_opened(weights).keys(), weights)
         problems += tensor_problems(tensors, files, f"{sub}/")
         count += len(tensors)
     adapter_dir = ref.run_dir / RUN_DIRS["peft"]
-    base = json.loads((adapter_dir / CONFIG_NAME).read_text())["base_model_name_or_path"]
+    base = read_json_file(adapter_dir / CONFIG_NAME, max_bytes=1 << 20).get("base_model_name_or_path")
+    if not isinstance(base, str):
+        raise ValueError(f"{adapter_dir / CONFIG_NAME}: base_model_name_or_path is {json_name(base)}, not the base's "
+                         "path")
     with _quiet_transformers():
         hf = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="eager")
         served = peft.PeftModel.from_pretrained(hf, adapter_dir).to(pf.device).eval()

@@ -29,6 +29,7 @@ from torch import nn
 
 from glmtune.data.chat_template import load_chat_template, render_conversation
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS, load_tokenizer, resolve_tokenizer_dir
+from glmtune.io.json_file import json_lines
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.preflight.runs import ReferenceRun
@@ -55,7 +56,7 @@ class Decoding:
 def fixed_prompts(pf: Preflight) -> list[tuple[dict[str, Any], str]]:
     data = pf.data()
     conversations = data.val_conversations or [
-        json.loads(line) for line in Path(data.manifest["train_file"]).read_text(encoding="utf-8").splitlines()]
+        row for _, row, _ in json_lines(Path(data.manifest["train_file"]), "training data", max_line_bytes=1 << 30)]
     return prompts_from(conversations, NUM_PROMPTS)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,9 @@ from glmtune.data.contract import check_or_raise, normalize_row
 from glmtune.data.sources import read_rows
 from glmtune.data.synthetic import generate_rows
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
+from glmtune.io.json_file import json_name, read_json_file
+from glmtune.io.text_limits import clipped
+from glmtune.models.common.hf_config import read_hf_config
 from glmtune.models.registry import model_args
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
@@ -37,6 +39,7 @@ from glmtune.train.model_source import tokenizer_dir_for
 PREFIX = "[gMASK]<sop>"
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|observation|>"}
 assert set(ROLE_MARKERS.values()) == set(ROLE_TOKENS)
+_MAX_TOKENIZER_CONFIG_BYTES = 64 << 20  # as the chat template's loader reads it
 
 
 def first_conversation(pf: Preflight) -> dict[str, Any]:
@@ -59,11 +62,15 @@ def architecture_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
         return []
     from transformers import AutoConfig
 
-    config = json.loads((pf.model_dir / "config.json").read_text())
-    evidence["config_architectures"] = config.get("architectures")
+    config = read_hf_config(pf.model_dir)  # bounded, an object, or one sentence naming the file
+    architectures = config.get("architectures")
+    evidence["config_architectures"] = architectures
     expected = pf.spec.hf_architecture
-    problems = [] if expected in (config.get("architectures") or []) else [
-        f"{pf.model_dir}/config.json: architectures {config.get('architectures')}, expected [{expected}]"]
+    if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        return [f"{pf.model_dir}/config.json: architectures is {json_name(architectures)}, not a list of class "
+                f"names; expected [{expected}]"]
+    problems = [] if expected in architectures else [
+        f"{pf.model_dir}/config.json: architectures {clipped(architectures)}, expected [{expected}]"]
     evidence["transformers_config"] = type(AutoConfig.from_pretrained(pf.model_dir, local_files_only=True)).__name__
     return problems
 
@@ -73,7 +80,7 @@ def template_source(directory: Path) -> str:
     if (directory / "chat_template.jinja").is_file():
         return str(directory / "chat_template.jinja")
     config = directory / "tokenizer_config.json"
-    if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("chat_template"):
+    if config.is_file() and read_json_file(config, max_bytes=_MAX_TOKENIZER_CONFIG_BYTES).get("chat_template"):
         return str(config)
     return f"{BUNDLED_TEMPLATE_PATH} (bundled GLM-5 template)"
 

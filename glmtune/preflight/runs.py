@@ -21,7 +21,6 @@ threads as this process, so that its float sums run in the reference's order.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from glmtune.distributed.launch import torchrun_command
+from glmtune.io.json_file import json_lines
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.preflight.context import Preflight
 from glmtune.train.run import RunHooks, run_training
@@ -44,12 +44,18 @@ _SAMPLE = 1 << 16  # elements sampled per tensor to tell whether a step changed 
 
 
 def read_records(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """step -> the metrics.jsonl record of a run ({} when it logged none)."""
+    """step -> the metrics.jsonl record of a run ({} when it logged none), read bounded
+    (`glmtune.io.json_file.json_lines`; a line cut by a kill ends it); ValueError naming the
+    file and line for a record without a step."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in rows}
+    records = {}
+    for number, record, _ in json_lines(path, "metrics file", cut_tail=True):
+        if type(record.get("step")) is not int:
+            raise ValueError(f"metrics file {path}:{number}: a record without an integer step")
+        records[record["step"]] = record
+    return records
 
 
 def clean_name(name: str) -> str:

@@ -8,7 +8,9 @@ nothing about the bytes after them, so where the download recorded a shard's sha
 HF cache blob's name, or the LFS etag in huggingface-cli's
 `.cache/huggingface/download/NAME.metadata`) the file is hashed and compared; without a
 recorded hash the evidence says the bytes were not verified. Every shard is covered,
-whatever `--layers` the later checks use. A preset has no shards: its weights are built.
+whatever `--layers` the later checks use; a file name in the index that leads out of the
+directory (`glmtune.checkpoint.shard_paths`) is a failure `verify_checkpoint` names, and that
+file is never hashed. A preset has no shards: its weights are built.
 
 Disk space (`glmtune.checkpoint.space.check_free_space`): the source is on disk already
 (its size is reported); the working copy is what the preflight's scratch runs write under
@@ -21,7 +23,6 @@ warning in the evidence.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -33,6 +34,9 @@ from glmtune.config.validate import planned_saves
 from glmtune.checkpoint.integrity import file_digest
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.checkpoint.hf_verify import verify_checkpoint
+from glmtune.checkpoint.shard_paths import outside_reason, view_source
+from glmtune.io.json_file import read_json_file
+from glmtune.io.regular import open_regular
 from glmtune.io.sizes import human_bytes
 from glmtune.models.registry import model_args
 from glmtune.preflight.context import Preflight
@@ -41,6 +45,14 @@ from glmtune.preflight.trainable import transformed_meta_model
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 NUM_SCRATCH_CHECKPOINTS = 4  # reference, resume (two), multi-process
+_MAX_INDEX_BYTES = 256 << 20  # as the loader reads an index
+_MAX_METADATA_BYTES = 4096  # a download record is three short lines
+
+
+def _download_record(metadata: Path) -> list[str]:
+    """The first lines of huggingface-cli's `.metadata` file (commit, etag, time), read bounded."""
+    with open_regular(metadata, "download record") as fh:
+        return fh.read(_MAX_METADATA_BYTES).decode("utf-8", errors="replace").splitlines()[:2]
 
 
 def recorded_sha256(path: Path, name: str) -> tuple[str | None, str]:
@@ -52,20 +64,25 @@ def recorded_sha256(path: Path, name: str) -> tuple[str | None, str]:
             return target.name, "HF cache blob name"
     metadata = path / ".cache" / "huggingface" / "download" / f"{name}.metadata"
     if metadata.is_file():
-        lines = metadata.read_text().splitlines()
+        lines = _download_record(metadata)
         if len(lines) > 1 and _SHA256_RE.match(lines[1].strip()):
             return lines[1].strip(), str(metadata)
     return None, "no recorded hash"
 
 
 def shard_names(path: Path) -> list[str]:
+    """The shard files of the checkpoint in `path` that its index keeps inside it (`shard_paths`): a
+    name that leads out is never opened or hashed here (`verify_checkpoint` reports it)."""
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            parsed = read_json_file(index, max_bytes=_MAX_INDEX_BYTES)
+            names = set(parsed["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError):
             return []  # verify_checkpoint reports the index
-    return [SINGLE_NAME] if (path / SINGLE_NAME).is_file() else []
+        source = view_source(parsed)
+        return sorted(n for n in names if isinstance(n, str) and outside_reason(path, n, source) is None)
+    return [SINGLE_NAME] if (path / SINGLE_NAME).is_file() and outside_reason(path, SINGLE_NAME) is None else []
 
 
 def hash_problems(path: Path, hash_shards: bool) -> tuple[list[str], dict[str, Any]]:

@@ -18,10 +18,10 @@ factor has none at the first: B starts at zero). Each failure names the path and
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
+from glmtune.io.json_file import read_json_file
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, skipped, verdict
 from glmtune.preflight.runs import ReferenceRun, log_line
@@ -41,7 +41,7 @@ def run_evidence(pf: Preflight, ref: ReferenceRun) -> dict[str, Any]:
     return {"run_dir": str(ref.run_dir), "log": str(ref.log), "seconds": round(ref.seconds, 2),
             "model": pf.describe_model(), "device": str(pf.device), "dtype": pf.cfg.model.dtype,
             "scratch_config": str(pf.scratch_yaml), "differs_from_the_recipe": pf.notes,
-            "data": json.loads(manifest.read_text()) if manifest.is_file() else None}
+            "data": read_json_file(manifest, "data manifest") if manifest.is_file() else None}
 
 
 def check_step(pf: Preflight, ref: ReferenceRun) -> CheckResult:
@@ -66,7 +66,8 @@ def check_step(pf: Preflight, ref: ReferenceRun) -> CheckResult:
     evidence["updated_tensors"] = {"moved": sum(ref.moved.values()), "trainable": len(ref.moved),
                                    "with_gradient": len(expected)}
     data = evidence["data"] or {}
-    rows = data.get("train_packing", {}).get("num_rows")
+    packing = data.get("train_packing")
+    rows = packing.get("num_rows") if isinstance(packing, dict) else None
     message = (f"loss {first['loss']:.4f} over {first['tokens']:,} tokens ({first['supervised_tokens']:,} supervised) "
                f"in {pf.replica.batch[-1]} of the data's {rows} packed rows ({data.get('train_conversations')} "
                f"conversations); lr {first['lr']:.3g}, "
