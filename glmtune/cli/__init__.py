@@ -19,6 +19,7 @@ import os
 import sys
 
 from glmtune.io.interrupts import interrupts_deferred
+from glmtune.io.outputs import running
 from glmtune.io.text_limits import printable
 
 # Modules that define subcommands, in the order `--help` lists them.
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     # "glmtune data validate", not just "glmtune data": name the action that failed.
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
     try:
-        return int(args.func(args) or 0)
+        with running(command):  # what the command writes is its own (glmtune/io/outputs.py, --overwrite)
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if _debug(args):
             raise

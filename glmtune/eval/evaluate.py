@@ -157,7 +157,7 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     reads = [("SUITE", suite.path)] + [(f"set {s.name}", s.path) for s in suite.sets if s.path is not None]
     reads += [r for m in models for r in m.reads()]
     reads += [("--tokenizer", endpoint.tokenizer)] if endpoint.tokenizer is not None else []
-    check_output(out, overwrite=overwrite, sources=reads, what="--out")
+    check_output(out, overwrite=overwrite, sources=reads, what="--out", command="eval")
     tokenizer_dir, template = _prompting_dir(base, candidate, endpoint.tokenizer)
     loaded = load_sets(suite, candidate)
     placement = Placement.choose(device, dtype, sharded, candidate, fp8_base)
@@ -439,7 +439,7 @@ def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource],
 def _write(out: Path, overwrite: bool, reads: list, suite: Suite, loaded: list[LoadedSet], card: dict) -> None:
     html = render_html(card)
     markdown = render_markdown(card)
-    with output_dir(out, overwrite=overwrite, sources=reads, what="--out") as tmp:
+    with output_dir(out, overwrite=overwrite, sources=reads, what="--out", command="eval") as tmp:
         (tmp / "scorecard.json").write_text(json.dumps(card, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         (tmp / "scorecard.md").write_text(markdown, encoding="utf-8")
         (tmp / "scorecard.html").write_text(html, encoding="utf-8")

@@ -211,7 +211,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     tokenizer_dir = _tokenizer_dir(cfg, run_dir, lora, base_dir)
     recorded = _recorded_inputs(run_dir, eval_dir, deployable, base_dir, tokenizer_dir)
     reads = recorded + ([("--previous", Path(req.previous))] if req.previous is not None else [])
-    check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out")
+    check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out", command="release")
     _check_links(recorded, run_dir, manifest_dir)
     if req.sign_key is not None:
         _check_key_outside(Path(req.sign_key), recorded)
@@ -261,7 +261,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     manifest["id"] = release_id(manifest)
     if key is not None:
         manifest["signature"] = signing.sign(manifest, key)
-    with output_file(out, overwrite=req.overwrite, sources=reads, what="--out") as tmp:
+    with output_file(out, overwrite=req.overwrite, sources=reads, what="--out", command="release") as tmp:
         tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest, out
 

@@ -32,7 +32,9 @@ ARGS = dict(hidden_size=256, q_lora_rank=192, moe_intermediate_size=128)
 
 
 def _digests(path: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+    """The checkpoint's files; not the hidden output record, which names the command that wrote it."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())
+            if not p.name.startswith(".")}
 
 
 def _save_checkpoint(model: torch.nn.Module, root: Path) -> Path:

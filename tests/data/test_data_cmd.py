@@ -82,9 +82,10 @@ def test_synth_never_replaces_a_directory_by_a_file(tmp_path, capsys):
         assert err.startswith(f"glmtune data synth: error: OUT {target} is a directory and the output is a .jsonl file; "
                               "--overwrite never replaces a directory by a file"), err
         assert changes(before, snapshot(tmp_path)) == []
-    # A file is still replaced with --overwrite (and only with it).
+    # An earlier synthetic file is still replaced with --overwrite (and only with it; a file of other
+    # rows is not: tests/cli/test_output_commands.py).
     out = tmp_path / "synth.jsonl"
-    out.write_text("old\n")
+    assert main(["data", "synth", str(out), "--rows", "3"]) == 0
     assert main(["data", "synth", str(out), "--rows", "8"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["data", "synth", str(out), "--rows", "8", "--overwrite"]) == 0

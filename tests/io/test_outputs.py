@@ -4,13 +4,17 @@ write with the user's permissions; glmtune.io.sizes: sizes or one clear sentence
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import stat
 
 import pytest
 
+from glmtune.checkpoint.hf_io import TOKENIZER_FILES
 from glmtune.io import outputs
+from glmtune.io.output_owner import HF_SIDE_FILES, RECORD
 from glmtune.io.outputs import check_output, output_dir, output_file
+from glmtune.io.run_lock import LOCK_FILE, RunLock, write_run_record
 from glmtune.io.sizes import parse_size, size_arg
 from tests.tree_snapshot import changes, snapshot
 
@@ -186,3 +190,244 @@ def test_sizes():
             parse_size(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="'banana' is not a size"):
         size_arg("banana")
+
+
+# --- --overwrite replaces only what the command wrote (glmtune/io/output_owner.py) ---------------------------
+
+
+def _write(target, command, what="--out", kind="dir", **options):
+    stage = output_dir if kind == "dir" else output_file
+    with stage(target, command=command, what=what, **options) as tmp:
+        (tmp / "scorecard.json" if kind == "dir" else tmp).write_text('{"format": "glmtune.scorecard/1"}\n')
+
+
+def test_an_output_directory_records_its_command_and_overwrite_replaces_only_that(tmp_path):
+    target = tmp_path / "out"
+    _write(target, "eval")
+    record = json.loads((target / RECORD).read_text())
+    assert (record["format"], record["command"], record["output"]) == ("glmtune.output/1", "eval", "--out")
+    _write(target, "eval", overwrite=True)  # its own output
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError) as info:
+        _write(target, "merge", what="OUT_DIR", overwrite=True)
+    assert str(info.value) == (f"OUT_DIR {target} holds the output of glmtune eval (--out, says its {RECORD}); "
+                               "--overwrite replaces only what glmtune merge wrote: choose another directory, or "
+                               "move it away")
+    with pytest.raises(ValueError, match=r"holds the output of glmtune eval \(--out"):
+        _write(target, "export", what="--out", overwrite=True)  # another command's option of the same name
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+@pytest.mark.parametrize("case", ["user dir", "user file", "damaged record", "link", "fifo", "file for a dir"])
+def test_what_the_command_did_not_write_is_refused_even_with_overwrite(tmp_path, case):
+    target = tmp_path / "out"
+    kind = "file" if case in ("user file", "link", "fifo") else "dir"
+    if case == "user dir":
+        _old_dir(target)
+        problem = (f"is a directory glmtune eval did not write: it has no {RECORD} and is not an eval directory "
+                   "(scorecard.json)")
+    elif case == "damaged record":
+        _old_dir(target)
+        (target / RECORD).write_text("[[[")
+        problem = f"holds a damaged {RECORD} ("
+    elif case in ("user file", "file for a dir"):
+        target.write_text('{"mine": 1}\n')
+        problem = ("is a file glmtune release did not write: it is not a release manifest" if kind == "file"
+                   else "is a file, not what glmtune eval writes there")
+    elif case == "link":
+        (tmp_path / "real.json").write_text('{"format": "glmtune.release/1"}')
+        target.symlink_to(tmp_path / "real.json")
+        problem = "is a symbolic link (glmtune writes none there)"
+    else:
+        os.mkfifo(target)
+        problem = "is a FIFO (named pipe), not what glmtune release writes there"
+    command = "release" if kind == "file" else "eval"
+    before = _lstat_tree(tmp_path)  # not snapshot(): reading the FIFO would block
+    with pytest.raises(ValueError) as info:
+        _write(target, command, kind=kind, overwrite=True)
+    assert str(info.value).startswith(f"--out {target} {problem}"), info.value
+    assert str(info.value).endswith(f"--overwrite replaces only what glmtune {command} wrote: choose another "
+                                    f"{'directory' if kind == 'dir' else 'path'}, or move it away")
+    assert _lstat_tree(tmp_path) == before
+
+
+def _lstat_tree(root):
+    return {p.relative_to(root).as_posix(): (p.lstat().st_ino, p.lstat().st_mtime_ns, p.lstat().st_size)
+            for p in root.rglob("*")}
+
+
+def test_without_overwrite_a_foreign_target_says_overwrite_would_not_help(tmp_path):
+    _old_dir(tmp_path / "out")
+    with pytest.raises(ValueError, match="^OUT_DIR .*/out already exists and is not empty, and is a directory glmtune "
+                                         "merge did not write: .*--overwrite replaces only what glmtune merge wrote"):
+        check_output(tmp_path / "out", what="OUT_DIR", command="merge")
+    _write(tmp_path / "mine", "merge", what="OUT_DIR")
+    with pytest.raises(ValueError, match="already exists and is not empty; pass --overwrite to replace it"):
+        check_output(tmp_path / "mine", what="OUT_DIR", command="merge")
+
+
+def _hf(path, *extra):
+    path.mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer_config.json", "generation_config.json"):
+        (path / name).write_text("{}")
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json", *extra):
+        (path / name).write_bytes(b"x")
+
+
+def _adapter(path, *extra):
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (path / "glmtune_adapter.json").write_text("{}")
+    for name in ("adapter_model.safetensors", *extra):
+        (path / name).write_bytes(b"x")
+
+
+def _prepared(path, *extra):
+    path.mkdir()
+    (path / "pii_report.json").write_text('{"num_findings": 0}')
+    (path / "manifest.json").write_text('{"version": "v", "outputs": {}}')
+    for name in ("train-0123456789ab.jsonl", *extra):
+        (path / name).write_text("{}\n")
+
+
+def _scorecard(path, *extra):
+    path.mkdir()
+    (path / "scorecard.json").write_text('{"format": "glmtune.scorecard/1"}')
+    (path / "suite.yaml").write_text("name: x\n")
+    (path / "sets").mkdir()
+    (path / "sets" / "tickets.jsonl").write_text("{}\n")
+    for name in extra:
+        (path / name).write_text("x")
+
+
+def _synthetic(path, *extra):
+    rows = [{"id": "synth-0-000000", "group": "cust-00000"}, {"id": "pref-3-000001", "group": "c"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "".join(extra))
+
+
+def _release(path, *extra):
+    path.write_text(json.dumps({"format": "glmtune.release/1", "id": "x"}) if not extra else extra[0])
+
+
+# (command, option, kind, a legacy output, the same with what the command never writes)
+LEGACY = [("export", "--hf", "dir", _hf, ("README.md",)), ("merge", "OUT_DIR", "dir", _hf, ("LICENSE",)),
+          ("export", "--adapter", "dir", _adapter, ("notes.txt",)),
+          ("data prepare", "--out", "dir", _prepared, ("raw.jsonl",)),
+          ("eval", "--out", "dir", _scorecard, ("sets/notes.txt",)), ("data synth", "OUT", "file", _synthetic, ('{"id": "mine"}\n',)),
+          ("release", "--out", "file", _release, ('{"format": "glmtune.scorecard/1"}',))]
+
+
+@pytest.mark.parametrize("command, what, kind, make, foreign", LEGACY, ids=[c[0] + c[1] for c in LEGACY])
+def test_an_output_written_before_records_is_recognized_by_its_content(tmp_path, command, what, kind, make, foreign):
+    make(tmp_path / "old")
+    stage = output_dir if kind == "dir" else output_file
+    with stage(tmp_path / "old", overwrite=True, command=command, what=what) as tmp:
+        (tmp / "new" if kind == "dir" else tmp).write_text("new")
+    assert (tmp_path / "old" / "new" if kind == "dir" else tmp_path / "old").read_text() == "new"
+    if not foreign:
+        return
+    make(tmp_path / "theirs", *foreign)
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"did not write.*replaces only what glmtune {command} wrote"):
+        check_output(tmp_path / "theirs", kind=kind, overwrite=True, command=command, what=what)
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+def test_a_file_added_to_an_output_since_is_not_the_commands_to_replace(tmp_path):
+    target = tmp_path / "out"
+    _write(target, "eval")
+    (target / "sets").mkdir()
+    (target / "sets" / "my-notes.md").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError) as info:
+        _write(target, "eval", overwrite=True)
+    assert str(info.value).startswith(f"--out {target} holds sets (and 1 more), which glmtune eval did not write "
+                                      f"there (its {RECORD} lists no such); --overwrite replaces only"), info.value
+    assert changes(before, snapshot(tmp_path)) == []
+    (target / "sets" / "my-notes.md").unlink()
+    (target / "sets").rmdir()
+    _write(target, "eval", overwrite=True)
+
+
+def test_the_hf_side_files_are_the_ones_glmtune_copies():
+    assert set(HF_SIDE_FILES) == set(TOKENIZER_FILES)
+
+
+def _run_dir(path):
+    path.mkdir()
+    write_run_record(path, {"run_id": "r1"})
+    (path / LOCK_FILE).write_text("released: glmtune train (pid 1)\n")
+    for name in ("checkpoints/step-00000002", "hf", "tensorboard", "data"):
+        (path / name).mkdir(parents=True)
+    (path / "checkpoints/step-00000002/trainer_state.json").write_text("{}")
+    for name in ("metrics.jsonl", "config.yaml", "samples.json"):
+        (path / name).write_text("x")
+    return path
+
+
+@pytest.mark.parametrize("command, what, kind, place, allowed", [
+    ("eval", "--out", "dir", "eval/support-json", True), ("eval", "--out", "dir", "eval/a/b", True),
+    ("eval", "--out", "dir", "eval", False), ("eval", "--out", "dir", "checkpoints", False),
+    ("eval", "--out", "dir", "checkpoints/new", False), ("eval", "--out", "dir", "tensorboard", False),
+    ("eval", "--out", "dir", "hf", False), ("eval", "--out", "dir", ".", False),
+    ("release", "--out", "file", "release.json", True), ("release", "--out", "file", "releases/v2.json", True),
+    ("release", "--out", "file", "checkpoints/step-00000002/trainer_state.json", False),
+    ("release", "--out", "file", "metrics.jsonl", False), ("release", "--out", "file", "run.json", False),
+    ("release", "--out", "file", "eval/x.json", False), ("release", "--out", "file", "releases", False),
+    ("merge", "OUT_DIR", "dir", "merged", False), ("export", "--hf", "dir", "export/hf", False),
+    ("data synth", "OUT", "file", "data/more.jsonl", False), ("data prepare", "--out", "dir", "prepared", False),
+    ("preflight", "--out", "dir", "samples.json", False), (None, "OUT", "dir", "hf", False)])
+def test_inside_a_run_directory_a_command_writes_only_where_its_outputs_go(tmp_path, command, what, kind, place,
+                                                                          allowed):
+    run = _run_dir(tmp_path / "run")
+    target = (run / place) if place != "." else run
+    before = snapshot(tmp_path)
+    if allowed:
+        assert check_output(target, kind=kind, overwrite=True, command=command, what=what) == target
+        return
+    with pytest.raises(ValueError) as info:
+        check_output(target, kind=kind, overwrite=True, command=command, what=what)
+    message = str(info.value)
+    where = "is a glmtune run directory" if place == "." else f"is inside the glmtune run directory {run}"
+    assert message.startswith(f"{what} {target} {where} ({place}: the run's, and "), message
+    assert message.endswith("(--overwrite never replaces a run's files)"), message
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+def test_a_link_into_a_run_directory_is_the_run_directory(tmp_path):
+    run = _run_dir(tmp_path / "run")
+    (tmp_path / "alias").symlink_to(run)
+    with pytest.raises(ValueError, match=f"is inside the glmtune run directory {run} \\(checkpoints: the run's, and "
+                                         f"glmtune eval writes {run}/eval/NAME\\)"):
+        check_output(tmp_path / "alias" / "checkpoints", overwrite=True, command="eval", what="--out")
+    with pytest.raises(ValueError, match=r"\(eval: the run's, and glmtune eval writes"):  # RUN/eval itself
+        check_output(run / "eval" / "x" / "..", overwrite=True, command="eval", what="--out")
+
+
+def test_a_training_writes_its_own_outputs_while_it_holds_the_runs_lock(tmp_path):
+    run = _run_dir(tmp_path / "run")
+    for command in ("train", None):
+        with pytest.raises(ValueError, match="the run's, and"):
+            check_output(run / "hf", overwrite=True, command=command)  # no training holds the run
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        for command in ("train", "preflight", None):
+            with output_dir(run / "hf", overwrite=True, command=command, what="path") as tmp:
+                (tmp / "config.json").write_text("{}")
+        with pytest.raises(ValueError, match="the run's, and glmtune eval writes"):
+            check_output(run / "hf", overwrite=True, command="eval", what="--out")  # not the training
+        with pytest.raises(ValueError, match="the run's, and"):
+            check_output(run / "checkpoints", overwrite=True, command="train")  # the checkpoint manager's
+    finally:
+        lock.release()
+
+
+def test_the_cli_names_the_command_that_writes(tmp_path):
+    with outputs.running("data prepare"):
+        with output_dir(tmp_path / "out", what="--out") as tmp:
+            (tmp / "pii_report.json").write_text("{}")
+    assert json.loads((tmp_path / "out" / RECORD).read_text())["command"] == "data prepare"
+    with output_dir(tmp_path / "lib") as tmp:  # a library call names no command: no record, plain overwrite
+        (tmp / "a").write_text("a")
+    assert os.listdir(tmp_path / "lib") == ["a"]

@@ -21,7 +21,8 @@ def _sha(path: Path) -> str:
 
 
 def _check_artifact_files(manifest: dict, manifest_dir: Path) -> None:
-    """Every recorded file's size and sha256 are the file's; a directory artifact lists all its files."""
+    """Every recorded file's size and sha256 are the file's; a directory artifact lists all its files but
+    hidden ones (the output record glmtune writes into each output directory among them)."""
     for artifact in manifest["artifacts"]:
         root = Path(artifact["root"]) if Path(artifact["root"]).is_absolute() else manifest_dir / artifact["root"]
         base = root.parent if artifact["kind"] == "file" else root
@@ -29,7 +30,8 @@ def _check_artifact_files(manifest: dict, manifest_dir: Path) -> None:
             assert entry["size"] == (base / entry["path"]).stat().st_size, entry
             assert entry["sha256"] == _sha(base / entry["path"]), entry
         if artifact["kind"] == "dir":
-            on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+            found = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+            on_disk = sorted(rel for rel in found if not any(part.startswith(".") for part in rel.split("/")))
             assert [f["path"] for f in artifact["files"]] == on_disk
         assert artifact["size"] == sum(f["size"] for f in artifact["files"])
 
