@@ -18,6 +18,10 @@ from glmtune.io.text_limits import parse_json, printable
 
 # safetensors refuses headers above 100 MB; a larger length means a corrupt file.
 MAX_HEADER_BYTES = 100_000_000
+# An entry holds three containers (itself, its shape, its data_offsets) in 50 bytes at the least
+# and ~120 in a GLM-5 shard ("model.layers.77.mlp.experts.255.down_proj.weight"); one per 16
+# bytes bounds what the parse builds (a 95 MB `__metadata__` of `[{},{},...]` took 2.8 GB).
+_BYTES_PER_CONTAINER = 16
 
 
 def read_header(file: Path) -> tuple[dict[str, Any], int]:
@@ -43,7 +47,7 @@ def read_header(file: Path) -> tuple[dict[str, Any], int]:
     if not raw.lstrip().startswith(b"{"):
         raise ValueError("corrupt safetensors header (not a JSON object): not a safetensors file, or a damaged one")
     try:
-        header = parse_json(raw, "safetensors header")
+        header = parse_json(raw, "safetensors header", bytes_per_container=_BYTES_PER_CONTAINER)
     except ValueError as exc:
         raise ValueError(f"corrupt safetensors header ({exc})") from None
     if not isinstance(header, dict):

@@ -1,9 +1,12 @@
 """The server's answers read as the API defines them, and nothing else believed.
 
-Each response body (already capped in bytes by `endpoint_http`) is parsed with its depth bounded
-and checked against a JSON Schema of the fields glmtune reads (jsonschema); anything missing, of
-the wrong type or out of range is `MalformedResponse`, which fails that request only (counted as
-"malformed", the server and the request named by `endpoint_client.call`). On top of the schema:
+Each response body (already capped in bytes by `endpoint_http`) is parsed with its depth and
+what it builds bounded (at most one array or object per `BYTES_PER_CONTAINER` bytes, beyond
+`text_limits.MIN_CONTAINERS`: a parsed response then takes at most about `PARSED_BYTES_FACTOR`
+x its bytes, where `[{},{},...]` took 50 x), and checked against a JSON Schema of
+the fields glmtune reads (jsonschema); anything missing, of the wrong type or out of range is
+`MalformedResponse`, which fails that request only (counted as "malformed", the server and the
+request named by `endpoint_client.call`). On top of the schema:
 
   * usage counts: non-negative integers, `completion_tokens` at most `max_new_tokens`. The
     scorecard's generated tokens do not come from them (`Endpoint` counts the answer's tokens
@@ -30,6 +33,14 @@ import jsonschema
 from glmtune.eval.endpoint_http import MalformedResponse
 from glmtune.io.text_limits import clipped, parse_json
 
+# A prompt's log-probabilities, the largest answer an engine gives, hold one object (top_logprobs)
+# per 30-70 bytes (a compact engine's `{"tok":-1.23}` to vLLM's full floats); 16 keeps a margin.
+BYTES_PER_CONTAINER = 16
+# The most memory a response takes while parsed, in multiples of its bytes (the body, its text and
+# what json builds), with a margin: the worst shapes the budget lets through are an array of
+# 2-character strings (14 x its bytes traced by tracemalloc; 18 x in RSS with 4 of 16 MiB in
+# flight) and an object of unique 4-character keys (16 x; 16.5 x in RSS); `[{},{},...]` was 50 x.
+PARSED_BYTES_FACTOR = 20
 _COUNT = {"type": ["integer", "null"], "minimum": 0}
 _MAX_ID = 1024  # a served model's id: a name or a path (it goes into every request and the fingerprint)
 _REASON = {"type": ["string", "null"]}
@@ -71,7 +82,7 @@ def read(body: bytes, kind: str, what: str, max_new_tokens: int | None = None) -
     """The JSON object `body`, checked against `kind`'s schema; MalformedResponse naming `what` and
     the first field at fault otherwise."""
     try:
-        value = parse_json(body, what)
+        value = parse_json(body, what, bytes_per_container=BYTES_PER_CONTAINER)
     except ValueError as exc:
         raise MalformedResponse(clipped(exc, 300)) from None
     # The best of the first few errors: a body of a million wrong items would otherwise make a million errors.

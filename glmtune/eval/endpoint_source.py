@@ -19,13 +19,27 @@ from pathlib import Path
 from glmtune.eval.endpoint_client import FaultLog, RequestFailed, RetryPolicy, call
 from glmtune.eval.endpoint_http import (DEFAULT_MAX_RESPONSE_BYTES, MAX_MAX_RESPONSE_BYTES, MIN_MAX_RESPONSE_BYTES,
                                         guarded_client)
-from glmtune.eval.endpoint_responses import listing, read, served_models
+from glmtune.eval.endpoint_responses import PARSED_BYTES_FACTOR, listing, read, served_models
 from glmtune.io.text_limits import clipped
 
 APIS = ("completions", "chat")
 NOT_AVAILABLE = "not available from this engine"
 _URL = re.compile(r"^https?://[^/\s]+/v1/?$")
 _API_KEY_ENV = "GLMTUNE_ENDPOINT_API_KEY"  # sent as the bearer token; most local servers ignore it
+_CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")  # a container's memory (cgroup v2), when lower
+
+
+def machine_memory() -> int | None:
+    """This machine's memory in bytes (its cgroup's limit when lower); None when it cannot tell."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        limit = _CGROUP_LIMIT.read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 def is_endpoint(arg: str | os.PathLike[str]) -> bool:
@@ -73,6 +87,19 @@ class EndpointOptions:
             if given:
                 raise ValueError(f"{given[0]} applies to an endpoint model (--base or --candidate "
                                  "http(s)://HOST:PORT/v1); neither is one")
+        else:
+            self._check_memory()
+
+    def _check_memory(self) -> None:
+        """ValueError when the responses in flight could, parsed, take more than the machine's memory
+        (each up to PARSED_BYTES_FACTOR x its bytes, endpoint_responses)."""
+        memory, cap = machine_memory(), self.response_bytes()
+        concurrency = self.concurrency if self.concurrency is not None else 8
+        need = PARSED_BYTES_FACTOR * cap * concurrency
+        if memory is not None and need > memory:
+            raise ValueError(f"--max-response-bytes {cap:,} x --concurrency {concurrency}: the responses in flight "
+                             f"could take {need / 2**30:,.1f} GiB while parsed (up to {PARSED_BYTES_FACTOR} x "
+                             f"their bytes each), more than this machine's {memory / 2**30:,.1f} GiB; lower either")
 
     def policy(self) -> RetryPolicy:
         return RetryPolicy(self.timeout_s if self.timeout_s is not None else 120.0,

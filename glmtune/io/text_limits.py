@@ -12,7 +12,9 @@ that would otherwise act on it:
     directory meant for it, so it is refused in one line naming the field.
   * `parse_json(text, what, ...)`: a parser. A model's output or a data row nested
     thousands deep would raise RecursionError deep inside `json`; size and depth are
-    bounded and a violation is a ValueError naming `what`.
+    bounded, and so (when the caller gives a budget) is what the parse builds: `[{},{},...]`
+    turns 3 bytes into a 64-byte dict, so 16 MiB of it would take ~0.4 GB. A violation is a
+    ValueError naming `what`.
   * `clipped(value, limit)`: a message. What a server or a file said, quoted in an error
     (a listing of 200,001 model ids), is cut to `limit` characters on one line.
 """
@@ -74,17 +76,25 @@ def safe_name(value: Any, what: str) -> str:
     return value
 
 
+def _children(value: Any) -> Any:
+    return value.values() if isinstance(value, dict) else value
+
+
 def json_depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
-    deepest, stack = 0, [(value, 0)]
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion, and nothing
+    allocated per element: one iterator per open container (16 MiB of `[0,0,...]` stacked ~0.4 GB
+    of (value, depth) tuples)."""
+    if not isinstance(value, (dict, list)):
+        return 0
+    deepest, stack = 1, [iter(_children(value))]
     while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = item.values()
-        elif not isinstance(item, list):
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((child, depth + 1) for child in item)
+        for child in stack[-1]:
+            if isinstance(child, (dict, list)):
+                deepest = max(deepest, len(stack) + 1)
+                stack.append(iter(_children(child)))
+                break
+        else:
+            stack.pop()
     return deepest
 
 
@@ -97,20 +107,59 @@ class JsonSyntaxError(ValueError):
         self.error = error
 
 
-def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None,
-               max_depth: int = MAX_JSON_DEPTH) -> Any:
+# The containers any text may hold, whatever its size, under a caller's budget
+# (`parse_json(bytes_per_container=...)`): 65,536 of them take ~4 MiB.
+MIN_CONTAINERS = 65_536
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes and all
+
+
+def _containers_over(text: str, allowed: int) -> int | None:
+    """How many arrays and objects a parse of `text` can build, when more than `allowed`: its `[`
+    and `{` outside strings. Counted whole first (cheap); only when that count is over are the
+    strings' own taken off, string by string (no copy of the text). An upper bound for text that
+    is not JSON too: what json builds before its error is a valid prefix, whose strings are
+    found exactly."""
+    found = text.count("[") + text.count("{")
+    if found <= allowed:
+        return None
+    for string in _STRING.finditer(text):
+        start, end = string.span()
+        found -= text.count("[", start, end) + text.count("{", start, end)
+    return found if found > allowed else None
+
+
+def _decoded(text: str | bytes) -> str:
+    """`text` as a str, bytes decoded as json.loads decodes them (the encoding it detects)."""
+    return text if isinstance(text, str) else text.decode(json.detect_encoding(text), "surrogatepass")
+
+
+def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH,
+               bytes_per_container: int | None = None) -> Any:
     """`json.loads(text)` with its size and nesting bounded; ValueError naming `what` otherwise:
     `JsonSyntaxError` for text that is not JSON, a plain ValueError for JSON over the bounds
-    (and bytes that are not UTF-8)."""
+    (and bytes that are not UTF-8).
+
+    `bytes_per_container`: refuse, before parsing, text with more than
+    max(MIN_CONTAINERS, len(text) // bytes_per_container) arrays and objects (what a parse builds
+    beyond its text: a container costs 56-64 bytes, a scalar at most ~16 x its bytes)."""
     if max_bytes is not None and len(text) > max_bytes:
         raise ValueError(f"{what}: {len(text):,} bytes of JSON, more than the {max_bytes:,} allowed")
     try:
-        value = json.loads(text)
+        decoded = _decoded(text)
+    except ValueError as exc:  # UnicodeDecodeError
+        raise ValueError(f"{what}: not valid JSON ({exc})") from None
+    if bytes_per_container is not None:
+        allowed = max(MIN_CONTAINERS, len(text) // bytes_per_container)
+        if (found := _containers_over(decoded, allowed)) is not None:
+            raise ValueError(f"{what}: {found:,} JSON arrays and objects in {len(text):,} bytes, more than the "
+                             f"{allowed:,} allowed (one per {bytes_per_container} bytes)")
+    try:
+        value = json.loads(decoded)
     except RecursionError:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
         raise JsonSyntaxError(f"{what}: not valid JSON ({exc})", exc) from None
-    except ValueError as exc:  # UnicodeDecodeError
+    except ValueError as exc:  # an integer of more than 4300 digits
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
     if json_depth(value) > max_depth:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels")

@@ -107,7 +107,9 @@ def _completion_with(**choice) -> bytes:
 MALFORMED = {  # marker: (the answer, what the failure says)
     "not-json": (raw(200, b"garbage"), "not valid JSON"),
     "not-utf8": (raw(200, b'{"choices": [{"text": "\xff"}]}'), "not valid JSON"),
-    "deep": (raw(200, b"[" * 100_000), "nested deeper than 64 levels"),
+    "deep": (raw(200, b"[" * 10_000), "nested deeper than 64 levels"),
+    "bomb": (raw(200, b'{"choices": [{"text": "x"}], "junk": [' + b"{}," * 70_000 + b"{}]}"),
+             "70,005 JSON arrays and objects in 210,042 bytes, more than the 65,536 allowed"),
     "no-choices": (raw(200, b'{"choices": []}'), "$.choices: [] should be non-empty"),
     "text-number": (raw(200, _completion_with(text=5)), "$.choices[0].text: 5 is not of type 'string'"),
     "reason-object": (raw(200, _completion_with(finish_reason={"a": 1})), "$.choices[0].finish_reason: "),

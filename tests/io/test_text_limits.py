@@ -1,4 +1,8 @@
-"""Untrusted text: terminal escapes shown, names that are paths refused, JSON bounded."""
+"""Untrusted text: terminal escapes shown, names that are paths refused, JSON bounded: its depth
+and what a parse builds."""
+
+import json
+import tracemalloc
 
 import pytest
 
@@ -52,3 +56,37 @@ def test_parse_json_bounds_size_and_names_bad_json():
 
 def test_json_depth():
     assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [[1]]}) == 3
+
+
+def _peak(run) -> int:
+    """The bytes `run()` allocated at its peak (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_json_depth_allocates_nothing_per_element():
+    flat, deep = [0] * 200_000, [[[{"a": [1, 2.5, "x"]}]]] * 1000
+    assert _peak(lambda: json_depth(flat)) < 4096  # the old walk stacked 200,000 (value, depth) tuples: ~16 MB
+    assert json_depth(flat) == 1 and json_depth(deep) == 5 and json_depth([[], {}]) == 2
+
+
+def test_a_container_budget_refuses_a_bomb_before_building_it():
+    bomb = b'{"choices": [{"text": "x"}], "junk": [' + b"{}," * 200_000 + b"{}]}"  # 600 kB, 200,005 containers
+    with pytest.raises(ValueError, match=r"^answer: 200,005 JSON arrays and objects in 600,042 bytes, more than the "
+                                         r"65,536 allowed \(one per 16 bytes\)$"):
+        parse_json(bomb, "answer", bytes_per_container=16)
+    refused = _peak(lambda: pytest.raises(ValueError, parse_json, bomb, "answer", bytes_per_container=16))
+    assert refused < 2 * len(bomb), refused  # the text, decoded; parsed it takes ~25 x its bytes
+    assert len(parse_json(bomb, "answer")["junk"]) == 200_001  # no budget asked: parsed as before
+
+
+def test_the_budget_counts_brackets_outside_strings_only():
+    text = json.dumps({"text": "{[" * 100_000, "quote": 'a \\"[{" b', "n": [[1], {"a": [2]}]})  # 200,000 in a string
+    assert parse_json(text, "x", bytes_per_container=16)["n"] == [[1], {"a": [2]}]
+    many = "[" + ",".join(['"{\\"[{"'] * 70_000 + ["[]"] * 70_000) + "]"  # 70,001 containers: over 65,536
+    with pytest.raises(ValueError, match="70,001 JSON arrays and objects"):
+        parse_json(many, "x", bytes_per_container=16)

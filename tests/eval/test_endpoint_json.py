@@ -1,0 +1,69 @@
+"""What a server's JSON may cost (issue 44, re-test): a body of `[{},{},...]` costs the client
+about its bytes (not 50 x), while a prompt's log-probabilities of 160k tokens still parse; a cap x
+concurrency the machine cannot hold is refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+
+from glmtune.data.chat_template import bundled_template
+from glmtune.data.tokenizer import load_tokenizer
+from glmtune.eval.answering import Prompting
+from glmtune.eval.backends import Failed
+from glmtune.eval.endpoint import Endpoint, EndpointOptions, resolve_endpoint
+from glmtune.eval.endpoint_http import DEFAULT_MAX_RESPONSE_BYTES
+from glmtune.eval.endpoint_responses import prompt_logprobs, read
+from glmtune.eval.suite import DecodingConfig
+from tests.eval.hostile_stub import Server, raw
+
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def prompting() -> Prompting:
+    return Prompting(load_tokenizer(), bundled_template(), False, DecodingConfig(max_new_tokens=MAX_NEW_TOKENS))
+
+
+def test_a_json_bomb_costs_the_client_about_its_bytes(prompting):
+    bomb = b'{"choices": [{"text": "x"}], "junk": [' + b"{}," * 350_000 + b"{}]}"  # 1 MiB, 350,005 containers
+    options = EndpointOptions(concurrency=1)
+    with Server({"bomb": raw(200, bomb)}) as server:
+        endpoint = Endpoint(resolve_endpoint(server.url, "candidate", options), options)
+        try:
+            endpoint.answer([([{"role": "user", "content": "warm-up"}], None)], prompting, 0)  # imports, connection
+            tracemalloc.start()
+            try:
+                [result], _ = endpoint.answer([([{"role": "user", "content": "bomb"}], None)], prompting, 0)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        finally:
+            endpoint.close()
+    assert isinstance(result, Failed), result  # parsed, it answered "x"
+    assert "350,005 JSON arrays and objects in 1,050,042 bytes, more than the 65,627 allowed" in str(result.error)
+    assert peak < 4 * len(bomb), f"{peak:,} bytes at the peak for a {len(bomb):,}-byte answer"  # parsed: ~45 MiB
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["vllm", "compact"])
+def test_a_prompt_of_160k_tokens_still_parses(compact):
+    """vLLM's echo: offsets, full-precision log-probabilities, tokens and one top_logprobs object a
+    token (~70 bytes a token); a compact engine's with rounded values (~33 bytes an object)."""
+    n, value = 160_000, -1.23 if compact else -1.2345678806304932
+    logprobs = {"text_offset": list(range(n)), "token_logprobs": [None] + [value] * (n - 1),
+                "tokens": ["\u0120the"] * n, "top_logprobs": [None] + [{"\u0120the": value} for _ in range(n - 1)]}
+    body = json.dumps({"choices": [{"index": 0, "text": "x", "logprobs": logprobs}]},
+                      separators=(",", ":") if compact else None).encode()
+    assert len(body) < DEFAULT_MAX_RESPONSE_BYTES
+    values = prompt_logprobs(read(body, "echo", "POST /v1/completions (echo)"), n, "POST")
+    assert len(values) == n - 1 and values[0] == value
+
+
+def test_a_cap_times_concurrency_over_the_machine_is_refused_first():
+    with pytest.raises(ValueError, match=r"^--max-response-bytes 1,073,741,824 x --concurrency 1024: the responses in "
+                                         r"flight could take 20,480\.0 GiB while parsed \(up to 20 x their bytes each\)"
+                                         r", more than this machine's [0-9,.]+ GiB; lower either$"):
+        EndpointOptions(max_response_bytes=1 << 30, concurrency=1024).check("http://h:1/v1", "runs/x")
+    EndpointOptions(concurrency=8).check("http://h:1/v1", "runs/x")  # the defaults: 2.5 GiB
