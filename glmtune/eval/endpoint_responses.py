@@ -3,7 +3,8 @@
 Each response body (already capped in bytes by `endpoint_http`) is parsed with its depth and
 what it builds bounded (at most one array or object per `BYTES_PER_CONTAINER` bytes, beyond
 `text_limits.MIN_CONTAINERS`: a parsed response then takes at most about `PARSED_BYTES_FACTOR`
-x its bytes, where `[{},{},...]` took 50 x), and checked against a JSON Schema of
+x its bytes, where `[{},{},...]` took 50 x), with no lone surrogate (which no UTF-8 encoder
+downstream could write), and checked against a JSON Schema of
 the fields glmtune reads (jsonschema); anything missing, of the wrong type or out of range is
 `MalformedResponse`, which fails that request only (counted as "malformed", the server and the
 request named by `endpoint_client.call`). On top of the schema:

@@ -13,8 +13,10 @@ that would otherwise act on it:
   * `parse_json(text, what, ...)`: a parser. A model's output or a data row nested
     thousands deep would raise RecursionError deep inside `json`; size and depth are
     bounded, and so (when the caller gives a budget) is what the parse builds: `[{},{},...]`
-    turns 3 bytes into a 64-byte dict, so 16 MiB of it would take ~0.4 GB. A violation is a
-    ValueError naming `what`.
+    turns 3 bytes into a 64-byte dict, so 16 MiB of it would take ~0.4 GB. A string holding
+    a lone surrogate (`"\\ud800"`: valid JSON grammar, but text UTF-8 cannot encode, so a
+    tokenizer or a file write would fail on it later) is refused. A violation is a ValueError
+    naming `what`.
   * `clipped(value, limit)`: a message. What a server or a file said, quoted in an error
     (a listing of 200,001 model ids), is cut to `limit` characters on one line.
 """
@@ -29,8 +31,11 @@ from typing import Any
 # C0 and C1 controls, DEL, the Unicode line/paragraph separators, and the bidi overrides,
 # isolates and marks that reorder what a terminal shows.
 _BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
-_UNSAFE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029{_BIDI}]")
-_UNSAFE_NO_LINES = re.compile(f"[\x00-\x1f\x7f-\x9f\u2028\u2029{_BIDI}]")
+# Lone surrogates (U+D800-U+DFFF) too: a str can hold one (a JSON escape, a surrogateescape'd
+# name) and any UTF-8 encoder (a terminal, a file) fails on it.
+_SURROGATES = "\ud800-\udfff"
+_UNSAFE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029{_BIDI}{_SURROGATES}]")
+_UNSAFE_NO_LINES = re.compile(f"[\x00-\x1f\x7f-\x9f\u2028\u2029{_BIDI}{_SURROGATES}]")
 
 MAX_JSON_DEPTH = 64
 
@@ -98,6 +103,25 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) of a parsed JSON value holding a surrogate code point;
+    json turns an escaped pair into one character, so any left is a lone one."""
+    stack = [iter([value])]
+    while stack:
+        for child in stack[-1]:
+            if isinstance(child, dict):
+                stack.append(iter(child.items()))
+                break
+            if isinstance(child, (list, tuple)):  # a list, or a dict's (key, value)
+                stack.append(iter(child))
+                break
+            if isinstance(child, str) and (found := _SURROGATE.search(child)):
+                return found.group(0)
+        else:
+            stack.pop()
+    return None
+
+
 class JsonSyntaxError(ValueError):
     """Text that is not JSON; `error` is json's own JSONDecodeError (its `msg`, `lineno`, `colno`),
     for callers that say where in their own words or take such text as plain text."""
@@ -111,6 +135,8 @@ class JsonSyntaxError(ValueError):
 # (`parse_json(bytes_per_container=...)`): 65,536 of them take ~4 MiB.
 MIN_CONTAINERS = 65_536
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes and all
+_SURROGATE = re.compile(f"[{_SURROGATES}]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _containers_over(text: str, allowed: int) -> int | None:
@@ -129,15 +155,16 @@ def _containers_over(text: str, allowed: int) -> int | None:
 
 
 def _decoded(text: str | bytes) -> str:
-    """`text` as a str, bytes decoded as json.loads decodes them (the encoding it detects)."""
-    return text if isinstance(text, str) else text.decode(json.detect_encoding(text), "surrogatepass")
+    """`text` as a str: bytes in the encoding json detects (UTF-8, -16 or -32; a BOM allowed),
+    strictly, so bytes cannot smuggle in a lone surrogate as json's own `surrogatepass` would."""
+    return text if isinstance(text, str) else text.decode(json.detect_encoding(text))
 
 
 def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH,
                bytes_per_container: int | None = None) -> Any:
     """`json.loads(text)` with its size and nesting bounded; ValueError naming `what` otherwise:
-    `JsonSyntaxError` for text that is not JSON, a plain ValueError for JSON over the bounds
-    (and bytes that are not UTF-8).
+    `JsonSyntaxError` for text that is not JSON, a plain ValueError for JSON over the bounds,
+    bytes that are not UTF-8 (or -16/-32) and a string holding a lone surrogate.
 
     `bytes_per_container`: refuse, before parsing, text with more than
     max(MIN_CONTAINERS, len(text) // bytes_per_container) arrays and objects (what a parse builds
@@ -163,6 +190,10 @@ def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None, ma
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
     if json_depth(value) > max_depth:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels")
+    # Cheap tests first: an escape of one, or one in a str given (bytes were decoded strictly); then the strings.
+    if (_SURROGATE_ESCAPE.search(decoded) or isinstance(text, str) and not text.isascii()
+            and _SURROGATE.search(text)) and (char := _lone_surrogate(value)):
+        raise ValueError(f"{what}: not valid Unicode: lone surrogate \\u{ord(char):04x} escaped in a JSON string")
     return value
 
 

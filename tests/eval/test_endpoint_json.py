@@ -1,23 +1,27 @@
-"""What a server's JSON may cost (issue 44, re-test): a body of `[{},{},...]` costs the client
-about its bytes (not 50 x), while a prompt's log-probabilities of 160k tokens still parse; a cap x
-concurrency the machine cannot hold is refused before anything runs."""
+"""What a server's JSON may cost and hold (issue 44, re-test): a body of `[{},{},...]` costs the
+client about its bytes (not 50 x), while a prompt's log-probabilities of 160k tokens still parse;
+a cap x concurrency the machine cannot hold is refused before anything runs; a lone surrogate in
+a model id, in GET /version or in an answer is a malformed answer, never an encode error at the
+end."""
 
 from __future__ import annotations
 
 import json
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
 from glmtune.data.chat_template import bundled_template
-from glmtune.data.tokenizer import load_tokenizer
+from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.eval.answering import Prompting
 from glmtune.eval.backends import Failed
 from glmtune.eval.endpoint import Endpoint, EndpointOptions, resolve_endpoint
 from glmtune.eval.endpoint_http import DEFAULT_MAX_RESPONSE_BYTES
 from glmtune.eval.endpoint_responses import prompt_logprobs, read
+from glmtune.eval.evaluate import run_eval
 from glmtune.eval.suite import DecodingConfig
-from tests.eval.hostile_stub import Server, raw
+from tests.eval.hostile_stub import ANSWER, Server, raw, reply
 
 MAX_NEW_TOKENS = 8
 
@@ -67,3 +71,56 @@ def test_a_cap_times_concurrency_over_the_machine_is_refused_first():
                                          r", more than this machine's [0-9,.]+ GiB; lower either$"):
         EndpointOptions(max_response_bytes=1 << 30, concurrency=1024).check("http://h:1/v1", "runs/x")
     EndpointOptions(concurrency=8).check("http://h:1/v1", "runs/x")  # the defaults: 2.5 GiB
+
+
+def _suite(tmp_path: Path, rows: list[str]) -> Path:
+    lines = [{"id": name, "category": "ordinary", "must_refuse": False,
+              "messages": [{"role": "user", "content": f"Ticket {name}: order ORD-1"},
+                           {"role": "assistant", "content": ANSWER}]} for name in rows]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "suite.yaml").write_text(
+        f"name: hostile\nversion: 1\ndecoding: {{max_new_tokens: {MAX_NEW_TOKENS}, max_tool_rounds: 1}}\n"
+        "sets:\n  - {name: t, path: rows.jsonl, scorers: [refusal]}\n")
+    return tmp_path / "suite.yaml"
+
+
+def _strict(text: str):
+    """json.loads as an RFC 8259 reader (jq, JSON.parse): no NaN or Infinity."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_lone_surrogate_in_a_model_id_is_a_malformed_listing():
+    models = [{"id": "m\ud800<script>|x\x1b[32mGREEN", "owned_by": "o\ud801"}]
+    with Server({}, models=lambda handler, _: reply(handler, 200, {"object": "list", "data": models})) as server, \
+            pytest.raises(ValueError) as refused:
+        resolve_endpoint(server.url, "candidate", EndpointOptions())
+    message = str(refused.value)
+    assert message.startswith(f"--candidate {server.url}: GET /v1/models failed (malformed after 1 attempt: ")
+    assert "not valid Unicode: lone surrogate \\ud800 escaped in a JSON string" in message
+    message.encode("utf-8")  # printable at once: no encode error when it is printed
+
+
+def test_a_lone_surrogate_in_the_engine_version_is_no_version(tmp_path):
+    def version(handler, _):
+        reply(handler, 200, {"version": "v\ud800\x1b[31mRED"})
+
+    with Server({}, version=version) as server:
+        card, out = run_eval(_suite(tmp_path, ["a", "b"]), server.url, server.url, tmp_path / "eval",
+                             endpoint=EndpointOptions(tokenizer=resolve_tokenizer_dir(None)), log=lambda _: None)
+    assert server.seen["GET /version"] == 2
+    assert [m["fingerprint"]["engine_version"] for m in card["models"]] == [None, None]
+    assert _strict((out / "scorecard.json").read_text(encoding="utf-8"))["passed"]
+
+
+def test_a_lone_surrogate_in_one_answer_fails_that_request_as_malformed(tmp_path):
+    surrogate = raw(200, b'{"choices": [{"text": "ans\\ud800wer \\u001b[31m<img src=x>", "finish_reason": "stop"}]}')
+    with Server({"odd": surrogate}) as server:
+        card, out = run_eval(_suite(tmp_path, ["odd", "fine"]), server.url, server.url, tmp_path / "eval",
+                             endpoint=EndpointOptions(tokenizer=resolve_tokenizer_dir(None)), log=lambda _: None)
+    examples = {e["id"]: e["outputs"]["candidate"] for e in card["examples"]}
+    assert examples["odd"]["error"].startswith("generation failed: RequestFailed: malformed after 1 attempt: ")
+    assert "lone surrogate \\ud800" in examples["odd"]["error"] and examples["fine"]["text"] == ANSWER
+    assert card["operations"]["candidate"]["endpoint"]["failures"] == {"malformed": 1}
+    _strict((out / "scorecard.json").read_text(encoding="utf-8"))

@@ -1,12 +1,12 @@
-"""Untrusted text: terminal escapes shown, names that are paths refused, JSON bounded: its depth
-and what a parse builds."""
+"""Untrusted text: terminal escapes (and lone surrogates) shown, names that are paths refused, JSON
+bounded: its depth, what a parse builds, lone surrogates."""
 
 import json
 import tracemalloc
 
 import pytest
 
-from glmtune.io.text_limits import json_depth, parse_json, printable, safe_name
+from glmtune.io.text_limits import clipped, json_depth, parse_json, printable, safe_name
 
 
 def test_printable_escapes_terminal_controls():
@@ -90,3 +90,23 @@ def test_the_budget_counts_brackets_outside_strings_only():
     many = "[" + ",".join(['"{\\"[{"'] * 70_000 + ["[]"] * 70_000) + "]"  # 70,001 containers: over 65,536
     with pytest.raises(ValueError, match="70,001 JSON arrays and objects"):
         parse_json(many, "x", bytes_per_container=16)
+
+
+@pytest.mark.parametrize("text", ['"a\\ud800b"', '{"k\\udc80": 1}', '["\\ud83d"]', '"\\uDBFF\\u0041"'])
+def test_a_lone_surrogate_is_refused(text):
+    with pytest.raises(ValueError, match=r"^x: not valid Unicode: lone surrogate \\ud[89abcdef][0-9a-f]{2} escaped"):
+        parse_json(text, "x")
+    with pytest.raises(ValueError, match="not valid Unicode: lone surrogate"):
+        parse_json(text.encode(), "x")
+
+
+def test_a_surrogate_pair_and_a_literal_backslash_u_are_text():
+    assert parse_json('"\\ud83d\\ude00 \\\\ud800"', "x") == "\U0001F600 \\ud800"
+    with pytest.raises(ValueError, match="not valid JSON"):  # UTF-8 of a surrogate: json's surrogatepass let it in
+        parse_json(b'["\xed\xa0\x80"]', "x")
+    assert parse_json('["é"]'.encode("utf-16"), "x") == ["é"]  # UTF-16 with a BOM, as json detects it
+
+
+def test_printable_shows_lone_surrogates():
+    assert printable("a\ud800b") == "a\\ud800b" and printable("\udcff", multiline=True) == "\\udcff"
+    assert clipped("id \ud801 x").encode("utf-8") == b"id \\ud801 x"
