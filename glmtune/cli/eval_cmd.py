@@ -14,13 +14,13 @@ generation, a tool, a scorer) does not end the run: it is a failed example in th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
+from glmtune.io import json_out
 from glmtune.io.escape import console_text
 from glmtune.io.text_limits import printable
 
@@ -227,7 +227,8 @@ def _report(ns: argparse.Namespace, card: dict, out: Path) -> int:
     progress = Console(stderr=True, highlight=False)
     failed = [g for g in card["gates"] if not g["passed"]]
     if ns.json:
-        json.dump(card, sys.stdout)  # ASCII: no C1 control or bidi override reaches a terminal as itself
+        # ASCII: no C1 control or bidi override reaches a terminal as itself; RFC 8259: NaN as "NaN"
+        sys.stdout.write(json_out.dumps(card))
         sys.stdout.write("\n")
         for gate in failed:  # stdout holds only the JSON: say on stderr why the exit status is 1
             progress.print(f"gate failed: {console_text(gate['name'])}: {console_text(gate['message'])}")

@@ -52,7 +52,7 @@ from glmtune.eval.endpoint_source import (NOT_AVAILABLE, EndpointOptions, Endpoi
 from glmtune.eval.operations import summarize
 from glmtune.eval.scorers.preference import PairLogps, pair_samples
 from glmtune.eval.scorers.reference_loss import reference_sample
-from glmtune.eval.tool_calls import ParsedCall
+from glmtune.eval.tool_calls import ARGUMENTS, ParsedCall
 from glmtune.io.text_limits import clipped, parse_json
 
 __all__ = ["Endpoint", "EndpointOptions", "EndpointSource", "is_endpoint", "resolve_endpoint"]  # evaluate's
@@ -86,8 +86,8 @@ def _engine_calls(tool_calls: list[dict[str, Any]] | None) -> list[ParsedCall]:
     for c in tool_calls or []:
         name = c["function"]["name"]
         try:
-            arguments = parse_json(c["function"].get("arguments") or "{}", "arguments")
-        except ValueError as exc:
+            arguments = parse_json(c["function"].get("arguments") or "{}", "arguments", **ARGUMENTS)
+        except ValueError as exc:  # as the completions parser refuses a value: not JSON, NaN, a key twice
             parsed.append(ParsedCall(name, None, f"arguments are not JSON ({clipped(exc, 200)})"))
             continue
         if isinstance(arguments, dict):

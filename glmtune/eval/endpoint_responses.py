@@ -3,8 +3,8 @@
 Each response body (already capped in bytes by `endpoint_http`) is parsed with its depth and
 what it builds bounded (at most one array or object per `BYTES_PER_CONTAINER` bytes, beyond
 `text_limits.MIN_CONTAINERS`: a parsed response then takes at most about `PARSED_BYTES_FACTOR`
-x its bytes, where `[{},{},...]` took 50 x), with no lone surrogate (which no UTF-8 encoder
-downstream could write), and checked against a JSON Schema of
+x its bytes, where `[{},{},...]` took 50 x), as RFC 8259 JSON (no NaN or infinity; no lone
+surrogate, which no UTF-8 encoder downstream could write), and checked against a JSON Schema of
 the fields glmtune reads (jsonschema); anything missing, of the wrong type or out of range is
 `MalformedResponse`, which fails that request only (counted as "malformed", the server and the
 request named by `endpoint_client.call`). On top of the schema:
@@ -83,7 +83,7 @@ def read(body: bytes, kind: str, what: str, max_new_tokens: int | None = None) -
     """The JSON object `body`, checked against `kind`'s schema; MalformedResponse naming `what` and
     the first field at fault otherwise."""
     try:
-        value = parse_json(body, what, bytes_per_container=BYTES_PER_CONTAINER)
+        value = parse_json(body, what, bytes_per_container=BYTES_PER_CONTAINER, allow_nan=False)
     except ValueError as exc:
         raise MalformedResponse(clipped(exc, 300)) from None
     # The best of the first few errors: a body of a million wrong items would otherwise make a million errors.

@@ -62,6 +62,7 @@ from glmtune.eval.serving import SERVING_METRICS, serving_count, serving_entry
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
+from glmtune.io import json_out
 from glmtune.io.outputs import check_output, output_dir
 from glmtune.io.revisions import glmtune_pin
 
@@ -440,7 +441,10 @@ def _write(out: Path, overwrite: bool, reads: list, suite: Suite, loaded: list[L
     html = render_html(card)
     markdown = render_markdown(card)
     with output_dir(out, overwrite=overwrite, sources=reads, what="--out", command="eval") as tmp:
-        (tmp / "scorecard.json").write_text(json.dumps(card, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        # RFC 8259 JSON: a NaN from a row or a tool is the string "NaN"; a lone surrogate (a tool's
+        # result) is written as its escape rather than failing the write after the whole evaluation.
+        (tmp / "scorecard.json").write_text(json_out.dumps(card, indent=1, ensure_ascii=False) + "\n",
+                                            encoding="utf-8", errors="backslashreplace")
         (tmp / "scorecard.md").write_text(markdown, encoding="utf-8")
         (tmp / "scorecard.html").write_text(html, encoding="utf-8")
         (tmp / "suite.yaml").write_bytes(suite.data)

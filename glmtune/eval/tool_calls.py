@@ -11,7 +11,10 @@ that parses as JSON is that JSON value, else the raw text. The visible content i
 before the first `<tool_call>`. A call that is not closed (generation stopped inside it), has
 no name, or has unpaired keys and values is returned with `error` set, not silently dropped;
 so is one whose value is JSON nested deeper than `io.text_limits.MAX_JSON_DEPTH` or longer than
-MAX_VALUE_BYTES (a model's output is untrusted: parsing it must not raise RecursionError).
+MAX_VALUE_BYTES (a model's output is untrusted: parsing it must not raise RecursionError), holds
+a number JSON cannot carry (NaN, Infinity, 1e999: it would reach the scorecard as a bare NaN),
+an object giving a key twice, or a lone surrogate. The chat API's calls (`endpoint._engine_calls`)
+are refused alike: `ARGUMENTS` are the parse options both use.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from glmtune.io.text_limits import JsonSyntaxError, parse_json
 
 MAX_VALUE_BYTES = 1 << 20  # one argument value; a generation of 32768 tokens is rarely a fifth of it
+ARGUMENTS = {"allow_nan": False, "unique_keys": True}  # parse_json's options for a call's arguments
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
@@ -50,7 +54,7 @@ def _value(text: str, as_string: bool, key: str) -> Any:
     if as_string:
         return text
     try:
-        return parse_json(text, f"argument {key!r}", max_bytes=MAX_VALUE_BYTES)
+        return parse_json(text, f"argument {key!r}", max_bytes=MAX_VALUE_BYTES, **ARGUMENTS)
     except JsonSyntaxError:  # text that is not JSON is the raw text; over the bounds, the call's error
         return text
 

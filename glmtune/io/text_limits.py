@@ -15,8 +15,8 @@ that would otherwise act on it:
     bounded, and so (when the caller gives a budget) is what the parse builds: `[{},{},...]`
     turns 3 bytes into a 64-byte dict, so 16 MiB of it would take ~0.4 GB. A string holding
     a lone surrogate (`"\\ud800"`: valid JSON grammar, but text UTF-8 cannot encode, so a
-    tokenizer or a file write would fail on it later) is refused. A violation is a ValueError
-    naming `what`.
+    tokenizer or a file write would fail on it later) is refused, and so, on request, are
+    NaN and infinite numbers and duplicate keys. A violation is a ValueError naming `what`.
   * `clipped(value, limit)`: a message. What a server or a file said, quoted in an error
     (a listing of 200,001 model ids), is cut to `limit` characters on one line.
 """
@@ -24,6 +24,7 @@ that would otherwise act on it:
 from __future__ import annotations
 
 import json
+import math
 import re
 import unicodedata
 from typing import Any
@@ -85,12 +86,12 @@ def _children(value: Any) -> Any:
     return value.values() if isinstance(value, dict) else value
 
 
-def json_depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion, and nothing
-    allocated per element: one iterator per open container (16 MiB of `[0,0,...]` stacked ~0.4 GB
-    of (value, depth) tuples)."""
+def _walk(value: Any, finite: bool) -> tuple[int, float | None]:
+    """(nesting depth of a parsed JSON value, a scalar being 0; with `finite`, its first float
+    that is NaN or infinite, else None). One iterator per open container and nothing per
+    element: 16 MiB of `[0,0,...]` costs the walk no memory."""
     if not isinstance(value, (dict, list)):
-        return 0
+        return 0, value if finite and isinstance(value, float) and not math.isfinite(value) else None
     deepest, stack = 1, [iter(_children(value))]
     while stack:
         for child in stack[-1]:
@@ -98,9 +99,17 @@ def json_depth(value: Any) -> int:
                 deepest = max(deepest, len(stack) + 1)
                 stack.append(iter(_children(child)))
                 break
+            if finite and isinstance(child, float) and not math.isfinite(child):
+                return deepest, child
         else:
             stack.pop()
-    return deepest
+    return deepest, None
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion (nor any memory
+    per element)."""
+    return _walk(value, finite=False)[0]
 
 
 def _lone_surrogate(value: Any) -> str | None:
@@ -131,6 +140,10 @@ class JsonSyntaxError(ValueError):
         self.error = error
 
 
+class _Refused(ValueError):
+    """Raised inside json.loads by a hook; parse_json names `what` in front of it."""
+
+
 # The containers any text may hold, whatever its size, under a caller's budget
 # (`parse_json(bytes_per_container=...)`): 65,536 of them take ~4 MiB.
 MIN_CONTAINERS = 65_536
@@ -154,6 +167,15 @@ def _containers_over(text: str, allowed: int) -> int | None:
     return found if found > allowed else None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _Refused(f"key {clipped(twice, 60)!r} given twice")
+    return value
+
+
 def _decoded(text: str | bytes) -> str:
     """`text` as a str: bytes in the encoding json detects (UTF-8, -16 or -32; a BOM allowed),
     strictly, so bytes cannot smuggle in a lone surrogate as json's own `surrogatepass` would."""
@@ -161,14 +183,16 @@ def _decoded(text: str | bytes) -> str:
 
 
 def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH,
-               bytes_per_container: int | None = None) -> Any:
+               bytes_per_container: int | None = None, allow_nan: bool = True, unique_keys: bool = False) -> Any:
     """`json.loads(text)` with its size and nesting bounded; ValueError naming `what` otherwise:
     `JsonSyntaxError` for text that is not JSON, a plain ValueError for JSON over the bounds,
     bytes that are not UTF-8 (or -16/-32) and a string holding a lone surrogate.
 
     `bytes_per_container`: refuse, before parsing, text with more than
     max(MIN_CONTAINERS, len(text) // bytes_per_container) arrays and objects (what a parse builds
-    beyond its text: a container costs 56-64 bytes, a scalar at most ~16 x its bytes)."""
+    beyond its text: a container costs 56-64 bytes, a scalar at most ~16 x its bytes).
+    `allow_nan` False: refuse NaN, Infinity and numbers out of float range (1e999); `unique_keys`:
+    refuse an object that gives a key twice (json keeps the last)."""
     if max_bytes is not None and len(text) > max_bytes:
         raise ValueError(f"{what}: {len(text):,} bytes of JSON, more than the {max_bytes:,} allowed")
     try:
@@ -181,15 +205,21 @@ def parse_json(text: str | bytes, what: str, *, max_bytes: int | None = None, ma
             raise ValueError(f"{what}: {found:,} JSON arrays and objects in {len(text):,} bytes, more than the "
                              f"{allowed:,} allowed (one per {bytes_per_container} bytes)")
     try:
-        value = json.loads(decoded)
+        value = json.loads(decoded, object_pairs_hook=_unique_keys if unique_keys else None)
     except RecursionError:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
         raise JsonSyntaxError(f"{what}: not valid JSON ({exc})", exc) from None
+    except _Refused as exc:
+        raise ValueError(f"{what}: {exc}") from None
     except ValueError as exc:  # an integer of more than 4300 digits
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
-    if json_depth(value) > max_depth:
+    depth, number = _walk(value, finite=not allow_nan)
+    if depth > max_depth:
         raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels")
+    if number is not None:
+        raise ValueError(f"{what}: a number that is not finite ({number!r}: NaN, Infinity or beyond a float, "
+                         "such as 1e999); JSON has none")
     # Cheap tests first: an escape of one, or one in a str given (bytes were decoded strictly); then the strings.
     if (_SURROGATE_ESCAPE.search(decoded) or isinstance(text, str) and not text.isascii()
             and _SURROGATE.search(text)) and (char := _lone_surrogate(value)):

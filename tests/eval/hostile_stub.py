@@ -1,14 +1,14 @@
 """A hostile OpenAI-compatible server for the endpoint tests (tests/eval/test_endpoint_hostile.py):
 http.server in a thread, answering each request as the first of its `behaviours` whose marker the
-prompt holds (a text prompt as it is, a token-id prompt decoded with the bundled tokenizer), else
-as an honest engine: "Sure, here is the answer." for a completion, log-probabilities of -1.0 for
-an echo request, one model ("stub-model") for GET /v1/models (or the `models` behaviour), a 404
-for GET /version (or the `version` behaviour).
+prompt holds (a text prompt as it is, a token-id prompt decoded with the bundled tokenizer, a chat
+request's messages as JSON), else as an honest engine: "Sure, here is the answer." for a
+completion or a chat, log-probabilities of -1.0 for an echo request, one model ("stub-model") for
+GET /v1/models (or the `models` behaviour), a 404 for GET /version (or the `version` behaviour).
 
 A behaviour is a function (handler, request body) that writes the whole response. The ones here:
 a huge body (stated or streamed), a drip (one byte every `DRIP_S`, of the body or of the headers),
-a redirect, a completion with given fields, echoed log-probabilities with one value replaced, any
-bytes with any headers.
+a redirect, a completion with given fields, a chat message, echoed log-probabilities with one
+value replaced, any bytes with any headers.
 `Server.seen` counts the requests per marker (and per path for GET), `Server.sent` the body bytes a
 huge answer got out before the client went away.
 """
@@ -47,6 +47,15 @@ def completion(text: str = ANSWER, **fields: Any) -> Behaviour:
     def write(handler, body):
         reply(handler, 200, {"id": "c", "object": "text_completion", "created": 0, "model": "stub-model",
                              "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], **fields})
+    return write
+
+
+def chat(message: dict[str, Any]) -> Behaviour:
+    """A chat completion answering `message` (its content, its tool_calls)."""
+    def write(handler, body):
+        reply(handler, 200, {"id": "c", "object": "chat.completion", "created": 0, "model": "stub-model",
+                             "choices": [{"index": 0, "message": {"role": "assistant", **message},
+                                          "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}]})
     return write
 
 
@@ -168,8 +177,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        marker, behaviour = self.server.behaviour(body["prompt"])
+        marker, behaviour = self.server.behaviour(body["prompt"] if "prompt" in body else json.dumps(body["messages"]))
         self.server.seen[marker] += 1
         if behaviour is not None:
             return behaviour(self, body)
+        if "messages" in body:
+            return chat({"content": ANSWER})(self, body)
         (completion() if isinstance(body["prompt"], str) else echo_logprobs())(self, body)

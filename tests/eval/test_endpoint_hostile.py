@@ -112,6 +112,8 @@ MALFORMED = {  # marker: (the answer, what the failure says)
              "70,005 JSON arrays and objects in 210,042 bytes, more than the 65,536 allowed"),
     "lone-surrogate": (raw(200, b'{"choices": [{"text": "ans\\ud800wer"}]}'),
                        "not valid Unicode: lone surrogate \\ud800 escaped in a JSON string"),
+    "nan-usage": (raw(200, _completion_with().replace(b'"stop"}]', b'"stop"}], "usage": {"prompt_tokens": NaN}')),
+                  "a number that is not finite (nan: NaN, Infinity or beyond a float"),
     "no-choices": (raw(200, b'{"choices": []}'), "$.choices: [] should be non-empty"),
     "text-number": (raw(200, _completion_with(text=5)), "$.choices[0].text: 5 is not of type 'string'"),
     "reason-object": (raw(200, _completion_with(finish_reason={"a": 1})), "$.choices[0].finish_reason: "),

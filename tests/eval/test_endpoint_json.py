@@ -2,7 +2,8 @@
 client about its bytes (not 50 x), while a prompt's log-probabilities of 160k tokens still parse;
 a cap x concurrency the machine cannot hold is refused before anything runs; a lone surrogate in
 a model id, in GET /version or in an answer is a malformed answer, never an encode error at the
-end."""
+end; NaN, Infinity and 1e999 in tool-call arguments and a key given twice are refused calls in both
+APIs, and the scorecard stays RFC 8259 JSON."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from glmtune.data.chat_template import bundled_template
+from glmtune.data.synthetic import LOOKUP_ORDER_TOOL
 from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.eval.answering import Prompting
 from glmtune.eval.backends import Failed
@@ -21,7 +23,7 @@ from glmtune.eval.endpoint_http import DEFAULT_MAX_RESPONSE_BYTES
 from glmtune.eval.endpoint_responses import prompt_logprobs, read
 from glmtune.eval.evaluate import run_eval
 from glmtune.eval.suite import DecodingConfig
-from tests.eval.hostile_stub import ANSWER, Server, raw, reply
+from tests.eval.hostile_stub import ANSWER, Server, chat, completion, raw, reply
 
 MAX_NEW_TOKENS = 8
 
@@ -73,13 +75,15 @@ def test_a_cap_times_concurrency_over_the_machine_is_refused_first():
     EndpointOptions(concurrency=8).check("http://h:1/v1", "runs/x")  # the defaults: 2.5 GiB
 
 
-def _suite(tmp_path: Path, rows: list[str]) -> Path:
+def _suite(tmp_path: Path, rows: list[str], tools: bool = False) -> Path:
     lines = [{"id": name, "category": "ordinary", "must_refuse": False,
               "messages": [{"role": "user", "content": f"Ticket {name}: order ORD-1"},
-                           {"role": "assistant", "content": ANSWER}]} for name in rows]
+                           {"role": "assistant", "content": ANSWER}],
+              **({"tools": [LOOKUP_ORDER_TOOL]} if tools else {})} for name in rows]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    registered = "tools: {functions: {lookup_order: 'glmtune.data.synthetic:lookup_order'}}\n" if tools else ""
     (tmp_path / "suite.yaml").write_text(
-        f"name: hostile\nversion: 1\ndecoding: {{max_new_tokens: {MAX_NEW_TOKENS}, max_tool_rounds: 1}}\n"
+        f"name: hostile\nversion: 1\ndecoding: {{max_new_tokens: {MAX_NEW_TOKENS}, max_tool_rounds: 1}}\n{registered}"
         "sets:\n  - {name: t, path: rows.jsonl, scorers: [refusal]}\n")
     return tmp_path / "suite.yaml"
 
@@ -124,3 +128,39 @@ def test_a_lone_surrogate_in_one_answer_fails_that_request_as_malformed(tmp_path
     assert "lone surrogate \\ud800" in examples["odd"]["error"] and examples["fine"]["text"] == ANSWER
     assert card["operations"]["candidate"]["endpoint"]["failures"] == {"malformed": 1}
     _strict((out / "scorecard.json").read_text(encoding="utf-8"))
+
+
+def _call(arguments: str) -> dict:
+    return {"id": "a", "type": "function", "function": {"name": "lookup_order", "arguments": arguments}}
+
+
+NAN_MARKUP = ("<tool_call>lookup_order<arg_key>order_id</arg_key><arg_value>ORD-1</arg_value><arg_key>x</arg_key>"
+              "<arg_value>{}</arg_value></tool_call>")
+CASES = {  # row marker (none inside another): (completions answer, chat message, what the refused call says)
+    "nan": (NAN_MARKUP.format("NaN"), {"content": None, "tool_calls": [_call('{"order_id": "ORD-1", "x": NaN}')]},
+            "a number that is not finite (nan"),
+    "inf": (NAN_MARKUP.format("1e999"), {"content": None, "tool_calls": [_call('{"order_id": "ORD-1", "x": 1e999}')]},
+            "a number that is not finite (inf"),
+    "negative": (NAN_MARKUP.format('{"y": [-Infinity]}'),
+                  {"content": None, "tool_calls": [_call('{"order_id": "ORD-1", "x": {"y": [-Infinity]}}')]},
+                  "a number that is not finite (-inf"),
+    "twice": (NAN_MARKUP.format('{"a": 1, "a": 2}'),
+              {"content": None, "tool_calls": [_call('{"order_id": "ORD-1", "order_id": {"a": 1}}')]}, "given twice"),
+}
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_non_finite_or_repeated_arguments_are_refused_calls_and_the_scorecard_stays_json(tmp_path, api):
+    behaviours = {marker: completion(text) if api == "completions" else chat(message)
+                  for marker, (text, message, _) in CASES.items()}
+    with Server(behaviours) as server:
+        card, out = run_eval(_suite(tmp_path, list(CASES), tools=True), server.url, server.url, tmp_path / "eval",
+                             endpoint=EndpointOptions(api=api, tokenizer=resolve_tokenizer_dir(None)),
+                             log=lambda _: None)
+    examples = {e["id"]: e["outputs"]["candidate"] for e in card["examples"]}
+    for marker, (_, _, says) in CASES.items():
+        assert examples[marker]["finish"] == "bad_tool_call", (marker, examples[marker])
+        [call] = examples[marker]["tool_calls"]
+        assert call["arguments"] is None and says in call["error"], (marker, call)
+    strict = _strict((out / "scorecard.json").read_text(encoding="utf-8"))
+    assert strict["examples"][0]["outputs"]["candidate"]["tool_calls"][0]["arguments"] is None

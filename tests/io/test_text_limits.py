@@ -1,5 +1,6 @@
 """Untrusted text: terminal escapes (and lone surrogates) shown, names that are paths refused, JSON
-bounded: its depth, what a parse builds, lone surrogates."""
+bounded: its depth, what a parse builds, lone surrogates, and on request non-finite numbers and
+duplicate keys."""
 
 import json
 import tracemalloc
@@ -105,6 +106,19 @@ def test_a_surrogate_pair_and_a_literal_backslash_u_are_text():
     with pytest.raises(ValueError, match="not valid JSON"):  # UTF-8 of a surrogate: json's surrogatepass let it in
         parse_json(b'["\xed\xa0\x80"]', "x")
     assert parse_json('["é"]'.encode("utf-16"), "x") == ["é"]  # UTF-16 with a BOM, as json detects it
+
+
+@pytest.mark.parametrize("text", ["NaN", "[1, Infinity]", '{"a": -Infinity}', "1e999", "[-1e400]"])
+def test_non_finite_numbers_are_refused_on_request(text):
+    with pytest.raises(ValueError, match=r"^x: a number that is not finite \((nan|inf|-inf): NaN, Infinity"):
+        parse_json(text, "x", allow_nan=False)
+    parse_json(text, "x")  # json's own reading (metrics.jsonl may hold a NaN loss glmtune wrote)
+
+
+def test_duplicate_keys_are_refused_on_request():
+    with pytest.raises(ValueError, match=r"^x: key 'b' given twice$"):
+        parse_json('{"a": {"b": 1, "b": 2}}', "x", unique_keys=True)
+    assert parse_json('{"a": 1, "a": 2}', "x") == {"a": 2}
 
 
 def test_printable_shows_lone_surrogates():
