@@ -5,8 +5,10 @@ prompt and decoding, one model in memory at a time; the scores, per category wit
 value, the delta and n, go to DIR/scorecard.{json,md,html} with the suite and the exact rows
 (docs/eval.md). Exit status: 0 every gate passed, 1 a gate failed (each failed gate is printed
 with its values), 2 a user error (one line: the suite, a row, a model or an option; ValueError
-and OSError, which `glmtune.cli.main` turns into it), 3 an internal error: any other exception,
-in one line, the traceback only with --debug (or GLMTUNE_DEBUG=1). CI can thus tell a candidate
+and OSError, which `glmtune.cli.main` turns into it), 3 the evaluation could not finish: an
+endpoint that failed every request of a set (`ServerFailed`: the server and its fault kinds) or
+an internal error (any other exception), in one line, the traceback only with --debug (or
+GLMTUNE_DEBUG=1). CI can thus tell a candidate
 that fails its gates from an evaluation that could not finish. One example that fails (its
 generation, a tool, a scorer) does not end the run: it is a failed example in the scorecard.
 """
@@ -30,7 +32,8 @@ _EPILOG = """exit status:
   0  every gate passed
   1  a gate failed (each failed gate is printed with its values)
   2  a user error: the suite, a row, a model, an option (one line)
-  3  an internal error: the evaluation could not finish (one line; --debug shows the traceback)
+  3  the evaluation could not finish: a server failed every request of a set (named, with
+     its fault kinds), or an internal error (one line; --debug shows the traceback)
 
 examples:
   glmtune eval recipes/tiny/eval_support_json.yaml --base runs/tiny-sft-support-json \\
@@ -146,11 +149,15 @@ def _run(ns: argparse.Namespace) -> int:
     except Exception as exc:
         # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
         from glmtune.cli import _debug
+        from glmtune.eval.endpoint_client import ServerFailed
 
         _record_status(EXIT_INTERNAL_ERROR)
         if _debug(ns):
             raise
         message = printable(" ".join(str(exc).split())[:1000])
+        if isinstance(exc, ServerFailed):  # the server's fault, named with its kinds: not glmtune's
+            print(f"glmtune eval: could not finish: {message}", file=sys.stderr)
+            return EXIT_INTERNAL_ERROR
         print(f"glmtune eval: internal error: {type(exc).__name__}: {message} (run with --debug for the traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL_ERROR

@@ -45,7 +45,7 @@ from glmtune.data.chat_template import IGNORE_INDEX, render_conversation
 from glmtune.data.packing import next_token_targets
 from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.eval.backends import Failed, NotAvailable, Turn
-from glmtune.eval.endpoint_client import FaultLog, MalformedResponse, RequestFailed, call
+from glmtune.eval.endpoint_client import FaultLog, MalformedResponse, RequestFailed, ServerFailed, call
 from glmtune.eval.endpoint_responses import answer_chars, check_answer_length, prompt_logprobs, read
 from glmtune.eval.endpoint_source import (NOT_AVAILABLE, EndpointOptions, EndpointSource, client_for, is_endpoint,
                                           resolve_endpoint)
@@ -289,6 +289,15 @@ class Endpoint:
             raise NotAvailable(f"general-text loss not computed: {len(failed)} of {len(windows)} windows failed "
                                f"(first: {failed[0]})")
         return total / count, count
+
+    def failed_every(self, what: str, exc: RequestFailed) -> ServerFailed:
+        """What to raise when every request of `what` (a set, the general text) failed: `exc`, one of
+        them, with the server's fault counts so far."""
+        counts = self.faults.summary()
+        kinds = ", ".join(f"{kind} x{n}" for kind, n in counts["failures"].items())
+        return ServerFailed(f"the server {clipped(self.source.source, 100)} ({self.source.label}) failed every request "
+                            f"of {what}: {counts['failed_requests']} requests failed so far ({kinds}; "
+                            f"{counts['http_requests']} attempts, {counts['retries']} retries); one: {exc}")
 
     def operations(self, latencies: list[float], generated_tokens: int, generate_s: float) -> dict[str, Any]:
         """The scorecard's operations entry: latency and tokens/s at the client, the faults, no memory."""

@@ -2,7 +2,8 @@
 
 `call` runs one request (a closure over the `openai` client, whose own retries are off) and
 retries it with exponential backoff when the fault is one a server recovers from: HTTP 408,
-429 (after its Retry-After, capped) and 5xx, a timeout, a refused or dropped connection.
+429 (after its Retry-After, capped; one past the request's deadline gives up at once) and 5xx,
+a timeout, a refused or dropped connection.
 Retries are bounded twice: at most `retries` more attempts, and none that would start after
 `timeout_s * (retries + 1)` seconds from the first; and every attempt ends by that deadline too
 (so one request cannot hold the run for longer than that, whatever the server does). Any other fault (a 4xx, a response that is
@@ -43,7 +44,7 @@ T = TypeVar("T")
 _BACKOFF_S = 0.5  # the first retry's wait; doubled each time
 _MAX_BACKOFF_S = 8.0
 _KEPT_FAILURES = 10  # failed requests' messages kept for the operations entry
-__all__ = ["FaultLog", "MalformedResponse", "RequestFailed", "RetryPolicy", "call", "fault_kind"]
+__all__ = ["FaultLog", "MalformedResponse", "RequestFailed", "RetryPolicy", "ServerFailed", "call", "fault_kind"]
 
 
 class RequestFailed(Exception):
@@ -56,6 +57,12 @@ class RequestFailed(Exception):
                          f"(server {clipped(server, 100)}, request {request_id})")
         self.kind = kind
         self.attempts = attempts
+
+
+class ServerFailed(Exception):
+    """Every request of a part of the evaluation (a set, the general text) failed at one server: the
+    server's trouble, neither an example's nor glmtune's; `glmtune eval` says so, naming the server
+    and the fault kinds, and exits 3 (the evaluation could not finish)."""
 
 
 def _cause_text(exc: BaseException) -> str:
@@ -76,11 +83,14 @@ class RetryPolicy:
 
 
 def fault_kind(exc: BaseException) -> str:
-    """The kind a fault is counted under: "http <status>", "timeout", "connection", "malformed", else
-    the exception's type name (a bug or an unexpected library error; not retried)."""
+    """The kind a fault is counted under: "http <status>", "timeout", "connection", "malformed", "too
+    large", "redirect" (off the origin, turning a POST into a GET, or a loop), else the exception's
+    type name (a bug or an unexpected library error; not retried)."""
     import openai  # torch-free; only an endpoint evaluation imports the client
 
-    fault = next((e for e in _chain(exc) if isinstance(e, ServerFault)), None)
+    fault = next((e for e in _chain(exc) if isinstance(e, (ServerFault, httpx.TooManyRedirects))), None)
+    if isinstance(fault, httpx.TooManyRedirects):  # a redirect loop on the origin: the server would loop again
+        return "redirect"
     if fault is not None:  # raised by the transport or the reader, maybe wrapped by the client
         return fault.kind
     if isinstance(exc, openai.APITimeoutError):  # a subclass of APIConnectionError: first
@@ -114,18 +124,20 @@ def _retryable(kind: str) -> bool:
     return False
 
 
-def _wait_s(attempt: int, exc: BaseException) -> float:
-    """Backoff before retry `attempt` (0-based): doubling, or the server's Retry-After when it gives one."""
-    wait = _BACKOFF_S * (2 ** attempt)
+def _wait_s(attempt: int, exc: BaseException) -> tuple[float, float]:
+    """(the wait before retry `attempt` (0-based), the wait the server asked for): the backoff,
+    doubling up to _MAX_BACKOFF_S, or the server's Retry-After in seconds (at most _MAX_BACKOFF_S
+    waited; what it asked may be more, up to infinity)."""
+    backoff = min(_BACKOFF_S * 2.0 ** min(attempt, 32), _MAX_BACKOFF_S)
     response = getattr(exc, "response", None)
     retry_after = response.headers.get("retry-after") if response is not None else None
-    if retry_after is not None:
-        try:
-            given = float(retry_after)
-        except ValueError:
-            given = math.nan  # an HTTP date: keep the backoff
-        wait = given if math.isfinite(given) else wait  # "nan" would reach time.sleep
-    return min(max(wait, 0.0), _MAX_BACKOFF_S)
+    try:
+        asked = max(float(retry_after), 0.0) if retry_after is not None else math.nan
+    except ValueError:
+        asked = math.nan  # an HTTP date: keep the backoff
+    if math.isnan(asked):  # "nan" would reach time.sleep
+        return backoff, backoff
+    return min(asked, _MAX_BACKOFF_S), asked
 
 
 class FaultLog:
@@ -183,9 +195,9 @@ def call(request: Callable[[], T], log: FaultLog, policy: RetryPolicy, server: s
                 return request()
         except Exception as exc:  # every fault is counted; which ones are retried is decided here
             kind = fault_kind(exc)
-            wait = _wait_s(number, exc)
+            wait, asked = _wait_s(number, exc)  # a Retry-After past the deadline: no retry can be in time
             give_up = (not _retryable(kind) or number == policy.retries
-                       or time.monotonic() - began + wait > policy.budget_s)
+                       or time.monotonic() - began + asked > policy.budget_s)
             failed = RequestFailed(kind, number + 1, exc, server, request_id) if give_up else None
             log.count(fault=kind, failed=kind if give_up else None, retry=not give_up,
                       message=str(failed) if failed else None)

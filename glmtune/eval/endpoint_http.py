@@ -14,7 +14,9 @@ trusts nothing the server does:
     later (the attempt fails as a timeout). Connections are not kept alive, so each attempt's
     socket is the one the watchdog holds;
   * a redirect off the endpoint's origin (scheme, host, port) is refused naming both URLs
-    (`RedirectRefused`); one on the origin is followed (the deadline still holds);
+    (`RedirectRefused`), and so is a 301, 302 or 303 answering a POST (the client would follow it
+    with a GET, whose answer is no completion); one on the origin is followed (the deadline still
+    holds; a loop ends at httpx's 20 redirects, counted as "redirect" by endpoint_client);
   * the address that answered (the socket's peer) is recorded (`peers`, the response's
     `glmtune_peer` extension): the fingerprint names the server that answered, not only its URL.
 
@@ -41,6 +43,7 @@ DEFAULT_MAX_RESPONSE_BYTES = 16 << 20  # a prompt's echoed log-probabilities (~1
 MIN_MAX_RESPONSE_BYTES = 1 << 10
 MAX_MAX_RESPONSE_BYTES = 1 << 30
 _REDIRECTS = (301, 302, 303, 307, 308)
+_METHOD_CHANGING = (301, 302, 303)  # httpx (as browsers) follows them with a GET, losing a POST's body
 _MAX_PEERS = 16  # addresses kept for the operations entry (a round-robin name may answer from several)
 
 
@@ -238,6 +241,10 @@ class GuardedTransport(httpx.BaseTransport):
                 raise RedirectRefused(f"{clipped(request.url)} answered {response.status_code}, a redirect to "
                                       f"{clipped(target)}, off the endpoint's origin "
                                       f"{origin_text(self.base_url)}; refused (give that server's URL instead)")
+            if request.method == "POST" and response.status_code in _METHOD_CHANGING:
+                raise RedirectRefused(f"{what} answered {response.status_code}, a redirect to {clipped(target)} "
+                                      "that the client would follow with a GET; refused (a completion needs the "
+                                      "POST: give the URL that answers it)")
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise MalformedResponse(f"{what}: a body in Content-Encoding "

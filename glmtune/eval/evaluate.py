@@ -48,6 +48,7 @@ from glmtune.eval.gates import evaluate_gates
 from glmtune.distributed.lockstep import ONE_PROCESS
 from glmtune.eval.backends import Backend, NotAvailable
 from glmtune.eval.endpoint import Endpoint, EndpointOptions, is_endpoint, resolve_endpoint
+from glmtune.eval.endpoint_client import RequestFailed
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, text_windows
 from glmtune.eval.models import Fingerprints, ModelSource, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
@@ -283,8 +284,10 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
     backend = Endpoint(model, endpoint) if model.kind == "endpoint" else placement.load(model)
     not_available: dict[str, str] = {}  # metric id -> why the backend cannot compute it
     outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
+    stage = "the evaluation"  # what the requests in flight are for (a server failing all of them is named)
     try:
         for index, s in enumerate(loaded):
+            stage = f"set {s.spec.name}"
             began = time.perf_counter()
             outs, scores[s.spec.name], seconds = answer_set(backend, s, prompting, executor, index, placement.ranks)
             outputs[s.spec.name] = outs
@@ -298,12 +301,15 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
             log(f"{what}: {s.spec.name}, {len(outs)} rows in {seconds:.1f} s")
             not_available.update({f"{s.spec.name}/reference_loss/loss": o.reference_loss_not_available
                                   for o in outs[:1] if o.reference_loss_not_available})
+        stage = "the general text"
         loss = _text_loss(backend, windows, not_available)
         began = time.perf_counter()
         serving = _serving(backend, loaded, prompting, not_available)
         if serving is not None:
             log(f"{what}: serving metrics over {serving['rows']} rows in {time.perf_counter() - began:.1f} s")
         served_ops = backend.operations(latencies, tokens, generate_s) if isinstance(backend, Endpoint) else None
+    except RequestFailed as exc:  # an endpoint's, every request of a set (or every window) failing: the server's
+        raise backend.failed_every(stage, exc) from exc
     finally:
         if isinstance(backend, Endpoint):
             backend.close()

@@ -8,7 +8,7 @@ GET /v1/models (or the `models` behaviour), a 404 for GET /version (or the `vers
 A behaviour is a function (handler, request body) that writes the whole response. The ones here:
 a huge body (stated or streamed), a drip (one byte every `DRIP_S`, of the body or of the headers),
 a redirect, a completion with given fields, a chat message, echoed log-probabilities with one
-value replaced, any bytes with any headers.
+value replaced, any bytes with any headers, a body shorter than its Content-Length.
 `Server.seen` counts the requests per marker (and per path for GET), `Server.sent` the body bytes a
 huge answer got out before the client went away.
 """
@@ -121,6 +121,18 @@ def raw(status: int, data: bytes, **headers: str) -> Behaviour:
             handler.send_header(name.replace("_", "-"), value)
         handler.end_headers()
         handler.wfile.write(data)
+    return write
+
+
+def short_body(missing: int = 100) -> Behaviour:
+    """An honest completion whose Content-Length claims `missing` bytes more than are sent."""
+    def write(handler, body):
+        data = json.dumps({"choices": [{"index": 0, "text": ANSWER, "finish_reason": "stop"}]}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data) + missing))
+        handler.end_headers()
+        handler.wfile.write(data)
+        handler.close_connection = True
     return write
 
 
