@@ -48,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--adapter", metavar="OUT", help="a LoRA run: directory to write the adapter to")
     target.add_argument("--hf", metavar="OUT", help="a full fine-tuning run: directory to write the HF model to")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT if it exists and is not empty (never an input: RUN_DIR, the "
-                             "checkpoint, or the run's base model)")
+                        help="replace OUT if it is an earlier glmtune export of the same kind (never anything "
+                             "else, never inside a run directory, never an input: RUN_DIR, the checkpoint, or the "
+                             "run's base model)")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="with --adapter: peft: PeftModel.from_pretrained on transformers (default); "
                              "per_expert: vLLM / SGLang per-expert keys (the default with --engine)")

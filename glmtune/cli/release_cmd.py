@@ -62,9 +62,11 @@ def register(subparsers: Any) -> None:
                              "of it, or at the gate's bar if that is nearer (default: 0.1)")
     parser.add_argument("--allow-failed-gates", action="store_true",
                         help="release although the eval failed a gate (recorded in the manifest)")
-    parser.add_argument("--out", metavar="PATH", help="where to write the manifest (default: RUN_DIR/release.json)")
+    parser.add_argument("--out", metavar="PATH", help="where to write the manifest (default: RUN_DIR/release.json; "
+                        "inside a run directory only RUN_DIR/release.json or RUN_DIR/releases/NAME)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --out (never a file or directory the release reads)")
+                        help="replace an existing --out that is a release manifest (never anything else, never a "
+                             "file or directory the release reads)")
     parser.add_argument("--sign-key", metavar="KEYFILE",
                         help="sign the manifest with HMAC-SHA256 and this secret key file (at least 32 bytes, mode "
                              "600; create one with: head -c 32 /dev/urandom > release.key); verify --key checks it")
