@@ -273,8 +273,9 @@ class RunDirectory:
         self._aside = SetAside(self.run_dir, self.checkpoint_dir, run_id)
         self._aside.move(outputs, mine)
         if outputs or mine:
-            self.say(f"--overwrite: set the previous run's files aside ({', '.join(p.name for p in [*outputs, *mine])});"
-                     " they are removed when this run starts training, and put back if it stops before")
+            names = ", ".join(p.name for p in [*outputs, *mine])
+            self.say(f"--overwrite: set the previous run's files aside ({names}); they are removed when this run "
+                     "starts training, and put back if it stops before")
         left = sorted(c.path.name for c in complete if c.run_id is None)
         if self.checkpoint_dir.is_dir():
             left += sorted(p.name for p in [*self.checkpoint_dir.glob(".step-*.partial"),

@@ -48,6 +48,12 @@ def start(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_s
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def printed(output: str, text: str) -> bool:
+    """Whether the console printed `text`: the console wraps lines at spaces, and a word longer than
+    a line (a path) anywhere, so the comparison ignores whitespace."""
+    return "".join(text.split()) in "".join(output.split())
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {r["step"]: r["loss"] for r in records}
