@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
-from glmtune.io.interrupts import interrupts_deferred
+from glmtune.io.interrupts import interrupt_received, interrupts_deferred, interrupts_recorded
 from glmtune.io.outputs import running
 from glmtune.io.text_limits import printable
 
@@ -81,14 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     # "glmtune data validate", not just "glmtune data": name the action that failed.
     command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
     try:
-        with running(command):  # what the command writes is its own (glmtune/io/outputs.py, --overwrite)
+        # what the command writes is its own (glmtune/io/outputs.py, --overwrite); a Ctrl-C is recorded
+        with running(command), interrupts_recorded():
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if _debug(args):
             raise
         return _interrupted(command)
-    except (ValueError, OSError) as exc:
+    except Exception as exc:
         if _debug(args):
+            raise
+        if interrupt_received():  # native code wrapped the KeyboardInterrupt (torch: a RuntimeError)
+            return _interrupted(command)
+        if not isinstance(exc, (ValueError, OSError)):
             raise
         _print_on_rank0(f"glmtune {command}: error: {describe_error(exc)}")
         return 2
@@ -108,6 +115,10 @@ def run() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
+    # The command is done: a Ctrl-C while the interpreter shuts down (torch's teardown takes a
+    # moment) would end the process by SIGINT after it finished; there is nothing left to stop.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)
 
 

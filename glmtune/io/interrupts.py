@@ -1,8 +1,15 @@
-"""Ctrl-C held while a process cannot take it: `interrupts_deferred`.
+"""Ctrl-C held while a process cannot take it (`interrupts_deferred`), and never lost (`interrupts_recorded`).
 
 Shared by the command line (`glmtune.cli.main`, around the imports that building the parser
-does) and the `--nproc-per-node` launcher (`glmtune.distributed.launch`, around torchrun's
-import), so it lives below both.
+does, and around the command) and the `--nproc-per-node` launcher (`glmtune.distributed.launch`,
+around torchrun's import), so it lives below both.
+
+`interrupts_recorded` keeps Python's behaviour (a KeyboardInterrupt where the signal lands) and
+also records that the signal came: native code that calls back into Python can swallow the
+KeyboardInterrupt (a library that checks for signals and drops the error) or wrap it in another
+exception (torch's C++ turns it into a RuntimeError). `glmtune train` asks `raise_if_interrupted`
+between its steps, and the command line reports any failure after a recorded Ctrl-C as
+"interrupted".
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ def interrupts_deferred() -> Iterator[None]:
     traceback): it stays pending until here, where the handler is in place to hold it.
     """
     if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            or signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, _record_then_raise)):
         yield
         return
     held: list[int] = []
@@ -39,4 +46,40 @@ def interrupts_deferred() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
     if held:
+        raise KeyboardInterrupt
+
+
+_received = threading.Event()
+
+
+def _record_then_raise(signum, frame) -> None:
+    _received.set()
+    signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as Python's own handler
+
+
+@contextmanager
+def interrupts_recorded() -> Iterator[None]:
+    """Within the block, a Ctrl-C raises KeyboardInterrupt as usual and is also recorded (module
+    docstring); outside the main thread, or where SIGINT is not Python's default handler, the block
+    runs as it is. A handler installed inside the block (the trainer's) replaces it for its time."""
+    _received.clear()
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _record_then_raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_received() -> bool:
+    """A Ctrl-C came inside `interrupts_recorded` (whatever became of its KeyboardInterrupt)."""
+    return _received.is_set()
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt if a Ctrl-C came inside `interrupts_recorded` and was swallowed since."""
+    if _received.is_set():
         raise KeyboardInterrupt

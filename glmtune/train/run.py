@@ -50,6 +50,7 @@ from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.distributed.pipeline_plan import describe_split
+from glmtune.io.interrupts import raise_if_interrupted
 from glmtune.io.run_lock import STOP_FILE, read_run_record, write_run_record
 from glmtune.io.sizes import human_bytes
 from glmtune.io.text_limits import printable
@@ -180,11 +181,16 @@ def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None
         launch = check_launch(cfg)
         if launch.info.joined:  # torchrun's ranks: leaving without it can abort a rank at exit
             resources.callback(torch.distributed.destroy_process_group)
+        # Between the steps: a Ctrl-C that native code swallowed stops the run all the same.
         claim = claim_run_directory(cfg, launch, overwrite, console, resources)
+        raise_if_interrupted()
         built = build_model(cfg, launch, console, hooks, claim)
+        raise_if_interrupted()
         data = prepare_run_data(cfg, launch, built, console)
+        raise_if_interrupted()
         laid_out = lay_out_and_load(cfg, launch, built, data, console)
         attach_reference(cfg, launch, built, data, laid_out.mesh, console)
+        raise_if_interrupted()
         trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, claim, console, hooks)
         result = train(trainer, console)
         if result is None or result.interrupted:
@@ -206,7 +212,10 @@ class Launch:
 
 
 def check_launch(cfg: JobConfig) -> Launch:
-    """Join the process group, resolve the device, check the recipe (before anything is written)."""
+    """Join the process group, resolve the device, check the recipe (before anything is written).
+    The recipe's check reads the model's architecture through its family's spec, which refuses an
+    HF directory whose weights are not the model its config.json describes (every rank reads the
+    same headers: the same sentence everywhere), so a refused model leaves no run directory."""
     device = resolve_device(cfg.train.device)
     info = init_distributed(device)
     if device.type == "cuda":
@@ -296,18 +305,23 @@ def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHook
 
 
 def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console: Console) -> PreparedData:
-    """Rank 0 writes the data files and the tokenization cache first; the others then read them."""
+    """Rank 0 writes the data files and the tokenization cache first; the others then read them.
+    Rank 0 prepares inside `decide_on_rank0`: its refusal (a data contract error, a damaged cache
+    entry, a base that cannot be hashed) stops every rank with its sentence at once, instead of
+    leaving them at a barrier until the collective timeout."""
     info, run_dir = launch.info, launch.run_dir
-    if not info.is_main:
-        barrier()
     vocab_size = launch.spec.vocab_size(launch.spec.args_of(built.model))
-    data = prepare_data(cfg, run_dir, tokenizer_dir_for(cfg, built.model_dir), vocab_size)
-    if built.base_hashing is not None:
-        built.base_identity = built.base_hashing.result()
-    if (cfg.peft.method == "lora" or built.base_identity is not None) and info.is_main:
-        write_run_record(run_dir, {**read_run_record(run_dir), "base": built.base_identity})
-    if info.is_main:
-        barrier()
+    prepared: list[PreparedData] = []
+
+    def prepare_on_rank0() -> None:  # rank 0 (every rank's answer is only "done", or the refusal)
+        prepared.append(prepare_data(cfg, run_dir, tokenizer_dir_for(cfg, built.model_dir), vocab_size))
+        if built.base_hashing is not None:
+            built.base_identity = built.base_hashing.result()
+        if cfg.peft.method == "lora" or built.base_identity is not None:
+            write_run_record(run_dir, {**read_run_record(run_dir), "base": built.base_identity})
+
+    decide_on_rank0(prepare_on_rank0)
+    data = prepared[0] if prepared else prepare_data(cfg, run_dir, tokenizer_dir_for(cfg, built.model_dir), vocab_size)
     if info.is_main:
         (run_dir / "data_manifest.json").write_text(json.dumps(data.manifest, indent=2) + "\n")
         packing = data.manifest["train_packing"]
@@ -515,6 +529,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
         if _weights_not_kept(cfg):
             console.print("[yellow]checkpoint.save_at_end is false with checkpoint.every_steps 0 and "
                           "checkpoint.export_hf false: the trained weights will not be kept[/yellow]")
+    raise_if_interrupted()  # the last moment at which the earlier run is still set aside
     decide_on_rank0(claim.commit)
     return trainer
 

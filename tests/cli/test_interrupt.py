@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import glmtune.cli
-from glmtune.cli import interrupts_deferred, main
+from glmtune.cli import inspect_cmd, interrupts_deferred, main
+from glmtune.io.interrupts import raise_if_interrupted
 from tests.train.run_helpers import env, train_command
 
 # Long enough that no run finishes before the signal; nothing trains that long here.
@@ -47,6 +48,63 @@ def test_a_ctrl_c_while_the_parser_is_built_is_interrupted(monkeypatch, capsys):
     assert capsys.readouterr().err == "glmtune: interrupted\n"
     with pytest.raises(KeyboardInterrupt):  # --debug: the traceback, for a bug report
         main(["--debug", "train", "recipe.yaml"])
+
+
+def _command(func):
+    """`glmtune inspect`'s command replaced by `func` (registered when main builds the parser)."""
+    return lambda args: func()
+
+
+def _wrapped_by_native_code():
+    """torch's C++ turns a KeyboardInterrupt raised in a Python callback into a RuntimeError."""
+    try:
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0)  # the handler runs at the next check
+    except KeyboardInterrupt as exc:
+        raise RuntimeError("c10::Error: KeyboardInterrupt in a Python callback") from exc.__cause__
+    return 0
+
+
+def _swallowed_by_native_code():
+    """A library that checks for signals and drops the error: the command would run on."""
+    try:
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0)
+    except KeyboardInterrupt:
+        pass
+    raise_if_interrupted()  # what glmtune train asks between its steps
+    return 0
+
+
+@pytest.mark.parametrize("command", [_wrapped_by_native_code, _swallowed_by_native_code])
+def test_a_ctrl_c_that_native_code_wraps_or_swallows_is_still_interrupted(command, monkeypatch, capsys):
+    monkeypatch.setattr(inspect_cmd, "run", _command(command))
+    monkeypatch.delenv("GLMTUNE_DEBUG", raising=False)
+    assert main(["inspect", "tiny"]) == 130
+    assert capsys.readouterr().err == "glmtune inspect: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_failure_without_a_ctrl_c_is_not_called_interrupted(monkeypatch):
+    def fails():
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(inspect_cmd, "run", _command(fails))
+    monkeypatch.delenv("GLMTUNE_DEBUG", raising=False)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["inspect", "tiny"])
+
+
+def test_a_finished_command_ignores_a_ctrl_c_while_the_interpreter_exits(monkeypatch):
+    """After the command returned, a Ctrl-C would end the process by SIGINT (-2) during torch's
+    teardown: the process exits with the command's status instead."""
+    monkeypatch.setattr(glmtune.cli, "main", lambda: 0)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            glmtune.cli.run()
+        assert exited.value.code == 0 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _assert_interrupted(process: subprocess.Popen, output: str) -> None:
