@@ -94,7 +94,8 @@ def register(subparsers: Any) -> None:
     prepare.add_argument("paths", nargs="+", metavar="PATH", help="input files or directories")
     prepare.add_argument("--out", required=True, metavar="DIR", help="output directory")
     prepare.add_argument("--overwrite", action="store_true",
-                         help="replace DIR if it exists and is not empty (never an input)")
+                         help="replace DIR if it is an earlier data prepare output (never anything else, "
+                              "never an input, never inside a run directory)")
     prepare.add_argument("--ratios", default="0.9,0.05,0.05", metavar="T,V,E",
                          help="train,validation,test fractions summing to 1 (default: 0.9,0.05,0.05)")
     prepare.add_argument("--pii", choices=("report", "drop", "fail"), default="report",
@@ -112,7 +113,8 @@ def register(subparsers: Any) -> None:
     synth.add_argument("--kind", choices=SYNTH_KINDS, default=SYNTH_KINDS[0],
                        help="support_tickets: chat rows; support_preferences: prompt/chosen/rejected rows "
                             "(default: support_tickets)")
-    synth.add_argument("--overwrite", action="store_true", help="replace OUT if it is an existing file (never a directory)")
+    synth.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier data synth output "
+                       "(never anything else, never a directory)")
     synth.add_argument("--rows", type=int, default=2000, help="number of rows (default: 2000)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.set_defaults(func=_synth)

@@ -62,7 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="eval directory to write (default: CAND/eval/<suite name> for a run directory, "
                              "else ./eval/<suite name>)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace DIR if it is an earlier glmtune eval output (never anything else, never an "
+                             "input; inside a run directory only under RUN/eval/)")
     parser.add_argument("--merged", action="store_true",
                         help="also evaluate an adapter candidate merged into its base (label candidate-merged) "
                              "beside the unmerged adapter (label candidate)")

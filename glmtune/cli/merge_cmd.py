@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-shard-size", type=size_arg, default="5GB",
                         help="safetensors shard size: bytes or e.g. 500MB, 5GB (default: 5GB)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT_DIR if it exists and is not empty (never BASE_DIR or ADAPTER_DIR)")
+                        help="replace OUT_DIR if it is an earlier glmtune merge or HF export (never anything "
+                             "else, never inside a run directory, never BASE_DIR or ADAPTER_DIR)")
     parser.add_argument("--fp8", action="store_true",
                         help="write the merged projections and experts as FP8 (e4m3, 128x128 block scales, as "
                              "GLM-5's FP8 releases) and print the re-quantization error")

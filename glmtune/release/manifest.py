@@ -38,6 +38,7 @@ from typing import Any
 from glmtune.config import config_from_dict
 from glmtune.config.yaml_layers import load_yaml_text
 from glmtune.data.tokenizer import resolve_tokenizer_dir
+from glmtune.io import json_out
 from glmtune.io.outputs import check_output, output_file
 from glmtune.io.run_lock import RUN_FILE, lock_holder
 from glmtune.io.text_limits import printable
@@ -78,7 +79,8 @@ class ReleaseRequest:
 
 def canonical_sha256(manifest: dict[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k not in ("id", "created", "signature")}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    # as the file holds it: a non-finite number is written as its spelling (json_out), so hashed as one
+    return hashlib.sha256(json.dumps(json_out.finite(body), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def release_id(manifest: dict[str, Any]) -> str:
@@ -262,7 +264,7 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     if key is not None:
         manifest["signature"] = signing.sign(manifest, key)
     with output_file(out, overwrite=req.overwrite, sources=reads, what="--out", command="release") as tmp:
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json_out.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # RFC 8259: no bare NaN
     return manifest, out
 
 

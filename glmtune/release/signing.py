@@ -29,6 +29,8 @@ import re
 import stat
 from typing import Any
 
+from glmtune.io import json_out
+
 ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 32
 MAX_KEY_BYTES = 4096  # a key, not a file that was passed by mistake (a shard, a PEM bundle)
@@ -73,7 +75,8 @@ def key_id(key: bytes) -> str:
 
 def signed_bytes(manifest: dict[str, Any]) -> bytes:
     body = {k: v for k, v in manifest.items() if k != "signature"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("ascii")
+    # as the file holds it: a non-finite number is written as its spelling (json_out)
+    return json.dumps(json_out.finite(body), sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
 def sign(manifest: dict[str, Any], key: bytes) -> dict[str, str]:

@@ -8,7 +8,10 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from glmtune.cli import main
+from glmtune.io import json_out
 from glmtune.release import release_id
 from glmtune.release.signing import check_signature, key_id, sign
 from tests.release.eval_fixture import make_eval_dir
@@ -121,3 +124,17 @@ def test_signature_is_over_canonical_content():
     assert check_signature({}, key)["status"] == "failed"
     forged = dict(manifest, signature={**manifest["signature"], "algorithm": "sha256"})
     assert "malformed or not hmac-sha256" in check_signature(forged, None)["problem"]
+
+
+def test_a_non_finite_score_hashes_and_signs_as_the_file_holds_it():
+    """A diverged loss (NaN) or an infinite ratio is written as a string ("NaN": RFC 8259 JSON, which
+    jq reads); the id and the signature computed before writing hold for the file read back."""
+    key = b"k" * 32
+    manifest = {"format": "glmtune.release/1", "scores": {"loss": float("nan"), "ratio": float("inf")}}
+    manifest["id"] = release_id(manifest)
+    manifest["signature"] = sign(manifest, key)
+    written = json_out.dumps(manifest, indent=2)
+    read_back = json.loads(written, parse_constant=lambda name: pytest.fail(f"bare {name} in the file"))
+    assert read_back["scores"] == {"loss": "NaN", "ratio": "Infinity"}
+    assert release_id(read_back) == manifest["id"]
+    assert check_signature(read_back, key)["status"] == "valid"
