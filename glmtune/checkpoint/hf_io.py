@@ -7,7 +7,9 @@ twice. Per-expert tensors are written straight into the stacked expert
 parameters, FP8 block-quantized weights are dequantized on the way, and MTP
 layers are kept. Any missing, unexpected or mis-shaped tensor, and any missing or
 unreadable shard, is a one-line `ValueError`/`FileNotFoundError` naming the key
-and the file.
+and the file, said before the model is allocated (`hf_verify.check_loadable`: the headers
+against the meta-device model of config.json), so a config.json claiming sizes its weights
+do not have never allocates them.
 
 `save_pretrained` writes the same layout transformers writes (per-expert keys,
 `model.safetensors.index.json` when sharded, config.json), in the parameters' dtype
@@ -34,12 +36,12 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from glmtune.checkpoint.hf_verify import INDEX_NAME, SINGLE_NAME, check_loadable, read_index
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.checkpoint.shard_paths import outside_reason, shard_file, view_source
 from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
 from glmtune.io.outputs import check_output, output_dir
 from glmtune.io.sizes import parse_size
-from glmtune.io.text_limits import parse_json
 from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
@@ -53,8 +55,6 @@ from glmtune.models.glm5.state_dict_adapter import (
     is_fp8,
 )
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 # Files a serving stack needs besides the weights; copied from the source directory.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -76,14 +76,12 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     ValueError naming the index and the entry, before any file is opened."""
     path = Path(path)
     index = path / INDEX_NAME
-    if index.is_file():
+    if os.path.exists(index):  # a link to nothing: as if there were none
         try:
-            parsed = parse_json(index.read_bytes(), str(index), max_bytes=256 << 20)
-            weight_map = parsed["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise KeyError("weight_map is not an object of file names")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
+            parsed = read_index(index)
+        except ValueError as exc:
+            raise ValueError(f"{index}: {exc}") from None
+        weight_map = parsed["weight_map"]
         files, checked, source = {}, {}, view_source(parsed)
         for key, name in weight_map.items():
             if not isinstance(name, str) or name not in checked:  # raises for all but a name inside `path`:
@@ -98,7 +96,11 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         reason = outside_reason(path, SINGLE_NAME)
         if reason:
             raise ValueError(f"{single} {reason}")
-        return {key: single for key in _open(single).keys()}
+        try:
+            header, _ = read_header(single)
+        except ValueError as exc:
+            raise ValueError(f"{single}: {exc}") from None
+        return dict.fromkeys(header, single)
     raise FileNotFoundError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME}")
 
 
@@ -133,7 +135,7 @@ def load_pretrained(
     path = Path(path)
     args = Glm5Args.from_hf_config(path)
     files = checkpoint_files(path)
-    _check_shard_sizes(files)
+    check_loadable(path, args)  # every header against the config, before the model is allocated
     model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
                         indexer_backend=indexer_backend, fp8_base=fp8_base)
     load_state_into(model, files)
@@ -141,16 +143,13 @@ def load_pretrained(
 
 
 def _check_shard_sizes(files: dict[str, Path]) -> None:
-    """A shard cut short (an interrupted copy) is caught before any tensor is read."""
+    """A shard cut short (an interrupted copy), or one safetensors would refuse, is caught
+    before any tensor is read (`read_header` checks the file's size against its header)."""
     for file in sorted(set(files.values())):
         try:
-            entries, data_start = read_header(file)
+            read_header(file)
         except ValueError as exc:
             raise ValueError(f"{file}: {exc}") from None
-        expected = data_start + max((v["data_offsets"][1] for v in entries.values()), default=0)
-        actual = os.path.getsize(file)
-        if actual < expected:
-            raise ValueError(f"{file}: truncated safetensors file: {actual} bytes, header needs {expected}")
 
 
 @torch.no_grad()

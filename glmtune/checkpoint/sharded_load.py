@@ -21,8 +21,9 @@ records as a `_StridedShard`). `load_sharded` then
 Host memory beyond the local shards is one slice at a time. The result is bit for bit the
 local part of what `load_pretrained` loads. Errors (missing shard file, missing,
 unexpected or mis-shaped tensor) are the same one-line ValueErrors, raised on every rank
-alike (they are decided from the index and the file headers, which every rank reads), so
-no rank is left waiting in a later collective.
+alike before the local shards are allocated (they are decided from the index and the file
+headers, which every rank reads: `hf_verify.check_loadable`), so no rank is left waiting in a
+later collective.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets, compute_local_shape_and_global_offset
 
 from glmtune.checkpoint.hf_io import (
-    _check_shard_sizes,
     _open,
     check_complete,
     checkpoint_files,
     fp8_scale_key,
     read_plan,
 )
+from glmtune.checkpoint.hf_verify import check_loadable
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.glm5.state_dict_adapter import (
     FP8_BLOCK,
@@ -168,7 +169,7 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
         files = checkpoint_files(hf_dir)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
-    _check_shard_sizes(files)
+    check_loadable(hf_dir, model.args)  # every header against the config, before the shards are allocated
     adapter = Glm5StateDictAdapter(model.args)
     shapes = {key: tuple(t.shape) for key, t in model.state_dict().items() if key not in not_in_checkpoint}
     plan = read_plan(files, adapter, shapes)

@@ -2,7 +2,9 @@
 
 It wires the family's pieces together; it holds no rule of its own. Where each answer lives:
 
-  presets, args              args.py (`PRESETS`, the only preset table; `Glm5Args`)
+  presets, args              args.py (`PRESETS`, the only preset table; `Glm5Args`); an HF
+                             directory's checked against its weights (checkpoint/hf_verify.py
+                             `check_loadable`), a lone config.json's size bounded (size_bound.py)
   build                      model.py `build_model` (meta first; an FP8 base converted there)
   load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py,
                              checkpoint/export_stream.py (a DCP checkpoint to HF)
@@ -26,6 +28,7 @@ from torch import nn
 
 from glmtune.checkpoint.export_stream import stream_export
 from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune.checkpoint.hf_verify import check_loadable, holds_weights
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
@@ -42,6 +45,7 @@ from glmtune.models.glm5.moe import MoE, set_moe_dispatch_backend
 from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
 from glmtune.models.glm5.param_groups import GROUPS, param_group
 from glmtune.models.glm5.stage_costs import head_cost, layer_costs
+from glmtune.models.glm5.size_bound import check_parameter_count
 from glmtune.models.glm5.stages import decoder_layers
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.models.glm5.summary import architecture_summary
@@ -58,7 +62,16 @@ class Glm5Spec(ModelSpec):
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> Glm5Args:
-        return Glm5Args.from_hf_config(path)
+        """config.json's architecture, refused (one sentence naming the file and the tensor) when
+        the directory's weights are not that model's, or, with no weights beside it, when it
+        describes more parameters than any machine glmtune plans for: every command reads an HF
+        directory's architecture here before it builds anything at that size."""
+        args = Glm5Args.from_hf_config(path)
+        if holds_weights(path):  # a missing or damaged file is the load's to name (and preflight's check 2)
+            check_loadable(path, args, against_config_only=True)
+        else:
+            check_parameter_count(args, Path(path) / "config.json" if Path(path).is_dir() else path)
+        return args
 
     def with_overrides(self, args: Glm5Args, overrides: dict[str, Any]) -> Glm5Args:
         return args.replace(**overrides) if overrides else args
