@@ -5,7 +5,7 @@ Layout section describes them):
 
   io/, kernels/    import nothing of glmtune above them (kernels/ only kernels/, io/ only io/)
   config/          the typed config: io/ only, never distributed/ or a model
-  models/common/   kernels/
+  models/common/   kernels/, io/ (a checkpoint's config.json is read as untrusted input)
   models/<family>/ the model code: kernels/, models/common/ and its own family; the family's
                    parallelization plan (`parallelize.py`) may also use distributed/ and config/
   distributed/     mesh, collectives, launchers: no model family, nothing above it
@@ -47,7 +47,7 @@ ALLOWED = {
     "io": set(),
     "kernels": set(),
     "config": {"io"},
-    "models.common": {"kernels"},
+    "models.common": {"kernels", "io"},
     "models.family": {"kernels", "models.common"},
     "models.plan": {"kernels", "models.common", "models.family", "distributed", "config", "io"},
     "distributed": {"io", "kernels", "config", "models.common"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,27 @@ def test_verify_needs_directory(capsys):
 def test_unknown_model(capsys):
     assert main(["inspect", "no-such-model"]) == 2
     assert "neither a model preset" in capsys.readouterr().err
+
+
+# -- special files (issue 44, re-test M6): named for what they are, never opened to wait on ----
+def _fifo_in_place_of(ckpt: Path, name: str) -> None:
+    if (ckpt / name).exists():
+        (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+
+
+def test_a_fifo_config_json_is_said_to_be_one(ckpt, capsys):
+    _fifo_in_place_of(ckpt, "config.json")
+    assert main(["inspect", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert f"{ckpt / 'config.json'} is a FIFO (named pipe), not a regular file" in err and "no config.json" not in err
+    assert main(["inspect", str(ckpt), "--verify"]) == 1
+    assert "config.json: does not load: " in (out := capsys.readouterr().out) and "is a FIFO (named pipe)" in out
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", INDEX_NAME, "model-00002-of-00008.safetensors"])
+def test_a_fifo_among_the_checkpoint_files_is_said_to_be_one(ckpt, capsys, name):
+    _fifo_in_place_of(ckpt, name)
+    assert main(["inspect", str(ckpt), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"{name}: is a FIFO (named pipe), not a regular file" in out, out

@@ -3,8 +3,8 @@
 The model registry reads it to find the family (`model_type`), and each family's args read
 it for the architecture: both with the same refusals. The file is whatever the directory
 holds, so it is read bounded (`MAX_CONFIG_BYTES`, nesting `MAX_CONFIG_DEPTH`: a config is a
-few kilobytes a few levels deep) and every way it fails names it. (`glmtune.io.text_limits`
-does the same for other JSON; this floor sits below glmtune.io.)
+few kilobytes a few levels deep) and every way it fails names it; a FIFO, socket or device
+there is named for what it is and never opened to wait on (`glmtune.io.regular`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from glmtune.io.regular import kind_of, open_regular
 
 MAX_CONFIG_BYTES = 16 << 20
 MAX_CONFIG_DEPTH = 32
@@ -33,9 +35,9 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if kind_of(path) in ("missing", "a link to nothing"):
         raise FileNotFoundError(f"{path}: no config.json")
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # anything but a regular file: named for what it is
         raw = fh.read(MAX_CONFIG_BYTES + 1)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ValueError(f"{path}: more than {MAX_CONFIG_BYTES:,} bytes, not a model config")
