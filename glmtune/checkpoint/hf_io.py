@@ -36,11 +36,12 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmtune.checkpoint.hf_verify import INDEX_NAME, SINGLE_NAME, check_loadable, read_index
+from glmtune.checkpoint.hf_verify import BLOCKING_KINDS, INDEX_NAME, SINGLE_NAME, check_loadable, read_index
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.checkpoint.shard_paths import outside_reason, shard_file, view_source
 from glmtune.distributed.pipeline_state import gathered_to_rank0, pipeline_entries
 from glmtune.io.outputs import check_output, output_dir
+from glmtune.io.regular import kind_of
 from glmtune.io.sizes import parse_size
 from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import Glm5Args
@@ -94,8 +95,10 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     single = path / SINGLE_NAME
     if os.path.lexists(single):
         reason = outside_reason(path, SINGLE_NAME)
-        if reason:
-            raise ValueError(f"{single} {reason}")
+        if reason:  # a FIFO or a device named for what it is (it is never opened)
+            kind = kind_of(single)
+            raise ValueError(f"{single} is {kind}, not a regular file: a reader would wait on it forever"
+                             if kind in BLOCKING_KINDS else f"{single} {reason}")
         try:
             header, _ = read_header(single)
         except ValueError as exc:

@@ -58,7 +58,7 @@ F32_ONLY_SUFFIX = "e_score_correction_bias"
 # Missing tensors listed past the number stored before the comparison stops.
 _MISSING_LISTED = 100
 # What a directory entry may not be: reading it would block or never end.
-_BLOCKING_KINDS = ("a FIFO (named pipe)", "a socket", "a character device", "a block device")
+BLOCKING_KINDS = ("a FIFO (named pipe)", "a socket", "a character device", "a block device")
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def _special_entries(path: Path, report: VerifyReport) -> None:
     reported = {p.file for p in report.problems}
     for name in names:
         kind = kind_of(path / name)
-        if kind in _BLOCKING_KINDS and printable(name) not in reported:
+        if kind in BLOCKING_KINDS and printable(name) not in reported:
             report.add(printable(name), None, f"is {kind}, not a regular file: a reader would wait on it "
                                               "forever; put the file itself there")
 
@@ -280,7 +280,7 @@ def _read_headers(path: Path, files: list[str], weight_map: dict[str, str], sour
     readable: set[str] = set()
     for name in files:
         kind = kind_of(path / name) if isinstance(name, str) and name and "\0" not in name else None
-        if kind in _BLOCKING_KINDS:  # never opened: it would not end
+        if kind in BLOCKING_KINDS:  # never opened: it would not end
             report.add(printable(name), None, f"is {kind}, not a regular file: a reader would wait on it forever")
             continue
         outside = outside_reason(path, name, source)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME, load_pretrained, save_pretrained
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 
@@ -61,6 +62,17 @@ def test_missing_shard_names_file(tiny_dir, tmp_path):
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         load_pretrained(bad, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", [INDEX_NAME, "model.safetensors"])
+def test_a_fifo_for_the_weights_is_said_to_be_one(tmp_path, name):
+    """Never opened (it would wait for a writer forever), and named for what it is (issue 44, M6)."""
+    path = tmp_path / "fifo"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_dict()))
+    os.mkfifo(path / name)
+    with pytest.raises(ValueError, match=rf"{name}\b.*is a FIFO \(named pipe\), not a regular file"):
+        load_pretrained(path, dtype=torch.float32)
 
 
 def _rewrite_shard(path, edit):
