@@ -25,9 +25,11 @@ verifies in seconds. Checked:
 
 `verify_checkpoint` collects all problems (each naming its file and key), for `glmtune
 inspect --verify`. `check_loadable` is the same check as a gate: every load of an HF
-directory (hf_io.load_pretrained, sharded_load.load_sharded, and the model spec's
-`args_from_hf`, which train's launch check, eval, plan, preflight, export and inspect read
-the architecture through) raises its first problem as one sentence before building the model.
+directory (hf_io.load_pretrained, sharded_load.load_sharded) raises its first problem as one
+sentence before building the model; the model spec's `args_from_hf`, which train's launch
+check, eval, plan, preflight, export and inspect read the architecture through, raises the
+first that says the weights are another model than the config's (a missing or damaged file
+is left to the load, and to preflight's own shard check).
 """
 
 from __future__ import annotations
