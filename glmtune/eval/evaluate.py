@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -65,6 +66,7 @@ from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
 from glmtune.io import json_out
 from glmtune.io.outputs import check_output, output_dir
+from glmtune.io.regular import kind_of, open_regular
 from glmtune.io.revisions import glmtune_pin
 
 FORMAT = "glmtune.scorecard/1"
@@ -80,8 +82,13 @@ def tokenizer_sha256(directory: Path) -> str:
     """One hash over a directory's tokenizer files (names and bytes; the chat template apart)."""
     digest = hashlib.sha256()
     for name in _TOKENIZER_FILES:
-        if (directory / name).is_file():
-            digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+        path = directory / name
+        if not os.path.lexists(path):
+            continue
+        if (kind := kind_of(path)) is not None:  # a FIFO would block the read
+            raise ValueError(f"{path}: {kind}, not a tokenizer file")
+        with open_regular(path, "tokenizer file") as fh:
+            digest.update(name.encode() + b"\0" + fh.read())
     return digest.hexdigest()
 
 

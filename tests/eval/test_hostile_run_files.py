@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -138,3 +139,13 @@ def test_a_split_file_that_links_out_of_the_run_is_refused(run, tmp_path):
     local.unlink()
     local.symlink_to(_outside(tmp_path))
     _refused(*_eval(tmp_path, run, run), str(manifest), "is a link that leads out of")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_special_file_among_the_tokenizer_files_is_named_for_what_it_is(run, tmp_path, name):
+    """A FIFO in the base's tokenizer (read to compare base and candidate) was hashed as empty: "the
+    base and the candidate use different tokenizers"; a blocking read otherwise."""
+    base = run / "base"
+    (base / name).unlink()
+    os.mkfifo(base / name)
+    _refused(*_eval(tmp_path, run, run), f"{base / name}: a FIFO (named pipe)")

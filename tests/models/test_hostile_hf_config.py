@@ -35,6 +35,9 @@ CONFIGS = {  # config.json -> what the sentence says
     "layers negative": (_set(num_hidden_layers=-1), "num_hidden_layers is -1, not a non-negative integer"),
     "layers 10^12": (_without_indexer_types(num_hidden_layers=10**12), "more than 10,000 layers"),
     "experts a boolean": (_set(n_routed_experts=True), "n_routed_experts is True, not a non-negative integer"),
+    "n_group 0": (_set(n_group=0), "n_group is 0, must be at least 1"),  # a ZeroDivisionError traceback
+    "experts per token 0": (_set(num_experts_per_tok=0), "num_experts_per_tok is 0, must be at least 1"),
+    "index_topk 0": (_set(index_topk=0), "index_topk is 0, must be at least 1"),
     "eps a string": (_set(rms_norm_eps="1e-5"), "rms_norm_eps is '1e-5', not a finite number"),
     "eps NaN": (lambda c: json.dumps({**c, "rms_norm_eps": float("nan")}), "rms_norm_eps is nan, not a finite"),
     "tie a number": (_set(tie_word_embeddings=1), "tie_word_embeddings is 1, not a bool"),

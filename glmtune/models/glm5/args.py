@@ -107,6 +107,9 @@ class Glm5Args:
 
     def validate(self) -> None:
         """Raise `ValueError` for configs the model cannot be built from."""
+        for name in _POSITIVE:  # a width, a count to divide by or a top-k of 0 builds no model
+            if getattr(self, name) < 1:
+                raise ValueError(f"config: {name} is {getattr(self, name)}, must be at least 1")
         num_layers = self.num_hidden_layers
         for name in ("indexer_types", "mlp_layer_types"):
             value = getattr(self, name)
@@ -208,6 +211,12 @@ class Glm5Args:
 # A config.json holds what its writer put there: each field is checked for the kind the model reads
 # (the dataclass default's), sizes are non-negative, and the layer count is bounded (per-layer lists).
 MAX_LAYERS = 10_000
+# Sizes that must be at least 1 (n_shared_experts, first_k_dense_replace, num_nextn_predict_layers and
+# num_hidden_layers may be 0: no shared expert, no dense layer, no MTP layer, embeddings and head only).
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+             "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+             "max_position_embeddings", "index_topk", "index_head_dim", "index_n_heads")
 _NULLABLE_INT = {"pad_token_id"}
 _LAYER_KINDS = {"mlp_layer_types", "indexer_types"}
 
