@@ -10,8 +10,10 @@ Layout section describes them):
                    parallelization plan (`parallelize.py`) may also use distributed/ and config/
   distributed/     mesh, collectives, launchers: no model family, nothing above it
   checkpoint/      HF and DCP checkpoints: builds on the floors below (a family's modules included)
-  models/<family>/spec.py, models/registry.py   the front door (`ModelSpec`): wires a family's
-                   pieces with checkpoint/ and its parallelization plan
+  models/<family>/spec.py, models/registry.py, models/catalog.py   the front door (`ModelSpec`):
+                   wires a family's pieces with checkpoint/ and its parallelization plan; the
+                   catalog lists the families' torch-free answers (`ModelFamily`, a family's
+                   family.py) for `glmtune config validate`
   data/, peft/, generation/   build on the floors below
   train/           never eval/, release/, preflight/
   eval/, release/, plan/, preflight/       the commands' engines
@@ -88,7 +90,7 @@ def floor(module: str) -> str:
             return "models.common"
         if parts[-1] == "parallelize":
             return "models.plan"
-        return "models.spec" if parts[-1] in ("spec", "registry") else "models.family"
+        return "models.spec" if parts[-1] in ("spec", "registry", "catalog") else "models.family"
     if parts[1] == "__main__":
         return "cli"
     return parts[1]

@@ -1,47 +1,42 @@
-"""The model families glmtune knows, and what a recipe's `model` section names.
+"""The runtime side of the model families: each family's `ModelSpec`, and a recipe's model with
+its weights checked.
 
-`spec_for(name_or_path)` is the family of a preset name or an HF directory (by its
-config.json `model_type`); `model_args` and `model_dims` resolve a recipe's model section
-(after `model.overrides`, or `model.validate_as` for a placeholder path) without reading
-weights. A second family is one more entry in `FAMILIES`.
+The catalog (catalog.py, torch-free) knows the families, the presets and how a recipe's
+`model` section names a model; this module adds what needs a family's spec, and with it torch:
+`spec_for(name_or_path)`, `model_spec(model)`, and `model_args` / `model_dims` that read an HF
+directory through the spec's `args_from_hf`, which checks the directory's weights against its
+config.json (train, eval, inspect, plan, preflight; `config validate` reads config.json alone
+through the catalog). A second family is one more entry in `SPECS` (and the catalog's `FAMILIES`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from glmtune.config.schema import ModelConfig
-from glmtune.models.common.hf_config import read_hf_config
-from glmtune.models.common.model_spec import ModelDims, ModelSpec
+from glmtune.models import catalog
+from glmtune.models.catalog import PRESETS, is_preset
+from glmtune.models.common.family import ModelDims
+from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.glm5.spec import GLM5
 
-FAMILIES: tuple[ModelSpec, ...] = (GLM5,)
+# PRESETS and is_preset are the catalog's, re-exported for the commands that ask the registry.
+__all__ = ["PRESETS", "SPECS", "is_preset", "model_args", "model_dims", "model_spec", "resolve_args", "spec_for"]
 
-# preset name -> its family: the presets are the families' own tables, listed once here.
-PRESETS: dict[str, ModelSpec] = {name: spec for spec in FAMILIES for name in spec.presets}
-assert len(PRESETS) == sum(len(spec.presets) for spec in FAMILIES), "two families name the same preset"
-
-
-def is_preset(name_or_path: str | Path) -> bool:
-    return str(name_or_path) in PRESETS
+# family name -> its spec: every family of the catalog has one.
+SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (GLM5,)}
+assert [family.name for family in catalog.FAMILIES] == list(SPECS), "a family of the catalog has no spec"
 
 
 def spec_for(name_or_path: str | Path) -> ModelSpec:
-    """The family of a preset, or of an HF directory (or config.json) by its `model_type`."""
-    if is_preset(name_or_path):
-        return PRESETS[str(name_or_path)]
-    path = Path(name_or_path)
-    if not path.exists():
-        raise ValueError(f"{name_or_path}: neither a model preset ({', '.join(PRESETS)}) nor an existing path")
-    config = path / "config.json" if path.is_dir() else path
-    model_type = read_hf_config(config).get("model_type", FAMILIES[0].hf_model_type)
-    for spec in FAMILIES:
-        if spec.hf_model_type == model_type:
-            return spec
-    known = ", ".join(repr(s.hf_model_type) for s in FAMILIES)
-    raise ValueError(f"{config}: model_type is {model_type!r}, expected {known} (the families glmtune trains)")
+    """The family's spec of a preset, or of an HF directory (or config.json) by its `model_type`."""
+    return SPECS[catalog.family_for(name_or_path).name]
+
+
+def _args_from_hf(path: str) -> Any:
+    """An HF directory's architecture, checked against its weights (the spec's `args_from_hf`)."""
+    return spec_for(path).args_from_hf(path)
 
 
 def resolve_args(name_or_path: str | Path) -> Any:
@@ -50,56 +45,19 @@ def resolve_args(name_or_path: str | Path) -> Any:
     return spec.preset_args(str(name_or_path)) if is_preset(name_or_path) else spec.args_from_hf(name_or_path)
 
 
-def _readable_name(model: ModelConfig) -> tuple[str, str]:
-    """(a preset or a readable HF directory, where its numbers come from) for `model`: a path that
-    does not exist yet (a recipe's `/path/to/GLM-5` placeholder) falls back to `model.validate_as`."""
-    name = model.name_or_path
-    if is_preset(name):
-        return name, f"preset {name}"
-    if (Path(name) / "config.json").is_file():
-        return name, f"{name}/config.json"
-    if model.validate_as is not None:
-        if not is_preset(model.validate_as):
-            raise ValueError(f"model.validate_as: {model.validate_as!r} is not a preset; choose from "
-                             f"{', '.join(PRESETS)}")
-        return model.validate_as, f"preset {model.validate_as} (model.validate_as; {name} not found)"
-    raise ValueError(
-        f"model.name_or_path: {name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
-        "with config.json; set model.validate_as to a preset to validate without the weights")
-
-
 def model_spec(model: ModelConfig) -> ModelSpec:
-    """The family of the model a recipe's `model` section names (a placeholder path: of its
+    """The family's spec of the model a recipe's `model` section names (a placeholder path: of its
     `model.validate_as`)."""
-    return spec_for(_readable_name(model)[0])
+    return SPECS[catalog.model_family(model).name]
 
 
 def model_args(model: ModelConfig) -> Any:
-    """The architecture `model` names, without reading weights: a preset after `model.overrides`,
-    an HF directory's config.json, or `model.validate_as` for a placeholder path."""
-    name, _ = _readable_name(model)
-    spec = spec_for(name)
-    if is_preset(name):
-        return spec.with_overrides(spec.preset_args(name), model.overrides)
-    if model.overrides:
-        raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
-    return spec.args_from_hf(name)
+    """The architecture `model` names, without building it: a preset after `model.overrides`, an
+    HF directory's config.json checked against its weights, or `model.validate_as` for a placeholder."""
+    return catalog.model_args(model, read_hf=_args_from_hf)
 
 
 def model_dims(model: ModelConfig) -> ModelDims:
-    """Experts and layers of the model `model` names (after `model.overrides`), for the layout
-    check, with what no layout can run of `model` (`refusals`, for `validate_config`)."""
-    name, source = _readable_name(model)
-    spec = spec_for(name)
-    args = spec.preset_args(name) if is_preset(name) else spec.args_from_hf(name)
-    # Overrides such as fewer layers for a smoke test change what the parallel plan must fit.
-    return dataclasses.replace(spec.dims(args, source, model.overrides), refusals=tuple(model_refusals(model)))
-
-
-def model_refusals(model: ModelConfig) -> list[str]:
-    """What the recipe's `model` section asks that its model cannot be: an FP8 base on a preset
-    (an FP8 base is read from a checkpoint, and the adapter must name the one it trained on)."""
-    if model.fp8_base != "none" and is_preset(model.name_or_path):
-        return [f"model.fp8_base: {model.fp8_base} needs an HF checkpoint directory in model.name_or_path, not "
-                f"the preset {model.name_or_path!r} (the adapter must name the FP8 base it trained on)"]
-    return []
+    """Experts and layers of the model `model` names (`catalog.model_dims`), an HF directory's
+    checked against its weights."""
+    return catalog.model_dims(model, read_hf=_args_from_hf)

@@ -5,10 +5,12 @@ family, so both the families and distributed/ build on it.
 
   aux_loss          auxiliary losses carried by the main loss's backward (`attach`)
   document_masks    block-causal masks of packed rows, longest document, one-document rows
+  family            `ModelFamily`, what a family answers without torch (presets, config.json,
+                    overrides, dims, stage costs, parameter count), and `ModelDims`
   hf_config         an HF checkpoint's config.json, read with the same refusals everywhere
   loss              the chunked causal-LM cross-entropy
   microbatch_facts  host-side facts of a microbatch (`MicrobatchFacts`), queued for stages
-  model_spec        `ModelSpec`, the front door every model family implements, and `ModelDims`
+  model_spec        `ModelSpec`, the front door every model family implements
   rmsnorm           RMSNorm
   rope              rotary position embedding (interleaved, over the rope slice)
   sequence_shard    a context-parallel rank's queries (`SequenceShard`; the model's

@@ -3,13 +3,16 @@
 A family (`glmtune/models/<family>/`) implements it in its `spec.py`, and
 `glmtune/models/registry.py` lists the families. train/, plan/, preflight/, eval/, release/
 and cli/ reach a family only through it (tests/test_layout.py checks the imports), so a
-second family adds a folder and a spec, not edits across the tree.
+second family adds a folder and a spec, not edits across the tree. What a spec answers from
+the architecture's numbers alone (presets, config.json, overrides, dims, stage costs) is the
+family's torch-free `ModelFamily` (family.py, `model_family`), which the spec answers through.
 
 What a spec answers, in the order a run asks:
 
   presets, args          the preset table (the only one) and a family's architecture, from a
-                         preset or an HF config.json (`args.num_routed_experts` etc. are the
-                         family's own; `dims` gives what the layout check needs)
+                         preset or an HF directory (`args.num_routed_experts` etc. are the
+                         family's own; `dims` gives what the layout check needs): the
+                         `model_family`'s, but `args_from_hf`, which checks the weights too
   build, load, save      build on meta or materialized, the whole or the sharded HF load (FP8
                          base included), the HF export (of a built model, or streamed from a
                          training checkpoint), the state-dict adapter (the only place HF key
@@ -22,56 +25,57 @@ What a spec answers, in the order a run asks:
   describe               the architecture summary and parameter report (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
-Knows no family and imports nothing: the methods take and return the family's own objects.
+Knows no family and imports only family.py: the methods take and return the family's own objects.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class ModelDims:
-    """What the layout check needs of a model: routed experts per MoE layer, decoder layers."""
-
-    num_experts: int  # routed experts per MoE layer (config.json `n_routed_experts`)
-    num_layers: int  # decoder layers, MTP excluded (config.json `num_hidden_layers`)
-    source: str  # where the numbers came from, for messages
-    # What no layout can run of the recipe's `model` section, one sentence each (validate_config
-    # reports them with the config's own errors).
-    refusals: tuple[str, ...] = ()
+from glmtune.models.common.family import ModelDims, ModelFamily
 
 
 class ModelSpec(ABC):
     """One model family's answers (see the module docstring). Stateless: one instance per family."""
 
-    family: str  # the family's folder under glmtune/models/ ("glm5")
-    hf_model_type: str  # config.json `model_type` of the family's checkpoints
+    model_family: ModelFamily  # the torch-free answers, which the spec gives through
     hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
-    presets: Mapping[str, Callable[[], Any]]  # name -> its architecture (args)
 
     # -- architecture ------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        """The family's folder under glmtune/models/ ("glm5")."""
+        return self.model_family.name
+
+    @property
+    def hf_model_type(self) -> str:
+        """config.json `model_type` of the family's checkpoints."""
+        return self.model_family.hf_model_type
+
+    @property
+    def presets(self) -> Mapping[str, Callable[[], Any]]:
+        """Preset name -> its architecture (args)."""
+        return self.model_family.presets
+
     def preset_args(self, name: str) -> Any:
         """The architecture of preset `name`."""
-        if name not in self.presets:
-            raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(self.presets)}")
-        return self.presets[name]()
+        return self.model_family.preset_args(name)
 
     @abstractmethod
     def args_from_hf(self, path: str | Path) -> Any:
-        """The architecture of an HF directory (or its config.json)."""
+        """The architecture of an HF directory (or its config.json), checked against the directory's
+        weights when it holds them (`model_family.read_args` reads config.json alone)."""
 
-    @abstractmethod
     def with_overrides(self, args: Any, overrides: dict[str, Any]) -> Any:
         """`args` with `model.overrides` applied (config.json key names)."""
+        return self.model_family.with_overrides(args, overrides)
 
-    @abstractmethod
     def dims(self, args: Any, source: str, overrides: dict[str, Any] | None = None) -> ModelDims:
         """Experts and layers of `args` after `model.overrides` (checked), for the layout check."""
+        return self.model_family.dims(args, source, overrides)
 
     @abstractmethod
     def args_of(self, model: Any) -> Any:
@@ -214,6 +218,6 @@ class ModelSpec(ABC):
     def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Consecutive layers of one kind merged, from `parameter_report`'s per-layer rows."""
 
-    @abstractmethod
     def stage_costs(self, args: Any, seq_len: int) -> tuple[list[float], float]:
         """(cost of each decoder layer, cost of the head) for a pipeline split."""
+        return self.model_family.stage_costs(args, seq_len)

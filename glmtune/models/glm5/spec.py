@@ -2,16 +2,17 @@
 
 It wires the family's pieces together; it holds no rule of its own. Where each answer lives:
 
-  presets, args              args.py (`PRESETS`, the only preset table; `Glm5Args`); an HF
-                             directory's checked against its weights (checkpoint/hf_verify.py
-                             `check_loadable`), a lone config.json's size bounded (size_bound.py)
+  presets, args, dims,       family.py (`GLM5_FAMILY`, torch-free: args.py's `PRESETS` and
+  stage costs                `Glm5Args`, stage_costs.py); an HF directory's args checked against
+                             its weights (checkpoint/hf_verify.py `check_loadable`), a lone
+                             config.json's size bounded (size_bound.py, through the family)
   build                      model.py `build_model` (meta first; an FP8 base converted there)
   load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py,
                              checkpoint/export_stream.py (a DCP checkpoint to HF)
   state-dict adapter         state_dict_adapter.py
   loss, flops                model.py's fused loss; flops.py
   parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
-  param groups, describe     param_groups.py; summary.py, counts.py, stage_costs.py
+  param groups, describe     param_groups.py; summary.py, counts.py
 
 Above the family's own code (it imports checkpoint/ and the parallelization plan): only this
 module and the registry (`glmtune/models/registry.py`) sit on that floor.
@@ -33,10 +34,11 @@ from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.models.common.aux_loss import AuxiliaryLosses
-from glmtune.models.common.model_spec import ModelDims, ModelSpec
-from glmtune.models.glm5.args import PRESETS, Glm5Args, covering_layers, truncated_args
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.glm5.args import Glm5Args, covering_layers, truncated_args
 from glmtune.models.glm5.attention import set_attention_score_buffer
 from glmtune.models.glm5.counts import layer_runs, parameter_report
+from glmtune.models.glm5.family import GLM5_FAMILY
 from glmtune.models.glm5.flops import flops_per_token
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.indexer_recall import RecallProbe
@@ -44,8 +46,6 @@ from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import MoE, set_moe_dispatch_backend
 from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
 from glmtune.models.glm5.param_groups import GROUPS, param_group
-from glmtune.models.glm5.stage_costs import head_cost, layer_costs
-from glmtune.models.glm5.size_bound import check_parameter_count
 from glmtune.models.glm5.stages import decoder_layers
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.models.glm5.summary import architecture_summary
@@ -54,10 +54,8 @@ from glmtune.models.glm5.summary import architecture_summary
 class Glm5Spec(ModelSpec):
     """GLM-5, 5.1, 5.2, 5.3 (`GlmMoeDsaForCausalLM`) and the CPU-sized `tiny` preset."""
 
-    family = "glm5"
-    hf_model_type = "glm_moe_dsa"
+    model_family = GLM5_FAMILY  # presets, config.json, overrides, dims, stage costs (torch-free)
     hf_architecture = "GlmMoeDsaForCausalLM"
-    presets = PRESETS
     param_groups = GROUPS
 
     # -- architecture ------------------------------------------------------------------
@@ -66,24 +64,12 @@ class Glm5Spec(ModelSpec):
         the directory's weights are not that model's, or, with no weights beside it, when it
         describes more parameters than any machine glmtune plans for: every command reads an HF
         directory's architecture here before it builds anything at that size."""
+        if not holds_weights(path):  # config.json alone: its size bounded (GLM5_FAMILY.read_args)
+            return self.model_family.read_args(path)
         args = Glm5Args.from_hf_config(path)
-        if holds_weights(path):  # a missing or damaged file is the load's to name (and preflight's check 2)
-            check_loadable(path, args, against_config_only=True)
-        else:
-            check_parameter_count(args, Path(path) / "config.json" if Path(path).is_dir() else path)
+        # a missing or damaged file is the load's to name (and preflight's check 2)
+        check_loadable(path, args, against_config_only=True)
         return args
-
-    def with_overrides(self, args: Glm5Args, overrides: dict[str, Any]) -> Glm5Args:
-        return args.replace(**overrides) if overrides else args
-
-    def dims(self, args: Glm5Args, source: str, overrides: dict[str, Any] | None = None) -> ModelDims:
-        values = {"n_routed_experts": args.n_routed_experts, "num_hidden_layers": args.num_hidden_layers}
-        for key in values:
-            new = (overrides or {}).get(key)
-            if new is not None and (not isinstance(new, int) or isinstance(new, bool) or new < 1):
-                raise ValueError(f"model.overrides.{key}: expected a positive int, got {new!r}")
-            values[key] = values[key] if new is None else new
-        return ModelDims(values["n_routed_experts"], values["num_hidden_layers"], source)
 
     def args_of(self, model: nn.Module) -> Glm5Args:
         return model.args
@@ -118,7 +104,7 @@ class Glm5Spec(ModelSpec):
     def build_from_config(self, model_cfg: ModelConfig, dtype: torch.dtype, device: Any,
                           seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
         m = model_cfg
-        if m.name_or_path in PRESETS:
+        if m.name_or_path in self.presets:
             args = self.with_overrides(self.preset_args(m.name_or_path), m.overrides)
             model = build_model(args, dtype, device, m.attention_backend, m.moe_backend, seed=seed,
                                 indexer_backend=m.indexer_backend)
@@ -268,9 +254,6 @@ class Glm5Spec(ModelSpec):
     def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Consecutive layers of one kind, merged (the report's per-layer rows)."""
         return layer_runs(rows)
-
-    def stage_costs(self, args: Glm5Args, seq_len: int) -> tuple[list[float], float]:
-        return layer_costs(args, seq_len), head_cost(args)
 
 
 GLM5 = Glm5Spec()
