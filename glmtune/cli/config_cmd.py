@@ -5,11 +5,13 @@
 
 Overrides follow the recipe(s) as `--section.key=value` or `--section.key value`.
 `validate` checks each recipe's parallel degrees against the world size and the
-model's expert and layer counts (its family's spec, `glmtune.models.registry`: a preset,
+model's expert and layer counts (its family's numbers, `glmtune.models.catalog`: a preset,
 the model directory's config.json, or the preset named by `model.validate_as` when the
 directory is a placeholder), and
 names any degree this version cannot run yet (pp, cp, tp > 1): the same checks
-`glmtune train` runs before it allocates or writes anything.
+`glmtune train` runs before it allocates or writes anything. It reads a model directory's
+config.json alone, never its weights, and imports no torch: `glmtune inspect DIR --verify`
+and `glmtune train` check the weights against config.json.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 
 from glmtune.config import config_to_yaml, grad_accum_steps, load_config, validate_config, validate_parallel
+from glmtune.distributed.pipeline_plan import describe_split, plan_stages
 from glmtune.io.text_limits import printable
+from glmtune.models.catalog import model_args, model_dims, model_family  # unlike the registry: no torch
 
 _OVERRIDES_HELP = "dotted overrides after the recipe: --optim.lr=2e-5 or --optim.lr 2e-5"
 _EXAMPLES = """examples:
@@ -52,7 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check recipes: types, parallel degrees, batch sizes",
         description="Load each RECIPE with the overrides and run every config check `glmtune train` runs before it "
         "starts: parallel degrees against the world size and the model's routed experts and layers, degrees this "
-        "version cannot run yet (pp, cp, tp > 1), batch sizes, ranges. Exits 1 if any recipe fails.",
+        "version cannot run yet (pp, cp, tp > 1), batch sizes, ranges. Exits 1 if any recipe fails. A model "
+        "directory is read from its config.json alone (no torch, no weights read): `glmtune inspect DIR --verify` "
+        "and `glmtune train` check its weights against it.",
     )
     validate.add_argument("recipes", nargs="+", help="recipe YAML paths or names under recipes/")
     validate.add_argument(
@@ -78,9 +84,6 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    # lazily: `glmtune --help` stays torch-free (the model registry imports the model families)
-    from glmtune.models.registry import model_dims
-
     # REMAINDER swallows a --world-size written after the recipes; take it back out.
     overrides, world_size = _pop_world_size(args.overrides, args.world_size)
     failed = 0
@@ -111,12 +114,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def pipeline_split_description(cfg, degrees) -> str:
-    """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the model's architecture."""
-    # lazily: `glmtune --help` stays torch-free
-    from glmtune.distributed.pipeline_plan import describe_split, plan_stages
-    from glmtune.models.registry import model_args, model_spec
-
-    layer_costs, head_cost = model_spec(cfg.model).stage_costs(model_args(cfg.model), cfg.data.packed_sequence_size)
+    """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the family's per-layer costs."""
+    layer_costs, head_cost = model_family(cfg.model).stage_costs(model_args(cfg.model), cfg.data.packed_sequence_size)
     stages = degrees.pp * cfg.parallel.pp_stages_per_rank
     return describe_split(plan_stages(layer_costs, head_cost, stages, cfg.parallel.pp_layer_split or None))
 

@@ -30,10 +30,12 @@ _EXAMPLES = """examples:
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.peft.adapter_export import LAYOUTS
+# The adapter layouts of glmtune/peft/adapter_export.py (`LAYOUTS`), named here because importing it
+# (torch) would make `glmtune --help` wait for torch; tests/cli/test_torch_free.py holds the two equal.
+ADAPTER_LAYOUTS = ("peft", "per_expert")
 
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
         help="export a LoRA run's adapter (PEFT format) or a full fine-tuning run's model (HF format)",
@@ -51,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="replace OUT if it is an earlier glmtune export of the same kind (never anything "
                              "else, never inside a run directory, never an input: RUN_DIR, the checkpoint, or the "
                              "run's base model)")
-    parser.add_argument("--layout", choices=LAYOUTS, default=None,
+    parser.add_argument("--layout", choices=ADAPTER_LAYOUTS, default=None,
                         help="with --adapter: peft: PeftModel.from_pretrained on transformers (default); "
                              "per_expert: vLLM / SGLang per-expert keys (the default with --engine)")
     parser.add_argument("--engine", choices=("vllm", "sglang"), default=None,

@@ -11,7 +11,8 @@ adds what trains: a trainable column per group and the trainable-parameter inven
 (the same table every training run logs at start).
 
 The numbers and the build come from the model's family through its spec
-(`glmtune.models.registry`: summary, parameter report, layer runs).
+(`glmtune.models.registry`: summary, parameter report, layer runs), imported when the command
+runs: `glmtune --help` stays torch-free (the presets come from the torch-free catalog).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from glmtune.checkpoint.hf_verify import VerifyReport, format_report, verify_checkpoint
+from glmtune.models.catalog import PRESETS
 from glmtune.models.common.model_spec import ModelSpec
-from glmtune.models.registry import PRESETS, model_args, model_spec, resolve_args, spec_for
+
+if TYPE_CHECKING:
+    from glmtune.checkpoint.hf_verify import VerifyReport
 
 _EXAMPLES = """examples:
   glmtune inspect glm5
@@ -60,6 +63,7 @@ def trainable_inventory(recipe: str) -> tuple[ModelSpec, Any, Any]:
     """(model spec, model args, inventory) of a recipe's model after its freezing / LoRA transform, on meta."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.config import load_config
+    from glmtune.models.registry import model_args, model_spec
     from glmtune.peft import apply_lora, build_inventory
 
     cfg = load_config(recipe)
@@ -81,6 +85,10 @@ def inspect_payload(source: str, spec: ModelSpec, args: Any,
 
 
 def run(ns: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.checkpoint.hf_verify import verify_checkpoint
+    from glmtune.models.registry import resolve_args, spec_for
+
     if ns.trainable is not None:
         return _run_trainable(ns)
     if ns.model is None:
@@ -274,6 +282,9 @@ def _print_summary(console: Console, spec: ModelSpec, payload: dict[str, Any]) -
 
 
 def _print_verify(console: Console, report: VerifyReport) -> None:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.checkpoint.hf_verify import format_report
+
     style = "green" if report.ok else "red"
     console.print(f"[bold {style}]verify[/bold {style}]")
     for line in format_report(report):
