@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 import os
 import socket
 import time
@@ -33,6 +34,7 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".glmtune.lock"
 STOP_FILE = "STOP_REQUESTED"
 RELEASED = "released:"  # how the lock file's line starts once its run has ended
+RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")  # glmtune writes 16 hex digits; a run id is never a path
 
 
 def read_run_record(run_dir: Path) -> dict[str, Any] | None:
@@ -46,6 +48,9 @@ def read_run_record(run_dir: Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: unreadable run record ({exc}); not a glmtune run directory") from None
     if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
         raise ValueError(f"{path}: not a glmtune run record (no run_id); not a glmtune run directory")
+    if not RUN_ID.fullmatch(record["run_id"]):  # it names files and directories (checkpoint tags, set-asides)
+        raise ValueError(f"{path}: its run_id is not one glmtune writes (letters, digits, '-' and '_'); not a "
+                         "glmtune run directory")
     return record
 
 

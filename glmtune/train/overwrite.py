@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from glmtune.io.json_file import read_json_file
+from glmtune.io.run_lock import RUN_ID
 
 ASIDE_PREFIX = ".overwritten-"
 _LIST = "set_aside.json"
@@ -35,6 +36,7 @@ class SetAside:
     """The earlier run's files moved aside by one `--overwrite` (see the module docstring)."""
 
     def __init__(self, run_dir: Path, checkpoint_dir: Path, run_id: str) -> None:
+        assert RUN_ID.fullmatch(run_id), run_id  # read_run_record and recover check what they read
         self.run_dir, self.checkpoint_dir, self.run_id = Path(run_dir), Path(checkpoint_dir), run_id
         self.run_aside = self.run_dir / f"{ASIDE_PREFIX}{run_id}"
         self.checkpoint_aside = self.checkpoint_dir / f"{ASIDE_PREFIX}{run_id}"
@@ -43,14 +45,21 @@ class SetAside:
 
     # -- set aside ---------------------------------------------------------------------
     def move(self, outputs: Iterable[Path], checkpoints: Iterable[Path]) -> None:
-        """Move `outputs` (entries of the run directory) and `checkpoints` aside; the list first."""
+        """Move `outputs` (entries of the run directory) and `checkpoints` aside; the list first. A
+        move the filesystem refuses puts back the ones made and raises ValueError naming the file."""
         self.moves = [(p, self.run_aside / p.name) for p in outputs]
         self.moves += [(p, self.checkpoint_aside / p.name) for p in checkpoints]
         self.run_aside.mkdir()
         self._write_list()
         for original, aside in self.moves:
-            aside.parent.mkdir(exist_ok=True)
-            os.rename(original, aside)
+            try:
+                aside.parent.mkdir(exist_ok=True)
+                os.rename(original, aside)
+            except OSError as exc:
+                self.rollback(new_outputs=())
+                raise ValueError(f"--overwrite: {original} cannot be moved aside ({exc.strerror or exc}); "
+                                 "nothing was changed: fix its permissions, or train in another "
+                                 "--logging.run_dir") from None
 
     def bytes_held(self) -> dict[Path, int]:
         """Bytes set aside, by aside directory: the disk space `commit` gives back."""
@@ -65,10 +74,14 @@ class SetAside:
         return [original.name for original, _ in self.moves]
 
     def rollback(self, new_outputs: Iterable[Path]) -> None:
-        """Remove `new_outputs` (what the new run wrote in the earlier run's place) and move every
-        set-aside file back where it was."""
+        """Move every set-aside file back where it was, after removing what the new run wrote in its
+        place, and remove `new_outputs` that were no file of the earlier run. An original whose aside
+        copy is not there was never moved (a set-aside cut short) or is already back (a rollback cut
+        short): it is the earlier run's and stays. So a rollback stopped anywhere can be run again."""
+        planned = {original for original, _ in self.moves}
         for path in new_outputs:
-            _remove(path)
+            if path not in planned:
+                _remove(path)
         for original, aside in reversed(self.moves):
             if os.path.lexists(aside):
                 _remove(original)
@@ -94,12 +107,14 @@ def recover(run_dir: Path, checkpoint_dir: Path, new_outputs: Callable[[], Itera
     """Finish what an `--overwrite` killed between its set-aside and its end left in `run_dir`."""
     for listing in sorted(Path(run_dir).glob(f"{ASIDE_PREFIX}*/{_LIST}")):
         record = read_json_file(listing, "the --overwrite list")
-        moves = record.get("moves")
-        if not (isinstance(record.get("run_id"), str) and isinstance(moves, list)
+        moves, run_id = record.get("moves"), record.get("run_id")
+        # the run id names the two aside directories: one plain name, the listing's own directory's
+        if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id) and listing.parent.name == ASIDE_PREFIX + run_id
+                and isinstance(record.get("committed"), bool) and isinstance(moves, list)
                 and all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in moves)):
             raise ValueError(f"{listing}: not the list of an --overwrite's set-aside files; move the earlier "
                              f"run's files in {listing.parent} back by hand and remove it")
-        aside = SetAside(run_dir, checkpoint_dir, record["run_id"])
+        aside = SetAside(run_dir, checkpoint_dir, run_id)
         aside.moves = [(Path(a), Path(b)) for a, b in moves]
         _check_inside(aside, listing)
         if record.get("committed") is True:

@@ -233,15 +233,19 @@ class Claim:
 
     run_id: str
     directory: RunDirectory | None  # rank 0 only
+    pending_config: JobConfig | None = None  # a resume's resolved config, saved when it commits (rank 0)
 
     def freed(self) -> dict[Path, int]:
         """Bytes an --overwrite's set-aside run gives back when the run commits (rank 0)."""
         return self.directory.bytes_set_aside() if self.directory is not None else {}
 
     def commit(self) -> None:
-        """Every check passed and the run trains: an --overwrite removes the run it set aside."""
+        """Every check passed and the run trains: a resume's config and record are written (one refused
+        before leaves the run's as they were), an --overwrite removes the run it set aside."""
         if self.directory is not None:
-            self.directory.commit_overwrite()
+            if self.pending_config is not None:
+                save_run_config(self.pending_config, self.directory.run_dir)
+            self.directory.commit()
 
 
 def claim_run_directory(cfg: JobConfig, launch: Launch, overwrite: bool, console: Console,
@@ -250,11 +254,13 @@ def claim_run_directory(cfg: JobConfig, launch: Launch, overwrite: bool, console
     saved, the seeds set."""
     claimed: list[RunDirectory] = []
     run_id = decide_on_rank0(lambda: _claim_run_dir(cfg, overwrite, console, resources, claimed))
-    if launch.info.is_main:
+    directory = claimed[0] if claimed else None
+    resumed = directory is not None and directory.continued
+    if launch.info.is_main and not resumed:
         save_run_config(cfg, launch.run_dir)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    return Claim(run_id, claimed[0] if claimed else None)
+    return Claim(run_id, directory, cfg if resumed else None)
 
 
 @dataclass

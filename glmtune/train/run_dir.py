@@ -19,12 +19,15 @@
     or an abandoned checkpoint only when it is provably this run's (its name or trainer
     state carries the run id: `CheckpointManager.owned_leftovers`); the rest stay, named.
     The earlier run is set aside, not removed, until the new run has passed every check
-    (`overwrite.SetAside`: `commit_overwrite` removes it before the first step; a run that
+    (`overwrite.SetAside`: `commit` removes it before the first step; a run that
     ends before that moves it back), and an input of the new run that lies among the files
     it would replace is refused;
   * a resume (`checkpoint.resume auto`) that finds none of the run's checkpoints is refused
     when the directory holds what a finished run leaves (hf/, the adapters, samples.json):
     starting again at step 0 would replace them;
+  * a resume writes the run's config.yaml and record only when it trains (`commit`): one refused
+    before (a missing data file) leaves them as the run trained with;
+  * checkpoint.dir may not lie inside a file the run writes whole (hf/, tensorboard/, ...);
   * the run and checkpoint directories must be writable, checked with a probe file.
 
 The lock's mechanics, the run record and the stop file are glmtune/io/run_lock.py's (other
@@ -116,6 +119,8 @@ class RunDirectory:
         self.say = say
         self._lock = RunLock(self.run_dir)
         self._aside: SetAside | None = None  # the earlier run, while an --overwrite has not committed
+        self.continued = False  # the claim resumes the run the directory holds
+        self._pending_record: dict[str, Any] | None = None  # a resume's record, written when it commits
 
     def lock(self) -> None:
         """Take the run directory's lock (kept until `release`) or name its holder."""
@@ -142,8 +147,12 @@ class RunDirectory:
         finally:
             self._lock.release()
 
-    def commit_overwrite(self) -> None:
-        """The new run passed its checks and trains: remove the earlier run it set aside (if any)."""
+    def commit(self) -> None:
+        """The run passed its checks and trains: a resume's record is written; an --overwrite removes the
+        earlier run it set aside."""
+        if self._pending_record is not None:
+            write_run_record(self.run_dir, {**(read_run_record(self.run_dir) or {}), **self._pending_record})
+            self._pending_record = None
         if self._aside is not None:
             removed = self._aside.commit()
             where = self.run_dir if self.checkpoint_dir.parent == self.run_dir \
@@ -163,6 +172,7 @@ class RunDirectory:
         among the files it would replace.
         """
         assert self._lock.held, "lock() first"
+        self._refuse_checkpoints_among_outputs()
         recover(self.run_dir, self.checkpoint_dir, self._outputs_present, self.say)
         record, not_a_run = self._previous_run()
         fresh = resume in ("none", "", None)
@@ -185,8 +195,12 @@ class RunDirectory:
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         run_id = continued["run_id"] if continued else uuid.uuid4().hex[:16]
         self._lock.mark()
-        write_run_record(self.run_dir, {"run_id": run_id, "started": now,
-                                        "created": continued.get("created", now) if continued else now})
+        written = {"run_id": run_id, "started": now, "created": continued.get("created", now) if continued else now}
+        self.continued = continued is not None
+        if self.continued:  # a resume refused before it trains leaves the run's record as it was
+            self._pending_record = written
+        else:
+            write_run_record(self.run_dir, written)
         return run_id
 
     def _previous_run(self) -> tuple[dict[str, Any] | None, str]:
@@ -245,6 +259,17 @@ class RunDirectory:
                              f"{self.checkpoint_dir} to resume from, and starting again at step 0 would replace "
                              f"the finished run's outputs ({', '.join(found)}); keep them and train in another "
                              "--logging.run_dir, or start this run over with --overwrite")
+
+    def _refuse_checkpoints_among_outputs(self) -> None:
+        """checkpoint.dir at or inside a file the run writes whole (hf/ is replaced by the export at the
+        end, tensorboard/ and the rest by --overwrite): its checkpoints would go with it."""
+        where = self.checkpoint_dir.resolve()
+        for name in RUN_OUTPUTS:
+            output = (self.run_dir / name).resolve()
+            if where == output or output in where.parents:
+                raise ValueError(f"checkpoint.dir {self.checkpoint_dir} is inside {self.run_dir / name}, which the "
+                                 "run replaces whole; choose another --checkpoint.dir (the default is "
+                                 "RUN_DIR/checkpoints)")
 
     def _outputs_present(self) -> list[Path]:
         return [self.run_dir / n for n in RUN_OUTPUTS if os.path.lexists(self.run_dir / n)]

@@ -5,6 +5,7 @@ exit status 2 (130 for Ctrl-C), no traceback, and changes nothing on disk."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -135,6 +136,104 @@ def test_an_overwrite_killed_before_its_run_trained_is_undone_by_the_next_claim(
     assert any("moved run" in line and "back" in line for line in said), said
     assert changes(before, snapshot(run_dir, ignore=LOCK_AND_RECORD)) == []
     assert not list(run_dir.glob(".overwritten-*"))
+
+
+class _Killed(BaseException):
+    """The process dies here: no handler, no rollback runs."""
+
+
+def _rename_killed_at(monkeypatch, call: int, error: BaseException | None = None) -> None:
+    """os.rename dies (or fails with `error`) at its `call`-th use from now on."""
+    real, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(src)
+        if len(calls) == call:
+            raise error if error is not None else _Killed()
+        return real(src, dst)
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def _claim(run_dir: Path, overwrite: bool, said: list[str] | None = None, resume: str = "none") -> RunDirectory:
+    claim = RunDirectory(run_dir, run_dir / "checkpoints", (said if said is not None else []).append)
+    claim.lock()
+    claim.claim("name: new\n", resume, overwrite=overwrite)
+    return claim
+
+
+@pytest.mark.parametrize("call", [1, 2, 5, 7])
+def test_an_overwrite_killed_while_setting_aside_loses_nothing(copy, monkeypatch, call):
+    """Killed after `call` - 1 of its moves: the next claim puts back what moved and keeps what did not
+    (it removed the files not yet moved as if the new run had written them)."""
+    run_dir = copy / "run"
+    before = snapshot(run_dir, ignore=LOCK_AND_RECORD)
+    _rename_killed_at(monkeypatch, call)
+    with pytest.raises(_Killed):
+        _claim(run_dir, overwrite=True)
+    monkeypatch.undo()
+    said: list[str] = []
+    with pytest.raises(ValueError, match="already holds another run"):
+        _claim(run_dir, overwrite=False, said=said)
+    assert changes(before, snapshot(run_dir, ignore=LOCK_AND_RECORD)) == [], said
+
+
+@pytest.mark.parametrize("call", [1, 3, 6])
+def test_an_overwrite_killed_while_putting_back_loses_nothing(copy, monkeypatch, call):
+    """The new run was refused and is putting the earlier run back when it dies: the next claim
+    finishes it (it removed what was already back, as if the new run had written it)."""
+    run_dir = copy / "run"
+    before = snapshot(run_dir, ignore=LOCK_AND_RECORD)
+    claim = _claim(run_dir, overwrite=True)
+    (run_dir / "config.yaml").write_text("the refused run's config\n")
+    (run_dir / "trainable.json").write_text("{}\n")
+    _rename_killed_at(monkeypatch, call)
+    with pytest.raises(_Killed):
+        claim.release()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="already holds another run"):
+        _claim(run_dir, overwrite=False)
+    assert changes(before, snapshot(run_dir, ignore=LOCK_AND_RECORD)) == []
+
+
+def test_an_overwrite_the_filesystem_refuses_midway_changes_nothing(copy, monkeypatch):
+    run_dir = copy / "run"
+    before = snapshot(run_dir, ignore=LOCK_AND_RECORD)
+    _rename_killed_at(monkeypatch, 4, PermissionError(1, "Operation not permitted"))
+    with pytest.raises(ValueError, match="cannot be moved aside .Operation not permitted.; nothing was changed"):
+        _claim(run_dir, overwrite=True)
+    monkeypatch.undo()
+    assert changes(before, snapshot(run_dir, ignore=LOCK_AND_RECORD)) == []
+
+
+@pytest.mark.parametrize("run_id", ["x/../../victim", "..", ""])
+def test_a_set_aside_list_naming_a_path_is_refused_and_removes_nothing(copy, run_id):
+    victim = copy / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("keep\n")
+    listing = copy / "run" / ".overwritten-x" / "set_aside.json"
+    listing.parent.mkdir()
+    listing.write_text(json.dumps({"run_id": run_id, "committed": True, "moves": []}))
+    with pytest.raises(ValueError, match="not the list of an --overwrite's set-aside files"):
+        _claim(copy / "run", overwrite=False)
+    assert (victim / "keep.txt").read_text() == "keep\n"
+
+
+def test_a_resume_refused_before_it_trains_keeps_the_runs_config_and_record(copy):
+    """config.yaml held the refused settings (and the next resume compared against them)."""
+    # every start writes the preset's base again: the same weights, its output record's time new
+    unchanged = (".glmtune.lock", "base/.glmtune-output.json")
+    before = snapshot(copy / "run", ignore=unchanged)
+    result = run(copy / "run", copy / "cache", *QUICK, "--train.max_steps", "3", "--optim.lr", "0.5",
+                 "--data.train", '["/nonexistent/rows.jsonl"]', "--checkpoint.resume", "auto")
+    _refused(result, "/nonexistent/rows.jsonl")
+    assert changes(before, snapshot(copy / "run", ignore=unchanged)) == []
+
+
+@pytest.mark.parametrize("inside", ["hf", "tensorboard/ckpt"])
+def test_checkpoints_inside_a_file_the_run_replaces_whole_are_refused(tmp_path, inside):
+    result = run(tmp_path / "run", tmp_path / "cache", *QUICK, "--checkpoint.dir", str(tmp_path / "run" / inside))
+    _refused(result, "checkpoint.dir", "which the run replaces whole")
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_resume_auto_continues_and_reports_changed_settings(copy):
