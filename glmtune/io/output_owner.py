@@ -70,14 +70,13 @@ def write_record(directory: Path, command: str, output: str) -> None:
 
 
 def _tree(directory: Path) -> list[str]:
-    """The relative paths of everything under `directory` but hidden entries, links not followed."""
+    """The relative paths of everything under `directory` but its record, hidden entries included (a
+    user's .git or .notes.md is as much theirs as any other file), links not followed."""
     found = []
     for root, dirnames, filenames in os.walk(directory):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         rel = os.path.relpath(root, directory)
-        found += [os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/")
-                  for name in (*dirnames, *filenames) if not name.startswith(".")]
-    return sorted(found)
+        found += [os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/") for name in (*dirnames, *filenames)]
+    return sorted(path for path in found if path != RECORD)
 
 
 def owner_problem(target: Path, kind: str, command: str, output: str) -> str | None:
@@ -127,11 +126,11 @@ def _read_record(directory: Path) -> tuple[dict | None, str]:
 
 
 def _entries(directory: Path) -> dict[str, bool]:
-    """{name: is a regular file (not a link)} of the directory's non-hidden entries; {} if unreadable."""
+    """{name: is a regular file (not a link)} of the directory's entries, hidden ones included; {} if
+    unreadable."""
     try:
         with os.scandir(directory) as entries:
-            return {e.name: stat.S_ISREG(e.stat(follow_symlinks=False).st_mode)
-                    for e in entries if not e.name.startswith(".")}
+            return {e.name: stat.S_ISREG(e.stat(follow_symlinks=False).st_mode) for e in entries}
     except OSError:
         return {}
 
@@ -207,7 +206,8 @@ def _synthetic_file(path: Path) -> bool:
 
 
 def _preflight_dir(directory: Path) -> bool:
-    return (directory / "preflight.json").is_file()  # as glmtune preflight itself tells its output
+    # as glmtune preflight itself tells its output; a hidden entry beside the report (.git) is a user's
+    return (directory / "preflight.json").is_file() and not any(name.startswith(".") for name in _entries(directory))
 
 
 # (command, output option) -> (what its output is, for messages; whether a target without a record is one)

@@ -431,3 +431,35 @@ def test_the_cli_names_the_command_that_writes(tmp_path):
     with output_dir(tmp_path / "lib") as tmp:  # a library call names no command: no record, plain overwrite
         (tmp / "a").write_text("a")
     assert os.listdir(tmp_path / "lib") == ["a"]
+
+
+@pytest.mark.parametrize("hidden", [".git/config", ".my-notes.md", "sets/.keep"])
+def test_a_hidden_file_added_to_an_output_is_not_the_commands_to_replace(tmp_path, hidden):
+    target = tmp_path / "out"
+    _write(target, "eval")
+    (target / hidden).parent.mkdir(parents=True, exist_ok=True)
+    (target / hidden).write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"which glmtune eval did not write there"):
+        _write(target, "eval", overwrite=True)
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+@pytest.mark.parametrize("command, what, kind, make, foreign", [c for c in LEGACY if c[2] == "dir"],
+                         ids=[c[0] + c[1] for c in LEGACY if c[2] == "dir"])
+def test_an_output_without_a_record_holding_a_hidden_file_is_not_recognized(tmp_path, command, what, kind, make,
+                                                                           foreign):
+    make(tmp_path / "theirs", ".notes.md")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"did not write.*replaces only what glmtune {command} wrote"):
+        check_output(tmp_path / "theirs", kind=kind, overwrite=True, command=command, what=what)
+    assert changes(before, snapshot(tmp_path)) == []
+
+
+def test_a_preflight_output_without_a_record_beside_a_hidden_entry_is_not_recognized(tmp_path):
+    (tmp_path / "pre").mkdir()
+    (tmp_path / "pre" / "preflight.json").write_text("{}")
+    check_output(tmp_path / "pre", overwrite=True, command="preflight", what="--out")
+    (tmp_path / "pre" / ".git").mkdir()
+    with pytest.raises(ValueError, match="did not write.*replaces only what glmtune preflight wrote"):
+        check_output(tmp_path / "pre", overwrite=True, command="preflight", what="--out")
