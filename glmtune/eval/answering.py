@@ -69,12 +69,20 @@ class _Request:
     turn: Turn | None = None  # the last round's
     output: ModelOutput | None = None
     generation_error: BaseException | None = None
+    keeps_traceback: bool = False  # the first request's error is raised when every one fails
 
     def finish(self, text: str, how: str, error: str | None = None) -> None:
         self.output = ModelOutput(text, "".join(self.pieces), self.calls, self.latency_s, self.tokens, how, error=error)
 
     def fail(self, stage: str, exc: BaseException) -> None:
         self.finish("", "error", f"{stage} failed: {failure_text(exc)}")
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """`exc` without its traceback and chained exceptions: what its frames held (a batch's tensors,
+    a parsed response) is freed while the request's error is kept for the end of the set."""
+    exc.__traceback__ = exc.__cause__ = exc.__context__ = None
+    return exc
 
 
 def failure_text(exc: BaseException) -> str:
@@ -93,7 +101,7 @@ def run_rows(backend: Backend, rows: list[EvalRow], prompting: Prompting, execut
     an idle share of its collectives; the round's requests are then shared, so every rank forms
     the next round's batches from all of them, as one process does."""
     d = prompting.decoding
-    requests = [_Request(row, list(row.prompt)) for row in rows]
+    requests = [_Request(row, list(row.prompt), keeps_traceback=index == 0) for index, row in enumerate(rows)]
     pending = list(range(len(requests)))
     generate_s = 0.0
     size = backend.batch_size(d)
@@ -130,7 +138,7 @@ def _answer_batch(backend: Backend, batch: list[_Request], prompting: Prompting,
     for request, result in zip(batch, results):
         if isinstance(result, Failed):
             if result.stage == "generation":
-                request.generation_error = result.error
+                request.generation_error = result.error if request.keeps_traceback else _detached(result.error)
             request.fail(result.stage, result.error)
             continue
         request.latency_s += result.latency_s

@@ -201,7 +201,10 @@ def call(request: Callable[[], T], log: FaultLog, policy: RetryPolicy, server: s
             failed = RequestFailed(kind, number + 1, exc, server, request_id) if give_up else None
             log.count(fault=kind, failed=kind if give_up else None, retry=not give_up,
                       message=str(failed) if failed else None)
-            if failed is not None:
-                raise failed from exc
-            time.sleep(wait)
+        if failed is not None:
+            # Raised here, not in the except clause: chained to the fault, it would keep the fault's
+            # traceback, and with it the parsed response of every failed request, alive (its message
+            # already says what the fault was).
+            raise failed
+        time.sleep(wait)
     raise AssertionError("unreachable: the last attempt returns or raises")

@@ -23,7 +23,7 @@ from glmtune.eval.backends import Failed, Turn
 from glmtune.eval.endpoint import Endpoint, EndpointOptions, resolve_endpoint
 from glmtune.eval.evaluate import run_eval
 from glmtune.eval.suite import DecodingConfig
-from tests.eval.hostile_stub import (ANSWER, DRIP_FOR_S, Server, completion, drip, echo_logprobs, huge, raw,
+from tests.eval.hostile_stub import (ANSWER, DRIP_FOR_S, Server, chat, completion, drip, echo_logprobs, huge, raw,
                                      redirect, reply)
 
 MAX_NEW_TOKENS = 8
@@ -245,3 +245,32 @@ def test_a_listing_of_200001_models_gives_a_short_error():
     assert str(too_large.value).startswith(f"--candidate {server.url}: GET /v1/models failed (too large after 1 "
                                            "attempt: ResponseTooLarge: GET ")
     assert "over the 1,048,576-byte cap (--max-response-bytes)" in str(too_large.value)
+
+
+def test_failed_requests_keep_nothing_of_their_responses(prompting):
+    """A failed request keeps its reason, not its parsed response (through the fault's traceback):
+    the memory held after failures does not grow with the failed rows."""
+    long_text = completion("word " * 400_000)  # 2 MB: under the cap, over what 8 tokens can spell
+    markers = [f"long-{i}" for i in range(8)]
+    with Server({marker: long_text for marker in markers}) as server:
+        _answer(server.url, prompting, ["warm-up"])  # the client's imports and first connection: not measured
+        tracemalloc.start()
+        try:
+            results, ops = _answer(server.url, prompting, markers, max_response_bytes=4 << 20, concurrency=2)
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+    assert ops["failures"] == {"malformed": len(markers)}
+    for result in results:
+        assert "more than 8 tokens can spell" in _error(result)
+        assert result.error.__cause__ is None and result.error.__context__ is None
+    assert held < 2 << 20, f"{held:,} bytes still held after 8 failed requests of 2 MB each"
+
+
+def test_a_flood_of_tool_calls_is_refused_before_the_schema_walks_it(prompting):
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(50_000)]
+    with Server({"flood": chat({"content": None, "tool_calls": calls})}) as server:
+        results, ops = _answer(server.url, prompting, ["flood", "ok"], api="chat")
+    assert "$.choices[0].message.tool_calls: 50,000 tool calls, more than 8 tokens can spell" in _error(results[0])
+    assert isinstance(results[1], Turn) and results[1].text == ANSWER
+    assert ops["failures"] == {"malformed": 1}
