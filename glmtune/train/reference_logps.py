@@ -10,13 +10,14 @@ scatters it back to [B, T] beside `targets`).
 The values are cached beside the tokenized data (`<data.cache_dir>/reference_logps/<key>.safetensors`,
 written atomically, read without unpickling). The key hashes what the numbers depend on: the
 starting model, the compute dtype and kernel backends, and the packed rows themselves. An HF
-directory's identity is its config and its weight files' names, sizes and modification times,
-and, since those can all be kept by a file swapped in (`cp -p`, `touch -r`, `os.utime`), a
-sample of their content: each safetensors file's header and `SAMPLE_BYTES` from the start and
-the middle of every tensor (`content_sample`), a few reads per tensor where hashing every byte
-of GLM-5 would take an hour. Different weights change every element of the tensors they touch
-(a fine-tune, a merged adapter, another base), so a swapped file changes the key and the
-reference is computed again. A preset's identity is its base weights' full hash. A resumed run,
+directory's identity is its config and its weight files' names, sizes, modification times,
+inodes and status-change times (ctime), and a sample of their content: each safetensors file's
+header and `SAMPLE_BYTES` from the start and the middle of every tensor (`content_sample`), a
+few reads per tensor where hashing every byte of GLM-5 would take an hour. The modification
+time can be put back (`cp -p`, `touch -r`, `os.utime`) and the sample misses a rewrite between
+its reads; the ctime cannot be set, and every write, in place or by a file renamed over the old
+one, moves it (a new inode too). So any change to a weight file changes the key and the
+reference is computed again; so does a mere `chmod` (a recomputation, never a stale reuse). A preset's identity is its base weights' full hash. A resumed run,
 or a second run on the same data and model, reads the values instead of computing them again
 (the log names the file, whose name is the key); a cache file that is not what `save` writes,
 or whose shapes do not match the rows, is refused in one sentence naming it, never used.
@@ -57,7 +58,7 @@ from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import REFERENCE_CACHE, collate
 from glmtune.train.preference import full_rows, sequence_shard_of
 
-CACHE_VERSION = 2  # 2: an HF directory's identity samples its weights' content
+CACHE_VERSION = 3  # 2: an HF directory's identity samples its weights' content; 3: their inodes and ctimes
 SAMPLE_BYTES = 64  # per tensor, at its start and in its middle
 
 
@@ -92,14 +93,15 @@ def content_sample(file: Path) -> str:
 
 
 def model_files_identity(model_dir: Path) -> dict[str, Any]:
-    """An HF directory's config and its weight files' names, sizes, mtimes and sampled content
-    (module docstring); the files sampled in parallel (reads release the GIL)."""
+    """An HF directory's config and its weight files' names, sizes, mtimes, inodes, ctimes and
+    sampled content (module docstring); the files sampled in parallel (reads release the GIL)."""
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json"))
     weights = [p for p in files if p.suffix == ".safetensors"]
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         samples = dict(zip((p.name for p in weights), pool.map(content_sample, weights)))
+    stats = {p.name: p.stat() for p in files}
     return {"path": str(model_dir.resolve()),
-            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+            "files": [[name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns] for name, st in stats.items()],
             "content": samples}
 
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.train import reference_logps
@@ -40,12 +41,43 @@ def test_a_swapped_weight_file_changes_the_key(ckpt, tmp_path):
     save_file(tensors, str(tmp_path / "other.safetensors"), metadata={"format": "pt"})
     _swap_keeping_size_and_times(ckpt / name, tmp_path / "other.safetensors")
     swapped = reference_logps.model_files_identity(ckpt)
-    assert swapped["files"] == identity["files"]  # names, sizes and times: what the key held before
-    assert swapped != identity
+    assert [f[:3] for f in swapped["files"]] == [f[:3] for f in identity["files"]]  # names, sizes, mtimes
+    assert swapped["content"] != identity["content"]
     rows = [{"input_ids": [1, 2], "labels": [1, 2], "position_ids": [0, 1], "document_ids": [0, 0]}]
     assert reference_logps.cache_key(swapped, {}, rows, []) != reference_logps.cache_key(identity, {}, rows, [])
     _swap_keeping_size_and_times(ckpt / name, tmp_path / "other.safetensors")  # the same bytes again
-    assert reference_logps.model_files_identity(ckpt) == swapped
+    assert reference_logps.model_files_identity(ckpt)["content"] == swapped["content"]
+    assert reference_logps.model_files_identity(ckpt) == reference_logps.model_files_identity(ckpt)
+
+
+def _wait_for_the_file_clock_to_pass(ctime_ns: int, probe: Path) -> None:
+    while True:
+        probe.touch()
+        if probe.stat().st_ctime_ns > ctime_ns:
+            probe.unlink()
+            return
+
+
+def test_a_rewrite_the_content_sample_misses_changes_the_key(ckpt):
+    """Bytes rewritten in place between the sampled ones (a tensor's last quarter), the modification
+    time put back: the sample is the same, the status-change time is not."""
+    name = weight_map(ckpt)[Q_A]
+    entries, data_start = read_header(ckpt / name)
+    begin, end = (data_start + offset for offset in entries[Q_A]["data_offsets"])
+    at = end - (end - begin) // 4
+    identity = reference_logps.model_files_identity(ckpt)
+    before = (ckpt / name).stat()
+    _wait_for_the_file_clock_to_pass(before.st_ctime_ns, ckpt / "probe")  # a coarse one ticks every few ms
+    with open(ckpt / name, "r+b") as f:
+        f.seek(at)
+        tail = f.read(end - reference_logps.SAMPLE_BYTES - at)
+        f.seek(at)
+        f.write(bytes(255 - b for b in tail))
+    os.utime(ckpt / name, ns=(before.st_atime_ns, before.st_mtime_ns))
+    rewritten = reference_logps.model_files_identity(ckpt)
+    assert rewritten["content"] == identity["content"]  # the sample did not see it
+    rows = [{"input_ids": [1, 2], "labels": [1, 2], "position_ids": [0, 1], "document_ids": [0, 0]}]
+    assert reference_logps.cache_key(rewritten, {}, rows, []) != reference_logps.cache_key(identity, {}, rows, [])
 
 
 def _values(rows: int = 3) -> list[torch.Tensor]:
