@@ -285,14 +285,16 @@ class CheckpointManager:
         return verify_checksums(checkpoint.path)
 
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                say: Callable[[str], None], expected_state: dict[str, Any] | None = None
+                say: Callable[[str], None], expected_state: dict[str, Any] | None = None,
+                check_state: Callable[[dict[str, Any]], None] | None = None
                 ) -> tuple[Checkpoint | None, dict[str, Any] | None]:
         """Load what `checkpoint.resume` names and return it with its trainer state.
 
         `auto` takes the newest intact checkpoint of this run: a damaged one is named
         and skipped (falling back to the one before it); finding none is said, too. An
         explicitly named checkpoint that is damaged is an error. `expected_state`: the
-        trainer state the caller would save now, which the checkpoint's must be like (`load`).
+        trainer state the caller would save now, which the checkpoint's must be like (`load`);
+        `check_state`: the caller's own checks of its values (ValueError: the checkpoint is damaged).
         """
         if resume in ("none", "", None):
             return None, None
@@ -302,7 +304,7 @@ class CheckpointManager:
             if problems:
                 raise DamagedCheckpointError(f"checkpoint.resume: {checkpoint.path} is damaged: {problems[0]}"
                                              + _more(problems) + "; resume from another checkpoint")
-            return checkpoint, self.load(checkpoint, model, optimizer, expected_state)
+            return checkpoint, self.load(checkpoint, model, optimizer, expected_state, check_state)
         candidates = self.owned()
         others = len(self.complete()) - len(candidates)
         if others:
@@ -314,7 +316,7 @@ class CheckpointManager:
             problems = self.verify(checkpoint)
             if not problems:
                 try:
-                    return checkpoint, self.load(checkpoint, model, optimizer, expected_state)
+                    return checkpoint, self.load(checkpoint, model, optimizer, expected_state, check_state)
                 except DamagedCheckpointError as exc:
                     problems = [str(exc)]
             say(f"checkpoint {checkpoint.path} is damaged ({problems[0]}{_more(problems)}); "
@@ -428,12 +430,14 @@ class CheckpointManager:
                                                  f"partial checkpoint; {kept}")
 
     def load(self, checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             expected_state: dict[str, Any] | None = None) -> dict[str, Any]:
+             expected_state: dict[str, Any] | None = None,
+             check_state: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Restores model, optimizer and this rank's RNG; returns the trainer state.
 
         Args:
             expected_state: the trainer state the caller would save now; the checkpoint's must
                 have exactly its fields, each of the same kind (`check_trainer_state`).
+            check_state: checks of the trainer state's values, run before anything is loaded.
 
         Raises:
             DamagedCheckpointError: a file of the checkpoint cannot be read, or holds a value
@@ -442,7 +446,7 @@ class CheckpointManager:
         state = self._state(model, optimizer)
         read, problem, cause = None, None, None
         try:
-            read = self._read(checkpoint, state, expected_state)
+            read = self._read(checkpoint, state, expected_state, check_state)
         except (Exception, CheckpointException) as exc:
             problem, cause = failure_of(exc)[:400], exc
         problems = [p for p in _gathered(problem) if p]  # a rank's own RNG file fails every rank alike
@@ -459,13 +463,16 @@ class CheckpointManager:
             restore_rng(rng)
         return trainer_state
 
-    def _read(self, checkpoint: Checkpoint, state: dict[str, Any], expected_state: dict[str, Any] | None
+    def _read(self, checkpoint: Checkpoint, state: dict[str, Any], expected_state: dict[str, Any] | None,
+              check_state: Callable[[dict[str, Any]], None] | None = None
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Fill `state` (model, optimizer) from `checkpoint`, every value checked against what this
         optimizer writes; (its trainer state, this rank's RNG states or None)."""
         groups_written = copy.deepcopy(state["optim"].get("param_groups", []))  # what this optimizer writes
         trainer_state = read_trainer_state(checkpoint.path)
         check_trainer_state(trainer_state, STATE_NAME, checkpoint.step, expected_state)
+        if check_state is not None:
+            check_state(trainer_state)
         reader = JsonMetadataReader(checkpoint.path)
         never_stepped = _drop_unsaved_optimizer_state(state["optim"], reader)
         with _quiet_single_process():

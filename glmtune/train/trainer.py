@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.checkpoint.manager import STATE_NAME, CheckpointManager
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.metrics import MetricsWriter, routing_stats
 from glmtune.train.progress import StepProgress
+from glmtune.train.resume_state import Configured, apply_configured, check_position
 from glmtune.train.router_balance import update_router_biases
 
 # (model, micro-batch) -> (loss sum over the batch's loss units, unit count[, sums of logged statistics]).
@@ -231,8 +232,10 @@ class Trainer:
 
     def resume(self, resume: str) -> int:
         """Load what `checkpoint.resume` names (see `CheckpointManager.restore`); the step reached."""
-        checkpoint, state = self.checkpoints.restore(resume, self.model, self.optimizer, self._print,
-                                                     expected_state=self.trainer_state())
+        configured = Configured.of(self.optimizer, self.scheduler)  # before the checkpoint's load over them
+        checkpoint, state = self.checkpoints.restore(
+            resume, self.model, self.optimizer, self._print, expected_state=self.trainer_state(),
+            check_state=lambda read: check_position(read, STATE_NAME, self.train_loader))
         if checkpoint is None:
             return 0
         # The metrics file is read (rank 0's) before anything moves: a hostile line stops every rank alike.
@@ -240,6 +243,7 @@ class Trainer:
         for moved in self.checkpoints.set_aside_after(checkpoint.step):
             self._print(f"set aside newer checkpoint {moved.name} (resuming from step {checkpoint.step})")
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_configured(self.optimizer, self.scheduler, configured, state["step"])
         self.train_loader.load_state_dict(state["loader"])
         self.tokens_seen = state["tokens_seen"]
         self.step = state["step"]

@@ -174,6 +174,17 @@ STATE_EDITS = {
     "step a string": (_edit_state(lambda s: s.update(step="4")), "trainer_state.json: step is '4'"),
     "step of another directory": (_edit_state(lambda s: s.update(step=9)), "step is 9, the checkpoint's directory"),
     "run id a number": (_edit_state(lambda s: s.update(run_id=5)), "trainer_state.json: run_id is a int"),
+    "epoch far ahead": (_edit_state(lambda s: s["loader"].update(epoch=10 ** 6)),
+                        "trainer_state.json: loader.epoch 1000000, loader.cursor 4 and tokens_seen 96 are not what 4 steps leave "
+                        "(8 micro-batches of 2 rows an epoch, rows of 12 tokens); the trainer state was not written"),
+    "cursor far ahead": (_edit_state(lambda s: s["loader"].update(cursor=10 ** 18)),
+                         "loader.cursor 1000000000000000000 and tokens_seen"),
+    "cursor zero": (_edit_state(lambda s: s["loader"].update(cursor=0)), "loader.cursor 0 and tokens_seen"),
+    "tokens of other steps": (_edit_state(lambda s: s.update(tokens_seen=s["tokens_seen"] * 3)),
+                              "are not what 4 steps leave"),
+    "scheduler far ahead": (_edit_state(lambda s: s["scheduler"].update(last_epoch=10 ** 30)),
+                            "trainer_state.json: scheduler.last_epoch 1000000000000000000000000000000 and "
+                            "scheduler._step_count 5 are not what 4 steps leave (4 and 5)"),
     "nested": (lambda c: (c / "trainer_state.json").write_text("[" * 50_000 + "]" * 50_000),
                "trainer_state.json: JSON nested deeper"),
     "a list": (lambda c: (c / "trainer_state.json").write_text("[]"), "not a trainer state"),
@@ -195,6 +206,23 @@ def test_the_trainer_state_a_run_writes_is_accepted_as_it_is(tmp_path):
     resumed = _trainer(tmp_path, micro=2, accum=1, steps=4, every=2)
     assert resumed.resume(str(_newest(tmp_path))) == 4
     assert resumed.scheduler.state_dict() == trainer.scheduler.state_dict()
+    assert resumed.optimizer.param_groups[0]["lr"] == trainer.optimizer.param_groups[0]["lr"]
+
+
+def test_a_resume_trains_with_the_configured_hyperparameters_not_the_saved_ones(tmp_path):
+    """A checkpoint's param groups and base learning rates would load over the config's: the resumed
+    run's own settings (here lr and weight decay changed, a legitimate resume) are the ones that train."""
+    _fit_with_checkpoints(tmp_path)
+    newest = _newest(tmp_path)
+    edit_base = _edit_state(lambda s: s["scheduler"].update(base_lrs=[1e300], _last_lr=[1e300]))
+    edit_base(newest)
+    write_checksums(newest)
+    resumed = _trainer(tmp_path, micro=2, accum=1, steps=4, every=2, lr=5e-3, weight_decay=0.0)
+    assert resumed.resume(str(newest)) == 4
+    group = resumed.optimizer.param_groups[0]
+    assert (group["lr"], group["initial_lr"], group["weight_decay"]) == (5e-3, 5e-3, 0.0)
+    assert resumed.scheduler.base_lrs == [5e-3] and resumed.scheduler.get_last_lr() == [5e-3]
+    assert resumed.scheduler.last_epoch == 4
 
 
 # ----------------------------------------------------------------------------- RNG states and optimizer values

@@ -42,10 +42,10 @@ def _loss(model, batch):
     return loss, (targets != -100).sum()
 
 
-def _trainer(tmp_path, micro, accum, loss_fn=_loss, steps=4, every=0):
+def _trainer(tmp_path, micro, accum, loss_fn=_loss, steps=4, every=0, lr=1e-2, weight_decay=0.01):
     torch.manual_seed(0)
     model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     sched = build_scheduler(opt, 0, steps, "constant", 1.0)
     loader = PackedRowLoader(_rows(), micro, seed=3)
     settings = TrainerSettings(max_steps=steps, grad_accum=accum, clip_grad_norm=None, log_every=1, val_every=0,
