@@ -14,6 +14,7 @@ shows the traceback instead, for reporting bugs.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import importlib
 import os
@@ -110,7 +111,11 @@ def run() -> None:
     can leave CPython's own "killed by SIGINT" flag set, which turns a clean `sys.exit(130)`
     into a death by SIGINT (-2) after "interrupted" was printed. Every `finally` of the
     command has run by then; only interpreter shutdown is skipped.
+
+    A crash in native code (a segfault, an abort in a collective library) prints every thread's
+    Python stack first (faulthandler): a torchrun rank that dies says where it was.
     """
+    faulthandler.enable(all_threads=True)
     code = main()
     if code == 130:
         sys.stdout.flush()
