@@ -7,7 +7,7 @@ then `_v_up_proj` with `W_UV`) never calls `kv_b_proj`, so the adapter's kv_b de
 missing for every key and value a decode query attends, the prompt's included. Sparse
 (DSA) MLA backends, which GLM-5 uses, send prefill tokens through that path too.
 
-glmtune's `DecodeCache` stores the compressed latent, and `generation/decode.py` expands it
+glmtune's `DecodeCache` stores the compressed latent, and `models/glm5/decode.py` expands it
 through `kv_b_proj` at every step, so "the kv_b LoRA switched off" reproduces exactly what
 the absorbed path computes. On the eval tickets' prompts of a LoRA run, this compares
 three variants of the same adapter, each decoding greedily with glmtune's cached forward:
@@ -45,8 +45,8 @@ from glmtune.eval.answering import Prompting  # noqa: E402
 from glmtune.eval.models import load_model, resolve_model  # noqa: E402
 from glmtune.eval.sets import load_sets  # noqa: E402
 from glmtune.eval.suite import load_suite  # noqa: E402
-from glmtune.generation.decode import forward_cached  # noqa: E402
-from glmtune.generation.kv_cache import DecodeCache  # noqa: E402
+from glmtune.models.glm5.decode import forward_cached  # noqa: E402
+from glmtune.models.glm5.kv_cache import DecodeCache  # noqa: E402
 from glmtune.peft.lora import LoRALinear  # noqa: E402
 
 

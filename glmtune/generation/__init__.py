@@ -1,6 +1,7 @@
-"""Incremental decoding for GLM-5 with a compressed-KV + indexer-key cache (docs/generation.md)."""
+"""Batched incremental decoding (docs/generation.md): the family-agnostic loop (`generate`,
+sampling, stops); each family's cache and cached forward sit in its own folder, behind its
+spec's `decoding` hooks (GLM-5's: glmtune/models/glm5/decode.py, kv_cache.py)."""
 
-from glmtune.generation.kv_cache import DecodeCache, bytes_per_token
 from glmtune.generation.generator import GenerationResult, default_stop_ids, generate, sample_next
 
-__all__ = ["DecodeCache", "GenerationResult", "bytes_per_token", "default_stop_ids", "generate", "sample_next"]
+__all__ = ["GenerationResult", "default_stop_ids", "generate", "sample_next"]

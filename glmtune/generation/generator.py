@@ -7,7 +7,12 @@
 Prompts of different lengths are LEFT-padded to the longest: every row's next token is
 then the last column, and each row's rope positions count from its first real token
 (as transformers' `generate` does from the attention mask). Pad keys are masked out of
-attention and out of the indexer's top-k (`decode.forward_cached`).
+attention (and, in GLM-5, out of the indexer's top-k: `models/glm5/decode.py`).
+
+What depends on the architecture (the cache, the forward over new tokens through it, the head,
+the config's special ids) is the model family's, reached through its spec's `decoding` hooks
+(`glmtune.models.common.decoding.CachedDecoding`, found by `registry.decoding_of`); this
+module is the family-agnostic part.
 
 The prompt is prefilled in chunks of `prefill_chunk` positions through the same cached
 forward (bounding the [B, S, H, T] fp32 indexer scores); then one token per row per step.
@@ -25,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from glmtune.generation.decode import forward_cached
-from glmtune.generation.kv_cache import DecodeCache
-from glmtune.models.glm5.model import DecoderLayer, Glm5ForCausalLM
+from glmtune.models.common.decoding import CachedDecoding
+from glmtune.models.registry import decoding_of
 
 
 @dataclass
@@ -52,9 +57,16 @@ class GenerationResult:
         return steps / self.decode_s if self.decode_s > 0 else float("inf")
 
 
-def default_stop_ids(model: Glm5ForCausalLM, tokenizer=None) -> set[int]:
-    eos = model.args.eos_token_id
-    ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+def _decoding(model: nn.Module) -> CachedDecoding:
+    """The decoding hooks of `model`'s family, or a ValueError naming its class."""
+    hooks = decoding_of(model)
+    if hooks is None:
+        raise ValueError(f"no model family decodes a {type(model).__name__} with a cache")
+    return hooks
+
+
+def default_stop_ids(model: nn.Module, tokenizer=None) -> set[int]:
+    ids = _decoding(model).eos_token_ids(model)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
@@ -82,7 +94,7 @@ def sample_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int = 
 
 
 @torch.no_grad()
-def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *, tokenizer=None,
+def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, tokenizer=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stop_token_ids: set[int] | None = None, stop_strings: tuple[str, ...] | list[str] = (),
              prefill_chunk: int = 512, return_logits: bool = False, lockstep=None) -> GenerationResult:
@@ -97,17 +109,18 @@ def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: i
         raise ValueError("stop_strings need a tokenizer")
     if stop_token_ids is None:
         stop_token_ids = default_stop_ids(model, tokenizer)
-    param = model.lm_head.weight
-    device = param.device
+    hooks = _decoding(model)
+    head = hooks.head(model)
+    device = head.weight.device
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else torch.seed())
-    pad_id = model.args.pad_token_id if model.args.pad_token_id is not None else 0
+    pad_id = hooks.pad_token_id(model)
 
     batch, longest = len(prompts), max(len(p) for p in prompts)
     ids_BP, valid_BP, positions_BP = _left_padded(prompts, pad_id, device)
-    cache = DecodeCache(model.args, batch, longest + max_new_tokens, param.dtype, device)
+    cache = hooks.new_cache(model, batch, longest + max_new_tokens)
 
     rows = _Rows(batch, max_new_tokens, stop_token_ids, tokenizer, stop_strings)
     step_logits: list[torch.Tensor] = []
@@ -120,14 +133,14 @@ def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: i
             start = time.perf_counter()
             chunks = range(0, longest, prefill_chunk)
             for _ in range(sync.agree_max(len(chunks)) - len(chunks)):
-                _idle_forward(model, sync)  # another rank prefills more chunks: take part in its collectives
+                _idle_forward(hooks, model, sync)  # another rank prefills more chunks: take part in its collectives
             for chunk_start in chunks:
                 cols = slice(chunk_start, chunk_start + prefill_chunk)
-                hidden_BSD = forward_cached(model, ids_BP[:, cols], positions_BP[:, cols], valid_BP[:, cols], cache,
-                                            sync.gathered)
+                hidden_BSD = hooks.forward(model, ids_BP[:, cols], positions_BP[:, cols], valid_BP[:, cols], cache,
+                                           sync.gathered)
             next_pos_B1 = positions_BP[:, -1:] + 1
             for step in range(max_new_tokens):
-                logits_BV = model.lm_head(hidden_BSD[:, -1]).float()
+                logits_BV = head(hidden_BSD[:, -1]).float()
                 if return_logits:
                     step_logits.append(logits_BV)
                 rows.accept(sample_next(logits_BV, temperature, top_k, top_p, generator).tolist())
@@ -139,7 +152,7 @@ def generate(model: Glm5ForCausalLM, prompts: list[list[int]], max_new_tokens: i
                     break
                 next_B1 = torch.tensor(rows.last, device=device)[:, None]
                 ones_B1 = torch.ones(batch, 1, dtype=torch.bool, device=device)
-                hidden_BSD = forward_cached(model, next_B1, next_pos_B1, ones_B1, cache, sync.gathered)
+                hidden_BSD = hooks.forward(model, next_B1, next_pos_B1, ones_B1, cache, sync.gathered)
                 next_pos_B1 = next_pos_B1 + 1
             decode_s = time.perf_counter() - start if max_new_tokens > 1 else 0.0
     finally:
@@ -214,27 +227,17 @@ class _OneProcess:
 _ONE_PROCESS = _OneProcess()
 
 
-def _idle_forward(model: Glm5ForCausalLM, sync) -> None:
+def _idle_forward(hooks: CachedDecoding, model: nn.Module, sync) -> None:
     """One forward of one pad token on a scratch cache: this rank's share of a step the others take."""
-    device = model.lm_head.weight.device
-    cache = DecodeCache(model.args, 1, 1, model.lm_head.weight.dtype, device)
+    device = hooks.head(model).weight.device
+    cache = hooks.new_cache(model, 1, 1)
     one_11 = torch.zeros(1, 1, dtype=torch.long, device=device)
-    forward_cached(model, one_11, one_11, torch.ones(1, 1, dtype=torch.bool, device=device), cache, sync.gathered)
+    hooks.forward(model, one_11, one_11, torch.ones(1, 1, dtype=torch.bool, device=device), cache, sync.gathered)
 
 
-def cached_decoding_supported(model) -> bool:
-    """Whether `generate` can run `model`: a plain `Glm5ForCausalLM` in one process. It calls the
-    layers' submodules itself, so sharded parameters (FSDP2, expert parallelism: DTensors), a
-    sequence shard or pipeline stages, whose wrappers gather or route in their own forwards,
-    are not supported (`glmtune.train.generate.greedy_generate` runs those)."""
-    from torch.distributed.tensor import DTensor
-
-
-    if not isinstance(model, Glm5ForCausalLM) or model.model.sequence_shard is not None:
-        return False
-    layers = list(model.model.layers)
-    if len(layers) != model.args.num_hidden_layers:
-        return False
-    if not all(isinstance(getattr(layer, "_orig_mod", layer), DecoderLayer) for layer in layers):
-        return False
-    return not any(isinstance(p, DTensor) for p in model.parameters())
+def cached_decoding_supported(model: nn.Module) -> bool:
+    """Whether `generate` can run `model` in one process (no lockstep): its family has decoding
+    hooks and they run it as it is (GLM-5: a plain, unsharded model; the family's `supported`
+    says why). Otherwise `glmtune.train.generate.greedy_generate` runs it."""
+    hooks = decoding_of(model)
+    return hooks is not None and hooks.supported(model)

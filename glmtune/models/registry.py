@@ -3,8 +3,9 @@ its weights checked.
 
 The catalog (catalog.py, torch-free) knows the families, the presets and how a recipe's
 `model` section names a model; this module adds what needs a family's spec, and with it torch:
-`spec_for(name_or_path)`, `model_spec(model)`, and `model_args` / `model_dims` that read an HF
-directory through the spec's `args_from_hf`, which checks the directory's weights against its
+`spec_for(name_or_path)`, `model_spec(model)`, `decoding_of(built_model)` (the cached-decoding
+hooks of a built model's family, for `glmtune.generation`), and `model_args` / `model_dims` that
+read an HF directory through the spec's `args_from_hf`, which checks the directory's weights against its
 config.json (train, eval, inspect, plan, preflight; `config validate` reads config.json alone
 through the catalog). A second family is one more entry in `SPECS` (and the catalog's `FAMILIES`).
 """
@@ -17,12 +18,14 @@ from typing import Any
 from glmtune.config.schema import ModelConfig
 from glmtune.models import catalog
 from glmtune.models.catalog import PRESETS, is_preset
+from glmtune.models.common.decoding import CachedDecoding
 from glmtune.models.common.family import ModelDims
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.glm5.spec import GLM5
 
 # PRESETS and is_preset are the catalog's, re-exported for the commands that ask the registry.
-__all__ = ["PRESETS", "SPECS", "is_preset", "model_args", "model_dims", "model_spec", "resolve_args", "spec_for"]
+__all__ = ["PRESETS", "SPECS", "decoding_of", "is_preset", "model_args", "model_dims", "model_spec", "resolve_args",
+           "spec_for"]
 
 # family name -> its spec: every family of the catalog has one.
 SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (GLM5,)}
@@ -61,3 +64,9 @@ def model_dims(model: ModelConfig) -> ModelDims:
     """Experts and layers of the model `model` names (`catalog.model_dims`), an HF directory's
     checked against its weights."""
     return catalog.model_dims(model, read_hf=_args_from_hf)
+
+
+def decoding_of(model: Any) -> CachedDecoding | None:
+    """The cached-decoding hooks of the family a built `model` belongs to (None: no family's)."""
+    return next((spec.decoding for spec in SPECS.values() if spec.decoding is not None and spec.decoding.owns(model)),
+                None)

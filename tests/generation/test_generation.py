@@ -18,9 +18,10 @@ from transformers.utils import logging as hf_logging
 
 from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.data.tokenizer import load_tokenizer
-from glmtune.generation import DecodeCache, bytes_per_token, default_stop_ids, generate, sample_next
+from glmtune.generation import default_stop_ids, generate, sample_next
 from glmtune.generation.generator import cached_decoding_supported
 from glmtune.models.glm5.args import get_preset
+from glmtune.models.glm5.kv_cache import DecodeCache, bytes_per_token
 from glmtune.models.glm5.model import build_model
 from glmtune.train.generate import greedy_generate
 

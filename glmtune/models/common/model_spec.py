@@ -22,10 +22,12 @@ What a spec answers, in the order a run asks:
   moe_layers, pipeline   what the trainer needs of a built model (router statistics, bias
                          updates; the pipeline schedule)
   param_group            the parameter groups the inventory and preflight report by
+  decoding               the cached-decoding hooks `glmtune.generation` drives (decoding.py;
+                         None: the family has none)
   describe               the architecture summary and parameter report (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
-Knows no family and imports only family.py: the methods take and return the family's own objects.
+Knows no family and imports only family.py and decoding.py: the methods take and return the family's own objects.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from glmtune.models.common.decoding import CachedDecoding
 from glmtune.models.common.family import ModelDims, ModelFamily
 
 
@@ -43,6 +46,7 @@ class ModelSpec(ABC):
 
     model_family: ModelFamily  # the torch-free answers, which the spec gives through
     hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
+    decoding: CachedDecoding | None = None  # the cached-decoding hooks (None: the family has none)
 
     # -- architecture ------------------------------------------------------------------
     @property

@@ -1,4 +1,5 @@
-"""The model's forward over new tokens with a `DecodeCache`: prefill chunks and decode steps.
+"""GLM-5's cached decoding: the forward over new tokens with a `DecodeCache` (prefill chunks and
+decode steps), and `GLM5_DECODING`, the hooks the spec gives `glmtune.generation.generate`.
 
 It runs the very modules of `Glm5ForCausalLM` (their weights, norms, rope, MoE) in the order
 of the training forward (`DecoderLayer.forward`, `MLAttention.forward`); only where keys
@@ -27,17 +28,20 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-from glmtune.generation.kv_cache import DecodeCache, LayerCache
+from glmtune.models.common.decoding import CachedDecoding, Gathered
 from glmtune.models.common.rope import apply_interleaved_rope
 from glmtune.models.glm5.attention import MLAttention, eager_attention
 from glmtune.models.glm5.indexer import Indexer
-from glmtune.models.glm5.model import Glm5ForCausalLM
+from glmtune.models.glm5.kv_cache import DecodeCache, LayerCache
+from glmtune.models.glm5.model import DecoderLayer, Glm5ForCausalLM
 
 
 @torch.no_grad()
 def forward_cached(model: Glm5ForCausalLM, ids_BS: torch.Tensor, positions_BS: torch.Tensor,
-                   valid_BS: torch.Tensor, cache: DecodeCache, gathered=None) -> torch.Tensor:
+                   valid_BS: torch.Tensor, cache: DecodeCache, gathered: Gathered | None = None) -> torch.Tensor:
     """Final-normed hidden states [B, S, D] of `ids_BS`, the next S positions of every row
     (`positions_BS`: rope positions; `valid_BS`: False for padding). Appends them to `cache`.
     `gathered(layer)`: a context in which a sharded layer's own weights are whole (FSDP2's
@@ -114,3 +118,46 @@ def topk_selection(q_BSHD, k_BTD, weights_BSH, allowed_BST, indexer: Indexer) ->
     scores_BST = scores_BST.masked_fill(~allowed_BST, torch.finfo(scores_BST.dtype).min)
     top_BSK = scores_BST.topk(indexer.index_topk, dim=-1, sorted=False).indices
     return allowed_BST & torch.zeros_like(allowed_BST).scatter_(-1, top_BSK, True)
+
+
+class Glm5Decoding(CachedDecoding):
+    """GLM-5's decoding hooks (`glmtune.models.common.decoding`): the cache of kv_cache.py and
+    `forward_cached` above."""
+
+    def owns(self, model: nn.Module) -> bool:
+        return isinstance(model, Glm5ForCausalLM)
+
+    def supported(self, model: nn.Module) -> bool:
+        """A plain `Glm5ForCausalLM` in one process. `forward_cached` calls the layers' submodules
+        itself, so sharded parameters (FSDP2, expert parallelism: DTensors), a sequence shard or
+        pipeline stages, whose wrappers gather or route in their own forwards, are not supported
+        (`glmtune.train.generate.greedy_generate` runs those)."""
+        if not isinstance(model, Glm5ForCausalLM) or model.model.sequence_shard is not None:
+            return False
+        layers = list(model.model.layers)
+        if len(layers) != model.args.num_hidden_layers:
+            return False
+        if not all(isinstance(getattr(layer, "_orig_mod", layer), DecoderLayer) for layer in layers):
+            return False
+        return not any(isinstance(p, DTensor) for p in model.parameters())
+
+    def head(self, model: Glm5ForCausalLM) -> nn.Module:
+        return model.lm_head
+
+    def new_cache(self, model: Glm5ForCausalLM, batch: int, max_len: int) -> DecodeCache:
+        weight = model.lm_head.weight
+        return DecodeCache(model.args, batch, max_len, weight.dtype, weight.device)
+
+    def forward(self, model: Glm5ForCausalLM, ids_BS: torch.Tensor, positions_BS: torch.Tensor,
+                valid_BS: torch.Tensor, cache: DecodeCache, gathered: Gathered | None = None) -> torch.Tensor:
+        return forward_cached(model, ids_BS, positions_BS, valid_BS, cache, gathered)
+
+    def eos_token_ids(self, model: Glm5ForCausalLM) -> set[int]:
+        eos = model.args.eos_token_id
+        return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+    def pad_token_id(self, model: Glm5ForCausalLM) -> int:
+        return model.args.pad_token_id if model.args.pad_token_id is not None else 0
+
+
+GLM5_DECODING = Glm5Decoding()

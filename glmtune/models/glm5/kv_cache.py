@@ -1,4 +1,4 @@
-"""The decoding cache: per decoder layer MLA's compressed KV and the DSA indexer's keys.
+"""GLM-5's decoding cache: per decoder layer MLA's compressed KV and the DSA indexer's keys.
 
 What a layer keeps per token (never the per-head keys and values, which kv_b_proj expands
 from the latent again at each step):

@@ -13,6 +13,7 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
   loss, flops                model.py's fused loss; flops.py
   parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
   param groups, describe     param_groups.py; summary.py, counts.py
+  cached decoding            decode.py (`GLM5_DECODING`; the cache in kv_cache.py)
 
 Above the family's own code (it imports checkpoint/ and the parallelization plan): only this
 module and the registry (`glmtune/models/registry.py`) sit on that floor.
@@ -38,6 +39,7 @@ from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.glm5.args import Glm5Args, covering_layers, truncated_args
 from glmtune.models.glm5.attention import set_attention_score_buffer
 from glmtune.models.glm5.counts import layer_runs, parameter_report
+from glmtune.models.glm5.decode import GLM5_DECODING
 from glmtune.models.glm5.family import GLM5_FAMILY
 from glmtune.models.glm5.flops import flops_per_token
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
@@ -57,6 +59,7 @@ class Glm5Spec(ModelSpec):
     model_family = GLM5_FAMILY  # presets, config.json, overrides, dims, stage costs (torch-free)
     hf_architecture = "GlmMoeDsaForCausalLM"
     param_groups = GROUPS
+    decoding = GLM5_DECODING  # glmtune.generation's cached-decoding hooks
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> Glm5Args:
