@@ -95,8 +95,6 @@ KNOWN_FAMILY: set[tuple[str, str]] = {
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.model"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.checkpoint.sharded_load", "glmtune.models.glm5.state_dict_adapter"),
-    ("glmtune.checkpoint.truncated_view", "glmtune.models.glm5.args"),
-    ("glmtune.checkpoint.truncated_view", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.adapter_export", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.adapter_load", "glmtune.models.glm5.moe"),
     ("glmtune.peft.adapter_load", "glmtune.models.glm5.state_dict_adapter"),

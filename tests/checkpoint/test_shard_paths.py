@@ -18,7 +18,7 @@ import torch
 from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, load_pretrained
 from glmtune.checkpoint.hf_verify import verify_checkpoint
-from glmtune.checkpoint.truncated_view import truncated_view
+from glmtune.models.glm5.spec import GLM5
 from tests.checkpoint_fixtures import Q_A, weight_map
 
 
@@ -129,7 +129,7 @@ def test_a_truncated_view_links_only_to_its_sources_same_named_files(ckpt, tmp_p
     """preflight's K-layer view (truncated_view.py) is a directory of links to the checkpoint it was
     cut from: loadable; a link of it to any other file (another shard of the source, a file outside
     the source) is refused, whatever its index claims."""
-    view = truncated_view(ckpt, tmp_path / "view", 2)
+    view = GLM5.truncated_view(ckpt, tmp_path / "view", 2)
     assert checkpoint_files(view) and not any("leads out" in p.message for p in verify_checkpoint(view).problems)
     names = sorted(set(json.loads((view / INDEX_NAME).read_text())["weight_map"].values()))
     others = sorted(set(weight_map(ckpt).values()) - set(names))

@@ -8,7 +8,7 @@ import torch
 
 from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.models.glm5 import get_preset
-from glmtune.checkpoint.truncated_view import truncated_view
+from glmtune.models.glm5.spec import GLM5
 from glmtune.models.glm5.args import covering_layers
 
 
@@ -19,7 +19,7 @@ def test_covering_layers():
 
 
 def test_view_reads_the_first_layers_of_the_original(ckpt, tmp_path):
-    view = truncated_view(ckpt, tmp_path / "view", 2)
+    view = GLM5.truncated_view(ckpt, tmp_path / "view", 2)
     config = json.loads((view / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["num_nextn_predict_layers"] == 0
     assert config["indexer_types"] == ["full", "shared"] and config["mlp_layer_types"] == ["dense", "dense"]

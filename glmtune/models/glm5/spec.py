@@ -9,6 +9,7 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
   build                      model.py `build_model` (meta first; an FP8 base converted there)
   load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py,
                              checkpoint/export_stream.py (a DCP checkpoint to HF)
+  K-layer view               view_config.py (what it keeps), written by checkpoint/truncated_view.py
   state-dict adapter         state_dict_adapter.py
   loss, flops                model.py's fused loss; flops.py
   parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
@@ -51,6 +52,7 @@ from glmtune.models.glm5.param_groups import GROUPS, param_group
 from glmtune.models.glm5.stages import decoder_layers
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.models.glm5.summary import architecture_summary
+from glmtune.models.glm5.view_config import view_args
 
 
 class Glm5Spec(ModelSpec):
@@ -148,7 +150,8 @@ class Glm5Spec(ModelSpec):
 
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         """The first `num_layers` layers of checkpoint `src` as an HF directory reading its files."""
-        return truncated_view(src, dst, num_layers)
+        small, config_updates = view_args(src, num_layers)
+        return truncated_view(src, dst, num_layers, Glm5StateDictAdapter(small), config_updates)
 
     def convert_to_fp8_base(self, model: nn.Module, backend: str) -> list[str]:
         return convert_to_fp8_base(model, backend)
