@@ -85,8 +85,6 @@ DECLARED_LAZY: set[tuple[str, str]] = set()  # filled by import_graph()
 # Family imports from outside the family (issue 45): (importing module, the family's module);
 # moved behind the spec one by one, until none is left.
 KNOWN_FAMILY: set[tuple[str, str]] = {
-    ("glmtune.checkpoint.export_stream", "glmtune.models.glm5.model"),
-    ("glmtune.checkpoint.export_stream", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.checkpoint.fingerprint", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.model"),
@@ -94,7 +92,6 @@ KNOWN_FAMILY: set[tuple[str, str]] = {
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.model"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.state_dict_adapter"),
-    ("glmtune.checkpoint.sharded_load", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.adapter_export", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.adapter_load", "glmtune.models.glm5.moe"),
     ("glmtune.peft.adapter_load", "glmtune.models.glm5.state_dict_adapter"),

@@ -2,7 +2,7 @@
 
 `stream_export` writes, bit for bit, what `save_pretrained(model, OUT, dtype=...)` writes for
 the run's model holding the checkpoint's weights (the export at the end of `glmtune train`):
-the same shard files (`shard_plan` of the model on the meta device), the same index,
+the same shard files (`plan_shards` of the model on the meta device), the same index,
 config.json and tokenizer files (`write_metadata`), each tensor cast from the checkpoint's
 dtype (fp32 master weights) to the dtype it is written in as `host_copy` casts it. It never
 builds the weights: it walks the shard plan, reads from the checkpoint the *units* the next
@@ -15,6 +15,9 @@ Peak host memory: one output shard (twice while safetensors serializes it), one 
 units as stored, and the stored chunks DCP reads for it (`torch.load` of one rank's piece of a
 tensor, whole; the whole tensor for a one-process checkpoint, about 1/N of it for one written
 by N ranks; DCP holds the last one read while it reads the next), whatever the model's size.
+
+Knows no family: the spec passes its state-dict adapter (HF keys and the views they are of)
+and the dtypes the tensors are written in (GLM-5's: `glmtune/models/glm5/spec.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -33,11 +38,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.api import CheckpointException
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader, WeightsOnlyLoadPlanner, failure_of
-from glmtune.checkpoint.hf_io import host_copy, shard_plan, write_metadata, write_planned_shards, written_dtypes
+from glmtune.checkpoint.fp8_layout import is_fp8
+from glmtune.checkpoint.hf_io import host_copy, meta_state, plan_shards, write_metadata, write_planned_shards
 from glmtune.io.outputs import output_dir
 from glmtune.io.sizes import parse_size
-from glmtune.models.glm5.model import Glm5ForCausalLM
-from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter, is_fp8
 
 MODEL_PREFIX = "model."  # CheckpointManager saves {"model": ..., "optim": ...}; DCP flattens the keys
 Unit = tuple[str, int | None]  # (model state key, expert index of a stacked expert tensor, or None: all of it)
@@ -53,9 +57,9 @@ class _Part:
     offset: int
 
 
-def stream_export(model: Glm5ForCausalLM, checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype, *,
-                  source_dir: str | Path | None, max_shard_size: int | str = "5GB", overwrite: bool = False,
-                  sources=(), what: str = "OUT") -> Path:
+def stream_export(model: nn.Module, checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype, *,
+                  adapter: Any, written: dict[str, torch.dtype], source_dir: str | Path | None,
+                  max_shard_size: int | str = "5GB", overwrite: bool = False, sources=(), what: str = "OUT") -> Path:
     """Write the weights of DCP checkpoint `checkpoint_dir` as the HF directory `out_dir`, as
     `save_pretrained(model, out_dir, dtype=dtype, source_dir=source_dir)` writes them for `model`
     holding those weights, through `output_dir` (never over an input: `source_dir`, `sources`).
@@ -63,6 +67,9 @@ def stream_export(model: Glm5ForCausalLM, checkpoint_dir: str | Path, out_dir: s
     Args:
         model: the run's model on the meta device (its state-dict keys, shapes and args).
         dtype: the dtype the run computed in (the export's; routers stay fp32).
+        adapter: the family's state-dict adapter for the model's args (`to_hf`).
+        written: HF key -> the dtype `save_pretrained` writes it in, for every tensor the
+            checkpoint holds (a tied head is not one): the spec's, from the model built in `dtype`.
     """
     limit = parse_size(max_shard_size)
     if source_dir is not None:
@@ -72,8 +79,8 @@ def stream_export(model: Glm5ForCausalLM, checkpoint_dir: str | Path, out_dir: s
     reader = _LayoutReader(checkpoint_dir)
     layout = reader.read_metadata()
     _check_layout(Path(checkpoint_dir), state, layout)
-    shards = shard_plan(model, state, written_dtypes(model.args, dtype), limit)
-    parts = _hf_parts(model, state)
+    shards = plan_shards(_held(adapter, meta_state(state), written), written, limit)
+    parts = _hf_parts(adapter, state, written)
     units = _CheckpointUnits(reader, state, layout, parts, [hf_key for shard in shards for hf_key, _ in shard], limit)
     with output_dir(out_dir, overwrite=overwrite, sources=sources, what=what) as tmp:
         weight_map, total = _write_shards(tmp, shards, units)
@@ -106,15 +113,19 @@ def _check_layout(checkpoint_dir: Path, state: dict[str, torch.Tensor], layout: 
                              f"{tuple(tensor.shape)}: not a checkpoint of this run's model")
 
 
-def _hf_parts(model: Glm5ForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, _Part]:
+def _held(adapter: Any, state: dict[str, torch.Tensor], written: dict[str, torch.dtype]
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, view of `state`) of every tensor the export writes (those of `written`), in state order."""
+    for key, tensor in state.items():
+        yield from ((hf_key, view) for hf_key, view in adapter.to_hf(key, tensor) if hf_key in written)
+
+
+def _hf_parts(adapter: Any, state: dict[str, torch.Tensor], written: dict[str, torch.dtype]) -> dict[str, _Part]:
     """HF key -> where its tensor lies in the model's state, read off the adapter's own views of
     the meta state: a whole tensor, or within one expert of a stacked expert tensor."""
-    adapter = Glm5StateDictAdapter(model.args)
     parts = {}
     for key, tensor in state.items():
-        if model.args.tie_word_embeddings and key == "lm_head.weight":
-            continue
-        for hf_key, view in adapter.to_hf(key, tensor):
+        for hf_key, view in _held(adapter, {key: tensor}, written):
             expert = None if view.dim() == tensor.dim() else view.storage_offset() // tensor.stride(0)
             offset = view.storage_offset() - (expert or 0) * tensor.stride(0)
             parts[hf_key] = _Part((key, expert), tuple(view.shape), tuple(view.stride()), offset)

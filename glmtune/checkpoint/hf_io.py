@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -295,14 +295,25 @@ def _gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def meta_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state`'s global shapes and dtypes on the meta device (a DTensor's without a gather)."""
+    return {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in state.items()}
+
+
 def shard_plan(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
                 written: dict[str, torch.dtype] | None, limit: int) -> list[list[tuple[str, torch.dtype]]]:
-    """(HF key, dtype as written) of every tensor, grouped into shard files of at most `limit`
-    bytes as written (a larger tensor alone). From global shapes on the meta device: no gather."""
-    meta = {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in state.items()}
+    """`plan_shards` of a GLM-5 model's tensors (from global shapes on the meta device: no gather)."""
+    return plan_shards(hf_tensors(model, meta_state(state)), written, limit)
+
+
+def plan_shards(items: Iterable[tuple[str, torch.Tensor]], written: dict[str, torch.dtype] | None,
+                limit: int) -> list[list[tuple[str, torch.dtype]]]:
+    """(HF key, dtype as written) of every (HF key, tensor) of `items`, in order, grouped into
+    shard files of at most `limit` bytes as written (a larger tensor alone); `written`: HF key
+    -> the dtype it is written in (None: its own)."""
     shards: list[list[tuple[str, torch.dtype]]] = [[]]
     size = 0
-    for key, tensor in hf_tensors(model, meta):
+    for key, tensor in items:
         cast = tensor.dtype if written is None else written[key]
         nbytes = tensor.numel() * cast.itemsize
         if shards[-1] and size + nbytes > limit:

@@ -11,7 +11,8 @@ records as a `_StridedShard`). `load_sharded` then
   holds along every dim (any composition of `Shard`/`_StridedShard`; checked against
   `compute_local_shape_and_global_offset`),
 - streams the safetensors files one by one through the same read plan as `load_pretrained`
-  (HF names and the per-expert -> stacked mapping stay in the state-dict adapter), reading
+  (HF names and the per-expert -> stacked mapping stay in the family's state-dict adapter,
+  which the spec passes: this module knows no family), reading
   with `get_slice` only the bytes of those indices: an expert the rank does not hold is
   never read, and of an FP8 weight only the 128x128 blocks that cover the slice are
   dequantized,
@@ -31,8 +32,9 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,17 +49,9 @@ from glmtune.checkpoint.hf_io import (
     fp8_scale_key,
     read_plan,
 )
+from glmtune.checkpoint.fp8_layout import FP8_BLOCK, SCALE_SUFFIX, check_fp8_scale, dequantize_fp8_region, is_fp8
 from glmtune.checkpoint.hf_verify import check_loadable
 from glmtune.models.common.rope import RotaryEmbedding
-from glmtune.models.glm5.state_dict_adapter import (
-    FP8_BLOCK,
-    SCALE_SUFFIX,
-    Glm5StateDictAdapter,
-    Target,
-    check_fp8_scale,
-    dequantize_fp8_region,
-    is_fp8,
-)
 
 log = logging.getLogger(__name__)
 _PAGE = resource.getpagesize()
@@ -144,14 +138,15 @@ def _read_region(handle, file: Path, hf_key: str, index: list[torch.Tensor], sta
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.device | None = None,
+def load_sharded(model: nn.Module, hf_dir: str | Path, adapter: Any, device: str | torch.device | None = None,
                  not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
     """Fill a meta-built, parallelized model from the HF directory `hf_dir`, each rank reading
-    only its own shards. Call it on every rank after `parallelize_glm5` (no collectives).
+    only its own shards. Call it on every rank after the family's parallelization (no collectives).
 
     Args:
-        model: a `Glm5ForCausalLM` built with `build_model(args, dtype, device="meta")`, its
-            config the checkpoint's (`Glm5Args.from_hf_config(hf_dir)`), then parallelized.
+        model: the family's model built on the meta device, its config the checkpoint's (the
+            spec's `args_from_hf(hf_dir)`), then parallelized.
+        adapter: the family's state-dict adapter for the model's args (HF key -> `Target`).
         device: where the local shards live; None: the current CUDA device when the
             parameters' mesh is on CUDA, else the CPU.
         not_in_checkpoint: state-dict keys the base checkpoint does not hold (LoRA adapters,
@@ -170,7 +165,6 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
     check_loadable(hf_dir, model.args)  # every header against the config, before the shards are allocated
-    adapter = Glm5StateDictAdapter(model.args)
     shapes = {key: tuple(t.shape) for key, t in model.state_dict().items() if key not in not_in_checkpoint}
     plan = read_plan(files, adapter, shapes)
     check_complete(model.args, shapes, plan, adapter)
@@ -204,10 +198,11 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, device: str | torch.devic
     return stats
 
 
-def load_tensor(handle, file: Path, files: dict[str, Path], hf_key: str, target: Target, tensor: torch.Tensor,
+def load_tensor(handle, file: Path, files: dict[str, Path], hf_key: str, target: Any, tensor: torch.Tensor,
                 index: list[torch.Tensor], stats: LoadStats) -> None:
     """Read the part of the HF tensor `hf_key` (in the open safetensors `file`) that lands in
-    this rank's shard of `tensor` (`index = local_indices(tensor)`) and copy it in."""
+    this rank's shard of `tensor` (`index = local_indices(tensor)`) and copy it in. `target`: the
+    adapter's `Target` of `hf_key` (key, expert index or None, rows of the stacked output dim or None)."""
     meta = handle.get_slice(hf_key)
     hf_shape = tuple(meta.get_shape())
     if target.expert is None:
@@ -247,7 +242,7 @@ def load_tensor(handle, file: Path, files: dict[str, Path], hf_key: str, target:
         local.index_put_(tuple(grids), part.to(local.dtype))
 
 
-def _load_scales(handle, file: Path, files, hf_key: str, target: Target, destinations, stats: LoadStats) -> None:
+def _load_scales(handle, file: Path, files, hf_key: str, target: Any, destinations, stats: LoadStats) -> None:
     """This rank's part of the block scales of the FP8 weight `hf_key`, into `<weight>_scale_inv`."""
     scale_key = fp8_scale_key(files, file, hf_key)
     scale_file = files[scale_key]
@@ -262,7 +257,7 @@ def _load_scales(handle, file: Path, files, hf_key: str, target: Target, destina
             raise ValueError(f"{file}: {hf_key}: an FP8 base keeps gate and up rows in separate {FP8_BLOCK}-row "
                              f"blocks; moe_intermediate_size {rows[1] - rows[0]} is not a multiple of {FP8_BLOCK}")
         rows = (rows[0] // FP8_BLOCK, -(-rows[1] // FP8_BLOCK))
-    scale_target = Target(target.key + SCALE_SUFFIX, target.expert, rows)
+    scale_target = replace(target, key=target.key + SCALE_SUFFIX, rows=rows)  # the adapter's Target type
     scale, index = destinations[scale_target.key]
     load_tensor(scale_handle, scale_file, files, scale_key, scale_target, scale, index, stats)
 
@@ -334,7 +329,7 @@ _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 
 
 def _itemsize(dtype: str, file: Path, key: str) -> int:
     if dtype not in _ITEMSIZE:
-        raise ValueError(f"{file}: tensor {key} is {dtype}, a dtype no GLM-5 checkpoint stores")
+        raise ValueError(f"{file}: tensor {key} is {dtype}, a dtype no checkpoint glmtune loads stores")
     return _ITEMSIZE[dtype]
 
 

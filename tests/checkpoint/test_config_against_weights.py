@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from glmtune.checkpoint.sharded_load import load_sharded
+from glmtune.models.glm5.spec import GLM5
 from tests.checkpoint.test_sharded_load import _parallel_model
 from tests.checkpoint_fixtures import weight_map
 from tests.distributed.gloo_helpers import run_gloo
@@ -139,7 +139,7 @@ def test_inspect_refuses_it_and_verify_lists_it(saved, tmp_path):
 def _sharded_load_refuses(rank: int, world_size: int, path: str, out: str) -> None:
     model = _parallel_model(Path(path), world_size, ep=2)
     with pytest.raises(ValueError) as caught:
-        load_sharded(model, path)
+        GLM5.load_sharded(model, path, None)
     Path(out, f"rank{rank}.txt").write_text(str(caught.value))
 
 

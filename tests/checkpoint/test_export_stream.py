@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmtune.checkpoint.export_stream import stream_export
 from glmtune.checkpoint.hf_io import INDEX_NAME, save_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.cli import main
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
+from glmtune.models.glm5.spec import GLM5
 from tests.peak_rss import PEAK, peak_rss
 from tests.train.run_helpers import WITH_EXPORT, shared_run
 from tests.tree_snapshot import changes, snapshot
@@ -52,7 +52,7 @@ def test_a_checkpoint_exports_as_save_pretrained_writes_the_model_it_holds(tmp_p
     for size in ("5GB", "300KB"):
         old, new = tmp_path / f"old-{size}", tmp_path / f"new-{size}"
         save_pretrained(model, old, max_shard_size=size, source_dir=tokenizer, dtype=torch.bfloat16)
-        stream_export(meta, checkpoint, new, torch.bfloat16, source_dir=tokenizer, max_shard_size=size)
+        GLM5.export_checkpoint(meta, checkpoint, new, dtype=torch.bfloat16, source_dir=tokenizer, max_shard_size=size)
         assert _digests(new) == _digests(old), size
     assert len(list(new.glob("model-*.safetensors"))) > 4 and (new / INDEX_NAME).is_file()
     assert (new / "tokenizer.json").is_file()
@@ -63,7 +63,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
     wider = build_model(get_preset("tiny").replace(**ARGS), torch.float32, "meta")
     before = snapshot(tmp_path)
     with pytest.raises(ValueError, match="has shape .* not a checkpoint of this run's model"):
-        stream_export(wider, checkpoint, tmp_path / "out", torch.bfloat16, source_dir=None)
+        GLM5.export_checkpoint(wider, checkpoint, tmp_path / "out", dtype=torch.bfloat16, source_dir=None)
     assert changes(before, snapshot(tmp_path)) == []
 
 
@@ -104,7 +104,7 @@ def test_export_hf_keeps_the_refusals(shared_results, tmp_path, capsys):
 # ~1 GB in fp32 (master weights): 3 MoE layers of 40 experts, 1024 wide; stacked gate+up 160 MiB.
 BIG = dict(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=40, first_k_dense_replace=1)
 SLACK = 256 << 20  # allocator slack, the meta model, the plans and the checkpoint's layout
-_EXPORT = ("import torch; from glmtune.checkpoint.export_stream import stream_export; "
+_EXPORT = ("import torch; from glmtune.models.glm5.spec import GLM5; "
            "from glmtune.models.glm5.args import get_preset; from glmtune.models.glm5.model import build_model; ")
 _BASELINE = _EXPORT + PEAK
 
@@ -128,8 +128,8 @@ def test_exporting_1gb_stays_under_the_shard_bound(big_checkpoint, tmp_path):
     assert stored > 900e6
     out = tmp_path / "hf"
     baseline = peak_rss(_BASELINE)
-    peak = peak_rss(_EXPORT + f"stream_export(build_model(get_preset('tiny').replace(**{BIG!r}), torch.float32, "
-                               f"'meta'), {str(big_checkpoint)!r}, {str(out)!r}, torch.bfloat16, source_dir=None, "
+    peak = peak_rss(_EXPORT + f"GLM5.export_checkpoint(build_model(get_preset('tiny').replace(**{BIG!r}), torch.float32, "
+                               f"'meta'), {str(big_checkpoint)!r}, {str(out)!r}, dtype=torch.bfloat16, source_dir=None, "
                                "max_shard_size='64MB'); " + PEAK)
     written = list(out.glob("*.safetensors"))
     largest_out = max(f.stat().st_size for f in written)

@@ -21,12 +21,13 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, load_pretrained, save_pretrained
-from glmtune.checkpoint.sharded_load import load_sharded, local_indices
+from glmtune.checkpoint.sharded_load import local_indices
 from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.parallelize import parallelize_glm5
+from glmtune.models.glm5.spec import GLM5
 from tests.checkpoint.test_hf_io import _quantize_blockwise
 from tests.distributed.gloo_helpers import run_gloo
 
@@ -47,7 +48,7 @@ def _loss(model, args):
 def _load_and_compare(rank: int, world_size: int, path: str, ep: int, out: str) -> None:
     path = Path(path)
     model = _parallel_model(path, world_size, ep)
-    stats = load_sharded(model, path)
+    stats = GLM5.load_sharded(model, path, None)
     reference = load_pretrained(path, dtype=torch.float32, device="cpu")
     expected = reference.state_dict()
     strided = []
@@ -162,7 +163,7 @@ def _expect_errors(rank: int, world_size: int, cases: list[tuple[str, str]], out
     for case, (path, pattern) in enumerate(cases):
         model = _parallel_model(Path(path), world_size, ep=2)
         with pytest.raises(ValueError, match=pattern) as caught:
-            load_sharded(model, path)
+            GLM5.load_sharded(model, path, None)
         assert "\n" not in str(caught.value)
         (Path(out) / f"case{case}-rank{rank}.txt").write_text(str(caught.value))
         dist.barrier()  # every rank got the error: none is left behind in a collective

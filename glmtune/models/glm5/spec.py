@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from glmtune.checkpoint.export_stream import stream_export
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained, written_dtypes
 from glmtune.checkpoint.hf_verify import check_loadable, holds_weights
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
@@ -139,14 +139,17 @@ class Glm5Spec(ModelSpec):
 
     def load_sharded(self, model: nn.Module, hf_dir: str | Path, device: Any,
                      not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
-        return load_sharded(model, hf_dir, device, not_in_checkpoint=not_in_checkpoint)
+        return load_sharded(model, hf_dir, Glm5StateDictAdapter(model.args), device,
+                            not_in_checkpoint=not_in_checkpoint)
 
     def save_pretrained(self, model: nn.Module, path: str | Path, **options: Any) -> Path:
         return save_pretrained(model, path, **options)
 
     def export_checkpoint(self, model: nn.Module, checkpoint_dir: str | Path, path: str | Path,
                           **options: Any) -> Path:
-        return stream_export(model, checkpoint_dir, path, **options)
+        written = written_dtypes(model.args, options["dtype"])  # as save_pretrained writes them
+        return stream_export(model, checkpoint_dir, path, adapter=Glm5StateDictAdapter(model.args), written=written,
+                             **options)
 
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         """The first `num_layers` layers of checkpoint `src` as an HF directory reading its files."""
