@@ -1,0 +1,237 @@
+"""The `hf` family's front door: `HF`, the `ModelSpec` of any causal LM transformers implements.
+
+It wires the family's pieces together. Where each answer lives:
+
+  args, dims, stage costs    family.py (`HF_FAMILY`, torch-free: args.py's `HfArgs`, shapes.py);
+                             an HF directory's args checked against its weights (weights.py)
+  build                      model.py `build_model` (transformers' `AutoModelForCausalLM.from_config`)
+  load whole, save           transformers' `from_pretrained` (safetensors only, local files, no remote
+                             code) and `save_pretrained`, written atomically through glmtune/io/outputs.py
+  state-dict adapter         state_dict_adapter.py (identity on HF names; MoE refused)
+  loss, token log-probs      model.py: glmtune's chunked loss on the final hidden states, packed
+                             documents kept apart by transformers' own mask builders
+  flops                      shapes.py
+  parallelize                parallelize.py (AC -> compile -> FSDP2; EP, PP, CP refused)
+
+Not done yet, each refused with a ValueError naming it (`_not_yet`): the sharded load
+(`load_sharded`), a DCP checkpoint's export (`export_checkpoint`), truncated views, an FP8 base,
+the pipeline, presets' truncation overrides, the parameter report. Cached decoding is None
+(generation uses the model's plain forward). `moe_layers` is empty: transformers' MoE layers keep
+no per-expert token counts or correction biases for the trainer to read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from glmtune.config.schema import ModelConfig, ParallelConfig
+from glmtune.io.outputs import output_dir
+from glmtune.models.common.aux_loss import AuxiliaryLosses
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.hf.args import HfArgs
+from glmtune.models.hf.family import HF_FAMILY
+from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
+from glmtune.models.hf.parallelize import parallelize_hf
+from glmtune.models.hf.shapes import (
+    active_matmul_params,
+    flops_per_token,
+    parameter_count,
+)
+from glmtune.models.hf.state_dict_adapter import HfStateDictAdapter
+from glmtune.models.hf.weights import check_weights, holds_weights
+
+# Files a serving stack needs besides the weights; copied from the source directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+GROUPS = ("embeddings", "attention", "mlp", "router", "experts", "norm", "head")
+
+
+def _not_yet(what: str) -> ValueError:
+    return ValueError(f"the hf family does not do {what} yet")
+
+
+class HfSpec(ModelSpec):
+    """Any transformers causal LM (Llama, Qwen3, Qwen3-MoE, GLM-4, ...) from a local HF directory."""
+
+    model_family = HF_FAMILY
+    hf_architecture = "*ForCausalLM"  # whatever config.json's `architectures[0]` names
+    param_groups = GROUPS
+    decoding = None
+
+    # -- architecture ------------------------------------------------------------------
+    def args_from_hf(self, path: str | Path) -> HfArgs:
+        """config.json's architecture, refused (one sentence naming the file and the tensor) when the
+        directory's safetensors headers are not that model's (weights.py)."""
+        args = self.model_family.read_args(path)
+        if holds_weights(path):
+            check_weights(path, build_model(args, device="meta"), args.num_hidden_layers, bool(args.num_experts))
+        return args
+
+    def args_of(self, model: nn.Module) -> HfArgs:
+        config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+        return HfArgs.from_config_dict(config, type(model).__name__)
+
+    def vocab_size(self, args: HfArgs) -> int:
+        return args.vocab_size
+
+    def num_layers(self, args: HfArgs) -> int:
+        return args.num_hidden_layers
+
+    def truncated(self, args: HfArgs, num_layers: int) -> HfArgs:
+        return args.with_layers(num_layers)
+
+    def covering_layers(self, args: HfArgs) -> int:
+        """The fewest leading layers holding every kind (dense MLP, MoE) the model has."""
+        kinds = [i in args.moe_layers for i in range(args.num_hidden_layers)]
+        return max(kinds.index(kind) for kind in set(kinds)) + 1
+
+    def truncated_overrides(self, args: HfArgs, num_layers: int) -> dict[str, Any]:
+        raise ValueError("the hf family has no presets, so no preset overrides to truncate one")
+
+    # -- build, load, save -------------------------------------------------------------
+    def build(self, args: HfArgs, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+              model_cfg: ModelConfig | None = None, seed: int | None = None, init: bool = True) -> nn.Module:
+        return build_model(args, dtype, device, seed=seed, init=init)
+
+    def build_from_config(self, model_cfg: ModelConfig, dtype: torch.dtype, device: Any,
+                          seed: int | None = None) -> tuple[nn.Module, Path | None]:
+        if model_cfg.overrides:
+            HF_FAMILY.with_overrides(None, model_cfg.overrides)  # refused: the family has no presets
+        if model_cfg.fp8_base != "none":
+            raise _not_yet(f"model.fp8_base: {model_cfg.fp8_base} (an FP8 base)")
+        path = Path(model_cfg.name_or_path)
+        if str(device) == "meta":
+            return build_model(self.args_from_hf(path), dtype, "meta"), path
+        return self.load_pretrained(path, dtype, device), path
+
+    def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any) -> nn.Module:
+        """The HF directory loaded whole by transformers (safetensors only, no remote code), after its
+        weights are checked against its config.json."""
+        args = self.args_from_hf(path)
+        if not holds_weights(path):
+            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json to load")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
+                                                     trust_remote_code=False)
+        check_model(model, args)
+        return model.to(device)
+
+    def load_sharded(self, model: nn.Module, hf_dir: str | Path, device: Any,
+                     not_in_checkpoint: set[str] = frozenset()) -> Any:
+        raise _not_yet("a sharded load (each rank reading its shards)")
+
+    def save_pretrained(self, model: nn.Module, path: str | Path, max_shard_size: int | str = "5GB",
+                        source_dir: str | Path | None = None, overwrite: bool = True,
+                        sources: tuple[tuple[str, str | Path], ...] = (), dtype: torch.dtype | None = None,
+                        pp_group: Any = None) -> Path:
+        """Write `model` as an HF directory transformers loads back (its own `save_pretrained`, so MoE
+        experts get their per-expert names), atomically; `source_dir`'s tokenizer files alongside;
+        `dtype`: the tensors (and config.json's dtype) cast to it."""
+        if pp_group is not None or any(hasattr(p, "to_local") for p in model.parameters()):
+            raise _not_yet("saving a sharded (FSDP2 or pipelined) model")
+        if source_dir is not None:
+            sources = (*sources, ("source_dir", source_dir))
+        state = None if dtype is None else {k: v.to(dtype) if v.is_floating_point() else v
+                                            for k, v in model.state_dict().items()}
+        with output_dir(path, overwrite=overwrite, sources=sources, what="path", option="overwrite=True") as tmp:
+            model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state)
+            if dtype is not None:
+                config = json.loads((tmp / "config.json").read_text())
+                config["dtype"] = str(dtype).removeprefix("torch.")
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            for name in TOKENIZER_FILES if source_dir is not None else ():
+                if (Path(source_dir) / name).is_file():
+                    shutil.copy2(Path(source_dir) / name, tmp / name)
+        return Path(path)
+
+    def export_checkpoint(self, model: nn.Module, checkpoint_dir: str | Path, path: str | Path,
+                          **options: Any) -> Path:
+        raise _not_yet("exporting a DCP training checkpoint to HF")
+
+    def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
+        raise _not_yet("truncated checkpoint views")
+
+    def convert_to_fp8_base(self, model: nn.Module, backend: str) -> list[str]:
+        raise _not_yet("an FP8 base")
+
+    def state_dict_adapter(self, args: HfArgs) -> HfStateDictAdapter:
+        return HfStateDictAdapter(args)
+
+    # -- train -------------------------------------------------------------------------
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor],
+             aux: AuxiliaryLosses | None = None) -> tuple[torch.Tensor, ...]:
+        if aux is not None and (aux.mtp_weight > 0 or aux.indexer_weight > 0):
+            raise ValueError("train.mtp_loss_weight / train.indexer_loss_weight: the hf family has no "
+                             "multi-token-prediction layer or indexer")
+        return loss_sum(model, batch)
+
+    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return token_logps(model, batch)
+
+    def flops_per_token(self, args: HfArgs, doc_lengths: list[int]) -> float:
+        return flops_per_token(args, doc_lengths)
+
+    def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig, pipeline: Any = None) -> nn.Module:
+        if pipeline is not None:
+            raise _not_yet("pipeline parallelism")
+        return parallelize_hf(model, mesh=mesh, activation_checkpointing=parallel_cfg.activation_checkpointing,
+                              compile=parallel_cfg.compile)
+
+    def pipeline_options(self, **options: Any) -> Any:
+        raise _not_yet("pipeline parallelism")
+
+    def moe_layers(self, model: nn.Module) -> list[tuple[str, Any]]:
+        return []  # module docstring: no router statistics or bias updates for transformers' MoE layers
+
+    def pipeline(self, model: nn.Module) -> Any:
+        return None
+
+    def local_tokens(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda tensor: tensor  # no context parallelism: every rank holds whole rows
+
+    def layers_per_stage(self, model: nn.Module) -> list[int]:
+        return [model.config.num_hidden_layers]  # one stage
+
+    def param_group(self, name: str) -> str:
+        if "embed_tokens" in name:
+            return "embeddings"
+        if name.startswith("lm_head"):
+            return "head"
+        if ".experts." in name:
+            return "experts"
+        if ".mlp.gate." in name or ".router." in name:
+            return "router"
+        if "self_attn." in name and "norm" not in name:
+            return "attention"
+        if ".mlp." in name:
+            return "mlp"
+        return "norm"
+
+    # -- describe ----------------------------------------------------------------------
+    def summary(self, args: HfArgs) -> dict[str, Any]:
+        return {"architecture": args.architecture, "model_type": args.model_type,
+                "num_hidden_layers": args.num_hidden_layers, "num_moe_layers": len(args.moe_layers),
+                "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
+                "tie_word_embeddings": args.tie_word_embeddings,
+                "attention": {"num_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
+                              "head_dim": args.head_dim},
+                "mlp": {"intermediate_size": args.intermediate_size, "num_experts": args.num_experts,
+                        "num_experts_per_tok": args.num_experts_per_tok,
+                        "moe_intermediate_size": args.moe_intermediate_size},
+                "matrix_parameters": parameter_count(args), "active_matmul_parameters": active_matmul_params(args)}
+
+    def parameter_report(self, args: HfArgs) -> dict[str, Any]:
+        raise _not_yet("the per-layer parameter report (glmtune inspect)")
+
+    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        raise _not_yet("the per-layer parameter report (glmtune inspect)")
+
+
+HF = HfSpec()
