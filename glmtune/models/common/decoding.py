@@ -15,13 +15,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch-free at import: `glmtune --help` imports model_spec.py, which imports this
+    import torch
+    from torch import nn
 
 # `gathered(layer)`: a context in which a sharded layer's own weights are whole (the lockstep's)
-Gathered = Callable[[nn.Module], AbstractContextManager]
+Gathered = Callable[["nn.Module"], AbstractContextManager]
 
 
 class DecodeCache(Protocol):
