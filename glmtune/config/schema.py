@@ -50,6 +50,9 @@ class ModelConfig:
     """Which model to build and how its kernels run."""
 
     name_or_path: str = "tiny"  # a preset (tiny|glm5|glm5.1|glm5.2|glm5.3) or a local HF directory with config.json
+    # the model family that trains it (glmtune/models/catalog.py): auto = a preset's, or an HF directory's by its
+    # config.json model_type (a native family's, else "hf": any causal LM transformers implements); or a family name
+    family: str = "auto"
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; parameters too unless train.master_weights
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
     attention_backend: Literal["auto", "sdpa", "eager", "flex", "gemm", "triton"] = "auto"  # auto: triton on GPU, sdpa on CPU

@@ -7,7 +7,8 @@ The catalog (catalog.py, torch-free) knows the families, the presets and how a r
 hooks of a built model's family, for `glmtune.generation`), and `model_args` / `model_dims` that
 read an HF directory through the spec's `args_from_hf`, which checks the directory's weights against its
 config.json (train, eval, inspect, plan, preflight; `config validate` reads config.json alone
-through the catalog). A second family is one more entry in `SPECS` (and the catalog's `FAMILIES`).
+through the catalog). The families: GLM-5 (native) and `hf` (any causal LM transformers implements,
+which imports transformers). A second family is one more entry in `SPECS` (and the catalog's `FAMILIES`).
 """
 
 from __future__ import annotations
@@ -19,27 +20,29 @@ from glmtune.config.schema import ModelConfig
 from glmtune.models import catalog
 from glmtune.models.catalog import PRESETS, is_preset
 from glmtune.models.common.decoding import CachedDecoding
-from glmtune.models.common.family import ModelDims
+from glmtune.models.common.family import ModelDims, ModelFamily
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.glm5.spec import GLM5
+from glmtune.models.hf.spec import HF
 
 # PRESETS and is_preset are the catalog's, re-exported for the commands that ask the registry.
 __all__ = ["PRESETS", "SPECS", "decoding_of", "is_preset", "model_args", "model_dims", "model_spec", "resolve_args",
            "spec_for"]
 
 # family name -> its spec: every family of the catalog has one.
-SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (GLM5,)}
+SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (GLM5, HF)}
 assert [family.name for family in catalog.FAMILIES] == list(SPECS), "a family of the catalog has no spec"
 
 
-def spec_for(name_or_path: str | Path) -> ModelSpec:
-    """The family's spec of a preset, or of an HF directory (or config.json) by its `model_type`."""
-    return SPECS[catalog.family_for(name_or_path).name]
+def spec_for(name_or_path: str | Path, family: str = catalog.AUTO) -> ModelSpec:
+    """The family's spec of a preset, or of an HF directory (or config.json) by its `model_type`
+    (`family`: a recipe's `model.family`, which forces one; `catalog.family_for`)."""
+    return SPECS[catalog.family_for(name_or_path, family).name]
 
 
-def _args_from_hf(path: str) -> Any:
-    """An HF directory's architecture, checked against its weights (the spec's `args_from_hf`)."""
-    return spec_for(path).args_from_hf(path)
+def _args_from_hf(family: ModelFamily, path: str) -> Any:
+    """An HF directory's architecture, checked against its weights (the family's spec's `args_from_hf`)."""
+    return SPECS[family.name].args_from_hf(path)
 
 
 def resolve_args(name_or_path: str | Path) -> Any:

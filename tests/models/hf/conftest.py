@@ -58,3 +58,11 @@ def packed_batch(lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
     row = lambda values: torch.tensor([values])
     return {"input_ids": row(ids), "position_ids": row(positions), "document_ids": row(documents),
             "targets": row(targets)}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """One tiny Qwen3 directory (config.json + model.safetensors), for tests of one architecture."""
+    directory = tmp_path_factory.mktemp("qwen3_only")
+    write_checkpoint("qwen3", directory)
+    return directory
