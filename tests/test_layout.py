@@ -15,7 +15,7 @@ Layout section describes them):
                    catalog lists the families' torch-free answers (`ModelFamily`, a family's
                    family.py) for `glmtune config validate`
   data/, peft/, generation/   build on the floors below (generation/ reaches a family's
-                   decoding hooks through the registry: no family's modules)
+                   decoding hooks, peft/ its LoRA hooks, through the registry: no family's modules)
   train/           never eval/, release/, preflight/
   eval/, release/, plan/, preflight/       the commands' engines
   cli/             the commands: nothing outside cli/ imports it
@@ -65,7 +65,8 @@ ALLOWED = {
     "models.spec": {"io", "kernels", "config", "models.common", "models.family", "models.plan", "distributed",
                     "checkpoint"},
     "data": {"io", "config"},
-    "peft": {"io", "kernels", "config", "models.common", "models.family", "distributed", "checkpoint"},
+    "peft": {"io", "kernels", "config", "models.common", "models.family", "models.spec", "distributed",
+             "checkpoint"},  # a family's LoRA hooks, groups and HF names: its spec
     "generation": {"io", "kernels", "models.common", "models.spec"},  # a family's decoding hooks: its spec
     "train": _BELOW_TRAIN,
     "eval": _BELOW_TRAIN | {"train"},
@@ -92,15 +93,9 @@ KNOWN_FAMILY: set[tuple[str, str]] = {
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.model"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.state_dict_adapter"),
-    ("glmtune.peft.adapter_export", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.adapter_load", "glmtune.models.glm5.moe"),
     ("glmtune.peft.adapter_load", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.apply", "glmtune.models.glm5.moe"),
-    ("glmtune.peft.engines", "glmtune.models.glm5.attention"),
-    ("glmtune.peft.engines", "glmtune.models.glm5.model"),
-    ("glmtune.peft.engines", "glmtune.models.glm5.param_groups"),
-    ("glmtune.peft.engines", "glmtune.models.glm5.state_dict_adapter"),
-    ("glmtune.peft.inventory", "glmtune.models.glm5.param_groups"),
     ("glmtune.peft.lora", "glmtune.models.glm5.fp8_base"),
     ("glmtune.peft.lora", "glmtune.models.glm5.moe"),
     ("glmtune.peft.merge", "glmtune.models.glm5.fp8_base"),

@@ -49,7 +49,7 @@ from torch import nn
 from glmtune.distributed.pipeline_state import merge_on_rank0, model_order
 from glmtune.io.outputs import Source, output_dir
 from glmtune.io.version import __version__
-from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
+from glmtune.peft.family import hf_prefix
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
 LAYOUTS = ("peft", "per_expert")
@@ -173,7 +173,7 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
         raise ValueError(f"adapter layout {layout!r} unknown; choose from {', '.join(LAYOUTS)}")
     adapted = check_exportable(model)
     spec = adapted[0][1].spec
-    to_hf = Glm5StateDictAdapter(model.args).hf_prefix  # an MTP layer's modules get its on-disk names
+    to_hf = hf_prefix(model)  # the family's state-dict adapter's: an MTP layer's modules get its on-disk names
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters = [], []
     for internal_name, module in adapted:

@@ -38,10 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from glmtune.models.glm5.attention import MLAttention
-from glmtune.models.glm5.model import MTPLayer
-from glmtune.models.glm5.param_groups import param_group
-from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
+from glmtune.peft.family import hf_prefix, spec_of
 from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, lora_modules
 
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
@@ -117,7 +114,9 @@ def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> A
     """What the LoRA modules of `model` (after `apply_lora`; with the MTP loss, after
     `set_auxiliary_training(mtp=True)`, as training did) adapt."""
     adapted = {id(module) for _, module in lora_modules(model)}
-    kv_b = any(isinstance(m, MLAttention) and id(m.kv_b_proj) in adapted for m in model.modules())
+    family = spec_of(model)
+    assert family.lora is not None
+    kv_b = any(id(m) in adapted for m in family.lora.absorbed_projections(model))
     shared, projections, leaves = False, set(), set()
     for name, module in lora_modules(model):
         if isinstance(module, LoRAGroupedExperts):
@@ -126,13 +125,13 @@ def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> A
             leaves.update(leaf for proj in adapted_projections for leaf in EXPERT_LEAVES[proj])
         else:
             leaves.add(name.rpartition(".")[2])
-            shared |= isinstance(module, LoRALinear) and param_group(name) == "shared_experts"
-    mtp = [(name, layer) for name, layer in model.named_modules()
-           if isinstance(layer, MTPLayer) and any(id(m) in adapted for m in layer.modules())]
+            shared |= isinstance(module, LoRALinear) and family.param_group(name) == "shared_experts"
+    mtp = [(name, eh_proj) for name, layer, eh_proj in family.lora.mtp_layers(model)
+           if any(id(m) in adapted for m in layer.modules())]
     # the on-disk name of the layer (`mtp.{j}` -> `model.layers.{L + j}`) is the state-dict adapter's
-    on_disk = Glm5StateDictAdapter(model.args).hf_prefix
+    on_disk = hf_prefix(model)
     mtp_layers = tuple(on_disk(f"{name}.eh_proj").removesuffix(".eh_proj") for name, _ in mtp)
-    eh_proj = tuple(on_disk(f"{name}.eh_proj") for name, layer in mtp if id(layer.eh_proj) in adapted)
+    eh_proj = tuple(on_disk(f"{name}.eh_proj") for name, proj in mtp if id(proj) in adapted)
     return AdapterTraits(rank, alpha, rslora, kv_b, shared, frozenset(projections), mtp_layers, eh_proj,
                          frozenset(leaves))
 

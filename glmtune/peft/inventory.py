@@ -1,11 +1,11 @@
 """What trains: the trainable-parameter inventory, grouped by path, with counts.
 
-`build_inventory(model)` works for any GLM-5 model, LoRA or full fine-tuning, so
+`build_inventory(model)` works for any model of a family, LoRA or full fine-tuning, so
 every run can log it at start and `glmtune inspect --trainable RECIPE.yaml` can
 print it without training: a recipe that targets the routed experts but leaves
 them frozen shows `routed_experts  0` here instead of failing silently.
 
-Groups are those of `glmtune.models.glm5.param_groups` (attention, indexer, router,
+Groups are the family's (its spec's `param_groups`; GLM-5's: attention, indexer, router,
 shared_experts, routed_experts, dense_mlp, norms, embeddings, head, mtp). For each
 group the inventory lists trainable and frozen element counts and which LoRA
 targets live there, with layer indices folded (`self_attn.q_a_proj (x4)`: four
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from glmtune.models.glm5.param_groups import GROUPS, count_by_group, param_group
+from glmtune.peft.family import spec_of
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, lora_modules
 
 _INDEX_RE = re.compile(r"\.\d+(?=\.|$)")
@@ -127,17 +127,31 @@ def _target_label(name: str, module: nn.Module) -> str:
     return label
 
 
+def _count_by_group(model: nn.Module, groups: tuple[str, ...], param_group, trainable_only: bool = False
+                    ) -> dict[str, int]:
+    """Parameter elements per group, every group present (zeros included); a tied parameter once,
+    under the first name `named_parameters` gives (the embedding when lm_head is tied to it)."""
+    counts = dict.fromkeys(groups, 0)
+    for name, param in model.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
+        counts[param_group(name)] += param.numel()
+    return counts
+
+
 def build_inventory(model: nn.Module) -> LoraInventory:
     """The inventory of `model` as it stands (after `apply_lora`, or as built for full FT)."""
-    total = count_by_group(model)
-    trainable = count_by_group(model, trainable_only=True)
+    family = spec_of(model)
+    param_group, groups = family.param_group, family.param_groups
+    total = _count_by_group(model, groups, param_group)
+    trainable = _count_by_group(model, groups, param_group, trainable_only=True)
     adapted = lora_modules(model)
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for name, module in adapted:
         base = "gate_up_proj" if isinstance(module, LoRAGroupedExperts) else "weight"
         counts[param_group(f"{name}.{base}")][_target_label(name, module)] += 1
     rows = [GroupRow(g, trainable[g], total[g], [f"{kind} (x{n})" for kind, n in counts[g].items()])
-            for g in GROUPS]
+            for g in groups]
     if not adapted:
         return LoraInventory("full", rows)
     spec = adapted[0][1].spec

@@ -24,10 +24,13 @@ What a spec answers, in the order a run asks:
   param_group            the parameter groups the inventory and preflight report by
   decoding               the cached-decoding hooks `glmtune.generation` drives (decoding.py;
                          None: the family has none)
+  lora                   what `glmtune.peft` needs of the family's modules (lora_rules.py;
+                         None: peft/ refuses the family's models)
   describe               the architecture summary and parameter report (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
-Knows no family and imports only family.py and decoding.py: the methods take and return the family's own objects.
+Knows no family and imports only family.py, decoding.py and lora_rules.py: the methods take and
+return the family's own objects.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 from glmtune.models.common.decoding import CachedDecoding
 from glmtune.models.common.family import ModelDims, ModelFamily
+from glmtune.models.common.lora_rules import LoraRules
 
 
 class ModelSpec(ABC):
@@ -47,6 +51,7 @@ class ModelSpec(ABC):
     model_family: ModelFamily  # the torch-free answers, which the spec gives through
     hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
     decoding: CachedDecoding | None = None  # the cached-decoding hooks (None: the family has none)
+    lora: LoraRules | None = None  # glmtune.peft's hooks (None: peft/ refuses the family's models)
 
     # -- architecture ------------------------------------------------------------------
     @property

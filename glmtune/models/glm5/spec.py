@@ -15,6 +15,7 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
   parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
   param groups, describe     param_groups.py; summary.py, counts.py
   cached decoding            decode.py (`GLM5_DECODING`; the cache in kv_cache.py)
+  LoRA hooks                 lora_rules.py (`GLM5_LORA`: glmtune.peft's)
 
 Above the family's own code (it imports checkpoint/ and the parallelization plan): only this
 module and the registry (`glmtune/models/registry.py`) sit on that floor.
@@ -45,6 +46,7 @@ from glmtune.models.glm5.family import GLM5_FAMILY
 from glmtune.models.glm5.flops import flops_per_token
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.indexer_recall import RecallProbe
+from glmtune.models.glm5.lora_rules import GLM5_LORA
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import MoE, set_moe_dispatch_backend
 from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
@@ -62,6 +64,7 @@ class Glm5Spec(ModelSpec):
     hf_architecture = "GlmMoeDsaForCausalLM"
     param_groups = GROUPS
     decoding = GLM5_DECODING  # glmtune.generation's cached-decoding hooks
+    lora = GLM5_LORA  # glmtune.peft's hooks
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> Glm5Args:

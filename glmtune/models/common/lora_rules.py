@@ -1,0 +1,38 @@
+"""`LoraRules`: what `glmtune.peft` needs to know of a family's modules beyond its spec's answers.
+
+peft/ adapts, exports, merges and describes a family's linear layers by the same glob rules for
+every family; the parameter groups and the HF names come from the family's spec (`param_group`,
+`state_dict_adapter`). What only the architecture knows is here, behind this interface (its
+spec's `lora`): whether a built model is the family's, and the parts the serving engines'
+facts (peft/engines.py) are about: the attention projections an MLA engine never applies a
+delta to, and the multi-token-prediction layers an engine drafts with. GLM-5's is
+`glmtune/models/glm5/lora_rules.py`.
+
+Knows no family: the methods take the family's own model and return its own modules.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: `glmtune --help` imports model_spec.py, which imports this
+    from torch import nn
+
+
+class LoraRules(ABC):
+    """One family's LoRA hooks (module docstring). Stateless: one instance per family."""
+
+    @abstractmethod
+    def owns(self, model: nn.Module) -> bool:
+        """Whether `model` is this family's causal LM (sharded or not)."""
+
+    def absorbed_projections(self, model: nn.Module) -> list[nn.Module]:
+        """The attention projections an engine folding them into its attention kernel (vLLM's MLA:
+        `kv_b_proj`) never applies an adapter's delta to; none for a family without them."""
+        return []
+
+    def mtp_layers(self, model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+        """(name, layer, its input projection `eh_proj`) of each multi-token-prediction layer; none
+        for a family without them."""
+        return []
