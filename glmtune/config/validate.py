@@ -14,7 +14,9 @@ adds the world-size sources, the model's layers, pipeline schedules, batches and
 Runnable rule: a layout can be valid and still need what this version has not built
 (tp > 1). `validate_parallel` checks the layout alone; `validate_config`, which
 `glmtune config validate` and `glmtune train` run, refuses that degree by name, and what
-pipeline or context parallelism cannot do (`pipeline_context_errors`).
+pipeline or context parallelism cannot do (`pipeline_context_errors`). A model family's limits
+on settings (`SettingLimit`s among the `model_refusals`, e.g. the hf family's: no EP, PP or CP, no
+GLM-5-only losses) are checked first (`limit_errors`).
 
 Precision rule: `precision_errors` refuses the dtype settings a run cannot honour (fp32
 master weights under LoRA) and `fp32_master_weights` decides what
@@ -36,9 +38,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import PurePosixPath
+from typing import Any
 
 from glmtune.config.degrees import MeshDegrees, raise_config_errors as _raise
 from glmtune.config.schema import DataConfig, DpoConfig, JobConfig, ParallelConfig, PeftConfig
+
+# A model family's limit on one setting: (dotted config key, the values it honours, the rest of the
+# sentence that refuses another value). The families state them as plain data (models/common/family.py).
+SettingLimit = tuple[str, tuple[Any, ...], str]
 
 # Schedules that place one stage per rank, and the V-shaped ones that need exactly two.
 _SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
@@ -162,25 +169,40 @@ def grad_accum_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:
 
 
 def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_size: int | None = None,
-                    model_refusals: tuple[str, ...] = ()) -> MeshDegrees:
+                    model_refusals: tuple[str | SettingLimit, ...] = ()) -> MeshDegrees:
     """All checks a run needs before anything is allocated: the parallel layout, the degrees
     this version can run (pp, cp, tp > 1 cannot yet), batch divisibility, per-field ranges
-    and the precision settings. `model_refusals`: what the model's family refuses of the
-    recipe's `model` section (the registry's `ModelDims.refusals`; config/ knows no model),
-    reported with the rest.
+    and the precision settings. `model_refusals`: what the model's family refuses (the
+    registry's `ModelDims.refusals`; config/ knows no model): sentences about the recipe's `model`
+    section, and the family's limits on settings (`limit_errors`). Those come first, alone: the
+    layout checks of a degree the family cannot run at all would only mislead.
 
     `glmtune config validate` and the start of `glmtune train` call this same function.
     """
+    _raise(limit_errors(cfg, [limit for limit in model_refusals if not isinstance(limit, str)]))
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
-        + list(model_refusals) + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) \
-        + auxiliary_loss_errors(cfg)
+        + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
+        + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
         errors.append(str(exc))
     _raise(errors)
     return degrees
+
+
+def limit_errors(cfg: JobConfig, limits: list[SettingLimit]) -> list[str]:
+    """One sentence per setting of `cfg` outside a model family's limit: (dotted key, the values the
+    family honours, the rest of the sentence after "<key>: <value> ")."""
+    errors = []
+    for key, honoured, why in limits:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value not in honoured:
+            errors.append(f"{key}: {value} {why}")
+    return errors
 
 
 def pipeline_context_errors(cfg: JobConfig, num_layers: int) -> list[str]:

@@ -121,13 +121,14 @@ def _read_dir(family: ModelFamily, path: str, read_hf: HfReader | None) -> Any:
 
 def model_dims(model: ModelConfig, read_hf: HfReader | None = None) -> ModelDims:
     """Experts and layers of the model `model` names (after `model.overrides`), for the layout
-    check, with what no layout can run of `model` (`refusals`, for `validate_config`); an HF
-    directory read as `model_args` reads it."""
+    check, with what no layout can run of `model` (`refusals`, for `validate_config`: sentences, and
+    the family's limits on the recipe's settings); an HF directory read as `model_args` reads it."""
     name, source = readable_name(model)
     family = family_for(name, model.family)
     args = family.preset_args(name) if is_preset(name) else _read_dir(family, name, read_hf)
     # Overrides such as fewer layers for a smoke test change what the parallel plan must fit.
-    return dataclasses.replace(family.dims(args, source, model.overrides), refusals=tuple(model_refusals(model)))
+    refusals = (*model_refusals(model), *family.limits)
+    return dataclasses.replace(family.dims(args, source, model.overrides), refusals=refusals)
 
 
 def model_refusals(model: ModelConfig) -> list[str]:

@@ -23,6 +23,12 @@ from pathlib import Path
 from typing import Any
 
 
+# A setting the family honours only at some values: (dotted config key, the values it honours,
+# the rest of the sentence that refuses any other value, after "<key>: <value> "). Plain data:
+# config/ checks it (`glmtune.config.validate.limit_errors`) and knows no model, models/ no config.
+SettingLimit = tuple[str, tuple[Any, ...], str]
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """What the layout check needs of a model: routed experts per MoE layer, decoder layers."""
@@ -30,9 +36,9 @@ class ModelDims:
     num_experts: int  # routed experts per MoE layer (config.json `n_routed_experts`)
     num_layers: int  # decoder layers, MTP excluded (config.json `num_hidden_layers`)
     source: str  # where the numbers came from, for messages
-    # What no layout can run of the recipe's `model` section, one sentence each (validate_config
-    # reports them with the config's own errors).
-    refusals: tuple[str, ...] = ()
+    # What no layout can run of the recipe: a sentence each (of the recipe's `model` section), or a
+    # family's `SettingLimit` (validate_config checks them against the whole config, first).
+    refusals: tuple[str | SettingLimit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ class ModelFamily:
     # (args, tokens per row) -> (training cost of each decoder layer, of the head), for a pipeline split
     stage_costs: Callable[[Any, int], tuple[list[float], float]]
     parameter_count: Callable[[Any], int]  # every parameter, MTP or other extra layers included
+    # settings the family does not honour beyond some values (EP, PP, CP, another family's losses):
+    # refused by `glmtune config validate` and `glmtune train` before anything is allocated
+    limits: tuple[SettingLimit, ...] = ()
 
     def preset_args(self, name: str) -> Any:
         """The architecture of preset `name`."""
