@@ -13,7 +13,8 @@ take as it is. A batch known to hold one document per row (`single_document`) ke
 causal path.
 
 `loss_sum` and `token_logps` apply glmtune's chunked loss (models/common/loss.py) to the final
-hidden states and the LM head's weight: no [tokens, vocab] logits are materialized.
+hidden states and the LM head's weight: no [tokens, vocab] logits are materialized. Under FSDP2
+they run as a forward method of the root unit (`FSDP_RUN`), which gathers its parameters.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logp
 from glmtune.models.hf.args import HfArgs
 
 LOSS_CHUNK_SIZE = 2048
+# The loss runs the decoder and reads the LM head's weight outside the model's own `forward`, so
+# under FSDP2 the root unit (embedding, final norm, head) must gather its parameters around it as
+# around a forward: parallelize.py sets this attribute (`call_on` bound to the model) and registers
+# it as one of the root's forward methods (`register_fsdp_forward_method`).
+FSDP_RUN = "glmtune_fsdp_run"
 
 
 def transformers_config(args: HfArgs) -> PretrainedConfig:
@@ -117,8 +123,27 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     return out.last_hidden_state
 
 
+def call_on(model: nn.Module, fn, batch: dict[str, torch.Tensor]):
+    """`fn(model, batch)`: the root's FSDP forward method (`FSDP_RUN`) once parallelize.py sets it."""
+    return fn(model, batch)
+
+
+def _run(model: nn.Module, fn, batch: dict[str, torch.Tensor]):
+    run = getattr(model, FSDP_RUN, None)
+    return fn(model, batch) if run is None else run(fn, batch)
+
+
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 summed cross-entropy over the supervised targets, their count) of one packed batch."""
+    return _run(model, _loss_sum, batch)
+
+
+def token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 [B, S] log-probability of each supervised target (0 elsewhere)."""
+    return _run(model, _token_logps, batch)
+
+
+def _loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     hidden_BSD = final_hidden(model, batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"),
                               batch.get("single_document"))
     return chunked_cross_entropy(hidden_BSD, model.get_output_embeddings().weight, batch["targets"],
@@ -126,8 +151,7 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
                                  grad_scale=batch.get("loss_grad_scale"))
 
 
-def token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """fp32 [B, S] log-probability of each supervised target (0 elsewhere)."""
+def _token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     hidden_BSD = final_hidden(model, batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"),
                               batch.get("single_document"))
     return chunked_token_logps(hidden_BSD, model.get_output_embeddings().weight, batch["targets"],

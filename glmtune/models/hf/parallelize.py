@@ -18,11 +18,13 @@ whole rows).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from glmtune.models.hf.model import decoder_layers
+from glmtune.models.hf.model import FSDP_RUN, call_on, decoder_layers
 
 
 def refuse_unsupported(mesh) -> None:
@@ -40,6 +42,9 @@ def apply_fsdp(model: nn.Module, mesh, reduce_dtype: torch.dtype = torch.float32
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=own_dtype)
     fully_shard(model, mesh=mesh, mp_policy=own_dtype)
+    # the loss calls the decoder and the head's weight, not the model's forward (model.py `FSDP_RUN`)
+    setattr(model, FSDP_RUN, functools.partial(call_on, model))
+    register_fsdp_forward_method(model, FSDP_RUN)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
