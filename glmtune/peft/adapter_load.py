@@ -18,14 +18,14 @@ names).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from glmtune.models.glm5.moe import GroupedExperts
-from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
+from glmtune.peft.family import internal_prefix, spec_of
 from glmtune.peft.init import set_whole_value
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 from glmtune.peft.merge import FUSED_EXPERTS_RE, PER_EXPERT_RE, fused_expert_proj, lora_pairs, read_adapter
@@ -81,7 +81,9 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
     if lora_modules(model):
         raise ValueError("apply_adapter needs a plain model; this one already carries LoRA adapters")
     spec = _spec(config)
-    internal = Glm5StateDictAdapter(model.args).internal_prefix
+    internal = internal_prefix(model)
+    rules = spec_of(model).lora
+    assert rules is not None
     linears: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     per_expert: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
@@ -92,7 +94,7 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
             module = model.get_submodule(internal(fused.group(1))) if fused else None
             if per:
                 per_expert[internal(per.group(1))][per.group(3)][int(per.group(2))] = (a, b)
-            elif isinstance(module, GroupedExperts):
+            elif module is not None and rules.is_grouped_experts(module):
                 num = module.num_experts
                 proj = fused_expert_proj(fused.group(1), bool(fused.group(2)), config)
                 experts[internal(fused.group(1))][proj] = (
@@ -110,32 +112,32 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
         param.requires_grad_(False)
     deferred: dict[str, torch.Tensor] = {}
     for name, (a, b) in linears.items():
-        _replace(model, name, adapter_dir, lambda m: LoRALinear.from_linear(m, spec, init=False), nn.Linear,
-                 {"lora_A.weight": a, "lora_B.weight": b}, deferred)
+        _replace(model, name, adapter_dir, lambda m: LoRALinear.from_linear(m, spec, init=False),
+                 lambda m: isinstance(m, nn.Linear), "Linear", {"lora_A.weight": a, "lora_B.weight": b}, deferred)
     for name, projs in experts.items():
         loads = {}
         for proj, (a, b) in projs.items():
             short = "gate_up" if proj == "gate_up_proj" else "down"
             loads.update({f"lora_{short}_A": a, f"lora_{short}_B": b})
         _replace(model, name, adapter_dir,
-                 lambda m, t=tuple(projs): LoRAGroupedExperts.from_experts(m, spec, t, init=False), GroupedExperts,
-                 loads, deferred)
+                 lambda m, t=tuple(projs): LoRAGroupedExperts.from_experts(m, spec, t, init=False),
+                 rules.is_grouped_experts, "GroupedExperts", loads, deferred)
     for _, module in lora_modules(model):
         module.requires_grad_(False)
     return AppliedAdapter(len(linears) + len(experts), deferred)
 
 
-def _replace(model: nn.Module, name: str, adapter_dir: Path, make, kind: type, loads: dict[str, torch.Tensor],
-             deferred: dict[str, torch.Tensor]) -> None:
-    """Swap module `name` for `make(module)` after copying `loads` (parameter name -> value) into it
-    (into `deferred` under its full name when the module is on the meta device)."""
+def _replace(model: nn.Module, name: str, adapter_dir: Path, make, fits: Callable[[nn.Module], bool], kind: str,
+             loads: dict[str, torch.Tensor], deferred: dict[str, torch.Tensor]) -> None:
+    """Swap module `name` (a `kind`: `fits` says) for `make(module)` after copying `loads` (parameter
+    name -> value) into it (into `deferred` under its full name when the module is on the meta device)."""
     try:
         module = model.get_submodule(name)
     except AttributeError as exc:
         raise ValueError(f"{adapter_dir}: adapter module {name} does not fit this model: {exc}") from None
-    if not isinstance(module, kind):
+    if not fits(module):
         raise ValueError(f"{adapter_dir}: adapter module {name} is a {type(module).__name__} here, "
-                         f"not a {kind.__name__}")
+                         f"not a {kind}")
     new = make(module)
     for param_name, value in loads.items():
         param = new.get_parameter(param_name)

@@ -1,4 +1,4 @@
-"""`apply_lora(model, peft_cfg)`: LoRA as a transformation of a built GLM-5 model.
+"""`apply_lora(model, peft_cfg)`: LoRA as a transformation of a built model of a family.
 
 Run it after the model is built (any device, meta included) and before any
 parallel wrapping. It
@@ -13,9 +13,10 @@ parallel wrapping. It
      whose fp32 adapters are the only trainable parameters.
 
 Globs that match nothing are errors, so a typo cannot silently train nothing on
-the experts. The router, the DSA indexer, embeddings and lm_head cannot take LoRA:
-the router and indexer are frozen by design, and the loss reads `lm_head.weight`
-directly (a wrapped head would be bypassed).
+the experts. Embeddings and lm_head cannot take LoRA: the loss reads `lm_head.weight`
+directly (a wrapped head would be bypassed). What else stays frozen, and which modules are
+the stacked experts, is the family's (its spec's `lora`, models/common/lora_rules.py): for
+GLM-5 the router and the DSA indexer, frozen by design, and the MTP layer as below.
 
 The MTP layer (`mtp.{j}`) runs only with the MTP loss (`train.mtp_loss_weight > 0`),
 whose switch is the spec's `set_auxiliary_training`: it unfreezes the MTP layer before
@@ -33,7 +34,8 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from glmtune.config.schema import PeftConfig
-from glmtune.models.glm5.moe import GroupedExperts, Router
+from glmtune.models.common.lora_rules import LoraRules
+from glmtune.peft.family import spec_of
 from glmtune.peft.init import reset_lora_parameters
 from glmtune.peft.inventory import LoraInventory, build_inventory, module_kind
 from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
@@ -63,14 +65,11 @@ def mtp_trains(model: nn.Module) -> bool:
     return any(p.requires_grad for n, p in model.named_parameters() if n.startswith("mtp.") and ".indexer." not in n)
 
 
-def _frozen_reason(name: str, module: nn.Module, mtp: bool) -> str | None:
+def _frozen_reason(rules: LoraRules, name: str, module: nn.Module, mtp: bool) -> str | None:
     """Why a module with weights cannot take LoRA, or None when it can (or has no weights)."""
-    if (name.startswith("mtp.") or name == "mtp") and not mtp:
-        return "the MTP layer runs only with the MTP loss (train.mtp_loss_weight > 0)"
-    if ".indexer" in f".{name}":
-        return "the DSA indexer stays frozen (no indexer loss)"
-    if isinstance(module, Router):
-        return "the router stays frozen (fp32 routing)"
+    reason = rules.frozen_reason(name, module, mtp)
+    if reason is not None:
+        return reason
     if isinstance(module, nn.Embedding):
         return "embeddings take no LoRA"
     if name == "lm_head":
@@ -83,13 +82,16 @@ def _candidates(model: nn.Module) -> tuple[dict[str, set[Target]], dict[str, str
     candidates: dict[str, set[Target]] = {}
     frozen: dict[str, str] = {}
     mtp = mtp_trains(model)
+    rules = spec_of(model).lora
+    assert rules is not None
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, GroupedExperts, Router, nn.Embedding)):
+        experts = rules.is_grouped_experts(module)
+        if not (experts or isinstance(module, (nn.Linear, nn.Embedding, *rules.frozen_kinds))):
             continue
-        reason = _frozen_reason(name, module, mtp)
+        reason = _frozen_reason(rules, name, module, mtp)
         if reason is not None:
             frozen[name] = reason
-        elif isinstance(module, GroupedExperts):
+        elif experts:
             candidates[name] = {(name, p) for p in EXPERT_PARAMS}
             for proj in EXPERT_PARAMS:
                 candidates[f"{name}.{proj}"] = {(name, proj)}

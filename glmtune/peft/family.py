@@ -27,3 +27,10 @@ def hf_prefix(model: nn.Module):
     the family's state-dict adapter's."""
     spec = spec_of(model)
     return spec.state_dict_adapter(spec.args_of(model)).hf_prefix
+
+
+def internal_prefix(model: nn.Module):
+    """name on disk -> the module's internal name (the inverse of `hf_prefix`), the family's
+    state-dict adapter's."""
+    spec = spec_of(model)
+    return spec.state_dict_adapter(spec.args_of(model)).internal_prefix

@@ -36,6 +36,7 @@ Legend: N routed (token, expert) pairs, D model dim, I expert width, E experts, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,8 +50,6 @@ from glmtune.kernels.fp8_matmul import linear_fp8
 from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.kernels.lora_ops import expert_lora_linear, lora_linear
 from glmtune.kernels.lowrank_add import resolve_backend
-from glmtune.models.glm5.fp8_base import Fp8Linear
-from glmtune.models.glm5.moe import GroupedExperts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -123,6 +122,7 @@ class LoRALinear(nn.Linear):
         module.register_parameter("bias", linear.bias)
         _share_fp8_scales(linear, module)
         module.fp8_backend = getattr(linear, "fp8_backend", None)
+        module.base_kind = type(linear)  # an nn.Linear, or a family's frozen FP8 one
         module._add_adapter(spec, init)
         return module
 
@@ -153,16 +153,16 @@ class LoRALinear(nn.Linear):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def base_module(self) -> nn.Linear:
-        """A plain nn.Linear (an Fp8Linear on an FP8 base) over the same Parameters (the
-        adapter dropped, not merged)."""
-        kind = Fp8Linear if getattr(self, "weight_scale_inv", None) is not None else nn.Linear
+        """The Linear it wrapped (an nn.Linear, or a family's FP8 one on an FP8 base: GLM-5's
+        `Fp8Linear`) over the same Parameters (the adapter dropped, not merged)."""
+        kind = getattr(self, "base_kind", nn.Linear)
         linear = kind.__new__(kind)
         nn.Module.__init__(linear)
         linear.in_features, linear.out_features = self.in_features, self.out_features
         linear.weight = self.weight
         linear.register_parameter("bias", self.bias)
         _share_fp8_scales(self, linear)
-        if kind is Fp8Linear:
+        if getattr(self, "weight_scale_inv", None) is not None:
             linear.fp8_backend = self.fp8_backend
         return linear
 
@@ -170,19 +170,30 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.spec.rank}, scaling={self.scaling:g}"
 
 
-class LoRAGroupedExperts(GroupedExperts):
-    """`GroupedExperts` with stacked per-expert adapters on `gate_up_proj` and/or `down_proj`.
+class LoRAGroupedExperts(nn.Module):
+    """A family's stacked routed experts with stacked per-expert adapters on `gate_up_proj`
+    and/or `down_proj`.
+
+    The experts module is the family's (which modules are: its spec's `lora.is_grouped_experts`;
+    GLM-5's `GroupedExperts`); it keeps them stacked as `gate_up_proj` [E, 2I, D] and `down_proj`
+    [E, D, I] with `num_experts`, `backend` and `project(x, proj, offsets)`, the base product of
+    one projection. `from_experts` makes the module an instance of a subclass of both, made once
+    per experts class (`_lora_class`, the way FSDP2 subclasses a module's class), so the family's
+    own code still sees its experts class and this module adds only the adapters.
 
     Adapter parameters: `lora_gate_up_A` [E, r, D], `lora_gate_up_B` [E, 2I, r],
     `lora_down_A` [E, r, I], `lora_down_B` [E, D, r]; a projection that is not
     targeted has None for both.
     """
 
+    base_kind: type[nn.Module]  # the family's experts class (`_lora_class` sets it)
+
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, spec: LoraSpec, targets: tuple[str, ...],
+    def from_experts(cls, experts: nn.Module, spec: LoraSpec, targets: tuple[str, ...],
                      init: bool = True) -> "LoRAGroupedExperts":
         assert targets and set(targets) <= set(EXPERT_PARAMS), targets
-        module = cls.__new__(cls)
+        kind = _lora_class(type(experts))
+        module = kind.__new__(kind)
         nn.Module.__init__(module)
         module.backend = experts.backend
         module.num_experts = experts.num_experts
@@ -253,9 +264,9 @@ class LoRAGroupedExperts(GroupedExperts):
         a, b = self.adapter(proj)
         return self.scaling * torch.bmm(b.float(), a.float())
 
-    def base_module(self) -> GroupedExperts:
-        """A plain GroupedExperts over the same Parameters (the adapters dropped, not merged)."""
-        experts = GroupedExperts.__new__(GroupedExperts)
+    def base_module(self) -> nn.Module:
+        """The family's plain experts module over the same Parameters (the adapters dropped, not merged)."""
+        experts = self.base_kind.__new__(self.base_kind)
         nn.Module.__init__(experts)
         experts.backend, experts.num_experts = self.backend, self.num_experts
         experts.gate_up_proj, experts.down_proj = self.gate_up_proj, self.down_proj
@@ -264,6 +275,15 @@ class LoRAGroupedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         return f"targets={self.targets}, rank={self.spec.rank}, scaling={self.scaling:g}"
+
+
+@functools.cache
+def _lora_class(experts_kind: type[nn.Module]) -> type[LoRAGroupedExperts]:
+    """`LoRAGroupedExperts` over a family's experts class: the adapters' forward first, then the
+    family's (its `project`, `reset_parameters`, `isinstance` checks)."""
+    assert not issubclass(experts_kind, LoRAGroupedExperts), "the experts already carry adapters"
+    return type(f"LoRA{experts_kind.__name__}", (LoRAGroupedExperts, experts_kind),
+                {"base_kind": experts_kind, "__module__": LoRAGroupedExperts.__module__})
 
 
 def _share_fp8_scales(source: nn.Module, target: nn.Module) -> None:

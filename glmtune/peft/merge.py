@@ -33,9 +33,8 @@ from glmtune.io.outputs import check_output
 from glmtune.io.text_limits import parse_json
 from glmtune.models.common.hf_config import read_hf_config
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
-from glmtune.models.glm5.moe import GroupedExperts
-from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
+from glmtune.peft.family import internal_prefix, spec_of
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
 from glmtune.peft.merge_stream import stream_merge
 
@@ -208,17 +207,18 @@ class Delta:
         return weight[:rows] if self.half == "gate_proj" else weight[rows:]
 
 
-def _resolve(model: nn.Module, stem: str, config: dict, internal, **factors) -> Delta:
+def _resolve(model: nn.Module, stem: str, config: dict, internal, is_experts, **factors) -> Delta:
     """Where the pair `stem` (an HF name; `internal` gives the module's in-memory name) lands in
-    `model` (AttributeError / ValueError when nowhere)."""
+    `model` (AttributeError / ValueError when nowhere); `is_experts`: the family's test for its
+    stacked routed experts."""
     per_expert, fused = PER_EXPERT_RE.match(stem), FUSED_EXPERTS_RE.match(stem)
     if per_expert:
         experts_name, index, proj = internal(per_expert.group(1)), int(per_expert.group(2)), per_expert.group(3)
-        assert isinstance(model.get_submodule(experts_name), GroupedExperts), experts_name
+        assert is_experts(model.get_submodule(experts_name)), experts_name
         name = "down_proj" if proj == "down_proj" else "gate_up_proj"
         return Delta(stem, f"{experts_name}.{name}", expert=index, half=None if proj == "down_proj" else proj,
                      **factors)
-    if fused and isinstance(model.get_submodule(internal(fused.group(1))), GroupedExperts):
+    if fused and is_experts(model.get_submodule(internal(fused.group(1)))):
         key = f"{internal(fused.group(1))}.{fused_expert_proj(fused.group(1), bool(fused.group(2)), config)}"
         return Delta(stem, key, num_experts=model.get_parameter(key).shape[0], **factors)
     linear = model.get_submodule(internal(stem))
@@ -240,11 +240,13 @@ def adapter_deltas(model: nn.Module, adapter_dir: str | Path) -> list[Delta]:
     scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     if lora_modules(model):
         raise ValueError("merge_adapter_dir needs a plain model; this one already carries LoRA adapters")
-    internal = Glm5StateDictAdapter(model.args).internal_prefix
+    internal, rules = internal_prefix(model), spec_of(model).lora
+    assert rules is not None
     deltas = []
     for stem, pair in lora_pairs(adapter_dir, tensors).items():
         try:
-            delta = _resolve(model, stem, config, internal, a=pair["A"], b=pair["B"], scaling=scaling)
+            delta = _resolve(model, stem, config, internal, rules.is_grouped_experts, a=pair["A"], b=pair["B"],
+                             scaling=scaling)
             dest = delta.dest(model.get_parameter(delta.key))
             meta = replace(delta, a=delta.a.to("meta"), b=delta.b.to("meta"))
             shape = tuple(meta.value().shape)

@@ -3,10 +3,11 @@
 peft/ adapts, exports, merges and describes a family's linear layers by the same glob rules for
 every family; the parameter groups and the HF names come from the family's spec (`param_group`,
 `state_dict_adapter`). What only the architecture knows is here, behind this interface (its
-spec's `lora`): whether a built model is the family's, and the parts the serving engines'
-facts (peft/engines.py) are about: the attention projections an MLA engine never applies a
-delta to, and the multi-token-prediction layers an engine drafts with. GLM-5's is
-`glmtune/models/glm5/lora_rules.py`.
+spec's `lora`): whether a built model is the family's, which of its modules are stacked routed
+experts (adapted as one module by peft/lora.py's `LoRAGroupedExperts`) and which modules never
+take LoRA and why, and the parts the serving engines' facts (peft/engines.py) are about: the
+attention projections an MLA engine never applies a delta to, and the multi-token-prediction
+layers an engine drafts with. GLM-5's is `glmtune/models/glm5/lora_rules.py`.
 
 Knows no family: the methods take the family's own model and return its own modules.
 """
@@ -23,9 +24,24 @@ if TYPE_CHECKING:  # torch-free at import: `glmtune --help` imports model_spec.p
 class LoraRules(ABC):
     """One family's LoRA hooks (module docstring). Stateless: one instance per family."""
 
+    # the family's module kinds with weights, neither Linear nor stacked experts, that take no
+    # LoRA (GLM-5's router): a glob naming one is told why (`frozen_reason`)
+    frozen_kinds: tuple[type, ...] = ()
+
     @abstractmethod
     def owns(self, model: nn.Module) -> bool:
         """Whether `model` is this family's causal LM (sharded or not)."""
+
+    def is_grouped_experts(self, module: nn.Module) -> bool:
+        """Whether `module` holds a layer's routed experts stacked: `gate_up_proj` [E, 2I, D] and
+        `down_proj` [E, D, I] Parameters, `num_experts`, `backend` and `project(x, proj, offsets)`
+        (the base product of one projection over expert-sorted tokens); none for a dense family."""
+        return False
+
+    def frozen_reason(self, name: str, module: nn.Module, mtp_trains: bool) -> str | None:
+        """Why module `name` (one with weights: a Linear, the stacked experts, a router) stays frozen
+        and takes no LoRA, or None when it can; `mtp_trains`: the multi-token-prediction loss is on."""
+        return None
 
     def absorbed_projections(self, model: nn.Module) -> list[nn.Module]:
         """The attention projections an engine folding them into its attention kernel (vLLM's MLA:
