@@ -38,6 +38,7 @@ from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.family import HF_FAMILY
+from glmtune.models.hf.lora_rules import HfLoraRules
 from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
 from glmtune.models.hf.parallelize import parallelize_hf
 from glmtune.models.hf.shapes import (
@@ -65,6 +66,7 @@ class HfSpec(ModelSpec):
     hf_architecture = "*ForCausalLM"  # whatever config.json's `architectures[0]` names
     param_groups = GROUPS
     decoding = None
+    lora = HfLoraRules()  # peft/'s inventory of what trains; LoRA itself refused at config time (family.py)
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> HfArgs:

@@ -40,10 +40,11 @@ def test_every_limit_names_a_setting_and_honours_its_default():
      r"^2 config errors:\n  train.indexer_loss_weight: 0.1 is GLM-5's DSA indexer loss.*\n  "
      r"model.indexer_trainable: True is GLM-5's DSA indexer training"),
     (["--train.router_bias_update=sign"], "^train.router_bias_update: sign is GLM-5's router correction-bias update"),
-    (["--model.fp8_base=dequant", "--peft.method=lora"], "^model.fp8_base: dequant is GLM-5's frozen FP8 base"),
+    (["--model.fp8_base=dequant", "--peft.method=lora"], "model.fp8_base: dequant is GLM-5's frozen FP8 base"),
     (["--model.attention_backend=triton"], "^model.attention_backend: triton chooses how GLM-5's modules compute"),
     (["--model.moe_backend=loop"], "^model.moe_backend: loop chooses how GLM-5's modules compute"),
-    (["--peft.method=lora", "--peft.adapter_kernel=torch"], "^peft.adapter_kernel: torch chooses how GLM-5's"),
+    (["--peft.method=lora", "--peft.adapter_kernel=torch"], "peft.adapter_kernel: torch chooses how GLM-5's"),
+    (["--peft.method=lora"], r"^peft.method: lora is not available for the hf family yet .*\(peft.method: none\)$"),
 ])
 def test_settings_the_family_would_ignore_are_refused_by_key(qwen3_dir, options, message):
     with pytest.raises(ValueError, match=message):
