@@ -93,7 +93,6 @@ KNOWN_FAMILY: set[tuple[str, str]] = {
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.model"),
     ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.state_dict_adapter"),
-    ("glmtune.peft.merge", "glmtune.models.glm5.fp8_base"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.args"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.fp8_base"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.model"),

@@ -32,7 +32,6 @@ from glmtune.checkpoint.hf_io import _check_shard_sizes, _open, _read
 from glmtune.io.outputs import check_output
 from glmtune.io.text_limits import parse_json
 from glmtune.models.common.hf_config import read_hf_config
-from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.family import internal_prefix, spec_of
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
@@ -324,7 +323,7 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
         dtype: the merged weights' dtype; None keeps the base checkpoint's (config.json).
         max_shard_size: bytes or a string like "5GB" per output shard file.
         fp8: re-quantize the merged weights of the layers GLM-5's FP8 releases store in e4m3
-            into that format (128 x 128 blocks, `glmtune/models/glm5/fp8_base.py`) and print
+            into that format (128 x 128 blocks, the spec's `convert_to_fp8_base`) and print
             the re-quantization error; the merge itself is done in fp32 on the dequantized base.
         overwrite: replace a non-empty OUT_DIR (never BASE_DIR or ADAPTER_DIR).
         force: merge even if BASE_DIR is not the base the adapter records (`check_base`).
@@ -347,7 +346,7 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
 def _requantize(model: nn.Module) -> str:
     """Makes the merged model's quantizable layers FP8; one line with the relative error."""
     errors: list[tuple[float, float]] = []
-    convert_to_fp8_base(model, errors=errors)
+    spec_of(model).convert_to_fp8_base(model, "dequant", errors=errors)  # GLM-5's fp8_base.py
     return fp8_report(errors)
 
 

@@ -146,8 +146,10 @@ class ModelSpec(ABC):
         """The first `num_layers` layers of checkpoint `src` as an HF directory that reads its files."""
 
     @abstractmethod
-    def convert_to_fp8_base(self, model: Any, backend: str) -> list[str]:
-        """Freeze the base in FP8 with 128x128 block scales (names of converted modules)."""
+    def convert_to_fp8_base(self, model: Any, backend: str, errors: list | None = None) -> list[str]:
+        """Freeze the base in FP8 with 128x128 block scales (names of converted modules); with
+        `errors` (a list), each quantized weight appends its (squared error, squared norm) in fp64
+        (`glmtune merge --fp8`'s report)."""
 
     @abstractmethod
     def state_dict_adapter(self, args: Any) -> Any:

@@ -159,8 +159,8 @@ class Glm5Spec(ModelSpec):
         small, config_updates = view_args(src, num_layers)
         return truncated_view(src, dst, num_layers, Glm5StateDictAdapter(small), config_updates)
 
-    def convert_to_fp8_base(self, model: nn.Module, backend: str) -> list[str]:
-        return convert_to_fp8_base(model, backend)
+    def convert_to_fp8_base(self, model: nn.Module, backend: str, errors: list | None = None) -> list[str]:
+        return convert_to_fp8_base(model, backend, errors)
 
     def state_dict_adapter(self, args: Glm5Args) -> Glm5StateDictAdapter:
         return Glm5StateDictAdapter(args)
