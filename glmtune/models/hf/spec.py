@@ -6,15 +6,17 @@ It wires the family's pieces together. Where each answer lives:
                              an HF directory's args checked against its weights (weights.py)
   build                      model.py `build_model` (transformers' `AutoModelForCausalLM.from_config`)
   load whole, save           transformers' `from_pretrained` (safetensors only, local files, no remote
-                             code) and `save_pretrained`, written atomically through glmtune/io/outputs.py
+                             code) and `save_pretrained`, written atomically through glmtune/io/outputs.py;
+                             an FSDP2 model's shards gathered to rank 0 first
+  sharded load               sharded_load.py (meta-built and parallelized, filled on every rank; dense only)
   state-dict adapter         state_dict_adapter.py (identity on HF names; MoE refused)
   loss, token log-probs      model.py: glmtune's chunked loss on the final hidden states, packed
                              documents kept apart by transformers' own mask builders
   flops                      shapes.py
   parallelize                parallelize.py (AC -> compile -> FSDP2; EP, PP, CP refused)
 
-Not done yet, each refused with a ValueError naming it (`_not_yet`): the sharded load
-(`load_sharded`), a DCP checkpoint's export (`export_checkpoint`), truncated views, an FP8 base,
+Not done yet, each refused with a ValueError naming it (`_not_yet`): a MoE model's sharded load,
+a DCP checkpoint's export (`export_checkpoint`), truncated views, an FP8 base,
 the pipeline, presets' truncation overrides, the parameter report. Cached decoding is None
 (generation uses the model's plain forward). `moe_layers` is empty: transformers' MoE layers keep
 no per-expert token counts or correction biases for the trainer to read.
@@ -29,7 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 from glmtune.config.schema import ModelConfig, ParallelConfig
@@ -46,6 +51,7 @@ from glmtune.models.hf.shapes import (
     flops_per_token,
     parameter_count,
 )
+from glmtune.models.hf.sharded_load import load_sharded
 from glmtune.models.hf.state_dict_adapter import HfStateDictAdapter
 from glmtune.models.hf.weights import check_weights, holds_weights
 
@@ -57,6 +63,16 @@ GROUPS = ("embeddings", "attention", "mlp", "router", "experts", "norm", "head")
 
 def _not_yet(what: str) -> ValueError:
     return ValueError(f"the hf family does not do {what} yet")
+
+
+def gathered_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """An FSDP2 model's full state dict on rank 0's CPU (empty elsewhere); every rank must call it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def unwrapped_class(model: nn.Module) -> type:
+    """transformers' class of `model`, under FSDP2's `FSDP<class>` subclass when it is sharded."""
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 class HfSpec(ModelSpec):
@@ -127,7 +143,7 @@ class HfSpec(ModelSpec):
 
     def load_sharded(self, model: nn.Module, hf_dir: str | Path, device: Any,
                      not_in_checkpoint: set[str] = frozenset()) -> Any:
-        raise _not_yet("a sharded load (each rank reading its shards)")
+        return load_sharded(model, hf_dir, self.args_from_hf(hf_dir), device, not_in_checkpoint)
 
     def save_pretrained(self, model: nn.Module, path: str | Path, max_shard_size: int | str = "5GB",
                         source_dir: str | Path | None = None, overwrite: bool = True,
@@ -135,19 +151,25 @@ class HfSpec(ModelSpec):
                         pp_group: Any = None) -> Path:
         """Write `model` as an HF directory transformers loads back (its own `save_pretrained`, so MoE
         experts get their per-expert names), atomically; `source_dir`'s tokenizer files alongside;
-        `dtype`: the tensors (and config.json's dtype) cast to it."""
-        if pp_group is not None or any(hasattr(p, "to_local") for p in model.parameters()):
-            raise _not_yet("saving a sharded (FSDP2 or pipelined) model")
+        `dtype`: the tensors (and config.json's dtype) cast to it. An FSDP2-sharded model: every rank
+        calls this (its shards are gathered to rank 0's CPU memory), rank 0 writes."""
+        if pp_group is not None:
+            raise _not_yet("saving a pipelined model")
+        sharded = isinstance(model, FSDPModule)
+        state = gathered_state(model) if sharded else None  # a collective: every rank of the mesh takes part
+        if sharded and dist.get_rank() != 0:
+            return Path(path)
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in (state or model.state_dict()).items()}
         if source_dir is not None:
             sources = (*sources, ("source_dir", source_dir))
-        state = None if dtype is None else {k: v.to(dtype) if v.is_floating_point() else v
-                                            for k, v in model.state_dict().items()}
         with output_dir(path, overwrite=overwrite, sources=sources, what="path", option="overwrite=True") as tmp:
             model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state)
+            config = json.loads((tmp / "config.json").read_text())
+            config["architectures"] = [unwrapped_class(model).__name__]  # not FSDP2's FSDP<class> subclass
             if dtype is not None:
-                config = json.loads((tmp / "config.json").read_text())
                 config["dtype"] = str(dtype).removeprefix("torch.")
-                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             for name in TOKENIZER_FILES if source_dir is not None else ():
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
