@@ -96,7 +96,6 @@ KNOWN_FAMILY: set[tuple[str, str]] = {
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.args"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.fp8_base"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.model"),
-    ("glmtune.peft.merge_stream", "glmtune.models.glm5.state_dict_adapter"),
 }
 
 

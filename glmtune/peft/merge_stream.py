@@ -42,19 +42,14 @@ from glmtune.checkpoint.hf_io import (
     write_metadata,
     write_planned_shards,
 )
+from glmtune.checkpoint.fp8_layout import SCALE_SUFFIX, check_fp8_scale, dequantize_fp8_block, is_fp8
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.io.outputs import output_dir
 from glmtune.io.sizes import parse_size
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.fp8_base import _quantize, convert_to_fp8_base
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
-from glmtune.models.glm5.state_dict_adapter import (
-    SCALE_SUFFIX,
-    Glm5StateDictAdapter,
-    check_fp8_scale,
-    dequantize_fp8_block,
-    is_fp8,
-)
+from glmtune.peft.family import spec_of
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt
 _MMAP_THRESHOLD = 4 << 20
@@ -86,7 +81,7 @@ def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
     _check_shard_sizes(files)
     model = build_model(args, dtype, "meta", "eager", "loop", init=False)  # what the loader builds
     state = model.state_dict(keep_vars=True)
-    adapter = Glm5StateDictAdapter(args)
+    adapter = spec_of(model).state_dict_adapter(args)  # the family's HF names
     plan = read_plan(files, adapter, state.keys())
     check_complete(args, {key: tensor.shape for key, tensor in state.items()}, plan, adapter)
     _check_shapes(files, plan, state)
@@ -149,8 +144,7 @@ def _check_shapes(files: dict[str, Path], plan, state: dict[str, torch.Tensor]) 
                                  f"the model expects {tuple(dest.shape)}")
 
 
-def _output_parts(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
-                  adapter: Glm5StateDictAdapter) -> dict[str, _Part]:
+def _output_parts(model: Glm5ForCausalLM, state: dict[str, torch.Tensor], adapter) -> dict[str, _Part]:
     """HF key -> where its tensor comes from, read off the adapter's own views of the meta state
     (an expert's gate and up rows, and their scales' rows, are where `to_hf` slices them)."""
     parts = {}
