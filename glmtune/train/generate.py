@@ -11,12 +11,15 @@ import torch
 from torch import nn
 
 from glmtune.distributed.fsdp_state import release_gathered
+from glmtune.peft.family import spec_of
 
 
 @torch.no_grad()
 def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                     stop_ids: set[int]) -> list[int]:
-    """Token ids generated after `prompt_ids`, stopping at (and excluding) a stop id."""
+    """Token ids generated after `prompt_ids`, stopping at (and excluding) a stop id. The next
+    token's logits come from the model's family (`ModelSpec.last_token_logits`)."""
+    last_token_logits = spec_of(model).last_token_logits
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -25,8 +28,7 @@ def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
     try:
         for _ in range(max_new_tokens):
             input_ids = torch.tensor([ids], device=device)
-            hidden = model(input_ids, compute_logits=False).hidden_states[:, -1:]
-            next_id = int(model.lm_head(hidden)[0, -1].float().argmax())
+            next_id = int(last_token_logits(model, input_ids)[0].float().argmax())
             if next_id in stop_ids:
                 break
             ids.append(next_id)

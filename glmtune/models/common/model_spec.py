@@ -180,6 +180,12 @@ class ModelSpec(ABC):
     def token_logps(self, model: Any, batch: dict[str, Any]) -> Any:
         """fp32 [B, S] log-probability of each supervised target of one packed batch (0 elsewhere)."""
 
+    def last_token_logits(self, model: Any, input_ids_BS: Any) -> Any:
+        """[B, V] logits of the token after each row of `input_ids_BS`, without a cache (the greedy
+        before/after samples re-run the whole prefix). transformers' convention; a family whose
+        forward differs overrides it."""
+        return model(input_ids=input_ids_BS).logits[:, -1]
+
     @abstractmethod
     def flops_per_token(self, args: Any, doc_lengths: list[int]) -> float:
         """Model FLOPs (forward + backward) per token over documents of these lengths."""

@@ -224,6 +224,10 @@ class Glm5Spec(ModelSpec):
                     token_logps=True)
         return out.token_logps
 
+    def last_token_logits(self, model: nn.Module, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        hidden = model(input_ids_BS, compute_logits=False).hidden_states[:, -1:]  # the head on one position only
+        return model.lm_head(hidden)[:, -1]
+
     def flops_per_token(self, args: Glm5Args, doc_lengths: list[int]) -> float:
         return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
 
