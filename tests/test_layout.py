@@ -86,7 +86,6 @@ DECLARED_LAZY: set[tuple[str, str]] = set()  # filled by import_graph()
 # Family imports from outside the family (issue 45): (importing module, the family's module);
 # moved behind the spec one by one, until none is left.
 KNOWN_FAMILY: set[tuple[str, str]] = {
-    ("glmtune.checkpoint.fingerprint", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.args"),
     ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.model"),
     ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.state_dict_adapter"),

@@ -10,7 +10,8 @@ or on the file names. A LoRA run on a built-in preset writes the preset as an HF
 directory (RUN_DIR/base) and records that directory's identity.
 
 `config_sha256` is the sha256 of the canonical JSON (sorted keys) of the config as
-glmtune reads it (`Glm5Args.to_hf_dict()`), without the keys that describe how a file
+the model's family reads it (its args' `to_hf_dict()`; the family's `read_args` is passed in,
+`glmtune.models.registry.base_identity` passes the directory's), without the keys that describe how a file
 was written or how the model is run rather than what it computes: `COSMETIC_KEYS`
 (versions, the origin path, the dtype, which the weights digest already covers per
 tensor, caching and router-logit switches, the quantization recipe, which the weights
@@ -26,13 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from glmtune.checkpoint.hf_io import checkpoint_files
 from glmtune.checkpoint.safetensors_header import read_header
-from glmtune.models.glm5.args import Glm5Args
 
 
 COSMETIC_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
@@ -41,7 +42,7 @@ _CHUNK_BYTES = 8 << 20
 
 
 def config_sha256(args) -> str:
-    """sha256 of a `Glm5Args`' model fields (see module docstring)."""
+    """sha256 of a family's args' model fields (`to_hf_dict()`, see module docstring)."""
     config = {k: v for k, v in args.to_hf_dict().items() if k not in COSMETIC_KEYS}
     return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -71,14 +72,16 @@ def _file_range_sha256(file: Path, start: int, end: int) -> str:
     return digest.hexdigest()
 
 
-def base_identity_from_dir(hf_dir: str | Path, num_threads: int | None = None) -> dict[str, Any]:
-    """The identity of the HF checkpoint directory `hf_dir` (config.json + safetensors).
+def base_identity_from_dir(hf_dir: str | Path, read_args: Callable[[Path], Any],
+                           num_threads: int | None = None) -> dict[str, Any]:
+    """The identity of the HF checkpoint directory `hf_dir` (config.json + safetensors), its config
+    read by its family's `read_args`.
 
     Raises:
         ValueError / FileNotFoundError: a missing or unreadable config, index or shard (named).
     """
     hf_dir = Path(hf_dir)
-    args = Glm5Args.from_hf_config(hf_dir)
+    args = read_args(hf_dir)
     files = checkpoint_files(hf_dir)
     headers = {}
     for file in sorted(set(files.values())):

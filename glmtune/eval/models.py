@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.fingerprint import identity_mismatch
 from glmtune.config import ModelConfig, load_run_config
 from glmtune.data.sources import file_sha256
 from glmtune.peft.adapter_load import apply_adapter
 from glmtune.io.json_file import json_name, read_json_file
 from glmtune.io.run_lock import RUN_FILE, read_run_record
 from glmtune.io.text_limits import clipped
-from glmtune.models.registry import is_preset, spec_for
+from glmtune.models.registry import hf_dir_identity, is_preset, spec_for
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from glmtune.peft.merge import config_dtype, merge_adapter_dir
 
@@ -164,7 +164,7 @@ class Fingerprints:
 
     def identity(self, hf_dir: Path) -> dict:
         if hf_dir not in self._identities:
-            self._identities[hf_dir] = base_identity_from_dir(hf_dir)
+            self._identities[hf_dir] = hf_dir_identity(hf_dir)
         return self._identities[hf_dir]
 
     def of(self, model: ModelSource) -> dict:

@@ -3,7 +3,8 @@ its weights checked.
 
 The catalog (catalog.py, torch-free) knows the families, the presets and how a recipe's
 `model` section names a model; this module adds what needs a family's spec, and with it torch:
-`spec_for(name_or_path)`, `model_spec(model)`, `decoding_of(built_model)` (the cached-decoding
+`spec_for(name_or_path)`, `model_spec(model)`, `hf_dir_identity(hf_dir)` (a base's fingerprint),
+`decoding_of(built_model)` (the cached-decoding
 hooks of a built model's family, for `glmtune.generation`), and `model_args` / `model_dims` that
 read an HF directory through the spec's `args_from_hf`, which checks the directory's weights against its
 config.json (train, eval, inspect, plan, preflight; `config validate` reads config.json alone
@@ -16,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.config.schema import ModelConfig
 from glmtune.models import catalog
 from glmtune.models.catalog import PRESETS, is_preset
@@ -26,8 +28,8 @@ from glmtune.models.glm5.spec import GLM5
 from glmtune.models.hf.spec import HF
 
 # PRESETS and is_preset are the catalog's, re-exported for the commands that ask the registry.
-__all__ = ["PRESETS", "SPECS", "decoding_of", "is_preset", "model_args", "model_dims", "model_spec", "resolve_args",
-           "spec_for"]
+__all__ = ["PRESETS", "SPECS", "decoding_of", "hf_dir_identity", "is_preset", "model_args", "model_dims", "model_spec",
+           "resolve_args", "spec_for"]
 
 # family name -> its spec: every family of the catalog has one.
 SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (GLM5, HF)}
@@ -38,6 +40,12 @@ def spec_for(name_or_path: str | Path, family: str = catalog.AUTO) -> ModelSpec:
     """The family's spec of a preset, or of an HF directory (or config.json) by its `model_type`
     (`family`: a recipe's `model.family`, which forces one; `catalog.family_for`)."""
     return SPECS[catalog.family_for(name_or_path, family).name]
+
+
+def hf_dir_identity(hf_dir: str | Path, num_threads: int | None = None) -> dict[str, Any]:
+    """The content identity of an HF directory (`checkpoint.fingerprint`), its config read by the
+    family its config.json's `model_type` names."""
+    return base_identity_from_dir(hf_dir, spec_for(hf_dir).model_family.read_args, num_threads)
 
 
 def _args_from_hf(family: ModelFamily, path: str) -> Any:

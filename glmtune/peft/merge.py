@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.fingerprint import identity_mismatch
 from glmtune.checkpoint.hf_io import _check_shard_sizes, _open, _read
 from glmtune.io.outputs import check_output
 from glmtune.io.text_limits import parse_json
 from glmtune.models.common.hf_config import read_hf_config
+from glmtune.models.registry import hf_dir_identity
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, PREFIX, WEIGHTS_NAME, peft_match
 from glmtune.peft.family import internal_prefix, spec_of
 from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, lora_modules
@@ -300,7 +301,7 @@ def check_base(base_dir: str | Path, adapter_dir: str | Path, force: bool = Fals
             raise ValueError(f"{meta_path}: not a glmtune adapter record (its base is not an identity of hashes)")
     if not recorded:
         return f"note: ADAPTER_DIR {adapter_dir} records no base ({META_NAME}); the base could not be checked"
-    reasons = identity_mismatch(recorded, base_identity_from_dir(base_dir))
+    reasons = identity_mismatch(recorded, hf_dir_identity(base_dir))
     if not reasons:
         return None
     problem = f"BASE_DIR {base_dir} is not the base this adapter was trained on ({'; '.join(reasons)})"

@@ -69,7 +69,7 @@ def _check_json_files(hf_dir: Path) -> None:
 def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(artifact entry, identity) of an HF checkpoint directory, every byte read once.
 
-    The identity equals `glmtune.checkpoint.fingerprint.base_identity_from_dir(hf_dir)` minus its path.
+    The identity equals `glmtune.models.registry.hf_dir_identity(hf_dir)` minus its path.
     """
     _check_json_files(hf_dir)
     args = spec_for(hf_dir).args_from_hf(hf_dir)

@@ -39,7 +39,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_bytes
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
@@ -59,7 +58,7 @@ from glmtune.kernels.fp8_blocks import is_fp8
 from glmtune.kernels.lowrank_add import resolve_backend
 from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.common.model_spec import ModelSpec
-from glmtune.models.registry import is_preset, model_spec
+from glmtune.models.registry import hf_dir_identity, is_preset, model_spec
 from glmtune.peft import apply_lora, build_inventory, export_run_adapters, print_inventory
 from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
 from glmtune.train.data_loader import PackedRowLoader
@@ -150,7 +149,7 @@ def _write_preset_base(cfg: JobConfig, spec: ModelSpec, model: torch.nn.Module, 
         return None
     role = "the adapter's base model" if cfg.peft.method == "lora" else "the model before training"
     console.print(f"wrote the {cfg.model.name_or_path} preset's base ({role}): {out}")
-    return base_identity_from_dir(out)
+    return hf_dir_identity(out)
 
 
 def step_model_flops(spec: ModelSpec, args, batches: list[dict]) -> float:
@@ -282,7 +281,7 @@ def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHook
     # directory in the background while the model loads and the data is prepared.
     base_hashing = None
     if cfg.peft.method == "lora" and info.is_main and not is_preset(cfg.model.name_or_path):
-        base_hashing = ThreadPoolExecutor(1).submit(base_identity_from_dir, cfg.model.name_or_path)
+        base_hashing = ThreadPoolExecutor(1).submit(hf_dir_identity, cfg.model.name_or_path)
     # Never the whole model on one rank: under torchrun a run from an HF checkpoint is built on
     # the meta device and each rank reads only its own shards after parallelize (LoRA adapters
     # are then initialised to the values a one-process run draws).

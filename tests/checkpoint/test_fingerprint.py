@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, save_pretrained
-from glmtune.checkpoint.fingerprint import base_identity_from_dir, identity_mismatch
+from glmtune.checkpoint.fingerprint import identity_mismatch
+from glmtune.models.registry import hf_dir_identity
 from glmtune.models.glm5 import build_model, get_preset
 
 KEY = "model.layers.0.self_attn.o_proj.weight"
@@ -33,7 +34,7 @@ def sharded(model, tmp_path_factory):
 def test_identity_is_independent_of_sharding(model, sharded, tmp_path):
     single = save_pretrained(model, tmp_path / "single")
     assert not (single / INDEX_NAME).exists()
-    a, b = base_identity_from_dir(sharded), base_identity_from_dir(single, num_threads=1)
+    a, b = hf_dir_identity(sharded), hf_dir_identity(single, num_threads=1)
     assert (a["kind"], a["path"]) == ("hf_dir", str(sharded.resolve()))
     for key in ("config_sha256", "weights_sha256", "num_tensors"):
         assert a[key] == b[key], key
@@ -42,14 +43,14 @@ def test_identity_is_independent_of_sharding(model, sharded, tmp_path):
 
 
 def test_one_changed_weight_or_config_field_shows(sharded, tmp_path):
-    recorded = base_identity_from_dir(sharded)
+    recorded = hf_dir_identity(sharded)
     copy = shutil.copytree(sharded, tmp_path / "copy")
     file = checkpoint_files(copy)[KEY]
     tensors = load_file(file)
     tensors[KEY] = tensors[KEY].clone()
     tensors[KEY].view(-1)[0] += 1  # same shape and dtype, one value differs
     save_file(tensors, file, metadata={"format": "pt"})
-    found = base_identity_from_dir(copy)
+    found = hf_dir_identity(copy)
     assert found["config_sha256"] == recorded["config_sha256"]
     assert identity_mismatch(recorded, found) == [
         f"weights differ: recorded sha256 {recorded['weights_sha256'][:12]}…, found {found['weights_sha256'][:12]}…"]
@@ -57,9 +58,9 @@ def test_one_changed_weight_or_config_field_shows(sharded, tmp_path):
     config = json.loads((copy / "config.json").read_text())
     cosmetic = {**config, "transformers_version": "9.9.9", "_name_or_path": "/elsewhere", "use_cache": False}
     (copy / "config.json").write_text(json.dumps(cosmetic))
-    assert base_identity_from_dir(copy)["config_sha256"] == recorded["config_sha256"]
+    assert hf_dir_identity(copy)["config_sha256"] == recorded["config_sha256"]
     (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
-    reasons = identity_mismatch(recorded, base_identity_from_dir(copy))
+    reasons = identity_mismatch(recorded, hf_dir_identity(copy))
     assert [r.split(":")[0] for r in reasons] == ["config differs", "weights differ"]
 
 
@@ -68,4 +69,4 @@ def test_a_truncated_shard_is_named(sharded, tmp_path):
     file = checkpoint_files(copy)[KEY]
     file.write_bytes(file.read_bytes()[:-100])
     with pytest.raises(ValueError, match=f"^{file}: truncated safetensors file"):
-        base_identity_from_dir(copy)
+        hf_dir_identity(copy)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, load_pretrained
 from glmtune.checkpoint.hf_verify import verify_checkpoint
 from glmtune.models.glm5.spec import GLM5
@@ -71,7 +71,7 @@ EDITS = {
 def test_an_index_name_outside_the_checkpoint_is_refused_by_every_reader(ckpt, case):
     edit, fragment = EDITS[case]
     edit(ckpt)
-    for read in (lambda: load_pretrained(ckpt, dtype=torch.float32), lambda: base_identity_from_dir(ckpt)):
+    for read in (lambda: load_pretrained(ckpt, dtype=torch.float32), lambda: hf_dir_identity(ckpt)):
         with pytest.raises(ValueError) as caught:
             read()
         message = str(caught.value)

@@ -17,7 +17,7 @@ from glmtune.checkpoint.hf_io import save_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.cli import main
 from glmtune.config import dump_config, load_config
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.peft import apply_lora
 from glmtune.train.model_source import build_model_from_config
@@ -34,7 +34,7 @@ def _lora_run(run_dir: Path, run_id: str, base_dir: Path | None = None, step: in
     dump_config(cfg, run_dir / "config.yaml")
     record = {"run_id": run_id}
     if base_dir is not None:
-        record["base"] = base_identity_from_dir(base_dir)
+        record["base"] = hf_dir_identity(base_dir)
     write_run_record(run_dir, record)
     model, _ = build_model_from_config(cfg, "cpu")
     apply_lora(model, cfg.peft)

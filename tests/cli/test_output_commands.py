@@ -20,7 +20,7 @@ from glmtune.checkpoint import hf_io
 from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.cli import main
 from glmtune.io.output_owner import RECORD
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 from glmtune.peft import apply_lora, export_adapter
 from glmtune.peft.merge import merge_to_dir
 from tests.checkpoint_fixtures import Q_A, weight_map
@@ -42,7 +42,7 @@ def adapter_dir(saved, tmp_path_factory):
     apply_lora(model, lora_cfg(target_modules=["*.o_proj", "*.q_b_proj"]))
     randomize_adapters(model)
     return export_adapter(model, tmp_path_factory.mktemp("adapter") / "adapter",
-                          base_identity=base_identity_from_dir(saved))
+                          base_identity=hf_dir_identity(saved))
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_merge_onto_another_base_of_the_same_shape_needs_force(work, tmp_path, c
     tensors = load_file(file)
     tensors[Q_A] = tensors[Q_A] * 2  # same shape and dtype: only the recorded hash tells them apart
     save_file(tensors, file, metadata={"format": "pt"})
-    found = base_identity_from_dir(base)["weights_sha256"]
+    found = hf_dir_identity(base)["weights_sha256"]
     recorded = json.loads((adapter / "glmtune_adapter.json").read_text())["base"]["weights_sha256"]
     problem = (f"BASE_DIR {base} is not the base this adapter was trained on (weights differ: recorded sha256 "
                f"{recorded[:12]}…, found {found[:12]}…)")

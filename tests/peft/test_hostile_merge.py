@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.cli import main
 from glmtune.models.glm5 import build_model, get_preset
@@ -33,7 +33,7 @@ def exported(saved, tmp_path_factory) -> Path:
     apply_lora(model, lora_cfg())
     randomize_adapters(model, seed=3)
     return export_adapter(model, tmp_path_factory.mktemp("adapter") / "adapter",
-                          base_identity=base_identity_from_dir(saved))
+                          base_identity=hf_dir_identity(saved))
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from glmtune.checkpoint.hf_io import load_pretrained  # noqa: E402
 from glmtune.checkpoint.manager import CheckpointManager  # noqa: E402
 from glmtune.cli import main  # noqa: E402
 from glmtune.config import load_config  # noqa: E402
-from glmtune.checkpoint.fingerprint import base_identity_from_dir  # noqa: E402
+from glmtune.models.registry import hf_dir_identity  # noqa: E402
 from glmtune.peft import apply_lora  # noqa: E402
 from tests.peft.conftest import tokens  # noqa: E402
 from tests.train.run_helpers import TWO_STEPS, shared_run  # noqa: E402
@@ -32,7 +32,7 @@ def test_peft_on_the_written_base_gives_the_trained_models_logits(tmp_path, shar
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base.resolve())
     recorded = json.loads((adapter / "glmtune_adapter.json").read_text())["base"]
-    assert recorded["weights_sha256"] == base_identity_from_dir(base)["weights_sha256"]
+    assert recorded["weights_sha256"] == hf_dir_identity(base)["weights_sha256"]
 
     # The trained model: the base plus the adapters of the last checkpoint (step 2).
     cfg = load_config("tiny/lora_support_json")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.data.chat_template import load_chat_template
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 
 SUITE_YAML = """\
 # Support-ticket triage release suite (written before training).
@@ -58,13 +58,13 @@ def candidate_fingerprint(run_dir: Path, layout: str = "adapter") -> dict[str, A
     checkpoint's identity; for a LoRA run the sha256 of the adapter's two files and the identity
     of the base it ran on."""
     if (run_dir / "adapter").is_dir():
-        base = base_identity_from_dir(run_dir / "base")
+        base = hf_dir_identity(run_dir / "base")
         return {"config_sha256": sha256_file(run_dir / layout / "adapter_config.json"),
                 "weights_sha256": sha256_file(run_dir / layout / "adapter_model.safetensors"),
                 "path": str(run_dir / layout),
                 "base": {"config_sha256": base["config_sha256"], "weights_sha256": base["weights_sha256"],
                          "path": str(run_dir / "base")}}
-    identity = base_identity_from_dir(run_dir / "hf")
+    identity = hf_dir_identity(run_dir / "hf")
     return {"config_sha256": identity["config_sha256"], "weights_sha256": identity["weights_sha256"],
             "path": str(run_dir / "hf")}
 
@@ -119,7 +119,7 @@ def make_eval_dir(out: Path, run_dir: Path, *, exact: float = 0.4, critical: flo
              _gate("zero critical format failures", metrics[1], "max", 0.0),
              _gate("tool execution", metrics[2], "min", 0.5),
              _gate("general loss budget", metrics[4], "max_increase", 0.5)]
-    base_identity = base_identity_from_dir(run_dir / "base")
+    base_identity = hf_dir_identity(run_dir / "base")
     tokenizer_dir = run_dir / ("base" if (run_dir / "adapter").is_dir() else "hf")
     template = load_chat_template(tokenizer_dir)
     system_prompt = tickets[0]["messages"][0]["content"]

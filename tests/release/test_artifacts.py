@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 from glmtune.release import artifacts
 from glmtune.release.artifacts import check_artifact, record_artifact
 from glmtune.release.base_model import record_hf_dir
@@ -15,7 +15,7 @@ def test_one_pass_identity_of_a_sharded_checkpoint(saved, tmp_path, monkeypatch)
     # Chunks of an odd size so tensors start and end inside chunks and span several of them.
     monkeypatch.setattr(artifacts, "_CHUNK_BYTES", 4099)
     artifact, identity = record_hf_dir("base", saved, "base model", tmp_path)
-    expected = base_identity_from_dir(saved)
+    expected = hf_dir_identity(saved)
     assert identity == {k: expected[k] for k in ("config_sha256", "weights_sha256", "num_tensors")}
     shards = [f for f in artifact["files"] if f["path"].endswith(".safetensors")]
     assert len(shards) > 3  # max_shard_size 1MB

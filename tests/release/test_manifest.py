@@ -12,7 +12,7 @@ import yaml
 
 from glmtune.cli import main
 from glmtune.data.chat_template import load_chat_template
-from glmtune.checkpoint.fingerprint import base_identity_from_dir
+from glmtune.models.registry import hf_dir_identity
 from glmtune.release import release_id
 
 
@@ -47,7 +47,7 @@ def test_full_finetune_manifest(sft_run, capsys):
     assert m["run"] | {"path": ".", "method": "full", "shipped": ["checkpoint"]} == m["run"]
 
     # The base: the preset's initial weights the run wrote, hashed as adapters and scorecards name bases.
-    identity = base_identity_from_dir(run / "base")
+    identity = hf_dir_identity(run / "base")
     assert m["base"]["preset"] == "tiny" and m["base"]["revision"] is None and m["base"]["path"] == "base"
     assert "local directory" in m["base"]["revision_source"]
     assert (m["base"]["config_sha256"], m["base"]["weights_sha256"]) == (identity["config_sha256"],

@@ -104,14 +104,14 @@ def test_rerunning_a_finished_run_is_a_no_op(tmp_path, shared_results):
 
 
 def test_sft_run_on_a_preset_writes_its_initial_weights_as_base(shared_results):
-    from glmtune.checkpoint.fingerprint import base_identity_from_dir
+    from glmtune.models.registry import hf_dir_identity
     from glmtune.models.glm5 import build_model, get_preset
 
     run_dir = shared_run(shared_results, *TWO_STEPS).run_dir
     base = load_pretrained(run_dir / "base", dtype=torch.float32).state_dict()
     initial = build_model(get_preset("tiny"), torch.float32, seed=1234).state_dict()  # the recipe's train.seed
     assert base.keys() == initial.keys() and all(torch.equal(base[k], initial[k]) for k in base)
-    assert json.loads((run_dir / "run.json").read_text())["base"] == base_identity_from_dir(run_dir / "base")
+    assert json.loads((run_dir / "run.json").read_text())["base"] == hf_dir_identity(run_dir / "base")
     assert (run_dir / "base" / "tokenizer.json").is_file()
     manifest = json.loads((run_dir / "data_manifest.json").read_text())  # the held-out split `glmtune eval` reads
     [validation] = manifest["validation_files"]

@@ -113,6 +113,10 @@ class HfArgs:
             config["layer_types"] = config["layer_types"][:num_layers]
         return HfArgs.from_config_dict(config, "truncated config")
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json as read (what the base fingerprint's config hash covers)."""
+        return dict(self.config)
+
     def to_json(self) -> str:
         return json.dumps(self.config, indent=2, sort_keys=True)
 
