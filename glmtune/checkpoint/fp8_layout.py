@@ -26,11 +26,5 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: t
 
 def dequantize_fp8_region(weight: torch.Tensor, scale_inv: torch.Tensor, start: tuple[int, int],
                           dtype: torch.dtype) -> torch.Tensor:
-    """The rows/cols of an FP8 weight that begin at `start`, dequantized with the scales of
-    the blocks that cover them (`scale_inv` starts at block `start // 128`): the same
-    values, bit for bit, as those entries of the whole weight's `dequantize_fp8_block`."""
-    rows, cols = weight.shape
-    row0, col0 = start[0] % FP8_BLOCK, start[1] % FP8_BLOCK
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[row0 : row0 + rows]
-    scale = scale.repeat_interleave(FP8_BLOCK, 1)[:, col0 : col0 + cols]
-    return (weight.float() * scale).to(dtype)
+    """The rows/cols of an FP8 weight that begin at `start` (`fp8_blocks.dequantize_region`)."""
+    return fp8_blocks.dequantize_region(weight, scale_inv, start, dtype)

@@ -82,3 +82,15 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     pad = -cols % BLOCK
     blocks = F.pad(q.float(), (0, pad)).view(rows, -1, BLOCK) * scale[..., None]
     return blocks.view(rows, -1)[:, :cols].to(dtype)
+
+
+def dequantize_region(weight: torch.Tensor, scale_inv: torch.Tensor, start: tuple[int, int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The rows/cols of an FP8 weight that begin at `start`, dequantized with the scales of
+    the blocks that cover them (`scale_inv` starts at block `start // BLOCK`): the same
+    values, bit for bit, as those entries of the whole weight's `dequantize`."""
+    rows, cols = weight.shape
+    row0, col0 = start[0] % BLOCK, start[1] % BLOCK
+    scale = scale_inv.float().repeat_interleave(BLOCK, 0)[row0 : row0 + rows]
+    scale = scale.repeat_interleave(BLOCK, 1)[:, col0 : col0 + cols]
+    return (weight.float() * scale).to(dtype)
