@@ -14,12 +14,12 @@ It wires the family's pieces together. Where each answer lives:
                              documents kept apart by transformers' own mask builders
   flops                      shapes.py
   parallelize                parallelize.py (AC -> compile -> FSDP2; EP, PP, CP refused)
+  cached decoding            decoding.py (transformers' own DynamicCache and decoder forward)
 
 Not done yet, each refused with a ValueError naming it (`_not_yet`): a MoE model's sharded load,
 a DCP checkpoint's export (`export_checkpoint`), truncated views, an FP8 base,
-the pipeline, presets' truncation overrides, the parameter report. Cached decoding is None
-(generation uses the model's plain forward). `moe_layers` is empty: transformers' MoE layers keep
-no per-expert token counts or correction biases for the trainer to read.
+the pipeline, presets' truncation overrides, the parameter report. `moe_layers` is empty:
+transformers' MoE layers keep no per-expert token counts or correction biases for the trainer to read.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from glmtune.io.outputs import output_dir
 from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.hf.args import HfArgs
+from glmtune.models.hf.decoding import HF_DECODING
 from glmtune.models.hf.family import HF_FAMILY
 from glmtune.models.hf.lora_rules import HfLoraRules
 from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
@@ -81,7 +82,7 @@ class HfSpec(ModelSpec):
     model_family = HF_FAMILY
     hf_architecture = "*ForCausalLM"  # whatever config.json's `architectures[0]` names
     param_groups = GROUPS
-    decoding = None
+    decoding = HF_DECODING
     lora = HfLoraRules()  # peft/'s inventory of what trains; LoRA itself refused at config time (family.py)
 
     # -- architecture ------------------------------------------------------------------
