@@ -18,6 +18,7 @@ Layout section describes them):
                    decoding hooks, peft/ its LoRA hooks, through the registry: no family's modules)
   train/           never eval/, release/, preflight/
   eval/, release/, plan/, preflight/       the commands' engines
+  decide/          `glmtune decide`: eval's machinery and plan's cost
   cli/             the commands: nothing outside cli/ imports it
 
 train/ and everything above it reach a model family only through the front door (models/common
@@ -73,7 +74,8 @@ ALLOWED = {
     "release": _BELOW_TRAIN | {"train", "eval"},
     "plan": _BELOW_TRAIN | {"train"},
     "preflight": _BELOW_TRAIN | {"train", "plan"},
-    "cli": _BELOW_TRAIN | {"train", "eval", "release", "plan", "preflight", "root"},
+    "decide": _BELOW_TRAIN | {"train", "eval", "plan"},
+    "cli": _BELOW_TRAIN | {"train", "eval", "release", "plan", "preflight", "decide", "root"},
     "root": _BELOW_TRAIN | {"models.family"},  # glmtune/__init__.py: the Python API
 }
 
