@@ -66,7 +66,7 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     why_no_data = unreadable_data(cfg) if options.read_data else "not read (--no-data)"
     if why_no_data is None:
         model_dir = Path(cfg.model.name_or_path) if (Path(cfg.model.name_or_path) / "config.json").is_file() else None
-        data = epoch_tokens(cfg, spec.vocab_size(model.args), model_dir)
+        data = epoch_tokens(cfg, spec.vocab_size(spec.args_of(model)), model_dir)
     one_document = data is None or data.one_document_rows * 2 >= data.rows  # the common row shape
     memory = plan_memory(cfg, model, degrees, one_document)
 
@@ -102,7 +102,7 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
         }
         if options.measurement is not None:
             lengths = data.document_lengths if data else [cfg.data.packed_sequence_size]
-            entry.update(_run_time(cfg, options, key, spec.flops_per_token(model.args, lengths), (steps, tokens),
+            entry.update(_run_time(cfg, options, key, spec.flops_per_token(spec.args_of(model), lengths), (steps, tokens),
                                    memory.state.params + memory.state.optimizer, degrees.world_size))
         report["gpus"].append(entry)
     report["run"] = {"steps": steps, "tokens": tokens,

@@ -205,7 +205,7 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     spec = launch.spec
     model = build_meta_model(cfg)
     spec.parallelize(model, mesh, cfg.parallel, pipeline=pipeline_options(cfg, launch))
-    fill_random_weights(model, launch.device, spec.args_of(model).initializer_range, cfg.train.seed)
+    fill_random_weights(model, launch.device, spec.memory.weight_std(spec.args_of(model)), cfg.train.seed)
     return model
 
 

@@ -4,16 +4,18 @@ The model is built on the meta device exactly as `glmtune train` builds it, by i
 spec (`glmtune/models/registry.py`: preset or HF config, parameter dtype from the precision
 rules, FP8 frozen base, LoRA applied), so the parameter list, shapes and dtypes are those of
 the run, not a formula; the spec also names each parameter's group and the per-layer costs
-the pipeline split is planned from.
+the pipeline split is planned from, and its memory model (`ModelSpec.memory`) each parameter's
+FSDP unit and whether it is a routed expert.
 
 Per rank, each parameter is placed as the family's parallelization plan (the spec's
 `parallelize`) places it:
   * pipeline: decoder layer i lives on the pp rank whose stages hold it (the same split and
     stage assignment as `glmtune/distributed/pipeline.py`); the embedding on stage 0; the
-    final norm, LM head and MTP layers on the last stage;
+    final norm, LM head and a family's extra layers (GLM-5's MTP) on the last stage;
   * expert parallelism: every parameter of a routed-experts module is split on dim 0 over ep;
-  * FSDP2 (whenever the world has more than one rank): routed experts shard over the `efsdp` ranks holding the same experts (dim 1
-    when there are more shards than local experts), everything else over `dp_shard x cp`;
+  * FSDP2 (whenever the world has more than one rank): routed experts shard over the `efsdp`
+    ranks holding the same experts (dim 1 when there are more shards than local experts),
+    everything else over `dp_shard x cp`;
     dp_replicate ranks hold copies (HSDP). A shard is `torch.chunk`'s piece: rows
     [r*c, min((r+1)*c, n)) with c = ceil(n / shards), empty past the end (FSDP2's rule).
 Gradients exist for trainable parameters, in the parameter's dtype; AdamW keeps two moments
@@ -39,14 +41,12 @@ from glmtune.config import JobConfig
 from glmtune.config.degrees import MeshDegrees
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
+from glmtune.models.common.memory_model import MemoryModel
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.registry import model_spec
 from glmtune.peft import apply_lora
 from glmtune.train.model_source import build_model_from_config
 from glmtune.train.precision import resolve_precision
-
-_EXPERTS = ".mlp.experts."
-
 
 @dataclass
 class UnitBytes:
@@ -68,7 +68,7 @@ class StateBytes:
     trainable_params: int = 0  # elements
     frozen_params: int = 0  # elements
     by_group: dict[str, int] = field(default_factory=dict)  # parameter bytes per param group
-    units: dict[str, UnitBytes] = field(default_factory=dict)  # per FSDP unit (`unit_of`)
+    units: dict[str, UnitBytes] = field(default_factory=dict)  # per FSDP unit (the memory model's `unit_of`)
 
     @property
     def total(self) -> int:
@@ -89,17 +89,6 @@ class StateBytes:
     def to_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total,
                 "trainable_params": self.trainable_params, "frozen_params": self.frozen_params}
-
-
-def unit_of(name: str) -> str:
-    """The FSDP unit a parameter belongs to: `layer.{i}`, `mtp.{j}`, or the root's `embed` /
-    `head` (final norm and LM head; the root's two ends are gathered at different times)."""
-    layer = _layer_index(name)
-    if layer is not None:
-        return f"layer.{layer}"
-    if name.startswith("mtp."):
-        return "mtp." + name.split(".")[1]
-    return "embed" if name.startswith("model.embed_tokens") else "head"
 
 
 def build_meta_model(cfg: JobConfig) -> nn.Module:
@@ -126,33 +115,32 @@ def _readable(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
+def memory_model_of(cfg: JobConfig) -> MemoryModel:
+    """The recipe's family's memory model; a family without one is refused in one sentence."""
+    spec = model_spec(cfg.model)
+    if spec.memory is None:
+        raise ValueError(f"model {cfg.model.name_or_path}: a memory plan is not available for the {spec.family} "
+                         "family (its spec gives no memory model)")
+    return spec.memory
+
+
 def _chunk(n: int, shards: int, index: int) -> int:
     """Length of piece `index` of `torch.chunk(range(n), shards)` (0 past the last piece)."""
     size = math.ceil(n / shards) if n else 0
     return max(0, min(size, n - index * size))
 
 
-def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
-        return int(parts[2])
-    return None
-
-
-def _stage_of(name: str, layer_stage: list[int], last: int) -> int:
-    """The pipeline stage holding parameter `name`."""
-    layer = _layer_index(name)
-    if layer is not None:
-        return layer_stage[layer]
-    if name.startswith("model.embed_tokens"):
-        return 0
-    return last  # final norm, LM head, MTP layers
+def _stage_of(unit: str, layer_stage: list[int], last: int) -> int:
+    """The pipeline stage holding FSDP unit `unit` (the memory model's `unit_of`)."""
+    if unit.startswith("layer."):
+        return layer_stage[int(unit.removeprefix("layer."))]
+    return 0 if unit == "embed" else last  # final norm, LM head, a family's extra layers (MTP)
 
 
 def layer_stages(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[list[int], list[list[int]]]:
     """(stage of each decoder layer, the stages each pp rank runs)."""
-    args, spec = model.args, model_spec(cfg.model)
-    p = cfg.parallel
+    spec = model_spec(cfg.model)
+    args, p = spec.args_of(model), cfg.parallel
     if degrees.pp == 1:
         return [0] * spec.num_layers(args), [[0]]
     seq_len = cfg.data.packed_sequence_size // degrees.cp
@@ -192,15 +180,16 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
     last = max(max(s) for s in stages_of_rank)
     precision = resolve_precision(cfg)
     sharded = degrees.fsdp_applies()
-    param_group = model_spec(cfg.model).param_group
+    spec, memory = model_spec(cfg.model), memory_model_of(cfg)
     state = StateBytes()
     for name, param in model.named_parameters():
-        if degrees.pp > 1 and _stage_of(name, stage, last) not in mine:
+        unit_name = memory.unit_of(name)
+        if degrees.pp > 1 and _stage_of(unit_name, stage, last) not in mine:
             continue
-        experts = _EXPERTS in f"{name}."
+        experts = memory.routed_expert(name)
         numel = _local_numel(param, experts, degrees, mesh, sharded)
-        state.add(param_group(name), numel, param.element_size(), param.requires_grad, precision.masters)
-        unit = state.units.setdefault(unit_of(name), UnitBytes())
+        state.add(spec.param_group(name), numel, param.element_size(), param.requires_grad, precision.masters)
+        unit = state.units.setdefault(unit_name, UnitBytes())
         unit.params += numel * param.element_size()
         full = math.prod(_after_ep(param, experts, degrees))
         unit.gathered += full * param.element_size()  # FSDP2 gathers in the parameter's dtype (FP8 too)

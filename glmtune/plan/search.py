@@ -6,9 +6,11 @@ sequence length, micro and global batch, context parallelism, checkpointing, pre
 LoRA) and vary the split: pipeline stages pp in 1, 2, 4, 8 (the recipe's schedule and
 stages per rank when pp > 1, otherwise 1F1B), dp_shard filling the rest, and the largest
 expert-parallel degree that divides both the experts and dp_shard x cp (experts are most of
-GLM-5's bytes). A layout must pass `glmtune config validate`'s checks; it fits when its
-planned peak plus headroom is within the GPU's memory. Among the fitting layouts at the
-smallest count the one with the fewest pipeline stages is picked (no bubble to pay).
+GLM-5's bytes; 1 for a dense model). Degrees the model's family does not honour (its
+`ModelFamily.limits`: the hf family runs without pipeline or expert parallelism) are not
+tried. A layout must pass `glmtune config validate`'s checks; it fits when its planned peak
+plus headroom is within the GPU's memory. Among the fitting layouts at the smallest count the
+one with the fewest pipeline stages is picked (no bubble to pay).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from glmtune.config import JobConfig
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import model_spec
 from glmtune.plan.hardware import GpuSpec
 from glmtune.plan.memory import MemoryPlan
 from glmtune.plan.planner import degrees_for, plan_memory
@@ -56,19 +60,28 @@ def layout_config(cfg: JobConfig, gpus: int, pp: int, ep: int) -> JobConfig:
     return out
 
 
-def _largest_ep(experts: int, sharded: int) -> int:
-    return max(e for e in range(1, min(experts, sharded) + 1) if experts % e == 0 and sharded % e == 0)
+def _largest_ep(experts: int, sharded: int, honoured: tuple | None) -> int:
+    return max((e for e in range(1, min(experts, sharded) + 1)
+                if experts % e == 0 and sharded % e == 0 and (honoured is None or e in honoured)), default=1)
+
+
+def _honoured(spec: ModelSpec, key: str) -> tuple | None:
+    """The values of setting `key` the family honours (its `limits`); None: any."""
+    return next((values for limit_key, values, _ in spec.model_family.limits if limit_key == key), None)
 
 
 def candidates_at(cfg: JobConfig, model: nn.Module, gpus: int, gpu: GpuSpec, context_gib: float,
                   fragmentation: float, one_document: bool) -> list[Candidate]:
-    args = model.args
+    spec = model_spec(cfg.model)
+    args = spec.args_of(model)
+    dims = spec.dims(args, cfg.model.name_or_path)
+    honoured_pp, honoured_ep = _honoured(spec, "parallel.pp"), _honoured(spec, "parallel.ep")
     out = []
     for pp in (1, 2, 4, 8):
-        if gpus % (pp * cfg.parallel.cp) or pp > args.num_hidden_layers:
+        if gpus % (pp * cfg.parallel.cp) or pp > dims.num_layers or (honoured_pp is not None and pp not in honoured_pp):
             continue
         sharded = gpus // pp  # dp_shard x cp
-        ep = _largest_ep(args.n_routed_experts, sharded)
+        ep = _largest_ep(dims.num_experts, sharded, honoured_ep)
         layout_cfg = layout_config(cfg, gpus, pp, ep)
         layout = {"pp": pp, "dp_shard": sharded // cfg.parallel.cp, "cp": cfg.parallel.cp, "ep": ep}
         try:

@@ -26,6 +26,8 @@ What a spec answers, in the order a run asks:
                          None: the family has none)
   lora                   what `glmtune.peft` needs of the family's modules (lora_rules.py;
                          None: peft/ refuses the family's models)
+  memory                 what `glmtune plan` needs of the architecture to walk a step's memory
+                         (memory_model.py; None: plan refuses the family)
   describe               the architecture summary and parameter report (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
@@ -43,6 +45,7 @@ from typing import Any
 from glmtune.models.common.decoding import CachedDecoding
 from glmtune.models.common.family import ModelDims, ModelFamily
 from glmtune.models.common.lora_rules import LoraRules
+from glmtune.models.common.memory_model import MemoryModel
 
 
 class ModelSpec(ABC):
@@ -221,6 +224,7 @@ class ModelSpec(ABC):
         """The group (one of `param_groups`) a parameter name belongs to."""
 
     param_groups: tuple[str, ...]
+    memory: MemoryModel | None = None  # glmtune plan's memory model (memory_model.py; None: plan refuses)
 
     # -- describe ----------------------------------------------------------------------
     @abstractmethod

@@ -16,6 +16,7 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
   param groups, describe     param_groups.py; summary.py, counts.py
   cached decoding            decode.py (`GLM5_DECODING`; the cache in kv_cache.py)
   LoRA hooks                 lora_rules.py (`GLM5_LORA`: glmtune.peft's)
+  memory model               memory_model.py (`GLM5_MEMORY`: glmtune plan's; memory_activations.py)
 
 Above the family's own code (it imports checkpoint/ and the parallelization plan): only this
 module and the registry (`glmtune/models/registry.py`) sit on that floor.
@@ -47,6 +48,7 @@ from glmtune.models.glm5.flops import flops_per_token
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
 from glmtune.models.glm5.indexer_recall import RecallProbe
 from glmtune.models.glm5.lora_rules import GLM5_LORA
+from glmtune.models.glm5.memory_model import GLM5_MEMORY
 from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
 from glmtune.models.glm5.moe import MoE, set_moe_dispatch_backend
 from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
@@ -65,6 +67,7 @@ class Glm5Spec(ModelSpec):
     param_groups = GROUPS
     decoding = GLM5_DECODING  # glmtune.generation's cached-decoding hooks
     lora = GLM5_LORA  # glmtune.peft's hooks
+    memory = GLM5_MEMORY  # glmtune plan's memory model
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> Glm5Args:

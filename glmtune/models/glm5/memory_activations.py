@@ -1,8 +1,8 @@
 """Activation memory of one GLM-5 decoder layer, per micro-batch, from the model's shapes.
 
-These are the GLM-5 family's formulas (MLA, the DSA indexer, MoE and dense MLP layers), read
-from its architecture: `args` is the family's own args as its spec returns them (a built
-model's `.args`), used by field name (`hidden_size`, `mlp_layer_types`, `index_topk`, ...).
+The GLM-5 family's formulas (MLA, the DSA indexer, MoE and dense MLP layers) behind its memory
+model (memory_model.py, `glmtune plan`'s questions in models/common/memory_model.py); `mb` is
+the rank's `StepShape`, `args` the family's `Glm5Args`.
 
 What autograd keeps from forward to backward, tensor by tensor, as glmtune's eager GPU path
 saves it (bf16 compute, the Triton attention and fused indexer, grouped GEMMs, the Triton
@@ -41,30 +41,16 @@ activation gradients alive at once, and the attention backward's bf16 dS and P b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from glmtune.models.common.memory_model import StepShape
+from glmtune.models.glm5.args import Glm5Args
 
 F32, I64, BOOL = 4, 8, 1
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """The tokens one rank computes per micro-batch."""
-
-    rows: int  # packed rows per micro-batch
-    seq: int  # tokens per packed row
-    cp: int = 1  # context-parallel degree (queries split, keys gathered)
-    one_document: bool = True  # rows hold one document each (the plain-causal prefix applies)
-
-    @property
-    def queries(self) -> int:
-        return self.rows * self.seq // self.cp
-
-    @property
-    def keys(self) -> int:
-        return self.rows * self.seq
-
-    def sparse_needed(self, args: Any) -> bool:
-        return self.seq > args.index_topk
+def sparse_needed(args: Glm5Args, mb: StepShape) -> bool:
+    """Whether a query can have more allowed keys than the indexer's top-k."""
+    return mb.seq > args.index_topk
 
 
 @dataclass(frozen=True)
@@ -81,31 +67,31 @@ class Trainability:
         return cls(norms=not lora_rank, router=not lora_rank, lora_rank=lora_rank)
 
 
-def _norm(q: int, width: int, e: int, weight_trains: bool) -> int:
+def norm_saved(q: int, width: int, e: int, weight_trains: bool) -> int:
     return F32 * q * width + F32 * q + (e * q * width if weight_trains else 0)
 
 
-def attention_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+def attention_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability) -> dict[str, int]:
     q, k, n = mb.queries, mb.keys, args.num_attention_heads
     d, rq, r = args.hidden_size, args.q_lora_rank, args.kv_lora_rank
     qk, nope, v = args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
     out = {
-        "norms": _norm(q, d, e, train.norms) + _norm(q, rq, e, train.norms) + _norm(q, r, e, train.norms),
+        "norms": norm_saved(q, d, e, train.norms) + norm_saved(q, rq, e, train.norms) + norm_saved(q, r, e, train.norms),
         "projection inputs": e * q * (d + rq) + e * k * r,
         "query, key": e * q * n * qk + e * k * n * qk,
         "kv_b output (values)": e * k * n * (nope + v),
         "attention outputs": 2 * e * q * n * v + F32 * q * n,
     }
-    if args.indexer_types[layer] == "full" and mb.sparse_needed(args):
+    if args.indexer_types[layer] == "full" and sparse_needed(args, mb):
         out["top-k mask"] = BOOL * q * k
     if train.lora_rank:  # each of the five adapted projections keeps x @ A.T [tokens, rank]
         out["adapter products"] = e * train.lora_rank * (3 * q + 2 * k)
     return out
 
 
-def mlp_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+def mlp_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability) -> dict[str, int]:
     q, d = mb.queries, args.hidden_size
-    base = {"norms": _norm(q, d, e, train.norms), "mlp input": e * q * d}
+    base = {"norms": norm_saved(q, d, e, train.norms), "mlp input": e * q * d}
     adapters = 3 * e * q * train.lora_rank  # gate, up, down of the dense MLP or shared experts
     if args.mlp_layer_types[layer] != "sparse":
         return {**base, "dense MLP": 4 * e * q * args.intermediate_size + adapters}
@@ -119,19 +105,19 @@ def mlp_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability
             "shared experts": 4 * e * q * shared + adapters}
 
 
-def layer_saved(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability) -> dict[str, int]:
+def layer_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability) -> dict[str, int]:
     """Saved bytes of decoder layer `layer` without checkpointing, by component."""
     parts = {f"attention: {k}": v for k, v in attention_saved(args, mb, layer, e, train).items()}
     parts.update({f"mlp: {k}": v for k, v in mlp_saved(args, mb, layer, e, train).items()})
     return parts
 
 
-def selective_kept(args: Any, mb: MicroBatch, layer: int, e: int, min_k: int) -> int:
+def selective_kept(args: Glm5Args, mb: StepShape, layer: int, e: int, min_k: int) -> int:
     """What selective checkpointing keeps of a layer: its input, the top-k mask, the attention
     outputs and log-sum-exp, and the outputs of matmuls reducing over >= min_k."""
     q, k, d, n = mb.queries, mb.keys, args.hidden_size, args.num_attention_heads
     kept = e * q * d + e * q * n * args.v_head_dim + F32 * q * n
-    if args.indexer_types[layer] == "full" and mb.sparse_needed(args):
+    if args.indexer_types[layer] == "full" and sparse_needed(args, mb):
         kept += BOOL * q * k
     # (reduction dim, output bytes) of each matmul of the layer
     matmuls = [(d, e * q * args.q_lora_rank), (d, e * k * (args.kv_lora_rank + args.qk_rope_head_dim)),
@@ -148,7 +134,7 @@ def selective_kept(args: Any, mb: MicroBatch, layer: int, e: int, min_k: int) ->
     return kept + sum(nbytes for width, nbytes in matmuls if width >= min_k)
 
 
-def backward_transient(args: Any, mb: MicroBatch, layer: int, e: int, train: Trainability,
+def backward_transient(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability,
                        score_buffer_bytes: int) -> int:
     """Peak bytes inside one layer's backward beyond the layer's saved tensors (module docstring).
 
@@ -159,7 +145,7 @@ def backward_transient(args: Any, mb: MicroBatch, layer: int, e: int, train: Tra
     the dS and P buffers."""
     q, k, n, d = mb.queries, mb.keys, args.num_attention_heads, args.hidden_size
     attention = e * (q + 2 * k) * n * args.qk_head_dim + e * k * n * (args.qk_nope_head_dim + args.v_head_dim)
-    if mb.sparse_needed(args):
+    if sparse_needed(args, mb):
         tail = (mb.seq - args.index_topk if mb.one_document and mb.cp == 1 else mb.seq // mb.cp) * mb.rows
         buffer = e * n * tail * mb.seq
         if 0 < buffer <= score_buffer_bytes:
@@ -172,9 +158,9 @@ def backward_transient(args: Any, mb: MicroBatch, layer: int, e: int, train: Tra
     return max(mlp, attention - mlp_saved_bytes) + F32 * q * d  # + the residual's gradient
 
 
-def indexer_transient(args: Any, mb: MicroBatch, e: int, chunk_bytes: int = 256 * 2**20) -> int:
+def indexer_transient(args: Glm5Args, mb: StepShape, e: int, chunk_bytes: int = 256 * 2**20) -> int:
     """The indexer's forward scratch: queries and keys, and one chunk of fp32 scores + top-k."""
-    if not mb.sparse_needed(args):
+    if not sparse_needed(args, mb):
         return 0
     q, k = mb.queries, mb.keys
     projections = e * q * args.index_n_heads * args.index_head_dim + e * k * args.index_head_dim
