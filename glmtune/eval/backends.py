@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 
 from glmtune.eval.scorers.preference import PairLogps, local_pair_logps
 from glmtune.eval.scorers.reference_loss import row_loss
@@ -31,6 +30,7 @@ from glmtune.eval.general_text import general_text_loss
 from glmtune.eval.serving import row_serving_sums
 from glmtune.eval.tool_calls import ParsedCall
 from glmtune.generation import generate
+from glmtune.models.common.model_spec import ModelSpec
 
 
 @dataclass
@@ -76,15 +76,14 @@ class LocalModel:
 
     A batch whose generation raises is retried one request at a time, so only the request that
     breaks it (its prompt too long, say) fails. `lockstep` (sharded runs, `sharded.Lockstep`) keeps
-    the ranks' collectives in step; None in one process. `token_logps`: the model family's
-    `spec.token_logps` (the preference scorer's per-token log-probabilities); `serving_metrics`:
-    its `spec.serving_metrics` (`serving.py`)."""
+    the ranks' collectives in step; None in one process. `spec`: the model family's `ModelSpec`,
+    which scores the teacher-forced batches (`teacher_forced.py`): `loss` (reference and general
+    text loss), `token_logps` (the preference scorer), `serving_metrics` (`serving.py`)."""
 
-    def __init__(self, net, lockstep=None, token_logps=None, serving_metrics=None) -> None:
+    def __init__(self, net, lockstep=None, spec=None) -> None:
         self.net = net
         self.lockstep = lockstep
-        self.token_logps = token_logps
-        self.serving_metrics = serving_metrics
+        self.spec = spec
 
     def batch_size(self, decoding) -> int:
         return decoding.batch_size
@@ -138,18 +137,22 @@ class LocalModel:
     def reference_loss(self, row, prompting) -> float:
         # Sharded: every rank computes every row's loss in step (a forward is collective), so each
         # holds the one process's value without exchanging it.
-        return row_loss(self.net, row, prompting)
+        assert self.spec is not None, "the reference loss needs the family's spec (Placement.load)"
+        return row_loss(self.net, self.spec.loss, row, prompting)
 
-    @torch.no_grad()
     def text_loss(self, windows: list[list[int]]) -> tuple[float, int]:
-        return general_text_loss(self.net, windows)
+        assert self.spec is not None, "the general text loss needs the family's spec (Placement.load)"
+        return general_text_loss(self.net, self.spec.loss, windows)
 
     def pair_logps(self, row, prompting) -> PairLogps:
         # Sharded: as reference_loss, every rank scores every pair in step.
-        assert self.token_logps is not None, "a preference set needs the family's token_logps (Placement.load)"
-        return local_pair_logps(self.net, self.token_logps, row, prompting)
+        assert self.spec is not None, "a preference set needs the family's token_logps (Placement.load)"
+        return local_pair_logps(self.net, self.spec.token_logps, row, prompting)
 
     def serving_sums(self, row, prompting) -> dict[str, tuple[float, float]]:
         # Sharded: as reference_loss, every rank runs every row in step.
-        assert self.serving_metrics is not None, "the serving metrics need the family's spec (Placement.load)"
-        return row_serving_sums(self.net, self.serving_metrics, row, prompting)
+        assert self.spec is not None, "the serving metrics need the family's spec (Placement.load)"
+        if type(self.spec).serving_metrics is ModelSpec.serving_metrics:  # the family has neither part
+            raise NotAvailable(f"not available from this model family: {self.spec.family} models have no "
+                               "multi-token-prediction layer or sparse-attention indexer (GLM-5's)")
+        return row_serving_sums(self.net, self.spec.serving_metrics, row, prompting)

@@ -18,9 +18,9 @@ import codecs
 import re
 from pathlib import Path
 
-import torch
 
 from glmtune.eval.scorers.base import MetricDef
+from glmtune.eval.teacher_forced import one_document, summed_loss
 from glmtune.io.regular import open_regular
 
 BYTES_PER_TOKEN = 64
@@ -53,21 +53,17 @@ def text_windows(tokenizer, path: Path, max_tokens: int, window: int) -> list[li
     return windows
 
 
-@torch.no_grad()
-def general_text_loss(model, windows: list[list[int]]) -> tuple[float, int]:
-    """(mean loss in nats per predicted token, number of predicted tokens)."""
-    device = model.lm_head.weight.device
+def general_text_loss(model, loss, windows: list[list[int]]) -> tuple[float, int]:
+    """(mean loss in nats per predicted token, number of predicted tokens); `loss`: the model
+    family's `spec.loss`, each window one document whose every token but the first is predicted."""
     total, count = 0.0, 0
     was_training = model.training
     model.eval()
     try:
         for ids in windows:
-            ids_1T = torch.tensor([ids], device=device)
-            targets_1T = torch.full_like(ids_1T, -100)
-            targets_1T[:, :-1] = ids_1T[:, 1:]
-            out = model(ids_1T, targets=targets_1T, compute_logits=False)
-            total += float(out.loss_sum)
-            count += int(out.num_targets)
+            window_sum, window_count = summed_loss(model, loss, one_document(ids, ids))
+            total += window_sum
+            count += window_count
     finally:
         model.train(was_training)
     return total / count, count

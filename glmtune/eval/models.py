@@ -29,6 +29,7 @@ from glmtune.peft.adapter_load import apply_adapter
 from glmtune.io.json_file import json_name, read_json_file
 from glmtune.io.run_lock import RUN_FILE, read_run_record
 from glmtune.io.text_limits import clipped
+from glmtune.models.catalog import AUTO
 from glmtune.models.registry import hf_dir_identity, is_preset, spec_for
 from glmtune.peft.adapter_export import CONFIG_NAME, META_NAME, WEIGHTS_NAME
 from glmtune.peft.merge import config_dtype, merge_adapter_dir
@@ -48,10 +49,17 @@ class ModelSource:
     adapter_dir: Path | None = None
     merged: bool | None = None  # None: not an adapter
     recorded_base: dict | None = None  # the base identity an adapter or run records
+    run_tokenizer: Path | None = None  # a run's base: the tokenizer the run trained with (its data.tokenizer)
+    family: str = AUTO  # the model family that loads it: a run's model.family, else config.json's model_type's
+
+    @property
+    def spec(self):
+        """The `ModelSpec` of the family that loads (and scores) the weights."""
+        return spec_for(self.weights_dir, self.family)
 
     @property
     def tokenizer_dir(self) -> Path:
-        for directory in (self.adapter_dir, self.weights_dir):
+        for directory in (self.run_tokenizer, self.adapter_dir, self.weights_dir):
             if directory is not None and any((directory / n).is_file() for n in _TOKENIZER_NAMES):
                 return directory
         raise ValueError(f"{self.source}: no tokenizer files in {self.weights_dir} (expected tokenizer.json); "
@@ -62,6 +70,7 @@ class ModelSource:
         run directory only what is read: the default output, RUN_DIR/eval/<suite>, sits beside them."""
         paths = [(f"{self.label} weights", self.weights_dir)]
         paths += [(f"{self.label} adapter", self.adapter_dir)] if self.adapter_dir else []
+        paths += [(f"{self.label} tokenizer", self.run_tokenizer)] if self.run_tokenizer else []
         if self.kind == "run":
             paths += [(f"{self.label} run data", self.source / "data")]
         else:
@@ -123,6 +132,13 @@ def resolve_model(arg: str | Path, role: str) -> ModelSource:
 
 
 def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
+    """The run's base or result (module docstring), loaded by the family the run's model.family chose."""
+    source = _run_model(run_dir, role, option)
+    source.family = load_run_config(run_dir / "config.yaml").model.family
+    return source
+
+
+def _run_model(run_dir: Path, role: str, option: str) -> ModelSource:
     cfg = load_run_config(run_dir / "config.yaml")
     record = read_run_record(run_dir) or {}
     recorded_base = _recorded_base(record.get("base"), run_dir / RUN_FILE)
@@ -130,8 +146,10 @@ def _from_run(run_dir: Path, role: str, option: str) -> ModelSource:
         if (run_dir / "base" / "config.json").is_file():
             return ModelSource(role, role, run_dir, "run", run_dir / "base", recorded_base=recorded_base)
         if not is_preset(cfg.model.name_or_path) and (Path(cfg.model.name_or_path) / "config.json").is_file():
+            # prompted with the tokenizer the run trained with (data.tokenizer), as its candidate's hf/ is
+            tokenizer = Path(cfg.data.tokenizer).resolve() if cfg.data.tokenizer else None
             return ModelSource(role, role, run_dir, "run", Path(cfg.model.name_or_path).resolve(),
-                               recorded_base=recorded_base)
+                               recorded_base=recorded_base, run_tokenizer=tokenizer)
         raise ValueError(f"{option} {run_dir}: the run records no base model to evaluate (no base/ and "
                          f"model.name_or_path {cfg.model.name_or_path!r} is not an HF directory); pass the base's "
                          "HF directory")
@@ -153,7 +171,7 @@ def merged_variant(candidate: ModelSource) -> ModelSource:
     if candidate.adapter_dir is None:
         raise ValueError(f"--merged: the candidate {candidate.source} is not a LoRA adapter (nothing to merge)")
     return ModelSource("candidate-merged", "candidate", candidate.source, candidate.kind, candidate.weights_dir,
-                       candidate.adapter_dir, True, candidate.recorded_base)
+                       candidate.adapter_dir, True, candidate.recorded_base, candidate.run_tokenizer, candidate.family)
 
 
 class Fingerprints:
@@ -193,12 +211,12 @@ def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | No
     """The model in eval mode on `device` (dtype None: the checkpoint's own), loaded by its family's
     spec; `fp8_base` "dequant": its weights kept in FP8 as a LoRA run keeps its frozen base."""
     dtype = dtype or checkpoint_dtype(model.weights_dir)
-    spec = spec_for(model.weights_dir)
+    spec = model.spec
     if fp8_base == "none":
         net = spec.load_pretrained(model.weights_dir, dtype, device)
     else:
-        net, _ = spec.build_from_config(ModelConfig(name_or_path=str(model.weights_dir), fp8_base=fp8_base),
-                                        dtype, device)
+        net, _ = spec.build_from_config(ModelConfig(name_or_path=str(model.weights_dir), fp8_base=fp8_base,
+                                                    family=model.family), dtype, device)
     if model.adapter_dir is not None:
         if model.merged:
             merge_adapter_dir(net, model.adapter_dir)

@@ -22,7 +22,6 @@ from glmtune.distributed.lockstep import ONE_PROCESS
 from glmtune.eval.backends import LocalModel
 from glmtune.eval.models import ModelSource, load_model
 from glmtune.eval.sharded import ShardedLayout, join, load_sharded_model
-from glmtune.models.registry import spec_for
 
 
 @dataclass
@@ -63,12 +62,11 @@ class Placement:
         return value
 
     def load(self, model: ModelSource) -> LocalModel:
-        spec = spec_for(model.weights_dir)
+        spec = model.spec
         if self.layout is None:
-            return LocalModel(load_model(model, self.device, self.dtype, self.fp8_base), token_logps=spec.token_logps,
-                              serving_metrics=spec.serving_metrics)
+            return LocalModel(load_model(model, self.device, self.dtype, self.fp8_base), spec=spec)
         return LocalModel(load_sharded_model(model, self.layout, self.ranks, self.device, self.dtype), self.ranks,
-                          spec.token_logps, spec.serving_metrics)
+                          spec)
 
     def release(self) -> None:
         gc.collect()

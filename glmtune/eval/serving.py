@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from glmtune.eval.scorers.base import EvalRow, MetricDef
-from glmtune.eval.scorers.reference_loss import reference_labels
-from glmtune.train.data_loader import collate
+from glmtune.eval.scorers.reference_loss import reference_batch, reference_labels
+from glmtune.eval.teacher_forced import on_model_device
 
 
 @dataclass(frozen=True)
@@ -57,18 +57,10 @@ SERVING_METRICS: list[ServingMetric] = [
 ]
 
 
-def serving_batch(row: EvalRow, prompting) -> dict[str, Any]:
-    """The row's reference conversation as a one-row, one-document packed batch (`collate`'s keys)."""
-    ids, labels = reference_labels(row, prompting)
-    return collate([{"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids))),
-                     "document_ids": [0] * len(ids)}])
-
-
 @torch.no_grad()
 def row_serving_sums(model, serving_metrics: Callable, row: EvalRow, prompting) -> dict[str, tuple[float, float]]:
     """name -> (sum, count) of the row under `model` (`serving_metrics`: the family's spec method)."""
-    device = model.lm_head.weight.device
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in serving_batch(row, prompting).items()}
+    batch = on_model_device(model, reference_batch(row, prompting))
     return {name: (float(pair[0]), float(pair[1])) for name, pair in serving_metrics(model, batch).items()}
 
 

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from glmtune.config import ModelConfig, ParallelConfig, load_run_config
+from glmtune.distributed.fsdp_state import release_gathered
 from glmtune.distributed.lockstep import Lockstep
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.eval.models import ModelSource, checkpoint_dtype
-from glmtune.models.registry import spec_for
 from glmtune.peft.adapter_load import apply_adapter
 from glmtune.peft.init import adapter_parameter_names
 from glmtune.train.process import init_distributed, resolve_device
@@ -65,8 +65,8 @@ def load_sharded_model(model: ModelSource, layout: ShardedLayout, lockstep: Lock
                        dtype: torch.dtype | None) -> nn.Module:
     """`model` built on meta, its adapter applied, parallelized and loaded: this rank's shards only."""
     assert not model.merged, "a merged candidate is refused before anything loads (evaluate.check_sharded)"
-    spec = spec_for(model.weights_dir)
-    model_cfg = ModelConfig(name_or_path=str(model.weights_dir), fp8_base=layout.fp8_base)
+    spec = model.spec
+    model_cfg = ModelConfig(name_or_path=str(model.weights_dir), fp8_base=layout.fp8_base, family=model.family)
     net, _ = spec.build_from_config(model_cfg, dtype or checkpoint_dtype(model.weights_dir), "meta")
     applied = apply_adapter(net, model.adapter_dir) if model.adapter_dir is not None else None
     parallel = ParallelConfig(ep=layout.ep)
@@ -77,6 +77,7 @@ def load_sharded_model(model: ModelSource, layout: ShardedLayout, lockstep: Lock
     if applied is not None:
         applied.load_into(net)
     net.eval()
-    with torch.no_grad():  # FSDP2's lazy initialization (which unit is the root) in a real forward
-        net(torch.zeros(1, 1, dtype=torch.long, device=device), compute_logits=False)
+    with torch.no_grad():  # FSDP2's lazy initialization (which unit is the root) in a real forward of the family's
+        spec.last_token_logits(net, torch.zeros(1, 1, dtype=torch.long, device=device))
+    release_gathered(net)  # the root keeps its weights gathered after a forward
     return net

@@ -37,6 +37,7 @@ from glmtune.data.chat_template import TokenizedSample
 from glmtune.data.packing import pack_pairs
 from glmtune.data.preferences import tokenize_pair
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore
+from glmtune.eval.teacher_forced import on_model_device
 from glmtune.train.data_loader import collate
 from glmtune.train.preference_loss import pair_logps
 
@@ -139,8 +140,7 @@ def local_pair_logps(model, token_logps, row: EvalRow, prompting) -> PairLogps:
     size = len(chosen.input_ids) + len(rejected.input_ids)
     rows, _ = pack_pairs([(chosen, rejected)], size, pad_token_id=0)  # exactly the pair: no padding
     assert len(rows) == 1, f"{row.origin}: the pair has no answer token to score"
-    device = model.lm_head.weight.device
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate(rows).items()}
+    batch = on_model_device(model, collate(rows))
     sums = pair_logps(token_logps(model, batch).float(), batch["targets"], batch["document_ids"], [2])
     return PairLogps(float(sums["chosen"][0]), float(sums["rejected"][0]), int(sums["chosen_tokens"][0]),
                      int(sums["rejected_tokens"][0]))

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from glmtune.data.chat_template import IGNORE_INDEX, tokenize_conversation
 from glmtune.data.packing import next_token_targets
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore
+from glmtune.eval.teacher_forced import one_document, summed_loss
 
 
 class ReferenceLoss:
@@ -72,11 +72,12 @@ def reference_sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
     return ids, next_token_targets(labels)
 
 
-@torch.no_grad()
-def row_loss(model, row: EvalRow, prompting) -> float:
-    """The row's mean reference loss (nats per token) under `model`."""
-    device = model.lm_head.weight.device
-    ids, targets = reference_sample(row, prompting)
-    out = model(torch.tensor([ids], device=device), targets=torch.tensor([targets], device=device),
-                compute_logits=False)
-    return float(out.loss_sum) / max(int(out.num_targets), 1)
+def reference_batch(row: EvalRow, prompting) -> dict:
+    """The row's reference conversation (`reference_labels`) as a one-row, one-document packed batch."""
+    return one_document(*reference_labels(row, prompting))
+
+
+def row_loss(model, loss, row: EvalRow, prompting) -> float:
+    """The row's mean reference loss (nats per token) under `model` (`loss`: its family's `spec.loss`)."""
+    total, count = summed_loss(model, loss, reference_batch(row, prompting))
+    return total / max(count, 1)

@@ -47,6 +47,7 @@ from glmtune.models.hf.family import HF_FAMILY
 from glmtune.models.hf.lora_rules import HfLoraRules
 from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
 from glmtune.models.hf.parallelize import parallelize_hf
+from glmtune.models.hf.quiet import no_progress_bars
 from glmtune.models.hf.shapes import (
     active_matmul_params,
     flops_per_token,
@@ -137,8 +138,9 @@ class HfSpec(ModelSpec):
         args = self.args_from_hf(path)
         if not holds_weights(path):
             raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json to load")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True,
-                                                     trust_remote_code=False)
+        with no_progress_bars():  # glmtune reports the load itself (quiet.py)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                         use_safetensors=True, trust_remote_code=False)
         check_model(model, args)
         return model.to(device)
 
@@ -165,7 +167,8 @@ class HfSpec(ModelSpec):
         if source_dir is not None:
             sources = (*sources, ("source_dir", source_dir))
         with output_dir(path, overwrite=overwrite, sources=sources, what="path", option="overwrite=True") as tmp:
-            model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state)
+            with no_progress_bars():  # glmtune reports the export itself (quiet.py)
+                model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state)
             config = json.loads((tmp / "config.json").read_text())
             config["architectures"] = [unwrapped_class(model).__name__]  # not FSDP2's FSDP<class> subclass
             if dtype is not None:
