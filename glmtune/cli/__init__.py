@@ -38,6 +38,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.merge_cmd",
     "glmtune.cli.preflight_cmd",
     "glmtune.cli.eval_cmd",
+    "glmtune.cli.decide_cmd",
     "glmtune.cli.release_cmd",
 )
 

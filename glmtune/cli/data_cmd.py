@@ -2,8 +2,10 @@
 
   glmtune data validate PATH... [--schema S]    every contract violation as file:line: field: reason
   glmtune data prepare PATH... --out DIR         dedup, PII lint, group split, versioned JSONL + manifest
-  glmtune data synth OUT [--kind K --rows N --seed S]   the bundled support-ticket task as JSONL
-(prepare and synth refuse an existing non-empty output unless --overwrite; synth never replaces a directory)
+  glmtune data synth OUT [--kind K --rows N --seed S]   the bundled support-ticket task as JSONL (its
+                                                       documents as a folder: --kind support_docs)
+(prepare and synth refuse an existing non-empty output unless --overwrite; synth replaces a directory only by
+support_docs' own)
 Each file's kind is detected from its rows: chat rows (`messages`) or preference rows
 (`prompt`/`chosen`/`rejected`); validate and prepare print it, prepare's manifest records it.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-SYNTH_KINDS = ("support_tickets", "support_preferences")
+SYNTH_KINDS = ("support_tickets", "support_preferences", "support_docs", "support_doc_questions")
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -62,13 +64,25 @@ def _prepare(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.data.synthetic import SCHEMA_PATH, check_jsonl_target, generate_rows, write_jsonl
+    from glmtune.data.synthetic_docs import generate_doc_questions, write_documents
     from glmtune.data.synthetic_preferences import generate_preference_rows
 
+    if args.kind in ("support_docs", "support_doc_questions") and args.rows is not None:
+        raise ValueError(f"--rows: --kind {args.kind} is a fixed set per seed (6 products; 5 questions each)")
+    if args.kind == "support_docs":
+        path = write_documents(args.out, seed=args.seed, overwrite=args.overwrite)
+        print(f"wrote the support documents (triage policy and product catalog) to {path}/")
+        return 0
     check_jsonl_target(args.out, overwrite=args.overwrite)  # before generating the rows
-    generate = generate_preference_rows if args.kind == "support_preferences" else generate_rows
-    path = write_jsonl(generate(args.rows, seed=args.seed), args.out, overwrite=args.overwrite)
-    what = "preference row(s)" if args.kind == "support_preferences" else "row(s)"
-    print(f"wrote {args.rows} {what} to {path} (answer schema: {SCHEMA_PATH})")
+    generate = {"support_preferences": generate_preference_rows, "support_tickets": generate_rows,
+                "support_doc_questions": lambda rows, seed: generate_doc_questions(seed)}[args.kind]
+    rows = generate(2000 if args.rows is None else args.rows, seed=args.seed)
+    path = write_jsonl(rows, args.out, overwrite=args.overwrite)
+    what = {"support_preferences": "preference row(s)", "support_doc_questions": "question row(s)"}.get(args.kind,
+                                                                                                        "row(s)")
+    note = (f"answered only by the support_docs of seed {args.seed}" if args.kind == "support_doc_questions"
+            else f"answer schema: {SCHEMA_PATH}")
+    print(f"wrote {len(rows)} {what} to {path} ({note})")
     return 0
 
 
@@ -109,12 +123,15 @@ def register(subparsers: Any) -> None:
         description="Generate the deterministic support-ticket triage task (JSON answers, ~20%% tool calls), "
                     "as chat rows or as preference pairs (chosen = the reference answer, rejected = a wrong "
                     "severity, a wrong next action or invalid JSON).")
-    synth.add_argument("out", metavar="OUT", help="output .jsonl path")
+    synth.add_argument("out", metavar="OUT", help="output .jsonl path (a directory for support_docs)")
     synth.add_argument("--kind", choices=SYNTH_KINDS, default=SYNTH_KINDS[0],
-                       help="support_tickets: chat rows; support_preferences: prompt/chosen/rejected rows "
+                       help="support_tickets: chat rows; support_preferences: prompt/chosen/rejected rows; "
+                            "support_docs: the task's documents (triage policy, product catalog: Markdown files); "
+                            "support_doc_questions: questions only those documents answer (a facts set) "
                             "(default: support_tickets)")
     synth.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier data synth output "
-                       "(never anything else, never a directory)")
-    synth.add_argument("--rows", type=int, default=2000, help="number of rows (default: 2000)")
+                       "(never anything else; a directory only by support_docs' own)")
+    synth.add_argument("--rows", type=int, default=None, help="number of rows (default: 2000; not for the "
+                       "documents and their questions)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.set_defaults(func=_synth)

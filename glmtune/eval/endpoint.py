@@ -105,7 +105,8 @@ class Endpoint:
         self.policy = options.policy()
         self.concurrency = options.concurrency if options.concurrency is not None else 8
         self.max_response_bytes = options.response_bytes()
-        self.client, _, self.transport = client_for(source.source, self.policy, self.max_response_bytes)
+        self.client, _, self.transport = client_for(source.source, self.policy, self.max_response_bytes,
+                                                    source.api_key_env)
         self.faults = FaultLog()
         self._answer_chars: int | None = None  # the most characters an answer may hold (endpoint_responses)
         # completions: responses whose engine counted other prompt tokens than glmtune's tokenizer (a BOS);

@@ -59,6 +59,9 @@ class EndpointOptions:
     candidate_model: str | None = None
     tokenizer: Path | None = None  # the suite's tokenizer + template when no model is local
     max_response_bytes: int | None = None  # the cap on every response body (default 16 MiB)
+    # the environment variable holding the bearer token (`glmtune decide`'s --compare key-env=VAR);
+    # None: GLMTUNE_ENDPOINT_API_KEY. Only the variable's name is kept: the key is read when a client is made
+    api_key_env: str | None = None
 
     def check(self, base_arg, candidate_arg) -> None:
         """ValueError (one line, naming the option) for a value out of range, or an endpoint option given
@@ -119,6 +122,7 @@ class EndpointSource:
     model: str  # the served model id
     engine: dict[str, str | None]  # {"owned_by", "server", "version"} as the server gives them, "answered_by"
     api: str
+    api_key_env: str | None = None  # EndpointOptions.api_key_env (a name, never the key)
     kind: str = "endpoint"
     merged: bool | None = None
     adapter_dir: None = None
@@ -132,15 +136,16 @@ class EndpointSource:
                 "engine_version": self.engine.get("version"), "answered_by": self.engine.get("answered_by")}
 
 
-def client_for(url: str, policy: RetryPolicy, max_bytes: int):
-    """(the openai client, its guarded HTTP client, their transport) of the endpoint `url`."""
+def client_for(url: str, policy: RetryPolicy, max_bytes: int, api_key_env: str | None = None):
+    """(the openai client, its guarded HTTP client, their transport) of the endpoint `url`; the bearer
+    token is the value of the environment variable `api_key_env` (default GLMTUNE_ENDPOINT_API_KEY)."""
     try:
         import openai  # torch-free; an optional dependency: only endpoint evaluations need it
     except ImportError:
         raise ValueError("an endpoint model needs the openai package (pip install 'glmtune[endpoint]')") from None
     http, transport = guarded_client(url, policy.timeout_s, max_bytes)
-    client = openai.OpenAI(base_url=url, api_key=os.environ.get(_API_KEY_ENV, "EMPTY"), timeout=policy.timeout_s,
-                           max_retries=0, http_client=http)
+    client = openai.OpenAI(base_url=url, api_key=os.environ.get(api_key_env or _API_KEY_ENV, "EMPTY"),
+                           timeout=policy.timeout_s, max_retries=0, http_client=http)
     return client, http, transport
 
 
@@ -164,7 +169,7 @@ def resolve_endpoint(arg: str, role: str, options: EndpointOptions) -> EndpointS
     if not _URL.match(url):
         raise ValueError(f"--{role} {arg}: an endpoint is http(s)://HOST:PORT/v1")
     policy = options.policy()
-    client, http, _ = client_for(url, policy, options.response_bytes())
+    client, http, _ = client_for(url, policy, options.response_bytes(), options.api_key_env)
 
     def models():
         response = client.models.with_raw_response.list().http_response
@@ -189,4 +194,4 @@ def resolve_endpoint(arg: str, role: str, options: EndpointOptions) -> EndpointS
     engine = {"owned_by": clipped(served[wanted], 100) if served.get(wanted) is not None else None,
               "server": clipped(server, 100) if server is not None else None, "version": version,
               "answered_by": response.extensions.get("glmtune_peer")}
-    return EndpointSource(role, role, url, wanted, engine, options.api or "completions")
+    return EndpointSource(role, role, url, wanted, engine, options.api or "completions", options.api_key_env)

@@ -284,11 +284,17 @@ def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, s
 
 
 def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
-                    placement: Placement, log, endpoint: EndpointOptions | None = None) -> dict[str, Any]:
+                    placement: Placement, log, endpoint: EndpointOptions | None = None,
+                    backend: Backend | None = None) -> dict[str, Any]:
+    """One model's outputs, scores, losses and operations on every set. `backend`: a model already
+    loaded (`glmtune decide` answers several prompt arms with one load), which the caller frees;
+    None: this model is loaded here and freed at the end."""
     what = f"{model.label} ({model.kind}{', merged' if model.merged else ''}: {model.source})"
     memory = PeakMemory(placement.device)
     memory.start()
-    backend = Endpoint(model, endpoint) if model.kind == "endpoint" else placement.load(model)
+    owned = backend is None
+    if owned:
+        backend = Endpoint(model, endpoint) if model.kind == "endpoint" else placement.load(model)
     not_available: dict[str, str] = {}  # metric id -> why the backend cannot compute it
     outputs, scores, latencies, tokens, generate_s = {}, {}, [], 0, 0.0
     stage = "the evaluation"  # what the requests in flight are for (a server failing all of them is named)
@@ -318,10 +324,11 @@ def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prom
     except RequestFailed as exc:  # an endpoint's, every request of a set (or every window) failing: the server's
         raise backend.failed_every(stage, exc) from exc
     finally:
-        if isinstance(backend, Endpoint):
+        if owned and isinstance(backend, Endpoint):
             backend.close()
         del backend
-        placement.release()
+        if owned:
+            placement.release()
     ops = served_ops or placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
     ops = {**ops, "serving": serving} if serving is not None else ops
     return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops, "not_available": not_available}

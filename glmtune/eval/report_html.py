@@ -189,8 +189,10 @@ def _visible_tree(value):
     return value
 
 
-def render_html(scorecard: dict) -> str:
+def render_html(scorecard: dict, preface: dict | None = None) -> str:
     """The report page for one scorecard dict (format `glmtune.scorecard/1`), as a string.
+    `preface`: a section shown first, {"title", "paragraphs": [text], "tables": [{"caption",
+    "columns", "rows"}]} (`glmtune decide`'s verdict), every string escaped as the scorecard's.
 
     Raises:
         ValueError: the dict is not a `glmtune.scorecard/1` scorecard.
@@ -230,4 +232,5 @@ def render_html(scorecard: dict) -> str:
         field_chart=_field_chart(scorecard.get("fields") or [], labels),
         latency_chart=latency_svg, ops_table=ops_table,
         examples=examples, set_counts=set_counts, cat_counts=cat_counts, short=_short_hash,
+        preface=_visible_tree(preface) if preface else None,
     )

@@ -124,10 +124,12 @@ def _failures(card: dict[str, Any], candidate: str, max_failures: int) -> list[s
     return lines
 
 
-def render_markdown(card: dict[str, Any], max_failures: int = 10) -> str:
+def render_markdown(card: dict[str, Any], max_failures: int = 10, failures_of: list[str] | None = None) -> str:
+    """The Markdown; `failures_of`: the labels whose failures are listed (default: the candidates;
+    `glmtune decide` lists every arm's, the base's too)."""
     labels = [m["label"] for m in card["models"]]
     candidates = labels[1:]
     lines = _header(card) + _gates_and_models(card) + _metrics(card, labels, candidates) + _operations(card, labels)
-    for candidate in candidates:
+    for candidate in candidates if failures_of is None else failures_of:
         lines += _failures(card, candidate, max_failures)
     return "\n".join(lines) + "\n"

@@ -1,0 +1,265 @@
+"""`glmtune decide`: every check first, then the arms, one model at a time, then the decision on disk.
+
+Order (as `glmtune eval`'s, whose steps these are: `glmtune.eval.evaluate`): the suite (it must
+have gates, none naming an eval model label), the cost options, the alternatives' specs, the
+models (`--base`, each `--compare`; an endpoint answers GET /v1/models), the output directory
+(refused before any work), one tokenizer and chat template for the local models, the sets, the
+examples (data contract, none from the eval set's groups), the documents and their index, the
+recipe's plan, the tool functions and the reference tool calls, the scorers' row checks, and every
+arm's every prompt rendered once. Then the base's arms with one load of the base (its three arms
+answer in turn), then each alternative, loaded and freed in turn. Last the scorecard (eval's, the
+arms as its columns, every gate checked in every arm), the verdict (`verdict.py`) and the
+decision directory (`report.py`), written in one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glmtune.data.tokenizer import load_tokenizer
+from glmtune.decide.arms import ArmSpec, prompted_arm, retrieval_arm
+from glmtune.decide.cost import CostOptions, plan_cost
+from glmtune.decide.documents import DEFAULT_CHUNK_WORDS, DEFAULT_OVERLAP, read_documents
+from glmtune.decide.examples import MAX_SHOTS, SHOTS_BY, eval_split_keys, load_examples
+from glmtune.decide.grounding import grounding_metrics
+from glmtune.decide.passages import DEFAULT_PASSAGES, MAX_PASSAGES, Passages
+from glmtune.decide.report import decision_document, write_decision
+from glmtune.decide.targets import Target, check_key_env, check_labels, parse_target
+from glmtune.decide.verdict import Arm, decide
+from glmtune.eval.answering import Prompting
+from glmtune.eval.endpoint import EndpointOptions, is_endpoint, resolve_endpoint
+from glmtune.eval.evaluate import (  # eval's own steps, in run_eval's order
+    _check_prompts, _evaluate_model, _implicit_margins, _prompting_dir, _reference_tool_results, _scorecard)
+from glmtune.eval.gates import evaluate_gates
+from glmtune.eval.general_text import text_windows
+from glmtune.eval.models import Fingerprints, resolve_model
+from glmtune.eval.placement import Placement
+from glmtune.eval.sets import check_rows, load_sets
+from glmtune.eval.suite import Suite, load_suite
+from glmtune.eval.tools import ToolExecutor
+from glmtune.io.outputs import check_output
+
+
+@dataclass
+class DecideOptions:
+    suite: str
+    base: str
+    out: str | None = None
+    overwrite: bool = False
+    examples: str | None = None
+    shots: int | None = None  # default 3 with --examples
+    shots_by: str | None = None  # default fixed with --examples
+    docs: str | None = None
+    passages: int | None = None  # default 3 with --docs
+    chunk_words: int | None = None
+    chunk_overlap: int | None = None
+    compare: list[str] = field(default_factory=list)
+    base_key_env: str | None = None
+    endpoint: EndpointOptions = field(default_factory=EndpointOptions)  # the base's and the shared options
+    device: str = "auto"
+    dtype: torch.dtype | None = None
+    cost: CostOptions = field(default_factory=CostOptions)
+
+    def check(self) -> None:
+        """The arms' options: each given only with what it applies to, each in range (one sentence)."""
+        for option, value, needs, given in (("--shots", self.shots, "--examples", self.examples),
+                                            ("--shots-by", self.shots_by, "--examples", self.examples),
+                                            ("--passages", self.passages, "--docs", self.docs),
+                                            ("--chunk-words", self.chunk_words, "--docs", self.docs),
+                                            ("--chunk-overlap", self.chunk_overlap, "--docs", self.docs)):
+            if value is not None and given is None:
+                raise ValueError(f"{option} applies to the {'prompted' if needs == '--examples' else 'retrieval'} "
+                                 f"arm, which runs with {needs}; add {needs}")
+        if self.shots is not None and not 1 <= self.shots <= MAX_SHOTS:
+            raise ValueError(f"--shots {self.shots}: expected 1 to {MAX_SHOTS} examples")
+        if self.shots_by is not None and self.shots_by not in SHOTS_BY:
+            raise ValueError(f"--shots-by {self.shots_by}: expected one of {', '.join(SHOTS_BY)}")
+        if self.passages is not None and not 1 <= self.passages <= MAX_PASSAGES:
+            raise ValueError(f"--passages {self.passages}: expected 1 to {MAX_PASSAGES} passages")
+        if self.base_key_env is not None:
+            if not is_endpoint(self.base):
+                raise ValueError(f"--base-key-env applies to an endpoint --base (http(s)://HOST:PORT/v1); --base "
+                                 f"{self.base} is a local model")
+            check_key_env("--base-key-env", self.base_key_env)
+        if self.endpoint.api is not None and not is_endpoint(self.base):
+            raise ValueError("--api applies to an endpoint --base; give an alternative its own with "
+                             "--compare URL,api=chat")
+
+
+def _check_suite(suite: Suite) -> None:
+    if not suite.file.gates:
+        raise ValueError(f"{suite.path}: no gates: decide compares the arms by the suite's gates (its targets); "
+                         "add gates (docs/eval.md, Gates)")
+    for i, gate in enumerate(suite.file.gates):
+        if gate.model is not None:
+            raise ValueError(f"{suite.path}: gates[{i}].model: {gate.model}: decide checks every gate in every arm; "
+                             "remove model (it names an eval candidate label)")
+
+
+def _resolve(arg: str, label: str, role: str, options: EndpointOptions, option: str):
+    """The model `arg` names, labelled `label`: an endpoint (its /v1/models asked) or a local model."""
+    if is_endpoint(arg):
+        try:
+            source = resolve_endpoint(arg, "base" if role == "base" else "candidate", options)
+        except ValueError as exc:  # eval names its own options; decide's are --base / --compare ...,model=
+            raise ValueError(str(exc).replace("--candidate-model", f"{option},model=ID").replace(
+                "--candidate", option)) from None
+    else:
+        source = resolve_model(arg, "base" if role == "base" else "candidate")
+    return dataclasses.replace(source, label=label, role=role)
+
+
+def _target_options(shared: EndpointOptions, t: Target) -> EndpointOptions:
+    return dataclasses.replace(shared, api=t.api, base_model=None, candidate_model=t.model, api_key_env=t.key_env)
+
+
+def _models(o: DecideOptions) -> tuple[ArmSpec, list[ArmSpec]]:
+    """The base arm and one arm per alternative, their models resolved (endpoints asked)."""
+    targets = [parse_target(spec) for spec in o.compare]
+    check_labels(targets)
+    first_endpoint = next((a for a in [o.base] + [t.source for t in targets] if is_endpoint(a)), o.base)
+    o.endpoint.check(o.base, first_endpoint)  # ranges; --base-model with an endpoint --base
+    base_options = dataclasses.replace(o.endpoint, api_key_env=o.base_key_env)
+    base = ArmSpec("base", "base", _resolve(o.base, "base", "base", base_options, "--base"), [],
+                   "the model as it is", base_options if is_endpoint(o.base) else None)
+    alternatives = []
+    for t in targets:
+        options = _target_options(o.endpoint, t)
+        model = _resolve(t.source, t.label, "candidate", options, f"--compare {t.source}")
+        via = f" ({model.model} over the {model.api} API)" if t.is_endpoint else ""
+        alternatives.append(ArmSpec(t.label, "alternative", model, [], f"{model.kind} {t.source}{via}",
+                                    options if t.is_endpoint else None, t.cost_per_1k))
+    return base, alternatives
+
+
+def _run_source(suite: Suite, arms: list[ArmSpec]):
+    """The run directory whose held-out split a `run_split` set reads: the base's, else the first
+    alternative's; ValueError when a set needs one and none is a run directory."""
+    runs = [a.model for a in arms if a.model.kind == "run"]
+    needs = [s.name for s in suite.sets if s.run_split is not None]
+    if needs and not runs:
+        raise ValueError(f"set {needs[0]} reads run_split: {suite.sets[0].run_split or 'validation'}, the held-out "
+                         "split of a run directory, and neither --base nor a --compare is one; give the set a path")
+    return runs[0] if runs else arms[0].model
+
+
+def _prompting(arms: list[ArmSpec], tokenizer: Path | None) -> tuple[Path, str]:
+    """One tokenizer directory and chat template for every arm: the local models' (all the same,
+    eval's check), or --tokenizer's when none is local."""
+    local = [a.model for a in arms if a.model.kind != "endpoint"]
+    if not local and tokenizer is None:
+        raise ValueError("--tokenizer DIR is needed: no model is local, and the suite's prompts are rendered with a "
+                         "tokenizer and chat template on disk (the served model's HF directory)")
+    first = local[0] if local else arms[0].model
+    found = _prompting_dir(first, first, tokenizer)
+    for model in local[1:]:
+        try:
+            found = _prompting_dir(first, model, tokenizer)
+        except ValueError as exc:  # eval's words: "the base and the candidate use different tokenizers ..."
+            raise ValueError(f"--compare {model.source}: {exc}") from None
+    return found
+
+
+def _reads(suite: Suite, arms: list[ArmSpec], o: DecideOptions) -> list[tuple[str, Path]]:
+    reads = [("SUITE", suite.path)] + [(f"set {s.name}", s.path) for s in suite.sets if s.path is not None]
+    reads += [r for a in arms for r in a.model.reads()]
+    reads += [(option, Path(value)) for option, value in (("--tokenizer", o.endpoint.tokenizer),
+                                                          ("--examples", o.examples), ("--docs", o.docs)) if value]
+    return reads
+
+
+def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
+    """Run every arm and write the decision directory; returns (the decision, its directory).
+    ValueError: user errors, before any model runs."""
+    suite = load_suite(o.suite)
+    _check_suite(suite)
+    o.check()
+    o.cost.check()
+    base, alternatives = _models(o)
+    out = Path(o.out) if o.out is not None else Path("decide") / suite.name
+    reads = _reads(suite, [base] + alternatives, o)
+    check_output(out, overwrite=o.overwrite, sources=reads, what="--out", command="decide")
+    tokenizer_dir, template = _prompting([base] + alternatives, o.endpoint.tokenizer)
+    loaded = load_sets(suite, _run_source(suite, [base] + alternatives))
+    base.sets = loaded
+    pool = load_examples(o.examples, eval_split_keys(loaded), o.shots_by or "fixed") if o.examples else None
+    passages = (Passages(read_documents(o.docs, o.chunk_words or DEFAULT_CHUNK_WORDS,
+                                        DEFAULT_OVERLAP if o.chunk_overlap is None else o.chunk_overlap),
+                         o.passages or DEFAULT_PASSAGES) if o.docs else None)
+    cost = plan_cost(o.cost)
+    placement = Placement.choose(o.device, o.dtype, None, base.model)
+    fingerprints = Fingerprints()
+    prints = {a.label: a.model.fingerprint() if a.model.kind == "endpoint" else fingerprints.of(a.model)
+              for a in [base] + alternatives}
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
+    g = suite.file.general_text
+    windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window) if g is not None else None
+    with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
+        executor.check()
+        _reference_tool_results(loaded, executor, placement)
+        check_rows(loaded)
+        arms = [base] + ([prompted_arm(base, pool, o.shots or 3)] if pool else []) + (
+            [retrieval_arm(base, passages)] if passages else []) + alternatives
+        for arm in arms:
+            arm.sets = arm.sets or loaded
+            _check_prompts(arm.sets, prompting)
+        prints.update({a.label: prints["base"] for a in arms if a.kind in ("prompted", "retrieval")})
+        results = _run_arms(arms, prompting, executor if suite.file.tools.functions else None, windows, placement, log)
+    decision = _decision(suite, loaded, arms, prints, results, template, o, cost)
+    write_decision(out, o.overwrite, reads, suite, loaded, decision, _secrets(o, alternatives))
+    return decision, out
+
+
+def _run_arms(arms: list[ArmSpec], prompting, executor, windows, placement: Placement, log) -> dict[str, dict]:
+    """Each arm's results (eval's per-model results); the base's arms share one load of the base."""
+    results: dict[str, dict] = {}
+    own = [a for a in arms if a.kind != "alternative"]
+    backend = placement.load(own[0].model) if own[0].model.kind != "endpoint" else None
+    try:
+        for arm in own:
+            log(f"arm {arm.label}: {arm.how}")
+            results[arm.label] = _evaluate_model(arm.model, arm.sets, prompting, executor, windows, placement, log,
+                                                 arm.endpoint, backend=backend)
+    finally:
+        del backend
+        placement.release()
+    for arm in arms:
+        if arm.kind == "alternative":
+            log(f"arm {arm.label}: {arm.how}")
+            results[arm.label] = _evaluate_model(arm.model, arm.sets, prompting, executor, windows, placement, log,
+                                                 arm.endpoint)
+    return results
+
+
+def _decision(suite: Suite, loaded, arms: list[ArmSpec], prints: dict, results: dict, template: str,
+              o: DecideOptions, cost: dict | None) -> dict[str, Any]:
+    labels = [a.label for a in arms]
+    _implicit_margins(loaded, results, labels)
+    card = _scorecard(suite, loaded, [a.model for a in arms], prints, results, template, labels)
+    retrieval = next((a for a in arms if a.kind == "retrieval"), None)
+    grounding_failures: dict = {}
+    if retrieval is not None:
+        outputs = {label: results[label]["outputs"] for label in labels}
+        records, grounding_failures = grounding_metrics(loaded, outputs, retrieval.added, labels, retrieval.label)
+        card["metrics"] += records
+    card["gates"] = evaluate_gates(suite.file.gates, card["metrics"], labels)
+    not_tried = {kind: why for kind, why in (("prompted", "no --examples"), ("retrieval", "no --docs"))
+                 if kind not in {a.kind for a in arms}}
+    verdict = decide([Arm(a.label, a.kind, a.cost_per_1k) for a in arms], card["gates"], not_tried)
+    card["passed"] = verdict.exit_code == 0
+    return decision_document(card, arms, verdict, not_tried, cost, grounding_failures)
+
+
+def _secrets(o: DecideOptions, alternatives: list[ArmSpec]) -> list[str]:
+    """The API keys the endpoints were given (their values, read from the environment), which no
+    written file may hold."""
+    names = [o.base_key_env] + [a.endpoint.api_key_env for a in alternatives if a.endpoint is not None]
+    return [os.environ[name] for name in names if name and os.environ.get(name)]
