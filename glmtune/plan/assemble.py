@@ -14,14 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from glmtune.config import JobConfig
-from glmtune.config.validate import planned_saves
+from glmtune.config.validate import limit_errors, planned_saves
+from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.registry import model_spec
 from glmtune.plan import cost as run_cost
 from glmtune.plan.data_tokens import EpochTokens, epoch_tokens, unreadable_data
 from glmtune.plan.floor import floor_table, recipe_row
 from glmtune.plan.hardware import gpu_spec
-from glmtune.plan.model_state import build_meta_model
+from glmtune.plan.model_state import build_meta_model, memory_model_of
 from glmtune.plan.planner import degrees_for, plan_memory
 from glmtune.plan.search import layout_config, smallest_fit
 from glmtune.plan.throughput_source import Measurement, tokens_per_s_per_gpu
@@ -57,10 +60,7 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
         cfg = with_world(cfg, options.world_size)
     degrees = degrees_for(cfg)
     spec, model = model_spec(cfg.model), build_meta_model(cfg)
-    lora_cfg = copy.deepcopy(cfg)
-    lora_cfg.peft.method = "lora"
-    floor = floor_table(model, build_meta_model(lora_cfg)) + [recipe_row(model, spec,
-                                                                          resolve_precision(cfg).masters)]
+    floor = floor_table(model, _lora_model(cfg, spec)) + [recipe_row(model, spec, resolve_precision(cfg).masters)]
 
     data: EpochTokens | None = None
     why_no_data = unreadable_data(cfg) if options.read_data else "not read (--no-data)"
@@ -70,6 +70,7 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     one_document = data is None or data.one_document_rows * 2 >= data.rows  # the common row shape
     memory = plan_memory(cfg, model, degrees, one_document)
 
+    layout_note = memory_model_of(cfg).check_layout(spec.args_of(model), _base_parameters(model, cfg))
     report: dict[str, Any] = {
         "recipe": recipe,
         "model": f"{cfg.model.validate_as or cfg.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} "
@@ -81,6 +82,7 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
                        f"checkpointing {cfg.parallel.activation_checkpointing}, "
                        f"{'one-document' if one_document else 'packed multi-document'} rows",
         "objective": _objective_note(cfg),
+        **({"memory_model": layout_note} if layout_note else {}),
         "memory": memory.to_dict(),
         "headroom": {"context_gib": options.context_gib, "fragmentation": options.fragmentation},
         "data": data.to_dict() if data else {"note": why_no_data},
@@ -108,6 +110,22 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     report["run"] = {"steps": steps, "tokens": tokens,
                      "source": f"{options.epochs:g} epochs of the data" if options.epochs else "train.max_steps"}
     return report
+
+
+def _base_parameters(model: nn.Module, cfg: JobConfig) -> int:
+    """The parameters of the model the checkpoint describes: under LoRA its frozen base, adapters aside."""
+    lora = cfg.peft.method == "lora"
+    return sum(p.numel() for p in model.parameters() if not (lora and p.requires_grad))
+
+
+def _lora_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module | None:
+    """The recipe's model with LoRA adapters (the recipe's, or the default ones) for the floor's LoRA
+    rows; None when the model's family does not take LoRA (its `ModelFamily.limits`)."""
+    lora_cfg = copy.deepcopy(cfg)
+    lora_cfg.peft.method = "lora"
+    if limit_errors(lora_cfg, [limit for limit in spec.model_family.limits if limit[0] == "peft.method"]):
+        return None
+    return build_meta_model(lora_cfg)
 
 
 def _run_time(cfg: JobConfig, options: PlanOptions, gpu: str, flops_per_token: float, run: tuple[int, int],

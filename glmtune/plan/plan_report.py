@@ -40,6 +40,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     table.add_row("[bold]planned peak (allocator)[/bold]", f"[bold]{_gib(mem['peak_bytes'])}[/bold]")
     console.print(table)
     console.print(f"objective: {report['objective']}")
+    if "memory_model" in report:  # the family's memory model does not know this layer exactly
+        console.print(f"[yellow]memory model: {report['memory_model']}[/yellow]")
     console.print(f"micro-batch: {report['micro_batch']}; headroom: {report['headroom']['context_gib']} GiB "
                   f"context + {report['headroom']['fragmentation']:.0%} of the peak")
 

@@ -18,6 +18,7 @@ from its args (its own architecture type) and a `StepShape`:
                    parallelization wraps ("layer.{i}", "embed", "head", or a family's own, such as
                    GLM-5's "mtp.{j}") and which parameters are routed experts (split over `ep`)
   weight_std       the random weights' scale of a measured rank (`glmtune plan --measure`)
+  check_layout     whether the layer the formulas assume is the built model's (its parameter count)
 
 Bytes are the compute dtype's (`StepShape.compute_bytes`) unless a formula says otherwise.
 A family's formulas say in their module which tensors they count and how they were checked.
@@ -107,6 +108,12 @@ class MemoryModel(ABC):
     def unit_of(self, name: str) -> str:
         """The FSDP unit parameter `name` belongs to: "layer.{i}", "embed" (the root's input end),
         "head" (final norm and LM head), or a family's own unit."""
+
+    def check_layout(self, args: Any, parameters: int) -> str | None:
+        """None when the layer layout the formulas assume accounts for the built model's `parameters`
+        (its base parameters, adapters aside); else a sentence for the plan: its activations are then
+        an estimate. Not checked by default."""
+        return None
 
     @abstractmethod
     def weight_std(self, args: Any) -> float:

@@ -14,6 +14,8 @@ It wires the family's pieces together. Where each answer lives:
                              documents kept apart by transformers' own mask builders
   flops                      shapes.py
   parallelize                parallelize.py (AC -> compile -> FSDP2; EP, PP, CP refused)
+  memory model               memory_model.py (`glmtune plan`'s, from config.json's shapes; the
+                             layer's layout and exact parameter count in memory_layout.py)
   cached decoding            decoding.py (transformers' own DynamicCache and decoder forward)
 
 Not done yet, each refused with a ValueError naming it (`_not_yet`): a MoE model's sharded load,
@@ -45,6 +47,7 @@ from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.decoding import HF_DECODING
 from glmtune.models.hf.family import HF_FAMILY
 from glmtune.models.hf.lora_rules import HfLoraRules
+from glmtune.models.hf.memory_model import HF_MEMORY
 from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
 from glmtune.models.hf.parallelize import parallelize_hf
 from glmtune.models.hf.quiet import no_progress_bars
@@ -84,6 +87,7 @@ class HfSpec(ModelSpec):
     hf_architecture = "*ForCausalLM"  # whatever config.json's `architectures[0]` names
     param_groups = GROUPS
     decoding = HF_DECODING
+    memory = HF_MEMORY  # glmtune plan's memory model (memory_model.py)
     lora = HfLoraRules()  # peft/'s inventory of what trains; LoRA itself refused at config time (family.py)
 
     # -- architecture ------------------------------------------------------------------
