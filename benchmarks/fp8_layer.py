@@ -43,7 +43,8 @@ def parse_args(argv=None):
 
 
 def build(a, base: str):
-    from glmtune.config.schema import DEFAULT_LORA_TARGETS, PeftConfig
+    from glmtune.config.schema import PeftConfig
+    from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
     from glmtune.models.glm5.args import get_preset
     from glmtune.models.glm5.fp8_base import convert_to_fp8_base
     from glmtune.models.glm5.model import build_model

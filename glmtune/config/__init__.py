@@ -20,7 +20,6 @@ from glmtune.config.loader import (
 )
 from glmtune.config.schema import (
     CheckpointConfig,
-    DEFAULT_LORA_TARGETS,
     DataConfig,
     DpoConfig,
     JobConfig,
@@ -43,7 +42,7 @@ from glmtune.config.validate import (
 
 __all__ = [
     "RECIPES_DIR", "config_from_dict", "config_to_dict", "config_to_yaml", "dump_config", "load_config", "load_run_config",
-    "resolve_recipe_path", "DEFAULT_LORA_TARGETS",
+    "resolve_recipe_path",
     "CheckpointConfig", "DataConfig", "DpoConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "PeftConfig", "SyntheticDataConfig", "TrainConfig", "MeshDegrees", "grad_accum_steps",
     "pipeline_microbatches", "resolve_world_size", "validate_config", "validate_parallel",

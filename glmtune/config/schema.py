@@ -23,27 +23,6 @@ PipelineSchedule = Literal[
     "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
 ]
 
-# NVIDIA's GLM-5.x LoRA recipe targets less kv_b_proj: four MLA projections, the dense MLP
-# of the first layers, the shared experts and the grouped routed experts. The DSA indexer
-# (`self_attn.indexer.*`) and the router (`mlp.gate`) are deliberately not matched.
-# kv_b_proj only when asked (list "*.self_attn.kv_b_proj" in peft.target_modules): vLLM's
-# absorbed MLA decode multiplies by W_UK / W_UV taken from the BASE kv_b_proj at load time,
-# so a kv_b delta is missing for every key and value a decode query attends (its prefill, dense
-# up to 2048 tokens, calls the base kv_b_proj layer: docs/lora.md); measured: logits move by up
-# to 0.56 on a trained tiny adapter whose logits span +-2.3 (benchmarks/kv_b_absorbed.py,
-# docs/benchmarks.md).
-DEFAULT_LORA_TARGETS = (
-    "*.self_attn.q_a_proj",
-    "*.self_attn.q_b_proj",
-    "*.self_attn.kv_a_proj_with_mqa",
-    "*.self_attn.o_proj",
-    "*.mlp.gate_proj",
-    "*.mlp.up_proj",
-    "*.mlp.down_proj",
-    "*.mlp.shared_experts.*",
-    "*.mlp.experts",
-)
-
 
 @dataclass
 class ModelConfig:
@@ -219,8 +198,10 @@ class PeftConfig:
     alpha: float = 64.0  # LoRA scale numerator: scale = alpha/r (alpha/sqrt(r) with rslora)
     dropout: float = 0.0  # dropout on the LoRA input
     rslora: bool = False  # rank-stabilised scaling alpha/sqrt(r)
-    # fnmatch globs over module names (HF names, e.g. model.layers.3.self_attn.q_a_proj).
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    # fnmatch globs over module names (HF names, e.g. model.layers.3.self_attn.q_a_proj); null = the model
+    # family's default (GLM-5: NVIDIA's list less kv_b_proj; hf: every Linear of attention and MLP, stacked
+    # experts included), resolved when LoRA is applied and recorded in the run's trainable.json (docs/lora.md)
+    target_modules: list[str] | None = None
     exclude_modules: list[str] = field(default_factory=list)  # globs removed from the matches
     # fp32 adapters; their products in the base's dtype (base: bf16 GEMMs, the fast path) or in fp32 (PEFT's way)
     adapter_compute: Literal["base", "fp32"] = "base"

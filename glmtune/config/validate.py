@@ -403,7 +403,7 @@ def check_ranges(cfg: JobConfig) -> list[str]:
             (peft.rank >= 1, f"peft.rank must be >= 1, got {peft.rank}"),
             (peft.alpha > 0, f"peft.alpha must be > 0, got {peft.alpha}"),
             (0 <= peft.dropout < 1, f"peft.dropout must be in [0, 1), got {peft.dropout}"),
-            (bool(peft.target_modules), "peft.target_modules is empty: LoRA would train nothing"),
+            (peft.target_modules != [], "peft.target_modules is empty: LoRA would train nothing"),
             # The correction biases are base buffers an adapter cannot carry: PEFT, vLLM and SGLang
             # would serve the old routing, not the model that was trained.
             (t.router_bias_update == "none",

@@ -14,7 +14,9 @@ Two layouts of the same adapter, both with HF module names under the
   MLP projections are listed under `target_parameters` as `<module>.weight` too: PEFT
   rewrites any `target_modules` entry ending in gate_proj/up_proj/down_proj into the
   fused expert parameters for this architecture (peft/utils/transformers_weight_
-  conversion.py), which would drop them. Their tensor keys are unchanged.
+  conversion.py), which would drop them. Their tensor keys are unchanged. Which leaves
+  PEFT rewrites is the family's (`LoraRules.peft_remapped_leaves`: for an hf model, those of
+  the MoE architectures transformers converts; none for a dense one).
 * `per_expert` (RUN_DIR/adapter_per_expert/): what vLLM and SGLang load for GLM-5
   (see docs/lora.md): one pair per expert and projection,
       ...mlp.experts.{e}.gate_proj.lora_A.weight [r, D]  lora_B [I, r]
@@ -49,7 +51,7 @@ from torch import nn
 from glmtune.distributed.pipeline_state import merge_on_rank0, model_order
 from glmtune.io.outputs import Source, output_dir
 from glmtune.io.version import __version__
-from glmtune.peft.family import hf_prefix
+from glmtune.peft.family import hf_prefix, spec_of
 from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
 
 LAYOUTS = ("peft", "per_expert")
@@ -58,9 +60,6 @@ PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 META_NAME = "glmtune_adapter.json"  # glmtune's own record: the base's identity (not a PEFT file)
-# Leaf names PEFT (>= 0.19 with transformers v5) remaps from target_modules to the fused
-# expert parameters for glm_moe_dsa; such Linears must be targeted as parameters.
-_PEFT_REMAPPED_LEAVES = {"gate_proj", "up_proj", "down_proj", "gate"}
 _LAYER_RE = re.compile(r"^model\.layers\.\d+\.(.+)$")
 
 
@@ -173,7 +172,10 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
         raise ValueError(f"adapter layout {layout!r} unknown; choose from {', '.join(LAYOUTS)}")
     adapted = check_exportable(model)
     spec = adapted[0][1].spec
-    to_hf = hf_prefix(model)  # the family's state-dict adapter's: an MTP layer's modules get its on-disk names
+    to_hf = hf_prefix(model)  # the family's adapter names: an MTP layer's modules get its on-disk names
+    # Leaf names PEFT remaps from target_modules to the fused expert parameters for this
+    # architecture: such Linears must be targeted as parameters.
+    remapped = spec_of(model).lora.peft_remapped_leaves(model)
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters = [], []
     for internal_name, module in adapted:
@@ -181,7 +183,7 @@ def adapter_state(model: nn.Module, layout: str = "peft", base_model_name_or_pat
         if isinstance(module, LoRALinear):
             tensors[f"{name}.lora_A.weight"] = _full(module.lora_A.weight)
             tensors[f"{name}.lora_B.weight"] = _full(module.lora_B.weight)
-            if layout == "peft" and name.rpartition(".")[2] in _PEFT_REMAPPED_LEAVES:
+            if layout == "peft" and name.rpartition(".")[2] in remapped:
                 parameters.append(f"{name}.weight")
             else:
                 modules.append(name)

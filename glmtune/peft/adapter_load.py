@@ -27,7 +27,7 @@ from torch import nn
 
 from glmtune.peft.family import internal_prefix, spec_of
 from glmtune.peft.init import set_whole_value
-from glmtune.peft.lora import LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
+from glmtune.peft.lora import LoRALinear, LoraSpec, experts_lora_class, lora_modules
 from glmtune.peft.merge import FUSED_EXPERTS_RE, PER_EXPERT_RE, fused_expert_proj, lora_pairs, read_adapter
 
 
@@ -120,7 +120,7 @@ def apply_adapter(model: nn.Module, adapter_dir: str | Path) -> AppliedAdapter:
             short = "gate_up" if proj == "gate_up_proj" else "down"
             loads.update({f"lora_{short}_A": a, f"lora_{short}_B": b})
         _replace(model, name, adapter_dir,
-                 lambda m, t=tuple(projs): LoRAGroupedExperts.from_experts(m, spec, t, init=False),
+                 lambda m, t=tuple(projs): experts_lora_class(rules.folds_experts).from_experts(m, spec, t, init=False),
                  rules.is_grouped_experts, "GroupedExperts", loads, deferred)
     for _, module in lora_modules(model):
         module.requires_grad_(False)

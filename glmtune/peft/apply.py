@@ -3,9 +3,9 @@
 Run it after the model is built (any device, meta included) and before any
 parallel wrapping. It
 
-  1. matches `peft.target_modules` (fnmatch globs) against module names, minus
-     `peft.exclude_modules`; the routed experts of a layer are one module
-     (`model.layers.3.mlp.experts`, both projections) and also answer to
+  1. matches `peft.target_modules` (fnmatch globs; null: the family's `default_targets`)
+     against module names, minus `peft.exclude_modules`; the routed experts of a layer are
+     one module (`model.layers.3.mlp.experts`, both projections) and also answer to
      `...mlp.experts.gate_up_proj` / `...mlp.experts.down_proj` alone;
   2. freezes every parameter (base weights, router, indexer, norms, embeddings,
      head, MTP);
@@ -38,7 +38,7 @@ from glmtune.models.common.lora_rules import LoraRules
 from glmtune.peft.family import spec_of
 from glmtune.peft.init import reset_lora_parameters
 from glmtune.peft.inventory import LoraInventory, build_inventory, module_kind
-from glmtune.peft.lora import EXPERT_PARAMS, LoRAGroupedExperts, LoRALinear, LoraSpec, lora_modules
+from glmtune.peft.lora import EXPERT_PARAMS, LoRALinear, LoraSpec, experts_lora_class, lora_modules
 
 Target = tuple[str, str | None]  # (module name, expert projection or None for a Linear)
 
@@ -53,7 +53,7 @@ def lora_spec(peft_cfg: PeftConfig) -> LoraSpec:
         raise ValueError(f"peft.alpha must be > 0, got {peft_cfg.alpha!r}")
     if not 0.0 <= peft_cfg.dropout < 1.0:
         raise ValueError(f"peft.dropout must be in [0, 1), got {peft_cfg.dropout!r}")
-    if not peft_cfg.target_modules:
+    if peft_cfg.target_modules is not None and not peft_cfg.target_modules:
         raise ValueError("peft.target_modules is empty: nothing would train")
     return LoraSpec(peft_cfg.rank, float(peft_cfg.alpha), float(peft_cfg.dropout), bool(peft_cfg.rslora),
                     peft_cfg.adapter_compute, peft_cfg.adapter_kernel)
@@ -86,6 +86,10 @@ def _candidates(model: nn.Module) -> tuple[dict[str, set[Target]], dict[str, str
     assert rules is not None
     for name, module in model.named_modules():
         experts = rules.is_grouped_experts(module)
+        unadaptable = rules.unadaptable_experts_reason(module)
+        if unadaptable is not None:
+            frozen[name] = unadaptable
+            continue
         if not (experts or isinstance(module, (nn.Linear, nn.Embedding, *rules.frozen_kinds))):
             continue
         reason = _frozen_reason(rules, name, module, mtp)
@@ -111,11 +115,21 @@ def _no_match_error(key: str, glob: str, candidates: dict[str, set[Target]], fro
     return ValueError(f"{key}: {glob!r} matches no module; {detail}")
 
 
-def select_targets(model: nn.Module, peft_cfg: PeftConfig) -> dict[str, tuple[str, ...] | None]:
-    """Module name -> None (a Linear) or the expert projections to adapt, in module order."""
+def target_globs(model: nn.Module, peft_cfg: PeftConfig) -> list[str]:
+    """`peft.target_modules`, or the family's default targets for `model` (plain, or as `apply_lora`
+    transformed it) when it is null."""
+    if peft_cfg.target_modules is not None:
+        return list(peft_cfg.target_modules)
+    return list(spec_of(model).lora.default_targets(model))
+
+
+def select_targets(model: nn.Module, peft_cfg: PeftConfig, globs: list[str] | None = None
+                   ) -> dict[str, tuple[str, ...] | None]:
+    """Module name -> None (a Linear) or the expert projections to adapt, in module order; `globs`:
+    the target globs (None: `target_globs` of the plain model)."""
     candidates, frozen = _candidates(model)
     selected: set[Target] = set()
-    for glob in peft_cfg.target_modules:
+    for glob in target_globs(model, peft_cfg) if globs is None else globs:
         hits = [t for name, targets in candidates.items() if fnmatchcase(name, glob) for t in targets]
         if not hits:
             raise _no_match_error("peft.target_modules", glob, candidates, frozen)
@@ -155,7 +169,10 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig, seed: int | None = None) 
     spec = lora_spec(peft_cfg)
     if lora_modules(model):
         raise ValueError("the model already carries LoRA adapters; apply_lora runs once per model")
-    targets = select_targets(model, peft_cfg)
+    globs = target_globs(model, peft_cfg)
+    targets = select_targets(model, peft_cfg, globs)
+    folds = spec_of(model).lora.folds_experts
+    _check_folded_dropout(targets, spec, folds)
     for param in model.parameters():
         param.requires_grad_(False)
     for name, projs in targets.items():
@@ -165,10 +182,23 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig, seed: int | None = None) 
         if projs is None:
             new = LoRALinear.from_linear(module, spec, init=False)
         else:
-            new = LoRAGroupedExperts.from_experts(module, spec, projs, init=False)
+            new = experts_lora_class(folds).from_experts(module, spec, projs, init=False)
         setattr(parent, child, new)
     if not any(p.is_meta for p in model.parameters()):
         reset_lora_parameters(model, seed)  # on meta: after materializing (load_sharded's caller)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable), trainable[:5]
-    return build_inventory(model)
+    inventory = build_inventory(model)
+    inventory.target_modules = globs  # the run's record: the globs actually used
+    inventory.exclude_modules = list(peft_cfg.exclude_modules)
+    return inventory
+
+
+def _check_folded_dropout(targets: dict[str, tuple[str, ...] | None], spec: LoraSpec, folds: bool) -> None:
+    """Experts whose adapters fold into their weights (`LoRAFoldedExperts`) see no adapter input to drop."""
+    experts = [name for name, projs in targets.items() if projs is not None]
+    if folds and experts and spec.dropout > 0:
+        raise ValueError(f"peft.dropout: {spec.dropout:g} cannot apply to {experts[0]}: this family's stacked "
+                         "experts take LoRA as an update of their weights (as PEFT's target_parameters do), which "
+                         "has no adapter input to drop out; set peft.dropout: 0 or exclude the experts "
+                         "(peft.exclude_modules)")

@@ -7,6 +7,8 @@ peft/ reaches a model family only through its spec (tests/test_layout.py): the p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from glmtune.models.common.model_spec import ModelSpec
@@ -22,15 +24,16 @@ def spec_of(model: nn.Module) -> ModelSpec:
                      f"({', '.join(SPECS)})")
 
 
-def hf_prefix(model: nn.Module):
-    """internal module name -> its name on disk (an MTP layer's modules: `model.layers.{L + j}`),
-    the family's state-dict adapter's."""
+def hf_prefix(model: nn.Module) -> Callable[[str], str]:
+    """internal module name -> its name in an adapter file (an MTP layer's modules: `model.layers.{L + j}`):
+    the family's LoRA hooks' (`adapter_names`), else its state-dict adapter's."""
     spec = spec_of(model)
-    return spec.state_dict_adapter(spec.args_of(model)).hf_prefix
+    names = spec.lora.adapter_names(model)
+    return names[0] if names is not None else spec.state_dict_adapter(spec.args_of(model)).hf_prefix
 
 
-def internal_prefix(model: nn.Module):
-    """name on disk -> the module's internal name (the inverse of `hf_prefix`), the family's
-    state-dict adapter's."""
+def internal_prefix(model: nn.Module) -> Callable[[str], str]:
+    """name in an adapter file -> the module's internal name (the inverse of `hf_prefix`)."""
     spec = spec_of(model)
-    return spec.state_dict_adapter(spec.args_of(model)).internal_prefix
+    names = spec.lora.adapter_names(model)
+    return names[1] if names is not None else spec.state_dict_adapter(spec.args_of(model)).internal_prefix

@@ -55,6 +55,10 @@ class LoraInventory:
     rank: int | None = None
     scaling: float | None = None
     num_adapted_modules: int = 0
+    # the `peft.target_modules` globs `apply_lora` used (the family's default when the recipe's are null)
+    # and `peft.exclude_modules`: the run's record of what was asked for (None: not set by `apply_lora`)
+    target_modules: list[str] | None = None
+    exclude_modules: list[str] | None = None
 
     @property
     def trainable(self) -> int:
@@ -71,12 +75,15 @@ class LoraInventory:
         return next(r for r in self.rows if r.group == group)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "method": self.method, "rank": self.rank, "scaling": self.scaling,
             "num_adapted_modules": self.num_adapted_modules, "trainable": self.trainable, "total": self.total,
             "groups": {r.group: {"trainable": r.trainable, "frozen": r.frozen, "targets": r.targets}
                        for r in self.rows},
         }
+        if self.target_modules is not None:
+            out["target_modules"], out["exclude_modules"] = self.target_modules, self.exclude_modules
+        return out
 
     def table(self) -> Table:
         title = "Trainable parameters"
@@ -97,11 +104,15 @@ class LoraInventory:
                           style=style)
         share = 100 * self.trainable / max(self.total, 1)
         table.caption = f"{self.trainable:,} of {self.total:,} parameters train ({share:.3f}%)"
+        if self.target_modules is not None:
+            table.caption += f"\npeft.target_modules: {', '.join(self.target_modules)}"
         return table
 
     def lines(self) -> list[str]:
         """The table as plain text lines (for log files)."""
         out = [f"trainable parameters: {self.trainable:,} of {self.total:,} ({self.method})"]
+        if self.target_modules is not None:
+            out.append(f"  peft.target_modules: {', '.join(self.target_modules)}")
         for row in self.rows:
             if row.total:
                 out.append(f"  {row.group:<15} trainable {row.trainable:>14,}  frozen {row.frozen:>16,}  "

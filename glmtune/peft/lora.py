@@ -21,7 +21,11 @@ per-expert (serving-engine) export writes that A for both gate_proj and up_proj.
 
 The expert adapters run as grouped GEMMs (`grouped_linear`) over the same
 expert-sorted tokens and offsets as the base experts: no Python loop over experts on
-the fast path, and an expert that receives no token gets no gradient.
+the fast path, and an expert that receives no token gets no gradient. Experts whose
+forward the family does not own (transformers' stacked experts, the hf family:
+`LoraRules.folds_experts`) take the same adapters as `LoRAFoldedExperts`: folded into
+the stacked weights their forward reads (W + s * B @ A per expert, as PEFT's
+`target_parameters` applies them), the same parameters and exports.
 
 s = alpha / r, or alpha / sqrt(r) with rsLoRA. A is kaiming-uniform (a = sqrt(5),
 i.e. U(-1/sqrt(in), 1/sqrt(in)), as PEFT initialises it) and B is zero, so a fresh
@@ -36,6 +40,7 @@ Legend: N routed (token, expert) pairs, D model dim, I expert width, E experts, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 from collections.abc import Iterator
@@ -192,7 +197,7 @@ class LoRAGroupedExperts(nn.Module):
     def from_experts(cls, experts: nn.Module, spec: LoraSpec, targets: tuple[str, ...],
                      init: bool = True) -> "LoRAGroupedExperts":
         assert targets and set(targets) <= set(EXPERT_PARAMS), targets
-        kind = _lora_class(type(experts))
+        kind = _lora_class(cls, type(experts))
         module = kind.__new__(kind)
         nn.Module.__init__(module)
         module.backend = experts.backend
@@ -200,25 +205,29 @@ class LoRAGroupedExperts(nn.Module):
         module.gate_up_proj = experts.gate_up_proj
         module.down_proj = experts.down_proj
         _share_fp8_scales(experts, module)
-        module.spec = spec
-        module.scaling = spec.scaling
-        module.targets = tuple(p for p in EXPERT_PARAMS if p in targets)
-        module.lora_dropout = _dropout(spec.dropout)
+        module._add_adapters(spec, targets, init)
+        return module
+
+    def _add_adapters(self, spec: LoraSpec, targets: tuple[str, ...], init: bool) -> None:
+        """The fp32 A [E, r, in] and B [E, out, r] of each targeted stacked projection (None for the others)."""
+        self.spec = spec
+        self.scaling = spec.scaling
+        self.targets = tuple(p for p in EXPERT_PARAMS if p in targets)
+        self.lora_dropout = _dropout(spec.dropout)
         for proj in EXPERT_PARAMS:
             a_name, b_name = f"lora_{_short(proj)}_A", f"lora_{_short(proj)}_B"
-            if proj not in module.targets:
-                module.register_parameter(a_name, None)
-                module.register_parameter(b_name, None)
+            if proj not in self.targets:
+                self.register_parameter(a_name, None)
+                self.register_parameter(b_name, None)
                 continue
-            base = getattr(module, proj)  # [E, out, in]
+            base = getattr(self, proj)  # [E, out, in]
             num_experts, out_dim, in_dim = base.shape
             a = torch.empty(num_experts, spec.rank, in_dim, device=base.device, dtype=torch.float32)
             b = torch.empty(num_experts, out_dim, spec.rank, device=base.device, dtype=torch.float32)
             if init and base.device.type != "meta":
                 init_pair(a, b)
-            module.register_parameter(a_name, nn.Parameter(a))
-            module.register_parameter(b_name, nn.Parameter(b))
-        return module
+            self.register_parameter(a_name, nn.Parameter(a))
+            self.register_parameter(b_name, nn.Parameter(b))
 
     def adapter(self, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A [E, r, in], B [E, out, r]) of `proj`, or None when it is not targeted."""
@@ -277,13 +286,85 @@ class LoRAGroupedExperts(nn.Module):
         return f"targets={self.targets}, rank={self.spec.rank}, scaling={self.scaling:g}"
 
 
+class LoRAFoldedExperts(LoRAGroupedExperts):
+    """Stacked experts whose forward is the family's own (transformers' experts: they take the
+    router's choice and read their stacked Parameters), with the adapters of `LoRAGroupedExperts`
+    folded into the weights that forward reads: per expert W + s * B[e] @ A[e], one `baddbmm` of
+    the base and the factors in the compute dtype, rounded to the base's dtype. This is the update
+    PEFT's `target_parameters` (lora.ParamWrapper) applies to transformers' stacked experts, so the
+    same export loads there with the same outputs. The fold has no adapter input, hence no dropout
+    (`apply_lora` refuses peft.dropout > 0 for such experts, as PEFT does)."""
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, spec: LoraSpec, targets: tuple[str, ...],
+                     init: bool = True) -> "LoRAFoldedExperts":
+        assert targets and set(targets) <= set(EXPERT_PARAMS), targets
+        kind = _lora_class(cls, type(experts))
+        module = _same_state(experts, kind)
+        module._add_adapters(spec, targets, init)
+        return module
+
+    def folded_weight(self, proj: str) -> torch.Tensor:
+        """The stacked `proj` [E, out, in] the experts' forward reads: base + s * B @ A per expert."""
+        a_ErX, b_EOr = self.adapter(proj)
+        base = getattr(self, proj)
+        dtype = self.spec.compute_dtype(base.dtype)
+        return torch.baddbmm(base.to(dtype), b_EOr.to(dtype), a_ErX.to(dtype), alpha=self.scaling).to(base.dtype)
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "adapter_off", False):  # `adapters_disabled`: the base experts alone
+            return self.base_kind.forward(self, *args, **kwargs)
+        folded = {proj: self.folded_weight(proj) for proj in self.targets}
+        saved = {proj: self._parameters[proj] for proj in folded}
+        # The experts' forward reads its Parameters by attribute: it sees the folded tensors for
+        # this call (autograd reaches the adapters through them), then the Parameters are back.
+        self._parameters.update(folded)
+        try:
+            return self.base_kind.forward(self, *args, **kwargs)
+        finally:
+            self._parameters.update(saved)
+
+    def base_module(self) -> nn.Module:
+        """The family's plain experts module over the same Parameters (the adapters dropped, not merged)."""
+        experts = _same_state(self, self.base_kind)
+        for name in [*self._parameters, "lora_dropout"]:
+            if name.startswith("lora_"):
+                delattr(experts, name)
+        for name in ("spec", "scaling", "targets", "adapter_off"):
+            experts.__dict__.pop(name, None)
+        return experts
+
+
+_MODULE_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _same_state(source: nn.Module, kind: type[nn.Module]) -> nn.Module:
+    """A `kind` module holding `source`'s attributes, Parameters, buffers and submodules (the same
+    objects, in containers of its own: what is registered on one later is not on the other), and
+    none of its hooks."""
+    module = kind.__new__(kind)
+    nn.Module.__init__(module)
+    internal = set(vars(module))
+    module.__dict__.update({k: v for k, v in vars(source).items() if k not in internal})
+    module.training = source.training
+    for name in _MODULE_STATE:
+        setattr(module, name, copy.copy(getattr(source, name)))
+    return module
+
+
 @functools.cache
-def _lora_class(experts_kind: type[nn.Module]) -> type[LoRAGroupedExperts]:
-    """`LoRAGroupedExperts` over a family's experts class: the adapters' forward first, then the
-    family's (its `project`, `reset_parameters`, `isinstance` checks)."""
+def _lora_class(lora_kind: type[LoRAGroupedExperts], experts_kind: type[nn.Module]) -> type[LoRAGroupedExperts]:
+    """`lora_kind` (`LoRAGroupedExperts` or `LoRAFoldedExperts`) over a family's experts class: the
+    adapters' forward first, then the family's (its `project`, `reset_parameters`, `isinstance` checks)."""
     assert not issubclass(experts_kind, LoRAGroupedExperts), "the experts already carry adapters"
-    return type(f"LoRA{experts_kind.__name__}", (LoRAGroupedExperts, experts_kind),
+    return type(f"LoRA{experts_kind.__name__}", (lora_kind, experts_kind),
                 {"base_kind": experts_kind, "__module__": LoRAGroupedExperts.__module__})
+
+
+def experts_lora_class(folds: bool) -> type[LoRAGroupedExperts]:
+    """The LoRA module of a family's stacked experts: folded into their weights (`LoraRules.folds_experts`)
+    or on the tokens routed to each expert."""
+    return LoRAFoldedExperts if folds else LoRAGroupedExperts
 
 
 def _share_fp8_scales(source: nn.Module, target: nn.Module) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from glmtune.config import JobConfig
 from glmtune.models.registry import model_args, model_spec
-from glmtune.peft import LoRAGroupedExperts, LoraInventory, apply_lora, build_inventory, lora_modules
+from glmtune.peft import LoRAGroupedExperts, LoraInventory, apply_lora, build_inventory, lora_modules, target_globs
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.train.precision import resolve_precision
@@ -67,7 +67,7 @@ def inventory_problems(model: nn.Module, inventory: LoraInventory, cfg: JobConfi
     if inventory.trainable == 0:
         problems.append("nothing trains: every parameter is frozen")
     if inventory.method == "lora":
-        evidence["targets"] = counts = target_counts(model, cfg.peft.target_modules)
+        evidence["targets"] = counts = target_counts(model, inventory.target_modules or target_globs(model, cfg.peft))
         for glob, count in counts.items():
             if count["trainable"] == 0:
                 problems.append(f"peft.target_modules {glob!r} selects {count['modules']} modules but none of "

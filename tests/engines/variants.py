@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 RECIPE = "recipes/tiny/lora_support_json.yaml"
-# The schema's default LoRA targets, read from the file: the engines venv does not have glmtune installed.
-_SCHEMA = Path(__file__).parents[2] / "glmtune" / "config" / "schema.py"
+# GLM-5's default LoRA targets, read from the file: the engines venv does not have glmtune installed.
+_SCHEMA = Path(__file__).parents[2] / "glmtune" / "models" / "glm5" / "lora_rules.py"
 DEFAULT_LORA_TARGETS = next(ast.literal_eval(n.value) for n in ast.parse(_SCHEMA.read_text()).body
                             if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "DEFAULT_LORA_TARGETS")
 

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from glmtune.config.schema import DEFAULT_LORA_TARGETS, PeftConfig
+from glmtune.config.schema import PeftConfig
+from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.fp8_base import Fp8Linear, convert_to_fp8_base

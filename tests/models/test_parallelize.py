@@ -59,7 +59,8 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 def test_selective_checkpointing_keeps_wide_lora_products(min_k):
     """The dense LoRA op (base GEMM + update) is a matmul to the policy: kept when its input
     is at least min_k wide, recomputed below; the gradients are those of the plain model."""
-    from glmtune.config.schema import DEFAULT_LORA_TARGETS, PeftConfig
+    from glmtune.config.schema import PeftConfig
+    from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
     from glmtune.peft import apply_lora
 
     args = get_preset("tiny").replace(index_topk=16)

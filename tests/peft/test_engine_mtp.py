@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from glmtune.cli import main
 from glmtune.config import ModelConfig, PeftConfig
-from glmtune.config.schema import DEFAULT_LORA_TARGETS
+from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.models.registry import model_args, model_spec
 from glmtune.peft import apply_lora
 from glmtune.peft.engines import adapter_traits

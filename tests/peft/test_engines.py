@@ -16,7 +16,7 @@ import torch
 
 from glmtune.cli import main
 from glmtune.config import ModelConfig, PeftConfig
-from glmtune.config.schema import DEFAULT_LORA_TARGETS
+from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.models.registry import model_args, model_spec
 from glmtune.peft import apply_lora
 from glmtune.peft.engines import ENGINES, SGLANG_TARGET_MODULES, adapter_traits, caveats, refusals, serve_command

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glmtune.cli import main
-from glmtune.config.schema import DEFAULT_LORA_TARGETS
+from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.param_groups import count_by_group
 from glmtune.peft import apply_lora, build_inventory, lora_modules
@@ -40,6 +40,19 @@ def test_default_targets_adapt_nvidia_set_and_freeze_the_rest():
     args = model.args
     per_layer = args.n_routed_experts * 4 * (2 * args.hidden_size + 3 * args.moe_intermediate_size)
     assert trainable["routed_experts"] == per_layer * args.mlp_layer_types.count("sparse")
+
+
+def test_unset_targets_are_the_familys_default_and_recorded(tiny):
+    """peft.target_modules null (the schema's default) means GLM-5's list, which the inventory (the
+    run's trainable.json) records; an explicit empty list is refused, not taken as the default."""
+    assert lora_cfg().target_modules is None
+    inventory = apply_lora(tiny, lora_cfg(exclude_modules=["model.layers.3.*.down_proj"]))
+    record = inventory.to_dict()
+    assert record["target_modules"] == list(DEFAULT_LORA_TARGETS)
+    assert record["exclude_modules"] == ["model.layers.3.*.down_proj"]
+    assert "peft.target_modules: *.self_attn.q_a_proj, " in "\n".join(inventory.lines())
+    with pytest.raises(ValueError, match="peft.target_modules is empty: nothing would train"):
+        apply_lora(build_model(get_preset("tiny"), seed=0), lora_cfg(target_modules=[]))
 
 
 def test_experts_shown_training_when_targeted_and_frozen_when_not(tiny):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.cli import main
-from glmtune.config.schema import DEFAULT_LORA_TARGETS
+from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.args import Glm5Args

@@ -70,8 +70,6 @@ LIMITS: tuple[SettingLimit, ...] = (
     ("model.indexer_backend", ("auto",), _GLM5_KERNEL),
     ("model.attention_score_buffer_mib", (1024,), _GLM5_KERNEL),
     ("peft.adapter_kernel", ("auto",), _GLM5_KERNEL),
-    ("peft.method", ("none",), "is not available for the hf family yet (its LoRA targets and stacked MoE experts "
-                               "are not covered); use full fine-tuning (peft.method: none)"),
 )
 
 HF_FAMILY = ModelFamily(

@@ -44,7 +44,6 @@ def test_every_limit_names_a_setting_and_honours_its_default():
     (["--model.attention_backend=triton"], "^model.attention_backend: triton chooses how GLM-5's modules compute"),
     (["--model.moe_backend=loop"], "^model.moe_backend: loop chooses how GLM-5's modules compute"),
     (["--peft.method=lora", "--peft.adapter_kernel=torch"], "peft.adapter_kernel: torch chooses how GLM-5's"),
-    (["--peft.method=lora"], r"^peft.method: lora is not available for the hf family yet .*\(peft.method: none\)$"),
 ])
 def test_settings_the_family_would_ignore_are_refused_by_key(qwen3_dir, options, message):
     with pytest.raises(ValueError, match=message):
