@@ -5,7 +5,7 @@ Below the model families: distributed/ imports io/, kernels/, config/ and models
 only, never a model family. It works on interfaces a model implements, all in
 models/common/: the routed-experts layer (`token_dispatch`: `dispatcher`, `experts`,
 `num_experts`), the sequence shard (`sequence_shard`: a `sequence_shard` attribute), and
-the pipeline stage (documented in `pipeline`, fed `microbatch_facts.MicrobatchFacts`). A
+the pipeline stage (documented in `pipeline`, fed `microbatch.StageMicrobatch`). A
 family's parallelization plan (`models/<family>/parallelize.py`) is where the family
 meets this machinery.
 

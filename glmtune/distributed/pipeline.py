@@ -6,33 +6,31 @@ The model family's plan splits the model into stage modules (GLM-5's:
 then wraps each stage in a `torch.distributed.pipelining.PipelineStage` on the pp group
 and runs the configured schedule:
 
-    loss_sum = pipeline.train_step(batch, loss_scale)   # forward + backward of one micro batch
-    loss_sum, count = pipeline.evaluate(batch)           # forward only (validation)
+    loss_sum, count = pipeline.train_step(mb)    # forward + backward of one micro batch
+    loss_sum, count = pipeline.evaluate(mb)      # forward only (validation)
 
-Another objective than next-token (preference pairs) passes `token_losses`, one callable per
-pipeline microbatch (`row_slices`: whole rows of the micro batch, in order): the last stage
-gives it the microbatch's targets' log-probabilities and returns what it returns as the loss sum.
+`mb` is the trainer's `MicroBatch` (`glmtune/models/common/microbatch.py`) of host tensors: the
+pipeline cuts it into its microbatches (`row_slices`: whole rows, in order), each with its own
+host facts, moves them to this rank's device and queues them for every stage of the rank, which
+reads them in order (every schedule runs a stage's forwards in microbatch order); only the token
+ids go through the schedule, to the first stage. This module is driven by the model family's
+step runner (`glmtune/models/common/step_runner_pipelined.py`).
 
-A multi-token-prediction loss (`mtp_loss_weight` > 0: stages built to run it) rides on the
-next-token one: the batch's `mtp_targets` reach every stage as a keyword, each microbatch's
-facts carry its MTP targets on this rank and the factor its sum is differentiated with
-(weight / `mtp_total`, the step's MTP targets over every rank, as in one process), and the
-last stage reports (sum, count) in its `statistics`, which `take_statistics` sums:
+Another objective than next-token (preference pairs) passes a `token_loss`: the last stage calls it
+with each microbatch's rows and their targets' log-probabilities and returns what it returns as the
+loss sum.
 
-    loss_sum = pipeline.train_step(batch, loss_scale, mtp_total=n)
+Auxiliary losses (a multi-token-prediction loss on the last stage, an indexer KL every stage
+computes over its own layers: stages built to run them) are sized by the micro batch's `aux`
+(`models/common/aux_loss.AuxiliaryScales`: the step's totals over every rank, the one-process
+factors); the stages add their (sum, count) pairs to their `statistics`, which `take_statistics`
+sums over this rank's stages (summed over the ranks, they are one process's):
+
+    loss_sum, count = pipeline.train_step(mb)
     stats = pipeline.take_statistics()                     # {"mtp_loss": tensor([sum, count])}
 
-An auxiliary loss every stage computes over its own layers (GLM-5's indexer KL,
-`indexer_loss_weight` > 0: stages built to run it) is differentiated with weight / (`query_total`,
-the step's non-padding queries over every rank, x `indexer_kl_layers`, the model's layers that
-compute it), the one-process factor, carried by each microbatch's facts; every stage adds its
-layers' (sum, count) to its `statistics`, and `take_statistics` sums those of this rank's stages
-(summed over the ranks, they are one process's):
-
-    loss_sum = pipeline.train_step(batch, loss_scale, query_total=n)
-
 Loss: the last stage computes each microbatch's summed token loss and multiplies it
-by `loss_scale` (1 / the step's supervised tokens over every rank): the schedule's
+by the micro batch's `loss_scale` (1 / the step's supervised tokens over every rank): the schedule's
 backward starts there, so gradients add up over microbatches, micro batches and ranks
 exactly as in one process (schedules built with `scale_grads=False`). The loss sums
 a rank reports are its own last stages' (0 elsewhere): summed over all ranks they are
@@ -70,9 +68,10 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
     backward_twice        set here: True under a zero-bubble schedule, whose backward runs twice per
                           microbatch (input gradients, then weight gradients): a function that
                           forms its gradients at once keeps them for the second call
-    microbatch_facts      list of `MicrobatchFacts` (`glmtune/models/common/microbatch_facts.py`),
-                          queued here one per microbatch, consumed in order by the forward
-                          (with `token_loss`, the last stage's loss of that microbatch)
+    microbatches          list of `StageMicrobatch` (`glmtune/models/common/microbatch.py`): each
+                          microbatch's rows on the device with their host facts (and the
+                          `token_loss`, the last stage's loss of them), queued here one per
+                          microbatch, consumed in order by the forward
     loss_sums             list of tensors: the last stage appends each microbatch's unscaled
                           loss sum; read and cleared here
     statistic_names       the auxiliary losses the stages report (the same names on every
@@ -82,9 +81,9 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
                           microbatch's; read and cleared here
     local_tokens(t_BT)    this rank's queries of a per-token tensor of the full rows ([B, T, ...]
                           -> [B, S, ...]; itself without context parallelism)
-    forward(x, *activations, position_ids, document_ids, targets[, mtp_targets])
-                          x: ids or hidden states, then the other activations; the keywords
-                          are [mb, T] tensors of the rows (`mtp_targets` with an MTP loss)
+    forward(x, *activations)
+                          x: ids or hidden states, then the other activations; the rest of the
+                          microbatch (positions, documents, targets) is its queued rows
 
 Legend: mb rows of a microbatch, S this rank's queries of a row, T tokens of a row, D model dim.
 """
@@ -98,7 +97,7 @@ import torch.distributed as dist
 from torch import nn
 
 from glmtune.distributed.pipeline_plan import stage_ids_for_rank
-from glmtune.models.common.microbatch_facts import MicrobatchFacts
+from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 
 
 def _identity_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -128,30 +127,23 @@ class Pipeline:
             queries per row (seq_len, or its slice under context parallelism).
         hidden_size, dtype: the activations' width and dtype.
         carry_group: a second group of the same pp ranks, for the carried top-k selections.
-        mtp_loss_weight: the multi-token-prediction loss's weight (0: none), for stages built to
-            run it (module docstring).
-        indexer_loss_weight: the per-layer auxiliary loss's weight (0: none), for stages built to run
-            it; indexer_kl_layers: the layers computing it over the whole model (module docstring).
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
-                 dtype: torch.dtype, carry_group=None, mtp_loss_weight: float = 0.0,
-                 indexer_loss_weight: float = 0.0, indexer_kl_layers: int = 0) -> None:
+                 dtype: torch.dtype, carry_group=None) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         assert micro_batch % microbatches == 0, (micro_batch, microbatches)
         self.stages, self.stage_ids, self.num_stages = stages, stage_ids, num_stages
         self.group, self.device, self.microbatches = group, device, microbatches
+        self.micro_batch = micro_batch  # rows: every micro batch has as many (the stages' shapes are fixed)
         rows = micro_batch // microbatches
         meta = torch.device("meta")
         # requires_grad: a stage sends its input's gradient back only for inputs that require it
         activations = tuple(torch.empty(rows, queries, hidden_size, dtype=dtype, device=meta, requires_grad=True)
                             for _ in range(stages[0].num_activations))
-        self.mtp_loss_weight = mtp_loss_weight
-        self.indexer_loss_weight, self.indexer_kl_layers = indexer_loss_weight, indexer_kl_layers
-        assert not indexer_loss_weight or indexer_kl_layers > 0, "an indexer loss needs its layer count"
         self.pipeline_stages, self.input_metas = [], []
         self.schedule_name = schedule
         self._carry_shape = (rows, queries, seq_len)
@@ -211,7 +203,7 @@ class Pipeline:
             work.wait()
         self._pending = []
 
-    # -- host facts -------------------------------------------------------------------------
+    # -- the microbatches ------------------------------------------------------------------
     def row_slices(self, num_rows: int) -> list[slice]:
         """The rows of each pipeline microbatch of a micro batch of `num_rows` rows: whole rows,
         in order (what a row holds, e.g. a preference pair, never splits across microbatches)."""
@@ -219,65 +211,42 @@ class Pipeline:
         rows = num_rows // self.microbatches
         return [slice(m * rows, (m + 1) * rows) for m in range(self.microbatches)]
 
-    def _queue_facts(self, batch: dict[str, Any], loss_scale: float | None, local,
-                     token_losses: list | None = None, mtp_grad_scale: float | None = None,
-                     indexer_grad_scale: float | None = None) -> None:
-        """Each stage's per-microbatch host facts, from the host copies of the ids."""
-        facts = []
-        for m, part in enumerate(self.row_slices(batch["input_ids"].shape[0])):
-            supervised = int((local(batch["targets"][part]) != -100).sum())
-            mtp_supervised = int((local(batch["mtp_targets"][part]) != -100).sum()) if self.mtp_loss_weight else None
-            facts.append(MicrobatchFacts.of_rows(batch["document_ids"][part], supervised, loss_scale,
-                                                 token_losses[m] if token_losses is not None else None,
-                                                 mtp_supervised, mtp_grad_scale, indexer_grad_scale))
+    def _queue(self, mb: MicroBatch, token_loss=None) -> list[MicroBatch]:
+        """Each pipeline microbatch's rows (host facts counted from the host tensors, then moved to
+        this rank's device), queued for every stage of this rank; the rows, in order."""
+        local = self.stages[0].local_tokens
+        parts = [mb.rows(part, local).to(self.device) for part in self.row_slices(mb.input_ids.shape[0])]
         for stage in self.stages:
-            stage.microbatch_facts = list(facts)
+            stage.microbatches = [StageMicrobatch(rows, token_loss) for rows in parts]
             stage.loss_sums = []
             stage.statistics = {}
-
-    def _device_kwargs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        keys = ("position_ids", "document_ids", "targets", *(("mtp_targets",) if self.mtp_loss_weight else ()))
-        return {key: batch[key].to(self.device, non_blocking=True) for key in keys}
-
-    def _local(self):
-        return self.stages[0].local_tokens
+        return parts
 
     # -- steps ------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, Any], loss_scale: float, token_losses: list | None = None,
-                   mtp_total: int | None = None, query_total: int | None = None) -> torch.Tensor:
-        """Forward and backward of one micro batch (host tensors); this rank's summed token loss
-        (or the sum of `token_losses`' results: module docstring). `mtp_total`: the step's MTP
-        targets over every rank, with an MTP loss; `query_total`: the step's non-padding queries
-        over every rank, with an indexer loss."""
-        mtp_grad_scale = indexer_grad_scale = None
-        if self.mtp_loss_weight:
-            assert mtp_total is not None, "an MTP loss needs the step's MTP targets (mtp_total)"
-            mtp_grad_scale = self.mtp_loss_weight / max(mtp_total, 1)
-        if self.indexer_loss_weight:  # as one process: weight / (queries x KL layers)
-            assert query_total is not None, "an indexer loss needs the step's queries (query_total)"
-            indexer_grad_scale = self.indexer_loss_weight / max(query_total * self.indexer_kl_layers, 1)
-        self._queue_facts(batch, loss_scale, self._local(), token_losses, mtp_grad_scale, indexer_grad_scale)
-        kwargs = self._device_kwargs(batch)
-        args = (batch["input_ids"].to(self.device, non_blocking=True),) if self.has_first else ()
-        # The loss needs no target of the schedule's (the last stage has the targets as a keyword
-        # argument); the schedule still splits one per microbatch.
-        target = torch.zeros(batch["input_ids"].shape[0], device=self.device) if self.has_last else None
-        self.schedule.step(*args, target=target, **kwargs)
+    def train_step(self, mb: MicroBatch, token_loss=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro batch (`MicroBatch` of host tensors; its `loss_scale` the
+        last stage's factor, its `aux` the auxiliary losses'): (this rank's summed token loss, or the
+        sum of `token_loss`'s results (module docstring); its supervised tokens; 0 without the last stage)."""
+        parts = self._queue(mb, token_loss)
+        count = sum(rows.num_supervised for rows in parts) if self.has_last else 0
+        args = (mb.input_ids.to(self.device, non_blocking=True),) if self.has_first else ()
+        # The loss needs no target of the schedule's (the last stage has the targets in its queued
+        # microbatch); the schedule still splits one per microbatch.
+        target = torch.zeros(mb.input_ids.shape[0], device=self.device) if self.has_last else None
+        self.schedule.step(*args, target=target)
         self._complete_sends()
-        return self._loss_sum()
+        return self._loss_sum(), torch.tensor(count, dtype=torch.int64, device=self.device)
 
     @torch.no_grad()
-    def evaluate(self, batch: dict[str, Any], token_losses: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, mb: MicroBatch, token_loss=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only: (this rank's summed token loss, its supervised tokens; 0 without the last stage);
-        with `token_losses`, the sum of their results as the loss (module docstring)."""
-        local = self._local()
-        self._queue_facts(batch, None, local, token_losses)
-        kwargs = self._device_kwargs(batch)
+        with `token_loss`, the sum of its results as the loss (module docstring)."""
+        local = self.stages[0].local_tokens
+        parts = self._queue(mb, token_loss)
         pp_rank = dist.get_rank(self.group)
         owner = self.owner
         count = torch.zeros((), dtype=torch.int64, device=self.device)
-        for part in self.row_slices(batch["input_ids"].shape[0]):
-            mb_kwargs = {k: v[part] for k, v in kwargs.items()}
+        for part, rows in zip(self.row_slices(mb.input_ids.shape[0]), parts):
             carried: tuple = ()
             for index in range(self.num_stages):
                 if owner[index] != pp_rank:
@@ -285,14 +254,14 @@ class Pipeline:
                 position = self.stage_ids.index(index)
                 stage = self.stages[position]
                 if stage.is_first:
-                    inputs = (batch["input_ids"][part].to(self.device),)
+                    inputs = (mb.input_ids[part].to(self.device),)
                 elif owner[index - 1] == pp_rank:
                     inputs = carried
                 else:
                     inputs = tuple(self._recv_like(t, owner[index - 1]) for t in self.input_metas[position])
-                out = stage(*inputs, **mb_kwargs)
+                out = stage(*inputs)
                 if stage.is_last:
-                    count += (local(mb_kwargs["targets"]) != -100).sum()
+                    count += (local(rows.targets) != -100).sum()
                     continue
                 carried = out if isinstance(out, tuple) else (out,)
                 if owner[index + 1] != pp_rank:

@@ -30,6 +30,7 @@ from glmtune.eval.general_text import general_text_loss
 from glmtune.eval.serving import row_serving_sums
 from glmtune.eval.tool_calls import ParsedCall
 from glmtune.generation import generate
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import ModelSpec
 
 
@@ -138,16 +139,23 @@ class LocalModel:
         # Sharded: every rank computes every row's loss in step (a forward is collective), so each
         # holds the one process's value without exchanging it.
         assert self.spec is not None, "the reference loss needs the family's spec (Placement.load)"
-        return row_loss(self.net, self.spec.loss, row, prompting)
+        return row_loss(self.net, self._runner_loss, row, prompting)
 
     def text_loss(self, windows: list[list[int]]) -> tuple[float, int]:
         assert self.spec is not None, "the general text loss needs the family's spec (Placement.load)"
-        return general_text_loss(self.net, self.spec.loss, windows)
+        return general_text_loss(self.net, self._runner_loss, windows)
 
     def pair_logps(self, row, prompting) -> PairLogps:
         # Sharded: as reference_loss, every rank scores every pair in step.
         assert self.spec is not None, "a preference set needs the family's token_logps (Placement.load)"
-        return local_pair_logps(self.net, self.spec.token_logps, row, prompting)
+        return local_pair_logps(self.net, self._runner_token_logps, row, prompting)
+
+    # The teacher-forced micro-batches run through the model family's step runner, as training's do.
+    def _runner_loss(self, net, mb: MicroBatch) -> tuple:
+        return self.spec.step_runner(net).evaluate(mb)
+
+    def _runner_token_logps(self, net, mb: MicroBatch):
+        return self.spec.step_runner(net).token_logps(mb)
 
     def serving_sums(self, row, prompting) -> dict[str, tuple[float, float]]:
         # Sharded: as reference_loss, every rank runs every row in step.

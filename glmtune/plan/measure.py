@@ -249,7 +249,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq,
                              launch.spec.flops_per_token(launch.spec.args_of(model), [seq]), None, None)
     trainer = _trainer(cfg, launch, model, mesh, hooks, warmup + steps)
-    probe = _PhaseProbe(model, device, trainer.pipeline)
+    probe = _PhaseProbe(model, device, trainer.runner)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     axes = _group_axes(mesh)
@@ -280,21 +280,20 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
 class _PhaseProbe:
     """Memory allocated at the start of each of the plan's phases (see `RankMeasurement`)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, pipeline) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, runner) -> None:
         self.on = device.type == "cuda"
         self.seen: dict[str, int] = {}
         self.recording = False
-        roots = [model] + ([stage for stage in pipeline.stages] if pipeline is not None else [])
         layers = {}
-        for root in roots:
+        for root in runner.roots:  # the model, and a pipeline's stages
             for name, module in root.named_modules():
                 found = re.search(r"(?:^|\.)layers\.(\d+)$", name)
                 if found:
                     layers[int(found.group(1))] = module
         for index, module in layers.items():
             module.register_full_backward_pre_hook(lambda m, grad, i=index: self.note(f"layer {i} backward"))
-        if pipeline is None:
-            model.register_forward_hook(lambda m, a, out: self.note("forward end"))
+        # the whole model's forward (a pipeline's stages run their layers without it: never noted)
+        model.register_forward_hook(lambda m, a, out: self.note("forward end"))
 
     def note(self, phase: str) -> None:
         if self.on and self.recording:
@@ -313,8 +312,8 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
     rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, cfg.data.packed_sequence_size, vocab,
                           cfg.train.seed, documents=2 if cfg.train.objective == "dpo" else 1)
     loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
-    loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
-    return Trainer(model, optimizer, scheduler, loss_fn, loader, None, None, None, settings)
+    settings = objective(cfg, trainer_settings(cfg, launch, model, mesh, hooks))
+    return Trainer(model, optimizer, scheduler, launch.spec.step_runner(model), loader, None, None, None, settings)
 
 
 def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from glmtune.distributed.launch import check_launch
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.registry import model_dims
 from glmtune.preflight.context import Preflight
@@ -40,8 +41,7 @@ def tolerance(pf: Preflight) -> tuple[float, str]:
 
 @torch.no_grad()
 def row_loss(spec: ModelSpec, model: torch.nn.Module, row: dict, device: torch.device) -> float:
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate([row]).items()}
-    loss_sum, count = spec.loss(model, batch)
+    loss_sum, count, _ = spec.step_runner(model).evaluate(MicroBatch.of_batch(collate([row])))
     return (loss_sum / count).item()
 
 

@@ -14,10 +14,12 @@ import torch
 
 from glmtune.data.packing import next_token_targets, second_next_targets
 from glmtune.models.common.document_masks import longest_document, single_document_rows
+from glmtune.models.common.microbatch import REFERENCE_LOGPS
 
 # A preference run's reference log-probabilities (reference_logps.py): per supervised target in a
-# packed row, [B, T] fp32 beside `targets` in a batch (preference.py reads it there).
-REFERENCE_CACHE = "ref_token_logps"
+# packed row, [B, T] fp32 beside `targets` in a batch (`MicroBatch.ref_token_logps`, which
+# preference.py reads).
+REFERENCE_CACHE = REFERENCE_LOGPS
 
 
 def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:

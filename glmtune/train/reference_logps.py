@@ -25,18 +25,16 @@ or whose shapes do not match the rows, is refused in one sentence naming it, nev
 The rows are split over the data-parallel ranks (row i on rank i mod dp); each rank scores its
 rows (every rank runs the same number of forwards: FSDP2 and EP gather inside them), and one
 all-reduce of the flat values over the data-parallel group gives every rank all of them.
-Context parallelism: the cp ranks of one dp index score the same rows, each forward giving its
-slice of each row's queries, gathered into whole rows with the model's sequence shard (as the
-objective does, `preference.full_rows`); they hold the same values, so nothing is reduced over cp.
-Pipeline parallelism: the rows go through the pipeline, forward only (`Pipeline.evaluate` with a
-`token_losses` closure per pipeline microbatch, which keeps the last stage's log-probabilities);
-only the last stage's rank has them, so one all-reduce over the pp group (zeros elsewhere) comes
-before the one over dp.
+The model family's step runner scores them (`StepRunner.token_logps`, whole rows). Context
+parallelism: the cp ranks of one dp index score the same rows, each forward giving its slice of
+each row's queries, gathered into whole rows with the model's sequence shard; they hold the same
+values, so nothing is reduced over cp. Pipeline parallelism: the rows go through the pipeline,
+forward only; only the last stage's rank has their values, so one all-reduce over the runner's
+`scores_group` (the pp ranks; zeros elsewhere) comes before the one over dp.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -55,8 +53,9 @@ from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.data.packing import next_token_targets
 from glmtune.data.token_cache import default_cache_dir
 from glmtune.distributed.fsdp_state import release_gathered
+from glmtune.models.common.microbatch import MicroBatch
+from glmtune.models.common.step_runner import StepRunner
 from glmtune.train.data_loader import REFERENCE_CACHE, collate
-from glmtune.train.preference import full_rows, sequence_shard_of
 
 CACHE_VERSION = 3  # 2: an HF directory's identity samples its weights' content; 3: their inodes and ctimes
 SAMPLE_BYTES = 64  # per tensor, at its start and in its middle
@@ -120,50 +119,19 @@ def _supervised_counts(rows: list[dict[str, Any]]) -> list[int]:
     return [sum(t != -100 for t in next_token_targets(row["labels"])) for row in rows]
 
 
-def _model_scores(model, token_logps, batch: dict[str, Any], device) -> torch.Tensor:
-    """[B, T]: the batch's targets' log-probabilities, whole rows (this cp rank's slice gathered;
-    its supervised targets counted on the host, as the trainer does)."""
-    shard = sequence_shard_of(model)
-    if shard is not None:
-        batch = dict(batch, num_supervised=int((shard.local(batch["targets"]) != -100).sum()))
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return full_rows(token_logps(model, batch).float(), shard)
-
-
-def _pipeline_scores(pipeline, batch: dict[str, Any]) -> torch.Tensor | None:
-    """[B, T] on the rank holding the last stage (None elsewhere): one forward-only pass of the
-    rows through `pipeline`, every pp rank taking part; each pipeline microbatch's [mb, S]
-    log-probabilities gathered into whole rows."""
-    parts = pipeline.row_slices(batch["input_ids"].shape[0])  # host tensors: the pipeline moves them
-    shard = sequence_shard_of(pipeline.stages[0])
-    scores: list = [None] * len(parts)
-
-    def keep(m: int, token_logps_BS: torch.Tensor) -> torch.Tensor:
-        scores[m] = full_rows(token_logps_BS.float(), shard)
-        return token_logps_BS.new_zeros(())
-
-    pipeline.evaluate(batch, token_losses=[functools.partial(keep, m) for m in range(len(parts))])
-    return torch.cat(scores) if pipeline.has_last else None
-
-
-def _score_rows(model, token_logps, rows, micro_batch: int, device, rank: int, world: int,
-                pipeline=None) -> list[torch.Tensor | None]:
+def _score_rows(runner: StepRunner, rows, micro_batch: int, rank: int, world: int) -> list[torch.Tensor | None]:
     """This rank's rows (i mod world == rank) scored in micro-batches: each one's supervised targets'
     log-probabilities (None for rows not scored here, and everywhere on a pp rank without the last
     stage). Every rank runs the same forwards: the same number of micro-batches (a short rank
-    repeats a batch), cp ranks of one dp index the same rows; through a pipeline every micro-batch
-    has its `micro_batch` rows (repeated rows fill a short one: the stages' shapes are fixed)."""
+    repeats a batch), cp ranks of one dp index the same rows."""
     mine = list(range(rank, len(rows), world))
     steps = math.ceil(math.ceil(len(rows) / world) / micro_batch)
     scored: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for step in range(steps):
             indices = mine[step * micro_batch:(step + 1) * micro_batch] or mine[:micro_batch] or [0]
-            if pipeline is not None:
-                indices = (indices * micro_batch)[:micro_batch]
             batch = collate([rows[i] for i in indices])
-            logps_BT = _pipeline_scores(pipeline, batch) if pipeline is not None \
-                else _model_scores(model, token_logps, batch, device)
+            logps_BT = runner.token_logps(MicroBatch.of_batch(batch, runner.local_tokens))
             if logps_BT is None:
                 continue
             for b, i in enumerate(indices):
@@ -179,29 +147,30 @@ def _all_reduce(flat: torch.Tensor, device, group) -> torch.Tensor:
     return flat_dev.cpu()
 
 
-def compute(model, token_logps, rows, micro_batch: int, device, group=None, pipeline=None) -> list[torch.Tensor]:
+def compute(runner: StepRunner, rows, micro_batch: int, group=None) -> list[torch.Tensor]:
     """Every row's reference log-probabilities on every rank of `group` (the data-parallel ranks),
-    and under pipeline parallelism (`pipeline`: the `Pipeline` that the model family's
-    `spec.pipeline` returns) on every pp rank too (module docstring)."""
+    and on every rank of the runner's `scores_group` (a pipeline's ranks) too (module docstring).
+    `runner`: the model family's step runner of the starting model."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-    was_training = model.training
-    model.eval()
-    mine = _score_rows(model, token_logps, rows, micro_batch, device, rank, world, pipeline)
-    model.train(was_training)
-    # FSDP2 keeps a root unit's gathered weights after a forward: the optimizer, built next, must see the shards.
-    for module in [model, *(pipeline.stages if pipeline is not None else ())]:
-        release_gathered(module)
+    was_training = [root.training for root in runner.roots]
+    for root in runner.roots:
+        root.eval()
+    mine = _score_rows(runner, rows, micro_batch, rank, world)
+    for root, training in zip(runner.roots, was_training):
+        root.train(training)
+        # FSDP2 keeps a root unit's gathered weights after a forward: the optimizer, built next, must see the shards.
+        release_gathered(root)
     counts = _supervised_counts(rows)
     flat = torch.zeros(sum(counts), dtype=torch.float32)
     offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
     for i, values in enumerate(mine):
         if values is not None:
             flat[offsets[i]:offsets[i + 1]] = values
-    if pipeline is not None:  # the last stage's values, zeros on the other pp ranks
-        flat = _all_reduce(flat, device, pipeline.group)
+    if runner.scores_group is not None:  # the last stage's values, zeros on the other pp ranks
+        flat = _all_reduce(flat, runner.device, runner.scores_group)
     if distributed and world > 1:  # disjoint rows: the sum is every rank's values
-        flat = _all_reduce(flat, device, group)
+        flat = _all_reduce(flat, runner.device, group)
     return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(len(rows))]
 
 

@@ -9,8 +9,8 @@ typed objects the steps before it made:
   3. build_model           on the meta device under torchrun for an HF checkpoint (each rank
                            reads only its shards after step 5); a preset's base written; LoRA
   4. prepare_run_data      contract check before anything trains, split, tokenize, pack
-  5. lay_out_and_load      the mesh, parallelize (PP -> EP -> CP -> AC -> compile -> FSDP2),
-                           the sharded load; "before" samples
+  5. lay_out_and_load      the mesh, parallelize (PP -> EP -> CP -> AC -> compile -> FSDP2) into
+                           the model family's step runner, the sharded load; "before" samples
   6. build_trainer         optimizer, schedule, loaders, checkpoints, disk space, metrics; resume
   7. train                 the trainer's loop
   8. finish                "after" samples, the LoRA adapters or the HF export
@@ -58,6 +58,7 @@ from glmtune.kernels.fp8_blocks import is_fp8
 from glmtune.kernels.lowrank_add import resolve_backend
 from glmtune.models.common.aux_loss import AuxiliaryLosses
 from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.common.step_runner import StepRunner
 from glmtune.models.registry import hf_dir_identity, is_preset, model_spec
 from glmtune.peft import apply_lora, build_inventory, export_run_adapters, print_inventory
 from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
@@ -65,7 +66,7 @@ from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
-from glmtune.train.preference import PreferenceObjective, documents_per_row, pair_counts, preference_summary
+from glmtune.train.preference import PreferenceObjective, pair_counts, preference_summary
 from glmtune.train.precision import Precision, bf16_only_warning, bf16_rounded_away, resolve_precision
 from glmtune.train.model_source import build_model_from_config, tokenizer_dir_for
 from glmtune.train import reference_logps
@@ -188,9 +189,9 @@ def run_training(cfg: JobConfig, overwrite: bool = False, hooks: RunHooks | None
         data = prepare_run_data(cfg, launch, built, console)
         raise_if_interrupted()
         laid_out = lay_out_and_load(cfg, launch, built, data, console)
-        attach_reference(cfg, launch, built, data, laid_out.mesh, console)
+        attach_reference(cfg, launch, built, data, laid_out, console)
         raise_if_interrupted()
-        trainer = build_trainer(cfg, launch, built, data, laid_out.mesh, claim, console, hooks)
+        trainer = build_trainer(cfg, launch, built, data, laid_out, claim, console, hooks)
         result = train(trainer, console)
         if result is None or result.interrupted:
             return 3 if result is None else 130
@@ -342,9 +343,10 @@ def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console:
 
 @dataclass
 class LaidOut:
-    """Step 5's answer: the run's mesh, and the held-out prompts answered before training."""
+    """Step 5's answer: the run's mesh and step runner, and the held-out prompts answered before training."""
 
     mesh: ParallelMesh | None  # None in one process without a process group
+    runner: StepRunner  # what runs micro-batches through the parallelized model (the family's)
     tokenizer: Any
     template: str
     prompts: list
@@ -378,8 +380,8 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     p = cfg.parallel
     spec = launch.spec
     pipeline = pipeline_options(cfg, launch)
-    spec.parallelize(model, mesh, p, pipeline=pipeline)
-    if spec.pipeline(model) is not None and info.is_main:
+    runner = spec.parallelize(model, mesh, p, pipeline=pipeline)
+    if degrees.pp > 1 and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "
                       f"{describe_split(spec.layers_per_stage(model))} layers, {p.pp_schedule}, "
                       f"{pipeline.microbatches} microbatches per micro batch")
@@ -390,11 +392,11 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
         if info.is_main:
             console.print(f"loaded {built.model_dir}, rank 0: {stats.describe()}")
         before = run_samples(model, tokenizer, template, prompts) if prompts else []  # every rank: sharded
-    return LaidOut(mesh, tokenizer, template, prompts, before)
+    return LaidOut(mesh, runner, tokenizer, template, prompts, before)
 
 
-def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData,
-                     mesh: ParallelMesh | None, console: Console) -> None:
+def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, laid_out: LaidOut,
+                     console: Console) -> None:
     """A full fine-tuning preference run's reference: the starting weights' log-probabilities of every
     row, read from the cache or computed now, before a resume loads a checkpoint (reference_logps.py)."""
     if not (cfg.train.objective == "dpo" and cfg.dpo.reference == "model" and cfg.peft.method == "none"):
@@ -419,10 +421,9 @@ def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
                 f"sampled content, the model settings, the rows): {path}")
     else:
         start = time.perf_counter()
-        score = functools.partial(cache.compute, built.model, launch.spec.token_logps, device=launch.device,
-                                  micro_batch=cfg.train.micro_batch_size,
-                                  group=mesh.group("dp") if mesh is not None else None,
-                                  pipeline=launch.spec.pipeline(built.model))  # under pp: through the stages
+        mesh = laid_out.mesh
+        score = functools.partial(cache.compute, laid_out.runner, micro_batch=cfg.train.micro_batch_size,
+                                  group=mesh.group("dp") if mesh is not None else None)
         train_values, val_values = score(train_rows), score(val_rows)
         if launch.info.is_main:
             cache.save(path, train_values, val_values, {"rows": len(train_rows) + len(val_rows)})
@@ -459,50 +460,36 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
         stop_file=launch.run_dir / STOP_FILE,
         row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
         pp_group=mesh.group("pp") if degrees.pp > 1 else None,
-        local_targets=spec.local_tokens(model) if degrees.cp > 1 else None,
         step_flops=functools.partial(step_model_flops, spec, spec.args_of(model)),
-        moe_layers=spec.moe_layers(model), pipeline=spec.pipeline(model),
+        moe_layers=spec.moe_layers(model),
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
         on_gradients=hooks.on_gradients,
         on_optimizer_step=hooks.on_optimizer_step,
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class IndexerWarmup:
-    """`train.indexer_warmup_steps`: marks the batches of the first N optimizer steps for the indexer
-    warm-up (dense attention, only the indexers train: the model family's loss reads
-    `indexer_warmup`). `step` is the trainer's steps done (restored on resume), so validation
-    after step k runs as step k + 1 will."""
-
-    steps: int
-
-    def __call__(self, batch: dict[str, Any], step: int) -> dict[str, Any]:
-        return {"indexer_warmup": step < self.steps}
-
-
-def objective(cfg: JobConfig, spec: ModelSpec, settings: TrainerSettings) -> tuple[Any, TrainerSettings]:
-    """The loss function of `train.objective` and the trainer settings it needs: SFT's next-token
-    loss, or the preference objective (pairs as its unit, its statistics logged as dpo/...)."""
+def objective(cfg: JobConfig, settings: TrainerSettings) -> TrainerSettings:
+    """The trainer settings of `train.objective`: SFT's next-token loss (the model family's), its
+    auxiliary losses and indexer warm-up, or the preference objective (its loss of the rows, pairs as
+    its unit, its statistics logged as dpo/...)."""
     if cfg.train.objective == "sft":
         t = cfg.train
         if t.mtp_loss_weight == 0 and t.indexer_loss_weight == 0:
-            return spec.loss, settings
-        aux = AuxiliaryLosses(t.mtp_loss_weight, t.indexer_loss_weight)
-        units = NextTokenUnits(mtp=t.mtp_loss_weight > 0, queries=t.indexer_loss_weight > 0)
-        warmup = IndexerWarmup(t.indexer_warmup_steps) if t.indexer_warmup_steps > 0 else settings.host_facts
-        return functools.partial(spec.loss, aux=aux), dataclasses.replace(
-            settings, unit_counts=units, host_facts=warmup, router_bias_after=t.indexer_warmup_steps)
-    preference = PreferenceObjective(spec.token_logps, cfg.dpo, lora=cfg.peft.method == "lora")
-    return preference.loss, dataclasses.replace(settings, unit_counts=pair_counts, host_facts=documents_per_row,
-                                                stats_prefix="dpo/")
+            return settings
+        return dataclasses.replace(
+            settings, auxiliary=AuxiliaryLosses(t.mtp_loss_weight, t.indexer_loss_weight),
+            unit_counts=NextTokenUnits(mtp=t.mtp_loss_weight > 0, queries=t.indexer_loss_weight > 0),
+            indexer_warmup_steps=t.indexer_warmup_steps, router_bias_after=t.indexer_warmup_steps)
+    preference = PreferenceObjective(cfg.dpo, lora=cfg.peft.method == "lora")
+    return dataclasses.replace(settings, unit_counts=pair_counts, rows_loss=preference, prepare=preference.prepare,
+                               stats_prefix="dpo/")
 
 
-def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, mesh: ParallelMesh | None,
+def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData, laid_out: LaidOut,
                   claim: Claim, console: Console, hooks: RunHooks) -> Trainer:
     """Optimizer, schedule, loaders, checkpoints, metrics and the trainer; resumed as the recipe says.
     The last check before training: an --overwrite then removes the run it set aside."""
-    info, model, o = launch.info, built.model, cfg.optim
+    info, model, o, mesh = launch.info, built.model, cfg.optim, laid_out.mesh
     # collective: every rank counts its shard (bf16-only training; fp32 masters move every weight)
     rounded_away = None if launch.precision.masters else bf16_rounded_away(model, cfg.optim.lr)
     if rounded_away is not None and info.is_main:
@@ -518,8 +505,8 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     decide_on_rank0(lambda: _check_disk_space(cfg, model, console, claim.freed()))
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
-    loss_fn, settings = objective(cfg, launch.spec, trainer_settings(cfg, launch, model, mesh, hooks))
-    trainer = Trainer(model, optimizer, scheduler, loss_fn, train_loader, val_loader, checkpoints, metrics,
+    settings = objective(cfg, trainer_settings(cfg, launch, model, mesh, hooks))
+    trainer = Trainer(model, optimizer, scheduler, laid_out.runner, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file

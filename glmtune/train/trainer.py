@@ -1,10 +1,16 @@
-"""The training loop. Model-agnostic: it sees a module, batches and a loss function.
+"""The training loop. Model-agnostic: it sees a module, batches and the step runner that runs them.
 
 One optimizer step = `grad_accum` micro-batches. The loss is the mean over every
 supervised token of the step (all micro-batches and ranks together), so changing
 the micro-batch split does not change the update. Each step:
   forward/backward per micro-batch -> all-reduce token counts -> clip -> AdamW ->
   LR schedule -> optional router-bias update -> metrics -> maybe validate/save.
+
+Each micro-batch of the data loader becomes one typed `MicroBatch` (models/common/microbatch.py),
+built here once: this rank's supervised targets, the step's totals and loss factor, the auxiliary
+losses sized for the step. The model family's step runner (models/common/step_runner.py: the
+whole model, or a pipeline's stages) runs it: the family's next-token loss, or another objective's
+loss of the rows (`TrainerSettings.rows_loss`, a preference objective's).
 
 Safety: a non-finite loss stops the run before the optimizer step, keeping the
 last good checkpoint untouched; SIGTERM/SIGINT/SIGUSR1 (Slurm's warning before the time
@@ -30,17 +36,18 @@ from torch import nn
 from glmtune.checkpoint.manager import STATE_NAME, CheckpointManager
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.fsdp_state import release_gathered
+from glmtune.models.common.aux_loss import AuxiliaryLosses
+from glmtune.models.common.microbatch import MicroBatch
+from glmtune.models.common.step_runner import RowsLoss, StepRunner
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.metrics import MetricsWriter, routing_stats
 from glmtune.train.progress import StepProgress
 from glmtune.train.resume_state import Configured, apply_configured, check_position
 from glmtune.train.router_balance import update_router_biases
 
-# (model, micro-batch) -> (loss sum over the batch's loss units, unit count[, sums of logged statistics]).
-# Under pipeline parallelism an objective other than next-token gets the `Pipeline` instead of the
-# model and the micro-batch's host tensors (with `loss_grad_scale`): it runs the pipeline's forward
-# and, when gradients are enabled, its backward (the schedule's), and returns the sums detached.
-LossFn = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, ...]]
+# (step runner, micro-batch) -> the micro-batch to run: what an objective adds to it before it runs
+# (a preference objective's reference log-probabilities, from the LoRA model with its adapters off).
+Prepare = Callable[[StepRunner, MicroBatch], MicroBatch]
 
 
 def non_padding_queries(batch: dict[str, Any]) -> int:
@@ -52,8 +59,8 @@ def non_padding_queries(batch: dict[str, Any]) -> int:
 class NextTokenUnits:
     """The next-token loss's units, counted on the host by the loader: the batch's supervised
     tokens; with `mtp` the MTP layer's own (its loss is averaged over them), with `queries` the
-    non-padding queries (the indexer KL is averaged over them). Under pipeline parallelism the
-    stages compute these losses themselves (`Pipeline.train_step` with the step's totals)."""
+    non-padding queries (the indexer KL is averaged over them): the step's totals size the
+    auxiliary losses (`MicroBatch.aux`)."""
 
     mtp: bool = False
     queries: bool = False
@@ -101,9 +108,6 @@ class TrainerSettings:
     row_group: Any = None
     stage_group: Any = None
     pp_group: Any = None
-    # The targets this rank computes the loss of, from a batch's host targets (context
-    # parallelism keeps a slice of each row's queries); None: all of them.
-    local_targets: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Model FLOPs of a step's micro batches on this rank (glmtune/models/glm5/flops.py), and the
     # GPU's dense bf16 peak: the throughput record's TFLOP/s and MFU (None: not reported).
     step_flops: Callable[[list[dict[str, Any]]], float] | None = None
@@ -115,18 +119,21 @@ class TrainerSettings:
     # Called with (step, model, optimizer) right after the update, before gradients are dropped.
     on_optimizer_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None
     # What the model family's spec says of the built model: its MoE layers (name, layer) the
-    # forward routes through (router statistics, bias updates), and its pipeline (None: the
-    # trainer runs forward and backward itself).
+    # forward routes through (router statistics, bias updates).
     moe_layers: list[tuple[str, nn.Module]] = field(default_factory=list)
-    pipeline: Any = None
     # Host counts of a micro-batch that the step totals (over its micro-batches and the data-parallel
     # ranks): the first is the loss's unit, each micro-loss sum is divided by its total; all of them
-    # reach the loss function as `step_totals` (a preference objective's pairs and chosen tokens).
+    # reach the loss as the micro-batch's `step_totals` (a preference objective's pairs and chosen tokens).
     unit_counts: Callable[[dict[str, Any]], dict[str, int]] = supervised_tokens
-    # Facts of a micro-batch read from its host tensors before they move to the device, added to it
-    # for the loss function; called with (micro-batch, optimizer steps done: restored on resume) (a
-    # preference objective's documents per row, the indexer warm-up's flag); None: none.
-    host_facts: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+    # Another objective than the family's next-token loss: its loss of the rows (`RowsLoss`), and what
+    # it adds to a micro-batch before it runs (`Prepare`); None: none.
+    rows_loss: RowsLoss | None = None
+    prepare: Prepare | None = None
+    # The auxiliary losses' weights (train.mtp_loss_weight, train.indexer_loss_weight; None: none), and
+    # the indexer warm-up's steps: the micro-batches of the first N optimizer steps (restored on resume)
+    # run it (dense attention, only the indexers train), validation after step k as step k + 1 will.
+    auxiliary: AuxiliaryLosses | None = None
+    indexer_warmup_steps: int = 0
     # The router-bias update starts after this many steps (an indexer warm-up trains the indexers
     # alone: the main model, its routing included, stays as it is).
     router_bias_after: int = 0
@@ -203,14 +210,14 @@ def _layer_order(key: str) -> tuple[int, str]:
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, loss_fn: LossFn,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, runner: StepRunner,
                  train_loader: PackedRowLoader, val_loader: PackedRowLoader | None,
                  checkpoints: CheckpointManager, metrics: MetricsWriter, settings: TrainerSettings,
                  console=None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.loss_fn = loss_fn
+        self.runner = runner
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.checkpoints = checkpoints
@@ -222,7 +229,6 @@ class Trainer:
         self._stop_reason: str | None = None  # what asked to stop: a signal's name or the stop file
         self._moe = settings.moe_layers
         self._window: dict[str, float] = {}  # throughput since the last logged step (`_throughput`)
-        self.pipeline = settings.pipeline
         self.val_stats: dict[str, float] = {}  # the last validation's statistics (objectives that log some)
 
     # -- state ------------------------------------------------------------------------
@@ -257,18 +263,13 @@ class Trainer:
         return str(path)
 
     # -- one step ---------------------------------------------------------------------
-    def _forward_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.s.local_targets is not None:  # the loss counts this rank's queries only
-            batch = dict(batch, num_supervised=int((self.s.local_targets(batch["targets"]) != -100).sum()),
-                         num_mtp_supervised=int((self.s.local_targets(batch["mtp_targets"]) != -100).sum()))
-        if self.s.host_facts is not None:
-            batch = dict(batch, **self.s.host_facts(batch, self.step))
-        if self.pipeline is not None:  # another objective drives the pipeline, which reads host tensors
-            return self.loss_fn(self.pipeline, batch)
-        # Tensors go to the device; host-side facts (ints such as `longest_document`) stay as they are.
-        batch = {k: v.to(self.s.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                 for k, v in batch.items()}
-        return self.loss_fn(self.model, batch)
+    def _micro_batch(self, batch: dict[str, Any], step_totals: dict[str, int],
+                     loss_scale: float | None = None) -> MicroBatch:
+        """The runner's micro-batch of a host batch: this rank's supervised targets, the step's totals
+        and loss factor, the auxiliary losses sized for the step, what the objective adds."""
+        mb = MicroBatch.of_batch(batch, self.runner.local_tokens, loss_scale, step_totals, self.s.auxiliary,
+                                 indexer_warmup=self.step < self.s.indexer_warmup_steps)
+        return mb if self.s.prepare is None else self.s.prepare(self.runner, mb)
 
     def train_step(self) -> dict[str, Any]:
         self.model.train()
@@ -292,33 +293,13 @@ class Trainer:
         totals_on_host = totals.tolist() if dist.is_initialized() else local_counts
         total_on_host = int(totals_on_host[0])
         step_totals = dict(zip(keys, (int(n) for n in totals_on_host)))
-        if self.pipeline is not None:  # the schedule runs forward and backward per microbatch
-            for batch in batches:
-                if isinstance(self.s.unit_counts, NextTokenUnits):  # the stages' own losses (MTP's, the KL)
-                    loss_sum += self.pipeline.train_step(batch, 1.0 / max(total_on_host, 1),
-                                                         mtp_total=step_totals.get("mtp_tokens"),
-                                                         query_total=step_totals.get("queries"))
-                    _add_stats(stat_sums, self.pipeline.take_statistics())
-                    continue
-                # Another objective runs the schedule itself (LossFn); its sums are its last stage's.
-                micro_loss, _, *stats = self._forward_loss(
-                    dict(batch, loss_grad_scale=1.0 / max(total_on_host, 1), step_totals=step_totals))
-                loss_sum += micro_loss.detach()
-                _add_stats(stat_sums, stats[0] if stats else {})
-            for stage in self.pipeline.stages:
-                for name, counts in stage.expert_load.items():
-                    load[name] += counts
-                stage.expert_load = {}
-        else:
-            batches = [dict(b, loss_grad_scale=1.0 / max(total_on_host, 1), step_totals=step_totals)
-                       for b in batches]
-        for batch in batches if self.pipeline is None else ():
-            micro_loss, _, *stats = self._forward_loss(batch)
-            (micro_loss / denominator).backward()
-            loss_sum += micro_loss.detach()
-            _add_stats(stat_sums, stats[0] if stats else {})
-            for name, module in self._moe:
-                load[name] += module.tokens_per_expert
+        for batch in batches:
+            mb = self._micro_batch(batch, step_totals, 1.0 / max(total_on_host, 1))
+            micro_loss, _, stats = self.runner.train(mb, denominator, self.s.rows_loss)
+            loss_sum += micro_loss
+            _add_stats(stat_sums, stats)
+        for name, counts in self.runner.take_expert_load().items():
+            load[name] += counts
         if self.s.on_gradients is not None:
             self.s.on_gradients(self.step + 1, self.model)
         loss = (_all_reduce_sum(loss_sum) / denominator).item()
@@ -405,21 +386,16 @@ class Trainer:
         stat_sums: dict[str, torch.Tensor] = {}
         for _ in range(num_batches):
             batch = self.val_loader.next_batch()
-            if self.pipeline is not None and isinstance(self.s.unit_counts, NextTokenUnits):
-                batch_loss, batch_count = self.pipeline.evaluate(batch)
-                _add_stats(stat_sums, self.pipeline.take_statistics())
-            else:
-                # One batch's own totals: validation reports per-unit means of each batch's sums.
-                batch = dict(batch, step_totals=self.s.unit_counts(batch))
-                batch_loss, batch_count, *stats = self._forward_loss(batch)
-                _add_stats(stat_sums, stats[0] if stats else {})
+            # One batch's own totals: validation reports per-unit means of each batch's sums.
+            mb = self._micro_batch(batch, self.s.unit_counts(batch))
+            batch_loss, batch_count, stats = self.runner.evaluate(mb, self.s.rows_loss)
+            _add_stats(stat_sums, stats)
             loss_sum += batch_loss.float()
             count += batch_count
         self.val_loader.load_state_dict(saved)
         self.model.train()
-        release_gathered(self.model)  # the next training step must gather the weights afresh
-        for stage in self.pipeline.stages if self.pipeline is not None else ():
-            release_gathered(stage)
+        for root in self.runner.roots:  # the next training step must gather the weights afresh
+            release_gathered(root)
         count = _all_reduce_sum(count).clamp_min(1)
         self.val_stats = self._stat_means(stat_sums, count, prefix="val_")
         return (_all_reduce_sum(loss_sum) / count).item()

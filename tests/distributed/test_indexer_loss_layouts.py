@@ -44,7 +44,8 @@ from safetensors.torch import load_file
 from glmtune.config import load_config
 from glmtune.config.validate import auxiliary_loss_errors
 from glmtune.distributed.context_parallel import apply_context_parallel
-from glmtune.models.common.microbatch_facts import MicrobatchFacts
+from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
+from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.stages import split_into_stages
 from tests.distributed.forked_runs import one_torch_thread, shared_train_runs  # noqa: F401 (autouse: one torch thread)
@@ -220,13 +221,15 @@ def test_chained_stages_compute_the_kl_and_gradients(mtp):
 
     model = _tiny_fp64(mtp)
     stages = split_into_stages(model, [2, 2], [0, 1], mtp=mtp, indexer_kl=True)
-    facts = MicrobatchFacts.of_rows(document_ids, int((rows["targets"] != -100).sum()), None, None, num_mtp,
-                                    mtp_scale, scale)
+    queries = int((document_ids >= 0).sum())  # the sizes `scale` and `mtp_scale` come from
+    aux = AuxiliaryScales(AuxiliaryLosses(0.3 if mtp else 0.0, 0.01), mtp_targets=num_mtp, queries=queries)
+    assert (aux.mtp_grad_scale(), aux.indexer_grad_scale(5 if mtp else 4)) == (mtp_scale, scale)
+    mb = MicroBatch(ids, **rows, aux=aux).rows(slice(None))  # with its host facts
     for stage in stages:
-        stage.microbatch_facts = [facts]
+        stage.microbatches = [StageMicrobatch(mb)]
         assert "indexer_kl" in stage.statistic_names
-    carried = stages[0](ids, **rows)
-    loss = stages[1](*(carried if mtp else (carried,)), **rows)
+    carried = stages[0](ids)
+    loss = stages[1](*(carried if mtp else (carried,)))
     torch.testing.assert_close(loss, out.loss_sum.reshape(1), rtol=1e-12, atol=0)
     kl = stages[0].statistics["indexer_kl"] + stages[1].statistics["indexer_kl"]
     assert kl[1] == (5 if mtp else 4) * 1004  # queries x KL layers, as one process counts them

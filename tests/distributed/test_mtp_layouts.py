@@ -33,7 +33,8 @@ from transformers import GlmMoeDsaForCausalLM
 
 from glmtune.checkpoint.hf_io import load_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
-from glmtune.models.common.microbatch_facts import MicrobatchFacts
+from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
+from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.stages import split_into_stages
 from glmtune.config import load_config
@@ -111,13 +112,13 @@ def test_chained_stages_compute_the_mtp_loss_and_gradients():
     assert [stage.num_activations for stage in (first, middle, last)] == [2, 2, 2]
     assert any(name.startswith("mtp_layer.") for name, _ in last.named_parameters())
     assert not any(name.startswith("mtp") for stage in (first, middle) for name, _ in stage.named_parameters())
-    facts = MicrobatchFacts(320, False, int((rows["targets"] != -100).sum()), None, mtp_supervised=num_mtp,
-                            mtp_grad_scale=WEIGHT / num_mtp)
+    aux = AuxiliaryScales(AuxiliaryLosses(mtp_weight=WEIGHT), mtp_targets=num_mtp)  # weight / num_mtp
+    mb = MicroBatch(rows["ids"], **kwargs, aux=aux).rows(slice(None))  # with its host facts
     for stage in (first, middle, last):
-        stage.microbatch_facts = [facts]
-    carried = first(rows["ids"], **kwargs)  # hidden states, next tokens' embeddings, the selection
+        stage.microbatches = [StageMicrobatch(mb)]
+    carried = first(rows["ids"])  # hidden states, next tokens' embeddings, the selection
     assert [t.dtype for t in carried] == [torch.float64, torch.float64, torch.uint8, torch.uint8]
-    loss = last(*middle(*carried, **kwargs), **kwargs)
+    loss = last(*middle(*carried))
     torch.testing.assert_close(loss, out.loss_sum.reshape(1), rtol=1e-12, atol=0)
     torch.testing.assert_close(last.statistics["mtp_loss"], torch.stack([out.mtp_loss_sum.float(),
                                                                          out.mtp_num_targets.float()]))

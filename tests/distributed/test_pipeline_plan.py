@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glmtune.distributed.pipeline_plan import balanced_split, plan_stages, stage_ids_for_rank
-from glmtune.models.common.microbatch_facts import MicrobatchFacts
+from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.counts import parameter_report
 from glmtune.models.glm5.stage_costs import head_cost, layer_costs
@@ -80,12 +80,11 @@ def test_chained_stages_compute_the_model_loss_and_gradients():
     first, second = split_into_stages(model, [1, 3], [0, 1])
     assert not first.carry_in and first.carry_out and second.carry_in
     assert [layer.layer_idx for layer in decoder_layers(model)] == [0, 1, 2, 3]
-    facts = MicrobatchFacts(seq, False, int((targets != -100).sum()), None)
-    first.microbatch_facts, second.microbatch_facts = [facts], [facts]
-    kwargs = {"position_ids": positions, "document_ids": documents, "targets": targets}
-    carried = first(ids, **kwargs)
+    mb = MicroBatch(ids, positions, documents, targets).rows(slice(None))  # with its host facts
+    first.microbatches, second.microbatches = [StageMicrobatch(mb)], [StageMicrobatch(mb)]
+    carried = first(ids)
     assert [t.dtype for t in carried] == [torch.float32, torch.uint8, torch.uint8]
-    loss = second(*carried, **kwargs)
+    loss = second(*carried)
     torch.testing.assert_close(loss, out.loss_sum.reshape(1), rtol=1e-6, atol=0)
     loss.sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -31,11 +31,12 @@ from glmtune.data.preferences import tokenize_pair
 from glmtune.data.synthetic_preferences import generate_preference_rows
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.distributed.mesh import ParallelMesh
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
 from glmtune.models.glm5.spec import GLM5
-from glmtune.train.data_loader import collate
-from glmtune.train.preference import REFERENCE_CACHE, PreferenceObjective, documents_per_row, pair_counts
+from glmtune.train.data_loader import REFERENCE_CACHE, collate
+from glmtune.train.preference import PreferenceObjective, pair_counts
 from tests.distributed.gloo_helpers import run_gloo
 from tests.train.run_helpers import shared_run, torchrun
 
@@ -130,7 +131,6 @@ def _preference_batch() -> dict:
     pairs = [tokenize_pair(row, tokenizer) for row in generate_preference_rows(8, seed=3)]
     rows, _ = pack_pairs(pairs, 1024, pad_token_id=tokenizer.pad_token_id)
     batch = collate(rows[:2])
-    batch.update(documents_per_row(batch), step_totals=pair_counts(batch))
     noise = torch.rand(batch["targets"].shape, generator=torch.Generator().manual_seed(5))
     batch[REFERENCE_CACHE] = torch.where(batch["targets"] != -100, -1.0 - 4.0 * noise, 0.0)
     return batch
@@ -144,23 +144,25 @@ def _gradients(model) -> dict[str, torch.Tensor]:
 def _cache_under_layout(rank: int, world_size: int, layout: str) -> None:
     """On each rank: the one-process loss and gradients, then the layout's, which must add up to them."""
     batch = _preference_batch()
-    objective = PreferenceObjective(GLM5.token_logps, DpoConfig(sft_weight=0.5), lora=False)
-    num_pairs = batch["step_totals"]["pairs"]
+    objective = PreferenceObjective(DpoConfig(sft_weight=0.5), lora=False)
+    totals = pair_counts(batch)
+    num_pairs = totals["pairs"]
+    denominator = torch.tensor(float(num_pairs))
     single = build_model(get_preset("tiny"), torch.float32, seed=0)
-    want_loss, want_pairs, want_stats = objective.loss(single, batch)
-    (want_loss / num_pairs).backward()
+    mb = MicroBatch.of_batch(batch, loss_scale=1.0 / num_pairs, step_totals=totals)
+    want_loss, want_pairs, want_stats = GLM5.step_runner(single).train(mb, denominator, objective)
     assert want_stats["margin"] != 0  # the synthetic reference differs from the policy
     model = build_model(get_preset("tiny"), torch.float32, seed=0)
     mesh = ParallelMesh.from_config(ParallelConfig(**{layout: 2}), world_size=world_size)
     options = PipelineOptions("1F1B", 1, microbatches=2, micro_batch=2, seq_len=1024) if layout == "pp" else None
     parallelize_glm5(model, mesh=mesh, pipeline=options)
-    if layout == "cp":  # the trainer's count of this rank's targets
-        local = model.model.local_tokens(batch["targets"])
-        loss, pairs, stats = objective.loss(model, dict(batch, num_supervised=int((local != -100).sum())))
-        (loss / num_pairs).backward()
+    runner = GLM5.step_runner(model)
+    # the trainer's micro-batch: this rank's targets counted (cp); the runner runs the backward
+    mb = MicroBatch.of_batch(batch, runner.local_tokens, loss_scale=1.0 / num_pairs, step_totals=totals)
+    loss, pairs, stats = runner.train(mb, denominator, objective)
+    if layout == "cp":
         dist.all_reduce(pairs := pairs.clone())  # each cp rank carries 1/cp of the loss and pairs
-    else:  # the schedule runs the backward; the last stage's rank holds the sums
-        loss, pairs, stats = objective.loss(model.pipeline, dict(batch, loss_grad_scale=1.0 / num_pairs))
+    else:  # the last stage's rank holds the sums
         for value in [pairs, *stats.values()]:
             dist.all_reduce(value)
     dist.all_reduce(loss := loss.detach().clone())

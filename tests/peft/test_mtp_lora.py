@@ -17,6 +17,7 @@ from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
 from glmtune.cli import main
 from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.models.common.aux_loss import AuxiliaryLosses
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.spec import GLM5
@@ -92,7 +93,8 @@ def test_the_mtp_adapters_learn_from_the_mtp_loss():
                      "position_ids": list(range(24))})
     batch = collate(rows)
     weight = 0.3
-    loss_sum, _, stats = GLM5.loss(model, batch, AuxiliaryLosses(mtp_weight=weight))  # the training loss
+    mb = MicroBatch.of_batch(batch, aux=AuxiliaryLosses(mtp_weight=weight))
+    loss_sum, _, stats = GLM5.loss(model, mb)  # the training loss
     loss_sum.backward()
     assert stats["mtp_loss"][1] == batch["num_mtp_supervised"]
     mtp = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.") and p.grad is not None}

@@ -23,7 +23,8 @@ from glmtune.models.glm5.spec import GLM5
 from glmtune.peft import apply_lora
 from glmtune.peft.lora import adapters_disabled
 from glmtune.train.data_loader import collate
-from glmtune.train.preference import PreferenceObjective, documents_per_row, pair_counts
+from glmtune.models.common.microbatch import MicroBatch
+from glmtune.train.preference import PreferenceObjective, pair_counts
 from glmtune.train import reference_logps
 from glmtune.train.preference_loss import pair_logps, preference_loss, total_loss
 from tests.peft.conftest import lora_cfg, randomize_adapters
@@ -77,33 +78,33 @@ def lora_model():
 
 
 def _objective(**dpo) -> PreferenceObjective:
-    return PreferenceObjective(GLM5.token_logps, DpoConfig(**dpo), lora=True)
+    return PreferenceObjective(DpoConfig(**dpo), lora=True)
 
 
-def _batch(rows, step_totals=None):
+def _micro_batch(rows) -> MicroBatch:
     batch = collate(rows)
-    batch.update(documents_per_row(batch))
-    return dict(batch, step_totals=step_totals or pair_counts(batch))
+    return MicroBatch.of_batch(batch, step_totals=pair_counts(batch))
 
 
 @pytest.mark.parametrize("dpo", [dict(), dict(loss="ipo"), dict(loss="robust", label_smoothing=0.1),
                                  dict(sft_weight=0.5), dict(reference="none", simpo_gamma=0.3)])
 def test_the_trainer_objective_is_the_trl_proven_loss(lora_model, packed_rows, dpo):
-    """PreferenceObjective.loss / pairs equals total_loss of preference_loss (tests/train/
-    test_preference_loss.py proves those against TRL), the reference being the adapters-off model."""
-    batch = _batch(packed_rows)
-    loss_sum, pairs, sums = _objective(**dpo).loss(lora_model, batch)
-    logps = lambda: GLM5.token_logps(lora_model, batch)  # noqa: E731
-    policy = pair_logps(logps(), batch["targets"], batch["document_ids"], batch["documents_per_row"])
+    """The preference objective run by the model's step runner (its loss / pairs) equals total_loss of
+    preference_loss (tests/train/test_preference_loss.py proves those against TRL), the reference
+    being the adapters-off model (`prepare`)."""
+    mb, objective, runner = _micro_batch(packed_rows), _objective(**dpo), GLM5.step_runner(lora_model)
+    loss_sum, pairs, sums = runner.evaluate(objective.prepare(runner, mb), objective)
+    logps = lambda: GLM5.token_logps(lora_model, mb)  # noqa: E731
+    policy = pair_logps(logps(), mb.targets, mb.document_ids, mb.documents_per_row)
     with torch.no_grad(), adapters_disabled(lora_model):
-        ref = pair_logps(logps(), batch["targets"], batch["document_ids"], batch["documents_per_row"])
+        ref = pair_logps(logps(), mb.targets, mb.document_ids, mb.documents_per_row)
     free = dpo.get("reference") == "none"
     per_pair, stats = preference_loss(policy["chosen"], policy["rejected"], None if free else ref["chosen"],
                                       None if free else ref["rejected"], chosen_tokens=policy["chosen_tokens"],
                                       rejected_tokens=policy["rejected_tokens"],
                                       **{k: v for k, v in dpo.items() if k != "sft_weight"})
     expected, _ = total_loss(per_pair, policy["chosen"], policy["chosen_tokens"], sft_weight=dpo.get("sft_weight", 0.0))
-    assert int(pairs) == batch["step_totals"]["pairs"] == 8
+    assert int(pairs) == mb.step_totals["pairs"] == 8
     torch.testing.assert_close(loss_sum / pairs, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(sums["margin"] / pairs, stats["margin"].mean(), rtol=1e-6, atol=1e-7)
     assert stats["margin"].abs().max() > 0  # the adapters moved the policy away from its reference

@@ -26,11 +26,11 @@ def test_a_stop_file_present_at_start_stops_after_the_first_step_and_is_removed(
 def test_sigusr1_finishes_the_step_and_saves(tmp_path):
     calls = {"n": 0}
 
-    def signalled_in_step_2(model, batch):
+    def signalled_in_step_2(model, mb):
         calls["n"] += 1
         if calls["n"] == 2:
             os.kill(os.getpid(), signal.SIGUSR1)
-        return _loss(model, batch)
+        return _loss(model, mb)
 
     before = signal.getsignal(signal.SIGUSR1)
     trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=signalled_in_step_2, steps=5)

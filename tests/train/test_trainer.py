@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.models.common.step_runner import PlainRunner
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
@@ -34,12 +35,22 @@ def _rows(n=16, length=12, seed=0):
     return rows
 
 
-def _loss(model, batch):
-    logits = model.head(model.embed(batch["input_ids"])).float()
-    targets = batch["targets"].reshape(-1)
+def _loss(model, mb):
+    logits = model.head(model.embed(mb.input_ids)).float()
+    targets = mb.targets.reshape(-1)
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum",
                                        ignore_index=-100)
     return loss, (targets != -100).sum()
+
+
+def _token_logps(model, mb):
+    logits = model.head(model.embed(mb.input_ids)).float()
+    return logits.log_softmax(-1).gather(-1, mb.targets.clamp_min(0)[..., None])[..., 0] * (mb.targets != -100)
+
+
+def _runner(model, loss_fn=_loss) -> PlainRunner:
+    """The step runner of a model the trainer knows nothing about: `loss_fn` as its family's loss."""
+    return PlainRunner(model, loss_fn, _token_logps)
 
 
 def _trainer(tmp_path, micro, accum, loss_fn=_loss, steps=4, every=0, lr=1e-2, weight_decay=0.01):
@@ -51,7 +62,8 @@ def _trainer(tmp_path, micro, accum, loss_fn=_loss, steps=4, every=0, lr=1e-2, w
     settings = TrainerSettings(max_steps=steps, grad_accum=accum, clip_grad_norm=None, log_every=1, val_every=0,
                                val_steps=None, checkpoint_every=every, progress=False)
     metrics = MetricsWriter(tmp_path, "metrics.jsonl", tensorboard=False)
-    return Trainer(model, opt, sched, loss_fn, loader, None, CheckpointManager(tmp_path / "ckpt", keep_last=2),
+    return Trainer(model, opt, sched, _runner(model, loss_fn), loader, None,
+                   CheckpointManager(tmp_path / "ckpt", keep_last=2),
                    metrics, settings)
 
 
@@ -64,9 +76,9 @@ def test_micro_batch_split_does_not_change_the_update(tmp_path):
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     calls = {"n": 0}
 
-    def flaky(model, batch):
+    def flaky(model, mb):
         calls["n"] += 1
-        loss, count = _loss(model, batch)
+        loss, count = _loss(model, mb)
         return (loss * math.nan if calls["n"] == 3 else loss), count
 
     trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=flaky, steps=6, every=2)
@@ -128,8 +140,8 @@ def test_wandb_without_package_is_a_clear_error(tmp_path):
 
 
 def test_non_finite_gradient_with_finite_loss_stops(tmp_path):
-    def exploding(model, batch):
-        loss, count = _loss(model, batch)
+    def exploding(model, mb):
+        loss, count = _loss(model, mb)
         # adds 0 to the value; d sqrt(u)/du is inf at u = 0, so the bias gradient is nan
         return loss + torch.sqrt(model.head.bias.sum() * 0.0), count
 
@@ -193,7 +205,9 @@ def test_the_router_bias_update_waits_out_the_indexer_warm_up(tmp_path):
                                    val_steps=None, checkpoint_every=0, progress=False, save_at_end=False,
                                    router_bias_update="sign", router_bias_rate=0.5, moe_layers=[("moe", moe)],
                                    router_bias_after=after)
-        Trainer(model, opt, build_scheduler(opt, 0, 3, "constant", 1.0), _loss, PackedRowLoader(_rows(), 2, seed=3),
+        runner = PlainRunner(model, _loss, _token_logps, moe_layers=[("moe", moe)])  # its expert loads
+        Trainer(model, opt, build_scheduler(opt, 0, 3, "constant", 1.0), runner,
+                PackedRowLoader(_rows(), 2, seed=3),
                 None, CheckpointManager(tmp_path / f"ckpt{after}"), MetricsWriter(tmp_path / f"m{after}",
                 "metrics.jsonl", tensorboard=False), settings).fit()
         biases[after] = moe.gate.e_score_correction_bias.tolist()

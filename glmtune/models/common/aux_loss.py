@@ -11,6 +11,10 @@ the carrier (divides it, sums it over microbatches, sends it through a pipeline 
 
 The gradient of the auxiliary loss does not depend on the carrier's: the caller's factor
 for the main loss (1 / its supervised tokens) never leaks into the auxiliary one.
+
+`AuxiliaryScales` sizes a micro-batch's auxiliary losses for its step (the weights, the step's
+totals) and computes their gradient factors, here and nowhere else: the trainer builds one per
+micro-batch (`MicroBatch.aux`), and a model run whole or as pipeline stages reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,44 @@ class AuxiliaryLosses:
 
     mtp_weight: float = 0.0
     indexer_weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class AuxiliaryScales:
+    """A micro-batch's auxiliary losses sized for its step (`MicroBatch.aux`): their weights, the
+    step's totals over its micro-batches and every data-parallel rank (None: not known, as for a
+    batch evaluated on its own: the losses are then computed without a gradient factor), and whether
+    the step is one of the indexer warm-up's (dense attention, only the indexers train)."""
+
+    losses: AuxiliaryLosses = AuxiliaryLosses()
+    mtp_targets: int | None = None  # the step's supervised multi-token-prediction targets
+    queries: int | None = None  # the step's non-padding queries (the indexer KL's unit)
+    indexer_warmup: bool = False
+
+    @property
+    def mtp(self) -> bool:
+        """The multi-token-prediction loss runs."""
+        return self.losses.mtp_weight > 0
+
+    @property
+    def indexer(self) -> bool:
+        """The indexers' KL loss runs."""
+        return self.losses.indexer_weight > 0
+
+    def mtp_grad_scale(self) -> float | None:
+        """The factor the MTP loss sum is differentiated with: its weight / the step's MTP targets,
+        so that it is a mean over them (None: forward only)."""
+        if not self.mtp or self.mtp_targets is None:
+            return None
+        return self.losses.mtp_weight / max(int(self.mtp_targets), 1)
+
+    def indexer_grad_scale(self, kl_layers: int) -> float | None:
+        """The factor each layer's indexer KL sum is differentiated with: its weight / (the step's
+        queries x `kl_layers`, the model's layers computing a KL), a mean over both (None: the KL is
+        reported only)."""
+        if not self.indexer or self.queries is None:
+            return None
+        return self.losses.indexer_weight / max(self.queries * kl_layers, 1)
 
 
 class _Attach(torch.autograd.Function):

@@ -17,10 +17,12 @@ What a spec answers, in the order a run asks:
                          base included), the HF export (of a built model, or streamed from a
                          training checkpoint), the state-dict adapter (the only place HF key
                          names live)
-  loss, flops            the training loss of a batch; model FLOPs per token (MFU)
-  parallelize            the parallelization plan (PP -> EP -> CP -> AC -> compile -> FSDP2)
-  moe_layers, pipeline   what the trainer needs of a built model (router statistics, bias
-                         updates; the pipeline schedule)
+  loss, flops            the training loss of a micro-batch (`microbatch.MicroBatch`); model
+                         FLOPs per token (MFU)
+  parallelize,           the parallelization plan (PP -> EP -> CP -> AC -> compile -> FSDP2), and
+  step_runner            the step runner it built (step_runner.py: the whole model, or a
+                         pipeline's stages), through which everything runs the model
+  moe_layers             what the trainer needs of a built model (router statistics, bias updates)
   param_group            the parameter groups the inventory and preflight report by
   decoding               the cached-decoding hooks `glmtune.generation` drives (decoding.py;
                          None: the family has none)
@@ -46,6 +48,8 @@ from glmtune.models.common.decoding import CachedDecoding
 from glmtune.models.common.family import ModelDims, ModelFamily
 from glmtune.models.common.lora_rules import LoraRules
 from glmtune.models.common.memory_model import MemoryModel
+from glmtune.models.common.microbatch import MicroBatch
+from glmtune.models.common.step_runner import PlainRunner, StepRunner
 
 
 class ModelSpec(ABC):
@@ -160,10 +164,10 @@ class ModelSpec(ABC):
 
     # -- train -------------------------------------------------------------------------
     @abstractmethod
-    def loss(self, model: Any, batch: dict[str, Any], aux: Any = None) -> tuple[Any, ...]:
-        """(summed token loss, supervised tokens[, statistics]) of one packed batch. `aux`
-        (`aux_loss.AuxiliaryLosses`) adds the family's auxiliary losses, differentiated with the
-        main one; their (sum, count) pairs come back as statistics."""
+    def loss(self, model: Any, mb: MicroBatch) -> tuple[Any, ...]:
+        """(summed token loss, supervised tokens[, statistics]) of one packed micro-batch on the
+        model's device. `mb.aux` (`aux_loss.AuxiliaryScales`) adds the family's auxiliary losses,
+        differentiated with the main one; their (sum, count) pairs come back as statistics."""
 
     def serving_metrics(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
         """What a server of the model relies on beyond its answers, teacher-forced over one packed
@@ -180,8 +184,9 @@ class ModelSpec(ABC):
             raise ValueError(f"model family {self.family} has no multi-token-prediction layer or indexer to train")
 
     @abstractmethod
-    def token_logps(self, model: Any, batch: dict[str, Any]) -> Any:
-        """fp32 [B, S] log-probability of each supervised target of one packed batch (0 elsewhere)."""
+    def token_logps(self, model: Any, mb: MicroBatch) -> Any:
+        """fp32 [B, S] log-probability of each supervised target of one packed micro-batch on the
+        model's device (0 elsewhere)."""
 
     def last_token_logits(self, model: Any, input_ids_BS: Any) -> Any:
         """[B, V] logits of the token after each row of `input_ids_BS`, without a cache (the greedy
@@ -194,8 +199,15 @@ class ModelSpec(ABC):
         """Model FLOPs (forward + backward) per token over documents of these lengths."""
 
     @abstractmethod
-    def parallelize(self, model: Any, mesh: Any, parallel_cfg: Any, pipeline: Any = None) -> Any:
-        """Apply the family's parallelization plan for the recipe's `parallel` section."""
+    def parallelize(self, model: Any, mesh: Any, parallel_cfg: Any, pipeline: Any = None) -> StepRunner:
+        """Apply the family's parallelization plan for the recipe's `parallel` section; the step
+        runner of the result (`step_runner`)."""
+
+    def step_runner(self, model: Any) -> StepRunner:
+        """What runs micro-batches through `model` (step_runner.py): the runner `parallelize` built
+        (a pipeline's), else the whole model, a model never parallelized included. A family with
+        pipeline or context parallelism overrides it."""
+        return PlainRunner(model, self.loss, self.token_logps, self.moe_layers(model))
 
     @abstractmethod
     def pipeline_options(self, **options: Any) -> Any:
@@ -205,15 +217,6 @@ class ModelSpec(ABC):
     def moe_layers(self, model: Any) -> list[tuple[str, Any]]:
         """(name, layer) of the MoE layers the forward pass routes through (router statistics,
         bias updates); each has `tokens_per_expert` and `gate.e_score_correction_bias`."""
-
-    @abstractmethod
-    def pipeline(self, model: Any) -> Any:
-        """The pipeline `parallelize` built (None without pipeline parallelism)."""
-
-    @abstractmethod
-    def local_tokens(self, model: Any) -> Callable[[Any], Any]:
-        """Under context parallelism, the function that keeps this rank's tokens of a per-token
-        tensor of the full rows ([B, T, ...] -> [B, S, ...]), e.g. the loss targets."""
 
     @abstractmethod
     def layers_per_stage(self, model: Any) -> list[int]:

@@ -399,6 +399,11 @@ class Glm5ForCausalLM(nn.Module):
         accepted = ((drafted_BS == next_greedy_BS) & scored_BS).sum()
         return torch.stack([accepted, scored_BS.sum()]).float()
 
+    def kl_layers(self, mtp: bool) -> int:
+        """The layers computing an indexer KL when the indexers' loss trains, the loss's unit per query:
+        every decoder layer, and the first MTP layer when it runs (`mtp`)."""
+        return self.args.num_hidden_layers + (1 if mtp else 0)
+
     def freeze_untrained_by_default(self) -> None:
         """Indexers get no gradient in transformers (no indexer loss) and MTP layers run only
         when their loss is asked for: mark them frozen so optimizers hold no state for them

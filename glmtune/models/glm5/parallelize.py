@@ -40,6 +40,7 @@ from glmtune.distributed.expert_parallel import apply_expert_parallel
 from glmtune.distributed.pipeline import Pipeline
 from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
 from glmtune.kernels import lora_ops as _lora_ops  # noqa: F401  (registers glmtune::lora_linear)
+from glmtune.models.common.step_runner_pipelined import PipelinedRunner
 from glmtune.models.glm5.model import Glm5ForCausalLM
 from glmtune.models.glm5.moe import MoE, Router
 from glmtune.models.glm5.stage_costs import head_cost, layer_costs
@@ -245,11 +246,11 @@ def parallelize_glm5(
         reduce_dtype: what FSDP2 sums gradients in (module docstring).
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
         cp_balance: which queries each context-parallel rank keeps (`parallel.cp_balance`).
-        pipeline: the schedule and split when the mesh has pp > 1; the built
-            `glmtune.distributed.pipeline.Pipeline` is then `model.pipeline` (else None).
+        pipeline: the schedule and split when the mesh has pp > 1; the runner of the built
+            `glmtune.distributed.pipeline.Pipeline` is then `model.step_runner` (a
+            `PipelinedRunner`; without a pipeline the family's spec runs the whole model).
     """
     stages = None
-    model.pipeline = None
     if mesh is not None and mesh.size("pp") > 1:
         assert pipeline is not None, "a pipelined mesh needs PipelineOptions"
         stages = split_model(model, pp=mesh.size("pp"), pp_rank=mesh.rank("pp"), schedule=pipeline.schedule,
@@ -270,15 +271,12 @@ def parallelize_glm5(
                    expert_mesh=mesh.expert_fsdp_mesh() if expert_parallel else None, stages=stages)
     if stages is not None:
         queries = pipeline.seq_len // mesh.size("cp")
-        model.pipeline = Pipeline(
+        model.step_runner = PipelinedRunner(Pipeline(
             stages, stage_ids_for_rank(pipeline.schedule, mesh.rank("pp"), mesh.size("pp"), pipeline.stages_per_rank),
             mesh.size("pp") * pipeline.stages_per_rank, mesh.group("pp"), pipeline.device or _device(model),
             pipeline.schedule,
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
-            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None,
-            mtp_loss_weight=pipeline.mtp_loss_weight, indexer_loss_weight=pipeline.indexer_loss_weight,
-            # the layers computing a KL, as one process counts them (`Glm5Spec.loss`)
-            indexer_kl_layers=model.args.num_hidden_layers + (1 if pipeline.mtp_loss_weight > 0 else 0))
+            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None), model)
     return model
 
 

@@ -12,7 +12,8 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
   K-layer view               view_config.py (what it keeps), written by checkpoint/truncated_view.py
   state-dict adapter         state_dict_adapter.py
   loss, flops                model.py's fused loss; flops.py
-  parallelize, pipeline      parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2)
+  parallelize, step runner   parallelize.py (PP -> EP -> CP -> AC -> compile -> FSDP2; the pipeline's
+                             runner under PP), else models/common/step_runner.py's `PlainRunner`
   param groups, describe     param_groups.py; summary.py, counts.py
   cached decoding            decode.py (`GLM5_DECODING`; the cache in kv_cache.py)
   LoRA hooks                 lora_rules.py (`GLM5_LORA`: glmtune.peft's)
@@ -24,7 +25,6 @@ module and the registry (`glmtune/models/registry.py`) sit on that floor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,9 @@ from glmtune.checkpoint.hf_verify import check_loadable, holds_weights
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
-from glmtune.models.common.aux_loss import AuxiliaryLosses
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.common.step_runner import PlainRunner, StepRunner
 from glmtune.models.glm5.args import Glm5Args, covering_layers, truncated_args
 from glmtune.models.glm5.attention import set_attention_score_buffer
 from glmtune.models.glm5.counts import layer_runs, parameter_report
@@ -169,24 +170,19 @@ class Glm5Spec(ModelSpec):
         return Glm5StateDictAdapter(args)
 
     # -- train -------------------------------------------------------------------------
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor],
-             aux: AuxiliaryLosses | None = None) -> tuple[torch.Tensor, ...]:
+    def loss(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+        aux = mb.aux
         mtp, indexer = {}, {}
-        if aux is not None and aux.mtp_weight > 0:  # averaged over the step's own supervised MTP tokens
-            total = batch.get("step_totals", {}).get("mtp_tokens", batch.get("num_mtp_supervised"))
-            mtp = {"mtp_targets": batch["mtp_targets"], "mtp_num_supervised": batch.get("num_mtp_supervised"),
-                   "mtp_grad_scale": aux.mtp_weight / max(int(total), 1) if total is not None else None}
-        if aux is not None and aux.indexer_weight > 0:  # averaged over the step's queries and the KL layers
-            queries = batch.get("step_totals", {}).get("queries")
-            if queries is None:  # one batch on its own (a host sync when the ids are on the GPU)
-                queries = int((batch["document_ids"] >= 0).sum())
-            layers = model.args.num_hidden_layers + (1 if mtp else 0)  # every layer attends a selection
-            indexer = {"indexer_kl": True, "indexer_grad_scale": aux.indexer_weight / max(queries * layers, 1),
-                       "indexer_warmup": bool(batch.get("indexer_warmup", False))}
-        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                    compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
-                    num_supervised=batch.get("num_supervised"), loss_grad_scale=batch.get("loss_grad_scale"),
-                    single_document=batch.get("single_document"), **mtp, **indexer)
+        if aux is not None and aux.mtp:  # averaged over the step's own supervised MTP tokens
+            mtp = {"mtp_targets": mb.mtp_targets, "mtp_num_supervised": mb.num_mtp_supervised,
+                   "mtp_grad_scale": aux.mtp_grad_scale()}
+        if aux is not None and aux.indexer:  # averaged over the step's queries and the KL layers
+            indexer = {"indexer_kl": True, "indexer_grad_scale": aux.indexer_grad_scale(model.kl_layers(aux.mtp)),
+                       "indexer_warmup": aux.indexer_warmup}
+        out = model(mb.input_ids, position_ids=mb.position_ids, document_ids=mb.document_ids,
+                    compute_logits=False, targets=mb.targets, longest_document=mb.longest_document,
+                    num_supervised=mb.num_supervised, loss_grad_scale=mb.loss_scale,
+                    single_document=mb.single_document, **mtp, **indexer)
         if not mtp and not indexer:
             return out.loss_sum, out.num_targets
         stats = {"indexer_kl": out.indexer_kl} if indexer else {}
@@ -220,11 +216,10 @@ class Glm5Spec(ModelSpec):
                              "(config.json num_nextn_predict_layers: 0)")
         model.set_trainable_extras(mtp=mtp, indexer=indexer)
 
-    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                    compute_logits=False, targets=batch["targets"], longest_document=batch.get("longest_document"),
-                    num_supervised=batch.get("num_supervised"), single_document=batch.get("single_document"),
-                    token_logps=True)
+    def token_logps(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        out = model(mb.input_ids, position_ids=mb.position_ids, document_ids=mb.document_ids,
+                    compute_logits=False, targets=mb.targets, longest_document=mb.longest_document,
+                    num_supervised=mb.num_supervised, single_document=mb.single_document, token_logps=True)
         return out.token_logps
 
     def last_token_logits(self, model: nn.Module, input_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -235,12 +230,19 @@ class Glm5Spec(ModelSpec):
         return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
 
     def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig,
-                    pipeline: PipelineOptions | None = None) -> nn.Module:
+                    pipeline: PipelineOptions | None = None) -> StepRunner:
         p = parallel_cfg
-        return parallelize_glm5(model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
-                                ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile,
-                                ep_dispatcher=p.ep_dispatcher,
-                                cp_balance=p.cp_balance, pipeline=pipeline)
+        parallelize_glm5(model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
+                         ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile, ep_dispatcher=p.ep_dispatcher,
+                         cp_balance=p.cp_balance, pipeline=pipeline)
+        return self.step_runner(model)
+
+    def step_runner(self, model: nn.Module) -> StepRunner:
+        """The pipeline's runner `parallelize_glm5` built under pipeline parallelism, else the whole
+        model's (its context-parallel shard, if any, gathers whole rows)."""
+        built = getattr(model, "step_runner", None)
+        return built or PlainRunner(model, self.loss, self.token_logps, self.moe_layers(model),
+                                    model.model.sequence_shard)
 
     def pipeline_options(self, **options: Any) -> PipelineOptions:
         return PipelineOptions(**options)
@@ -249,12 +251,6 @@ class Glm5Spec(ModelSpec):
         # MTP layers hold weights only: they take no part in the forward pass.
         return [(name, module) for name, module in model.named_modules()
                 if isinstance(module, MoE) and not name.startswith("mtp.")]
-
-    def pipeline(self, model: nn.Module) -> Any:
-        return getattr(model, "pipeline", None)  # parallelize_glm5 sets it (None without PP)
-
-    def local_tokens(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return model.model.local_tokens
 
     def layers_per_stage(self, model: nn.Module) -> list[int]:
         """The pipeline split `parallelize` chose (layers per stage), for the run's description."""

@@ -10,9 +10,9 @@ first MTP layer and its loss.
     stage i:        h (+ e) (+ carried selection) -> h (+ e) (+ carried selection)
     last stage:     h (+ e) (+ carried selection) -> loss_sum x loss_scale   ([1])
 
-The last stage's loss is the summed cross-entropy of the targets, or, when the microbatch's facts
-carry a `token_loss` (another objective: preference pairs), that function of the targets'
-log-probabilities.
+The last stage's loss is the summed cross-entropy of the targets, or, when the queued microbatch
+carries a `token_loss` (another objective: preference pairs), that function of its rows and their
+targets' log-probabilities.
 
 The MTP layer at position t reads the embedding of token t + 1 (`model.py`), and the embedding
 lives on the first stage. With `mtp` the first stage embeds the next tokens too
@@ -28,12 +28,12 @@ their optimizer state and a gradient all-reduce every step. The MTP layer is the
 stage's root: gathered, and its gradients reduced, with the stage's); without `mtp` the MTP
 layers stay outside every stage: never run, they must not be units of a stage's FSDP tree,
 whose no-sync microbatches touch every unit's gradients. Its loss is attached to the main
-loss's backward with the microbatch's `mtp_grad_scale` (`models/common/aux_loss.py`); its
+loss's backward with the microbatch's MTP factor (`mb.aux`, `models/common/aux_loss.py`); its
 (sum, count) and its acceptance's (`Glm5ForCausalLM.mtp_acceptance`) are kept in `statistics`.
 
 With the indexers' KL loss (`indexer_kl`, `indexer_loss.py`) every stage's layers compute their KL
-and `run_layers` attaches each to its layer's output with the microbatch's `indexer_grad_scale`
-(the one-process factor: weight / (the step's queries x the model's KL layers)), so the schedule's
+and `run_layers` attaches each to its layer's output with the microbatch's indexer factor (`mb.aux`:
+the one-process factor, weight / (the step's queries x the model's KL layers)), so the schedule's
 backward through a stage differentiates its own layers' KL; the last stage's MTP layer adds its own.
 Each stage adds its layers' fp64 (KL sum, counted queries x layers) to `statistics["indexer_kl"]`:
 summed over the stages, one process's. The selection's graph (a shared-indexer layer's KL trains
@@ -41,13 +41,12 @@ the indexer of the full layer it reuses) never crosses a stage: stages start on 
 (`parallelize.split_model`). The warm-up (dense attention, the main model without gradients) does not
 run here: a stage's output would carry no graph back to the stages before it.
 
-Side inputs every stage needs (positions, documents, targets) come as keyword
-arguments; `torch.distributed.pipelining` hands each microbatch's keyword arguments to
-every stage, and only the activations travel between stages. Facts about a
-microbatch counted on the host (`MicrobatchFacts`: longest document, one-document rows,
-supervised targets; they pick the attention path and size the loss without a host
-sync) are queued by the caller in `microbatch_facts`, one entry per microbatch in the
-order the schedule runs them (every schedule runs a stage's forwards in microbatch order).
+What every stage needs of a microbatch besides the activations (positions, documents, targets,
+and the facts counted on the host that pick the attention path and size the loss without a host
+sync: longest document, one-document rows, supervised targets; the loss factors) is its rows, a
+`MicroBatch` on the stage's device, queued by the caller in `microbatches` (`StageMicrobatch`),
+one entry per microbatch in the order the schedule runs them (every schedule runs a stage's
+forwards in microbatch order); only the activations travel between stages.
 
 Shared-indexer layers (GLM-5.2/5.3 IndexShare) reuse the top-k selection of the
 latest full-indexer layer. When a stage starts on such a layer, the previous stage
@@ -59,7 +58,7 @@ that moves them itself (a pipeline schedule only moves tensors that can carry a 
 
 A stage implements the stage interface `glmtune/distributed/pipeline.py` documents
 (`is_first`, `is_last`, `num_activations`, `carry_in`, `carry_out`, `send_selection`,
-`receive_selection`, `microbatch_facts`, `loss_sums`, `statistics`, `local_tokens`). The model
+`receive_selection`, `microbatches`, `loss_sums`, `statistics`, `local_tokens`). The model
 knows nothing of parallelism: which stages exist, on which rank, and how their activations move
 is the pipeline's business; the split itself is the plan's (`parallelize.split_model`).
 
@@ -73,7 +72,7 @@ from torch import nn
 
 from glmtune.models.common.aux_loss import attach
 from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logps
-from glmtune.models.common.microbatch_facts import MicrobatchFacts
+from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 from glmtune.models.glm5.model import Glm5ForCausalLM, LayerInputs
 from glmtune.models.glm5.moe import MoE
 
@@ -140,7 +139,9 @@ class Glm5Stage(nn.Module):
         self.moe = [(f"model.layers.{i}.mlp", core.layers[i].mlp) for i in layer_ids
                     if isinstance(core.layers[i].mlp, MoE)]
         self.expert_load: dict[str, torch.Tensor] = {}
-        self.microbatch_facts: list[MicrobatchFacts] = []
+        self.microbatches: list[StageMicrobatch] = []
+        # The layers computing an indexer KL over the whole model, as one process counts them.
+        self.kl_layers = model.kl_layers(mtp)
         # (mask uint8 [B, S, T], flag uint8 [1]) -> None, and () -> the same pair: see the module docstring
         self.send_selection = None
         self.receive_selection = None
@@ -156,7 +157,7 @@ class Glm5Stage(nn.Module):
         """The model's context-parallel shard (None: every query is local), for losses over whole rows."""
         return self.core[0].sequence_shard
 
-    def forward(self, x, *received, position_ids, document_ids, targets=None, mtp_targets=None):
+    def forward(self, x, *received):
         """One microbatch through this stage.
 
         Args:
@@ -164,13 +165,13 @@ class Glm5Stage(nn.Module):
             received: after the first stage, the next tokens' embeddings [B, S, D] (with `mtp`),
                 then the previous stage's selection (uint8 [B, S, T] and uint8 [1]) when this stage
                 starts on a shared-indexer layer and no `receive_selection` is set.
-            position_ids, document_ids: [B, T] of the full rows.
-            targets: [B, T] next-token ids (-100: no loss), used by the last stage.
-            mtp_targets: [B, T] the tokens after next (-100: no loss), used by the last stage with `mtp`.
-        The next entry of `microbatch_facts` describes this microbatch.
+        The next entry of `microbatches` is this microbatch: its rows (positions and documents of
+        the full rows [B, T], the targets [B, T] the last stage reads, the MTP targets with `mtp`)
+        and their host facts.
         """
-        assert self.microbatch_facts, "queue the microbatch's host facts before running the stage"
-        facts = self.microbatch_facts.pop(0)
+        assert self.microbatches, "queue the microbatch's rows before running the stage"
+        queued = self.microbatches.pop(0)
+        mb = queued.rows
         core = self.core[0]
         received = list(received)
         if self.is_first:
@@ -178,10 +179,11 @@ class Glm5Stage(nn.Module):
             next_BSD = core.next_token_embeds(x) if self.mtp else None
         else:
             h_BSD, next_BSD = x, received.pop(0) if self.mtp else None
-        batch, seq_len = position_ids.shape
-        inputs = core.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, position_ids, document_ids,
-                                   facts.longest, facts.single_document, indexer_kl=self.indexer_kl,
-                                   indexer_grad_scale=facts.indexer_grad_scale, dense=False)
+        batch, seq_len = mb.position_ids.shape
+        kl_scale = mb.aux.indexer_grad_scale(self.kl_layers) if mb.aux is not None else None
+        inputs = core.layer_inputs(batch, seq_len, h_BSD.device, h_BSD.dtype, mb.position_ids, mb.document_ids,
+                                   mb.longest_document, mb.single_document, indexer_kl=self.indexer_kl,
+                                   indexer_grad_scale=kl_scale, dense=False)
         selection = None
         if self.carry_in:
             carried_mask, carried_all = received if self.receive_selection is None else self.receive_selection()
@@ -191,7 +193,7 @@ class Glm5Stage(nn.Module):
             for name, moe in self.moe:
                 self.expert_load[name] = self.expert_load.get(name, 0) + moe.tokens_per_expert
         if self.is_last:
-            loss = self._loss(h_BSD, next_BSD, inputs, facts, targets, mtp_targets)
+            loss = self._loss(h_BSD, next_BSD, inputs, queued)
             self._add_indexer_kl(inputs)  # after the MTP layer's
             return loss
         self._add_indexer_kl(inputs)
@@ -219,28 +221,27 @@ class Glm5Stage(nn.Module):
         if inputs.indexer_kl is not None:
             self._add_statistic("indexer_kl", inputs.indexer_kl.stats)
 
-    def _loss(self, h_BSD, next_BSD, inputs: LayerInputs, facts: MicrobatchFacts, targets, mtp_targets):
-        """The last stage's loss of the microbatch: its sum x `facts.loss_scale`, as a [1] tensor."""
-        local = self.local_tokens
+    def _loss(self, h_BSD, next_BSD, inputs: LayerInputs, queued: StageMicrobatch):
+        """The last stage's loss of the microbatch: its sum x `mb.loss_scale`, as a [1] tensor."""
+        mb, local = queued.rows, self.local_tokens
         hidden_BSD = self.norm(h_BSD)
-        if facts.token_loss is not None:  # another objective: a function of the targets' log-probabilities
-            loss_sum = facts.token_loss(chunked_token_logps(hidden_BSD, self.lm_head.weight, local(targets),
-                                                            self.loss_chunk_size, facts.supervised))
+        if queued.token_loss is not None:  # another objective: a function of the targets' log-probabilities
+            loss_sum = queued.token_loss(mb, chunked_token_logps(hidden_BSD, self.lm_head.weight, local(mb.targets),
+                                                                 self.loss_chunk_size, mb.num_supervised))
         else:
-            loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(targets),
-                                                self.loss_chunk_size, num_supervised=facts.supervised,
-                                                grad_scale=facts.loss_scale,
+            loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(mb.targets),
+                                                self.loss_chunk_size, num_supervised=mb.num_supervised,
+                                                grad_scale=mb.loss_scale,
                                                 backward_twice=self.backward_twice)
         self.loss_sums.append(loss_sum.detach())
         if self.mtp:
-            loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, facts, mtp_targets)
-        scaled = loss_sum * facts.loss_scale if facts.loss_scale is not None else loss_sum
+            loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, mb)
+        scaled = loss_sum * mb.loss_scale if mb.loss_scale is not None else loss_sum
         return scaled.reshape(1)  # [1]: the schedule concatenates the microbatches' outputs
 
-    def _attach_mtp_loss(self, loss_sum, hidden_BSD, next_BSD, inputs: LayerInputs, facts: MicrobatchFacts,
-                         mtp_targets) -> torch.Tensor:
+    def _attach_mtp_loss(self, loss_sum, hidden_BSD, next_BSD, inputs: LayerInputs, mb: MicroBatch) -> torch.Tensor:
         """The first MTP layer over the final-normed hidden states (as `Glm5ForCausalLM.forward` runs
-        it), its loss attached to `loss_sum`'s backward with `facts.mtp_grad_scale`; (sum, count)
+        it), its loss attached to `loss_sum`'s backward with the microbatch's MTP factor; (sum, count)
         of the loss and of its acceptance added to `statistics`."""
         layer_args = (hidden_BSD, next_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, inputs.plain_causal,
                       inputs.sparse_needed, inputs.shard)
@@ -251,18 +252,18 @@ class Glm5Stage(nn.Module):
             with kl.grad_context():
                 mtp_BSD, kl_stats = self.mtp_layer(*layer_args, indexer_kl=kl.request)
             mtp_BSD = kl.collect(mtp_BSD, kl_stats)
-        local_targets_BS = self.local_tokens(mtp_targets)
+        local_targets_BS = self.local_tokens(mb.mtp_targets)
+        grad_scale = mb.aux.mtp_grad_scale() if mb.aux is not None else None
         mtp_sum, count = chunked_cross_entropy(mtp_BSD, self.lm_head.weight, local_targets_BS,
-                                               self.loss_chunk_size, num_supervised=facts.mtp_supervised,
-                                               grad_scale=facts.mtp_grad_scale,
-                                               backward_twice=self.backward_twice)
+                                               self.loss_chunk_size, num_supervised=mb.num_mtp_supervised,
+                                               grad_scale=grad_scale, backward_twice=self.backward_twice)
         accepted = self.causal_lm[0].mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
         for name, pair in (("mtp_loss", torch.stack([mtp_sum.detach().float(), count.float()])),
                            ("mtp_acceptance", accepted)):
             self._add_statistic(name, pair)
-        if facts.mtp_grad_scale is None:  # forward only
+        if grad_scale is None:  # forward only
             return loss_sum
-        return attach(loss_sum, mtp_sum, facts.mtp_grad_scale)
+        return attach(loss_sum, mtp_sum, grad_scale)
 
 
 def split_into_stages(model: Glm5ForCausalLM, layers_per_stage: list[int], stage_ids: list[int],

@@ -13,8 +13,8 @@ take as it is. A batch known to hold one document per row (`single_document`) ke
 causal path.
 
 `loss_sum` and `token_logps` apply glmtune's chunked loss (models/common/loss.py) to the final
-hidden states and the LM head's weight: no [tokens, vocab] logits are materialized. Under FSDP2
-they run as a forward method of the root unit (`FSDP_RUN`), which gathers its parameters.
+hidden states of a `MicroBatch` (models/common/microbatch.py) and the LM head's weight: no
+[tokens, vocab] logits are materialized. Under FSDP2 they run as a forward method of the root unit (`FSDP_RUN`), which gathers its parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from transformers.masking_utils import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logps
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.hf.args import HfArgs
 
 LOSS_CHUNK_SIZE = 2048
@@ -123,36 +124,33 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     return out.last_hidden_state
 
 
-def call_on(model: nn.Module, fn, batch: dict[str, torch.Tensor]):
-    """`fn(model, batch)`: the root's FSDP forward method (`FSDP_RUN`) once parallelize.py sets it."""
-    return fn(model, batch)
+def call_on(model: nn.Module, fn, mb: MicroBatch):
+    """`fn(model, mb)`: the root's FSDP forward method (`FSDP_RUN`) once parallelize.py sets it."""
+    return fn(model, mb)
 
 
-def _run(model: nn.Module, fn, batch: dict[str, torch.Tensor]):
+def _run(model: nn.Module, fn, mb: MicroBatch):
     run = getattr(model, FSDP_RUN, None)
-    return fn(model, batch) if run is None else run(fn, batch)
+    return fn(model, mb) if run is None else run(fn, mb)
 
 
-def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 summed cross-entropy over the supervised targets, their count) of one packed batch."""
-    return _run(model, _loss_sum, batch)
+def loss_sum(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 summed cross-entropy over the supervised targets, their count) of one packed micro-batch."""
+    return _run(model, _loss_sum, mb)
 
 
-def token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_logps(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     """fp32 [B, S] log-probability of each supervised target (0 elsewhere)."""
-    return _run(model, _token_logps, batch)
+    return _run(model, _token_logps, mb)
 
 
-def _loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden_BSD = final_hidden(model, batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"),
-                              batch.get("single_document"))
-    return chunked_cross_entropy(hidden_BSD, model.get_output_embeddings().weight, batch["targets"],
-                                 LOSS_CHUNK_SIZE, num_supervised=batch.get("num_supervised"),
-                                 grad_scale=batch.get("loss_grad_scale"))
+def _loss_sum(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden_BSD = final_hidden(model, mb.input_ids, mb.position_ids, mb.document_ids, mb.single_document)
+    return chunked_cross_entropy(hidden_BSD, model.get_output_embeddings().weight, mb.targets,
+                                 LOSS_CHUNK_SIZE, num_supervised=mb.num_supervised, grad_scale=mb.loss_scale)
 
 
-def _token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    hidden_BSD = final_hidden(model, batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"),
-                              batch.get("single_document"))
-    return chunked_token_logps(hidden_BSD, model.get_output_embeddings().weight, batch["targets"],
-                               LOSS_CHUNK_SIZE, num_supervised=batch.get("num_supervised"))
+def _token_logps(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    hidden_BSD = final_hidden(model, mb.input_ids, mb.position_ids, mb.document_ids, mb.single_document)
+    return chunked_token_logps(hidden_BSD, model.get_output_embeddings().weight, mb.targets,
+                               LOSS_CHUNK_SIZE, num_supervised=mb.num_supervised)

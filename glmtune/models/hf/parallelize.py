@@ -65,5 +65,4 @@ def parallelize_hf(model: nn.Module, *, mesh=None, activation_checkpointing: str
             layer.compile()
     if mesh is not None and mesh.degrees.fsdp_applies():
         apply_fsdp(model, mesh.fsdp_mesh(), reduce_dtype)
-    model.pipeline = None
     return model

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,9 @@ from transformers import AutoModelForCausalLM
 
 from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.io.outputs import output_dir
-from glmtune.models.common.aux_loss import AuxiliaryLosses
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.common.step_runner import StepRunner
 from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.decoding import HF_DECODING
 from glmtune.models.hf.family import HF_FAMILY
@@ -197,36 +197,31 @@ class HfSpec(ModelSpec):
         return HfStateDictAdapter(args)
 
     # -- train -------------------------------------------------------------------------
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor],
-             aux: AuxiliaryLosses | None = None) -> tuple[torch.Tensor, ...]:
-        if aux is not None and (aux.mtp_weight > 0 or aux.indexer_weight > 0):
+    def loss(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+        if mb.aux is not None and (mb.aux.mtp or mb.aux.indexer):
             raise ValueError("train.mtp_loss_weight / train.indexer_loss_weight: the hf family has no "
                              "multi-token-prediction layer or indexer")
-        return loss_sum(model, batch)
+        return loss_sum(model, mb)
 
-    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_logps(model, batch)
+    def token_logps(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return token_logps(model, mb)
 
     def flops_per_token(self, args: HfArgs, doc_lengths: list[int]) -> float:
         return flops_per_token(args, doc_lengths)
 
-    def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig, pipeline: Any = None) -> nn.Module:
+    def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig, pipeline: Any = None
+                    ) -> StepRunner:
         if pipeline is not None:
             raise _not_yet("pipeline parallelism")
-        return parallelize_hf(model, mesh=mesh, activation_checkpointing=parallel_cfg.activation_checkpointing,
-                              compile=parallel_cfg.compile)
+        parallelize_hf(model, mesh=mesh, activation_checkpointing=parallel_cfg.activation_checkpointing,
+                       compile=parallel_cfg.compile)
+        return self.step_runner(model)  # the whole model: EP, PP and CP are refused
 
     def pipeline_options(self, **options: Any) -> Any:
         raise _not_yet("pipeline parallelism")
 
     def moe_layers(self, model: nn.Module) -> list[tuple[str, Any]]:
         return []  # module docstring: no router statistics or bias updates for transformers' MoE layers
-
-    def pipeline(self, model: nn.Module) -> Any:
-        return None
-
-    def local_tokens(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda tensor: tensor  # no context parallelism: every rank holds whole rows
 
     def layers_per_stage(self, model: nn.Module) -> list[int]:
         return [model.config.num_hidden_layers]  # one stage

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.mesh import ParallelMesh
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.hf.spec import HF
 from tests.distributed.gloo_helpers import run_gloo
 from tests.models.hf.conftest import packed_batch, write_checkpoint
@@ -42,7 +43,7 @@ def _rank_step(rank: int, world_size: int, directory: str, out: str, sharded_loa
     if sharded_load:
         assert HF.load_sharded(model, directory, "cpu").tensors == len(model.state_dict())
     total = sum(_supervised(_row(r)) for r in range(world_size))
-    loss_sum, _ = HF.loss(model, _row(rank))
+    loss_sum, _ = HF.loss(model, MicroBatch(**_row(rank)))
     (loss_sum / total).backward()
     summed = loss_sum.detach().clone()
     dist.all_reduce(summed)
@@ -64,7 +65,7 @@ def test_fsdp2_on_two_ranks_equals_one_process(tmp_path, arch, sharded_load):
     model = HF.load_pretrained(directory, torch.float32, "cpu")
     rows = [_row(0), _row(1)]
     both = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
-    loss_sum, _ = HF.loss(model, both)
+    loss_sum, _ = HF.loss(model, MicroBatch(**both))
     (loss_sum / sum(_supervised(row) for row in rows)).backward()
 
     torch.testing.assert_close(sharded["loss_sum"], loss_sum.detach(), rtol=1e-6, atol=1e-5)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.hf.spec import HF
 
 from .conftest import packed_batch
@@ -57,7 +58,7 @@ def test_build_from_args_is_transformers_class(tiny_dir):
 def test_training_step_equals_transformers(tiny_dir):
     batch = packed_batch([16], seed=1)
     ours, theirs = HF.load_pretrained(tiny_dir, torch.float32, "cpu"), reference(tiny_dir)
-    loss, count = HF.loss(ours, batch)
+    loss, count = HF.loss(ours, MicroBatch(**batch))
     expected = reference_loss(theirs, batch)
     assert int(count) == 15
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
@@ -83,25 +84,25 @@ def test_packed_documents_equal_separate_runs(tiny_dir):
     packed, first, second = packed_batch([9, 7], seed=2), packed_batch([9], seed=2), None
     second = {key: value[:, 9:] for key, value in packed.items()}
     second["document_ids"] = second["document_ids"] - 1
-    loss, count = HF.loss(model, packed)
+    loss, count = HF.loss(model, MicroBatch(**packed))
     loss.backward()
     packed_grads = grads(model)
     model.zero_grad()
-    separate = [HF.loss(model, batch) for batch in (first, second)]
+    separate = [HF.loss(model, MicroBatch(**batch)) for batch in (first, second)]
     sum(loss for loss, _ in separate).backward()
     assert int(count) == 14 == sum(int(n) for _, n in separate)
     torch.testing.assert_close(loss, sum(loss for loss, _ in separate), rtol=1e-5, atol=1e-5)
     for name, grad in grads(model).items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    logps = HF.token_logps(model, packed)
-    apart = torch.cat([HF.token_logps(model, batch) for batch in (first, second)], dim=1)
+    logps = HF.token_logps(model, MicroBatch(**packed))
+    apart = torch.cat([HF.token_logps(model, MicroBatch(**batch)) for batch in (first, second)], dim=1)
     torch.testing.assert_close(logps, apart, rtol=1e-5, atol=1e-5)
     # Positions running on across the boundary: only the document ids tell the documents apart
     # (RoPE is relative, so the second document still equals its separate run); without them the
     # second document attends the first.
     running = {**packed, "position_ids": torch.arange(16)[None]}
-    torch.testing.assert_close(HF.token_logps(model, running), apart, rtol=1e-5, atol=1e-5)
-    leaked = HF.token_logps(model, {**running, "document_ids": None})
+    torch.testing.assert_close(HF.token_logps(model, MicroBatch(**running)), apart, rtol=1e-5, atol=1e-5)
+    leaked = HF.token_logps(model, MicroBatch(**{**running, "document_ids": None}))
     assert (leaked - apart)[:, 9:].abs().max() > 1e-2
 
 
@@ -125,11 +126,12 @@ def test_activation_checkpointing_keeps_loss_and_gradients(tiny_dir):
 
     batch = packed_batch([6, 10], seed=3)
     plain = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
-    checkpointed = HF.parallelize(copy.deepcopy(plain), None, ParallelConfig(activation_checkpointing="full"))
+    checkpointed = copy.deepcopy(plain)
+    HF.parallelize(checkpointed, None, ParallelConfig(activation_checkpointing="full"))
     results = []
     for model in (plain, checkpointed):
         model.train()
-        loss, _ = HF.loss(model, batch)
+        loss, _ = HF.loss(model, MicroBatch(**batch))
         loss.backward()
         results.append((loss.detach(), grads(model)))
     assert torch.equal(results[0][0], results[1][0])
