@@ -6,6 +6,9 @@ lines`, or `--tflops-per-gpu X` measured on `--measured-gpu`) its wall time, GPU
 `--price-per-gpu-hour`, its cost, per GPU kind (`--gpu`, default the plan's: H100 and H200), with
 the plan's speed source and assumptions named. A plan takes speed from a measurement, never a
 datasheet, so `--recipe` without one is refused, and so is any of these options without `--recipe`.
+The recipe's data is not read (as `glmtune plan --no-data`): reading it would fill the tokenization
+cache, and decide writes nothing outside --out; the run is `train.max_steps` steps of the global
+batch, each row `data.packed_sequence_size` tokens, as the plan counts it without its data.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def plan_cost(options: CostOptions) -> dict | None:
     if options.recipe is None:
         return None
     cfg = load_config(options.recipe)
-    plan_options = PlanOptions(price_per_gpu_hour=options.price_per_gpu_hour, measurement=options.measurement())
+    plan_options = PlanOptions(price_per_gpu_hour=options.price_per_gpu_hour, measurement=options.measurement(),
+                               read_data=False)
     if options.gpus:
         plan_options.gpus = list(options.gpus)
     report = build_plan(cfg, options.recipe, plan_options)
@@ -82,7 +86,8 @@ def cost_line(cost: dict) -> list[str]:
     """The cost beside the verdict, one line per GPU kind."""
     lines = []
     for g in cost["gpus"]:
-        price = f"cost {g['cost']:,.0f}" if g["cost"] is not None else "no price (--price-per-gpu-hour)"
+        price = ("no price (--price-per-gpu-hour)" if g["cost"] is None else
+                 f"cost {g['cost']:,.0f}" if g["cost"] >= 100 else f"cost {g['cost']:,.2f}")
         fits = "" if g["fits"] else " (the recipe's layout does not fit this GPU's memory)"
         lines.append(f"fine-tuning by {cost['recipe']} on {g['gpus']} x {g['gpu']}: {g['wall_hours']:,.4g} h wall, "
                      f"{g['gpu_hours']:,.4g} GPU-hours, {price}{fits}; speed: {cost['speed_source']}")

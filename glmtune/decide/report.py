@@ -125,22 +125,23 @@ def render_preface_markdown(section: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _redact(value: Any, secrets: list[str]) -> Any:
+def redact(value: Any, secrets: list[str]) -> Any:
     """`value` with every occurrence of a secret in its strings (keys included) replaced."""
     if isinstance(value, str):
         for secret in secrets:
             value = value.replace(secret, REDACTED)
         return value
     if isinstance(value, dict):
-        return {_redact(k, secrets): _redact(v, secrets) for k, v in value.items()}
+        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact(v, secrets) for v in value]
+        return [redact(v, secrets) for v in value]
     return value
 
 
 def write_decision(out: Path, overwrite: bool, reads: list, suite, loaded, decision: dict,
-                   secrets: list[str]) -> None:
-    decision = _redact(decision, secrets)
+                   secrets: list[str]) -> dict:
+    """Write the directory (module docstring); returns the decision as written (keys redacted)."""
+    decision = redact(decision, secrets)
     section = preface(decision)
     labels = [a["label"] for a in decision["arms"]]
     files = {"decision.json": json_out.dumps(decision, indent=1, ensure_ascii=False) + "\n",
@@ -157,3 +158,4 @@ def write_decision(out: Path, overwrite: bool, reads: list, suite, loaded, decis
         for path in tmp.rglob("*"):  # the sets and the suite are the user's files: a key there is theirs
             assert not (path.is_file() and path.parent == tmp and path.suffix != ".yaml"
                         and any(secret.encode() in path.read_bytes() for secret in secrets)), path
+    return decision

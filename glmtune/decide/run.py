@@ -30,7 +30,7 @@ from glmtune.decide.documents import DEFAULT_CHUNK_WORDS, DEFAULT_OVERLAP, read_
 from glmtune.decide.examples import MAX_SHOTS, SHOTS_BY, eval_split_keys, load_examples
 from glmtune.decide.grounding import grounding_metrics
 from glmtune.decide.passages import DEFAULT_PASSAGES, MAX_PASSAGES, Passages
-from glmtune.decide.report import decision_document, write_decision
+from glmtune.decide.report import decision_document, redact, write_decision
 from glmtune.decide.targets import Target, check_key_env, check_labels, parse_target
 from glmtune.decide.verdict import Arm, decide
 from glmtune.eval.answering import Prompting
@@ -109,8 +109,8 @@ def _resolve(arg: str, label: str, role: str, options: EndpointOptions, option: 
         try:
             source = resolve_endpoint(arg, "base" if role == "base" else "candidate", options)
         except ValueError as exc:  # eval names its own options; decide's are --base / --compare ...,model=
-            raise ValueError(str(exc).replace("--candidate-model", f"{option},model=ID").replace(
-                "--candidate", option)) from None
+            raise ValueError(str(exc).replace("--candidate-model", f"model= ({option},model=ID)").replace(
+                "--candidate", "--compare")) from None
     else:
         source = resolve_model(arg, "base" if role == "base" else "candidate")
     return dataclasses.replace(source, label=label, role=role)
@@ -128,14 +128,16 @@ def _models(o: DecideOptions) -> tuple[ArmSpec, list[ArmSpec]]:
     o.endpoint.check(o.base, first_endpoint)  # ranges; --base-model with an endpoint --base
     base_options = dataclasses.replace(o.endpoint, api_key_env=o.base_key_env)
     base = ArmSpec("base", "base", _resolve(o.base, "base", "base", base_options, "--base"), [],
-                   "the model as it is", base_options if is_endpoint(o.base) else None)
+                   "the model as it is", base_options if is_endpoint(o.base) else None,
+                   info={"api_key_env": o.base_key_env} if o.base_key_env else {})
     alternatives = []
     for t in targets:
         options = _target_options(o.endpoint, t)
         model = _resolve(t.source, t.label, "candidate", options, f"--compare {t.source}")
         via = f" ({model.model} over the {model.api} API)" if t.is_endpoint else ""
         alternatives.append(ArmSpec(t.label, "alternative", model, [], f"{model.kind} {t.source}{via}",
-                                    options if t.is_endpoint else None, t.cost_per_1k))
+                                    options if t.is_endpoint else None, t.cost_per_1k,
+                                    info={"api_key_env": t.key_env} if t.key_env else {}))
     return base, alternatives
 
 
@@ -177,7 +179,23 @@ def _reads(suite: Suite, arms: list[ArmSpec], o: DecideOptions) -> list[tuple[st
 
 def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
     """Run every arm and write the decision directory; returns (the decision, its directory).
-    ValueError: user errors, before any model runs."""
+    ValueError: user errors, before any model runs. No API key the endpoints were given reaches the
+    log, an error message, the decision or a file (a server may echo one back)."""
+    secrets = _secrets(o)
+    try:
+        return _run(o, lambda message: log(redact(message, secrets)), secrets)
+    except Exception as exc:
+        text = str(exc)
+        if not any(secret in text for secret in secrets):
+            raise
+        try:
+            clean = type(exc)(redact(text, secrets))
+        except Exception:  # an exception type that takes other arguments
+            clean = RuntimeError(redact(text, secrets))
+        raise clean from None
+
+
+def _run(o: DecideOptions, log: Callable[[str], None], secrets: list[str]) -> tuple[dict[str, Any], Path]:
     suite = load_suite(o.suite)
     _check_suite(suite)
     o.check()
@@ -214,8 +232,7 @@ def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[di
         prints.update({a.label: prints["base"] for a in arms if a.kind in ("prompted", "retrieval")})
         results = _run_arms(arms, prompting, executor if suite.file.tools.functions else None, windows, placement, log)
     decision = _decision(suite, loaded, arms, prints, results, template, o, cost)
-    write_decision(out, o.overwrite, reads, suite, loaded, decision, _secrets(o, alternatives))
-    return decision, out
+    return write_decision(out, o.overwrite, reads, suite, loaded, decision, secrets), out
 
 
 def _run_arms(arms: list[ArmSpec], prompting, executor, windows, placement: Placement, log) -> dict[str, dict]:
@@ -258,8 +275,8 @@ def _decision(suite: Suite, loaded, arms: list[ArmSpec], prints: dict, results: 
     return decision_document(card, arms, verdict, not_tried, cost, grounding_failures)
 
 
-def _secrets(o: DecideOptions, alternatives: list[ArmSpec]) -> list[str]:
-    """The API keys the endpoints were given (their values, read from the environment), which no
-    written file may hold."""
-    names = [o.base_key_env] + [a.endpoint.api_key_env for a in alternatives if a.endpoint is not None]
+def _secrets(o: DecideOptions) -> list[str]:
+    """The API keys the endpoints are given (the values of the variables --base-key-env and each
+    --compare's key-env name), which nothing written or printed may hold."""
+    names = [o.base_key_env] + [parse_target(spec).key_env for spec in o.compare]
     return [os.environ[name] for name in names if name and os.environ.get(name)]

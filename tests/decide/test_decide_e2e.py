@@ -6,7 +6,8 @@ prompt, the retrieval arm 2 passages of the bundled documents. What each arm's m
 recorded at `generate` (the real one, wrapped): every prompt is the row's prompt with that arm's
 examples or passages, rendered with the one chat template. Neither model answers tickets or
 catalog questions, so the gates fail in every arm and the verdict is "fine-tune" (exit 1), naming
-the categories. Nothing is written outside --out; the run directory is untouched.
+the categories, with the recipe's cost from the run's measured speed (the plan's figures). Nothing
+is written outside --out; the run directory is untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval.backends import generate as real_generate
 from tests.decide.helpers import (BUNDLED, TICKET_SCORERS, decision_of, metric, run_cli, small_suite, trained_run,
                                   write_jsonl)
+from tests.train.run_helpers import printed
 from tests.tree_snapshot import changes, snapshot
 
 
@@ -67,7 +69,8 @@ def test_every_arm_on_the_tiny_model(shared_results, tmp_path, monkeypatch):
     code, stdout, stderr = run_cli(["decide", str(suite), "--base", str(run_dir), "--examples", str(run_dir),
                                     "--shots", "2", "--shots-by", "nearest", "--docs", str(tmp_path / "docs"),
                                     "--passages", "2", "--compare", f"{run_dir},name=trained,cost-per-1k=0.5",
-                                    "--out", str(out), "--device", "cpu"])
+                                    "--recipe", "tiny/sft_support_json", "--throughput", str(run_dir), "--gpu",
+                                    "h200-141g", "--price-per-gpu-hour", "2.5", "--out", str(out), "--device", "cpu"])
     assert code == 1, stdout + stderr
     assert changes(before, snapshot(tmp_path, ignore=("out",))) == [] and changes(run_before, snapshot(run_dir)) == []
     decision = decision_of(out)
@@ -78,6 +81,10 @@ def test_every_arm_on_the_tiny_model(shared_results, tmp_path, monkeypatch):
     assert verdict["text"].startswith("fine-tune: these gates fail in every arm (base, prompted, retrieval, trained): ")
     assert {g["gate"]: g["category"] for g in verdict["failing_everywhere"]} == {"exact": "task", "facts": "facts"}
     assert "verdict: fine-tune" in stdout and "report: " in stdout
+    [line] = verdict["cost"]  # the plan's figures for the recipe, from the run's measured speed
+    assert line.startswith("fine-tuning by tiny/sft_support_json on 1 x h200-141g: ") and printed(stdout, line)
+    assert line.endswith(f"; speed: measured: {run_dir / 'metrics.jsonl'}, 0 TFLOP/s per GPU")
+    assert decision["cost"]["gpus"][0]["cost"] == pytest.approx(decision["cost"]["gpus"][0]["gpu_hours"] * 2.5, 1e-5)
     models = {m["label"]: m for m in decision["scorecard"]["models"]}
     assert models["prompted"]["fingerprint"] == models["base"]["fingerprint"] != models["trained"]["fingerprint"]
     assert decision["arms"][1]["examples"] == {"source": str(next((run_dir / "data").glob("train-*.jsonl"))),
