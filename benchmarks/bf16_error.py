@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from benchmarks.timing import emit
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.moe import set_moe_dispatch_backend
 

@@ -88,7 +88,7 @@ def build_models(a, folder: Path):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from glmtune.checkpoint.hf_io import save_pretrained
+    from glmtune import save_pretrained
     from glmtune.models.glm5.model import build_model
 
     ours = build_model(model_args(a), a.dtype, a.device, seed=a.seed).eval()

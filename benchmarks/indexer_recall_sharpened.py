@@ -81,7 +81,7 @@ from pathlib import Path
 
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.config.loader import load_config
 from glmtune.data.chat_template import load_chat_template, tokenize_conversation
 from glmtune.data.synthetic import generate_rows

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
 from tests.shared_results import SharedResults
 

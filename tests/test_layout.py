@@ -88,12 +88,6 @@ DECLARED_LAZY: set[tuple[str, str]] = set()  # filled by import_graph()
 # Family imports from outside the family (issue 45): (importing module, the family's module);
 # moved behind the spec one by one, until none is left.
 KNOWN_FAMILY: set[tuple[str, str]] = {
-    ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.args"),
-    ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.model"),
-    ("glmtune.checkpoint.hf_io", "glmtune.models.glm5.state_dict_adapter"),
-    ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.args"),
-    ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.model"),
-    ("glmtune.checkpoint.hf_verify", "glmtune.models.glm5.state_dict_adapter"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.args"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.fp8_base"),
     ("glmtune.peft.merge_stream", "glmtune.models.glm5.model"),

@@ -16,8 +16,9 @@ units as stored, and the stored chunks DCP reads for it (`torch.load` of one ran
 tensor, whole; the whole tensor for a one-process checkpoint, about 1/N of it for one written
 by N ranks; DCP holds the last one read while it reads the next), whatever the model's size.
 
-Knows no family: the spec passes its state-dict adapter (HF keys and the views they are of)
-and the dtypes the tensors are written in (GLM-5's: `glmtune/models/glm5/spec.py`).
+Knows no family: the spec passes its `HfFormat` and the model's args (models/common/hf_format.py:
+the state-dict adapter's HF keys and the views they are of, the model on meta whose dtypes the
+tensors are written in, config.json), as to `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -39,9 +40,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader, WeightsOnlyLoadPlanner, failure_of
 from glmtune.checkpoint.fp8_layout import is_fp8
-from glmtune.checkpoint.hf_io import host_copy, meta_state, plan_shards, write_metadata, write_planned_shards
+from glmtune.checkpoint.hf_io import (
+    host_copy,
+    meta_state,
+    plan_shards,
+    write_metadata,
+    write_planned_shards,
+    written_dtypes,
+)
 from glmtune.io.outputs import output_dir
 from glmtune.io.sizes import parse_size
+from glmtune.models.common.hf_format import HfFormat
 
 MODEL_PREFIX = "model."  # CheckpointManager saves {"model": ..., "optim": ...}; DCP flattens the keys
 Unit = tuple[str, int | None]  # (model state key, expert index of a stacked expert tensor, or None: all of it)
@@ -58,20 +67,21 @@ class _Part:
 
 
 def stream_export(model: nn.Module, checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype, *,
-                  adapter: Any, written: dict[str, torch.dtype], source_dir: str | Path | None,
-                  max_shard_size: int | str = "5GB", overwrite: bool = False, sources=(), what: str = "OUT") -> Path:
+                  fmt: HfFormat, args: Any, source_dir: str | Path | None, max_shard_size: int | str = "5GB",
+                  overwrite: bool = False, sources=(), what: str = "OUT") -> Path:
     """Write the weights of DCP checkpoint `checkpoint_dir` as the HF directory `out_dir`, as
     `save_pretrained(model, out_dir, dtype=dtype, source_dir=source_dir)` writes them for `model`
     holding those weights, through `output_dir` (never over an input: `source_dir`, `sources`).
 
     Args:
         model: the run's model on the meta device (its state-dict keys, shapes and args).
-        dtype: the dtype the run computed in (the export's; routers stay fp32).
-        adapter: the family's state-dict adapter for the model's args (`to_hf`).
-        written: HF key -> the dtype `save_pretrained` writes it in, for every tensor the
-            checkpoint holds (a tied head is not one): the spec's, from the model built in `dtype`.
+        dtype: the dtype the run computed in (the export's; GLM-5's routers stay fp32).
+        fmt, args: the family's `HfFormat` and the model's args: the state-dict adapter (`to_hf`),
+            and the dtype `save_pretrained` writes each tensor in (`written_dtypes`, from the model
+            built in `dtype` on meta; a tied head is not written).
     """
     limit = parse_size(max_shard_size)
+    adapter, written = fmt.adapter(args), written_dtypes(fmt, args, dtype)
     if source_dir is not None:
         sources = (*sources, ("the tokenizer", source_dir))
     state = model.state_dict()
@@ -84,7 +94,7 @@ def stream_export(model: nn.Module, checkpoint_dir: str | Path, out_dir: str | P
     units = _CheckpointUnits(reader, state, layout, parts, [hf_key for shard in shards for hf_key, _ in shard], limit)
     with output_dir(out_dir, overwrite=overwrite, sources=sources, what=what) as tmp:
         weight_map, total = _write_shards(tmp, shards, units)
-        write_metadata(model, tmp, shards, weight_map, total, dtype, source_dir, fp8=False)
+        write_metadata(fmt.hf_config(args), tmp, shards, weight_map, total, dtype, source_dir, fp8=False)
     return Path(out_dir)
 
 

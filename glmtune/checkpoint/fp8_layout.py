@@ -17,6 +17,9 @@ FP8_BLOCK = fp8_blocks.BLOCK
 SCALE_SUFFIX = "_scale_inv"
 is_fp8 = fp8_blocks.is_fp8
 check_fp8_scale = fp8_blocks.check_scale
+# How these releases describe their weights in config.json (a writer of FP8 weights says so).
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,11 @@ the dtype it computed in and its base checkpoint's), cast one shard at a time, t
 `glmtune.io.outputs.output_dir`: built in a temporary sibling directory, made visible
 in one step when complete, with the user's normal file permissions; never over an
 input (`source_dir`, `sources`).
+
+Knows no family: what it needs of one (config.json read and written, the HF names of the
+state-dict adapter, the model on meta) is the family's `HfFormat` (models/common/hf_format.py),
+which its spec hands over with the args; GLM-5's is glmtune/models/glm5/hf_format.py, wired in
+its spec. The FP8 block-scale layout is checkpoint/fp8_layout.py's, the same for every family.
 """
 
 from __future__ import annotations
@@ -29,13 +34,23 @@ import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
+from glmtune.checkpoint.fp8_layout import (
+    FP8_BLOCK,
+    FP8_QUANTIZATION_CONFIG,
+    SCALE_SUFFIX,
+    check_fp8_scale,
+    dequantize_fp8_block,
+    is_fp8,
+)
 from glmtune.checkpoint.hf_verify import BLOCKING_KINDS, INDEX_NAME, SINGLE_NAME, check_loadable, read_index
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.checkpoint.shard_paths import outside_reason, shard_file, view_source
@@ -44,17 +59,7 @@ from glmtune.io.outputs import check_output, output_dir
 from glmtune.io.regular import kind_of
 from glmtune.io.sizes import parse_size
 from glmtune.kernels import fp8_blocks
-from glmtune.models.glm5.args import Glm5Args
-from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
-from glmtune.models.glm5.state_dict_adapter import (
-    FP8_BLOCK,
-    Glm5StateDictAdapter,
-    SCALE_SUFFIX,
-    Target,
-    check_fp8_scale,
-    dequantize_fp8_block,
-    is_fp8,
-)
+from glmtune.models.common.hf_format import HfFormat, StateDictAdapter, Target
 
 # Files a serving stack needs besides the weights; copied from the source directory.
 TOKENIZER_FILES = (
@@ -121,27 +126,20 @@ def _read(handle, file: Path, key: str) -> torch.Tensor:
         raise ValueError(f"{file}: cannot read tensor {key} (truncated or corrupt file): {exc}") from None
 
 
-def load_pretrained(
-    path: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    attention_backend: str = "auto",
-    moe_backend: str = "grouped_mm",
-    indexer_backend: str = "auto",
-    fp8_base: str | None = None,
-) -> Glm5ForCausalLM:
-    """Load a local HF GLM-5 directory (config.json + safetensors) into a glmtune model.
+def load_pretrained(path: str | Path, fmt: HfFormat, build: Callable[[Any], nn.Module]) -> nn.Module:
+    """Load a local HF directory (config.json + safetensors) of the family `fmt` describes.
 
-    `fp8_base` (an FP8 matmul backend, `glmtune/kernels/fp8_matmul.py`) keeps the base frozen
-    in FP8 (`glmtune/models/glm5/fp8_base.py`): FP8 tensors of the checkpoint are copied with
-    their block scales as they are, bf16 ones are quantized; None dequantizes FP8 tensors."""
+    `build(args)` makes the model of config.json's args (`fmt.read_config`) where and in the dtype
+    it is to live, its weights uninitialized: each tensor of the files is copied in. A model built
+    with a frozen FP8 base (weights in e4m3 with `<key>_scale_inv` block scales beside them) takes
+    FP8 tensors of the checkpoint with their block scales as they are and quantizes bf16 ones;
+    any other model gets FP8 tensors dequantized."""
     path = Path(path)
-    args = Glm5Args.from_hf_config(path)
+    args = fmt.read_config(path)
     files = checkpoint_files(path)
-    check_loadable(path, args)  # every header against the config, before the model is allocated
-    model = build_model(args, dtype, device, attention_backend, moe_backend, init=False,
-                        indexer_backend=indexer_backend, fp8_base=fp8_base)
-    load_state_into(model, files)
+    check_loadable(path, fmt, args)  # every header against the config, before the model is allocated
+    model = build(args)
+    load_state_into(model, files, fmt.adapter(args))
     return model
 
 
@@ -156,11 +154,11 @@ def _check_shard_sizes(files: dict[str, Path]) -> None:
 
 
 @torch.no_grad()
-def load_state_into(model: Glm5ForCausalLM, files: dict[str, Path]) -> None:
-    adapter = Glm5StateDictAdapter(model.args)
+def load_state_into(model: nn.Module, files: dict[str, Path], adapter: StateDictAdapter) -> None:
+    """Fill `model` with the tensors of `files` (`checkpoint_files`), named by its family's `adapter`."""
     state = model.state_dict()
     plan = read_plan(files, adapter, state.keys())
-    check_complete(model.args, {key: tensor.shape for key, tensor in state.items()}, plan, adapter)
+    check_complete({key: tuple(tensor.shape) for key, tensor in state.items()}, plan, adapter)
     for file, entries in plan:
         handle = _open(file)
         for hf_key, target in entries:
@@ -209,7 +207,7 @@ def _destination(state: dict[str, torch.Tensor], target: Target) -> tuple[torch.
 ReadPlan = list[tuple[Path, list[tuple[str, Target]]]]
 
 
-def read_plan(files: dict[str, Path], adapter: Glm5StateDictAdapter, model_keys) -> ReadPlan:
+def read_plan(files: dict[str, Path], adapter: StateDictAdapter, model_keys) -> ReadPlan:
     """(file, [(HF key, its target in the model)]) file by file, in a fixed order (the same on
     every rank); FP8 scales are left out (read with their weight: `fp8_scale_key`).
 
@@ -244,48 +242,32 @@ def fp8_scale_key(files: dict[str, Path], file: Path, hf_key: str) -> str:
     return scale_key
 
 
-def check_complete(args: Glm5Args, shapes: dict[str, tuple[int, ...]], plan: ReadPlan,
-                   adapter: Glm5StateDictAdapter) -> None:
-    """Every model tensor (`shapes`: key -> global shape) is filled by the plan, each expert
-    of a stacked expert tensor included; ValueError naming the first missing HF key."""
-    filled: set[str] = set()
-    expert_parts: dict[str, set] = defaultdict(set)
-    for _, entries in plan:
-        for _, target in entries:
-            if target.expert is None:
-                filled.add(target.key)
-            else:
-                expert_parts[target.key].add((target.expert, target.rows))
-    tied = {"lm_head.weight"} if args.tie_word_embeddings else set()
-    missing = []
-    for key, shape in shapes.items():
-        if key in filled or key in tied or key.endswith(SCALE_SUFFIX):  # FP8 scales come with their weights
-            continue
-        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            parts_per_expert = 2 if key.endswith("gate_up_proj") else 1
-            if len(expert_parts.get(key, ())) == shape[0] * parts_per_expert:
-                continue
-        missing.append(next(iter(adapter.to_hf(key, torch.empty(shape, device="meta"))))[0])
+def check_complete(shapes: dict[str, tuple[int, ...]], plan: ReadPlan, adapter: StateDictAdapter) -> None:
+    """Every model tensor (`shapes`: key -> global shape) is filled by the plan: each HF tensor
+    the adapter stores it as (each expert of a stacked expert tensor) is read; a tied one is not
+    stored, and FP8 scales come with their weights. ValueError naming the first missing HF key."""
+    planned = {hf_key for _, entries in plan for hf_key, _ in entries}
+    missing = [hf_key for key, shape in shapes.items()
+               if key not in adapter.tied_keys and not key.endswith(SCALE_SUFFIX)
+               for hf_key, _ in adapter.to_hf(key, torch.empty(shape, device="meta")) if hf_key not in planned]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")
 
 
-def hf_tensors(model: Glm5ForCausalLM, state: dict[str, torch.Tensor] | None = None):
-    """(HF key, tensor) for every tensor the checkpoint holds, in model order."""
-    adapter = Glm5StateDictAdapter(model.args)
-    state = model.state_dict() if state is None else state
+def hf_tensors(state: dict[str, torch.Tensor], adapter: StateDictAdapter):
+    """(HF key, tensor) for every tensor a checkpoint of the model whose state is `state` holds,
+    in model order (a tied tensor is not held)."""
     for key, tensor in state.items():
-        if model.args.tie_word_embeddings and key == "lm_head.weight":
-            continue
-        yield from adapter.to_hf(key, tensor)
+        if key not in adapter.tied_keys:
+            yield from adapter.to_hf(key, tensor)
 
 
-def written_dtypes(args: Glm5Args, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """HF key -> the dtype a model built in `dtype` holds the tensor in (the routers stay fp32),
-    read off a model on the meta device (no memory)."""
-    reference = build_model(args, dtype, device="meta")
-    return {key: tensor.dtype for key, tensor in hf_tensors(reference)}
+def written_dtypes(fmt: HfFormat, args: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """HF key -> the dtype a model of `args` built in `dtype` holds the tensor in (GLM-5's routers
+    stay fp32), read off the model on the meta device (no memory)."""
+    reference = fmt.build_meta(args, dtype)
+    return {key: tensor.dtype for key, tensor in hf_tensors(reference.state_dict(), fmt.adapter(args))}
 
 
 @torch.no_grad()  # no autograd graph: a gathered tensor is freed as soon as it is dropped
@@ -300,10 +282,11 @@ def meta_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: torch.empty(t.shape, dtype=t.dtype, device="meta") for key, t in state.items()}
 
 
-def shard_plan(model: Glm5ForCausalLM, state: dict[str, torch.Tensor],
-                written: dict[str, torch.dtype] | None, limit: int) -> list[list[tuple[str, torch.dtype]]]:
-    """`plan_shards` of a GLM-5 model's tensors (from global shapes on the meta device: no gather)."""
-    return plan_shards(hf_tensors(model, meta_state(state)), written, limit)
+def shard_plan(adapter: StateDictAdapter, state: dict[str, torch.Tensor],
+               written: dict[str, torch.dtype] | None, limit: int) -> list[list[tuple[str, torch.dtype]]]:
+    """`plan_shards` of a model's tensors (`state`, named by its family's `adapter`), from global
+    shapes on the meta device: no gather."""
+    return plan_shards(hf_tensors(meta_state(state), adapter), written, limit)
 
 
 def plan_shards(items: Iterable[tuple[str, torch.Tensor]], written: dict[str, torch.dtype] | None,
@@ -376,8 +359,10 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def save_pretrained(
-    model: Glm5ForCausalLM,
+    model: nn.Module,
     path: str | Path,
+    fmt: HfFormat,
+    args: Any,
     max_shard_size: int | str = "5GB",
     source_dir: str | Path | None = None,
     overwrite: bool = True,
@@ -394,6 +379,8 @@ def save_pretrained(
     whole, then split into per-expert keys); the others hold one gathered tensor at a time.
 
     Args:
+        fmt, args: the model's family's `HfFormat` and the model's args (its HF names, its
+            config.json).
         max_shard_size: bytes or a string like "5GB"; tensors are never split.
         source_dir: the checkpoint the model came from; its tokenizer and chat-template
             files are copied alongside.
@@ -402,7 +389,7 @@ def save_pretrained(
         sources: (label, path) of inputs `path` must not be, be inside or contain
             (`source_dir` is always one), even with `overwrite`.
         dtype: write the tensors and config.json's dtype as a model built in `dtype`
-            holds them (its routers stay fp32, as in transformers); under fp32 master
+            holds them (GLM-5's routers stay fp32, as in transformers); under fp32 master
             weights pass `model.dtype`'s. Each tensor is cast as it is gathered. None: as
             the parameters are.
         pp_group: under pipeline parallelism, the pp group: each stage's tensors are
@@ -419,63 +406,71 @@ def save_pretrained(
     distributed = dist.is_available() and dist.is_initialized()
     writes = not distributed or dist.get_rank() == 0
     state = model.state_dict()  # FSDP2 keeps the names; sharded parameters are DTensors
-    written = None if dtype is None else written_dtypes(model.args, dtype)
-    if pp_group is not None:  # every stage's tensors, each gathered onto rank 0 in turn
-
-        everything = {key: torch.empty(shape, dtype=dt, device="meta")
-                      for key, shape, dt, _ in pipeline_entries(state, pp_group)}
-        plan = shard_plan(model, everything, written, limit)
-        device = next((t.device for t in state.values() if t.device.type != "meta"), torch.device("cpu"))
-        items = gathered_to_rank0(state, pp_group, device)
-    else:
-        plan = shard_plan(model, state, written, limit)
-        items = ((key, _gathered(tensor)) for key, tensor in state.items())
-    names = shard_names(len(plan))
-    shard_of = {key: (i, cast) for i, shard in enumerate(plan) for key, cast in shard}
-    adapter = Glm5StateDictAdapter(model.args)
+    adapter = fmt.adapter(args)
+    written = None if dtype is None else written_dtypes(fmt, args, dtype)
+    plan, items = _plan_and_items(state, adapter, written, limit, pp_group)
     with (output_dir(path, **target) if writes else contextlib.nullcontext()) as tmp:
-        weight_map, total, pending = {}, 0, {}
-        for key, full in items:
-            if model.args.tie_word_embeddings and key == "lm_head.weight":
-                continue
-            if not writes:
-                del full
-                continue
-            for hf_key, part in adapter.to_hf(key, full):  # a view of `full`, copied out
-                i, cast = shard_of[hf_key]
-                pending[hf_key] = host_copy(part, cast)
-                if len(pending) == len(plan[i]):  # the shard's last tensor: write it, free it
-                    write_shard(tmp / names[i], pending)
-                    for name, t in pending.items():
-                        weight_map[name] = names[i]
-                        total += t.numel() * t.element_size()
-                    pending = {}
-                del part
-            del full
+        weight_map, total = _write_gathered(items, adapter, plan, tmp if writes else None)
         if writes:
-            assert not pending and len(weight_map) == len(shard_of), "every planned tensor written"
             fp8 = any(is_fp8(tensor) for tensor in state.values())
-            write_metadata(model, tmp, plan, weight_map, total, dtype, source_dir, fp8)
+            named = fmt.model_dtype(model) if fp8 or dtype is None else dtype  # an FP8 base: the model's
+            write_metadata(fmt.hf_config(args), tmp, plan, weight_map, total, named, source_dir, fp8)
     if distributed:
         dist.barrier()  # the other ranks return once the export is complete
     return path
 
 
-# How GLM-5's (and DeepSeek-V3's) FP8 releases describe their weights in config.json.
-FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+def _plan_and_items(state: dict[str, torch.Tensor], adapter: StateDictAdapter,
+                    written: dict[str, torch.dtype] | None, limit: int, pp_group):
+    """(the shard plan, (key, full tensor) of every state tensor, each gathered as it is reached)."""
+    if pp_group is not None:  # every stage's tensors, each gathered onto rank 0 in turn
+        everything = {key: torch.empty(shape, dtype=dt, device="meta")
+                      for key, shape, dt, _ in pipeline_entries(state, pp_group)}
+        device = next((t.device for t in state.values() if t.device.type != "meta"), torch.device("cpu"))
+        return shard_plan(adapter, everything, written, limit), gathered_to_rank0(state, pp_group, device)
+    return shard_plan(adapter, state, written, limit), ((key, _gathered(tensor)) for key, tensor in state.items())
 
 
-def write_metadata(model, tmp: Path, plan, weight_map, total: int, dtype, source_dir, fp8: bool) -> None:
+def _write_gathered(items, adapter: StateDictAdapter, plan: list[list[tuple[str, torch.dtype]]],
+                    tmp: Path | None) -> tuple[dict[str, str], int]:
+    """Write each shard of `plan` into `tmp` as soon as its last tensor of `items` arrives, and free
+    it; (weight map, bytes written). `tmp` None: a rank that only takes part in the gathers."""
+    names = shard_names(len(plan))
+    shard_of = {key: (i, cast) for i, shard in enumerate(plan) for key, cast in shard}
+    weight_map, total, pending = {}, 0, {}
+    for key, full in items:
+        if key in adapter.tied_keys:
+            continue
+        if tmp is None:
+            del full
+            continue
+        for hf_key, part in adapter.to_hf(key, full):  # a view of `full`, copied out
+            i, cast = shard_of[hf_key]
+            pending[hf_key] = host_copy(part, cast)
+            if len(pending) == len(plan[i]):  # the shard's last tensor: write it, free it
+                write_shard(tmp / names[i], pending)
+                for name, t in pending.items():
+                    weight_map[name] = names[i]
+                    total += t.numel() * t.element_size()
+                pending = {}
+            del part
+        del full
+    assert tmp is None or (not pending and len(weight_map) == len(shard_of)), "every planned tensor written"
+    return weight_map, total
+
+
+def write_metadata(config: dict[str, Any], tmp: Path, plan, weight_map, total: int, dtype: torch.dtype,
+                   source_dir, fp8: bool) -> None:
+    """The index (when sharded), config.json (the family's `config`, in `dtype`: the dtype the
+    model computes in; with `fp8`, FP8 block-quantized weights described as DeepSeek-V3's are) and
+    `source_dir`'s tokenizer files, beside the shards in `tmp`."""
     if len(plan) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    config = model.args.to_hf_dict()
-    config["dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    config = {**config, "dtype": str(dtype).removeprefix("torch.")}
     config.pop("torch_dtype", None)
     config.pop("quantization_config", None)  # weights are written dequantized
     if fp8:  # a frozen FP8 base, or `glmtune merge --fp8`: e4m3 weights with 128x128 scales
-        config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if source_dir is not None:

@@ -1,13 +1,13 @@
-"""Verify an HF GLM-5 checkpoint directory without reading any tensor data; refuse one that
-cannot be loaded before anything is allocated at the size its config.json claims.
+"""Verify an HF checkpoint directory without reading any tensor data; refuse one that cannot be
+loaded before anything is allocated at the size its config.json claims.
 
 Only `config.json`, the safetensors index and each shard's header are read (a
 safetensors file is: 8-byte little-endian header length, a JSON header mapping
 key -> {dtype, shape, data_offsets}, then the raw data), so a 1.5 TB checkpoint
 verifies in seconds. Checked:
 
-  * config.json loads (`Glm5Args.from_hf_config`), and the model its sizes describe can be
-    built on the meta device (no tensor of more bytes than a machine addresses);
+  * config.json loads (the family's `HfFormat.read_config`), and the model its sizes describe
+    can be built on the meta device (no tensor of more bytes than a machine addresses);
   * no entry of the directory is a FIFO, a socket or a device (a reader would wait on it
     forever), each named for what it is;
   * every shard the index names lies inside the directory (shard_paths.py; a name that
@@ -16,12 +16,16 @@ verifies in seconds. Checked:
     never exceed the files);
   * index and headers agree key by key, in both directions;
   * every tensor the config implies is present with the expected shape (derived
-    from the meta-device model through `Glm5StateDictAdapter.hf_shapes`), and no
+    from the meta-device model through the family's state-dict adapter's `to_hf`), and no
     other tensors are; a config implying more layers than the files hold tensors is said
     before the model is built, and the comparison stops once more tensors are expected than
     stored (a config of 10^9 experts is one problem, not 10^9);
   * dtypes: BF16/F32/F16, or F8_E4M3 with a `<key>_scale_inv` of shape
-    ceil(out/128) x ceil(in/128); `e_score_correction_bias` must be F32.
+    ceil(out/128) x ceil(in/128) (checkpoint/fp8_layout.py); a tensor the adapter requires in
+    one dtype (GLM-5's `e_score_correction_bias`: F32) in that one.
+
+Knows no family: what it needs of one (config.json's reader, the adapter, the model on meta) is
+the family's `HfFormat` (models/common/hf_format.py), which its spec hands over.
 
 `verify_checkpoint` collects all problems (each naming its file and key), for `glmtune
 inspect --verify`. `check_loadable` is the same check as a gate: every load of an HF
@@ -40,13 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from glmtune.checkpoint.fp8_layout import FP8_BLOCK, SCALE_SUFFIX
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.checkpoint.shard_paths import outside_reason, view_source
 from glmtune.io.regular import kind_of, open_regular
 from glmtune.io.text_limits import parse_json, printable
-from glmtune.models.glm5.args import Glm5Args
-from glmtune.models.glm5.model import build_model
-from glmtune.models.glm5.state_dict_adapter import FP8_BLOCK, SCALE_SUFFIX, Glm5StateDictAdapter
+from glmtune.models.common.hf_format import HfFormat, StateDictAdapter
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -54,9 +59,6 @@ MAX_INDEX_BYTES = 256 << 20  # GLM-5's index is ~5 MB
 WEIGHT_DTYPES = {"BF16", "F32", "F16"}
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = {"F32", "BF16"}
-# The router's selection bias is added to fp32 sigmoid scores; a lower precision
-# copy changes which experts are picked.
-F32_ONLY_SUFFIX = "e_score_correction_bias"
 # Missing tensors listed past the number stored before the comparison stops.
 _MISSING_LISTED = 100
 # What a directory entry may not be: reading it would block or never end.
@@ -79,7 +81,7 @@ class Problem:
 @dataclass
 class VerifyReport:
     path: str
-    args: Glm5Args | None = None  # None when config.json did not load
+    args: Any = None  # the family's args; None when config.json did not load
     problems: list[Problem] = field(default_factory=list)
     num_files: int = 0
     num_tensors: int = 0  # every tensor in every readable header, scales included
@@ -106,30 +108,30 @@ class VerifyReport:
         }
 
 
-def _meta_model(args: Glm5Args):
+def _meta_model(fmt: HfFormat, args: Any):
     """The model of `args` on the meta device; ValueError when a size is past any machine
     (torch cannot even describe a tensor of more than 2^63 bytes)."""
     try:
-        return build_model(args, device="meta")
+        return fmt.build_meta(args, torch.float32)
     except (RuntimeError, TypeError, OverflowError) as exc:
         raise ValueError(f"its sizes describe a tensor no machine holds ({printable(str(exc))[:160]})") from None
 
 
-def expected_items(args: Glm5Args, model=None):
-    """(HF key, shape) of every tensor a checkpoint of `args` holds (MTP layers included), one
-    at a time in model order: a stacked expert tensor is split as it is reached."""
-    state = (model if model is not None else _meta_model(args)).state_dict()
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight")  # transformers writes only the embedding
-    adapter = Glm5StateDictAdapter(args)
+def expected_items(fmt: HfFormat, args: Any, model=None, adapter: StateDictAdapter | None = None):
+    """(HF key, shape) of every tensor a checkpoint of `args` holds (a family's extra layers, such
+    as GLM-5's MTP layers, included; a tied head not), one at a time in model order: a stacked
+    expert tensor is split as it is reached. `model`: `args`'s on meta, when built already."""
+    state = (model if model is not None else _meta_model(fmt, args)).state_dict()
+    adapter = adapter if adapter is not None else fmt.adapter(args)
     for key, tensor in state.items():
-        for hf_key, part in adapter.to_hf(key, tensor):
-            yield hf_key, tuple(part.shape)
+        if key not in adapter.tied_keys:  # transformers writes only the tensor it is tied to
+            for hf_key, part in adapter.to_hf(key, tensor):
+                yield hf_key, tuple(part.shape)
 
 
-def expected_hf_shapes(args: Glm5Args) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape of every tensor a checkpoint of `args` holds (MTP layers included)."""
-    return dict(expected_items(args))
+def expected_hf_shapes(fmt: HfFormat, args: Any) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of every tensor a checkpoint of `args` holds."""
+    return dict(expected_items(fmt, args))
 
 
 def holds_weights(path: str | Path) -> bool:
@@ -199,14 +201,15 @@ def _special_entries(path: Path, report: VerifyReport) -> None:
 
 
 def _check_tensor(name: str, key: str, entry: dict[str, Any], shape: tuple[int, ...],
-                  headers: dict[str, tuple[str, dict]], report: VerifyReport) -> None:
-    """Shape and dtype of one expected tensor (and its FP8 scale)."""
+                  headers: dict[str, tuple[str, dict]], required: str | None, report: VerifyReport) -> None:
+    """Shape and dtype of one expected tensor (and its FP8 scale); `required`: the one dtype the
+    family stores it in (None: any weight dtype, or FP8)."""
     dtype, actual = entry["dtype"], tuple(entry["shape"])
     if actual != shape:
         report.add_config(name, key, f"shape {actual}, expected {shape}")
-    if key.endswith(F32_ONLY_SUFFIX):
-        if dtype != "F32":
-            report.add_config(name, key, f"dtype {dtype}, expected F32")
+    if required is not None:
+        if dtype != required:
+            report.add_config(name, key, f"dtype {dtype}, expected {required}")
         return
     if dtype in WEIGHT_DTYPES:
         return
@@ -230,12 +233,14 @@ def _check_tensor(name: str, key: str, entry: dict[str, Any], shape: tuple[int, 
                           f"dtype {scale_entry['dtype']}, expected one of {sorted(SCALE_DTYPES)}")
 
 
-def verify_checkpoint(path: str | Path, args: Glm5Args | None = None) -> VerifyReport:
+def verify_checkpoint(path: str | Path, fmt: HfFormat, args: Any = None) -> VerifyReport:
     """Check a checkpoint directory's structure, shapes and dtypes from headers only.
 
     Args:
         path: an HF checkpoint directory (config.json plus model.safetensors or a
             sharded `model.safetensors.index.json`).
+        fmt: the family's `HfFormat` (its spec's `hf_format`): config.json's reader, the
+            state-dict adapter, the model on meta.
         args: its architecture when the caller has read config.json already (else read here).
 
     Returns:
@@ -250,15 +255,15 @@ def verify_checkpoint(path: str | Path, args: Glm5Args | None = None) -> VerifyR
     report = VerifyReport(str(path), args=args)
     if args is None:
         try:
-            report.args = Glm5Args.from_hf_config(path)
+            report.args = fmt.read_config(path)
         except (ValueError, FileNotFoundError, TypeError) as exc:
             report.add("config.json", None, f"does not load: {exc}")
-    _check_weights(path, report)
+    _check_weights(path, fmt, report)
     _special_entries(path, report)
     return report
 
 
-def _check_weights(path: Path, report: VerifyReport) -> None:
+def _check_weights(path: Path, fmt: HfFormat, report: VerifyReport) -> None:
     indexed = _index(path, report)
     if indexed is None:
         return
@@ -271,7 +276,7 @@ def _check_weights(path: Path, report: VerifyReport) -> None:
         weight_map = {key: SINGLE_NAME for key in headers}
     # Without a config, or with no file read nor listed, there is nothing to compare.
     if report.args is not None and (readable or weight_map):
-        _check_against_model(report.args, headers, weight_map, INDEX_NAME if sharded else SINGLE_NAME, report)
+        _check_against_model(fmt, report.args, headers, weight_map, INDEX_NAME if sharded else SINGLE_NAME, report)
 
 
 def _read_headers(path: Path, files: list[str], weight_map: dict[str, str], source: Path | None,
@@ -321,8 +326,8 @@ def _read_headers(path: Path, files: list[str], weight_map: dict[str, str], sour
     return headers, readable
 
 
-def _check_against_model(args: Glm5Args, headers: dict[str, tuple[str, dict]], weight_map: dict[str, str],
-                         listing: str, report: VerifyReport) -> None:
+def _check_against_model(fmt: HfFormat, args: Any, headers: dict[str, tuple[str, dict]],
+                         weight_map: dict[str, str], listing: str, report: VerifyReport) -> None:
     """Every expected tensor present with its shape and dtype; nothing unexpected.
 
     `listing` is the file a missing key is reported against (the index, or the
@@ -330,19 +335,24 @@ def _check_against_model(args: Glm5Args, headers: dict[str, tuple[str, dict]], w
     """
     # What the files hold (the index's count when a shard is missing: reported already).
     stored = max(sum(1 for key in headers if not key.endswith(SCALE_SUFFIX)), len(weight_map))
-    if args.num_hidden_layers + args.num_nextn_predict_layers > stored:  # each layer has tensors of its own
-        report.add_config(listing, None, f"holds {stored:,} tensors, fewer than config.json's "
-                                         f"{args.num_hidden_layers:,} layers and {args.num_nextn_predict_layers:,} "
-                                         "MTP layers: not this config's weights")
+    try:
+        adapter = fmt.adapter(args)
+    except ValueError as exc:  # an architecture the family's HF names do not cover yet: glmtune's gap, not the files'
+        report.add("config.json", None, f"its tensors cannot be checked: {exc}")
+        return
+    if sum(adapter.layer_counts.values()) > stored:  # each layer has tensors of its own
+        layers = " and ".join(f"{count:,} {kind}" for kind, count in adapter.layer_counts.items())
+        report.add_config(listing, None, f"holds {stored:,} tensors, fewer than config.json's {layers}: not this "
+                                         "config's weights")
         return
     try:
-        model = _meta_model(args)
+        model = _meta_model(fmt, args)
     except ValueError as exc:
         report.add_config("config.json", None, f"does not load: {exc}")
         report.args = None  # no model to describe either
         return
     expected, limit = set(), stored + _MISSING_LISTED
-    for key, shape in expected_items(args, model):
+    for key, shape in expected_items(fmt, args, model, adapter):
         if len(expected) == limit:  # more expected than stored and listed: the rest is more of the same
             report.add_config(listing, None, f"config.json implies more than {limit:,} tensors; the checkpoint "
                                              f"holds {stored:,} (the comparison stopped here)")
@@ -351,22 +361,24 @@ def _check_against_model(args: Glm5Args, headers: dict[str, tuple[str, dict]], w
         expected.add(key)
         if key in headers:
             name, entry = headers[key]
-            _check_tensor(name, key, entry, shape, headers, report)
+            _check_tensor(name, key, entry, shape, headers, adapter.required_dtype(key), report)
             report.num_params += math.prod(entry["shape"])
         elif key not in weight_map:  # listed keys absent from their file were reported above
             report.add_config(listing, key, "missing")
     report.num_expected = len(expected)
-    _report_unexpected(expected, headers, report)
+    _report_unexpected(expected, headers, frozenset(map(adapter.hf_prefix, adapter.tied_keys)), report)
 
 
-def _report_unexpected(expected: set[str], headers: dict[str, tuple[str, dict]], report: VerifyReport) -> None:
+def _report_unexpected(expected: set[str], headers: dict[str, tuple[str, dict]], tied: frozenset[str],
+                       report: VerifyReport) -> None:
+    """Each stored tensor the model has no place for (`tied`: the HF names of tied tensors, not stored)."""
     for key, (name, _) in headers.items():
         if key in expected:
             continue
         base = key[: -len(SCALE_SUFFIX)] if key.endswith(SCALE_SUFFIX) else None
         if base in expected and headers.get(base, ("", {}))[1].get("dtype") == FP8_DTYPE:
             continue  # the scale of an FP8 weight, checked with its weight
-        hint = " (tie_word_embeddings: lm_head shares the embedding)" if key == "lm_head.weight" else ""
+        hint = " (tie_word_embeddings: lm_head shares the embedding)" if key in tied else ""
         report.add_config(name, key, f"unexpected tensor (not part of this config's model){hint}")
 
 
@@ -393,10 +405,11 @@ def _stamp(files: list[Path]) -> tuple:
         return ()
 
 
-def check_loadable(path: str | Path, args: Glm5Args, against_config_only: bool = False) -> None:
-    """Refuse an HF directory whose files cannot load as the model `args` (its config.json)
-    describes: the first problem `verify_checkpoint` finds, as one sentence naming the file and
-    the tensor, before anything is allocated (headers and the meta-device model only).
+def check_loadable(path: str | Path, fmt: HfFormat, args: Any, against_config_only: bool = False) -> None:
+    """Refuse an HF directory whose files cannot load as the model `args` (its config.json, read
+    by `fmt`, the family's `HfFormat`) describes: the first problem `verify_checkpoint` finds, as
+    one sentence naming the file and the tensor, before anything is allocated (headers and the
+    meta-device model only).
 
     `against_config_only`: only what says the weights are another model than the config's
     (shapes, dtypes, tensors missing or unexpected, sizes past any machine), for a command that
@@ -407,7 +420,7 @@ def check_loadable(path: str | Path, args: Glm5Args, against_config_only: bool =
     passed = _PASSED.get(key)
     if passed and passed[1] == _stamp(passed[0]):
         return
-    report = verify_checkpoint(path, args)
+    report = verify_checkpoint(path, fmt, args)
     problems = [p for p in report.problems if p.against_config or not against_config_only]
     if not problems:
         files = [path / "config.json", *report.files]

@@ -12,7 +12,7 @@ records as a `_StridedShard`). `load_sharded` then
   `compute_local_shape_and_global_offset`),
 - streams the safetensors files one by one through the same read plan as `load_pretrained`
   (HF names and the per-expert -> stacked mapping stay in the family's state-dict adapter,
-  which the spec passes: this module knows no family), reading
+  which the spec passes in its `HfFormat`: this module knows no family), reading
   with `get_slice` only the bytes of those indices: an expert the rank does not hold is
   never read, and of an FP8 weight only the 128x128 blocks that cover the slice are
   dequantized,
@@ -51,6 +51,7 @@ from glmtune.checkpoint.hf_io import (
 )
 from glmtune.checkpoint.fp8_layout import FP8_BLOCK, SCALE_SUFFIX, check_fp8_scale, dequantize_fp8_region, is_fp8
 from glmtune.checkpoint.hf_verify import check_loadable
+from glmtune.models.common.hf_format import HfFormat
 from glmtune.models.common.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -138,15 +139,16 @@ def _read_region(handle, file: Path, hf_key: str, index: list[torch.Tensor], sta
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, hf_dir: str | Path, adapter: Any, device: str | torch.device | None = None,
-                 not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
+def load_sharded(model: nn.Module, hf_dir: str | Path, fmt: HfFormat, args: Any,
+                 device: str | torch.device | None = None, not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
     """Fill a meta-built, parallelized model from the HF directory `hf_dir`, each rank reading
     only its own shards. Call it on every rank after the family's parallelization (no collectives).
 
     Args:
         model: the family's model built on the meta device, its config the checkpoint's (the
             spec's `args_from_hf(hf_dir)`), then parallelized.
-        adapter: the family's state-dict adapter for the model's args (HF key -> `Target`).
+        fmt, args: the family's `HfFormat` (its state-dict adapter: HF key -> `Target`) and the
+            model's args.
         device: where the local shards live; None: the current CUDA device when the
             parameters' mesh is on CUDA, else the CPU.
         not_in_checkpoint: state-dict keys the base checkpoint does not hold (LoRA adapters,
@@ -164,10 +166,11 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, adapter: Any, device: str
         files = checkpoint_files(hf_dir)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
-    check_loadable(hf_dir, model.args)  # every header against the config, before the shards are allocated
+    check_loadable(hf_dir, fmt, args)  # every header against the config, before the shards are allocated
+    adapter = fmt.adapter(args)
     shapes = {key: tuple(t.shape) for key, t in model.state_dict().items() if key not in not_in_checkpoint}
     plan = read_plan(files, adapter, shapes)
-    check_complete(model.args, shapes, plan, adapter)
+    check_complete(shapes, plan, adapter)
 
     stats = LoadStats(files=len(plan), start_rss_bytes=_rss())
     if device.type == "cuda":

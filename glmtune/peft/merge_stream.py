@@ -83,7 +83,7 @@ def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
     state = model.state_dict(keep_vars=True)
     adapter = spec_of(model).state_dict_adapter(args)  # the family's HF names
     plan = read_plan(files, adapter, state.keys())
-    check_complete(args, {key: tensor.shape for key, tensor in state.items()}, plan, adapter)
+    check_complete({key: tuple(tensor.shape) for key, tensor in state.items()}, plan, adapter)
     _check_shapes(files, plan, state)
     alias = _aliases(state)
     deltas: dict[str, list] = defaultdict(list)
@@ -100,9 +100,9 @@ def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
     merger = _Merger(files, state, out_state, inputs, deltas, parts)
     target = {"overwrite": overwrite, "sources": sources, "what": "OUT_DIR"}
     with output_dir(out_dir, **target) as tmp:
-        shards = shard_plan(model, out_state, None, parse_size(max_shard_size))
+        shards = shard_plan(adapter, out_state, None, parse_size(max_shard_size))
         weight_map, total = _write_shards(tmp, shards, merger)
-        write_metadata(model, tmp, shards, weight_map, total, None, base_dir, fp8)
+        write_metadata(spec_of(model).hf_format.hf_config(args), tmp, shards, weight_map, total, dtype, base_dir, fp8)
     return list(merger.errors.values())
 
 

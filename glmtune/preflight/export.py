@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from glmtune.checkpoint.hf_io import checkpoint_files, hf_tensors, load_pretrained, written_dtypes
+from glmtune.checkpoint.hf_io import checkpoint_files, hf_tensors, written_dtypes
 from glmtune.io.json_file import json_name, read_json_file
 from glmtune.io.text_limits import clipped
 from glmtune.peft.adapter_export import CONFIG_NAME, RUN_DIRS, WEIGHTS_NAME, adapter_state
@@ -205,16 +205,17 @@ def _hf_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: d
 
     export = ref.run_dir / "hf"
     trained, checkpoint = trained_model(pf, ref.run_dir)
-    expected = dict(hf_tensors(trained))
-    problems = tensor_problems(expected, checkpoint_files(export), "hf/", written_dtypes(trained.args, dtype))
+    spec = pf.spec
+    args = spec.args_of(trained)
+    expected = dict(hf_tensors(trained.state_dict(), spec.state_dict_adapter(args)))
+    problems = tensor_problems(expected, checkpoint_files(export), "hf/", written_dtypes(spec.hf_format, args, dtype))
     evidence.update(checkpoint=str(checkpoint.path), export=str(export), tensors=len(expected))
     del trained, expected  # the checkpoint's copy is no longer needed: two models are enough at once
     with _quiet_transformers():
         served = AutoModelForCausalLM.from_pretrained(export, dtype=dtype, attn_implementation="eager")
     served = served.to(pf.device).eval()
     m = pf.scratch().model
-    ours = load_pretrained(export, dtype, pf.device, m.attention_backend, m.moe_backend,
-                           indexer_backend=m.indexer_backend).eval()
+    ours = spec.load_pretrained(export, dtype, pf.device, model_cfg=m).eval()
     evidence["reloaded_by"] = f"transformers {type(served).__name__} and glmtune on {export}"
     return problems, served, ours
 

@@ -148,7 +148,7 @@ def check_shards(pf: Preflight, hash_shards: bool = True) -> CheckResult:
                    f"{pf.cfg.train.seed})")
     else:
         try:
-            report = verify_checkpoint(pf.model_dir)
+            report = verify_checkpoint(pf.model_dir, pf.spec.hf_format)
         except FileNotFoundError as exc:
             return CheckResult(2, "fail", str(exc), {"path": str(pf.model_dir)})
         evidence["verify"] = report.to_dict()

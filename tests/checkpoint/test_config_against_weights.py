@@ -79,7 +79,7 @@ def _limited() -> None:
 
 _LOAD_EACH = """
 import json, sys, torch
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 said = {}
 for path in sys.argv[1:]:
     try:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, save_pretrained
+from glmtune import save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.cli import main
 from glmtune.data.tokenizer import resolve_tokenizer_dir

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, save_pretrained
+from glmtune import save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files
 from glmtune.checkpoint.fingerprint import identity_mismatch
 from glmtune.models.registry import hf_dir_identity
 from glmtune.models.glm5 import build_model, get_preset

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
 from glmtune.config.schema import PeftConfig
 from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import get_preset

@@ -9,9 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, load_pretrained, save_pretrained
-from glmtune.models.glm5.args import get_preset
+from glmtune import load_pretrained, save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME
+from glmtune.models.glm5.args import Glm5Args, get_preset
 from glmtune.models.glm5.model import build_model
+from glmtune.models.glm5.spec import GLM5
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +175,7 @@ def test_more_experts_on_disk_than_in_config_is_named(tiny_dir, tmp_path):
     # A one-line ValueError naming the file and a tensor (router or expert), never an IndexError.
     with pytest.raises(ValueError, match=r"safetensors: model\.layers\.[23]\.mlp\.\S+: (shape|unexpected)"):
         load_pretrained(bad, dtype=torch.float32)
-    from glmtune.models.glm5.args import Glm5Args
-    from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
-
-    adapter = Glm5StateDictAdapter(Glm5Args.from_hf_config(bad))
+    adapter = GLM5.state_dict_adapter(Glm5Args.from_hf_config(bad))
     assert adapter.from_hf_key("model.layers.2.mlp.experts.4.down_proj.weight") is None
     assert adapter.from_hf_key("model.layers.2.mlp.experts.3.down_proj.weight").expert == 3
 

@@ -16,10 +16,16 @@ import pytest
 import torch
 
 from glmtune.models.registry import hf_dir_identity
-from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files, load_pretrained
+from glmtune import load_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME, checkpoint_files
 from glmtune.checkpoint.hf_verify import verify_checkpoint
 from glmtune.models.glm5.spec import GLM5
 from tests.checkpoint_fixtures import Q_A, weight_map
+
+
+def verify(path: Path):
+    """`verify_checkpoint` of a GLM-5 directory (what `glmtune inspect --verify` runs for one)."""
+    return verify_checkpoint(path, GLM5.hf_format)
 
 
 def _rename_in_index(ckpt: Path, old: str, new) -> None:
@@ -77,7 +83,7 @@ def test_an_index_name_outside_the_checkpoint_is_refused_by_every_reader(ckpt, c
         message = str(caught.value)
         assert "\n" not in message and message.startswith(f"{ckpt / INDEX_NAME}: the entry for "), message
         assert fragment in message, message
-    report = verify_checkpoint(ckpt)  # `glmtune inspect`: one problem, against the index
+    report = verify(ckpt)  # `glmtune inspect`: one problem, against the index
     assert any(p.file == INDEX_NAME and fragment.removeprefix("which ") in p.message for p in report.problems), \
         report.problems
 
@@ -91,7 +97,7 @@ def test_a_file_that_is_not_safetensors_is_said_to_be_so(ckpt):
     message = str(caught.value)
     assert message.startswith(f"{ckpt / name}: not a safetensors file"), message
     assert str(int.from_bytes(text[:8], "little")) not in message  # no first 8 bytes as a number
-    report = verify_checkpoint(ckpt)
+    report = verify(ckpt)
     assert any(p.file == name and "not a safetensors file" in p.message for p in report.problems), report.problems
 
 
@@ -103,7 +109,7 @@ def test_names_inside_load_as_before(ckpt):
     _rename_in_index(ckpt, name, f"sub/{name}")
     loaded = load_pretrained(ckpt, dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in reference.items())
-    assert verify_checkpoint(ckpt).ok
+    assert verify(ckpt).ok
 
 
 def test_a_hugging_face_cache_snapshot_links_into_its_blobs(ckpt, tmp_path):
@@ -116,7 +122,7 @@ def test_a_hugging_face_cache_snapshot_links_into_its_blobs(ckpt, tmp_path):
         shutil.copy(file, blob)
         (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
     assert set(checkpoint_files(snapshot).values()) == {snapshot / n for n in set(weight_map(ckpt).values())}
-    assert verify_checkpoint(snapshot).ok
+    assert verify(snapshot).ok
     outside = tmp_path / "elsewhere.safetensors"  # a link out of the repository is still refused
     shutil.copy(ckpt / weight_map(ckpt)[Q_A], outside)
     (snapshot / weight_map(ckpt)[Q_A]).unlink()
@@ -130,7 +136,7 @@ def test_a_truncated_view_links_only_to_its_sources_same_named_files(ckpt, tmp_p
     cut from: loadable; a link of it to any other file (another shard of the source, a file outside
     the source) is refused, whatever its index claims."""
     view = GLM5.truncated_view(ckpt, tmp_path / "view", 2)
-    assert checkpoint_files(view) and not any("leads out" in p.message for p in verify_checkpoint(view).problems)
+    assert checkpoint_files(view) and not any("leads out" in p.message for p in verify(view).problems)
     names = sorted(set(json.loads((view / INDEX_NAME).read_text())["weight_map"].values()))
     others = sorted(set(weight_map(ckpt).values()) - set(names))
     (view / names[0]).unlink()

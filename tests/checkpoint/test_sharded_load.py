@@ -20,7 +20,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.checkpoint.sharded_load import local_indices
 from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.mesh import ParallelMesh

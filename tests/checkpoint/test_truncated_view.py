@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.models.glm5 import get_preset
 from glmtune.models.glm5.spec import GLM5
 from glmtune.models.glm5.args import covering_layers

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.cli import main
 from glmtune.config import dump_config, load_config

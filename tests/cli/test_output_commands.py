@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmtune.checkpoint import hf_io
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.cli import main
 from glmtune.io.output_owner import RECORD
 from glmtune.models.registry import hf_dir_identity

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
 from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, SMALL, env, printed, run, shared_run
 

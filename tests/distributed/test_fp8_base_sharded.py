@@ -12,7 +12,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
 from tests.checkpoint.test_fp8_base_load import ARGS, shared_fp8_checkpoint
 from tests.distributed.test_expert_parallel_train import _assert_same, _records, _torchrun

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from tests.train.run_helpers import SMALL, WITH_EXPORT, env, losses, shared_run
 
 STEPS = WITH_EXPORT  # 4 steps, checkpoints after steps 2 and 4, the HF export

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GlmMoeDsaForCausalLM
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
 from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch

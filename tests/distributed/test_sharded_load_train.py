@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from tests.distributed.test_expert_parallel_train import _assert_same, _records, from_hf_checkpoint, tiny_hf_checkpoint
 from tests.train.run_helpers import shared_run
 

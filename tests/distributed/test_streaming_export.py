@@ -27,7 +27,8 @@ import torch
 from safetensors.torch import load_file
 from torch.profiler import ProfilerActivity, profile
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, save_pretrained
+from glmtune import save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.models.glm5 import build_model, get_preset

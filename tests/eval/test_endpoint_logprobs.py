@@ -13,7 +13,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.eval.evaluate import run_eval
 from glmtune.models.glm5 import build_model, get_preset

@@ -29,7 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.data.chat_template import IGNORE_INDEX, load_chat_template
 from glmtune.data.preferences import tokenize_pair
 from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
 from glmtune.data.chat_template import IGNORE_INDEX, load_chat_template
 from glmtune.data.synthetic import generate_rows
 from glmtune.data.synthetic_preferences import generate_preference_rows

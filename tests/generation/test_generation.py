@@ -16,7 +16,7 @@ import torch
 from transformers import GlmMoeDsaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.generation import default_stop_ids, generate, sample_next
 from glmtune.generation.generator import cached_decoding_supported
@@ -172,7 +172,7 @@ def test_run_samples_uses_the_cache(model, monkeypatch):
 def test_greedy_equals_transformers_other_styles(style, tmp_path):
     """transformers' tiny random models of tests/parity (index_topk 8, 16 indexer heads), loaded
     into glmtune: cached greedy tokens equal transformers' generate, logits the full forward's."""
-    from glmtune.checkpoint.hf_io import load_pretrained
+    from glmtune import load_pretrained
     from tests.parity.hf_reference import make_hf_model
 
     hf = make_hf_model(style)

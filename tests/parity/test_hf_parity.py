@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import build_model
 from tests.parity.hf_reference import STYLES, make_hf_model

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.config.schema import PeftConfig
 from glmtune.models.glm5 import build_model, get_preset
 from tests.parity.hf_reference import make_hf_model

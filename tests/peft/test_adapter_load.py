@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.peft.adapter_load import apply_adapter
 from glmtune.peft.lora import lora_modules
 from glmtune.peft.merge import merge_adapter_dir

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.cli import main
 from glmtune.peft import apply_lora, export_adapter, lora_modules, merge_adapter_dir, merge_lora
 from tests.peft.conftest import lora_cfg, randomize_adapters, tokens

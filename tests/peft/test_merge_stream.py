@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import INDEX_NAME, load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
+from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.cli import main
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model

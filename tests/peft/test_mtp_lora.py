@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained
+from glmtune import load_pretrained, save_pretrained
 from glmtune.cli import main
 from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.models.common.aux_loss import AuxiliaryLosses

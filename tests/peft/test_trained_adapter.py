@@ -15,7 +15,7 @@ import torch
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from glmtune.checkpoint.hf_io import load_pretrained  # noqa: E402
+from glmtune import load_pretrained  # noqa: E402
 from glmtune.checkpoint.manager import CheckpointManager  # noqa: E402
 from glmtune.cli import main  # noqa: E402
 from glmtune.config import load_config  # noqa: E402

@@ -5,7 +5,7 @@ for seven architectures and a Qwen3-8B-shaped config (built on meta). Activation
 layer's planned saved bytes equal a `saved_tensors_hooks` census of transformers' own forward on CPU
 (every tensor autograd keeps for backward, each storage once, parameters aside), exactly, for Llama,
 Qwen3, Qwen3-MoE and GLM-4 in fp32 and bf16, one document per row and packed documents (the SDPA
-mask path), and under full activation checkpointing. The plan of a tiny Qwen3 / Qwen3-MoE directory
+mask path), full fine-tuning and LoRA, and under full activation checkpointing. The plan of a tiny Qwen3 / Qwen3-MoE directory
 uses those figures, keeps to the family's layouts (no pipeline, no expert parallelism), says when
 the model's layer is not one the memory model knows, and the state it plans for an FSDP2 rank is
 what `--measure`'s rank holds.
@@ -20,12 +20,17 @@ import torch
 from transformers import AutoModelForCausalLM, Glm4MoeConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
 
 from glmtune.cli import main
+from glmtune.config import load_config
+from glmtune.config.degrees import MeshDegrees
+from glmtune.config.schema import PeftConfig
 from glmtune.models.common.memory_model import StepShape
 from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.memory_layout import parameter_count, parameter_counts
 from glmtune.models.hf.memory_model import HF_MEMORY, layer_saved
 from glmtune.models.hf.model import decoder_layers, final_hidden
 from glmtune.models.hf.spec import HF
+from glmtune.peft import apply_lora
+from glmtune.plan.memory import step_shape
 from tests.models.hf.conftest import _COMMON, CONFIGS, VOCAB, write_checkpoint
 
 MORE = {
@@ -92,22 +97,26 @@ def _batch(documents: int) -> dict:
             "single_document": documents == 1}
 
 
+@pytest.mark.parametrize("lora_rank", [0, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_saved_activations_per_layer_equal_a_census_of_transformers_forward(name, dtype):
+def test_saved_activations_per_layer_equal_a_census_of_transformers_forward(name, dtype, lora_rank):
     config = CONFIGS[name]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     args, e = _args(model, config), dtype.itemsize
+    if lora_rank:  # the family's default targets, as the bundled LoRA recipe trains them
+        apply_lora(model, PeftConfig(method="lora", rank=lora_rank), seed=0)
     for documents in (1, 2):  # one document per row: plain causal SDPA; two: the packed-documents mask
         measured = _census(model, _batch(documents))
-        step = StepShape(ROWS, SEQ, one_document=documents == 1, compute_bytes=e)
+        step = StepShape(ROWS, SEQ, one_document=documents == 1, compute_bytes=e, lora_rank=lora_rank)
         for i in range(config.num_hidden_layers):
             assert layer_saved(args, step, i) == measured[f"layer{i}"], f"{name} {dtype} {documents} documents"
             assert HF_MEMORY.layer(args, step, i).kept == measured[f"layer{i}"]
         terms = HF_MEMORY.step_terms(args, step, [0, 1], last=True)
-        # beyond its layers the decoder keeps the final norm's tensors and the embedding's token ids
-        assert measured["other"] == terms.loss["final norm"] + 8 * ROWS * SEQ
+        # beyond its layers the decoder keeps the final norm's tensors, and the embedding its token ids
+        # when it trains
+        assert measured["other"] == terms.loss["final norm"] + (0 if lora_rank else 8 * ROWS * SEQ)
         if "shared" in measured:  # rope's cos/sin, computed once, kept by every layer (not GLM-4's)
             assert measured["shared"] == terms.fixed["rotary cos/sin"]
 
@@ -136,21 +145,29 @@ def hf_dirs(tmp_path_factory):
     return dirs
 
 
-def _plan(capsys, model_dir, *overrides) -> dict:
-    assert main(["plan", "tiny/sft_support_json", "--model.name_or_path", str(model_dir), "--no-data", "--json",
+def _plan(capsys, model_dir, *overrides, recipe: str = "sft") -> dict:
+    assert main(["plan", f"tiny/{recipe}_support_json", "--model.name_or_path", str(model_dir), "--no-data", "--json",
                  "--train.generate_samples", "0", *overrides]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_the_plan_of_an_hf_directory_uses_its_memory_model(hf_dirs, capsys, ac):
-    report = _plan(capsys, hf_dirs["qwen3"], "--parallel.activation_checkpointing", ac)
+@pytest.mark.parametrize(("recipe", "ac"), [("sft", "none"), ("sft", "full"), ("lora", "none")])
+def test_the_plan_of_an_hf_directory_uses_its_memory_model(hf_dirs, capsys, recipe, ac):
+    overrides = ["--model.name_or_path", str(hf_dirs["qwen3"]), "--parallel.activation_checkpointing", ac,
+                 "--train.generate_samples", "0"]
+    report = _plan(capsys, hf_dirs["qwen3"], "--parallel.activation_checkpointing", ac, recipe=recipe)
+    cfg = load_config(f"tiny/{recipe}_support_json", overrides)
     args = HF.args_from_hf(hf_dirs["qwen3"])
-    assert report["model"].endswith(f"{parameter_count(args):,} parameters, full fine-tuning")
-    step = StepShape(4, 512, compute_bytes=4, activation_checkpointing=ac)  # the recipe: float32, 4 x 512
+    assert report["model"].startswith(f"{hf_dirs['qwen3']}: ")
+    step = step_shape(cfg, MeshDegrees(1, 1, 1, 1, 1, 1, 1))  # no data read: one-document rows
+    assert step.lora_rank == (cfg.peft.rank if recipe == "lora" else 0) and step.activation_checkpointing == ac
     expected = {str(i): HF_MEMORY.layer(args, step, i).kept for i in range(args.num_hidden_layers)}
     assert {str(k): v for k, v in report["memory"]["activations_per_layer"].items()} == expected
     assert report["memory"]["peak_bytes"] > report["memory"]["state"]["total"]
+    floor = {row["what"]: row["bytes"] for row in report["floor"]}
+    if recipe == "sft":
+        assert floor["bf16 weights"] == 2 * parameter_count(args)
+    assert "LoRA on a bf16 base" in floor  # the family takes LoRA: the guide's LoRA rows are planned
 
 
 def test_a_layer_the_memory_model_does_not_know_is_said_to_be_estimated(hf_dirs, capsys):

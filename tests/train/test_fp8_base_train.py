@@ -12,7 +12,7 @@ import re
 import torch
 from safetensors.torch import load_file
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.cli import main
 from glmtune.kernels import fp8_blocks
 from tests.checkpoint.test_fp8_base_load import shared_fp8_checkpoint

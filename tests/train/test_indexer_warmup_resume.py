@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.checkpoint.manager import CheckpointManager, DamagedCheckpointError
 from tests.train.run_helpers import run, shared_run
 

@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, GlmMoeDsaForCausalLM, PreTrainedT
 from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from glmtune.models.common.loss import IGNORE_INDEX
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft import adapter_state, apply_lora, export_adapter

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glmtune.checkpoint.hf_io import save_pretrained
+from glmtune import save_pretrained
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.models.glm5 import build_model, get_preset

@@ -11,7 +11,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from glmtune.checkpoint.hf_io import load_pretrained
+from glmtune import load_pretrained
 from tests.train.run_helpers import TWO_STEPS, losses, run, shared_run
 
 

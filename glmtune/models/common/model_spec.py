@@ -16,7 +16,8 @@ What a spec answers, in the order a run asks:
   build, load, save      build on meta or materialized, the whole or the sharded HF load (FP8
                          base included), the HF export (of a built model, or streamed from a
                          training checkpoint), the state-dict adapter (the only place HF key
-                         names live)
+                         names live); `hf_format` (hf_format.py): what checkpoint/'s HF readers,
+                         verifier and writers need of the family
   loss, flops            the training loss of a micro-batch (`microbatch.MicroBatch`); model
                          FLOPs per token (MFU)
   parallelize,           the parallelization plan (PP -> EP -> CP -> AC -> compile -> FSDP2), and
@@ -33,8 +34,8 @@ What a spec answers, in the order a run asks:
   describe               the architecture summary and parameter report (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
-Knows no family and imports only family.py, decoding.py and lora_rules.py: the methods take and
-return the family's own objects.
+Knows no family and imports only family.py, decoding.py, hf_format.py and lora_rules.py: the
+methods take and return the family's own objects.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 from glmtune.models.common.decoding import CachedDecoding
 from glmtune.models.common.family import ModelDims, ModelFamily
+from glmtune.models.common.hf_format import HfFormat
 from glmtune.models.common.lora_rules import LoraRules
 from glmtune.models.common.memory_model import MemoryModel
 from glmtune.models.common.microbatch import MicroBatch
@@ -59,6 +61,7 @@ class ModelSpec(ABC):
     hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
     decoding: CachedDecoding | None = None  # the cached-decoding hooks (None: the family has none)
     lora: LoraRules | None = None  # glmtune.peft's hooks (None: peft/ refuses the family's models)
+    hf_format: HfFormat | None = None  # checkpoint/'s HF readers, verifier, writers (None: they refuse the family)
 
     # -- architecture ------------------------------------------------------------------
     @property
@@ -131,8 +134,9 @@ class ModelSpec(ABC):
         "meta" built empty (FP8 base converted) for `load_sharded` after `parallelize`."""
 
     @abstractmethod
-    def load_pretrained(self, path: str | Path, dtype: Any, device: Any) -> Any:
-        """The HF directory `path` loaded whole on `device`."""
+    def load_pretrained(self, path: str | Path, dtype: Any, device: Any, model_cfg: Any = None) -> Any:
+        """The HF directory `path` loaded whole on `device`, with the backends of `model_cfg` (the
+        recipe's `model` section; None: the defaults)."""
 
     @abstractmethod
     def load_sharded(self, model: Any, hf_dir: str | Path, device: Any,

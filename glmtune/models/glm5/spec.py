@@ -8,7 +8,8 @@ It wires the family's pieces together; it holds no rule of its own. Where each a
                              config.json's size bounded (size_bound.py, through the family)
   build                      model.py `build_model` (meta first; an FP8 base converted there)
   load whole / sharded, save checkpoint/hf_io.py, checkpoint/sharded_load.py,
-                             checkpoint/export_stream.py (a DCP checkpoint to HF)
+                             checkpoint/export_stream.py (a DCP checkpoint to HF), handed
+                             hf_format.py's `GLM5_HF_FORMAT` (config.json, HF names, model on meta)
   K-layer view               view_config.py (what it keeps), written by checkpoint/truncated_view.py
   state-dict adapter         state_dict_adapter.py
   loss, flops                model.py's fused loss; flops.py
@@ -31,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from glmtune.checkpoint import hf_io
 from glmtune.checkpoint.export_stream import stream_export
-from glmtune.checkpoint.hf_io import load_pretrained, save_pretrained, written_dtypes
 from glmtune.checkpoint.hf_verify import check_loadable, holds_weights
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
@@ -47,6 +48,7 @@ from glmtune.models.glm5.decode import GLM5_DECODING
 from glmtune.models.glm5.family import GLM5_FAMILY
 from glmtune.models.glm5.flops import flops_per_token
 from glmtune.models.glm5.fp8_base import convert_to_fp8_base
+from glmtune.models.glm5.hf_format import GLM5_HF_FORMAT
 from glmtune.models.glm5.indexer_recall import RecallProbe
 from glmtune.models.glm5.lora_rules import GLM5_LORA
 from glmtune.models.glm5.memory_model import GLM5_MEMORY
@@ -60,6 +62,26 @@ from glmtune.models.glm5.summary import architecture_summary
 from glmtune.models.glm5.view_config import view_args
 
 
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: Any = "cpu",
+                    attention_backend: str = "auto", moe_backend: str = "grouped_mm", indexer_backend: str = "auto",
+                    fp8_base: str | None = None) -> Glm5ForCausalLM:
+    """A local HF GLM-5 directory (config.json + safetensors) loaded whole into a glmtune model (the
+    Python API's `glmtune.load_pretrained`).
+
+    `fp8_base` (an FP8 matmul backend, `glmtune/kernels/fp8_matmul.py`) keeps the base frozen
+    in FP8 (`glmtune/models/glm5/fp8_base.py`): FP8 tensors of the checkpoint are copied with
+    their block scales as they are, bf16 ones are quantized; None dequantizes FP8 tensors."""
+    return hf_io.load_pretrained(path, GLM5_HF_FORMAT, lambda args: build_model(
+        args, dtype, device, attention_backend, moe_backend, init=False, indexer_backend=indexer_backend,
+        fp8_base=fp8_base))
+
+
+def save_pretrained(model: nn.Module, path: str | Path, **options: Any) -> Path:
+    """A GLM-5 model written as an HF directory (`hf_io.save_pretrained`'s options; the Python API's
+    `glmtune.save_pretrained`)."""
+    return hf_io.save_pretrained(model, path, GLM5_HF_FORMAT, model.args, **options)
+
+
 class Glm5Spec(ModelSpec):
     """GLM-5, 5.1, 5.2, 5.3 (`GlmMoeDsaForCausalLM`) and the CPU-sized `tiny` preset."""
 
@@ -69,6 +91,7 @@ class Glm5Spec(ModelSpec):
     decoding = GLM5_DECODING  # glmtune.generation's cached-decoding hooks
     lora = GLM5_LORA  # glmtune.peft's hooks
     memory = GLM5_MEMORY  # glmtune plan's memory model
+    hf_format = GLM5_HF_FORMAT  # checkpoint/'s HF readers, verifier and writers
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> Glm5Args:
@@ -80,7 +103,7 @@ class Glm5Spec(ModelSpec):
             return self.model_family.read_args(path)
         args = Glm5Args.from_hf_config(path)
         # a missing or damaged file is the load's to name (and preflight's check 2)
-        check_loadable(path, args, against_config_only=True)
+        check_loadable(path, GLM5_HF_FORMAT, args, against_config_only=True)
         return args
 
     def args_of(self, model: nn.Module) -> Glm5Args:
@@ -140,23 +163,24 @@ class Glm5Spec(ModelSpec):
             set_attention_score_buffer(model, model_cfg.attention_score_buffer_mib)
         return model
 
-    def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any) -> Glm5ForCausalLM:
-        """The HF directory `path` loaded whole, with the default backends."""
-        return load_pretrained(path, dtype, device)
+    def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any,
+                        model_cfg: ModelConfig | None = None) -> Glm5ForCausalLM:
+        """The HF directory `path` loaded whole, with `model_cfg`'s backends (None: the defaults)."""
+        if model_cfg is None:
+            return load_pretrained(path, dtype, device)
+        m = model_cfg
+        return load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend, indexer_backend=m.indexer_backend)
 
     def load_sharded(self, model: nn.Module, hf_dir: str | Path, device: Any,
                      not_in_checkpoint: set[str] = frozenset()) -> LoadStats:
-        return load_sharded(model, hf_dir, Glm5StateDictAdapter(model.args), device,
-                            not_in_checkpoint=not_in_checkpoint)
+        return load_sharded(model, hf_dir, GLM5_HF_FORMAT, model.args, device, not_in_checkpoint=not_in_checkpoint)
 
     def save_pretrained(self, model: nn.Module, path: str | Path, **options: Any) -> Path:
         return save_pretrained(model, path, **options)
 
     def export_checkpoint(self, model: nn.Module, checkpoint_dir: str | Path, path: str | Path,
                           **options: Any) -> Path:
-        written = written_dtypes(model.args, options["dtype"])  # as save_pretrained writes them
-        return stream_export(model, checkpoint_dir, path, adapter=Glm5StateDictAdapter(model.args), written=written,
-                             **options)
+        return stream_export(model, checkpoint_dir, path, fmt=GLM5_HF_FORMAT, args=model.args, **options)
 
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         """The first `num_layers` layers of checkpoint `src` as an HF directory reading its files."""

@@ -10,18 +10,21 @@ per expert; in memory they are stacked:
 MTP layers sit after the decoder layers on disk (`model.layers.{L + j}.*`) and under
 `mtp.{j}.*` in memory. Everything else keeps its name. FP8 checkpoints
 (float8_e4m3fn weights with `weight_scale_inv` over 128x128 blocks) are
-dequantized by `dequantize_fp8_block`.
+dequantized by `dequantize_fp8_block`. A tied LM head is not stored (transformers writes the
+embedding only), and the routers' selection bias is stored in F32 only.
+
+What glmtune/checkpoint/ asks of it is models/common/hf_format.py's `StateDictAdapter`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from glmtune.kernels import fp8_blocks
+from glmtune.models.common.hf_format import Target
 from glmtune.models.glm5.args import Glm5Args
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -31,19 +34,9 @@ _INTERNAL_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj
 FP8_BLOCK = fp8_blocks.BLOCK
 is_fp8 = fp8_blocks.is_fp8
 SCALE_SUFFIX = "_scale_inv"
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where one HF tensor lands in the model.
-
-    `expert` is None for whole tensors; otherwise the tensor fills
-    `param[expert, rows]` (rows = slice of the stacked output dim).
-    """
-
-    key: str
-    expert: int | None = None
-    rows: tuple[int, int] | None = None
+# The router's selection bias is added to fp32 sigmoid scores; a lower precision copy changes
+# which experts are picked.
+_F32_ONLY_SUFFIX = "e_score_correction_bias"
 
 
 class Glm5StateDictAdapter:
@@ -51,6 +44,12 @@ class Glm5StateDictAdapter:
         self.args = args
         self.num_layers = args.num_hidden_layers
         self.expert_dim = args.moe_intermediate_size
+        self.tied_keys = frozenset({"lm_head.weight"} if args.tie_word_embeddings else ())
+        self.layer_counts = {"layers": args.num_hidden_layers, "MTP layers": args.num_nextn_predict_layers}
+
+    def required_dtype(self, hf_key: str) -> str | None:
+        """F32 for the routers' selection bias (`_F32_ONLY_SUFFIX`), else None."""
+        return "F32" if hf_key.endswith(_F32_ONLY_SUFFIX) else None
 
     # -- HF -> glmtune ------------------------------------------------------------------
     def from_hf_key(self, hf_key: str) -> Target | None:

@@ -16,6 +16,7 @@ head, tied to the embedding or not. What differs between architectures is read f
                   rotary), so autograd keeps a copy per layer, and concatenates the rotated and
                   passed halves, so queries are head-major and attention's output is copied once
                   more for o_proj
+  fused_gate_up   one Linear for the MLP's gate and up projections (GLM-4): one LoRA adapter for both
 
 Biases: q/k/v (and o when `o_bias`) carry `attention_bias`, the dense MLP's three projections
 `mlp_bias`. A `model_type` not in `LAYOUTS` is taken as Llama's layer without o_proj bias (two
@@ -45,6 +46,7 @@ class Layout:
     o_bias: bool = False  # o_proj carries `attention_bias`
     qkv_bias: bool = False  # q/k/v always carry a bias, whatever `attention_bias` says
     interleaved_rope: bool = False  # GLM-4's rope: cos/sin re-expanded per layer, rotated half concatenated
+    fused_gate_up: bool = False  # the MLP's gate and up projections are one Linear (GLM-4's gate_up_proj)
 
 
 LAYOUTS = {
@@ -53,7 +55,7 @@ LAYOUTS = {
     "qwen2": Layout(qkv_bias=True),
     "qwen3": Layout(qk_norm=True, o_bias=True),
     "qwen3_moe": Layout(qk_norm=True, o_bias=True),
-    "glm4": Layout(sandwich_norms=True, interleaved_rope=True),
+    "glm4": Layout(sandwich_norms=True, interleaved_rope=True, fused_gate_up=True),
     "glm4_moe": Layout(qk_norm="use_qk_norm"),
 }
 DEFAULT_LAYOUT = Layout()
@@ -81,11 +83,15 @@ def norms_per_layer(args: HfArgs) -> int:
     return 4 if layout_of(args).sandwich_norms else 2
 
 
+def has_qkv_bias(args: HfArgs) -> bool:
+    return bool(args.config.get("attention_bias")) or layout_of(args).qkv_bias
+
+
 def _attention(args: HfArgs) -> int:
     d, hd, n, kv = args.hidden_size, args.head_dim, args.num_attention_heads, args.num_key_value_heads
     layout, bias = layout_of(args), bool(args.config.get("attention_bias"))
     weights = d * hd * (2 * n + 2 * kv)
-    qkv_bias = hd * (n + 2 * kv) if bias or layout.qkv_bias else 0
+    qkv_bias = hd * (n + 2 * kv) if has_qkv_bias(args) else 0
     o_bias = d if bias and layout.o_bias else 0
     return weights + qkv_bias + o_bias
 

@@ -46,6 +46,7 @@ from glmtune.models.common.step_runner import StepRunner
 from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.decoding import HF_DECODING
 from glmtune.models.hf.family import HF_FAMILY
+from glmtune.models.hf.hf_format import HF_FORMAT
 from glmtune.models.hf.lora_rules import HfLoraRules
 from glmtune.models.hf.memory_model import HF_MEMORY
 from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
@@ -87,6 +88,7 @@ class HfSpec(ModelSpec):
     hf_architecture = "*ForCausalLM"  # whatever config.json's `architectures[0]` names
     param_groups = GROUPS
     decoding = HF_DECODING
+    hf_format = HF_FORMAT  # checkpoint/'s HF verifier (`glmtune inspect --verify`); load and save: transformers'
     memory = HF_MEMORY  # glmtune plan's memory model (memory_model.py)
     lora = HfLoraRules()  # peft/'s inventory of what trains; LoRA itself refused at config time (family.py)
 
@@ -136,9 +138,11 @@ class HfSpec(ModelSpec):
             return build_model(self.args_from_hf(path), dtype, "meta"), path
         return self.load_pretrained(path, dtype, device), path
 
-    def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any) -> nn.Module:
+    def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any,
+                        model_cfg: ModelConfig | None = None) -> nn.Module:
         """The HF directory loaded whole by transformers (safetensors only, no remote code), after its
-        weights are checked against its config.json."""
+        weights are checked against its config.json (`model_cfg`: transformers' modules have no
+        backends to choose)."""
         args = self.args_from_hf(path)
         if not holds_weights(path):
             raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json to load")
