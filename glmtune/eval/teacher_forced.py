@@ -3,8 +3,10 @@
 The reference loss, the general text loss, the serving metrics and the preference pairs all run
 the model over known tokens, not generated ones. Each is a packed batch as training's `collate`
 makes one (one document per row here, or a preference pair's two documents), on the model's
-device, scored by the model family's spec (`ModelSpec.loss`, `token_logps`, `serving_metrics`):
-so a model is scored as its training scores it, whatever its family's forward looks like.
+device, scored by the model family as training's typed micro-batch (`MicroBatch.of_batch`; the
+loss and token log-probabilities through the spec's step runner, `backends.LocalModel`) or as the
+batch itself (`ModelSpec.serving_metrics`): so a model is scored as its training scores it,
+whatever its family's forward looks like.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.train.data_loader import collate
 
 
@@ -31,9 +34,14 @@ def on_model_device(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def micro_batch(model: nn.Module, batch: dict[str, Any]) -> MicroBatch:
+    """`batch` as the typed micro-batch the family's `loss` and `token_logps` take, on the model's device."""
+    return MicroBatch.of_batch(batch).to(next(model.parameters()).device)
+
+
 @torch.no_grad()
 def summed_loss(model: nn.Module, loss: Callable, batch: dict[str, Any]) -> tuple[float, int]:
-    """(summed next-token loss, supervised tokens) of `batch` under `model` (`loss`: the family's
-    `spec.loss`)."""
-    loss_sum, count = loss(model, on_model_device(model, batch))[:2]
+    """(summed next-token loss, supervised tokens) of `batch` under `model` (`loss(model, mb)`: the
+    family's loss of a micro-batch)."""
+    loss_sum, count = loss(model, micro_batch(model, batch))[:2]
     return float(loss_sum), int(count)

@@ -37,7 +37,7 @@ from glmtune.data.chat_template import TokenizedSample
 from glmtune.data.packing import pack_pairs
 from glmtune.data.preferences import tokenize_pair
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore
-from glmtune.eval.teacher_forced import on_model_device
+from glmtune.eval.teacher_forced import micro_batch
 from glmtune.train.data_loader import collate
 from glmtune.train.preference_loss import pair_logps
 
@@ -140,7 +140,7 @@ def local_pair_logps(model, token_logps, row: EvalRow, prompting) -> PairLogps:
     size = len(chosen.input_ids) + len(rejected.input_ids)
     rows, _ = pack_pairs([(chosen, rejected)], size, pad_token_id=0)  # exactly the pair: no padding
     assert len(rows) == 1, f"{row.origin}: the pair has no answer token to score"
-    batch = on_model_device(model, collate(rows))
-    sums = pair_logps(token_logps(model, batch).float(), batch["targets"], batch["document_ids"], [2])
+    mb = micro_batch(model, collate(rows))
+    sums = pair_logps(token_logps(model, mb).float(), mb.targets, mb.document_ids, [2])
     return PairLogps(float(sums["chosen"][0]), float(sums["rejected"][0]), int(sums["chosen_tokens"][0]),
                      int(sums["rejected_tokens"][0]))
