@@ -34,8 +34,9 @@ What a spec answers, in the order a run asks:
   describe               the architecture summary and parameter report (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
-Knows no family and imports only family.py, decoding.py, hf_format.py and lora_rules.py: the
-methods take and return the family's own objects.
+Knows no family and imports only its neighbours in models/common/ (family.py, decoding.py,
+hf_format.py, lora_rules.py, memory_model.py, microbatch.py, step_runner.py): the methods take and
+return the family's own objects.
 """
 
 from __future__ import annotations
