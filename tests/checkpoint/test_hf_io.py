@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glmtune import load_pretrained, save_pretrained
-from glmtune.checkpoint.hf_io import INDEX_NAME
+from glmtune.checkpoint.hf_io import INDEX_NAME, check_complete, checkpoint_files, read_plan
 from glmtune.models.glm5.args import Glm5Args, get_preset
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.spec import GLM5
@@ -178,6 +178,22 @@ def test_more_experts_on_disk_than_in_config_is_named(tiny_dir, tmp_path):
     adapter = GLM5.state_dict_adapter(Glm5Args.from_hf_config(bad))
     assert adapter.from_hf_key("model.layers.2.mlp.experts.4.down_proj.weight") is None
     assert adapter.from_hf_key("model.layers.2.mlp.experts.3.down_proj.weight").expert == 3
+
+
+def test_the_missing_tensor_named_is_the_one_missing(tiny_dir):
+    """`check_complete` (the loaders' and the streaming merge's completeness check) names the HF
+    tensor that is absent, one expert's projection of a stacked expert tensor included, and counts
+    every absent one."""
+    model, path = tiny_dir
+    files = checkpoint_files(path)
+    absent = ["model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.3.mlp.experts.7.down_proj.weight"]
+    adapter = GLM5.state_dict_adapter(model.args)
+    state = model.state_dict()
+    plan = read_plan({key: file for key, file in files.items() if key not in absent}, adapter, state.keys())
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    with pytest.raises(ValueError, match=rf"^checkpoint is missing tensor {absent[0]} \(and 1 more\)$"):
+        check_complete(shapes, plan, adapter)
+    check_complete(shapes, read_plan(files, adapter, state.keys()), adapter)  # the whole checkpoint: complete
 
 
 def test_fp32_master_weights_export_in_the_compute_dtype(tiny_dir, tmp_path):
