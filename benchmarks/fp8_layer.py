@@ -68,6 +68,8 @@ def build(a, base: str):
 
 
 def measure(a, base: str) -> dict:
+    from glmtune.models.common.microbatch import MicroBatch
+
     model, weights = build(a, base)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(0)
@@ -80,8 +82,9 @@ def measure(a, base: str) -> dict:
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         x = ids[i]
         marks[0].record()
-        out = model(x, compute_logits=False, targets=torch.roll(x, -1, 1), longest_document=a.seq,
-                    num_supervised=x.numel(), loss_grad_scale=1.0 / x.numel())
+        mb = MicroBatch(x, targets=torch.roll(x, -1, 1), longest_document=a.seq, num_supervised=x.numel(),
+                        loss_scale=1.0 / x.numel())
+        out = model(x, mb, compute_logits=False)
         marks[1].record()
         (out.loss_sum / out.num_targets).backward()
         marks[2].record()

@@ -42,8 +42,8 @@ eval's `operations/serving/indexer_recall`); without --run, on --rows generated 
   uniform       k / allowed keys (what a uniform attention, or a random selection, gives on average)
   top8          the mass of the 8 heaviest keys (how peaked attention is)
   entropy       of the head-mean attention, in nats, and as a share of log(allowed keys)
-  kl_sparse     the training KL (`model(indexer_kl=True)`, nats per query): over the selection
-  kl_dense      the warm-up KL (`indexer_warmup=True`): over every allowed key
+  kl_sparse     the training KL (a micro-batch whose `aux` runs it, nats per query): over the selection
+  kl_dense      the warm-up KL (`aux.indexer_warmup`): over every allowed key
 
 Commands (from the repository root, CPU, one thread each; the training options are the
 2026-12-03 table's, the model an HF directory instead of the preset):
@@ -91,6 +91,8 @@ from glmtune.eval.models import resolve_model
 from glmtune.eval.serving import serving_batch
 from glmtune.eval.sets import load_sets
 from glmtune.eval.suite import load_suite
+from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.stages import decoder_layers
 from glmtune.models.registry import spec_for
 from glmtune.train.data_loader import collate
@@ -188,6 +190,13 @@ class ConcentrationProbe:
         return {k: v / max(self.count, 1) for k, v in self.sums.items()} | {"queries": self.count}
 
 
+def _kl_batch(batch: dict, warmup: bool = False) -> MicroBatch:
+    """The rows with the indexers' KL reported (no step's queries: no gradient factor); `warmup`: dense."""
+    reported = AuxiliaryScales(AuxiliaryLosses(indexer_weight=1.0), indexer_warmup=warmup)
+    return MicroBatch(batch["input_ids"], batch["position_ids"], batch["document_ids"],
+                      longest_document=batch["longest_document"], single_document=batch["single_document"], aux=reported)
+
+
 @torch.no_grad()
 def probe(model: torch.nn.Module, batches: list[dict]) -> dict:
     model.eval()
@@ -195,18 +204,13 @@ def probe(model: torch.nn.Module, batches: list[dict]) -> dict:
     kl = {"kl_sparse": [0.0, 0.0], "kl_dense": [0.0, 0.0]}
     try:
         for batch in batches:
-            common = dict(position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                          compute_logits=False, longest_document=batch["longest_document"],
-                          single_document=batch["single_document"])
-            out = model(batch["input_ids"], indexer_kl=True, **common)  # the probe's hooks run here
+            out = model(batch["input_ids"], _kl_batch(batch), compute_logits=False)  # the probe's hooks run here
             kl["kl_sparse"][0] += float(out.indexer_kl[0])
             kl["kl_sparse"][1] += float(out.indexer_kl[1])
     finally:
         result = concentration.close()
     for batch in batches:  # the warm-up's distribution: dense attention over every allowed key
-        out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                    compute_logits=False, longest_document=batch["longest_document"],
-                    single_document=batch["single_document"], indexer_kl=True, indexer_warmup=True)
+        out = model(batch["input_ids"], _kl_batch(batch, warmup=True), compute_logits=False)
         kl["kl_dense"][0] += float(out.indexer_kl[0])
         kl["kl_dense"][1] += float(out.indexer_kl[1])
     return result | {name: s / max(c, 1) for name, (s, c) in kl.items()}

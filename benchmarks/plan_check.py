@@ -131,6 +131,7 @@ def measure(hf_cfg, state, b, cfg, census: bool):
     from benchmarks.throughput import build_glmtune, glmtune_step, make_batches
     from glmtune.models.glm5.parallelize import parallelize_glm5
     from glmtune.models.common.document_masks import longest_document
+    from glmtune.models.common.microbatch import MicroBatch
     from glmtune.train.optim import build_optimizer
 
     lora, fp32 = cfg.peft.method == "lora", cfg.train.master_weights == "fp32"
@@ -155,9 +156,9 @@ def measure(hf_cfg, state, b, cfg, census: bool):
         hooks = torch.autograd.graph.saved_tensors_hooks(counted.pack, lambda t: t) if counted \
             else contextlib.nullcontext()
         with hooks:
-            out = model(x, position_ids=pos, compute_logits=False, targets=targets,
-                        longest_document=longest_document(b.seq, positions), num_supervised=x.numel() - 1,
-                        loss_grad_scale=1.0 / (x.numel() - 1))
+            mb = MicroBatch(x, pos, targets=targets, longest_document=longest_document(b.seq, positions),
+                            num_supervised=x.numel() - 1, loss_scale=1.0 / (x.numel() - 1))
+            out = model(x, mb, compute_logits=False)
         forward_end = torch.cuda.memory_allocated() / GIB if DEVICE == "cuda" else 0.0
         (out.loss_sum / out.num_targets).backward()
         opt.zero_grad(set_to_none=True)

@@ -200,6 +200,7 @@ def build_glmtune(cfg, state, a, dtype, mtp_layers: int = 0):
 def glmtune_step(model, opt, batches, a):
     """One training step of glmtune's proxy on batch i: the loss, detached."""
     from glmtune.models.common.document_masks import longest_document
+    from glmtune.models.common.microbatch import MicroBatch
 
     ids, positions, _ = batches
     ids, pos = ids.to(DEVICE), positions.to(DEVICE)
@@ -209,8 +210,9 @@ def glmtune_step(model, opt, batches, a):
         x = ids[i]
         # The same next-token targets transformers' loss uses (a plain shift over the row).
         targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
-        out = model(x, position_ids=pos, compute_logits=False, targets=targets, longest_document=longest,
-                    num_supervised=x.numel() - x.shape[0], loss_grad_scale=1.0 / (x.numel() - x.shape[0]))
+        mb = MicroBatch(x, pos, targets=targets, longest_document=longest, num_supervised=x.numel() - x.shape[0],
+                        loss_scale=1.0 / (x.numel() - x.shape[0]))
+        out = model(x, mb, compute_logits=False)
         loss = out.loss_sum / out.num_targets
         loss.backward()
         opt.step()

@@ -1,7 +1,7 @@
 """Preference-optimization losses (the DPO family) over packed rows, exactly as TRL computes them.
 
 A pair's sequence log-probability is the sum of its completion tokens' log-probabilities
-(`Glm5ForCausalLM.forward(..., token_logps=True)`), summed per packed document here. In a
+(the model family's `token_logps`), summed per packed document here. In a
 packed preference row, documents 2i and 2i+1 are the chosen and rejected answers of pair i
 (the data layer's convention), so both halves of a pair are in one micro-batch and padding-free
 packing is kept: `document_sums` of a row equals TRL's per-sequence sums over its padded batch.

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from glmtune import load_pretrained, save_pretrained
 from glmtune.config.schema import PeftConfig
 from glmtune.kernels import fp8_blocks
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 from glmtune.peft import apply_lora, export_adapter
@@ -92,7 +93,7 @@ def test_adapter_trained_on_the_fp8_base_applies_to_the_dequantized_base(tmp_pat
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=1e-2)
     for step in range(3):
         x = _tokens(trained.args.vocab_size, seed=step + 1)
-        out = trained(x, targets=torch.roll(x, -1, 1))
+        out = trained(x, MicroBatch(x, targets=torch.roll(x, -1, 1)))
         (out.loss_sum / out.num_targets).backward()
         optimizer.step()
         optimizer.zero_grad()

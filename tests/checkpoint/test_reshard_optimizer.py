@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from glmtune.checkpoint.manager import CheckpointManager
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from tests.distributed.gloo_helpers import run_gloo
 
@@ -26,7 +27,7 @@ def _train_one_step_and_save(rank: int, world_size: int, root: str) -> None:
     parallelize_glm5(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = _tokens(rank)
-    out = model(ids, targets=torch.roll(ids, -1, dims=1), compute_logits=False)
+    out = model(ids, MicroBatch(ids, targets=torch.roll(ids, -1, dims=1)), compute_logits=False)
     out.loss_sum.backward()
     optimizer.step()
     CheckpointManager(Path(root) / "ckpt", keep_last=0).save(1, model, optimizer, {"note": "sharded"})

@@ -25,6 +25,7 @@ from glmtune.checkpoint.hf_io import INDEX_NAME
 from glmtune.checkpoint.sharded_load import local_indices
 from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.mesh import ParallelMesh
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.parallelize import parallelize_glm5
@@ -43,7 +44,7 @@ def _parallel_model(path: Path, world_size: int, ep: int):
 
 def _loss(model, args):
     ids = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    return model(ids, compute_logits=False, targets=torch.roll(ids, -1, dims=1)).loss_sum
+    return model(ids, MicroBatch(ids, targets=torch.roll(ids, -1, dims=1)), compute_logits=False).loss_sum
 
 
 def _load_and_compare(rank: int, world_size: int, path: str, ep: int, out: str) -> None:

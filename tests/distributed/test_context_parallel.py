@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from glmtune.distributed.context_parallel import apply_context_parallel, gather_sequence
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.sequence_shard import SequenceShard
 from glmtune.models.glm5 import build_model, get_preset
 from tests.distributed.gloo_helpers import run_gloo
@@ -59,7 +60,7 @@ def _record_selections(model) -> list[torch.Tensor]:
 def _forward_backward(model, rows: str):
     ids, targets, positions = _batch(rows)
     masks = _record_selections(model)
-    out = model(ids, position_ids=positions, targets=targets, compute_logits=False)
+    out = model(ids, MicroBatch(ids, positions, targets=targets), compute_logits=False)
     out.loss_sum.backward()
     grads = {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
     return out.loss_sum.detach(), int(out.num_targets), grads, masks
@@ -92,7 +93,7 @@ def _cp_worker(rank: int, world_size: int, out_dir: str, backend: str, balance: 
         ids, targets, positions = _batch(rows)
         with torch.no_grad():
             result["stage_loss"] = _stage_by_stage_loss(model, rows)
-            result["forward_loss"] = model(ids, position_ids=positions, targets=targets,
+            result["forward_loss"] = model(ids, MicroBatch(ids, positions, targets=targets),
                                            compute_logits=False).loss_sum
     torch.save(result, f"{out_dir}/rank{rank}.pt")
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from glmtune.distributed.expert_parallel import apply_expert_parallel
 from glmtune.distributed.token_exchange import AllGatherTokenDispatcher, AllToAllTokenDispatcher
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.token_dispatch import LocalTokenDispatcher
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.moe import MoE
@@ -61,7 +62,7 @@ def _forward_backward(model, rank: int):
         lambda _m, _in, out, name=name: routed.__setitem__(name, torch.bincount(out[2].reshape(-1), minlength=NUM_EXPERTS)))
         for name, m in layers]
     ids, targets = _batch(rank)
-    loss = model(ids, targets=targets).loss_sum
+    loss = model(ids, MicroBatch(ids, targets=targets)).loss_sum
     loss.backward()
     for hook in hooks:
         hook.remove()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.train.generate import greedy_generate
 from tests.distributed.gloo_helpers import run_gloo
@@ -28,7 +29,7 @@ def _train(rank: int, world_size: int, out: str) -> None:
         losses = []
         for step in range(3):
             ids = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(100 * step + rank))
-            loss = model(ids, targets=torch.roll(ids, -1, 1), compute_logits=False).loss_sum
+            loss = model(ids, MicroBatch(ids, targets=torch.roll(ids, -1, 1)), compute_logits=False).loss_sum
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.moe import Router
 from glmtune.models.glm5.parallelize import apply_fsdp
@@ -27,7 +28,7 @@ def one_rank_mesh():
 
 
 def _loss(model, ids, targets):
-    return model(ids, compute_logits=False, targets=targets).loss_sum
+    return model(ids, MicroBatch(ids, targets=targets), compute_logits=False).loss_sum
 
 
 def test_bf16_units_compute_the_unsharded_model_with_fp32_routing(one_rank_mesh):

@@ -188,8 +188,11 @@ def _kl_and_indexer_grads(model, warmup: bool):
     (the main loss with weight 0; it carries the warm-up's KL, which no layer output can)."""
     ids, positions, document_ids = _packed_rows()
     targets = torch.roll(ids, -1, 1)
-    out = model(ids, position_ids=positions, document_ids=document_ids, compute_logits=False, targets=targets,
-                indexer_kl=True, indexer_grad_scale=1.0, indexer_warmup=warmup)
+    queries = int((document_ids >= 0).sum())
+    layers = len(model.model.layers)
+    # each layer's KL differentiated with factor 1: the weight is the queries x layers it divides by
+    aux = AuxiliaryScales(AuxiliaryLosses(indexer_weight=float(queries * layers)), queries=queries, indexer_warmup=warmup)
+    out = model(ids, MicroBatch(ids, positions, document_ids, targets, aux=aux), compute_logits=False)
     (out.loss_sum * 0).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if ".indexer." in name and p.grad is not None}
     return out.indexer_kl.detach(), grads
@@ -215,15 +218,15 @@ def test_chained_stages_compute_the_kl_and_gradients(mtp):
     mtp_scale = 0.3 / num_mtp if mtp else None
     scale = 0.01 / (int((document_ids >= 0).sum()) * (5 if mtp else 4))  # queries x KL layers, as `Glm5Spec.loss`
     reference = _tiny_fp64(mtp)
-    out = reference(ids, compute_logits=False, indexer_kl=True, indexer_grad_scale=scale, mtp_grad_scale=mtp_scale,
-                    **rows)
+    queries = int((document_ids >= 0).sum())  # the sizes `scale` and `mtp_scale` come from
+    aux = AuxiliaryScales(AuxiliaryLosses(0.3 if mtp else 0.0, 0.01), mtp_targets=num_mtp, queries=queries)
+    assert (aux.mtp_grad_scale(), aux.indexer_grad_scale(5 if mtp else 4)) == (mtp_scale, scale)
+    reference = _tiny_fp64(mtp)
+    out = reference(ids, MicroBatch(ids, **rows, aux=aux), compute_logits=False)
     out.loss_sum.backward()
 
     model = _tiny_fp64(mtp)
     stages = split_into_stages(model, [2, 2], [0, 1], mtp=mtp, indexer_kl=True)
-    queries = int((document_ids >= 0).sum())  # the sizes `scale` and `mtp_scale` come from
-    aux = AuxiliaryScales(AuxiliaryLosses(0.3 if mtp else 0.0, 0.01), mtp_targets=num_mtp, queries=queries)
-    assert (aux.mtp_grad_scale(), aux.indexer_grad_scale(5 if mtp else 4)) == (mtp_scale, scale)
     mb = MicroBatch(ids, **rows, aux=aux).rows(slice(None))  # with its host facts
     for stage in stages:
         stage.microbatches = [StageMicrobatch(mb)]

@@ -103,8 +103,9 @@ def test_chained_stages_compute_the_mtp_loss_and_gradients():
     rows = _two_rows(320)  # above the top-k (256): the sparse selection runs and is carried
     kwargs = {k: v for k, v in rows.items() if k != "ids"}
     num_mtp = int((rows["mtp_targets"] != -100).sum())
+    aux = AuxiliaryScales(AuxiliaryLosses(mtp_weight=WEIGHT), mtp_targets=num_mtp)  # weight / num_mtp
     reference = _tiny_fp64_with_mtp()  # fp64: the order of the sums leaves no trace
-    out = reference(rows["ids"], compute_logits=False, mtp_grad_scale=WEIGHT / num_mtp, **kwargs)
+    out = reference(rows["ids"], MicroBatch(rows["ids"], **kwargs, aux=aux), compute_logits=False)
     out.loss_sum.backward()
 
     model = _tiny_fp64_with_mtp()
@@ -112,7 +113,6 @@ def test_chained_stages_compute_the_mtp_loss_and_gradients():
     assert [stage.num_activations for stage in (first, middle, last)] == [2, 2, 2]
     assert any(name.startswith("mtp_layer.") for name, _ in last.named_parameters())
     assert not any(name.startswith("mtp") for stage in (first, middle) for name, _ in stage.named_parameters())
-    aux = AuxiliaryScales(AuxiliaryLosses(mtp_weight=WEIGHT), mtp_targets=num_mtp)  # weight / num_mtp
     mb = MicroBatch(rows["ids"], **kwargs, aux=aux).rows(slice(None))  # with its host facts
     for stage in (first, middle, last):
         stage.microbatches = [StageMicrobatch(mb)]

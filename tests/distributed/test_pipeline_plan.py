@@ -74,7 +74,7 @@ def test_chained_stages_compute_the_model_loss_and_gradients():
     positions = torch.stack([torch.arange(seq), torch.cat([torch.arange(300), torch.arange(20)])])
     documents = torch.stack([torch.zeros(seq, dtype=torch.long), (torch.arange(seq) >= 300).long()])
     targets = torch.roll(ids, -1, 1)
-    out = reference(ids, position_ids=positions, document_ids=documents, compute_logits=False, targets=targets)
+    out = reference(ids, MicroBatch(ids, positions, documents, targets), compute_logits=False)
     out.loss_sum.backward()
 
     first, second = split_into_stages(model, [1, 3], [0, 1])

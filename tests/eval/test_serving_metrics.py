@@ -38,6 +38,7 @@ from glmtune.eval.evaluate import run_eval
 from glmtune.eval.scorers.reference_loss import reference_sample
 from glmtune.eval.sets import load_sets
 from glmtune.eval.suite import DecodingConfig, load_suite
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.spec import Glm5Spec
 from tests.eval.endpoint_stub import engine
@@ -118,7 +119,8 @@ def _reference_counts(hf_dir: Path, suite_path: Path) -> tuple[int, int]:
             scored = [t for t in range(len(ids) - 2) if targets[t + 1] != IGNORE_INDEX]
             mtp_targets = [ids[t + 2] if t in scored else IGNORE_INDEX for t in range(len(ids))]
             with torch.no_grad():
-                out = model(torch.tensor([ids]), mtp_targets=torch.tensor([mtp_targets]))
+                ids_1T = torch.tensor([ids])
+                out = model(ids_1T, MicroBatch(ids_1T, mtp_targets=torch.tensor([mtp_targets])))
                 main_greedy = out.logits[0].float().argmax(-1)
                 drafts = model.lm_head(out.mtp_hidden_states[0]).float().argmax(-1)
             accepted += sum(int(drafts[t] == main_greedy[t + 1]) for t in scored)

@@ -4,6 +4,7 @@ logits and gradients, for one-document and packed rows, with top-k sparsity acti
 import pytest
 import torch
 
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 
@@ -22,7 +23,7 @@ def assert_backend_matches_eager(backend: str, packed: bool, configure=None) -> 
     positions = torch.cat([torch.arange(25), torch.arange(15)]).unsqueeze(0) if packed else None
     outs = []
     for model in (eager, fast):
-        out = model(x, position_ids=positions, targets=targets)
+        out = model(x, MicroBatch(x, positions, targets=targets))
         (out.loss_sum / out.num_targets).backward()
         outs.append(out.logits.detach())
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
@@ -55,6 +56,6 @@ def test_flex_backend_forward_matches_eager_reference(packed):
     x = torch.randint(0, 4000, (2, 160), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(100), torch.arange(60)]).unsqueeze(0) if packed else None
     with torch.no_grad():
-        reference = eager(x, position_ids=positions).logits
-        got = fast(x, position_ids=positions).logits
+        reference = eager(x, MicroBatch(x, positions)).logits
+        got = fast(x, MicroBatch(x, positions)).logits
     assert (reference - got).abs().max().item() <= 1e-4

@@ -3,6 +3,7 @@
 import torch
 
 from glmtune.models.common.document_masks import allowed_mask, documents_from_positions, longest_document
+from glmtune.models.common.microbatch import MicroBatch
 
 
 def _most_allowed_keys(position_ids=None, document_ids=None, batch=2, seq=24):
@@ -46,6 +47,6 @@ def test_one_single_document_row_does_not_make_a_packed_row_plain_causal():
     model = build_model(get_preset("tiny"), torch.float32, seed=0).eval()
     ids = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        both = model(ids, position_ids=positions).logits
-        alone = model(ids[1:], position_ids=positions[1:]).logits
+        both = model(ids, MicroBatch(ids, positions)).logits
+        alone = model(ids[1:], MicroBatch(ids[1:], positions[1:])).logits
     torch.testing.assert_close(both[1], alone[0], rtol=1e-5, atol=1e-5)

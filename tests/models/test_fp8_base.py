@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from glmtune.config.schema import PeftConfig
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.lora_rules import DEFAULT_LORA_TARGETS
 from glmtune.kernels import fp8_blocks
 from glmtune.models.glm5.args import get_preset
@@ -38,7 +39,7 @@ def _would_quantize(module_name):
 
 
 def _step(model, x):
-    out = model(x, targets=torch.roll(x, -1, 1))
+    out = model(x, MicroBatch(x, targets=torch.roll(x, -1, 1)))
     (out.loss_sum / out.num_targets).backward()
     return out.loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 

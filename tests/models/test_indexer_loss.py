@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
 from glmtune.models.common.loss import IGNORE_INDEX
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.rope import apply_interleaved_rope
 from glmtune.models.glm5 import build_model, get_preset, indexer_loss
 from glmtune.models.glm5.model import DecoderLayer
@@ -124,10 +126,26 @@ def _grads(model):
     return grads
 
 
-def _train_forward(model, batch, targets, **kw):
-    terms = int((batch["document_ids"] >= 0).sum()) * len(model.model.layers)
-    out = model(**batch, compute_logits=False, targets=targets, indexer_kl=True,
-                indexer_grad_scale=WEIGHT / terms, loss_chunk_size=7, **kw)
+def _queries(batch) -> int:
+    return int((batch["document_ids"] >= 0).sum())
+
+
+def _forward(model, batch, targets, aux=None, mtp_targets=None, **kw):
+    """`model` over `batch`'s rows: the micro-batch of their positions, documents and targets, `aux`
+    sizing the auxiliary losses."""
+    mb = MicroBatch(**batch, targets=targets, mtp_targets=mtp_targets, aux=aux)
+    return model(batch["input_ids"], mb, compute_logits=False, **kw)
+
+
+def _unit_kl(batch, layers=4) -> AuxiliaryScales:
+    """The indexer KL differentiated with factor 1 (its weight is the queries x KL layers it divides by)."""
+    return AuxiliaryScales(AuxiliaryLosses(indexer_weight=float(_queries(batch) * layers)), queries=_queries(batch))
+
+
+def _train_forward(model, batch, targets, warmup=False):
+    # WEIGHT / (queries x layers) the factor of each layer's KL
+    aux = AuxiliaryScales(AuxiliaryLosses(indexer_weight=WEIGHT), queries=_queries(batch), indexer_warmup=warmup)
+    out = _forward(model, batch, targets, aux, loss_chunk_size=7)
     (out.loss_sum / int((targets != IGNORE_INDEX).sum())).backward()
     return out
 
@@ -161,11 +179,11 @@ def test_kl_and_gradients_match_the_explicit_reference(monkeypatch, gather, chun
 def test_gradients_reach_only_the_indexers_and_leave_the_main_model_as_the_lm_loss_trains_it():
     model = _model()
     batch, targets = _batch(model.args.vocab_size)
-    out = model(**batch, compute_logits=False, targets=targets)
+    out = _forward(model, batch, targets)
     out.loss_sum.backward()
     plain = _grads(model)
     assert not any(".indexer." in name for name in plain)
-    with_kl = model(**batch, compute_logits=False, targets=targets, indexer_kl=True, indexer_grad_scale=1.0)
+    with_kl = _forward(model, batch, targets, _unit_kl(batch))
     assert torch.equal(with_kl.loss_sum, out.loss_sum)  # the forward is unchanged
     with_kl.loss_sum.backward()
     grads = _grads(model)
@@ -204,8 +222,9 @@ def test_the_mtp_layers_indexer_trains_when_the_mtp_layer_runs():
     mtp_targets = torch.cat([targets[:, 1:], torch.full((len(DOCS), 1), IGNORE_INDEX)], dim=1)
     terms = int((batch["document_ids"] >= 0).sum()) * 5
     m = int((mtp_targets != IGNORE_INDEX).sum())
-    out = model(**batch, compute_logits=False, targets=targets, mtp_targets=mtp_targets, mtp_grad_scale=0.5 / m,
-                indexer_kl=True, indexer_grad_scale=WEIGHT / terms)
+    # 0.5 / m the MTP loss's factor, WEIGHT / terms the KL's
+    aux = AuxiliaryScales(AuxiliaryLosses(0.5, WEIGHT), mtp_targets=m, queries=_queries(batch))
+    out = _forward(model, batch, targets, aux, mtp_targets)
     n = int((targets != IGNORE_INDEX).sum())
     (out.loss_sum / n).backward()
     grads = _grads(model)
@@ -224,11 +243,11 @@ def test_the_mtp_layers_indexer_trains_when_the_mtp_layer_runs():
 def test_activation_checkpointing_gives_the_same_gradients(mode, warmup):
     batch, targets = _batch(4096)
     eager = _model()
-    out = _train_forward(eager, batch, targets, indexer_warmup=warmup)
+    out = _train_forward(eager, batch, targets, warmup=warmup)
     want = _grads(eager)
     checkpointed = _model()
     apply_activation_checkpointing(checkpointed, mode, keep_matmul_min_k=32)
-    got_out = _train_forward(checkpointed, batch, targets, indexer_warmup=warmup)
+    got_out = _train_forward(checkpointed, batch, targets, warmup=warmup)
     got = _grads(checkpointed)
     assert torch.equal(got_out.indexer_kl, out.indexer_kl)
     assert got.keys() == want.keys()
@@ -255,7 +274,7 @@ def test_compiled_layers_equal_eager():
 def test_warmup_attends_densely_and_trains_only_the_indexers():
     model = _model()
     batch, targets = _batch(model.args.vocab_size)
-    out = _train_forward(model, batch, targets, indexer_warmup=True)
+    out = _train_forward(model, batch, targets, warmup=True)
     grads = _grads(model)
     assert grads and all(".indexer." in name for name in grads)
     assert not out.loss_sum.grad_fn.name().startswith("_FusedLinear")  # a detached main loss, carrying the KL
@@ -271,7 +290,7 @@ def test_warmup_attends_densely_and_trains_only_the_indexers():
 
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-    _train_forward(model, batch, targets, indexer_warmup=True)
+    _train_forward(model, batch, targets, warmup=True)
     optimizer.step()
     changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     assert changed and all(".indexer." in name for name in changed)
@@ -281,8 +300,9 @@ def test_without_gradients_the_kl_is_reported_only():
     model = _model()
     batch, targets = _batch(model.args.vocab_size)
     with torch.no_grad():
-        out = model(**batch, compute_logits=False, targets=targets, indexer_kl=True, indexer_grad_scale=1.0)
-        dense = model(**batch, compute_logits=False, targets=targets, indexer_kl=True, indexer_warmup=True)
+        out = _forward(model, batch, targets, _unit_kl(batch))
+        reported = AuxiliaryScales(AuxiliaryLosses(indexer_weight=1.0), indexer_warmup=True)  # no step's queries
+        dense = _forward(model, batch, targets, reported)
     _, _, kl, terms = _reference(model, batch, targets, TOPK)
     torch.testing.assert_close(out.indexer_kl[0], kl.detach(), rtol=1e-10, atol=0)
     assert dense.indexer_kl[0] != out.indexer_kl[0] and int(dense.indexer_kl[1]) == terms

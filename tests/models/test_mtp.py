@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from glmtune.data.packing import second_next_targets
+from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
 from glmtune.models.common.loss import IGNORE_INDEX
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.model import DecoderLayer
 
@@ -94,16 +96,16 @@ def test_mtp_loss_and_gradients_match_the_explicit_reference(topk):
     mtp_targets = torch.tensor([_reference_targets(r["labels"], r["document_ids"]) for r in rows])
     n, m, weight = int((targets != IGNORE_INDEX).sum()), int((mtp_targets != IGNORE_INDEX).sum()), 0.3
 
-    out = model(**{"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
-                   "document_ids": batch["document_ids"]}, compute_logits=False, targets=targets,
-                mtp_targets=mtp_targets, mtp_grad_scale=weight / m, loss_chunk_size=7)
+    aux = AuxiliaryScales(AuxiliaryLosses(mtp_weight=weight), mtp_targets=m)  # the MTP loss's factor: weight / m
+    out = model(batch["input_ids"], MicroBatch(**batch, targets=targets, mtp_targets=mtp_targets, aux=aux),
+                compute_logits=False, loss_chunk_size=7)
     (out.loss_sum / n).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     assert any(name.startswith("mtp.0.eh_proj") for name in grads)
     assert all(".indexer." not in name for name in grads)
     model.zero_grad(set_to_none=True)
 
-    logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"]).logits
+    logits = model(batch["input_ids"], MicroBatch(**batch)).logits
     lm = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                            ignore_index=IGNORE_INDEX, reduction="sum")
     mtp = _reference_mtp_sum(model, batch, mtp_targets)
@@ -123,7 +125,7 @@ def test_without_a_gradient_scale_the_mtp_loss_is_reported_and_not_trained():
     batch = _batch(rows)
     targets = torch.tensor([r["labels"][1:] + [IGNORE_INDEX] for r in rows])
     mtp_targets = torch.tensor([second_next_targets(r["labels"], r["document_ids"]) for r in rows])
-    out = model(**batch, compute_logits=False, targets=targets, mtp_targets=mtp_targets)
+    out = model(batch["input_ids"], MicroBatch(**batch, targets=targets, mtp_targets=mtp_targets), compute_logits=False)
     out.loss_sum.backward()
     assert out.mtp_loss_sum > 0
     assert all(p.grad is None for name, p in model.named_parameters() if name.startswith("mtp."))
@@ -135,7 +137,8 @@ def test_mtp_acceptance_counts_the_drafts_the_model_itself_would_emit():
     batch = _batch(rows)
     mtp_targets = torch.tensor([_reference_targets(r["labels"], r["document_ids"]) for r in rows])
     with torch.no_grad():
-        out = model(**batch, targets=mtp_targets, mtp_targets=mtp_targets, loss_chunk_size=5)
+        out = model(batch["input_ids"], MicroBatch(**batch, targets=mtp_targets, mtp_targets=mtp_targets),
+                    loss_chunk_size=5)
         greedy = out.logits.argmax(-1)  # the main model's token after t+1, at position t+1
         drafted = model.lm_head(out.mtp_hidden_states).argmax(-1)
     scored = mtp_targets != IGNORE_INDEX
@@ -144,5 +147,5 @@ def test_mtp_acceptance_counts_the_drafts_the_model_itself_would_emit():
     # a layer that drafts the main model's own token is always accepted
     model.mtp[0].shared_head.norm.weight.data.zero_()  # every draft is token 0 (all logits 0: argmax 0)
     with torch.no_grad():
-        out = model(**batch, targets=mtp_targets, mtp_targets=mtp_targets)
+        out = model(batch["input_ids"], MicroBatch(**batch, targets=mtp_targets, mtp_targets=mtp_targets))
     assert out.mtp_accepted[0] == ((greedy[:, 1:] == 0) & scored[:, :-1]).sum()

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 import glmtune.models.glm5.indexer as indexer_module
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.model import build_model
 from glmtune.models.glm5.parallelize import parallelize_glm5
 
 
 def _step(model, x):
-    out = model(x, targets=torch.roll(x, -1, 1))
+    out = model(x, MicroBatch(x, targets=torch.roll(x, -1, 1)))
     (out.loss_sum / out.num_targets).backward()
     return out.loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

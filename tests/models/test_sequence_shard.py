@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from glmtune.models.common.document_masks import allowed_mask
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.sequence_shard import SequenceShard, causal_pairs, pieces_of
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.indexer import dsa_topk_mask
@@ -119,7 +120,7 @@ def test_one_rank_shard_is_bit_identical_to_no_shard(backend, packed):
         model = build_model(args, attention_backend=backend, seed=0)
         if sharded:
             model.model.sequence_shard = SequenceShard(0, 1)
-        out = model(x, position_ids=positions, targets=targets)
+        out = model(x, MicroBatch(x, positions, targets=targets))
         out.loss_sum.backward()
         results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     assert torch.equal(results[0][0], results[1][0])

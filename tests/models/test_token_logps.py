@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from glmtune.models.common.loss import IGNORE_INDEX, chunked_token_logps, full_token_logps
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 
 
@@ -65,8 +66,8 @@ def test_model_forward_option():
     targets = torch.roll(ids, -1, dims=1)
     targets[:, :3] = IGNORE_INDEX
     with torch.no_grad():
-        out = model(ids, targets=targets, token_logps=True, compute_logits=True)
-        loss = model(ids, targets=targets)
+        out = model(ids, MicroBatch(ids, targets=targets), token_logps=True, compute_logits=True)
+        loss = model(ids, MicroBatch(ids, targets=targets))
     assert out.loss_sum is None and out.num_targets == loss.num_targets == 18
     torch.testing.assert_close(out.token_logps, full_token_logps(out.logits, targets), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(-out.token_logps.sum(), loss.loss_sum, rtol=1e-6, atol=1e-6)

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from glmtune import load_pretrained, save_pretrained
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.model import build_model
 from tests.parity.hf_reference import STYLES, make_hf_model
@@ -67,7 +68,7 @@ def test_sdpa_backend_matches(pair, seq, query_block):
     positions = torch.cat([torch.arange(seq // 2), torch.arange(seq - seq // 2)]).unsqueeze(0)
     with torch.no_grad():
         expected = hf(x, position_ids=positions, use_cache=False).logits
-        assert (expected - ours(x, position_ids=positions).logits).abs().max().item() <= 1e-4
+        assert (expected - ours(x, MicroBatch(x, positions)).logits).abs().max().item() <= 1e-4
 
 
 def test_gradients_match(pair):
@@ -122,8 +123,8 @@ def test_packed_row_equals_documents_alone(pair):
     positions = torch.cat([torch.arange(14), torch.arange(19)]).unsqueeze(0)
     documents = torch.cat([torch.zeros(14), torch.ones(19)]).long().unsqueeze(0)
     with torch.no_grad():
-        by_positions = ours(packed, position_ids=positions).logits
-        by_documents = ours(packed, position_ids=positions, document_ids=documents).logits
+        by_positions = ours(packed, MicroBatch(packed, positions)).logits
+        by_documents = ours(packed, MicroBatch(packed, positions, documents)).logits
         alone_a, alone_b = hf(doc_a).logits, hf(doc_b).logits
         # transformers treats the row as packed only without a cache object (use_cache=False);
         # with its default use_cache=True the second document attends the first.

@@ -104,8 +104,9 @@ def test_the_mtp_adapters_learn_from_the_mtp_loss():
 
     # The MTP layer is in the MTP loss's path only: its adapters' gradients are those of w x MTP mean.
     model.zero_grad(set_to_none=True)
-    out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                compute_logits=False, mtp_targets=batch["mtp_targets"])
+    mtp_only = MicroBatch(batch["input_ids"], batch["position_ids"], batch["document_ids"],
+                          mtp_targets=batch["mtp_targets"])
+    out = model(batch["input_ids"], mtp_only, compute_logits=False)
     (weight * out.mtp_loss_sum / batch["num_mtp_supervised"]).backward()
     for name, grad in mtp.items():
         torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-5, atol=1e-8, msg=name)
@@ -239,7 +240,7 @@ def test_a_lora_run_with_the_mtp_loss_ships_its_trained_mtp_adapters(tmp_path):
     x = tokens(vocab=trained.args.vocab_size)
     mtp_targets = torch.cat([x[:, 2:], torch.full_like(x[:, :2], -100)], dim=1)
     with torch.no_grad():
-        expected, got, before = (m.eval()(x, mtp_targets=mtp_targets).mtp_hidden_states
+        expected, got, before = (m.eval()(x, MicroBatch(x, mtp_targets=mtp_targets)).mtp_hidden_states
                                  for m in (trained, merged, plain))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert (before - expected).abs().max() > 1e-2  # the adapters move the MTP layer's output (0.67)

@@ -10,7 +10,7 @@ On a tiny GLM-5 exported to an HF directory (fp32, CPU), three preference pairs 
     .log_probs.sum(1)`), and for SimPO `CPOTrainer.concatenated_forward`.
   * glmtune: the same token ids packed padding-free into two rows (pairs 0 and 1 in row 0,
     pair 2 then padding in row 1; documents 2i/2i+1 = chosen/rejected, positions restarting per
-    document, document ids, -1 padding), `Glm5ForCausalLM(..., token_logps=True)` ->
+    document, document ids, -1 padding), `Glm5ForCausalLM(ids, mb, token_logps=True)` ->
     `pair_logps` (document sums) -> `preference_loss` -> `total_loss`, then backward.
 Asserted equal to relative 1e-5: per-pair log-probabilities, the loss, TRL's logged reward
 metrics, and the gradient of every trainable parameter (names in memory are transformers'
@@ -42,6 +42,7 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer
 
 from glmtune import load_pretrained
 from glmtune.models.common.loss import IGNORE_INDEX
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
 from glmtune.peft import adapter_state, apply_lora, export_adapter
 from glmtune.peft.lora import adapters_disabled
@@ -137,8 +138,8 @@ def _dpo_rows(examples, rows_of_pairs) -> tuple[dict[str, torch.Tensor], list[in
 
 def _logps(model, rows, num_documents, grad=True):
     with torch.set_grad_enabled(grad):
-        out = model(rows["input_ids"], rows["position_ids"], rows["document_ids"], compute_logits=False,
-                    targets=rows["targets"], token_logps=True)
+        mb = MicroBatch(rows["input_ids"], rows["position_ids"], rows["document_ids"], rows["targets"])
+        out = model(mb.input_ids, mb, compute_logits=False, token_logps=True)
     return pair_logps(out.token_logps, rows["targets"], rows["document_ids"], num_documents)
 
 

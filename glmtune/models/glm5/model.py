@@ -8,13 +8,16 @@ gate_up_proj`, ...) so adapters and PEFT exports line up with it; the HF checkpo
 mapping itself lives only in `state_dict_adapter.py`. Multi-token-prediction
 (MTP) layers are built (under `mtp`) so checkpoints keep their weights through a
 load/save round trip; the first one runs only when its loss is asked for
-(`forward(mtp_targets=...)`, `train.mtp_loss_weight`):
+(a micro-batch with `mtp_targets`, `train.mtp_loss_weight`):
 
     MTP at t:  eh_proj([enorm(embed(x[t+1])); hnorm(h[t])]) -> decoder layer -> shared_head.norm
                -> lm_head -> token t+2
 
 h[t] being the main model's final-normed hidden state (what serving engines hand their MTP
 drafter). Its loss is attached to the main loss's backward (`models/common/aux_loss.py`).
+
+The forward takes the token ids and a `MicroBatch` (`models/common/microbatch.py`): positions,
+documents, targets, their host facts and the auxiliary losses' sizes.
 
 The model knows nothing of parallelism; `parallelize_glm5()` transforms it. Under
 context parallelism it is handed a `SequenceShard` (`Glm5Model.sequence_shard`): it
@@ -33,9 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glmtune.models.common.aux_loss import attach
+from glmtune.models.common.aux_loss import AuxiliaryScales, attach
 from glmtune.models.common.document_masks import allowed_mask, longest_document, single_document_rows
 from glmtune.models.common.loss import IGNORE_INDEX, chunked_cross_entropy, chunked_greedy, chunked_token_logps
+from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import RotaryEmbedding
 from glmtune.models.common.sequence_shard import SequenceShard
@@ -53,14 +57,14 @@ class Glm5Output:
     loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when targets were given
     num_targets: torch.Tensor | None = None  # supervised tokens in loss_sum (or token_logps)
     token_logps: torch.Tensor | None = None  # [B, S] fp32 log p(target), 0 where -100 (forward(token_logps=True))
-    mtp_loss_sum: torch.Tensor | None = None  # fp32 sum of the MTP layer's token losses (forward(mtp_targets=...))
+    mtp_loss_sum: torch.Tensor | None = None  # fp32 sum of the MTP layer's token losses (`mb.mtp_targets`)
     mtp_num_targets: torch.Tensor | None = None  # supervised tokens in mtp_loss_sum
     mtp_hidden_states: torch.Tensor | None = None  # [B, S, D] the MTP layer's head input (shared_head.norm applied)
     # MTP acceptance over the MTP-supervised positions t: the MTP layer's greedy token for t+2 equals
     # the model's own greedy token at t+1 (what speculative decoding accepts), as (accepted, positions)
     mtp_accepted: torch.Tensor | None = None
     # fp64 [2]: the indexers' KL summed over the layers and non-padding queries, and their number
-    # (layers x queries); forward(indexer_kl=True)
+    # (layers x queries); a micro-batch whose `aux` runs the indexer loss
     indexer_kl: torch.Tensor | None = None
 
 
@@ -285,85 +289,86 @@ class Glm5ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.freeze_untrained_by_default()
 
-    def forward(self, input_ids, position_ids=None, document_ids=None, compute_logits: bool = True,
-                targets=None, loss_chunk_size: int = 2048, longest_document: int | None = None,
-                num_supervised: int | None = None, loss_grad_scale: float | None = None,
-                single_document: bool | None = None, token_logps: bool = False, mtp_targets=None,
-                mtp_num_supervised: int | None = None, mtp_grad_scale: float | None = None,
-                indexer_kl: bool = False, indexer_grad_scale: float | None = None,
-                indexer_warmup: bool = False) -> Glm5Output:
-        """Args:
-            input_ids: [B, T] token ids. Under context parallelism (`model.sequence_shard`) every
-                argument describes the full rows and the outputs (hidden states, logits, loss
-                sum and count) only this rank's queries: [B, S, ...], S = T / cp.
-            position_ids: [B, T] or [1, T]; restarts at 0 mark document starts in packed rows.
-            document_ids: [B, T] document index per token; overrides the position-based split.
-            compute_logits: False returns only hidden states.
-            targets: [B, T] next-token ids (-100 = no loss). When given, the loss is computed
-                here by the chunked cross-entropy (never all fp32 logits at once), inside
-                forward so that sharded wrappers (FSDP2) have the head weight gathered.
-            longest_document: `document_masks.longest_document` of these ids, computed on the host;
-                omitted, the model computes it (a host sync when the ids are on the GPU).
-            single_document: `document_masks.single_document_rows` of these ids (every row one
-                document), from the host like `longest_document`.
-            num_supervised: the number of targets != -100 (of this rank's queries under context
-                parallelism: `model.model.local_tokens(targets)`), counted on the host;
-                omitted, the loss finds the supervised rows with a host sync.
-            loss_grad_scale: the factor the caller multiplies `loss_sum` by before backward
-                (e.g. 1 / supervised tokens of the step), if known on the host: the fused loss
-                folds it into its gradient GEMMs instead of a scaling pass in backward.
-            token_logps: with `targets`, return `token_logps` (per-token fp32 log-probabilities of
-                the targets, 0 where -100; chunked like the loss) instead of `loss_sum`, for losses
-                that weigh tokens per document (preference optimization).
-            mtp_targets: [B, T] the token after next (`packing.second_next_targets`; -100 = no
-                loss): the first MTP layer runs and its loss sum is returned (`mtp_loss_sum`,
-                `mtp_num_targets`; `mtp_hidden_states` its head input). `mtp_num_supervised` is its
-                host count (this rank's queries), like `num_supervised`.
-            mtp_grad_scale: with `targets` and gradients, the MTP loss sum is differentiated with
-                this factor in the same backward as `loss_sum` (`aux_loss.attach`; e.g. the loss
-                weight / the step's supervised MTP tokens); None: it is returned only.
-            indexer_kl: every layer (the MTP layer too, when it runs) computes the KL of the indexer
-                whose selection it attends against its own attention (`indexer_loss.py`): summed
-                with its query count into `indexer_kl` ([2], over this forward's non-padding queries
-                and layers). `indexer_grad_scale`: with gradients, each layer's KL sum is
-                differentiated with this factor in the main backward (the loss weight / (the step's
-                non-padding queries x the layers computing a KL)); None: reported only.
-            indexer_warmup: with `indexer_kl`, the indexer warm-up: attention is dense (every
-                allowed key), and with gradients the main model runs without them: the returned
-                `loss_sum` is the main loss detached, carrying only the indexers' KL graphs.
+    def forward(self, input_ids, mb: MicroBatch | None = None, compute_logits: bool = True,
+                token_logps: bool = False, loss_chunk_size: int = 2048) -> Glm5Output:
+        """The rows `input_ids` [B, T] and what the micro-batch `mb` (`models/common/microbatch.py`)
+        says of them (None: one document per row, positions 0..T-1, no loss). Under context
+        parallelism (`model.sequence_shard`) `mb` describes the full rows and the outputs (hidden
+        states, logits, loss sum and count) only this rank's queries: [B, S, ...], S = T / cp.
+
+        From `mb`:
+            position_ids, document_ids: [B, T] (or [1, T]) positions, whose restarts at 0 mark
+                document starts, and documents of packed rows (they override the position split).
+            longest_document, single_document: `document_masks` facts of the rows counted on the host
+                (None: counted here, a host sync when the ids are on the GPU).
+            targets: [B, T] next-token ids (-100 = no loss): the loss is computed here by the chunked
+                cross-entropy (never all fp32 logits at once), inside forward so that sharded wrappers
+                (FSDP2) have the head weight gathered. `num_supervised`: their count among this rank's
+                queries, from the host (None: the loss finds the rows with a host sync); `loss_scale`:
+                the factor the caller multiplies `loss_sum` by before backward (1 / the step's
+                supervised tokens), which the fused loss folds into its gradient GEMMs.
+            mtp_targets: [B, T] the token after next (`packing.second_next_targets`): the first MTP
+                layer runs and its loss sum is returned (`mtp_loss_sum`, `mtp_num_targets`;
+                `mtp_hidden_states` its head input; `num_mtp_supervised` its host count). With targets
+                and gradients it is differentiated in the same backward as `loss_sum` with
+                `aux.mtp_grad_scale()` (`aux_loss.attach`; the weight / the step's MTP targets).
+            aux.indexer: every layer (the MTP layer too, when it runs) computes the KL of the indexer
+                whose selection it attends against its own attention (`indexer_loss.py`), summed with
+                its query count into `indexer_kl` ([2], over this forward's non-padding queries and
+                layers); with gradients each layer's KL sum is differentiated with
+                `aux.indexer_grad_scale(kl_layers)` in the main backward (None: reported only).
+                `aux.indexer_warmup`: the warm-up: attention is dense (every allowed key), and with
+                gradients the main model runs without them: the returned `loss_sum` is the main loss
+                detached, carrying only the indexers' KL graphs.
+        compute_logits: False returns only hidden states. token_logps: with targets, return
+        `token_logps` (per-token fp32 log-probabilities of the targets, 0 where -100; chunked like the
+        loss) instead of `loss_sum`, for losses that weigh tokens per document (preference optimization).
         """
-        only_indexers = indexer_kl and indexer_warmup and torch.is_grad_enabled()
-        kl = dict(indexer_kl=True, indexer_grad_scale=indexer_grad_scale, dense=indexer_warmup,
-                  indexer_only=only_indexers) if indexer_kl else {}
+        mb = MicroBatch(input_ids) if mb is None else mb
+        aux = mb.aux
+        kl = self._indexer_kl_settings(aux) if aux is not None and aux.indexer else {}
+        only_indexers = kl.get("indexer_only", False)
         with torch.no_grad() if only_indexers else contextlib.nullcontext():
-            if self.model.sequence_shard is None and mtp_targets is None and not kl:
-                hidden_BSD, inputs = self.model(input_ids, position_ids, document_ids, longest_document,
-                                                single_document), None
+            if self.model.sequence_shard is None and mb.mtp_targets is None and not kl:
+                hidden_BSD, inputs = self.model(input_ids, mb.position_ids, mb.document_ids, mb.longest_document,
+                                                mb.single_document), None
             else:
-                hidden_BSD, inputs = self.model.hidden_and_inputs(input_ids, position_ids, document_ids,
-                                                                  longest_document, single_document, **kl)
-            logits = self.lm_head(hidden_BSD) if compute_logits else None
-            out = Glm5Output(logits=logits, hidden_states=hidden_BSD)
-            if mtp_targets is not None:
-                self._mtp_loss(out, input_ids, inputs, mtp_targets, loss_chunk_size, mtp_num_supervised,
+                hidden_BSD, inputs = self.model.hidden_and_inputs(input_ids, mb.position_ids, mb.document_ids,
+                                                                  mb.longest_document, mb.single_document, **kl)
+            out = Glm5Output(logits=self.lm_head(hidden_BSD) if compute_logits else None, hidden_states=hidden_BSD)
+            mtp_grad_scale = aux.mtp_grad_scale() if aux is not None else None
+            if mb.mtp_targets is not None:
+                self._mtp_loss(out, input_ids, inputs, mb.mtp_targets, loss_chunk_size, mb.num_mtp_supervised,
                                mtp_grad_scale)
-            if targets is not None:
-                targets = self.model.local_tokens(targets)
-                if token_logps:
-                    out.token_logps = chunked_token_logps(hidden_BSD, self.lm_head.weight, targets, loss_chunk_size,
-                                                          num_supervised)
-                    out.num_targets = (targets != IGNORE_INDEX).sum()
-                else:
-                    out.loss_sum, out.num_targets = chunked_cross_entropy(
-                        hidden_BSD, self.lm_head.weight, targets, loss_chunk_size, num_supervised=num_supervised,
-                        grad_scale=loss_grad_scale)
-                if mtp_grad_scale is not None and out.mtp_loss_sum is not None and out.loss_sum is not None:
-                    out.loss_sum = attach(out.loss_sum, out.mtp_loss_sum, mtp_grad_scale)
+            if mb.targets is not None:
+                self._loss(out, mb, token_logps, loss_chunk_size, mtp_grad_scale)
         if kl:
             out.indexer_kl = inputs.indexer_kl.stats
             if out.loss_sum is not None:  # the warm-up's KL sums: no layer output had a gradient to carry them
                 out.loss_sum = inputs.indexer_kl.attach_pending(out.loss_sum)
         return out
+
+    def _indexer_kl_settings(self, aux: AuxiliaryScales) -> dict:
+        """`Glm5Model.layer_inputs`' indexer KL settings for `aux`'s indexer loss (module docstring)."""
+        warmup = aux.indexer_warmup
+        return dict(indexer_kl=True, indexer_grad_scale=aux.indexer_grad_scale(self.kl_layers(aux.mtp)), dense=warmup,
+                    indexer_only=warmup and torch.is_grad_enabled())
+
+    def _loss(self, out: Glm5Output, mb: MicroBatch, token_logps: bool, chunk_size: int,
+              mtp_grad_scale: float | None) -> None:
+        """The loss of `mb.targets` over this forward's hidden states (or their log-probabilities), the
+        MTP loss attached to it."""
+        targets = self.model.local_tokens(mb.targets)
+        if token_logps:
+            out.token_logps = chunked_token_logps(out.hidden_states, self.lm_head.weight, targets, chunk_size,
+                                                  mb.num_supervised)
+            out.num_targets = (targets != IGNORE_INDEX).sum()
+        else:
+            out.loss_sum, out.num_targets = chunked_cross_entropy(
+                out.hidden_states, self.lm_head.weight, targets, chunk_size, num_supervised=mb.num_supervised,
+                grad_scale=mb.loss_scale)
+        if mtp_grad_scale is not None and out.mtp_loss_sum is not None and out.loss_sum is not None:
+            out.loss_sum = attach(out.loss_sum, out.mtp_loss_sum, mtp_grad_scale)
 
     def _mtp_loss(self, out: Glm5Output, input_ids_BT, inputs: LayerInputs, mtp_targets_BT, chunk_size: int,
                   num_supervised: int | None, grad_scale: float | None) -> None:

@@ -26,6 +26,7 @@ module and the registry (`glmtune/models/registry.py`) sit on that floor.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -195,18 +196,10 @@ class Glm5Spec(ModelSpec):
 
     # -- train -------------------------------------------------------------------------
     def loss(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
-        aux = mb.aux
-        mtp, indexer = {}, {}
-        if aux is not None and aux.mtp:  # averaged over the step's own supervised MTP tokens
-            mtp = {"mtp_targets": mb.mtp_targets, "mtp_num_supervised": mb.num_mtp_supervised,
-                   "mtp_grad_scale": aux.mtp_grad_scale()}
-        if aux is not None and aux.indexer:  # averaged over the step's queries and the KL layers
-            indexer = {"indexer_kl": True, "indexer_grad_scale": aux.indexer_grad_scale(model.kl_layers(aux.mtp)),
-                       "indexer_warmup": aux.indexer_warmup}
-        out = model(mb.input_ids, position_ids=mb.position_ids, document_ids=mb.document_ids,
-                    compute_logits=False, targets=mb.targets, longest_document=mb.longest_document,
-                    num_supervised=mb.num_supervised, loss_grad_scale=mb.loss_scale,
-                    single_document=mb.single_document, **mtp, **indexer)
+        # The auxiliary losses run as `mb.aux` sizes them (MTP: averaged over the step's own supervised
+        # MTP tokens; the indexer KL: over the step's queries and the KL layers).
+        out = model(mb.input_ids, mb, compute_logits=False)
+        mtp, indexer = mb.aux is not None and mb.aux.mtp, mb.aux is not None and mb.aux.indexer
         if not mtp and not indexer:
             return out.loss_sum, out.num_targets
         stats = {"indexer_kl": out.indexer_kl} if indexer else {}
@@ -219,13 +212,14 @@ class Glm5Spec(ModelSpec):
     def serving_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """MTP acceptance (`Glm5Output.mtp_accepted`; a checkpoint without an MTP layer has none) and
         the main layers' indexer recall on sampled queries (`indexer_recall.py`), from one forward."""
-        mtp = {"mtp_targets": batch["mtp_targets"], "mtp_num_supervised": batch.get("num_mtp_supervised")} \
-            if model.mtp else {}
+        mtp = bool(model.mtp)
+        mb = MicroBatch(batch["input_ids"], batch["position_ids"], batch["document_ids"],
+                        mtp_targets=batch["mtp_targets"] if mtp else None,
+                        longest_document=batch.get("longest_document"), single_document=batch.get("single_document"),
+                        num_mtp_supervised=batch.get("num_mtp_supervised") if mtp else None)
         probe = RecallProbe(decoder_layers(model), model.args.index_topk)
         try:
-            out = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                        compute_logits=False, longest_document=batch.get("longest_document"),
-                        single_document=batch.get("single_document"), **mtp)
+            out = model(mb.input_ids, mb, compute_logits=False)
         finally:
             recall = probe.close()
         device = out.hidden_states.device
@@ -241,10 +235,8 @@ class Glm5Spec(ModelSpec):
         model.set_trainable_extras(mtp=mtp, indexer=indexer)
 
     def token_logps(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-        out = model(mb.input_ids, position_ids=mb.position_ids, document_ids=mb.document_ids,
-                    compute_logits=False, targets=mb.targets, longest_document=mb.longest_document,
-                    num_supervised=mb.num_supervised, single_document=mb.single_document, token_logps=True)
-        return out.token_logps
+        targets_only = dataclasses.replace(mb, mtp_targets=None, aux=None)  # no auxiliary loss runs
+        return model(mb.input_ids, targets_only, compute_logits=False, token_logps=True).token_logps
 
     def last_token_logits(self, model: nn.Module, input_ids_BS: torch.Tensor) -> torch.Tensor:
         hidden = model(input_ids_BS, compute_logits=False).hidden_states[:, -1:]  # the head on one position only
