@@ -8,15 +8,19 @@ cost from `glmtune plan`; the decision directory holds decision.{json,md,html}. 
 training needed (the base, prompting, retrieval or an alternative passes every gate), 1 fine-tune
 (or combine arms first: no arm passes every gate), 2 a user error (one line; `glmtune.cli.main`),
 3 the run could not finish (a server that failed every request of a set, or an internal error).
+With `--nproc-per-node N` the same command runs on N ranks (eval's launcher), each local model laid
+out over them; the exit status is rank 0's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
+from glmtune.cli.eval_cmd import _launch, _record_status  # eval's launcher: the same on N ranks, rank 0's status
 from glmtune.io import json_out
 from glmtune.io.escape import console_text
 from glmtune.io.text_limits import printable
@@ -112,19 +116,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="parameter dtype (default: each "
                         "checkpoint's own)")
     parser.add_argument("--json", action="store_true", help="print decision.json on stdout instead of the tables")
+    sharding = parser.add_argument_group(
+        "sharded decision", "each local model laid out over N ranks as training lays it out (as glmtune eval's, "
+                            "docs/eval.md); also when torchrun or srun starts `glmtune decide` itself")
+    sharding.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, metavar="N",
+                          help="start N processes on this host with torchrun, each loading its shards")
+    sharding.add_argument("--parallel.ep", dest="ep", type=int, metavar="EP",
+                          help="expert-parallel degree (default: the base run's parallel.ep, else 1)")
+    sharding.add_argument("--model.fp8_base", dest="fp8_base", choices=("none", "dequant"),
+                          help="keep the models' weights in FP8 as a LoRA run keeps its frozen base")
     parser.set_defaults(func=_run)
 
 
 def _run(ns: argparse.Namespace) -> int:
     try:
-        return _decide(ns)
+        status = _launch(ns, "decide") if ns.nproc_per_node is not None else _decide(ns)
     except (ValueError, OSError):
+        _record_status(EXIT_USER_ERROR)
         raise  # user errors: glmtune.cli.main prints one line, exit 2
     except Exception as exc:
         # lazily: `glmtune --help` stays torch-free
         from glmtune.cli import _debug
         from glmtune.eval.endpoint_client import ServerFailed
 
+        _record_status(EXIT_COULD_NOT_FINISH)
         if _debug(ns):
             raise
         message = printable(" ".join(str(exc).split())[:1000])
@@ -134,6 +149,8 @@ def _run(ns: argparse.Namespace) -> int:
             print(f"glmtune decide: internal error: {type(exc).__name__}: {message} (run with --debug for the "
                   "traceback)", file=sys.stderr)
         return EXIT_COULD_NOT_FINISH
+    _record_status(status)  # rank 0 of a --nproc-per-node decision tells the launcher (eval's file)
+    return status
 
 
 def _options(ns: argparse.Namespace):
@@ -143,14 +160,20 @@ def _options(ns: argparse.Namespace):
     from glmtune.decide.cost import CostOptions
     from glmtune.decide.run import DecideOptions
     from glmtune.eval.endpoint import EndpointOptions
+    from glmtune.eval.sharded import ShardedLayout
 
     endpoint = EndpointOptions(ns.api, ns.concurrency, ns.timeout, ns.retries, ns.base_model, None,
                                Path(ns.tokenizer) if ns.tokenizer is not None else None, ns.max_response_bytes)
     cost = CostOptions(ns.recipe, ns.throughput, ns.tflops_per_gpu, ns.measured_gpu, list(ns.gpu),
                        ns.price_per_gpu_hour)
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not sharded and (ns.ep is not None or ns.fp8_base is not None):
+        raise ValueError(f"{'--parallel.ep' if ns.ep is not None else '--model.fp8_base'} lays the models out over "
+                         "ranks: add --nproc-per-node N (or start `glmtune decide` with torchrun)")
     return DecideOptions(ns.suite, ns.base, ns.out, ns.overwrite, ns.examples, ns.shots, ns.shots_by, ns.docs,
                          ns.passages, ns.chunk_words, ns.chunk_overlap, list(ns.compare), ns.base_key_env, endpoint,
-                         ns.device, None if ns.dtype == "auto" else getattr(torch, ns.dtype), cost)
+                         ns.device, None if ns.dtype == "auto" else getattr(torch, ns.dtype), cost,
+                         ShardedLayout(ns.ep, ns.fp8_base) if sharded else None)
 
 
 def _decide(ns: argparse.Namespace) -> int:
@@ -162,6 +185,8 @@ def _decide(ns: argparse.Namespace) -> int:
     progress = Console(stderr=True, highlight=False)
     options = _options(ns)
     decision, out = run_decide(options, log=lambda message: progress.print(console_text(message)))
+    if decision is None:  # a rank other than 0 of a sharded decision: rank 0 reports
+        return EXIT_NO_TRAINING
     if ns.json:
         sys.stdout.write(json_out.dumps(decision) + "\n")
     else:

@@ -173,22 +173,23 @@ def _record_status(status: int) -> None:
         Path(os.environ[_STATUS_FILE]).write_text(str(status))
 
 
-def _launch(ns: argparse.Namespace) -> int:
+def _launch(ns: argparse.Namespace, command: str = "eval") -> int:
     """`--nproc-per-node N`: the same command on N ranks; the exit status is rank 0's (written to a
-    file the ranks are told of), not torchrun's 0-or-1."""
+    file the ranks are told of), not torchrun's 0-or-1. `command`: eval, or decide (which runs on its ranks
+    the same way)."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.cli import _debug
     from glmtune.distributed.launch import NPROC_FLAGS, pop_nproc_per_node, run_command_on_ranks
 
     if ns.nproc_per_node < 2:
         raise ValueError(f"--nproc-per-node must be >= 2 for a sharded evaluation, got {ns.nproc_per_node}")
-    args, _ = pop_nproc_per_node(ns.argv[ns.argv.index("eval") + 1:])
+    args, _ = pop_nproc_per_node(ns.argv[ns.argv.index(command) + 1:])
     assert not any(a.split("=")[0] in NPROC_FLAGS for a in args)
-    with tempfile.TemporaryDirectory(prefix="glmtune-eval-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"glmtune-{command}-") as tmp:
         status_file = Path(tmp) / "status"
         os.environ[_STATUS_FILE] = str(status_file)
         try:
-            status = run_command_on_ranks(ns.nproc_per_node, "eval", args, debug=_debug(ns))
+            status = run_command_on_ranks(ns.nproc_per_node, command, args, debug=_debug(ns))
         finally:
             del os.environ[_STATUS_FILE]
         return int(status_file.read_text()) if status_file.is_file() else status

@@ -41,6 +41,7 @@ from glmtune.eval.gates import evaluate_gates
 from glmtune.eval.general_text import text_windows
 from glmtune.eval.models import Fingerprints, resolve_model
 from glmtune.eval.placement import Placement
+from glmtune.eval.sharded import ShardedLayout
 from glmtune.eval.sets import check_rows, load_sets
 from glmtune.eval.suite import Suite, load_suite
 from glmtune.eval.tools import ToolExecutor
@@ -66,6 +67,7 @@ class DecideOptions:
     device: str = "auto"
     dtype: torch.dtype | None = None
     cost: CostOptions = field(default_factory=CostOptions)
+    sharded: ShardedLayout | None = None  # one rank of a torchrun job (eval's layout), else one process
 
     def check(self) -> None:
         """The arms' options: each given only with what it applies to, each in range (one sentence)."""
@@ -177,8 +179,9 @@ def _reads(suite: Suite, arms: list[ArmSpec], o: DecideOptions) -> list[tuple[st
     return reads
 
 
-def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
-    """Run every arm and write the decision directory; returns (the decision, its directory).
+def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[dict[str, Any] | None, Path]:
+    """Run every arm and write the decision directory; returns (the decision as written, its
+    directory); sharded (`o.sharded`), the ranks other than 0 return None and write nothing.
     ValueError: user errors, before any model runs. No API key the endpoints were given reaches the
     log, an error message, the decision or a file (a server may echo one back)."""
     secrets = _secrets(o)
@@ -195,12 +198,31 @@ def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[di
         raise clean from None
 
 
-def _run(o: DecideOptions, log: Callable[[str], None], secrets: list[str]) -> tuple[dict[str, Any], Path]:
+@dataclass
+class _Inputs:
+    """What every check before the models run produced (`_inputs`)."""
+
+    suite: Suite
+    arms: list[ArmSpec]  # the base, the alternatives; the prompt arms are added once the tools are checked
+    out: Path
+    reads: list[tuple[str, Path]]
+    tokenizer_dir: Path
+    template: str
+    loaded: list
+    pool: Any
+    passages: Passages | None
+
+
+def _inputs(o: DecideOptions) -> _Inputs:
+    """Every check that needs no model loaded, in eval's order (module docstring); ValueError."""
     suite = load_suite(o.suite)
     _check_suite(suite)
     o.check()
     o.cost.check()
     base, alternatives = _models(o)
+    if o.sharded is not None and any(a.model.kind == "endpoint" for a in [base] + alternatives):
+        raise ValueError("--nproc-per-node with an endpoint model: the engine holds that model; decide it in one "
+                         "process")
     out = Path(o.out) if o.out is not None else Path("decide") / suite.name
     reads = _reads(suite, [base] + alternatives, o)
     check_output(out, overwrite=o.overwrite, sources=reads, what="--out", command="decide")
@@ -211,28 +233,42 @@ def _run(o: DecideOptions, log: Callable[[str], None], secrets: list[str]) -> tu
     passages = (Passages(read_documents(o.docs, o.chunk_words or DEFAULT_CHUNK_WORDS,
                                         DEFAULT_OVERLAP if o.chunk_overlap is None else o.chunk_overlap),
                          o.passages or DEFAULT_PASSAGES) if o.docs else None)
-    cost = plan_cost(o.cost)
-    placement = Placement.choose(o.device, o.dtype, None, base.model)
+    return _Inputs(suite, [base] + alternatives, out, reads, tokenizer_dir, template, loaded, pool, passages)
+
+
+def _quiet(message: str) -> None:
+    """The log of a rank other than 0: rank 0 speaks for the job."""
+
+
+def _run(o: DecideOptions, log: Callable[[str], None], secrets: list[str]) -> tuple[dict[str, Any] | None, Path]:
+    i = _inputs(o)
+    suite, loaded, base = i.suite, i.loaded, i.arms[0]
+    placement = Placement.choose(o.device, o.dtype, o.sharded, base.model)
+    log = log if placement.is_main else _quiet
+    cost = placement.on_main(lambda: plan_cost(o.cost))
     fingerprints = Fingerprints()
-    prints = {a.label: a.model.fingerprint() if a.model.kind == "endpoint" else fingerprints.of(a.model)
-              for a in [base] + alternatives}
-    tokenizer = load_tokenizer(tokenizer_dir)
-    prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
+    prints = placement.on_main(lambda: {a.label: a.model.fingerprint() if a.model.kind == "endpoint"
+                                        else fingerprints.of(a.model) for a in i.arms})
+    tokenizer = load_tokenizer(i.tokenizer_dir)
+    prompting = Prompting(tokenizer, i.template, suite.file.enable_thinking, suite.file.decoding)
     g = suite.file.general_text
     windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window) if g is not None else None
     with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
         executor.check()
         _reference_tool_results(loaded, executor, placement)
         check_rows(loaded)
-        arms = [base] + ([prompted_arm(base, pool, o.shots or 3)] if pool else []) + (
-            [retrieval_arm(base, passages)] if passages else []) + alternatives
+        arms = [base] + ([prompted_arm(base, i.pool, o.shots or 3)] if i.pool else []) + (
+            [retrieval_arm(base, i.passages)] if i.passages else []) + i.arms[1:]
         for arm in arms:
             arm.sets = arm.sets or loaded
             _check_prompts(arm.sets, prompting)
         prints.update({a.label: prints["base"] for a in arms if a.kind in ("prompted", "retrieval")})
         results = _run_arms(arms, prompting, executor if suite.file.tools.functions else None, windows, placement, log)
-    decision = _decision(suite, loaded, arms, prints, results, template, o, cost)
-    return write_decision(out, o.overwrite, reads, suite, loaded, decision, secrets), out
+    decision = _decision(suite, loaded, arms, prints, results, i.template, o, cost)
+    written = (write_decision(i.out, o.overwrite, i.reads, suite, loaded, decision, secrets)
+               if placement.is_main else None)
+    placement.close()
+    return written, i.out
 
 
 def _run_arms(arms: list[ArmSpec], prompting, executor, windows, placement: Placement, log) -> dict[str, dict]:

@@ -104,6 +104,7 @@ def test_the_runs_validation_split_as_examples_is_refused_before_anything_is_wri
     (["--api", "chat"], "--api applies to an endpoint --base; give an alternative its own with --compare URL,api=chat"),
     (["--throughput", "runs/x"], "--throughput prices the training alternative of --recipe RECIPE; add --recipe"),
     (["--recipe", "tiny/sft_support_json"], "--recipe is priced from a measured speed: give --throughput"),
+    (["--parallel.ep", "2"], "--parallel.ep lays the models out over ranks: add --nproc-per-node N"),
     (["--compare", "x,name=base"], "--compare x,name=base: the label 'base' is an arm's; give another with name="),
     (["--compare", "x,model=m"], "--compare x,model=m: model= applies to an endpoint (http(s)://HOST:PORT/v1); x is a "
                                  "local model"),
