@@ -1,29 +1,37 @@
-"""Chat template rendering and assistant-only loss masks for GLM-5 conversations.
+"""Chat template rendering and assistant-only loss masks, for the chat formats of turn_formats.py.
 
 Rendering uses jinja2's immutable sandbox configured like `transformers`
 (`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that is `json.dumps` with
-`ensure_ascii=False` by default, `raise_exception`, `strftime_now`), so the text is
-identical to `tokenizer.apply_chat_template(..., tokenize=False)`. The template is the
-tokenizer directory's own (`chat_template.jinja`, else `tokenizer_config.json`) or
-the bundled GLM-5 one (templates/glm5.jinja, from the GLM-5 spec section 5).
+`ensure_ascii=False` by default, `raise_exception`, `strftime_now`, the tokenizer's special
+tokens such as `bos_token` as variables), so the text is identical to
+`tokenizer.apply_chat_template(..., tokenize=False)`. The template is the tokenizer directory's
+own (`chat_template.jinja`, else `tokenizer_config.json`) or the bundled GLM-5 one
+(templates/glm5.jinja, from the GLM-5 spec section 5).
 
-Loss mask. GLM has no end-of-turn token: a turn ends where the next role token
-starts. An assistant turn's supervised span is therefore
-  * everything after its `<|assistant|>` token: `</think>` or `<think>...</think>`,
-    the visible content, tool calls;
-  * plus the token that ends the turn, because the model must generate it to stop:
-    the next `<|user|>` / `<|observation|>`, or, after the final turn, an appended
-    `<|endoftext|>` (eos).
-The `<|assistant|>` token itself is prompt (inference writes it), as is everything
-from system/user/tool turns. Spans are found on the rendered text by role tokens,
-not by rendering prefixes: the GLM template drops the reasoning of turns before the
-last user message, so a prefix does not render the same as the full conversation.
-Character spans are mapped to tokens with the tokenizer's offset mapping; a token
-straddling a span edge means the role tokens are not atomic tokens (wrong tokenizer).
+Loss mask. Every assistant message's targets are one span of the rendered text, found by the
+template's turn format (`chat_format`, turn_formats.py): everything after the turn's opening
+(GLM's `<|assistant|>`, ChatML's `<|im_start|>assistant\n`, Llama-3's assistant header), the
+token that ends the turn included, because the model must generate it to stop:
+  * GLM has no end-of-turn token: the span runs to the next `<|user|>` / `<|observation|>`
+    (included) or, after the final turn, an appended `<|endoftext|>` (eos, included);
+    `<think>...</think>` or `</think>`, the visible content and tool calls are targets;
+  * ChatML: through the turn's `<|im_end|>` (the newline after it is prompt);
+  * Llama-3: through the turn's `<|eot_id|>` (or `<|eom_id|>`);
+  * a template with `{% generation %}...{% endgeneration %}` blocks (not GLM's): the blocks, and
+    tokens overlapping them, exactly as transformers' `return_assistant_tokens_mask` (the
+    template's author says what is generated).
+The turn opening is prompt (inference writes it), as is everything from system/user/tool turns.
+Spans are found on the rendered text, not by rendering prefixes: GLM's and Qwen3's templates drop
+the reasoning of turns before the last user message, so a prefix does not render the same as the
+full conversation. There must be one span per assistant message (message text that forges a turn
+is refused). Character spans are mapped to tokens with the tokenizer's offset mapping; a token
+straddling a span edge of a turn format means its tokens are not atomic tokens (wrong tokenizer).
+A template glmtune cannot tell the turns of is refused (`chat_format`).
 
 With `enable_thinking=False`, reasoning (`reasoning_content`, inline `<think>`
 blocks) is removed before rendering, so targets teach the model to answer without
-thinking; with True it is kept wherever the template shows it.
+thinking; with True it is kept wherever the template shows it. The switch reaches the template
+as `enable_thinking` (Qwen3's closes an empty think block in the generation prompt when False).
 
 A template comes with the checkpoint, so it is input, not code: one that does not
 compile, that the sandbox stops (an attribute such as `__class__`, a list's `append`),
@@ -36,8 +44,8 @@ from __future__ import annotations
 import bisect
 import io
 import json
-import re
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -47,7 +55,7 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS
+from glmtune.data.turn_formats import GENERATION_ONLY, ChatFormat, check_tokenizer, detect_format, token_id
 from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import parse_json
 
@@ -56,9 +64,6 @@ IGNORE_INDEX = -100
 LossOn = Literal["all_assistant", "last_assistant"]
 LOSS_ON_CHOICES: tuple[str, ...] = ("all_assistant", "last_assistant")
 
-# Role tokens after which the model itself must produce the turn end (see docstring).
-_SUPERVISED_TURN_ENDS = ("<|user|>", "<|observation|>")
-_ROLE_PATTERN = re.compile("|".join(re.escape(token) for token in ROLE_TOKENS))
 
 
 @dataclass
@@ -68,6 +73,9 @@ class TokenizedSample:
 
     input_ids: list[int]
     labels: list[int]
+    # Where each assistant message's targets start (token index), whatever loss_on kept: a
+    # preference pair's prompt ends at its answer's. Not stored in the token cache.
+    turn_starts: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert len(self.input_ids) == len(self.labels)
@@ -123,15 +131,31 @@ def load_chat_template(tokenizer_dir: str | Path | None = None) -> str:
 
 
 class _GenerationTag(Extension):
-    """Accept HF's `{% generation %}...{% endgeneration %}` markers and render their body
-    unchanged; masks come from role tokens here, not from these markers."""
+    """HF's `{% generation %}...{% endgeneration %}` markers: the body renders unchanged, and while a
+    render tracks them (`_render(..., blocks=[...])`) each block's character span is recorded, as
+    transformers' AssistantTracker does for `return_assistant_tokens_mask` (the same rule: the
+    span starts at the length of what the template has put out so far)."""
 
     tags = {"generation"}
+
+    def __init__(self, environment: jinja2.Environment) -> None:
+        super().__init__(environment)
+        self.tracking: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+            "glmtune_generation_blocks", default=None)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
+        return jinja2.nodes.CallBlock(self.call_method("_block"), [], [], body).set_lineno(lineno)
+
+    def _block(self, caller: Any) -> str:
+        text = caller()
+        tracking = self.tracking.get()
+        if tracking is not None:
+            pieces, blocks = tracking
+            start = sum(len(piece) for piece in pieces)
+            blocks.append((start, start + len(text)))
+        return text
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -169,11 +193,22 @@ def _compile(template: str) -> jinja2.Template:
                          f"{exc.message}") from None
 
 
-def _render(template: str, **variables: Any) -> str:
-    """The compiled template rendered; its failures as ValueErrors naming its source."""
+def _render(template: str, blocks: list[tuple[int, int]] | None = None, **variables: Any) -> str:
+    """The compiled template rendered; its failures as ValueErrors naming its source. With `blocks`,
+    the character spans of its `{% generation %}` blocks are appended to it."""
     compiled = _compile(template)
     try:
-        return compiled.render(**variables)
+        if blocks is None:
+            return compiled.render(**variables)
+        pieces: list[str] = []
+        tracking = compiled.environment.extensions[_GenerationTag.identifier].tracking
+        token = tracking.set((pieces, blocks))
+        try:
+            for piece in compiled.generate(**variables):
+                pieces.append(piece)
+        finally:
+            tracking.reset(token)
+        return "".join(pieces)
     except jinja2.exceptions.SecurityError as exc:
         raise _refused(template, exc) from None
     except jinja2.exceptions.TemplateError as exc:  # raise_exception, an undefined value used
@@ -193,9 +228,37 @@ def _without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return stripped
 
 
+def _variables(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tokenizer: Any,
+               enable_thinking: bool, add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The template's variables as transformers' apply_chat_template gives them: the tokenizer's
+    special tokens (Llama-3's template starts with `bos_token`), then the conversation and switches."""
+    special = dict(tokenizer.special_tokens_map) if tokenizer is not None else {}
+    if not enable_thinking:
+        messages = _without_reasoning(messages)
+    return {**special, "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+            "enable_thinking": enable_thinking, **template_kwargs}
+
+
+# A one-exchange conversation: its rendering shows the turn markers of a template that builds them
+# from role names, and what a template of unknown format puts in a generation block after the answer.
+_PROBE_ANSWER = "Hello"
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_ANSWER}]
+
+
+@lru_cache(maxsize=16)
+def chat_format(template: str) -> ChatFormat:
+    """The template's turn format (turn_formats.detect_format: its text, else the probe conversation
+    as it renders); a ValueError naming the template for one glmtune cannot tell the turns of."""
+    try:
+        probe = _render(template, **_variables(_PROBE, None, None, True, False, {}))
+    except ValueError:  # a template that cannot render the probe is judged by its text
+        probe = ""
+    return detect_format(template, probe)
+
+
 def render_conversation(messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                         template: str | None = None, enable_thinking: bool = True,
-                        add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
+                        add_generation_prompt: bool = False, tokenizer: Any = None, **template_kwargs: Any) -> str:
     """Render contract-normalized messages (see contract.normalize_row) to text.
 
     Args:
@@ -204,43 +267,17 @@ def render_conversation(messages: list[dict[str, Any]], *, tools: list[dict[str,
         template: template text; None uses the bundled GLM-5 template.
         enable_thinking: False strips reasoning and, with add_generation_prompt,
             ends the prompt with `</think>` instead of `<think>`.
-        add_generation_prompt: append `<|assistant|>` for inference.
+        add_generation_prompt: append the assistant turn's opening (GLM: `<|assistant|>`) for inference.
+        tokenizer: the tokenizer whose special tokens the template may read (`bos_token`, ...).
         template_kwargs: extra template variables (e.g. clear_thinking).
     """
-    if not enable_thinking:
-        messages = _without_reasoning(messages)
-    return _render(template if template is not None else bundled_template(), messages=messages, tools=tools,
-                   add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **template_kwargs)
-
-
-def assistant_char_spans(text: str, num_assistant_messages: int, loss_on: LossOn = "all_assistant"
-                         ) -> list[tuple[int, int]]:
-    """Character spans `[start, end)` of supervised assistant text in a rendered conversation.
-
-    `text` must already end with the appended eos; the final assistant span runs to it.
-    """
-    if loss_on not in LOSS_ON_CHOICES:
-        raise ValueError(f"loss_on must be one of {LOSS_ON_CHOICES}, got {loss_on!r}")
-    roles = list(_ROLE_PATTERN.finditer(text))
-    assistant_indices = [i for i, match in enumerate(roles) if match.group() == "<|assistant|>"]
-    if len(assistant_indices) != num_assistant_messages:
-        raise ValueError(f"rendered conversation has {len(assistant_indices)} <|assistant|> tokens for "
-                         f"{num_assistant_messages} assistant messages; message text must not contain role "
-                         "tokens and the template must render every assistant turn")
-    spans = []
-    for i in assistant_indices:
-        start = roles[i].end()
-        if i + 1 == len(roles):
-            end = len(text)
-        elif roles[i + 1].group() in _SUPERVISED_TURN_ENDS:
-            end = roles[i + 1].end()
-        else:
-            end = roles[i + 1].start()
-        spans.append((start, end))
-    return spans[-1:] if loss_on == "last_assistant" else spans
+    return _render(template if template is not None else bundled_template(),
+                   **_variables(messages, tools, tokenizer, enable_thinking, add_generation_prompt, template_kwargs))
 
 
 def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Which tokens lie in `spans` (a turn format's: its edges sit at special tokens, so a token
+    across one means the format's tokens are not this tokenizer's single tokens)."""
     starts = [start for start, _ in spans]
     edges = sorted({edge for span in spans for edge in span})
 
@@ -268,10 +305,78 @@ def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
     return [bool(m) for m in mask]
 
 
+def _overlap_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Which tokens overlap `spans` (generation blocks): transformers' rule for
+    `return_assistant_tokens_mask`, so the mask is the one apply_chat_template gives."""
+    mask, k = [False] * len(offsets), 0
+    for i, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        mask[i] = end > spans[k][0]
+    return mask
+
+
+@dataclass
+class _Conversation:
+    """A conversation rendered and tokenized: its text, format, one span per assistant message."""
+
+    text: str
+    chat_format: ChatFormat
+    spans: list[tuple[int, int]]
+    input_ids: list[int]
+    offsets: list[tuple[int, int]]
+
+    def mask(self, spans: list[tuple[int, int]]) -> list[bool]:
+        by_blocks = _overlap_mask if self.chat_format.masks_by_blocks else _token_mask
+        return by_blocks(self.offsets, spans)
+
+    def labels(self, spans: list[tuple[int, int]]) -> list[int]:
+        return [token if supervised else IGNORE_INDEX for token, supervised in zip(self.input_ids, self.mask(spans))]
+
+    def token_at(self, char: int) -> int:
+        """The index of the first token that starts at or after character `char`."""
+        return bisect.bisect_left([start for start, _ in self.offsets], char)
+
+    def token_opening(self, char: int) -> int:
+        """The index of the first token of some width that starts at or after character `char`."""
+        return next((i for i, (start, end) in enumerate(self.offsets) if start >= char and end > start),
+                    len(self.offsets))
+
+
+def _conversation(messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None,
+                  template: str | None, enable_thinking: bool) -> _Conversation:
+    """Render (the format's eos appended), detect the format, find one span per assistant message, tokenize."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("conversation must end with an assistant turn to have a training target")
+    template = template if template is not None else bundled_template()
+    blocks: list[tuple[int, int]] = []
+    text = _render(template, blocks=blocks,
+                   **_variables(messages, tools, tokenizer, enable_thinking, False, {}))
+    format_ = chat_format(template)  # after rendering: a template that fails says so first
+    check_tokenizer(format_, tokenizer, template)
+    turns = format_.turns
+    text += turns.appended_eos or ""
+    spans = blocks if format_.masks_by_blocks else turns.assistant_char_spans(text)
+    num_assistant = sum(message.get("role") == "assistant" for message in messages)
+    if len(spans) != num_assistant:
+        if format_.masks_by_blocks:
+            raise ValueError(f"{_source(template)}: the chat template renders {len(spans)} {{% generation %}} "
+                             f"blocks for {num_assistant} assistant messages; it must put each assistant turn's "
+                             "output in one block")
+        raise ValueError(f"rendered conversation has {len(spans)} {turns.label} tokens for {num_assistant} "
+                         "assistant messages; message text must not contain role tokens and the template must "
+                         "render every assistant turn")
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return _Conversation(text, format_, spans, list(encoding["input_ids"]),
+                         [tuple(offset) for offset in encoding["offset_mapping"]])
+
+
 def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: Any, *,
                           tools: list[dict[str, Any]] | None = None, template: str | None = None,
                           loss_on: LossOn = "all_assistant", enable_thinking: bool = True) -> TokenizedSample:
-    """Render, append eos, tokenize, and label assistant spans (see module docstring).
+    """Render, tokenize, and label assistant spans (see module docstring).
 
     Args:
         messages: contract-normalized messages ending with an assistant turn.
@@ -280,17 +385,36 @@ def tokenize_conversation(messages: list[dict[str, Any]], tokenizer: Any, *,
         loss_on: "all_assistant" supervises every assistant turn, "last_assistant"
             only the final one (earlier turns become context).
     """
-    num_assistant = sum(message.get("role") == "assistant" for message in messages)
-    if not messages or messages[-1].get("role") != "assistant":
-        raise ValueError("conversation must end with an assistant turn to have a training target")
-    text = render_conversation(messages, tools=tools, template=template, enable_thinking=enable_thinking)
-    text += EOS_TOKEN
-    spans = assistant_char_spans(text, num_assistant, loss_on)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
-    mask = _token_mask([tuple(offset) for offset in encoding["offset_mapping"]], spans)
-    labels = [token if supervised else IGNORE_INDEX for token, supervised in zip(input_ids, mask)]
-    return TokenizedSample(input_ids=input_ids, labels=labels)
+    if loss_on not in LOSS_ON_CHOICES:
+        raise ValueError(f"loss_on must be one of {LOSS_ON_CHOICES}, got {loss_on!r}")
+    conversation = _conversation(messages, tokenizer, tools, template, enable_thinking)
+    spans = conversation.spans[-1:] if loss_on == "last_assistant" else conversation.spans
+    return TokenizedSample(conversation.input_ids, conversation.labels(spans),
+                           turn_starts=tuple(conversation.token_at(start) for start, _ in conversation.spans))
+
+
+def tokenize_reply(messages: list[dict[str, Any]], tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
+                   template: str | None = None, enable_thinking: bool = True) -> TokenizedSample:
+    """`tokenize_conversation` with labels only from where the last user turn opens (the format's
+    `user_start`): the assistant turns that answer it, each with the token that ends it. GLM's
+    boundary is the last `<|user|>` token, itself the target that ends the turn before it. A
+    template known only by its generation blocks: the blocks of the assistant messages after the
+    last user message."""
+    conversation = _conversation(messages, tokenizer, tools, template, enable_thinking)
+    user_indices = [i for i, message in enumerate(messages) if message.get("role") == "user"]
+    if not user_indices:
+        raise ValueError("conversation has no user turn to answer")
+    pattern = conversation.chat_format.turns.user_start
+    if pattern is None:
+        answers = sum(message.get("role") == "assistant" for message in messages[user_indices[-1]:])
+        return TokenizedSample(conversation.input_ids, conversation.labels(conversation.spans[-answers:]))
+    openings = [match.start() for match in pattern.finditer(conversation.text)]
+    if len(openings) != len(user_indices):
+        raise ValueError(f"rendered conversation has {len(openings)} user turn openings for {len(user_indices)} "
+                         "user messages; message text must not contain role tokens")
+    boundary = conversation.token_opening(openings[-1])
+    labels = conversation.labels(conversation.spans)
+    return TokenizedSample(conversation.input_ids, [IGNORE_INDEX] * boundary + labels[boundary:])
 
 
 def tokenize_row(row: dict[str, Any], tokenizer: Any, *, template: str | None = None,
@@ -298,3 +422,44 @@ def tokenize_row(row: dict[str, Any], tokenizer: Any, *, template: str | None = 
     """`tokenize_conversation` for a contract-normalized data row (messages + optional tools)."""
     return tokenize_conversation(row["messages"], tokenizer, tools=row.get("tools") or None, template=template,
                                  loss_on=loss_on, enable_thinking=enable_thinking)
+
+
+
+def stop_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
+    """The tokens generation stops at under `template`: its turn format's (those `tokenizer` has);
+    for a template known only by its generation blocks, the tokenizer's eos and the special tokens
+    the template puts in a block after the answer."""
+    turns = chat_format(template).turns
+    if turns is not GENERATION_ONLY:
+        return tuple(token for token in turns.stop_tokens if token_id(tokenizer, token) is not None)
+    blocks: list[tuple[int, int]] = []
+    text = _render(template, blocks=blocks, **_variables(_PROBE, None, tokenizer, True, False, {}))
+    after = "".join(text[start:end] for start, end in blocks).rpartition(_PROBE_ANSWER)[2]
+    specials = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    found = sorted((token for token in specials | set(tokenizer.all_special_tokens) if token in after), key=after.index)
+    tokens = tuple(dict.fromkeys([tokenizer.eos_token, *found] if tokenizer.eos_token else found))
+    if not tokens:
+        raise ValueError(f"{_source(template)}: cannot tell where a generated assistant turn ends: the tokenizer has "
+                         "no eos token and the template's {% generation %} block holds no special token after the "
+                         "answer")
+    return tokens
+
+
+def stop_token_ids(tokenizer: Any, template: str) -> set[int]:
+    """`stop_tokens` as ids."""
+    return {token_id(tokenizer, token) for token in stop_tokens(tokenizer, template)}
+
+
+def tool_turns_text(messages: list[dict[str, Any]], tokenizer: Any, *, tools: list[dict[str, Any]] | None,
+                    template: str, enable_thinking: bool) -> str:
+    """What the template renders after the end of the last assistant turn of `messages` (the tool
+    turns that follow it) through the next generation prompt: a transcript's piece between two
+    generated turns."""
+    blocks: list[tuple[int, int]] = []
+    text = _render(template, blocks=blocks,
+                   **_variables(messages, tools, tokenizer, enable_thinking, True, {}))
+    format_ = chat_format(template)
+    if format_.masks_by_blocks:
+        return text[blocks[-1][1]:] if blocks else text
+    spans = format_.turns.assistant_char_spans(text)  # the last one: the generation prompt's open turn
+    return text[spans[-2][1]:] if len(spans) >= 2 else text

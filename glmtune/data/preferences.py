@@ -201,16 +201,14 @@ def tokenize_pair(row: dict[str, Any], tokenizer: Any, *, template: str | None =
     Raises:
         ValueError: the template renders the prompt differently before the two answers.
     """
-    assistant_id = tokenizer.convert_tokens_to_ids("<|assistant|>")
     num_prompt_turns = sum(message["role"] == "assistant" for message in row["prompt"])
     samples, prompt_lengths = [], []
     for field in ANSWER_FIELDS:
         sample = tokenize_conversation(row["prompt"] + row[field], tokenizer, tools=row.get("tools") or None,
                                        template=template, loss_on="all_assistant", enable_thinking=enable_thinking)
-        # The answer's own <|assistant|> token is prompt (inference writes it); its labels
-        # after it are exactly SFT's, and the prompt's assistant turns become context.
-        starts = [i for i, token in enumerate(sample.input_ids) if token == assistant_id]
-        prompt_length = starts[num_prompt_turns] + 1
+        # The answer's own turn opening (GLM's <|assistant|>) is prompt (inference writes it); its
+        # labels after it are exactly SFT's, and the prompt's assistant turns become context.
+        prompt_length = sample.turn_starts[num_prompt_turns]
         labels = [IGNORE_INDEX] * prompt_length + sample.labels[prompt_length:]
         samples.append(TokenizedSample(sample.input_ids, labels))
         prompt_lengths.append(prompt_length)

@@ -46,8 +46,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from glmtune.data.chat_template import (IGNORE_INDEX, LOSS_ON_CHOICES, LossOn, TokenizedSample, load_chat_template,
-                                        tokenize_row)
+from glmtune.data.chat_template import (IGNORE_INDEX, LOSS_ON_CHOICES, LossOn, TokenizedSample, chat_format,
+                                        load_chat_template, tokenize_row)
 from glmtune.data.contract import check_or_raise
 from glmtune.data.preferences import check_preferences_or_raise, tokenize_pair
 from glmtune.data.sources import inputs_sha256, read_rows
@@ -224,6 +224,7 @@ def tokenize_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     directory = resolve_tokenizer_dir(tokenizer_dir)
     template = load_chat_template(directory)
+    chat_format(template)  # a template whose turns glmtune cannot tell: refused before anything is read
     key = cache_key(tokenizer_hash=tokenizer_sha256(directory), template=template, data_hash=inputs_sha256(paths),
                     loss_on=loss_on, enable_thinking=enable_thinking, schema=schema)
     cache = TokenizationCache(cache_dir)
@@ -266,6 +267,7 @@ def tokenize_preference_dataset(paths: str | Path | list[str | Path], *, tokeniz
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     directory = resolve_tokenizer_dir(tokenizer_dir)
     template = load_chat_template(directory)
+    chat_format(template)  # a template whose turns glmtune cannot tell: refused before anything is read
     key = cache_key(tokenizer_hash=tokenizer_sha256(directory), template=template, data_hash=inputs_sha256(paths),
                     loss_on="completion", enable_thinking=enable_thinking, schema=schema, kind="preference")
     cache = TokenizationCache(cache_dir)

@@ -6,7 +6,9 @@ every GLM-5 special token, in GLM-5's order and at the top of the vocabulary as 
 the real 154880-entry tokenizer, and ships the GLM-5 chat template. Tests and tiny
 debug models use it; nothing here touches the network.
 
-A tokenizer directory is read as untrusted: its JSON files are parsed bounded first
+Any family's fast tokenizer loads (Qwen's, Llama-3's, GLM's): the chat template's turn format says
+which of its tokens open and end turns (turn_formats.py), and one without a pad token pads with its
+eos. A tokenizer directory is read as untrusted: its JSON files are parsed bounded first
 (`glmtune.io.json_file`: size, nesting, an object), and anything transformers then cannot
 load is one ValueError naming the directory.
 """
@@ -40,10 +42,12 @@ GLM5_MARKUP_TOKENS: tuple[str, ...] = (
 )
 GLM5_SPECIAL_TOKENS: tuple[str, ...] = GLM5_CONTROL_TOKENS + GLM5_MARKUP_TOKENS
 
-# Role tokens delimit turns: GLM has no end-of-turn token, a turn ends at the next one.
+# GLM's role tokens delimit turns: GLM has no end-of-turn token, a turn ends at the next one.
+# (A tokenizer of another family has its own: turn_formats.py reads the template's.)
 ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 EOS_TOKEN = "<|endoftext|>"
-# Where a generated assistant turn ends: the end of text, or the next user or tool turn.
+# Where a generated GLM assistant turn ends: the end of text, or the next user or tool turn
+# (turn_formats.GLM.stop_tokens; chat_template.stop_tokens gives any template's).
 CHAT_STOP_TOKENS: tuple[str, ...] = (EOS_TOKEN, "<|user|>", "<|observation|>")
 
 # Files that define a tokenizer's behaviour; cache keys hash exactly these.
@@ -92,6 +96,7 @@ def load_tokenizer(path: str | Path | None = None) -> Any:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer in {directory} is not a fast (tokenizers-backed) tokenizer; "
                          "loss masks need offset mappings")
-    if tokenizer.convert_tokens_to_ids(EOS_TOKEN) in (None, tokenizer.unk_token_id):
-        raise ValueError(f"tokenizer in {directory} has no {EOS_TOKEN} token; is it a GLM tokenizer?")
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Llama-3's tokenizer has no pad token; packing fills rows with it and never makes it a target.
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
