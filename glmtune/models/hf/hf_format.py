@@ -2,7 +2,7 @@
 
 checkpoint/'s HF verifier (`glmtune inspect --verify`, hf_verify.py) knows no family
 (models/common/hf_format.py); the spec hands it this: config.json read by `HfArgs.from_hf_config`,
-the names by `HfStateDictAdapter` (transformers' own, a MoE model refused), the model on meta by
+the names by `HfStateDictAdapter` (transformers' own, a MoE model's experts per expert), the model on meta by
 transformers' own class. The family loads and saves through transformers itself (spec.py).
 """
 

@@ -8,8 +8,9 @@ It wires the family's pieces together. Where each answer lives:
   load whole, save           transformers' `from_pretrained` (safetensors only, local files, no remote
                              code) and `save_pretrained`, written atomically through glmtune/io/outputs.py;
                              an FSDP2 model's shards gathered to rank 0 first
-  sharded load               sharded_load.py (meta-built and parallelized, filled on every rank; dense only)
-  state-dict adapter         state_dict_adapter.py (identity on HF names; MoE refused)
+  sharded load               sharded_load.py (meta-built and parallelized, filled on every rank)
+  state-dict adapter         state_dict_adapter.py (HF names; MoE experts split per expert as
+                             transformers' conversion table stores them)
   loss, token log-probs      model.py: glmtune's chunked loss on the final hidden states, packed
                              documents kept apart by transformers' own mask builders
   flops                      shapes.py
@@ -18,10 +19,10 @@ It wires the family's pieces together. Where each answer lives:
                              layer's layout and exact parameter count in memory_layout.py)
   cached decoding            decoding.py (transformers' own DynamicCache and decoder forward)
 
-Not done yet, each refused with a ValueError naming it (`_not_yet`): a MoE model's sharded load,
-a DCP checkpoint's export (`export_checkpoint`), truncated views, an FP8 base,
-the pipeline, presets' truncation overrides, the parameter report. `moe_layers` is empty:
-transformers' MoE layers keep no per-expert token counts or correction biases for the trainer to read.
+Not done yet, each refused with a ValueError naming it (`_not_yet`): a DCP checkpoint's export
+(`export_checkpoint`), truncated views, an FP8 base, the pipeline, presets' truncation overrides,
+the parameter report. `moe_layers` is empty: transformers' MoE layers keep no per-expert token
+counts or correction biases for the trainer to read.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class HfSpec(ModelSpec):
         directory's safetensors headers are not that model's (weights.py)."""
         args = self.model_family.read_args(path)
         if holds_weights(path):
-            check_weights(path, build_model(args, device="meta"), args.num_hidden_layers, bool(args.num_experts))
+            check_weights(path, build_model(args, device="meta"), args.num_hidden_layers, HfStateDictAdapter(args))
         return args
 
     def args_of(self, model: nn.Module) -> HfArgs:

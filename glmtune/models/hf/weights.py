@@ -6,10 +6,9 @@ model's, a layer count edited by hand) is refused here, naming the file and the 
 failing deep inside transformers' load. Only headers are read (safetensors' `safe_open`), never a
 tensor's data.
 
-The expected names and shapes are those of transformers' own model built on meta. transformers 5
-fuses a MoE layer's per-expert checkpoint tensors into stacked parameters when it loads (and splits
-them when it saves): those parameters have no checkpoint name of their own and are not compared
-(transformers' load names what is missing among them). A tied LM head may be absent from the files.
+The expected names and shapes are those of transformers' own model built on meta, as the family's
+state-dict adapter names them on disk (a MoE layer's stacked experts: one tensor per expert and
+projection, state_dict_adapter.py). A tied LM head may be absent from the files.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from glmtune.models.common.hf_config import read_hf_config
+from glmtune.models.hf.state_dict_adapter import HfStateDictAdapter
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,8 +59,9 @@ def header_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
     return shapes
 
 
-def check_weights(path: str | Path, meta_model: nn.Module, num_layers: int, fused_experts: bool) -> None:
-    """Refuse (one sentence naming the file and tensor) weights that are not `meta_model`'s (module docstring)."""
+def check_weights(path: str | Path, meta_model: nn.Module, num_layers: int, adapter: HfStateDictAdapter) -> None:
+    """Refuse (one sentence naming the file and tensor) weights that are not `meta_model`'s, named on
+    disk by the family's `adapter` (module docstring)."""
     path = Path(path)
     found = header_shapes(path)
     config = path / "config.json"
@@ -71,9 +72,11 @@ def check_weights(path: str | Path, meta_model: nn.Module, num_layers: int, fuse
                              f"num_hidden_layers={num_layers}")
     tied_head = meta_model.get_output_embeddings().weight is meta_model.get_input_embeddings().weight
     for key, tensor in meta_model.state_dict().items():
-        if key in found:
-            shape, file = found[key]
-            if shape != tuple(tensor.shape):
-                raise ValueError(f"{file}: {key} has shape {list(shape)}, {config} describes {list(tensor.shape)}")
-        elif not (fused_experts and ".experts." in key) and not (tied_head and key.endswith("lm_head.weight")):
-            raise ValueError(f"{path}: no tensor {key} in the safetensors files, which {config} describes")
+        for hf_key, part in adapter.to_hf(key, tensor):
+            if hf_key in found:
+                shape, file = found[hf_key]
+                if shape != tuple(part.shape):
+                    raise ValueError(f"{file}: {hf_key} has shape {list(shape)}, {config} describes "
+                                     f"{list(part.shape)}")
+            elif not (tied_head and key.endswith("lm_head.weight")):
+                raise ValueError(f"{path}: no tensor {hf_key} in the safetensors files, which {config} describes")
