@@ -27,10 +27,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from glmtune.models.catalog import PRESETS
-from glmtune.models.common.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from glmtune.checkpoint.hf_verify import VerifyReport
+    from glmtune.models.common.model_spec import ModelSpec
 
 _EXAMPLES = """examples:
   glmtune inspect glm5
