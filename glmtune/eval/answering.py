@@ -2,8 +2,9 @@
 
 Each round hands every pending request (its messages, the suite's system prompt and thinking
 switch already applied) to the backend in batches (`backends.py`: a local model renders them
-with the chat template and decodes left-padded batches of `decoding.batch_size`, stop ids
-<|endoftext|>, <|user|>, <|observation|> as in training samples), and parses the GLM-5 tool
+with the chat template and decodes left-padded batches of `decoding.batch_size`, stopping at
+the template's turn-format stop tokens: GLM's <|endoftext|>, <|user|>, <|observation|>, ChatML's
+<|im_end|>, Llama-3's <|eot_id|>; data/turn_formats.py), and parses the GLM-5 tool
 calls in each output (or takes the calls an engine's chat API parsed):
 
   * no call: the output is the request's answer;
@@ -29,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmtune.data.chat_template import render_conversation
-from glmtune.data.tokenizer import CHAT_STOP_TOKENS
+from glmtune.data.chat_template import chat_format, render_conversation, stop_token_ids, stop_tokens, tool_turns_text
+from glmtune.data.turn_formats import GLM, check_tokenizer
 from glmtune.eval.scorers.base import EvalRow, ModelOutput, ToolCall
 from glmtune.eval.suite import DecodingConfig
 from glmtune.distributed.lockstep import ONE_PROCESS
@@ -49,13 +50,34 @@ class Prompting:
     decoding: DecodingConfig
 
     @property
+    def stop_tokens(self) -> tuple[str, ...]:
+        """Where a generated assistant turn ends: the template's turn format's stop tokens
+        (GLM: <|endoftext|>, <|user|>, <|observation|>; ChatML: <|im_end|>, ...)."""
+        return stop_tokens(self.tokenizer, self.template)
+
+    @property
     def stop_ids(self) -> set[int]:
-        return {self.tokenizer.convert_tokens_to_ids(token) for token in CHAT_STOP_TOKENS}
+        return stop_token_ids(self.tokenizer, self.template)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        text = render_conversation(messages, tools=tools, template=self.template,
+        """The prompt's ids; a template whose turns glmtune cannot tell is refused here (the rows'
+        prompts are rendered before a model loads) as it is when training data is tokenized."""
+        text = render_conversation(messages, tools=tools, template=self.template, tokenizer=self.tokenizer,
                                    enable_thinking=self.enable_thinking, add_generation_prompt=True)
+        check_tokenizer(chat_format(self.template), self.tokenizer, self.template)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _tool_turns(prompting: Prompting | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                executed: list[ToolCall]) -> str:
+    """The transcript's piece after a tool-call turn: the tool results and the next turn's opening,
+    as the template renders them (GLM's as its transcripts have always read; also without a
+    `prompting`, as tests of the loop call it)."""
+    if prompting is None or chat_format(prompting.template).turns is GLM:
+        return "\n<|observation|>" + "".join(f"<tool_response>{tool_response(call)}</tool_response>"
+                                             for call in executed) + "\n<|assistant|>"
+    return tool_turns_text(messages, prompting.tokenizer, tools=tools, template=prompting.template,
+                           enable_thinking=prompting.enable_thinking)
 
 
 @dataclass
@@ -117,7 +139,7 @@ def run_rows(backend: Backend, rows: list[EvalRow], prompting: Prompting, execut
             generate_s += _answer_batch(backend, [requests[i] for i in indices], prompting, seed)
             for i in indices:
                 if requests[i].output is None:
-                    _turn(requests[i], round_index < d.max_tool_rounds, executor)
+                    _turn(requests[i], round_index < d.max_tool_rounds, executor, prompting)
                 handled[i] = requests[i]
         for i, request in ranks.share(handled).items():
             requests[i] = request
@@ -148,16 +170,17 @@ def _answer_batch(backend: Backend, batch: list[_Request], prompting: Prompting,
     return seconds
 
 
-def _turn(request: _Request, may_call: bool, executor: ToolExecutor | None) -> bool:
+def _turn(request: _Request, may_call: bool, executor: ToolExecutor | None, prompting: Prompting) -> bool:
     """`_continue` on the request's generated text; a failure there fails this request only."""
     try:
-        return _continue(request, request.turn, may_call, executor)
+        return _continue(request, request.turn, may_call, executor, prompting)
     except Exception as exc:  # e.g. a row's tool schema the validator cannot use
         request.fail("handling the output", exc)
         return False
 
 
-def _continue(request: _Request, turn: Turn, may_call: bool, executor: ToolExecutor | None) -> bool:
+def _continue(request: _Request, turn: Turn, may_call: bool, executor: ToolExecutor | None,
+              prompting: Prompting | None = None) -> bool:
     """Handle one generated turn; True when the request goes on to another round."""
     if turn.calls is None:
         content, parsed = parse_tool_calls(turn.text, request.row.tools)
@@ -182,6 +205,5 @@ def _continue(request: _Request, turn: Turn, may_call: bool, executor: ToolExecu
         {"role": "assistant", "content": content,
          "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parsed]},
         *({"role": "tool", "content": tool_response(call)} for call in executed)]
-    request.pieces.append("\n<|observation|>" + "".join(f"<tool_response>{tool_response(call)}</tool_response>"
-                                                       for call in executed) + "\n<|assistant|>")
+    request.pieces.append(_tool_turns(prompting, request.messages, request.row.tools, executed))
     return True

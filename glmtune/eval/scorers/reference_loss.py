@@ -3,9 +3,10 @@
 Exact-match scores stay at 0 until a model gets answers wholly right; the reference's loss
 moves from the first steps of training, and per category it shows where a fine-tune helped or
 hurt (on task-free prompts: whether general answering degraded). The row is rendered whole
-with the chat template (the suite's system prompt applied), with training's loss mask
-(`glmtune.data.chat_template.tokenize_conversation`) cut to the assistant turns after the last
-user turn: the tool-call turn, if any, and the final answer, each with the token that ends it.
+with the chat template (the suite's system prompt applied), with training's loss mask cut where
+the last user turn opens (`glmtune.data.chat_template.tokenize_reply`; the opening is the
+template's turn format's: GLM's `<|user|>`, ChatML's `<|im_start|>user`, Llama-3's user header):
+the tool-call turn, if any, and the final answer, each with the token that ends it.
 The row's value is the mean loss over those tokens; the metric is the mean over rows.
 
 Unlike the other scorers it reads the model, not its generated output: the evaluation calls
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from glmtune.data.chat_template import IGNORE_INDEX, tokenize_conversation
+from glmtune.data.chat_template import tokenize_reply
 from glmtune.data.packing import next_token_targets
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore
 from glmtune.eval.teacher_forced import one_document, summed_loss
@@ -58,11 +59,9 @@ class ReferenceLoss:
 def reference_labels(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
     """(input ids, labels) of the whole reference conversation, labels (the token itself, -100
     elsewhere) only on the assistant turns after the last user turn: a training row's shape."""
-    sample = tokenize_conversation(row.prompt + row.reference_turns, prompting.tokenizer, tools=row.tools,
-                                   template=prompting.template, enable_thinking=prompting.enable_thinking)
-    user_id = prompting.tokenizer.convert_tokens_to_ids("<|user|>")
-    last_user = max(i for i, token in enumerate(sample.input_ids) if token == user_id)
-    return sample.input_ids, [IGNORE_INDEX if i < last_user else label for i, label in enumerate(sample.labels)]
+    sample = tokenize_reply(row.prompt + row.reference_turns, prompting.tokenizer, tools=row.tools,
+                            template=prompting.template, enable_thinking=prompting.enable_thinking)
+    return sample.input_ids, sample.labels
 
 
 def reference_sample(row: EvalRow, prompting) -> tuple[list[int], list[int]]:
