@@ -6,6 +6,8 @@ the same recipe with
   * the model an HF directory's first K decoder layers with their real weights (the model
     spec's `truncated_view`; `--layers auto` takes the fewest layers holding every kind of
     layer the model has), a GLM-5-sized preset's first K layers, or a small preset (tiny) as it is;
+    a family that writes no such view (the hf family) trains a directory's model whole when it is
+    small (up to 1B parameters), and `--layers auto` refuses a larger one;
   * the first `rows` conversations of the data (`data.train` files copied to
     OUT/work/data/, or `data.synthetic.rows` lowered), through the recipe's own pipeline;
   * two optimizer steps of the scaled-down layout's global batch (`layout.py`) in one
@@ -84,6 +86,9 @@ class Preflight:
                 total = layers  # an unreadable config: checks 1-4 say so
             if layers > total:
                 raise ValueError(f"--layers {layers}: {self.cfg.model.name_or_path} has {total} decoder layers")
+            if layers < total and self.model_dir is not None and not self.spec.truncated_views:
+                raise ValueError(f"--layers {layers}: a view of a checkpoint's first layers is not available for "
+                                 f"the {self.spec.family} family; use --layers all (or auto)")
 
     @cached_property
     def spec(self) -> ModelSpec:
@@ -117,12 +122,27 @@ class Preflight:
             if self.layers == "all":
                 wanted = total
             elif self.layers == "auto":
-                large = self.model_dir is not None or _num_params(self.spec, args) > AUTO_TRUNCATE_PARAMS
-                wanted = self.spec.covering_layers(args) if large else total
+                wanted = total if self._whole_when_auto(args) else self.spec.covering_layers(args)
             else:
                 wanted = int(self.layers)
             self._layers.append(wanted if wanted < total else None)
         return self._layers[0]
+
+    def _whole_when_auto(self, args: Any) -> bool:
+        """`--layers auto` trains a small preset whole and views an HF directory's or a large preset's first
+        layers; a family that writes no view (`ModelSpec.truncated_views`) trains a small directory whole,
+        and a large one is refused: its steps could not run here."""
+        if self.model_dir is None:
+            return _num_params(self.spec, args) <= AUTO_TRUNCATE_PARAMS
+        if self.spec.truncated_views:
+            return False
+        count = _num_params(self.spec, args)
+        if count > AUTO_TRUNCATE_PARAMS:
+            raise ValueError(f"{self.model_dir}: a view of its first layers is not available for the "
+                             f"{self.spec.family} family, and its {count:,} parameters are more than checks 5-10 "
+                             f"step whole (--layers auto keeps {AUTO_TRUNCATE_PARAMS:,}); --layers all tries the "
+                             "whole model")
+        return True
 
     def scratch(self) -> JobConfig:
         """The scratch configuration (written to OUT/work/config.yaml on first use)."""

@@ -12,8 +12,8 @@ comparisons, each of which can fail on its own:
    base the adapter names, with `peft.PeftModel.from_pretrained` on the adapter) against
    glmtune's model (full fine-tuning: glmtune reading the same export, whose tensors step 1
    tied to the checkpoint; LoRA: the checkpoint's model) on the first training row's tokens,
-   at most `index_topk` of them, so that the DSA top-k keeps every key and no tie can be
-   broken differently. In float32 the largest logit difference must be at most 1e-4 (the
+   for GLM-5 at most `index_topk` of them, so that the DSA top-k keeps every key and no tie can
+   be broken differently (a family without sparse attention: the whole row). In float32 the largest logit difference must be at most 1e-4 (the
    parity tests' bound). In bfloat16 two implementations round differently (glmtune's Triton
    attention, indexer and fused ops against transformers' eager ones), so their difference
    alone cannot tell rounding from a fault. Both bf16 models are also run in float32 (the
@@ -166,10 +166,17 @@ def _both_precisions(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tor
     return logits
 
 
-def probe_tokens(pf: Preflight, top_k: int) -> torch.Tensor:
-    """[1, S] tokens of the first training row, S <= the DSA top-k."""
+def probe_tokens(pf: Preflight, top_k: int | None) -> torch.Tensor:
+    """[1, S] tokens of the first training row, S <= the DSA top-k (None: the whole row)."""
     row = pf.data().train_rows[0]
     return torch.tensor([row["input_ids"][:top_k]])
+
+
+def sparse_top_k(pf: Preflight, model: torch.nn.Module) -> int | None:
+    """The keys a query's sparse attention selects, where the family's summary names an indexer (GLM-5's
+    DSA: beyond them the selection could break a tie otherwise than transformers); None without one."""
+    indexer = pf.spec.summary(pf.spec.args_of(model)).get("indexer")
+    return indexer["topk"] if isinstance(indexer, dict) else None
 
 
 def _adapter_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: dict[str, Any]):
@@ -226,8 +233,10 @@ def check_export(pf: Preflight, ref: ReferenceRun) -> CheckResult:
     dtype_name = str(dtype).removeprefix("torch.")
     evidence: dict[str, Any] = {"dtype": dtype_name}
     problems, served, ours = (_adapter_models if pf.lora else _hf_models)(pf, ref, dtype, evidence)
-    ids = probe_tokens(pf, ours.args.index_topk).to(pf.device)
-    evidence["probe"] = f"the first {ids.shape[1]} tokens of the first training row (<= index_topk)"
+    top_k = sparse_top_k(pf, ours)
+    ids = probe_tokens(pf, top_k).to(pf.device)
+    evidence["probe"] = f"the first {ids.shape[1]} tokens of the first training row" + (
+        " (<= index_topk)" if top_k is not None else "")
     if dtype == torch.float32:
         logit_issues, logits = logit_problems(served(ids).logits, ours(ids).logits)
     else:  # one model in float32 at a time: the served one is freed before glmtune's is upcast

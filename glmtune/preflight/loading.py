@@ -1,10 +1,11 @@
-"""Check 3: the config and tokenizer load without the weights; the architecture and chat template are GLM-5's.
+"""Check 3: the config and tokenizer load without the weights; the architecture is the family's, the template GLM-5's.
 
 The model is built on the meta device by its family's spec (`glmtune.models.registry`) from
 the recipe's model (an HF directory's config.json, or a preset with its overrides): no weight
 is read and no memory allocated. For an HF directory, config.json must name the family's
-architecture (`GlmMoeDsaForCausalLM`) and transformers must read it (`AutoConfig`, as its own
-loading would); a preset's dimensions are reported as they are.
+architecture (GLM-5's `GlmMoeDsaForCausalLM`; the hf family's any `*ForCausalLM`) and
+transformers must read it (`AutoConfig`, as its own loading would); a preset's dimensions are
+reported as they are.
 
 The tokenizer is the one the run loads (data.tokenizer, else the model directory's, else
 the bundled tiny one), with GLM-5's role tokens as single tokens and a vocabulary that fits
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +71,8 @@ def architecture_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
         return [f"{pf.model_dir}/config.json: architectures is {json_name(architectures)}, not a list of class "
                 f"names; expected [{expected}]"]
-    problems = [] if expected in architectures else [
+    # the family's class name, or its pattern (the hf family: any `*ForCausalLM` transformers implements)
+    problems = [] if any(fnmatchcase(a, expected) for a in architectures) else [
         f"{pf.model_dir}/config.json: architectures {clipped(architectures)}, expected [{expected}]"]
     evidence["transformers_config"] = type(AutoConfig.from_pretrained(pf.model_dir, local_files_only=True)).__name__
     return problems
@@ -137,9 +140,12 @@ def check_model(pf: Preflight) -> CheckResult:
     arch = evidence["architecture"]
     template = evidence.get("chat_template", {})
     meta = evidence["meta_model"]
-    message = (f"{pf.spec.hf_architecture} on meta ({meta['parameters']:,} parameters, nothing read): "
-               f"{arch['num_hidden_layers']} layers ({arch['num_dense_layers']} dense, {arch['num_moe_layers']} MoE), "
-               f"{arch['moe']['n_routed_experts']} experts, hidden {arch['hidden_size']}; tokenizer "
+    dims = pf.spec.dims(model_args(pf.cfg.model), pf.cfg.model.name_or_path)
+    moe_layers = arch.get("num_moe_layers", 0)  # every family's summary says how many layers are MoE
+    name = (evidence.get("config_architectures") or [pf.spec.hf_architecture])[0]
+    message = (f"{name} on meta ({meta['parameters']:,} parameters, nothing read): "
+               f"{dims.num_layers} layers ({dims.num_layers - moe_layers} dense, {moe_layers} MoE), "
+               f"{dims.num_experts} experts, hidden {arch['hidden_size']}; tokenizer "
                f"{evidence.get('tokenizer', {}).get('size')} tokens; template renders "
                f"{'/'.join(template.get('roles', []))} with GLM-5 markers, "
                f"{template.get('supervised_tokens')} of {template.get('tokens')} tokens supervised")

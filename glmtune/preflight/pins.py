@@ -12,8 +12,9 @@ resolved configuration's hash.
 
 Passes when each of those could be determined, every requirement glmtune declares is
 installed at a version it accepts (and peft's extra for a LoRA recipe, whose adapter check 8
-loads with PEFT), and transformers has `GlmMoeDsaForCausalLM`. A dirty tree passes, said in
-the message: it runs, but its commit does not reproduce it.
+loads with PEFT), and transformers has the model's class (the family's summary names it:
+GLM-5's `GlmMoeDsaForCausalLM`, an hf-family directory's config.json `architectures`). A dirty
+tree passes, said in the message: it runs, but its commit does not reproduce it.
 
 glmtune's commit and the model's revision are read by glmtune/io/revisions.py, which eval and
 release use to record the same pins.
@@ -114,11 +115,13 @@ def check_pins(pf: Preflight) -> CheckResult:
     problems, evidence["dependencies"] = dependency_problems({"peft"} if pf.lora else set())
     import transformers
 
-    if getattr(transformers, "GlmMoeDsaForCausalLM", None) is None:
-        problems.append(f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM (GLM-5 needs >= 5.2)")
     model: dict[str, Any] = {"name_or_path": pf.cfg.model.name_or_path}
     try:
         args = model_args(pf.cfg.model)
+        # the class transformers loads the checkpoint as (checks 8 and 9 compare against it)
+        architecture = pf.spec.summary(args)["architecture"]
+        if getattr(transformers, architecture, None) is None:
+            problems.append(f"transformers {transformers.__version__} has no {architecture}, the model's class")
         model["config_sha256"] = config_sha256(args)
         if pf.model_dir is not None:
             model["config_json_sha256"] = sha256_bytes(pf.model_dir / "config.json")

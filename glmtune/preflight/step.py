@@ -28,7 +28,8 @@ from glmtune.preflight.runs import ReferenceRun, log_line
 from glmtune.preflight.trainable import FROZEN_BY_DESIGN
 
 
-# The paths the guide names (attention, indexer, router, shared and routed experts, dense MLP).
+# The paths the guide names (attention, indexer, router, shared and routed experts, dense MLP): GLM-5's
+# parameter groups; another family's groups are reported as they are.
 GUIDE_PATHS = ("attention", "indexer", "router", "shared_experts", "routed_experts", "dense_mlp")
 
 
@@ -105,9 +106,10 @@ def check_gradients(pf: Preflight, ref: ReferenceRun) -> CheckResult:
         problems.append(f"step {last_step}: no gradient reaches trainable {_names(ref.gradients[last_step].zero)}")
     evidence = {"paths": paths, "zero_at_step_1": first.zero, "steps": sorted(ref.gradients),
                 "note": "norms before clipping; a LoRA A factor has a zero gradient at step 1 (B starts at zero)"}
+    guide = [g for g in GUIDE_PATHS if g in paths]  # the guide's paths among the family's groups
     shown = [f"{g} {p['norm_step_1']:.3g}" if p["trainable"] else f"{g} frozen"
-             for g, p in paths.items() if p["total"] and (p["trainable"] or g in GUIDE_PATHS)]
-    absent = [g for g in GUIDE_PATHS if not paths[g]["total"]]
+             for g, p in paths.items() if p["total"] and (p["trainable"] or g in guide)]
+    absent = [g for g in guide if not paths[g]["total"]]
     message = "norms at step 1: " + ", ".join(shown)
     if absent:
         message += f"; not in {pf.describe_model()}, so not exercised: {', '.join(absent)}"

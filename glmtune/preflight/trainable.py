@@ -80,7 +80,9 @@ def inventory_problems(model: nn.Module, inventory: LoraInventory, cfg: JobConfi
         for row in inventory.rows:
             if row.total and not row.trainable and row.group not in FROZEN_BY_DESIGN:
                 problems.append(f"full fine-tuning leaves group {row.group} frozen ({row.total:,} parameters)")
-    evidence["frozen_by_design"] = {g: why for g, why in FROZEN_BY_DESIGN.items() if inventory.row(g).total}
+    groups = {row.group for row in inventory.rows}  # the family's (a family without an indexer has no such group)
+    evidence["frozen_by_design"] = {g: why for g, why in FROZEN_BY_DESIGN.items()
+                                    if g in groups and inventory.row(g).total}
     return problems, evidence
 
 

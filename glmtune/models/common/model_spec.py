@@ -153,6 +153,10 @@ class ModelSpec(ABC):
         """Write a full fine-tuning run's DCP checkpoint as the HF directory `save_pretrained`
         writes for `model` (built on meta) holding its weights, a bounded group of tensors at a time."""
 
+    # whether `truncated_view` writes K-layer views (False: it refuses; preflight's scratch runs train the
+    # whole model where it is small enough)
+    truncated_views: bool = True
+
     @abstractmethod
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         """The first `num_layers` layers of checkpoint `src` as an HF directory that reads its files."""

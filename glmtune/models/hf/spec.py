@@ -192,6 +192,8 @@ class HfSpec(ModelSpec):
                           **options: Any) -> Path:
         raise _not_yet("exporting a DCP training checkpoint to HF")
 
+    truncated_views = False  # preflight trains a small model whole, and says so for a large one
+
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         raise _not_yet("truncated checkpoint views")
 
