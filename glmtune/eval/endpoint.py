@@ -8,8 +8,9 @@ Two request modes (`--api`):
   * completions: glmtune renders the prompt with the suite's chat template (the same text the
     in-process model tokenizes) and sends it as text to /v1/completions; the engine stops on the
     model's own end-of-turn ids (config.json's `eos_token_id`, which a glmtune export lists:
-    <|endoftext|>, <|user|>, <|observation|>), the suite's stop strings are cut client-side as
-    in-process generation cuts them, and the GLM-5 tool calls are parsed from the text by
+    <|endoftext|>, <|user|>, <|observation|>), an answer that holds the template's stop tokens (an
+    engine that keeps special tokens; `Prompting.stop_tokens`: GLM's, ChatML's <|im_end|>, ...) is
+    cut at them, the suite's stop strings are cut client-side as in-process generation cuts them, and the GLM-5 tool calls are parsed from the text by
     `answering` (Turn.calls None). Base and candidate are compared under one wrapper.
   * chat: the messages and tools go to /v1/chat/completions as they are (the engine's chat
     template and tool-call parser: what production traffic sees); the returned `tool_calls`
@@ -43,7 +44,6 @@ from typing import Any
 
 from glmtune.data.chat_template import IGNORE_INDEX, render_conversation
 from glmtune.data.packing import next_token_targets
-from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.eval.backends import Failed, NotAvailable, Turn
 from glmtune.eval.endpoint_client import FaultLog, MalformedResponse, RequestFailed, ServerFailed, call
 from glmtune.eval.endpoint_responses import answer_chars, check_answer_length, prompt_logprobs, read
@@ -171,7 +171,7 @@ class Endpoint:
         prompt_tokens = (response.get("usage") or {}).get("prompt_tokens")
         if prompt_tokens is not None and prompt_tokens != num_prompt_tokens:
             self._note("prompt_token_mismatches")
-        generated, _ = _cut_at_stop(choice["text"], list(CHAT_STOP_TOKENS))  # an engine that keeps special tokens
+        generated, _ = _cut_at_stop(choice["text"], list(prompting.stop_tokens))  # an engine that keeps special tokens
         text, cut = _cut_at_stop(generated, prompting.decoding.stop_strings)
         return Turn(text, self._finish(choice.get("finish_reason"), cut), self._tokens(generated, prompting), 0.0)
 

@@ -19,12 +19,14 @@ from glmtune.data.synthetic import generate_rows
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR, load_tokenizer
 from glmtune.eval.answering import Prompting, _continue, _Request
 from glmtune.eval.backends import Turn
+from glmtune.eval.endpoint import Endpoint, EndpointOptions, resolve_endpoint
 from glmtune.eval.scorers import EvalRow
 from glmtune.eval.scorers.reference_loss import reference_labels
 from glmtune.eval.suite import DecodingConfig
 from glmtune.eval.tool_calls import ParsedCall
 from glmtune.eval.tools import ToolExecutor
 from tests.data.chat_format_fixtures import CONVERSATION, TOOL, build_tokenizer
+from tests.eval.hostile_stub import Server, completion
 
 STOPS = {
     "glm": ("<|endoftext|>", "<|user|>", "<|observation|>"),
@@ -118,3 +120,16 @@ def test_the_transcript_shows_tool_turns_as_the_template_renders_them(prompting,
     assert request.pieces == [f"\n<|im_start|>user\n<tool_response>\n{row['messages'][3]['content']}\n"
                               "</tool_response><|im_end|>\n<|im_start|>assistant\n"]
     assert p.render(request.messages, row["tools"]) == p.render(row["messages"][:4], row["tools"])
+
+
+def test_an_engine_answer_holding_the_formats_end_of_turn_is_cut_there(prompting):
+    """--api completions: an engine that keeps special tokens returns the turn's end and what it
+    went on to write; the answer is cut at the template's stop token, ChatML's <|im_end|> here."""
+    options = EndpointOptions(concurrency=1)
+    with Server({"order 7": completion("Shipped.<|im_end|>\n<|im_start|>user\nmore")}) as server:
+        endpoint = Endpoint(resolve_endpoint(server.url, "candidate", options), options)
+        try:
+            [turn], _ = endpoint.answer([(MESSAGES[1:2], None)], prompting["qwen3"], 0)
+        finally:
+            endpoint.close()
+    assert turn.text == "Shipped."
