@@ -39,7 +39,7 @@ _EPILOG = """exit status:
   directory. key-env names the environment variable holding the API key (never written anywhere).
 
 examples:
-  glmtune decide recipes/tiny/decide_support_json.yaml --base runs/tiny-sft-support-json \\
+  glmtune decide recipes/tiny/eval_decide_support_json.yaml --base runs/tiny-sft-support-json \\
       --examples runs/tiny-sft-support-json --docs recipes/tiny/support_docs \\
       --compare runs/tiny-sft-support-json,name=trained
   glmtune decide SUITE.yaml --base /models/GLM-5 --examples train.jsonl --docs kb/ \\

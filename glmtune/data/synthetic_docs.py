@@ -78,8 +78,8 @@ def _triage_doc(category: str) -> str:
 def _answer_format_doc() -> str:
     return ("# Triage: the answer\n\nAnswer every ticket with only a JSON object {\"product\": ..., \"severity\": ..., "
             f"\"next_action\": ...}}.\n\nproduct is one of {', '.join(PRODUCTS)}. severity is one of "
-            f"{', '.join(SEVERITIES)}. next_action is one of {', '.join(NEXT_ACTIONS)}.\n\nWhen a ticket gives an order "
-            "id but does not name the product, call lookup_order with the order id first.\n")
+            f"{', '.join(SEVERITIES)}. next_action is one of {', '.join(NEXT_ACTIONS)}.\n\nWhen a ticket gives an "
+            "order id but does not name the product, call lookup_order with the order id first.\n")
 
 
 def _catalog_doc(product: str, facts: dict[str, str]) -> str:

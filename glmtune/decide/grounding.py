@@ -69,8 +69,9 @@ class Grounding:
                          "bad_citations": float(len(bad))}, failures)
 
 
-def grounding_metrics(loaded, outputs: dict[str, dict[str, list[ModelOutput]]], shown: dict[tuple[str, int], list[Shown]],
-                      labels: list[str], retrieval_label: str) -> tuple[list[dict], dict[tuple[str, int], list[str]]]:
+def grounding_metrics(loaded, outputs: dict[str, dict[str, list[ModelOutput]]],
+                      shown: dict[tuple[str, int], list[Shown]], labels: list[str],
+                      retrieval_label: str) -> tuple[list[dict], dict[tuple[str, int], list[str]]]:
     """The scorecard metric records of every facts set (values for `retrieval_label` only), and the
     failures of each of its rows: (set name, row index) -> the phrases (a fact in no passage, a bad citation)."""
     records, failures = [], {}

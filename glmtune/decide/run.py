@@ -106,15 +106,16 @@ def _check_suite(suite: Suite) -> None:
 
 
 def _resolve(arg: str, label: str, role: str, options: EndpointOptions, option: str):
-    """The model `arg` names, labelled `label`: an endpoint (its /v1/models asked) or a local model."""
+    """The model `arg` names, labelled `label` (`role`: eval's, base or candidate): an endpoint (its
+    /v1/models asked) or a local model."""
     if is_endpoint(arg):
         try:
-            source = resolve_endpoint(arg, "base" if role == "base" else "candidate", options)
+            source = resolve_endpoint(arg, role, options)
         except ValueError as exc:  # eval names its own options; decide's are --base / --compare ...,model=
             raise ValueError(str(exc).replace("--candidate-model", f"model= ({option},model=ID)").replace(
                 "--candidate", "--compare")) from None
     else:
-        source = resolve_model(arg, "base" if role == "base" else "candidate")
+        source = resolve_model(arg, role)
     return dataclasses.replace(source, label=label, role=role)
 
 
@@ -127,7 +128,10 @@ def _models(o: DecideOptions) -> tuple[ArmSpec, list[ArmSpec]]:
     targets = [parse_target(spec) for spec in o.compare]
     check_labels(targets)
     first_endpoint = next((a for a in [o.base] + [t.source for t in targets] if is_endpoint(a)), o.base)
-    o.endpoint.check(o.base, first_endpoint)  # ranges; --base-model with an endpoint --base
+    try:
+        o.endpoint.check(o.base, first_endpoint)  # ranges; --base-model with an endpoint --base
+    except ValueError as exc:  # in eval's words: "(--base or --candidate http(s)://HOST:PORT/v1)"
+        raise ValueError(str(exc).replace("--candidate", "--compare")) from None
     base_options = dataclasses.replace(o.endpoint, api_key_env=o.base_key_env)
     base = ArmSpec("base", "base", _resolve(o.base, "base", "base", base_options, "--base"), [],
                    "the model as it is", base_options if is_endpoint(o.base) else None,

@@ -95,10 +95,10 @@ def _gate_table(arms: list[Arm], gates: list[dict]) -> dict[str, dict]:
 
 def _alternatives(passing: list[Arm]) -> str:
     ranked = sorted(passing, key=lambda a: (a.cost_per_1k is None, a.cost_per_1k or 0.0))
-    named = [f"{a.label} ({'cost per 1k requests ' + format(a.cost_per_1k, 'g') if a.cost_per_1k is not None else 'no cost given'})"
-             for a in ranked]
-    return ("an alternative passes: " if len(named) == 1 else "alternatives pass, the cheapest first: ") + \
-        ", ".join(named)
+    named = [f"{a.label} (" + (f"cost per 1k requests {a.cost_per_1k:g}" if a.cost_per_1k is not None
+                               else "no cost given") + ")" for a in ranked]
+    first = "an alternative passes: " if len(named) == 1 else "alternatives pass, the cheapest first: "
+    return first + ", ".join(named)
 
 
 def decide(arms: list[Arm], gates: list[dict], not_tried: dict[str, str] | None = None) -> Verdict:
