@@ -55,7 +55,7 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from glmtune.data.turn_formats import GENERATION_ONLY, ChatFormat, check_tokenizer, detect_format, token_id
+from glmtune.data.turn_formats import ChatFormat, check_tokenizer, detect_format
 from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import parse_json
 
@@ -240,9 +240,10 @@ def _variables(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
 
 
 # A one-exchange conversation: its rendering shows the turn markers of a template that builds them
-# from role names, and what a template of unknown format puts in a generation block after the answer.
-_PROBE_ANSWER = "Hello"
-_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_ANSWER}]
+# from role names (and, chat_generation.py, what a template of unknown format puts in a generation
+# block after the answer).
+PROBE_ANSWER = "Hello"
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PROBE_ANSWER}]
 
 
 @lru_cache(maxsize=16)
@@ -250,7 +251,7 @@ def chat_format(template: str) -> ChatFormat:
     """The template's turn format (turn_formats.detect_format: its text, else the probe conversation
     as it renders); a ValueError naming the template for one glmtune cannot tell the turns of."""
     try:
-        probe = _render(template, **_variables(_PROBE, None, None, True, False, {}))
+        probe = _render(template, **_variables(PROBE, None, None, True, False, {}))
     except ValueError:  # a template that cannot render the probe is judged by its text
         probe = ""
     return detect_format(template, probe)
@@ -273,6 +274,17 @@ def render_conversation(messages: list[dict[str, Any]], *, tools: list[dict[str,
     """
     return _render(template if template is not None else bundled_template(),
                    **_variables(messages, tools, tokenizer, enable_thinking, add_generation_prompt, template_kwargs))
+
+
+def render_with_blocks(messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                       template: str | None = None, enable_thinking: bool = True, add_generation_prompt: bool = False,
+                       tokenizer: Any = None) -> tuple[str, list[tuple[int, int]]]:
+    """`render_conversation`'s text, and the `[start, end)` character spans of the template's
+    `{% generation %}` blocks in it (none for a template without them)."""
+    blocks: list[tuple[int, int]] = []
+    text = _render(template if template is not None else bundled_template(), blocks=blocks,
+                   **_variables(messages, tools, tokenizer, enable_thinking, add_generation_prompt, {}))
+    return text, blocks
 
 
 def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
@@ -351,9 +363,8 @@ def _conversation(messages: list[dict[str, Any]], tokenizer: Any, tools: list[di
     if not messages or messages[-1].get("role") != "assistant":
         raise ValueError("conversation must end with an assistant turn to have a training target")
     template = template if template is not None else bundled_template()
-    blocks: list[tuple[int, int]] = []
-    text = _render(template, blocks=blocks,
-                   **_variables(messages, tools, tokenizer, enable_thinking, False, {}))
+    text, blocks = render_with_blocks(messages, tools=tools, template=template, enable_thinking=enable_thinking,
+                                      tokenizer=tokenizer)
     format_ = chat_format(template)  # after rendering: a template that fails says so first
     check_tokenizer(format_, tokenizer, template)
     turns = format_.turns
@@ -424,42 +435,3 @@ def tokenize_row(row: dict[str, Any], tokenizer: Any, *, template: str | None = 
                                  loss_on=loss_on, enable_thinking=enable_thinking)
 
 
-
-def stop_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
-    """The tokens generation stops at under `template`: its turn format's (those `tokenizer` has);
-    for a template known only by its generation blocks, the tokenizer's eos and the special tokens
-    the template puts in a block after the answer."""
-    turns = chat_format(template).turns
-    if turns is not GENERATION_ONLY:
-        return tuple(token for token in turns.stop_tokens if token_id(tokenizer, token) is not None)
-    blocks: list[tuple[int, int]] = []
-    text = _render(template, blocks=blocks, **_variables(_PROBE, None, tokenizer, True, False, {}))
-    after = "".join(text[start:end] for start, end in blocks).rpartition(_PROBE_ANSWER)[2]
-    specials = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    found = sorted((token for token in specials | set(tokenizer.all_special_tokens) if token in after), key=after.index)
-    tokens = tuple(dict.fromkeys([tokenizer.eos_token, *found] if tokenizer.eos_token else found))
-    if not tokens:
-        raise ValueError(f"{_source(template)}: cannot tell where a generated assistant turn ends: the tokenizer has "
-                         "no eos token and the template's {% generation %} block holds no special token after the "
-                         "answer")
-    return tokens
-
-
-def stop_token_ids(tokenizer: Any, template: str) -> set[int]:
-    """`stop_tokens` as ids."""
-    return {token_id(tokenizer, token) for token in stop_tokens(tokenizer, template)}
-
-
-def tool_turns_text(messages: list[dict[str, Any]], tokenizer: Any, *, tools: list[dict[str, Any]] | None,
-                    template: str, enable_thinking: bool) -> str:
-    """What the template renders after the end of the last assistant turn of `messages` (the tool
-    turns that follow it) through the next generation prompt: a transcript's piece between two
-    generated turns."""
-    blocks: list[tuple[int, int]] = []
-    text = _render(template, blocks=blocks,
-                   **_variables(messages, tools, tokenizer, enable_thinking, True, {}))
-    format_ = chat_format(template)
-    if format_.masks_by_blocks:
-        return text[blocks[-1][1]:] if blocks else text
-    spans = format_.turns.assistant_char_spans(text)  # the last one: the generation prompt's open turn
-    return text[spans[-2][1]:] if len(spans) >= 2 else text

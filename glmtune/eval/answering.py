@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmtune.data.chat_template import chat_format, render_conversation, stop_token_ids, stop_tokens, tool_turns_text
+from glmtune.data.chat_generation import stop_token_ids, stop_tokens, tool_turns_text
+from glmtune.data.chat_template import chat_format, render_conversation
 from glmtune.data.turn_formats import GLM, check_tokenizer
 from glmtune.eval.scorers.base import EvalRow, ModelOutput, ToolCall
 from glmtune.eval.suite import DecodingConfig
