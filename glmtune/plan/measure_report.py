@@ -69,6 +69,7 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
             "micro_batches": m.micro_batches, "tokens_per_micro_batch": m.tokens_per_micro_batch,
             "forward_s": step.forward, "backward_s": step.backward, "optimizer_s": step.optimizer,
             "step_s": step.total, "per_micro_batch_s": (step.total - step.optimizer) / m.micro_batches,
+            "pipelined": d.pp > 1,
             "steps_timed": len(m.steps), "losses": m.losses, "auxiliary_losses": m.auxiliary_losses,
         },
         "comm": [{"axes": t.axes, "op": t.op, "ranks": len(t.ranks), "link": t.link, "bytes": t.bytes_received,
@@ -125,8 +126,9 @@ def print_measure(report: dict[str, Any], console: Console) -> None:
     times.add_column("")
     times.add_column("seconds", justify="right")
     rows = [("forward (all micro-batches)", "forward_s"), ("backward", "backward_s")]
-    if time["forward_s"] is None:
-        rows = [("forward + backward (the pipeline schedule)", "backward_s")]
+    if time["forward_s"] is None:  # a pipeline's schedule, or a family whose loss runs the model without its forward
+        rows = [("forward + backward (the pipeline schedule)" if time.get("pipelined", True) else
+                 "forward + backward (not split: the family's loss runs outside the model's forward)", "backward_s")]
     rows += [("optimizer (clip + step)", "optimizer_s"), ("per micro-batch, forward + backward", "per_micro_batch_s"),
              ("step", "step_s")]
     for label, key in rows:

@@ -210,3 +210,6 @@ def test_an_fsdp2_rank_holds_the_state_the_plan_gives_it(hf_dirs, capsys):
     held = report["memory"]["held"]
     assert held == report["memory"]["planned_held"] and held["optimizer"] > 5 * held["grads"]
     assert report["time"]["steps_timed"] == 1
+    # the family's loss runs the decoder and head outside the model's forward: no forward/backward split, and
+    # the report says so instead of calling it a pipeline schedule
+    assert report["time"]["forward_s"] is None and report["time"]["pipelined"] is False
