@@ -87,11 +87,7 @@ KNOWN_IN_FUNCTION: set[tuple[str, str]] = set()
 DECLARED_LAZY: set[tuple[str, str]] = set()  # filled by import_graph()
 # Family imports from outside the family (issue 45): (importing module, the family's module);
 # moved behind the spec one by one, until none is left.
-KNOWN_FAMILY: set[tuple[str, str]] = {
-    ("glmtune.peft.merge_stream", "glmtune.models.glm5.args"),
-    ("glmtune.peft.merge_stream", "glmtune.models.glm5.fp8_base"),
-    ("glmtune.peft.merge_stream", "glmtune.models.glm5.model"),
-}
+KNOWN_FAMILY: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:

@@ -1,7 +1,9 @@
 """`glmtune merge BASE_DIR ADAPTER_DIR OUT_DIR`: fold a LoRA adapter into an HF checkpoint.
 
-BASE_DIR is an HF GLM-5 directory (config.json + safetensors), ADAPTER_DIR an
-adapter written by `glmtune export` or at the end of a LoRA run (either layout).
+BASE_DIR is an HF directory (config.json + safetensors) of a family glmtune trains: GLM-5, or any
+causal LM transformers implements (the hf family), its family chosen by config.json's
+model_type; ADAPTER_DIR an adapter written by `glmtune export` or
+at the end of a LoRA run (either layout).
 OUT_DIR receives a full HF checkpoint (transformers and serving engines load it
 like the base), with the base's tokenizer files copied alongside; it is written shard by
 shard (`glmtune/peft/merge_stream.py`), never holding the model. A non-empty OUT_DIR

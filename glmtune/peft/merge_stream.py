@@ -16,6 +16,12 @@ scales) wait in memory until their shard is written.
 Peak host memory: one output shard (twice while safetensors serializes it), the base file
 pages of the input shard being read (mapped, released when the next file is opened), the
 adapter in fp32, and one unit with its fp32 temporaries, whatever the model's size.
+
+Knows no family: BASE_DIR's spec (the registry's `spec_for`) gives its `hf_format` (config.json
+read and written, the HF names, the model on meta) and, for `--fp8`, its `convert_to_fp8_base`.
+The hf family's checkpoints are written by the same shard writer under the names transformers
+stores them by (a MoE layer's experts per expert: its state-dict adapter's); GLM-5's equal its
+`save_pretrained`, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from glmtune.checkpoint.hf_io import (
     _check_shard_sizes,
@@ -46,10 +53,9 @@ from glmtune.checkpoint.fp8_layout import SCALE_SUFFIX, check_fp8_scale, dequant
 from glmtune.checkpoint.safetensors_header import read_header
 from glmtune.io.outputs import output_dir
 from glmtune.io.sizes import parse_size
-from glmtune.models.glm5.args import Glm5Args
-from glmtune.models.glm5.fp8_base import _quantize, convert_to_fp8_base
-from glmtune.models.glm5.model import Glm5ForCausalLM, build_model
-from glmtune.peft.family import spec_of
+from glmtune.kernels import fp8_blocks
+from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.registry import spec_for
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt
 _MMAP_THRESHOLD = 4 << 20
@@ -67,24 +73,22 @@ class _Part:
 
 
 def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
-                 deltas_for: Callable[[Glm5ForCausalLM], list], max_shard_size: int | str, *,
+                 deltas_for: Callable[[nn.Module], list], max_shard_size: int | str, *,
                  fp8: bool, overwrite: bool, sources) -> list[tuple[float, float]]:
     """Write BASE_DIR merged with the deltas `deltas_for(model)` gives (`merge.Delta`s, resolved on
     the model built in `dtype` on the meta device) to `out_dir`, through `output_dir`.
+
+    BASE_DIR's family (its config.json's `model_type`, the registry's `spec_for`) says how its
+    checkpoints are stored (`ModelSpec.hf_format`: config.json, HF names, the model on meta) and,
+    with `fp8`, which weights its FP8 base holds in e4m3 (`convert_to_fp8_base` on the meta model).
 
     Returns, with `fp8`, each re-quantized weight's (squared error, squared norm) in fp64, as
     `convert_to_fp8_base(errors=)` gives them for the merged model; otherwise [].
     """
     _return_freed_memory()
-    args = Glm5Args.from_hf_config(base_dir)
-    files = checkpoint_files(base_dir)
-    _check_shard_sizes(files)
-    model = build_model(args, dtype, "meta", "eager", "loop", init=False)  # what the loader builds
-    state = model.state_dict(keep_vars=True)
-    adapter = spec_of(model).state_dict_adapter(args)  # the family's HF names
-    plan = read_plan(files, adapter, state.keys())
-    check_complete({key: tuple(tensor.shape) for key, tensor in state.items()}, plan, adapter)
-    _check_shapes(files, plan, state)
+    spec = spec_for(base_dir)
+    fmt, args, files, model, plan = _base(spec, base_dir, dtype)
+    state, adapter = model.state_dict(keep_vars=True), fmt.adapter(args)
     alias = _aliases(state)
     deltas: dict[str, list] = defaultdict(list)
     for delta in deltas_for(model):
@@ -94,16 +98,35 @@ def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
         for hf_key, target in entries:
             inputs[(alias[target.key], target.expert)].append((file, hf_key, target.rows))
     if fp8:
-        convert_to_fp8_base(model)
+        spec.convert_to_fp8_base(model, "dequant")  # the meta model: which weights are written in e4m3
     out_state = model.state_dict()
-    parts = _output_parts(model, out_state, adapter)
+    parts = _output_parts(out_state, adapter)
     merger = _Merger(files, state, out_state, inputs, deltas, parts)
     target = {"overwrite": overwrite, "sources": sources, "what": "OUT_DIR"}
     with output_dir(out_dir, **target) as tmp:
         shards = shard_plan(adapter, out_state, None, parse_size(max_shard_size))
         weight_map, total = _write_shards(tmp, shards, merger)
-        write_metadata(spec_of(model).hf_format.hf_config(args), tmp, shards, weight_map, total, dtype, base_dir, fp8)
+        write_metadata(fmt.hf_config(args), tmp, shards, weight_map, total, fmt.model_dtype(model), base_dir, fp8)
     return list(merger.errors.values())
+
+
+def _base(spec: ModelSpec, base_dir: Path, dtype: torch.dtype):
+    """(the family's `HfFormat`, BASE_DIR's args, its files, the model on meta in `dtype` as the loader
+    builds it, the read plan), with the loader's refusals (an incomplete checkpoint, a tensor of another
+    shape) made before anything is written."""
+    fmt = spec.hf_format
+    if fmt is None:
+        raise ValueError(f"{base_dir}: the {spec.family} family's checkpoints have no HF format glmtune merges")
+    args = fmt.read_config(base_dir)
+    files = checkpoint_files(base_dir)
+    _check_shard_sizes(files)
+    model = fmt.build_meta(args, dtype)
+    state = model.state_dict(keep_vars=True)
+    adapter = fmt.adapter(args)
+    plan = read_plan(files, adapter, state.keys())
+    check_complete({key: tuple(tensor.shape) for key, tensor in state.items()}, plan, adapter)
+    _check_shapes(files, plan, state)
+    return fmt, args, files, model, plan
 
 
 def _return_freed_memory() -> None:
@@ -144,12 +167,12 @@ def _check_shapes(files: dict[str, Path], plan, state: dict[str, torch.Tensor]) 
                                  f"the model expects {tuple(dest.shape)}")
 
 
-def _output_parts(model: Glm5ForCausalLM, state: dict[str, torch.Tensor], adapter) -> dict[str, _Part]:
+def _output_parts(state: dict[str, torch.Tensor], adapter) -> dict[str, _Part]:
     """HF key -> where its tensor comes from, read off the adapter's own views of the meta state
     (an expert's gate and up rows, and their scales' rows, are where `to_hf` slices them)."""
     parts = {}
     for key, tensor in state.items():
-        if model.args.tie_word_embeddings and key == "lm_head.weight":
+        if key in adapter.tied_keys:
             continue
         weight_key = key.removesuffix(SCALE_SUFFIX)
         for hf_key, part in adapter.to_hf(key, tensor):
@@ -180,10 +203,9 @@ class _Merger:
         merged = self._merged(unit)
         results = {key: merged}
         if is_fp8(self.out_state[key]):
-            errors: list[tuple[float, float]] = []
-            results[key], results[key + SCALE_SUFFIX] = _quantize(merged, errors)
+            results[key], results[key + SCALE_SUFFIX], (unit_error, unit_norm) = _quantized(merged)
             error, norm = self.errors.get(key, (0.0, 0.0))
-            self.errors[key] = (error + errors[0][0], norm + errors[0][1])
+            self.errors[key] = (error + unit_error, norm + unit_norm)
         out = {}
         for hf_key in self.unit_keys[unit]:
             part = self.parts[hf_key]
@@ -214,6 +236,15 @@ class _Merger:
         scale_key = fp8_scale_key(self.files, file, hf_key)
         scale = _read(_open(self.files[scale_key]), self.files[scale_key], scale_key)
         return dequantize_fp8_block(tensor, scale, torch.float32)
+
+
+@torch.no_grad()
+def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
+    """(e4m3 weight, fp32 block scales, (squared error, squared norm) in fp64): the FP8 layout the
+    checkpoint stores (128 x 128 blocks, checkpoint/fp8_layout.py), as `convert_to_fp8_base` quantizes."""
+    q, scale = fp8_blocks.quantize_weight(weight)
+    back = fp8_blocks.dequantize(q, scale, torch.float64)
+    return q, scale, ((back - weight.double()).square().sum().item(), weight.double().square().sum().item())
 
 
 def _write_shards(tmp: Path, shards: list[list[tuple[str, torch.dtype]]], merger: _Merger) -> tuple[dict, int]:

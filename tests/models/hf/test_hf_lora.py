@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from glmtune.config.schema import PeftConfig
 from glmtune.models.hf.spec import HF
 from glmtune.peft import adapter_state, apply_lora, export_adapter, lora_modules
-from glmtune.peft.lora import LoRAFoldedExperts
+from glmtune.peft.lora import LoRAFoldedExperts, adapters_disabled
 
 from .conftest import packed_batch
 
@@ -145,3 +145,17 @@ def test_one_training_step_equals_peft_and_adamw(tiny_dir, tmp_path):
     stepped, expected_step = ours_in_peft_layout(ours, grads=False), theirs_in_peft_layout(theirs, grads=False)
     for key, tensor in stepped.items():
         torch.testing.assert_close(tensor, expected_step[key], rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_off_is_the_base_model(tiny_dir):
+    """A LoRA preference run's reference model: the same modules with their adapters off (the folded
+    experts' forward reads the base weights then), and the adapters back on after."""
+    ours = adapted(tiny_dir).eval()
+    ids = packed_batch([11], seed=6)["input_ids"]
+    with torch.no_grad():
+        on = ours(ids).logits
+        with adapters_disabled(ours):
+            off = ours(ids).logits
+        assert torch.equal(ours(ids).logits, on)
+    assert torch.equal(off, reference(tiny_dir)(ids).logits)
+    assert (on - off).abs().max() > 1e-2
