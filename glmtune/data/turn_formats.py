@@ -3,11 +3,13 @@
 The loss mask, generation's stop tokens and eval's reference-loss boundary all depend on where an
 assistant turn starts and ends, and each model family's template says it differently:
 
-| format  | an assistant turn opens with (prompt)           | it ends with (a target)                    | generation stops at                      |
-|---------|-------------------------------------------------|--------------------------------------------|------------------------------------------|
-| GLM     | `<|assistant|>`                                 | the next `<|user|>`/`<|observation|>`, or the `<|endoftext|>` appended after the last turn | `<|endoftext|>`, `<|user|>`, `<|observation|>` |
-| ChatML  | `<|im_start|>assistant\n`                       | `<|im_end|>`                               | `<|im_end|>`, `<|endoftext|>`            |
-| Llama-3 | `<|start_header_id|>assistant<|end_header_id|>\n\n` | `<|eot_id|>` or `<|eom_id|>`            | `<|eot_id|>`, `<|eom_id|>`, `<|end_of_text|>` |
+  * GLM: opens with `<|assistant|>` (prompt); ends with the next `<|user|>` / `<|observation|>`, or
+    the `<|endoftext|>` appended after the last turn (a target); stops at `<|endoftext|>`,
+    `<|user|>`, `<|observation|>`;
+  * ChatML: opens with `<|im_start|>assistant\n`; ends with `<|im_end|>`; stops at `<|im_end|>`,
+    `<|endoftext|>`;
+  * Llama-3: opens with `<|start_header_id|>assistant<|end_header_id|>\n\n`; ends with `<|eot_id|>`
+    or `<|eom_id|>`; stops at those and `<|end_of_text|>`.
 
 GLM has no end-of-turn token: a turn ends where the next role token starts, and the model must
 generate that token to stop (GLM-4/GLM-5's `eos_token_id` lists it), so it is supervised; the other
@@ -19,11 +21,11 @@ start with `<tool_response>`), or `<|start_header_id|>user<|end_header_id|>\n\n`
 
 Detection reads the template text: a format is the template's when every one of its marker
 tokens appears in it, or in a one-exchange conversation it renders (GLM first, then ChatML, then
-Llama-3). A template of none of them is
-accepted when it marks assistant text with transformers' `{% generation %}...{% endgeneration %}`
-blocks (`apply_chat_template(..., return_assistant_tokens_mask=True)`): the blocks are then the
-mask (`GENERATION_ONLY`), and generation stops at the tokenizer's eos and at the special tokens
-the template puts in a block after the answer (chat_template.stop_tokens). Any other template is
+Llama-3; chat_template.chat_format). A template of none of them is accepted when it marks
+assistant text with transformers' `{% generation %}...{% endgeneration %}` blocks
+(`apply_chat_template(..., return_assistant_tokens_mask=True)`): the blocks are then the mask
+(`GENERATION_ONLY`), and generation stops at the tokenizer's eos and at the special tokens the
+template puts in a block after the answer (chat_generation.stop_tokens). Any other template is
 refused in one sentence naming its file and saying what to add. The tokenizer must hold each
 marker token as one token (`check_tokenizer`).
 """

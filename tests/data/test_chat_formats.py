@@ -152,7 +152,8 @@ def test_qwen3_thinking_switch(tokenizers):
                           ("\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", False),
                           ("<think>\nend\n</think>\n\nBye<|im_end|>", True), ("\n", False)])
     prompt = history[:3]
-    for thinking, opening in ((True, "<|im_start|>assistant\n"), (False, "<|im_start|>assistant\n<think>\n\n</think>\n\n")):
+    openings = ((True, "<|im_start|>assistant\n"), (False, "<|im_start|>assistant\n<think>\n\n</think>\n\n"))
+    for thinking, opening in openings:
         text = render_conversation(prompt, template=template, tokenizer=tokenizer, enable_thinking=thinking,
                                    add_generation_prompt=True)
         assert text.endswith("Bye<|im_end|>\n" + opening)
