@@ -2,8 +2,8 @@
 unchanged on a tiny Qwen3 (and Qwen3-MoE) directory through `glmtune train`, a few steps by
 overrides: the family's default targets adapted (recorded in trainable.json), the adapters trained
 and exported in both layouts, the PEFT one loaded by PEFT onto transformers' model with no missing or
-unexpected key; a dense run's adapter merges (`glmtune merge`). Before the hf family's LoRA rules,
-`peft.method: lora` was refused for the family at config time.
+unexpected key; a dense run's adapter merges (`glmtune merge`); two FSDP2 ranks train what one process
+does. Before the hf family's LoRA rules, `peft.method: lora` was refused for the family at config time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from glmtune.cli import main
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 from glmtune.models.hf.quiet import no_progress_bars
-from tests.train.run_helpers import losses, run
+from tests.train.run_helpers import losses, run, torchrun
 
 peft = pytest.importorskip("peft")
 
@@ -54,13 +54,22 @@ def loads_in_peft(base_dir, adapter_dir) -> dict[str, torch.Tensor]:
     return peft.utils.get_peft_model_state_dict(model)
 
 
+@pytest.fixture(scope="module")
+def lora_runs(model_dirs, tmp_path_factory):
+    """name -> the run directory of the LoRA recipe, a few steps, on that directory (one process)."""
+    runs = {}
+    for name, base in model_dirs.items():
+        root = tmp_path_factory.mktemp(f"lora_{name}")
+        done = run(root / "run", root / "cache", "--model.name_or_path", str(base), *FEW_STEPS,
+                   recipe="tiny/lora_support_json")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs[name] = root / "run"
+    return runs
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_lora_recipe_runs_unchanged(model_dirs, tmp_path, name):
-    base = model_dirs[name]
-    done = run(tmp_path / "run", tmp_path / "cache", "--model.name_or_path", str(base), *FEW_STEPS,
-               recipe="tiny/lora_support_json")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = tmp_path / "run"
+def test_the_lora_recipe_runs_unchanged(model_dirs, lora_runs, tmp_path, name):
+    base, run_dir = model_dirs[name], lora_runs[name]
     trainable = json.loads((run_dir / "trainable.json").read_text())
     experts = ["*.mlp.experts"] if name == "qwen3_moe" else ["*.mlp.gate_proj", "*.mlp.up_proj", "*.mlp.down_proj"]
     assert trainable["target_modules"] == ["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj",
@@ -73,6 +82,19 @@ def test_the_lora_recipe_runs_unchanged(model_dirs, tmp_path, name):
     assert (run_dir / "adapter_per_expert" / "adapter_model.safetensors").is_file()
     if name == "qwen3":
         assert main(["merge", str(base), str(run_dir / "adapter"), str(tmp_path / "merged")]) == 0
+
+
+def test_two_ranks_train_the_adapters_one_process_does(model_dirs, lora_runs, tmp_path):
+    """FSDP2 on 2 gloo ranks, the model built on meta and each rank filled: the same losses and the
+    same exported adapter as one process (the folded experts read their gathered weights)."""
+    torchrun(2, tmp_path / "run", tmp_path / "cache", "--model.name_or_path", str(model_dirs["qwen3_moe"]),
+             *FEW_STEPS, recipe="tiny/lora_support_json")
+    one = lora_runs["qwen3_moe"]
+    assert losses(tmp_path / "run") == pytest.approx(losses(one), rel=1e-5)
+    ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (tmp_path / "run", one))
+    assert ours.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-7, msg=key)
 
 
 def test_the_dpo_recipe_runs_unchanged(model_dirs, tmp_path):
