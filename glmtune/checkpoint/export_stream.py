@@ -24,7 +24,7 @@ tensors are written in, config.json), as to `save_pretrained`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,8 @@ class _Part:
 
 def stream_export(model: nn.Module, checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype, *,
                   fmt: HfFormat, args: Any, source_dir: str | Path | None, max_shard_size: int | str = "5GB",
-                  overwrite: bool = False, sources=(), what: str = "OUT") -> Path:
+                  overwrite: bool = False, sources=(), what: str = "OUT",
+                  write_config: Callable[[Path], None] | None = None) -> Path:
     """Write the weights of DCP checkpoint `checkpoint_dir` as the HF directory `out_dir`, as
     `save_pretrained(model, out_dir, dtype=dtype, source_dir=source_dir)` writes them for `model`
     holding those weights, through `output_dir` (never over an input: `source_dir`, `sources`).
@@ -79,6 +80,9 @@ def stream_export(model: nn.Module, checkpoint_dir: str | Path, out_dir: str | P
         fmt, args: the family's `HfFormat` and the model's args: the state-dict adapter (`to_hf`),
             and the dtype `save_pretrained` writes each tensor in (`written_dtypes`, from the model
             built in `dtype` on meta; a tied head is not written).
+        write_config: the family's own writer of config.json (and its companions) into the directory
+            being built, as its `save_pretrained` writes them (the hf family's: transformers' own);
+            None: `fmt.hf_config`'s config.json. Tokenizer files are copied after it.
     """
     limit = parse_size(max_shard_size)
     adapter, written = fmt.adapter(args), written_dtypes(fmt, args, dtype)
@@ -94,7 +98,10 @@ def stream_export(model: nn.Module, checkpoint_dir: str | Path, out_dir: str | P
     units = _CheckpointUnits(reader, state, layout, parts, [hf_key for shard in shards for hf_key, _ in shard], limit)
     with output_dir(out_dir, overwrite=overwrite, sources=sources, what=what) as tmp:
         weight_map, total = _write_shards(tmp, shards, units)
-        write_metadata(fmt.hf_config(args), tmp, shards, weight_map, total, dtype, source_dir, fp8=False)
+        if write_config is not None:
+            write_config(tmp)
+        config = fmt.hf_config(args) if write_config is None else None
+        write_metadata(config, tmp, shards, weight_map, total, dtype, source_dir, fp8=False)
     return Path(out_dir)
 
 

@@ -459,21 +459,27 @@ def _write_gathered(items, adapter: StateDictAdapter, plan: list[list[tuple[str,
     return weight_map, total
 
 
-def write_metadata(config: dict[str, Any], tmp: Path, plan, weight_map, total: int, dtype: torch.dtype,
+def write_metadata(config: dict[str, Any] | None, tmp: Path, plan, weight_map, total: int, dtype: torch.dtype,
                    source_dir, fp8: bool) -> None:
     """The index (when sharded), config.json (the family's `config`, in `dtype`: the dtype the
-    model computes in; with `fp8`, FP8 block-quantized weights described as DeepSeek-V3's are) and
-    `source_dir`'s tokenizer files, beside the shards in `tmp`."""
+    model computes in; with `fp8`, FP8 block-quantized weights described as DeepSeek-V3's are; None:
+    the caller wrote its own) and `source_dir`'s tokenizer files, beside the shards in `tmp`."""
     if len(plan) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if config is not None:
+        _write_config(config, tmp, dtype, fp8)
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, tmp / name)
+
+
+def _write_config(config: dict[str, Any], tmp: Path, dtype: torch.dtype, fp8: bool) -> None:
+    """config.json: the family's `config` in `dtype` (`write_metadata`)."""
     config = {**config, "dtype": str(dtype).removeprefix("torch.")}
     config.pop("torch_dtype", None)
     config.pop("quantization_config", None)  # weights are written dequantized
     if fp8:  # a frozen FP8 base, or `glmtune merge --fp8`: e4m3 weights with 128x128 scales
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if source_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(source_dir) / name).is_file():
-                shutil.copy2(Path(source_dir) / name, tmp / name)

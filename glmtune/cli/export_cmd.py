@@ -247,6 +247,6 @@ def _export_model(ns: argparse.Namespace, cfg, run_dir: Path, manager, checkpoin
     model = spec.build(model_args(cfg.model), precision.param_dtype, "meta", cfg.model)
     out = spec.export_checkpoint(model, checkpoint.path, ns.hf, dtype=precision.compute_dtype,
                                  source_dir=tokenizer_dir, max_shard_size=ns.max_shard_size, overwrite=ns.overwrite,
-                                 sources=sources, what="--hf")
+                                 sources=sources, what="--hf", base_dir=model_dir)
     print(f"exported the model of {checkpoint.path} (step {checkpoint.step}) to {out}")
     return 0

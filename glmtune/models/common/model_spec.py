@@ -149,9 +149,12 @@ class ModelSpec(ABC):
         """Write the model as an HF directory (collective under FSDP2/EP/PP)."""
 
     @abstractmethod
-    def export_checkpoint(self, model: Any, checkpoint_dir: str | Path, path: str | Path, **options: Any) -> Path:
+    def export_checkpoint(self, model: Any, checkpoint_dir: str | Path, path: str | Path,
+                          base_dir: str | Path | None = None, **options: Any) -> Path:
         """Write a full fine-tuning run's DCP checkpoint as the HF directory `save_pretrained`
-        writes for `model` (built on meta) holding its weights, a bounded group of tensors at a time."""
+        writes for `model` (built on meta) holding its weights, a bounded group of tensors at a time;
+        `base_dir`: the HF directory the run started from (None: a preset), for what a family's
+        export takes from it beside the weights (the hf family: its generation_config.json)."""
 
     # whether `truncated_view` writes K-layer views (False: it refuses; preflight's scratch runs train the
     # whole model where it is small enough)

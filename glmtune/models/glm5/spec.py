@@ -180,7 +180,8 @@ class Glm5Spec(ModelSpec):
         return save_pretrained(model, path, **options)
 
     def export_checkpoint(self, model: nn.Module, checkpoint_dir: str | Path, path: str | Path,
-                          **options: Any) -> Path:
+                          base_dir: str | Path | None = None, **options: Any) -> Path:
+        # `base_dir` unused: GLM-5's export writes no generation config (as its save_pretrained)
         return stream_export(model, checkpoint_dir, path, fmt=GLM5_HF_FORMAT, args=model.args, **options)
 
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:

@@ -8,6 +8,9 @@ It wires the family's pieces together. Where each answer lives:
   load whole, save           transformers' `from_pretrained` (safetensors only, local files, no remote
                              code) and `save_pretrained`, written atomically through glmtune/io/outputs.py;
                              an FSDP2 model's shards gathered to rank 0 first
+  export of a checkpoint     checkpoint/export_stream.py (a DCP training checkpoint streamed into the
+                             files `save_pretrained` writes; config.json and generation_config.json by
+                             transformers' own writers, hf_files.py)
   sharded load               sharded_load.py (meta-built and parallelized, filled on every rank)
   state-dict adapter         state_dict_adapter.py (HF names; MoE experts split per expert as
                              transformers' conversion table stores them)
@@ -19,15 +22,13 @@ It wires the family's pieces together. Where each answer lives:
                              layer's layout and exact parameter count in memory_layout.py)
   cached decoding            decoding.py (transformers' own DynamicCache and decoder forward)
 
-Not done yet, each refused with a ValueError naming it (`_not_yet`): a DCP checkpoint's export
-(`export_checkpoint`), truncated views, an FP8 base, the pipeline, presets' truncation overrides,
-the parameter report. `moe_layers` is empty: transformers' MoE layers keep no per-expert token
+Not done yet, each refused with a ValueError naming it (`_not_yet`): truncated views, an FP8 base,
+the pipeline, presets' truncation overrides, the parameter report. `moe_layers` is empty: transformers' MoE layers keep no per-expert token
 counts or correction biases for the trainer to read.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
+from glmtune.checkpoint.export_stream import stream_export
 from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.io.outputs import output_dir
 from glmtune.models.common.microbatch import MicroBatch
@@ -47,6 +49,7 @@ from glmtune.models.common.step_runner import StepRunner
 from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.decoding import HF_DECODING
 from glmtune.models.hf.family import HF_FAMILY
+from glmtune.models.hf.hf_files import settle_config, write_configs
 from glmtune.models.hf.hf_format import HF_FORMAT
 from glmtune.models.hf.lora_rules import HfLoraRules
 from glmtune.models.hf.memory_model import HF_MEMORY
@@ -75,11 +78,6 @@ def _not_yet(what: str) -> ValueError:
 def gathered_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """An FSDP2 model's full state dict on rank 0's CPU (empty elsewhere); every rank must call it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def unwrapped_class(model: nn.Module) -> type:
-    """transformers' class of `model`, under FSDP2's `FSDP<class>` subclass when it is sharded."""
-    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 class HfSpec(ModelSpec):
@@ -178,19 +176,21 @@ class HfSpec(ModelSpec):
         with output_dir(path, overwrite=overwrite, sources=sources, what="path", option="overwrite=True") as tmp:
             with no_progress_bars():  # glmtune reports the export itself (quiet.py)
                 model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state)
-            config = json.loads((tmp / "config.json").read_text())
-            config["architectures"] = [unwrapped_class(model).__name__]  # not FSDP2's FSDP<class> subclass
-            if dtype is not None:
-                config["dtype"] = str(dtype).removeprefix("torch.")
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            settle_config(tmp, model, dtype)  # not FSDP2's FSDP<class> subclass; the dtype written (hf_files.py)
             for name in TOKENIZER_FILES if source_dir is not None else ():
                 if (Path(source_dir) / name).is_file():
                     shutil.copy2(Path(source_dir) / name, tmp / name)
         return Path(path)
 
     def export_checkpoint(self, model: nn.Module, checkpoint_dir: str | Path, path: str | Path,
-                          **options: Any) -> Path:
-        raise _not_yet("exporting a DCP training checkpoint to HF")
+                          base_dir: str | Path | None = None, **options: Any) -> Path:
+        """The full fine-tuning run's DCP checkpoint as the directory `save_pretrained` writes for `model`
+        (on meta) holding its weights, streamed (checkpoint/export_stream.py): the base's names, per-expert
+        tensors, a tied head not stored; config.json and generation_config.json (the run's base
+        `base_dir`'s, as `from_pretrained` keeps it) through transformers' own writers (hf_files.py)."""
+        dtype = options.pop("dtype")
+        return stream_export(model, checkpoint_dir, path, dtype, fmt=HF_FORMAT, args=self.args_of(model),
+                             write_config=lambda tmp: write_configs(tmp, model, dtype, base_dir), **options)
 
     truncated_views = False  # preflight trains a small model whole, and says so for a large one
 

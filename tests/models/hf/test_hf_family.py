@@ -69,8 +69,7 @@ def test_family_is_torch_free(tiny_dir):
 def test_unavailable_parts_are_refused_by_name(tiny_dir):
     args = HF.args_from_hf(tiny_dir)
     model = HF.build(args, device="meta")
-    for call, what in [(lambda: HF.export_checkpoint(model, tiny_dir, tiny_dir), "DCP training checkpoint"),
-                       (lambda: HF.pipeline_options(), "pipeline parallelism"),
+    for call, what in [(lambda: HF.pipeline_options(), "pipeline parallelism"),
                        (lambda: HF.convert_to_fp8_base(model, "torch"), "FP8 base")]:
         with pytest.raises(ValueError, match=f"the hf family does not do .*{what}"):
             call()
