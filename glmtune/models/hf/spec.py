@@ -89,7 +89,7 @@ class HfSpec(ModelSpec):
     decoding = HF_DECODING
     hf_format = HF_FORMAT  # checkpoint/'s HF verifier (`glmtune inspect --verify`); load and save: transformers'
     memory = HF_MEMORY  # glmtune plan's memory model (memory_model.py)
-    lora = HfLoraRules()  # peft/'s inventory of what trains; LoRA itself refused at config time (family.py)
+    lora = HfLoraRules()  # glmtune.peft's hooks: LoRA targets, transformers' stacked experts (lora_rules.py)
 
     # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> HfArgs:
@@ -197,7 +197,7 @@ class HfSpec(ModelSpec):
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         raise _not_yet("truncated checkpoint views")
 
-    def convert_to_fp8_base(self, model: nn.Module, backend: str) -> list[str]:
+    def convert_to_fp8_base(self, model: nn.Module, backend: str, errors: list | None = None) -> list[str]:
         raise _not_yet("an FP8 base")
 
     def state_dict_adapter(self, args: HfArgs) -> HfStateDictAdapter:
