@@ -1,9 +1,10 @@
-"""`glmtune inspect PATH_OR_PRESET [--json] [--verify]`: what a GLM-5 model is made of.
+"""`glmtune inspect PATH_OR_PRESET [--json] [--verify]`: what a model (GLM-5, or any hf-family one) is made of.
 
-Without loading weights (the model is built on the meta device) it prints the
-architecture, the layer table (dense/MoE MLP, full/shared indexer, runs of
-identical layers merged), total and active parameter counts, and parameters per
-group. `--json` prints the same content as one JSON object. `--verify` checks a
+Without loading weights (a GLM-5 model is built on the meta device, an hf one counted from its
+config.json's shapes) it prints the
+architecture (the family's own rows), the layer table (dense/MoE MLP, GLM-5's full/shared
+indexer, runs of identical layers merged), total and active parameter counts, and parameters
+per group. `--json` prints the same content as one JSON object. `--verify` checks a
 checkpoint directory's shards, keys, shapes and dtypes from the safetensors headers
 and exits 1 when anything is wrong, listing every problem. `--trainable RECIPE.yaml`
 builds the recipe's model on the meta device, applies its freezing / LoRA config and
@@ -11,7 +12,8 @@ adds what trains: a trainable column per group and the trainable-parameter inven
 (the same table every training run logs at start).
 
 The numbers and the build come from the model's family through its spec
-(`glmtune.models.registry`: summary, parameter report, layer runs), imported when the command
+(`glmtune.models.registry`: summary, architecture rows, parameter report, layer runs; an hf
+directory's from its config.json's shapes), imported when the command
 runs: `glmtune --help` stays torch-free (the presets come from the torch-free catalog).
 """
 
@@ -44,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "inspect",
         help="architecture, layer table and parameter counts; --verify a checkpoint",
-        description="Summarise a GLM-5 model from a preset or a checkpoint directory without loading weights. "
+        description="Summarise a model from a preset or an HF checkpoint directory (GLM-5, or any causal LM "
+        "transformers implements) without loading weights. "
         f"Presets: {', '.join(PRESETS)}.",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -188,7 +191,7 @@ def _span(low: int, high: int) -> str:
 
 
 def _mlp_text(row: dict[str, Any]) -> str:
-    return ("MoE" if row["mlp"] == "moe" else "dense") + (" (MTP)" if row["mtp"] else "")
+    return ("MoE" if row["mlp"] == "moe" else "dense") + (" (MTP)" if row.get("mtp") else "")
 
 
 def format_indices(indices: list[int]) -> str:
@@ -212,12 +215,13 @@ def format_indices(indices: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _display_rows(spec: ModelSpec, layers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+def _display_rows(spec: ModelSpec, layers: list[dict[str, Any]], indexer: bool) -> list[tuple[str, ...]]:
     """Layer-table rows: runs of identical layers; a block of one MLP kind whose indexer
-    alternates (GLM-5.2's full/shared pattern) is folded into one row."""
+    alternates (GLM-5.2's full/shared pattern) is folded into one row. `indexer`: the layers
+    have one (an indexer column)."""
     blocks: list[list[dict[str, Any]]] = []
     for row in layers:
-        if blocks and (blocks[-1][-1]["mlp"], blocks[-1][-1]["mtp"]) == (row["mlp"], row["mtp"]):
+        if blocks and (blocks[-1][-1]["mlp"], blocks[-1][-1].get("mtp")) == (row["mlp"], row.get("mtp")):
             blocks[-1].append(row)
         else:
             blocks.append([row])
@@ -227,9 +231,10 @@ def _display_rows(spec: ModelSpec, layers: list[dict[str, Any]]) -> list[tuple[s
         if len(runs) <= 2:
             for run in runs:
                 span = str(run["first"]) if run["count"] == 1 else f"{run['first']}–{run['last']}"
-                rows.append((span, str(run["count"]), _mlp_text(run), run["indexer"],
+                rows.append((span, str(run["count"]), _mlp_text(run), *((run["indexer"],) if indexer else ()),
                              human(run["params_per_layer"]), human(run["active_params_per_layer"])))
             continue
+        assert indexer, "only an alternating indexer makes more than two runs of one MLP kind"
         first, last = block[0], block[-1]
         num_full = sum(row["indexer"] == "full" for row in block)
         params = sorted({row["params"] for row in block})
@@ -247,51 +252,53 @@ def _print_summary(console: Console, spec: ModelSpec, payload: dict[str, Any]) -
     table = Table(title="Architecture", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    att, idx, moe, rope = arch["attention"], arch["indexer"], arch["moe"], arch["rope"]
-    table.add_row("layers", f"{arch['num_hidden_layers']} ({arch['num_dense_layers']} dense + "
-                            f"{arch['num_moe_layers']} MoE) + {arch['num_mtp_layers']} MTP")
-    table.add_row("hidden / vocab", f"{arch['hidden_size']} / {arch['vocab_size']}"
-                                    + (" (tied embeddings)" if arch["tie_word_embeddings"] else ""))
-    table.add_row("MLA attention", f"{att['num_heads']} heads, q_lora {att['q_lora_rank']}, "
-                                   f"kv_lora {att['kv_lora_rank']}, qk {att['qk_nope_head_dim']}+"
-                                   f"{att['qk_rope_head_dim']}, v {att['v_head_dim']}")
-    table.add_row("DSA indexer", f"{idx['num_heads']} heads x {idx['head_dim']}, top-{idx['topk']}; full on "
-                                 f"{len(idx['full_layers'])}/{arch['num_hidden_layers']} layers")
-    groups = f", {moe['topk_group']} of {moe['n_group']} groups" if moe["n_group"] > 1 else ""
-    table.add_row("MoE", f"{moe['n_routed_experts']} routed (top-{moe['num_experts_per_tok']}{groups}) + "
-                         f"{moe['n_shared_experts']} shared, width {moe['moe_intermediate_size']}, "
-                         f"scale {moe['routed_scaling_factor']}")
-    table.add_row("dense MLP", f"width {arch['dense_intermediate_size']}")
-    table.add_row("RoPE", f"theta {rope['theta']:,.0f} ({rope['type']}), max positions "
-                          f"{rope['max_position_embeddings']:,}")
+    for label, text in spec.architecture_rows(arch):  # the family's own (its spec)
+        table.add_row(label, text)
     console.print(table)
+    _print_layers(console, spec, payload)
+    _print_counts(console, payload)
+    if payload.get("layout_known") is False:
+        console.print(f"{arch['model_type']}: a layer glmtune does not know, counted as Llama's; the counts may miss "
+                      "a few norm or bias vectors per layer")
 
+
+def _print_layers(console: Console, spec: ModelSpec, payload: dict[str, Any]) -> None:
+    arch, layers = payload["architecture"], payload["layers"]
+    indexer = all("indexer" in row for row in layers)
     table = Table(title="Layers", title_justify="left")
     for name, justify in (("layers", "left"), ("n", "right"), ("mlp", "left"), ("indexer", "left"),
                           ("params/layer", "right"), ("active/layer", "right")):
-        table.add_column(name, justify=justify)
-    for row in _display_rows(spec, payload["layers"]):
+        if name != "indexer" or indexer:
+            table.add_column(name, justify=justify)
+    for row in _display_rows(spec, layers, indexer):
         table.add_row(*row)
-    if len(idx["full_layers"]) < arch["num_hidden_layers"]:
-        table.caption = f"full indexer on layers {format_indices(idx['full_layers'])} (MTP layers: full)"
+    full_layers = arch["indexer"]["full_layers"] if indexer else None
+    if full_layers is not None and len(full_layers) < arch["num_hidden_layers"]:
+        table.caption = f"full indexer on layers {format_indices(full_layers)} (MTP layers: full)"
     console.print(table)
 
+
+def _print_counts(console: Console, payload: dict[str, Any]) -> None:
+    """The totals and the groups; a family with MTP layers counts the model without and with them."""
+    mtp = "total_params_with_mtp" in payload
     table = Table(title="Parameters", title_justify="left")
     table.add_column("")
     table.add_column("B", justify="right")
     table.add_column("exact", justify="right")
     counts = (
-        ("total (no MTP)", payload["total_params"]),
-        ("total with MTP", payload["total_params_with_mtp"]),
-        ("active / token, excl. input embedding", payload["active_params"]),
-        ("active / token, incl. embedding", payload["active_params_incl_embedding"]),
-        ("active / token, excl. embedding + head", payload["active_params_excl_embedding_and_head"]),
+        ("total (no MTP)" if mtp else "total", "total_params"),
+        ("total with MTP", "total_params_with_mtp"),
+        ("active / token, excl. input embedding", "active_params"),
+        ("active / token, incl. embedding", "active_params_incl_embedding"),
+        ("active / token, excl. embedding + head", "active_params_excl_embedding_and_head"),
     )
-    for label, n in counts:
-        table.add_row(label, billions(n), f"{n:,}")
-    buffers = payload["buffers"]
-    table.add_row("router bias buffers (not params)", "",
-                  f"{buffers['e_score_correction_bias']:,} (+{buffers['e_score_correction_bias_mtp']:,} MTP)")
+    for label, key in counts:
+        if key in payload:
+            table.add_row(label, billions(payload[key]), f"{payload[key]:,}")
+    buffers = payload.get("buffers")
+    if buffers is not None:
+        table.add_row("router bias buffers (not params)", "",
+                      f"{buffers['e_score_correction_bias']:,} (+{buffers['e_score_correction_bias_mtp']:,} MTP)")
     console.print(table)
 
     trainable = payload.get("trainable_params_by_group")
@@ -303,7 +310,7 @@ def _print_summary(console: Console, spec: ModelSpec, payload: dict[str, Any]) -
     table.add_column("active", justify="right")
     if trainable is not None:
         table.add_column("trainable", justify="right")
-    total = payload["total_params_with_mtp"]
+    total = payload["total_params_with_mtp"] if mtp else payload["total_params"]
     for group, n in payload["params_by_group"].items():
         row = [group, human(n), f"{n:,}", f"{100 * n / total:.1f}%", human(payload["active_params_by_group"][group])]
         if trainable is not None:

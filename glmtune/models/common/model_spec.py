@@ -31,7 +31,8 @@ What a spec answers, in the order a run asks:
                          None: peft/ refuses the family's models)
   memory                 what `glmtune plan` needs of the architecture to walk a step's memory
                          (memory_model.py; None: plan refuses the family)
-  describe               the architecture summary and parameter report (`glmtune inspect`),
+  describe               the architecture summary, its table's rows and the parameter report
+                         (`glmtune inspect`),
                          the per-layer costs the pipeline split is planned from
 
 Knows no family and imports only its neighbours in models/common/ (family.py, decoding.py,
@@ -245,6 +246,10 @@ class ModelSpec(ABC):
     @abstractmethod
     def summary(self, args: Any) -> dict[str, Any]:
         """The architecture in a few numbers (`glmtune inspect`, preflight)."""
+
+    @abstractmethod
+    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
+        """The architecture table `glmtune inspect` prints: (label, text) rows of `summary`'s numbers."""
 
     @abstractmethod
     def parameter_report(self, args: Any) -> dict[str, Any]:

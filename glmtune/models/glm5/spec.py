@@ -59,7 +59,7 @@ from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
 from glmtune.models.glm5.param_groups import GROUPS, param_group
 from glmtune.models.glm5.stages import decoder_layers
 from glmtune.models.glm5.state_dict_adapter import Glm5StateDictAdapter
-from glmtune.models.glm5.summary import architecture_summary
+from glmtune.models.glm5.summary import architecture_rows, architecture_summary
 from glmtune.models.glm5.view_config import view_args
 
 
@@ -279,6 +279,9 @@ class Glm5Spec(ModelSpec):
     # -- describe ----------------------------------------------------------------------
     def summary(self, args: Glm5Args) -> dict[str, Any]:
         return architecture_summary(args)
+
+    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
+        return architecture_rows(summary)
 
     def parameter_report(self, args: Glm5Args) -> dict[str, Any]:
         return parameter_report(args)

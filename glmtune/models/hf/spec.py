@@ -21,10 +21,12 @@ It wires the family's pieces together. Where each answer lives:
   memory model               memory_model.py (`glmtune plan`'s, from config.json's shapes; the
                              layer's layout and exact parameter count in memory_layout.py)
   cached decoding            decoding.py (transformers' own DynamicCache and decoder forward)
+  summary, parameter report  summary.py (`glmtune inspect`: from config.json's shapes, memory_layout.py's
+                             exact count; active per token: top-k of each MoE layer's experts)
 
 Not done yet, each refused with a ValueError naming it (`_not_yet`): truncated views, an FP8 base,
-the pipeline, presets' truncation overrides, the parameter report. `moe_layers` is empty: transformers' MoE layers keep no per-expert token
-counts or correction biases for the trainer to read.
+the pipeline, presets' truncation overrides. `moe_layers` is empty: transformers' MoE layers keep
+no per-expert token counts or correction biases for the trainer to read.
 """
 
 from __future__ import annotations
@@ -56,19 +58,15 @@ from glmtune.models.hf.memory_model import HF_MEMORY
 from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
 from glmtune.models.hf.parallelize import parallelize_hf
 from glmtune.models.hf.quiet import no_progress_bars
-from glmtune.models.hf.shapes import (
-    active_matmul_params,
-    flops_per_token,
-    parameter_count,
-)
+from glmtune.models.hf.shapes import flops_per_token
 from glmtune.models.hf.sharded_load import load_sharded
 from glmtune.models.hf.state_dict_adapter import HfStateDictAdapter
+from glmtune.models.hf.summary import GROUPS, architecture_rows, architecture_summary, layer_runs, parameter_report
 from glmtune.models.hf.weights import check_weights, holds_weights
 
 # Files a serving stack needs besides the weights; copied from the source directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-GROUPS = ("embeddings", "attention", "mlp", "router", "experts", "norm", "head")
 
 
 def _not_yet(what: str) -> ValueError:
@@ -250,22 +248,17 @@ class HfSpec(ModelSpec):
 
     # -- describe ----------------------------------------------------------------------
     def summary(self, args: HfArgs) -> dict[str, Any]:
-        return {"architecture": args.architecture, "model_type": args.model_type,
-                "num_hidden_layers": args.num_hidden_layers, "num_moe_layers": len(args.moe_layers),
-                "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
-                "tie_word_embeddings": args.tie_word_embeddings,
-                "attention": {"num_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
-                              "head_dim": args.head_dim},
-                "mlp": {"intermediate_size": args.intermediate_size, "num_experts": args.num_experts,
-                        "num_experts_per_tok": args.num_experts_per_tok,
-                        "moe_intermediate_size": args.moe_intermediate_size},
-                "matrix_parameters": parameter_count(args), "active_matmul_parameters": active_matmul_params(args)}
+        return architecture_summary(args)
+
+    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
+        return architecture_rows(summary)
 
     def parameter_report(self, args: HfArgs) -> dict[str, Any]:
-        raise _not_yet("the per-layer parameter report (glmtune inspect)")
+        """Parameters total and active per token, by group and layer, from config.json's shapes (summary.py)."""
+        return parameter_report(args)
 
     def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        raise _not_yet("the per-layer parameter report (glmtune inspect)")
+        return layer_runs(rows)
 
 
 HF = HfSpec()
