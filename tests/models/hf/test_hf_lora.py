@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM
 from glmtune.config.schema import PeftConfig
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.hf.spec import HF
-from glmtune.peft import adapter_state, apply_lora, export_adapter, lora_modules
+from glmtune.peft import adapter_state, apply_lora, export_adapter, lora_modules, merge_lora
+from glmtune.peft.adapter_load import apply_adapter
 from glmtune.peft.lora import LoRAFoldedExperts, adapters_disabled
 
 from .conftest import packed_batch
@@ -161,3 +162,20 @@ def test_adapters_off_is_the_base_model(tiny_dir):
         assert torch.equal(ours(ids).logits, on)
     assert torch.equal(off, reference(tiny_dir)(ids).logits)
     assert (on - off).abs().max() > 1e-2
+
+
+def test_the_export_applies_unmerged_and_merges_in_memory(tiny_dir, tmp_path):
+    """`apply_adapter` (eval's unmerged adapter) rebuilds glmtune's adapted model from the export, and
+    `merge_lora` folds it into plain transformers modules (the experts their own class again)."""
+    ours = adapted(tiny_dir, seed=3).eval()
+    out = export_adapter(ours, tmp_path / "adapter")
+    ids = packed_batch([12], seed=7)["input_ids"]
+    reloaded = HF.load_pretrained(tiny_dir, torch.float32, "cpu").eval()
+    assert apply_adapter(reloaded, out).modules == len(lora_modules(ours))
+    with torch.no_grad():
+        expected = ours(ids).logits
+        assert torch.equal(reloaded(ids).logits, expected)
+        merged = merge_lora(reloaded)
+        assert lora_modules(merged) == [] and {type(m) for m in merged.modules()} <= {type(m) for m in
+                                                                                      reference(tiny_dir).modules()}
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
