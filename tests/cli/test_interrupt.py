@@ -19,6 +19,19 @@ from glmtune.cli import inspect_cmd, interrupts_deferred, main
 from glmtune.io.interrupts import raise_if_interrupted
 from tests.train.run_helpers import env, train_command
 
+@pytest.fixture(autouse=True)
+def python_default_sigint():
+    """Each test starts where a user's shell leaves a command: SIGINT at Python's own handler, not
+    blocked (its subprocesses inherit an ignored SIGINT or a blocked mask, so those would fail too).
+    An xdist worker that ran other tests first was seen once with SIGINT ignored (CI, 2026-12-05):
+    these tests prove glmtune's handling, not the worker's history."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, previous)
+
+
 # Long enough that no run finishes before the signal; nothing trains that long here.
 LONG = ["--train.max_steps", "500", "--optim.warmup_steps", "0"]
 
