@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
-from glmtune.cli.eval_cmd import _launch, _record_status  # eval's launcher: the same on N ranks, rank 0's status
+from glmtune.cli.eval_cmd import _launch, run_reported  # eval's launcher: the same on N ranks, rank 0's status
 from glmtune.io import json_out
 from glmtune.io.escape import console_text
-from glmtune.io.text_limits import printable
 
 EXIT_NO_TRAINING, EXIT_FINE_TUNE, EXIT_USER_ERROR, EXIT_COULD_NOT_FINISH = 0, 1, 2, 3
 
@@ -129,28 +128,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    try:
-        status = _launch(ns, "decide") if ns.nproc_per_node is not None else _decide(ns)
-    except (ValueError, OSError):
-        _record_status(EXIT_USER_ERROR)
-        raise  # user errors: glmtune.cli.main prints one line, exit 2
-    except Exception as exc:
-        # lazily: `glmtune --help` stays torch-free
-        from glmtune.cli import _debug
-        from glmtune.eval.endpoint_client import ServerFailed
-
-        _record_status(EXIT_COULD_NOT_FINISH)
-        if _debug(ns):
-            raise
-        message = printable(" ".join(str(exc).split())[:1000])
-        if isinstance(exc, ServerFailed):  # the server's fault, named with its kinds: not glmtune's
-            print(f"glmtune decide: could not finish: {message}", file=sys.stderr)
-        else:
-            print(f"glmtune decide: internal error: {type(exc).__name__}: {message} (run with --debug for the "
-                  "traceback)", file=sys.stderr)
-        return EXIT_COULD_NOT_FINISH
-    _record_status(status)  # rank 0 of a --nproc-per-node decision tells the launcher (eval's file)
-    return status
+    # eval's guard: a user error exits 2, any other failure one line and 3; rank 0's status recorded
+    return run_reported(ns, "decide", lambda ns: _launch(ns, "decide") if ns.nproc_per_node is not None
+                        else _decide(ns))
 
 
 def _options(ns: argparse.Namespace):

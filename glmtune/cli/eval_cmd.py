@@ -143,8 +143,16 @@ def _table(card: dict):
 
 
 def _run(ns: argparse.Namespace) -> int:
+    return run_reported(ns, "eval", _evaluate)
+
+
+def run_reported(ns: argparse.Namespace, command: str, body) -> int:
+    """`body(ns)`'s exit status, recorded for the launcher (`_record_status`): a user error is
+    re-raised (glmtune.cli.main prints its one line, exit 2); any other failure is one line, exit 3
+    ("could not finish" for a server's fault, else "internal error"), its traceback with --debug.
+    Shared by `glmtune eval` and `glmtune decide`."""
     try:
-        status = _evaluate(ns)
+        status = body(ns)
     except (ValueError, OSError):
         _record_status(EXIT_USER_ERROR)
         raise  # user errors: glmtune.cli.main prints one line, exit 2
@@ -158,10 +166,10 @@ def _run(ns: argparse.Namespace) -> int:
             raise
         message = printable(" ".join(str(exc).split())[:1000])
         if isinstance(exc, ServerFailed):  # the server's fault, named with its kinds: not glmtune's
-            print(f"glmtune eval: could not finish: {message}", file=sys.stderr)
+            print(f"glmtune {command}: could not finish: {message}", file=sys.stderr)
             return EXIT_INTERNAL_ERROR
-        print(f"glmtune eval: internal error: {type(exc).__name__}: {message} (run with --debug for the traceback)",
-              file=sys.stderr)
+        print(f"glmtune {command}: internal error: {type(exc).__name__}: {message} (run with --debug for the "
+              "traceback)", file=sys.stderr)
         return EXIT_INTERNAL_ERROR
     _record_status(status)
     return status
