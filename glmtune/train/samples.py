@@ -4,7 +4,8 @@ For the prompts (validation conversations cut before their final assistant turn)
 the model generates greedily (with the decoding cache of `glmtune.generation` when
 the model is a plain unsharded `Glm5ForCausalLM`; else `greedy_generate`, which re-runs
 the prefix and works under every parallel wrapper); each output is scored as parseable
-JSON and as an exact match of the reference answer's JSON. Running the same prompts before and
+JSON and as an exact match of the reference answer's JSON. Generation stops at the end-of-turn
+tokens of the template's turn format (`chat_generation.stop_token_ids`), not GLM's alone. Running the same prompts before and
 after training shows, in the terminal, what the fine-tune changed.
 """
 
@@ -15,8 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from glmtune.data.chat_generation import stop_token_ids
 from glmtune.data.chat_template import render_conversation
-from glmtune.data.tokenizer import CHAT_STOP_TOKENS
 from glmtune.generation.generator import cached_decoding_supported, generate
 from glmtune.io.text_limits import parse_json
 from glmtune.train.generate import greedy_generate
@@ -62,7 +63,9 @@ def prompts_from(conversations: list[dict[str, Any]], count: int) -> list[tuple[
 
 def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[dict[str, Any], str]],
                 max_new_tokens: int = 64) -> list[SampleResult]:
-    stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in CHAT_STOP_TOKENS}
+    # The template's own end of turn (GLM's <|endoftext|>/<|user|>/<|observation|>, ChatML's <|im_end|>,
+    # Llama-3's <|eot_id|>, ...), as eval's generation stops: data/chat_generation.py.
+    stop_ids = stop_token_ids(tokenizer, template)
     results = []
     for row, reference in prompts:
         text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
