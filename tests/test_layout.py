@@ -19,6 +19,8 @@ Layout section describes them):
   train/           never eval/, release/, preflight/
   eval/, release/, plan/, preflight/       the commands' engines
   decide/          `glmtune decide`: eval's machinery and plan's cost
+  distill/         `glmtune distill generate`: eval's endpoint client and scorers; its top-K sidecar
+                   (distill/topk_store.py, io/ only) sits below train/, whose loss reads it
   cli/             the commands: nothing outside cli/ imports it
 
 train/ and everything above it reach a model family only through the front door (models/common
@@ -53,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1] / "glmtune"
 # floor -> the floors it may import (besides itself). A module's floor is its package
 # (models/<family> counted as one; its parallelize.py as its own floor).
 _BELOW_TRAIN = {"io", "kernels", "config", "models.common", "models.spec", "distributed", "checkpoint", "data",
-                "peft", "generation"}
+                "peft", "generation", "distill.store"}
 ALLOWED = {
     "io": set(),
     "kernels": set(),
@@ -75,7 +77,9 @@ ALLOWED = {
     "plan": _BELOW_TRAIN | {"train"},
     "preflight": _BELOW_TRAIN | {"train", "plan"},
     "decide": _BELOW_TRAIN | {"train", "eval", "plan"},
-    "cli": _BELOW_TRAIN | {"train", "eval", "release", "plan", "preflight", "decide", "root"},
+    "distill.store": {"io"},
+    "distill": _BELOW_TRAIN | {"train", "eval"},  # `glmtune distill generate`: eval's endpoint client and scorers
+    "cli": _BELOW_TRAIN | {"train", "eval", "release", "plan", "preflight", "decide", "root", "distill"},
     "root": _BELOW_TRAIN | {"models.family"},  # glmtune/__init__.py: the Python API
 }
 
@@ -107,6 +111,8 @@ def floor(module: str) -> str:
         return "models.spec" if parts[-1] in ("spec", "registry", "catalog") else "models.family"
     if parts[1] == "__main__":
         return "cli"
+    if parts[1:] == ["distill", "topk_store"]:
+        return "distill.store"  # the top-K sidecar: written by distill/, read by the training loss
     return parts[1]
 
 
