@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 
+from glmtune.cli.version_cmd import VersionAction
 from glmtune.io.interrupts import interrupt_received, interrupts_deferred, interrupts_recorded
 from glmtune.io.outputs import running
 from glmtune.io.text_limits import printable
@@ -40,6 +41,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.eval_cmd",
     "glmtune.cli.decide_cmd",
     "glmtune.cli.release_cmd",
+    "glmtune.cli.version_cmd",
 )
 
 
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks instead of one-line errors (also GLMTUNE_DEBUG=1)")
+    parser.add_argument("--version", action=VersionAction,
+                        help="print the versions of glmtune, torch, transformers, triton, CUDA and the GPU, and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in _COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
