@@ -4,8 +4,9 @@ Each round hands every pending request (its messages, the suite's system prompt 
 switch already applied) to the backend in batches (`backends.py`: a local model renders them
 with the chat template and decodes left-padded batches of `decoding.batch_size`, stopping at
 the template's turn-format stop tokens: GLM's <|endoftext|>, <|user|>, <|observation|>, ChatML's
-<|im_end|>, Llama-3's <|eot_id|>; data/turn_formats.py), and parses the GLM-5 tool
-calls in each output (or takes the calls an engine's chat API parsed):
+<|im_end|>, Llama-3's <|eot_id|>; data/turn_formats.py), and parses the tool calls in each
+output in the template's format (GLM-5's, ChatML's `<tool_call>{json}`, Llama-3's JSON:
+tool_call_formats.py), or takes the calls an engine's chat API parsed:
 
   * no call: the output is the request's answer;
   * calls, and fewer than `max_tool_rounds` rounds executed: each call is validated and run
@@ -37,6 +38,7 @@ from glmtune.eval.scorers.base import EvalRow, ModelOutput, ToolCall
 from glmtune.eval.suite import DecodingConfig
 from glmtune.distributed.lockstep import ONE_PROCESS
 from glmtune.eval.backends import Backend, Failed, Turn
+from glmtune.eval.tool_call_formats import parser_for
 from glmtune.eval.tool_calls import parse_tool_calls
 from glmtune.eval.tools import ToolExecutor, tool_response
 from glmtune.io.text_limits import printable
@@ -183,8 +185,9 @@ def _turn(request: _Request, may_call: bool, executor: ToolExecutor | None, prom
 def _continue(request: _Request, turn: Turn, may_call: bool, executor: ToolExecutor | None,
               prompting: Prompting | None = None) -> bool:
     """Handle one generated turn; True when the request goes on to another round."""
-    if turn.calls is None:
-        content, parsed = parse_tool_calls(turn.text, request.row.tools)
+    if turn.calls is None:  # the template's own call format (GLM's also without a `prompting`, as in tests)
+        parse = parser_for(chat_format(prompting.template).turns) if prompting is not None else parse_tool_calls
+        content, parsed = parse(turn.text, request.row.tools)
     else:  # the engine parsed the calls (chat API): its text is the visible content
         content, parsed = turn.text, turn.calls
     if not parsed:
