@@ -106,18 +106,36 @@ def _validate(args: argparse.Namespace) -> int:
         print(
             f"ok   {printable(recipe)}\n    {degrees.describe()}\n"
             f"    model: {dims.num_experts} experts ({dims.num_experts // degrees.ep} per EP rank), "
-            f"{dims.num_layers} layers, pp stages {layout} [{dims.source}]\n"
+            f"{dims.num_layers} layers, {layout} [{dims.source}]\n"
             f"    batch: {cfg.train.global_batch_size} rows/step = micro {cfg.train.micro_batch_size} x dp {degrees.dp}"
-            f" x grad_accum {grad_accum_steps(cfg, degrees)}, {cfg.data.packed_sequence_size} tokens/row"
+            f" x grad_accum {grad_accum_steps(cfg, degrees)}, {cfg.data.packed_sequence_size} tokens/row\n"
+            f"    schedule: {schedule_description(cfg)}"
         )
     return 1 if failed else 0
 
 
 def pipeline_split_description(cfg, degrees) -> str:
-    """The layers per pipeline stage a run of `cfg` uses ("20/20/20/18"), from the family's per-layer costs."""
+    """The layers per pipeline stage a run of `cfg` uses ("pp stages 20/20/20/18", from the family's per-layer
+    costs), or "pp 1 (one stage of 78 layers)" without a pipeline."""
     layer_costs, head_cost = model_family(cfg.model).stage_costs(model_args(cfg.model), cfg.data.packed_sequence_size)
     stages = degrees.pp * cfg.parallel.pp_stages_per_rank
-    return describe_split(plan_stages(layer_costs, head_cost, stages, cfg.parallel.pp_layer_split or None))
+    if stages == 1:
+        return f"pp 1 (one stage of {len(layer_costs)} layers)"
+    return "pp stages " + describe_split(plan_stages(layer_costs, head_cost, stages, cfg.parallel.pp_layer_split or None))
+
+
+def schedule_description(cfg) -> str:
+    """The steps and the warm-up in steps, saying where the warm-up came from (a ratio of the run, or steps)."""
+    o, steps = cfg.optim, cfg.train.max_steps
+    warmup = o.warmup_steps_for(steps)
+    if o.warmup_steps > 0 and o.warmup_ratio is not None:
+        source = f" (optim.warmup_steps, which takes precedence over optim.warmup_ratio {o.warmup_ratio:g})"
+    elif o.warmup_ratio is not None and o.warmup_steps == 0:
+        source = f" (optim.warmup_ratio {o.warmup_ratio:g} x {steps}, rounded up)"
+    else:
+        source = ""
+    decay = "constant lr" if o.scheduler == "constant" else f"{o.scheduler} to {o.min_lr_ratio:g} x lr"
+    return f"{steps} steps, warm-up {warmup}{source}, then {decay}"
 
 
 def _pop_world_size(tokens: list[str], world_size: int | None) -> tuple[list[str], int | None]:

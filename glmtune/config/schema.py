@@ -15,6 +15,7 @@ Conventions the loader relies on:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -126,8 +127,17 @@ class OptimConfig:
     eps: float = 1e-8  # Adam denominator epsilon
     fused: bool | Literal["auto", "triton"] = "auto"  # fused AdamW kernel; auto = torch's on cuda; triton = glmtune's
     scheduler: Literal["cosine", "constant", "linear"] = "cosine"  # decay after warmup
-    warmup_steps: int = 0  # linear warmup from 0 to lr
+    warmup_steps: int = 0  # linear warmup from 0 to lr over N steps; > 0 takes precedence over warmup_ratio
+    # the warm-up as a fraction of train.max_steps, ceil(ratio x max_steps) steps (transformers' rule), so a
+    # shorter run (--train.max_steps 10) warms up in proportion; used while warmup_steps is 0
+    warmup_ratio: float | None = None
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine/linear)
+
+    def warmup_steps_for(self, max_steps: int) -> int:
+        """The warm-up in optimizer steps of a run of `max_steps`: warmup_steps when set, else the ratio's."""
+        if self.warmup_steps > 0 or self.warmup_ratio is None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * max_steps)
 
 
 @dataclass

@@ -375,6 +375,8 @@ def check_ranges(cfg: JobConfig) -> list[str]:
                                     "AdamW scales every weight by 1 - lr x weight_decay each step"),
         (0 <= o.warmup_steps <= t.max_steps,
          f"optim.warmup_steps ({o.warmup_steps}) must be between 0 and train.max_steps ({t.max_steps})"),
+        (o.warmup_ratio is None or 0 <= o.warmup_ratio <= 1,
+         f"optim.warmup_ratio must be in [0, 1] (a fraction of train.max_steps) or null, got {o.warmup_ratio}"),
         (0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}"),
         (c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = only at the end), got {c.every_steps}"),
         (c.keep_last >= 0, f"checkpoint.keep_last must be >= 0 (0 = keep all), got {c.keep_last}"),

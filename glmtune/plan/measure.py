@@ -306,8 +306,8 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
     o, degrees = cfg.optim, launch.degrees
     optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused,
                                 masters=launch.precision.masters)
-    scheduler = build_scheduler(optimizer, o.warmup_steps, max(cfg.train.max_steps, steps), o.scheduler,
-                                o.min_lr_ratio)
+    scheduler = build_scheduler(optimizer, o.warmup_steps_for(cfg.train.max_steps), max(cfg.train.max_steps, steps),
+                                o.scheduler, o.min_lr_ratio)
     vocab = launch.spec.vocab_size(launch.spec.args_of(model))
     rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, cfg.data.packed_sequence_size, vocab,
                           cfg.train.seed, documents=2 if cfg.train.objective == "dpo" else 1)

@@ -495,7 +495,8 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
     if rounded_away is not None and info.is_main:
         console.print(f"[yellow]{bf16_only_warning(rounded_away, cfg.optim.lr)}[/yellow]")
     optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.fused, masters=launch.precision.masters)
-    scheduler = build_scheduler(optimizer, o.warmup_steps, cfg.train.max_steps, o.scheduler, o.min_lr_ratio)
+    scheduler = build_scheduler(optimizer, o.warmup_steps_for(cfg.train.max_steps), cfg.train.max_steps, o.scheduler,
+                                o.min_lr_ratio)
     train_loader, val_loader = _loaders(cfg, data, mesh, launch.degrees.dp)
     # DCP's asynchronous save collects its plan from a background thread on a CPU-capable group.
     async_group = mesh.cpu_group() if cfg.checkpoint.async_save and mesh is not None else None

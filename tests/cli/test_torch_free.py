@@ -93,7 +93,7 @@ def test_config_validate_of_an_hf_directory_imports_no_torch(saved, tmp_path):
     for directory in (Path(saved), config_only):
         code, out, heavy = _glmtune("config", "validate", "tiny/sft_support_json", "--model.name_or_path",
                                     str(directory))
-        assert code == 0 and f"8 experts (8 per EP rank), 4 layers, pp stages 4 [{directory}/config.json]" in out, out
+        assert code == 0 and f"8 experts (8 per EP rank), 4 layers, pp 1 (one stage of 4 layers) [{directory}/config.json]" in out, out
         assert heavy == [], f"config validate of {directory} imported {heavy}"
 
 

@@ -75,6 +75,6 @@ def test_config_validate_of_a_qwen3_directory_imports_no_torch(qwen3_dir):
                               cwd=RECIPES_DIR.parent)
         assert done.stderr.strip().splitlines()[-1] == "heavy: []", done.stderr
         assert (done.returncode == 0) == ok, done.stdout
-        expected = f"0 experts (0 per EP rank), 2 layers, pp stages 2 [{qwen3_dir}/config.json]" if ok else \
+        expected = f"0 experts (0 per EP rank), 2 layers, pp 1 (one stage of 2 layers) [{qwen3_dir}/config.json]" if ok else \
             "model.family: glm5 trains model_type 'glm_moe_dsa'"
         assert expected in done.stdout, done.stdout
