@@ -15,6 +15,10 @@ same command without it (glmtune/distributed/launch.py; exit status is torchrun'
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from glmtune.config import RECIPES_DIR, JobConfig, load_config
+from glmtune.models.catalog import is_preset  # torch-free, as the config package
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +39,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.config import load_config
     from glmtune.distributed.launch import launch_torchrun, pop_nproc_per_node
     from glmtune.models.registry import model_dims
 
@@ -45,6 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     passed_on, nproc = pop_nproc_per_node(args.overrides)
     overrides = [o for o in passed_on if o not in _FLAGS]
     cfg = load_config(args.recipe, overrides)
+    refuse_a_model_not_made_yet(cfg, args.recipe)
     if nproc is not None:
         return launch_torchrun(cfg, nproc, [args.recipe, *passed_on], model_dims(cfg.model), debug=debug_before_train)
 
@@ -55,3 +59,26 @@ def _run(args: argparse.Namespace) -> int:
 
 
 _FLAGS = ("--overwrite", "--debug")
+
+
+def refuse_a_model_not_made_yet(cfg: JobConfig, recipe: str) -> None:
+    """A recipe that continues from another bundled recipe's run (the DPO demo from the SFT demo's `hf/`)
+    names that run's output as its model: before that run has been made, say so and give the command
+    that makes it, rather than "neither a preset nor an existing path"."""
+    source = Path(cfg.model.name_or_path)
+    if is_preset(cfg.model.name_or_path) or source.exists():
+        return
+    makefile = RECIPES_DIR.parent / "Makefile"
+    for path in sorted(RECIPES_DIR.glob("*/*.yaml")):
+        try:
+            other = load_config(path)
+        except ValueError:  # an evaluation suite, not a training recipe
+            continue
+        run_dir = Path(other.logging.run_dir).resolve()
+        if run_dir == source.resolve() or run_dir in source.resolve().parents:
+            command = f"glmtune train {path.relative_to(RECIPES_DIR.parent)}"
+            demo = makefile.is_file() and command in makefile.read_text()
+            raise ValueError(
+                f"{cfg.model.name_or_path} does not exist yet: {recipe} continues from the model that "
+                f"{other.name}'s run writes there; make it first with `{'make demo` (or `' if demo else ''}{command}`"
+                f"{')' if demo else ''}, then run this again")
