@@ -60,6 +60,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                          help="GB/s of a collective within a node, for the transfer estimate (default 360)")
     measure.add_argument("--fabric-gbps", type=float, default=None,
                          help="GB/s per GPU between nodes, for the transfer estimate (default 40)")
+    measure.add_argument("--link-latency-us", type=float, default=None,
+                         help="microseconds per message of a collective (ring step), either link (default 5)")
+    measure.add_argument("--emulate-links", action="store_const", const=True, default=None,
+                         help="then time --steps more steps in which each collective holds its group's communication "
+                              "stream for the links' time, so the step feels what its schedule does not hide")
 
 
 _OPTIONS = RecipeOptions("glmtune plan", _add_options)
@@ -82,8 +87,9 @@ _RANGES = {
     "warmup_steps": (0, math.inf, False),
     "nvlink_gbps": (0, math.inf, True),
     "fabric_gbps": (0, math.inf, True),
+    "link_latency_us": (0, math.inf, False),
 }
-_MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps")
+_MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps", "link_latency_us", "emulate_links")
 # What --measure does not use (a plan's time, cost and fit come from the plan without it).
 _NOT_WITH_MEASURE = {"gpu": None, "price_per_gpu_hour": None, "throughput": None, "tflops_per_gpu": None,
                      "measured_gpu": None, "epochs": None, "restarts": None, "max_gpus": _MAX_GPUS, "no_data": False}
@@ -199,12 +205,14 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     rank = plan.rank
     defaults = Links()
     links = Links(args.nvlink_gbps or defaults.nvlink_gbps, args.fabric_gbps or defaults.fabric_gbps,
-                  cfg.parallel.gpus_per_node or defaults.gpus_per_node)
+                  cfg.parallel.gpus_per_node or defaults.gpus_per_node,
+                  defaults.latency_us if args.link_latency_us is None else args.link_latency_us)
     check_device_holds(plan, *_device_memory(cfg), context_gib=args.headroom_gib, fragmentation=args.fragmentation)
     console = Console(stderr=True)
     console.print(f"measuring rank {rank} of {degrees.describe()}")
     measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
-                            warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print)
+                            warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print,
+                            links=links if args.emulate_links else None)
     report = measure_report(cfg, args.recipe, measured, plan, links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))

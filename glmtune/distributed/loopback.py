@@ -34,13 +34,15 @@ an estimate from bytes and link bandwidths (`glmtune.plan.measure`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
+
+from glmtune.distributed.link_emulator import active_emulator
 
 try:  # both of DTensor's sharding caches (torch >= 2.9); before, the Python one was the only one
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -68,6 +70,7 @@ class LoopbackProcessGroup(dist.ProcessGroup):
         self._name = ""
         self._sent: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> the last tensor sent
         self.moved_bytes: dict[str, int] = {}  # collective -> bytes its outputs received
+        self.calls: dict[str, int] = {}  # collective -> how many were issued
 
     # -- what torch.distributed asks of a group -----------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -83,8 +86,20 @@ class LoopbackProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _count(self, op: str, *tensors: torch.Tensor) -> None:
-        self.moved_bytes[op] = self.moved_bytes.get(op, 0) + sum(t.numel() * t.element_size() for t in tensors)
+    def _run(self, op: str, move: Callable[[], None], result, received: Sequence[torch.Tensor],
+             touched: Sequence[torch.Tensor] = ()) -> dist.Work:
+        """Do `move` (the stand-in's local copies) and complete with `result`: at once, or on this
+        group's lane when links are emulated (`link_emulator.py`). `received` are the tensors whose
+        bytes the collective delivers here; `touched`, any other tensor `move` reads or writes."""
+        count = sum(t.numel() * t.element_size() for t in received)
+        self.moved_bytes[op] = self.moved_bytes.get(op, 0) + count
+        self.calls[op] = self.calls.get(op, 0) + 1
+        emulator = active_emulator()
+        if emulator is None:
+            move()
+            return _completed(result)
+        lane = emulator.lane(self)
+        return lane.submit(op, move, emulator.seconds(self, op, count), result, [*received, *touched])
 
     # -- all-gather -----------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -92,28 +107,27 @@ class LoopbackProcessGroup(dist.ProcessGroup):
         for slot in slots:
             if slot.data_ptr() != flat.data_ptr():  # FSDP2 gathers in place: its input is its own slot
                 slot.copy_(flat)
-        self._count("all_gather", output)
 
     def _allgather_base(self, output, input, opts=None):
-        self._gather_into(output, input)
-        return _completed(output)
+        return self._run("all_gather", lambda: self._gather_into(output, input), output, [output], [input])
 
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self._gather_into(output, input)
-        return _completed(outputs)
+        def move() -> None:
+            for output, input in zip(outputs, inputs):
+                self._gather_into(output, input)
+        return self._run("all_gather", move, outputs, outputs, inputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
-        for outputs, input in zip(output_lists, inputs):
-            for output in outputs:
-                if output.data_ptr() != input.data_ptr():
-                    output.copy_(input)
-            self._count("all_gather", *outputs)
-        return _completed(output_lists)
+        def move() -> None:
+            for outputs, input in zip(output_lists, inputs):
+                for output in outputs:
+                    if output.data_ptr() != input.data_ptr():
+                        output.copy_(input)
+        return self._run("all_gather", move, output_lists, [t for ts in output_lists for t in ts], inputs)
 
     # -- reductions ----------------------------------------------------------------------------
     def _reduced(self, tensor: torch.Tensor, opts) -> torch.Tensor:
@@ -126,33 +140,33 @@ class LoopbackProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, opts) -> None:
         output.copy_(input.reshape(self._size, -1)[self._rank].view_as(output))
         self._reduced(output, opts)
-        self._count("reduce_scatter", output)
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        self._reduce_scatter_into(output, input, opts)
-        return _completed(output)
+        return self._run("reduce_scatter", lambda: self._reduce_scatter_into(output, input, opts), output,
+                         [output], [input])
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self._reduce_scatter_into(output, input, opts)
-        return _completed(outputs)
+        def move() -> None:
+            for output, input in zip(outputs, inputs):
+                self._reduce_scatter_into(output, input, opts)
+        return self._run("reduce_scatter", move, outputs, outputs, inputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        for output, inputs in zip(outputs, input_lists):
-            output.copy_(inputs[self._rank])
-            self._reduced(output, opts)
-            self._count("reduce_scatter", output)
-        return _completed(outputs)
+        def move() -> None:
+            for output, inputs in zip(outputs, input_lists):
+                output.copy_(inputs[self._rank])
+                self._reduced(output, opts)
+        return self._run("reduce_scatter", move, outputs, outputs, [t for ts in input_lists for t in ts])
 
     def allreduce(self, tensors, opts=None):
-        for tensor in tensors:
-            self._reduced(tensor, opts)
-            self._count("all_reduce", tensor)
-        return _completed(tensors)
+        def move() -> None:
+            for tensor in tensors:
+                self._reduced(tensor, opts)
+        return self._run("all_reduce", move, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -161,17 +175,15 @@ class LoopbackProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         assert list(output_split_sizes or []) == list(input_split_sizes or []), \
             "a loopback all-to-all receives from rank s what it sends to s: the splits are equal"
-        output.copy_(input)
-        self._count("all_to_all", output)
-        return _completed(output)
+        return self._run("all_to_all", lambda: output.copy_(input), output, [output], [input])
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            output.copy_(input)
-        self._count("all_to_all", *outputs)
-        return _completed(outputs)
+        def move() -> None:
+            for output, input in zip(outputs, inputs):
+                output.copy_(input)
+        return self._run("all_to_all", move, outputs, outputs, inputs)
 
     # -- the rest ------------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -181,23 +193,23 @@ class LoopbackProcessGroup(dist.ProcessGroup):
         return _completed(None)
 
     def send(self, tensors, dst, tag=0):
-        for tensor in tensors:
-            self._sent[(tuple(tensor.shape), tensor.dtype)] = tensor.detach().clone()
-            self._count("send", tensor)
-        return _completed(None)
+        def move() -> None:
+            for tensor in tensors:
+                self._sent[(tuple(tensor.shape), tensor.dtype)] = tensor.detach().clone()
+        return self._run("send", move, None, tensors)
 
     @torch.no_grad()  # a pipeline receives into leaf buffers that require grad
     def recv(self, tensors, src, tag=0):
-        for tensor in tensors:
-            last = self._sent.get((tuple(tensor.shape), tensor.dtype))
-            if last is not None:
-                tensor.copy_(last)
-            elif tensor.is_floating_point():  # a hidden state's scale (zeros make a later stage's norms degenerate)
-                tensor.normal_()
-            else:  # a vote, a flag or a selection mask: "yes", what a copy of this rank sends
-                tensor.fill_(1)
-            self._count("recv", tensor)
-        return _completed(tensors)
+        def move() -> None:
+            for tensor in tensors:
+                last = self._sent.get((tuple(tensor.shape), tensor.dtype))
+                if last is not None:
+                    tensor.copy_(last)
+                elif tensor.is_floating_point():  # a hidden state's scale (zeros make a later stage's norms degenerate)
+                    tensor.normal_()
+                else:  # a vote, a flag or a selection mask: "yes", what a copy of this rank sends
+                    tensor.fill_(1)
+        return self._run("recv", move, tensors, tensors)
 
 
 def _create(store, rank: int, size: int, timeout) -> LoopbackProcessGroup:
@@ -231,10 +243,11 @@ def join_loopback_world(rank: int, world_size: int) -> Iterator[LoopbackProcessG
 
 
 def moved_bytes_by_group() -> dict[str, dict]:
-    """Per loopback group of this process (by its mesh name or group name): its global ranks and
-    the bytes each kind of collective received on it so far."""
+    """Per loopback group of this process (by its mesh name or group name): its global ranks, the
+    bytes each kind of collective received on it so far, and how many of each were issued."""
     out = {}
     for group, name in dist.distributed_c10d._world.pg_names.items():
         if isinstance(group, LoopbackProcessGroup):
-            out[name] = {"ranks": dist.get_process_group_ranks(group), "bytes": dict(group.moved_bytes)}
+            out[name] = {"ranks": dist.get_process_group_ranks(group), "bytes": dict(group.moved_bytes),
+                         "calls": dict(group.calls)}
     return out

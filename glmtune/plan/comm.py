@@ -4,13 +4,9 @@
 (`glmtune.distributed.loopback`), which count the bytes each group's collectives receive in a
 step. This module turns those bytes into seconds with a stated model:
 
-  * bandwidth: a group whose ranks share a node uses NVLink, one that spans nodes the
-    inter-node fabric (`Links`; defaults for H100/H200 nodes: NVLink 4 through NVSwitch at an
-    NCCL bus bandwidth of 360 GB/s, one 400 Gb/s NIC per GPU at 40 GB/s). Ranks fill nodes in
-    order (global rank // GPUs per node), as torchrun and srun place them;
-  * traffic per rank, ring algorithms: an all-gather sends (n-1)/n of its output, a
-    reduce-scatter (n-1) times its output (one shard), an all-reduce 2(n-1)/n of its tensor, an
-    all-to-all (n-1)/n of what it receives, a send or receive its bytes;
+  * the link model (`glmtune.distributed.link_model`, which the link emulator of
+    `--emulate-links` uses too): NVLink within a node, the fabric across nodes, ring traffic per
+    collective, and a latency per ring step for each collective counted;
   * overlap: FSDP2's all-gathers and reduce-scatters (the dense and expert FSDP axes and HSDP's
     replica all-reduce) run on their own streams while layers compute, so they cost only what
     exceeds the compute; the expert all-to-all, context-parallel gathers and pipeline transfers
@@ -18,8 +14,8 @@ step. This module turns those bytes into seconds with a stated model:
   * pipeline bubble: a schedule of m micro-batches over p stages with v stages per rank idles
     (p - 1) / (v m + p - 1) of the step (1F1B and interleaved alike), added to the step.
 
-Latency (a collective's fixed cost, ~10-50 us, times the number of collectives) is not
-counted; at GLM-5's sizes the bytes dominate.
+Latency is counted where the measurement counted the collectives (`calls`); at GLM-5's sizes
+the bytes dominate.
 """
 
 from __future__ import annotations
@@ -27,16 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from glmtune.distributed.link_model import Links, collective_seconds
+
 # Axes whose all-gathers, reduce-scatters and (HSDP) all-reduces FSDP2 issues, overlapped with compute.
 FSDP_AXES = frozenset({"dp_shard", "dp_shard_cp", "efsdp", "dp_replicate"})
 FSDP_OPS = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
-
-
-@dataclass(frozen=True)
-class Links:
-    nvlink_gbps: float = 360.0  # GB/s of NCCL bus bandwidth within a node
-    fabric_gbps: float = 40.0  # GB/s per GPU between nodes
-    gpus_per_node: int = 8
 
 
 @dataclass
@@ -52,24 +43,15 @@ class GroupTraffic:
     overlapped: bool
 
 
-def _traffic(op: str, received: int, n: int) -> float:
-    """Bytes this rank sends for a collective whose output received `received` bytes."""
-    if n <= 1:
-        return 0.0
-    return {"all_gather": received * (n - 1) / n, "reduce_scatter": received * (n - 1),
-            "all_reduce": 2 * received * (n - 1) / n, "all_to_all": received * (n - 1) / n,
-            "send": received, "recv": 0.0}.get(op, 0.0)  # a transfer counted once, at its sender
-
-
-def group_traffic(axes: str, ranks: list[int], moved: dict[str, int], links: Links) -> list[GroupTraffic]:
-    """Per collective kind on a group: the seconds it would take and whether FSDP2 hides it (an
-    FSDP kind on a group that serves an FSDP axis and no context-parallel one)."""
-    nodes = {rank // links.gpus_per_node for rank in ranks}
-    link = "nvlink" if len(nodes) == 1 else "fabric"
-    bandwidth = (links.nvlink_gbps if link == "nvlink" else links.fabric_gbps) * 1e9
+def group_traffic(axes: str, ranks: list[int], moved: dict[str, int], links: Links,
+                  calls: dict[str, int] | None = None) -> list[GroupTraffic]:
+    """Per collective kind on a group: the seconds it would take (with each of `calls`' collectives'
+    latency, where given) and whether FSDP2 hides it (an FSDP kind on a group that serves an FSDP
+    axis and no context-parallel one)."""
     served = set(axes.split("+"))
     fsdp_group = bool(served & FSDP_AXES) and "cp" not in served
-    return [GroupTraffic(axes, op, ranks, count, link, _traffic(op, count, len(ranks)) / bandwidth,
+    return [GroupTraffic(axes, op, ranks, count, links.kind(ranks),
+                         collective_seconds(op, count, ranks, links, (calls or {}).get(op, 0)),
                          overlapped=fsdp_group and op in FSDP_OPS) for op, count in sorted(moved.items())]
 
 

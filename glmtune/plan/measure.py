@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import re
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from torch import nn
 
 from glmtune.config import JobConfig, grad_accum_steps
 from glmtune.config.degrees import MeshDegrees
+from glmtune.distributed.link_emulator import LinkEmulator, emulated_links
+from glmtune.distributed.link_model import Links
 from glmtune.distributed.loopback import join_loopback_world, moved_bytes_by_group
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.models.registry import model_spec
@@ -50,6 +53,9 @@ from glmtune.train.run import Launch, RunHooks, objective, pipeline_options, tra
 from glmtune.train.trainer import Trainer
 
 GIB = 2**30
+# The timed steps' links: collectives cost nothing, but their stand-in copies run on the lanes
+# (CUDA: side streams), so the timed compute is the rank's own work.
+FREE_LINKS = Links(float("inf"), float("inf"), latency_us=0.0)
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -85,14 +91,27 @@ class RankMeasurement:
     phase_starts: dict[str, int] = field(default_factory=dict)
     # the auxiliary losses' means of each timed step, as the trainer logs them (proof they ran)
     auxiliary_losses: list[dict[str, float]] = field(default_factory=list)
+    # with emulated links (`link_emulator.py`): the steps timed after the compute steps, each group's
+    # lane's modeled seconds per step by collective (keyed as comm_bytes), and the links
+    emulated_steps: list[StepTimes] = field(default_factory=list)
+    lane_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    links: Links | None = None
 
     @property
     def step(self) -> StepTimes:
         """The timed steps' mean."""
-        n = len(self.steps)
-        forward = None if self.steps[0].forward is None else sum(s.forward for s in self.steps) / n
-        return StepTimes(forward, *(sum(getattr(s, k) for s in self.steps) / n for k in ("backward", "optimizer",
-                                                                                       "total")))
+        return mean_step(self.steps)
+
+    @property
+    def emulated_step(self) -> StepTimes | None:
+        """The emulated steps' mean (None without emulation)."""
+        return mean_step(self.emulated_steps) if self.emulated_steps else None
+
+
+def mean_step(steps: list[StepTimes]) -> StepTimes:
+    n = len(steps)
+    forward = None if steps[0].forward is None else sum(s.forward for s in steps) / n
+    return StepTimes(forward, *(sum(getattr(s, k) for s in steps) / n for k in ("backward", "optimizer", "total")))
 
 
 def synthetic_rows(count: int, seq_len: int, vocab_size: int, seed: int, documents: int = 1
@@ -210,17 +229,18 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
 
 
 def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1,
-                 say=lambda message: None) -> RankMeasurement:
-    """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring);
-    `say` hears what it is doing (a line per stage and step)."""
+                 say=lambda message: None, links: Links | None = None) -> RankMeasurement:
+    """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring),
+    and `steps` more with `links` emulated when given; `say` hears what it is doing (a line per
+    stage and step)."""
     with join_loopback_world(rank, degrees.world_size):
-        return measure_in_world(cfg, degrees, steps, warmup, say)
+        return measure_in_world(cfg, degrees, steps, warmup, say, links)
 
 
 def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmup: int = 1,
-                     say=lambda message: None) -> RankMeasurement:
+                     say=lambda message: None, links: Links | None = None) -> RankMeasurement:
     """`measure_rank` in the process group that exists: the loopback world, or a real one (the
-    tests run the same on gloo ranks and compare)."""
+    tests run the same on gloo ranks and compare; emulated links act on loopback groups only)."""
     cfg = copy.deepcopy(cfg)
     cfg.logging.progress = False
     device = resolve_device(cfg.train.device)
@@ -248,33 +268,62 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     seq = cfg.data.packed_sequence_size
     result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq,
                              launch.spec.flops_per_token(launch.spec.args_of(model), [seq]), None, None)
-    trainer = _trainer(cfg, launch, model, mesh, hooks, warmup + steps)
+    total = warmup + steps * (2 if links else 1)
+    trainer = _trainer(cfg, launch, model, mesh, hooks, total)
     probe = _PhaseProbe(model, device, trainer.runner)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     axes = _group_axes(mesh)
-    for index in range(warmup + steps):
-        before = moved_bytes_by_group()
-        probe.recording = index >= warmup
-        clock.mark("start")
-        record = trainer.train_step()
-        clock.mark("end")
-        times = clock.step_times()
-        say(f"step {index + 1}/{warmup + steps}{' (warm-up)' if index < warmup else ''}: {times.total:.2f} s, "
-            f"loss {record['loss']:.4f}")
-        if index == 0:
-            result.state_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-            result.first_micro_losses = [float(loss) for loss in micro_losses]
-        micro_losses.clear()
-        if index >= warmup:
-            result.steps.append(times)
-            result.losses.append(record["loss"])
-            result.auxiliary_losses.append({k: record[k] for k in AUXILIARY_LOSSES if k in record})
-            result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
+    phases = [("warm-up", warmup, None), ("timed", steps, FREE_LINKS)] + ([("emulated", steps, links)] if links else [])
+    done = 0
+    for phase, count, phase_links in phases:
+        with (emulated_links(phase_links, device) if phase_links else nullcontext()) as emulator:
+            for _ in range(count):
+                done += 1
+                _one_step(trainer, clock, probe, result, micro_losses, phase, (done, total), axes, say)
+        if phase == "emulated":
+            result.links = links
+            result.lane_seconds = _lane_seconds(emulator, axes, count)
     if device.type == "cuda":
         result.peak_bytes = torch.cuda.max_memory_allocated(device)
     result.phase_starts = probe.seen
     return result
+
+
+def _one_step(trainer: Trainer, clock: _Clock, probe: _PhaseProbe, result: RankMeasurement,
+              micro_losses: list[torch.Tensor], phase: str, counter: tuple[int, int], axes: dict[str, str],
+              say) -> None:
+    """Step `counter[0]` of `counter[1]`, of the phase "warm-up", "timed" or "emulated": its times
+    and figures kept."""
+    before = moved_bytes_by_group()
+    probe.recording = phase != "warm-up"
+    clock.mark("start")
+    record = trainer.train_step()
+    clock.mark("end")
+    times = clock.step_times()
+    say(f"step {counter[0]}/{counter[1]}{'' if phase == 'timed' else f' ({phase})'}: {times.total:.2f} s, "
+        f"loss {record['loss']:.4f}")
+    if counter[0] == 1:
+        result.state_bytes = torch.cuda.memory_allocated() if clock.cuda else None
+        result.first_micro_losses = [float(loss) for loss in micro_losses]
+    micro_losses.clear()
+    if phase == "timed":
+        result.steps.append(times)
+        result.losses.append(record["loss"])
+        result.auxiliary_losses.append({k: record[k] for k in AUXILIARY_LOSSES if k in record})
+        result.comm_bytes = _difference(moved_bytes_by_group(), before, axes)
+    elif phase == "emulated":
+        result.emulated_steps.append(times)
+
+
+def _lane_seconds(emulator: LinkEmulator, axes: dict[str, str], steps: int) -> dict[str, dict[str, float]]:
+    """Each group's lane's modeled seconds per emulated step, by collective, keyed by its axes."""
+    out: dict[str, dict[str, float]] = {}
+    for name, (ranks, seconds) in emulator.seconds_by_group().items():
+        entry = out.setdefault(_group_key(name, ranks, axes), {})
+        for op, value in seconds.items():
+            entry[op] = entry.get(op, 0.0) + value / steps
+    return out
 
 
 class _PhaseProbe:
@@ -348,17 +397,25 @@ def _group_axes(mesh: ParallelMesh) -> dict[str, str]:
     return {name: "+".join(axes) for name, axes in names.items()}
 
 
+def _group_key(name: str, ranks: list[int], axes: dict[str, str]) -> str:
+    """A group's key in the report: its mesh axes, else "world" or its size."""
+    return axes.get(name, "world" if len(ranks) == dist.get_world_size() else f"{len(ranks)} ranks")
+
+
 def _difference(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]],
                 axes: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """What each group moved between two snapshots, keyed by its axis (or its ranks)."""
+    """What each group moved between two snapshots (bytes and collectives issued, by kind), keyed
+    by its axis (or its ranks)."""
     out: dict[str, dict[str, Any]] = {}
     for name, group in after.items():
-        earlier = before.get(name, {}).get("bytes", {})
-        moved = {op: count - earlier.get(op, 0) for op, count in group["bytes"].items()}
-        moved = {op: n for op, n in moved.items() if n}
-        if moved:
-            key = axes.get(name, "world" if len(group["ranks"]) == dist.get_world_size() else f"{len(group['ranks'])} ranks")
-            entry = out.setdefault(key, {"ranks": group["ranks"], "bytes": {}})
-            for op, n in moved.items():
-                entry["bytes"][op] = entry["bytes"].get(op, 0) + n
+        entry = None
+        for what in ("bytes", "calls"):
+            earlier = before.get(name, {}).get(what, {})
+            moved = {op: count - earlier.get(op, 0) for op, count in group[what].items()}
+            moved = {op: n for op, n in moved.items() if n}
+            if moved:
+                entry = entry or out.setdefault(_group_key(name, group["ranks"], axes),
+                                                {"ranks": group["ranks"], "bytes": {}, "calls": {}})
+                for op, n in moved.items():
+                    entry[what][op] = entry[what].get(op, 0) + n
     return out

@@ -45,12 +45,14 @@ def phase_rows(plan: MemoryPlan, measured: dict[str, int]) -> list[dict[str, Any
 def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: MemoryPlan, links: Links) -> dict[str, Any]:
     d = m.degrees
     step = m.step
-    traffic = [t for axes, g in m.comm_bytes.items() for t in group_traffic(axes, g["ranks"], g["bytes"], links)]
+    traffic = [t for axes, g in m.comm_bytes.items()
+               for t in group_traffic(axes, g["ranks"], g["bytes"], links, g.get("calls"))]
     bubble = bubble_fraction(d.pp, pipeline_microbatches(cfg), cfg.parallel.pp_stages_per_rank)
     estimate = estimated_step(step.total, traffic, bubble)
     seq, flops_per_token = cfg.data.packed_sequence_size, m.flops_per_token
     tokens_per_gpu_step = cfg.train.global_batch_size * seq / d.world_size
-    per_gpu = tokens_per_gpu_step / estimate["step_s"]
+    emulated = emulated_figures(m, bubble, step.total)
+    per_gpu = tokens_per_gpu_step / (emulated["step_s"] if emulated else estimate["step_s"])
     device_name = torch.cuda.get_device_name() if m.device.startswith("cuda") else "cpu"
     held = {k: m.held.get(k, 0) for k in ("params", "grads", "optimizer")}
     planned_held = {"params": plan.state.params, "grads": plan.state.grads, "optimizer": plan.state.optimizer}
@@ -75,14 +77,28 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
         "comm": [{"axes": t.axes, "op": t.op, "ranks": len(t.ranks), "link": t.link, "bytes": t.bytes_received,
                   "seconds": t.seconds, "overlapped": t.overlapped} for t in traffic],
         "links": {"nvlink_gbps": links.nvlink_gbps, "fabric_gbps": links.fabric_gbps,
-                  "gpus_per_node": links.gpus_per_node},
+                  "gpus_per_node": links.gpus_per_node, "latency_us": links.latency_us},
         "estimate": estimate,
+        "emulated": emulated,  # None unless --emulate-links; then tokens/s below come from it
+        "tokens_per_s_source": "emulated links" if emulated else "estimate",
         "tokens_per_s_per_gpu": per_gpu,
         "tokens_per_s_per_node": per_gpu * links.gpus_per_node,
         "flops_per_token": flops_per_token,
         "tflops": per_gpu * flops_per_token / 1e12,
         "compute_tflops": tokens_per_gpu_step * flops_per_token / step.total / 1e12,
     }
+
+
+def emulated_figures(m: RankMeasurement, bubble: float, compute_s: float) -> dict[str, Any] | None:
+    """The emulated steps' mean: the measured step with the links' time felt, its exposed part (the
+    step beyond the compute steps'), each lane's modeled seconds, and the step with the pipeline
+    bubble (not felt by one rank whose receives arrive at once) added as the estimate adds it."""
+    step = m.emulated_step
+    if step is None:
+        return None
+    return {"measured_step_s": step.total, "exposed_comm_s": max(0.0, step.total - compute_s),
+            "bubble_fraction": bubble, "step_s": step.total / (1 - bubble) if bubble < 1 else float("inf"),
+            "lane_seconds": m.lane_seconds, "steps_timed": len(m.emulated_steps)}
 
 
 def _unit(report: dict[str, Any]) -> tuple[str, int]:
@@ -144,11 +160,20 @@ def print_measure(report: dict[str, Any], console: Console) -> None:
     console.print(comm)
     links = report["links"]
     console.print(f"links: NVLink {links['nvlink_gbps']:g} GB/s, fabric {links['fabric_gbps']:g} GB/s per GPU, "
-                  f"{links['gpus_per_node']} GPUs a node; pipeline bubble {est['bubble_fraction']:.1%}")
+                  f"{links.get('latency_us', 0):g} us a message, {links['gpus_per_node']} GPUs a node; "
+                  f"pipeline bubble {est['bubble_fraction']:.1%}")
     console.print(f"step on the cluster (estimate): {est['step_s']:.2f} s = compute {est['compute_s']:.2f} + "
                   f"exposed transfers {est['exposed_comm_s']:.2f} + FSDP beyond compute "
                   f"{est['fsdp_beyond_compute_s']:.2f}, then / (1 - bubble)")
+    emulated = report.get("emulated")
+    if emulated:
+        lanes = ", ".join(f"{axes} {sum(ops.values()):.2f} s" for axes, ops in emulated["lane_seconds"].items()
+                          if sum(ops.values()) >= 5e-4)
+        console.print(f"step with emulated links (measured): {emulated['measured_step_s']:.2f} s = compute "
+                      f"{est['compute_s']:.2f} + exposed {emulated['exposed_comm_s']:.2f}; then / (1 - bubble): "
+                      f"{emulated['step_s']:.2f} s; links busy per step: {lanes or 'none'}")
     console.print(f"[bold]{report['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU[/bold] "
+                  f"(from the {report.get('tokens_per_s_source', 'estimate')}) "
                   f"({report['tokens_per_s_per_node']:,.0f} per node), {report['tflops']:.1f} model TFLOP/s per GPU "
                   f"({report['compute_tflops']:.1f} over the compute alone; "
                   f"{report['flops_per_token'] / 1e9:.1f} GFLOP per token)")
