@@ -320,3 +320,68 @@ def test_no_function_is_longer_than_a_screen_or_two():
     unexpected = {name: n for name, n in found.items() if name not in LONG_BY_NATURE and name not in KNOWN_LONG}
     assert unexpected == {}, f"functions over {MAX_FUNCTION_LINES} lines: split them"
     assert KNOWN_LONG - set(found) == set(), "fixed: remove them from KNOWN_LONG"
+
+
+# A private name (one leading underscore) is its module's own business, and its package's: no
+# module imports one from another package of glmtune (`from glmtune.checkpoint.hf_io import _open`
+# in peft/); a package that needs another's step asks for a public name with a docstring (eval's
+# steps that `glmtune decide` shares are public in eval/evaluate.py). A package is the folder
+# holding the module (a package's __init__ is its own). `KNOWN_PRIVATE` lists the imports not yet
+# made public: (importing module, imported module, name); it only shrinks.
+KNOWN_PRIVATE: set[tuple[str, str, str]] = {
+    ("glmtune.peft.merge", "glmtune.checkpoint.hf_io", "_check_shard_sizes"),
+    ("glmtune.peft.merge", "glmtune.checkpoint.hf_io", "_open"),
+    ("glmtune.peft.merge", "glmtune.checkpoint.hf_io", "_read"),
+    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_check_shard_sizes"),
+    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_destination"),
+    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_open"),
+    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_read"),
+}
+
+
+def package_of(module: str, modules: set[str]) -> str:
+    """The package holding `module`: itself for a package's __init__, else its parent."""
+    return module if any(m.startswith(module + ".") for m in modules) else module.rsplit(".", 1)[0]
+
+
+def private_imports() -> set[tuple[str, str, str]]:
+    """(importing module, imported module, name) for every `from glmtune.X import _name`, the
+    name private (one leading underscore, not a dunder), whatever the floor."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    found = set()
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            for alias in node.names:
+                if not alias.name.startswith("_") or alias.name.startswith("__"):
+                    continue
+                target = _target(node, alias, module, path.name == "__init__.py")
+                if target is None:
+                    continue
+                target = target.rsplit(".", 1)[0]  # `from pkg.mod import _name`: the module is pkg.mod
+                if target in paths:
+                    found.add((module, target, alias.name))
+    return found
+
+
+def cross_package_private(found: set[tuple[str, str, str]], modules: set[str]) -> set[tuple[str, str, str]]:
+    return {(a, b, name) for a, b, name in found if package_of(a, modules) != package_of(b, modules)}
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    _, _, modules = import_graph()
+    found = cross_package_private(private_imports(), modules)
+    assert found - KNOWN_PRIVATE == set(), "private names imported across packages: make them public (docstring)"
+    assert KNOWN_PRIVATE - found == set(), "fixed: remove them from KNOWN_PRIVATE"
+
+
+def test_the_private_import_rule_catches_what_it_forbids():
+    modules = {"glmtune.cli", "glmtune.cli.eval_cmd", "glmtune.cli.decide_cmd", "glmtune.eval", "glmtune.eval.evaluate",
+               "glmtune.eval.scorers", "glmtune.eval.scorers.facts", "glmtune.decide", "glmtune.decide.run"}
+    assert cross_package_private({("glmtune.decide.run", "glmtune.eval.evaluate", "_scorecard"),
+                                  ("glmtune.eval.evaluate", "glmtune.eval.scorers.facts", "_normalize"),
+                                  ("glmtune.cli.decide_cmd", "glmtune.cli.eval_cmd", "_launch"),
+                                  ("glmtune.cli.eval_cmd", "glmtune.cli", "_debug")}, modules) == {
+        ("glmtune.decide.run", "glmtune.eval.evaluate", "_scorecard"),
+        ("glmtune.eval.evaluate", "glmtune.eval.scorers.facts", "_normalize")}

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
-from glmtune.cli.eval_cmd import _launch, run_reported  # eval's launcher: the same on N ranks, rank 0's status
+from glmtune.cli.eval_cmd import launch_on_ranks, run_reported  # eval's launcher: the same on N ranks, rank 0's status
 from glmtune.io import json_out
 from glmtune.io.escape import console_text
 
@@ -129,8 +129,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(ns: argparse.Namespace) -> int:
     # eval's guard: a user error exits 2, any other failure one line and 3; rank 0's status recorded
-    return run_reported(ns, "decide", lambda ns: _launch(ns, "decide") if ns.nproc_per_node is not None
-                        else _decide(ns))
+    return run_reported(ns, "decide", _launch_or_decide)
+
+
+def _launch_or_decide(ns: argparse.Namespace) -> int:
+    """In this process, or on N ranks started here (`--nproc-per-node`), once the device is one
+    this machine has (`check_device`: before torchrun starts anything)."""
+    if ns.nproc_per_node is None:
+        return _decide(ns)  # DecideOptions.check refuses the device before anything is read
+    # lazily: `glmtune --help` stays torch-free
+    from glmtune.decide.run import check_device
+
+    check_device(ns.device, sharded=True)
+    return launch_on_ranks(ns, "decide")
 
 
 def _options(ns: argparse.Namespace):

@@ -181,7 +181,7 @@ def _record_status(status: int) -> None:
         Path(os.environ[_STATUS_FILE]).write_text(str(status))
 
 
-def _launch(ns: argparse.Namespace, command: str = "eval") -> int:
+def launch_on_ranks(ns: argparse.Namespace, command: str = "eval") -> int:
     """`--nproc-per-node N`: the same command on N ranks; the exit status is rank 0's (written to a
     file the ranks are told of), not torchrun's 0-or-1. `command`: eval, or decide (which runs on its ranks
     the same way)."""
@@ -208,7 +208,7 @@ _STATUS_FILE = "GLMTUNE_EVAL_STATUS_FILE"
 
 def _evaluate(ns: argparse.Namespace) -> int:
     if ns.nproc_per_node is not None:
-        return _launch(ns)
+        return launch_on_ranks(ns)
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not sharded and ns.ep not in (None, 1):
         raise ValueError(f"--parallel.ep {ns.ep} splits experts over ranks: add --nproc-per-node N (or start "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from glmtune.decide.passages import Shown
 from glmtune.eval import aggregate
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore, answer_text
-from glmtune.eval.scorers.facts import _normalize as normalize_fact  # the facts scorer's own matching
+from glmtune.eval.scorers.facts import normalize as normalize_fact  # the facts scorer's own matching
 
 _CITATION = re.compile(r"\[(\d{1,4})\]")
 NOT_SHOWN = "not available for this arm: no passages were shown to it"

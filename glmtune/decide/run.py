@@ -35,8 +35,8 @@ from glmtune.decide.targets import Target, check_key_env, check_labels, parse_ta
 from glmtune.decide.verdict import Arm, decide
 from glmtune.eval.answering import Prompting
 from glmtune.eval.endpoint import EndpointOptions, is_endpoint, resolve_endpoint
-from glmtune.eval.evaluate import (  # eval's own steps, in run_eval's order
-    _check_prompts, _evaluate_model, _implicit_margins, _prompting_dir, _reference_tool_results, _scorecard)
+from glmtune.eval.evaluate import (  # eval's own steps, in run_eval's order (its public API)
+    build_scorecard, check_prompts, evaluate_model, implicit_margins, prompting_dir, reference_tool_results)
 from glmtune.eval.gates import evaluate_gates
 from glmtune.eval.general_text import text_windows
 from glmtune.eval.models import Fingerprints, resolve_model
@@ -70,7 +70,9 @@ class DecideOptions:
     sharded: ShardedLayout | None = None  # one rank of a torchrun job (eval's layout), else one process
 
     def check(self) -> None:
-        """The arms' options: each given only with what it applies to, each in range (one sentence)."""
+        """The device, and the arms' options: each given only with what it applies to, each in range
+        (one sentence); before anything is read."""
+        check_device(self.device, self.sharded is not None)
         for option, value, needs, given in (("--shots", self.shots, "--examples", self.examples),
                                             ("--shots-by", self.shots_by, "--examples", self.examples),
                                             ("--passages", self.passages, "--docs", self.docs),
@@ -93,6 +95,32 @@ class DecideOptions:
         if self.endpoint.api is not None and not is_endpoint(self.base):
             raise ValueError("--api applies to an endpoint --base; give an alternative its own with "
                              "--compare URL,api=chat")
+
+
+def check_device(device: str, sharded: bool) -> None:
+    """`--device`: auto, cpu, or a CUDA device this machine has (`cuda`, or `cuda:N` in one process:
+    sharded, each rank takes its LOCAL_RANK's GPU); ValueError in one sentence otherwise, so a device
+    that cannot be used is refused before anything is read or loaded."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's own parse of the string
+        raise ValueError(f"--device {device}: not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: decide runs local models on the CPU or a CUDA GPU (expected auto, cpu, "
+                         "cuda or cuda:N)")
+    if parsed.type == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__}); use "
+                         "--device cpu, or auto")
+    if parsed.index is not None and sharded:
+        raise ValueError(f"--device {device} with --nproc-per-node: each rank runs on its own GPU (its LOCAL_RANK); "
+                         "pass --device cuda")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}")
 
 
 def _check_suite(suite: Suite) -> None:
@@ -166,10 +194,10 @@ def _prompting(arms: list[ArmSpec], tokenizer: Path | None) -> tuple[Path, str]:
         raise ValueError("--tokenizer DIR is needed: no model is local, and the suite's prompts are rendered with a "
                          "tokenizer and chat template on disk (the served model's HF directory)")
     first = local[0] if local else arms[0].model
-    found = _prompting_dir(first, first, tokenizer)
+    found = prompting_dir(first, first, tokenizer)
     for model in local[1:]:
         try:
-            found = _prompting_dir(first, model, tokenizer)
+            found = prompting_dir(first, model, tokenizer)
         except ValueError as exc:  # eval's words: "the base and the candidate use different tokenizers ..."
             raise ValueError(f"--compare {model.source}: {exc}") from None
     return found
@@ -219,9 +247,9 @@ class _Inputs:
 
 def _inputs(o: DecideOptions) -> _Inputs:
     """Every check that needs no model loaded, in eval's order (module docstring); ValueError."""
+    o.check()  # the options alone first: a device that cannot be used is refused before the suite is read
     suite = load_suite(o.suite)
     _check_suite(suite)
-    o.check()
     o.cost.check()
     base, alternatives = _models(o)
     if o.sharded is not None and any(a.model.kind == "endpoint" for a in [base] + alternatives):
@@ -259,13 +287,13 @@ def _run(o: DecideOptions, log: Callable[[str], None], secrets: list[str]) -> tu
     windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window) if g is not None else None
     with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
         executor.check()
-        _reference_tool_results(loaded, executor, placement)
+        reference_tool_results(loaded, executor, placement)
         check_rows(loaded)
         arms = [base] + ([prompted_arm(base, i.pool, o.shots or 3)] if i.pool else []) + (
             [retrieval_arm(base, i.passages)] if i.passages else []) + i.arms[1:]
         for arm in arms:
             arm.sets = arm.sets or loaded
-            _check_prompts(arm.sets, prompting)
+            check_prompts(arm.sets, prompting)
         prints.update({a.label: prints["base"] for a in arms if a.kind in ("prompted", "retrieval")})
         results = _run_arms(arms, prompting, executor if suite.file.tools.functions else None, windows, placement, log)
     decision = _decision(suite, loaded, arms, prints, results, i.template, o, cost)
@@ -283,24 +311,24 @@ def _run_arms(arms: list[ArmSpec], prompting, executor, windows, placement: Plac
     try:
         for arm in own:
             log(f"arm {arm.label}: {arm.how}")
-            results[arm.label] = _evaluate_model(arm.model, arm.sets, prompting, executor, windows, placement, log,
-                                                 arm.endpoint, backend=backend)
+            results[arm.label] = evaluate_model(arm.model, arm.sets, prompting, executor, windows, placement, log,
+                                                arm.endpoint, backend=backend)
     finally:
         del backend
         placement.release()
     for arm in arms:
         if arm.kind == "alternative":
             log(f"arm {arm.label}: {arm.how}")
-            results[arm.label] = _evaluate_model(arm.model, arm.sets, prompting, executor, windows, placement, log,
-                                                 arm.endpoint)
+            results[arm.label] = evaluate_model(arm.model, arm.sets, prompting, executor, windows, placement, log,
+                                                arm.endpoint)
     return results
 
 
 def _decision(suite: Suite, loaded, arms: list[ArmSpec], prints: dict, results: dict, template: str,
               o: DecideOptions, cost: dict | None) -> dict[str, Any]:
     labels = [a.label for a in arms]
-    _implicit_margins(loaded, results, labels)
-    card = _scorecard(suite, loaded, [a.model for a in arms], prints, results, template, labels)
+    implicit_margins(loaded, results, labels)
+    card = build_scorecard(suite, loaded, [a.model for a in arms], prints, results, template, labels)
     retrieval = next((a for a in arms if a.kind == "retrieval"), None)
     grounding_failures: dict = {}
     if retrieval is not None:

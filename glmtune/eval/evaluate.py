@@ -26,6 +26,11 @@ example's: it is raised (the model or the scorer is broken; `glmtune eval` exits
 The output directory is written in one step (`glmtune.io.outputs.output_dir`): scorecard.json,
 scorecard.md, scorecard.html, suite.yaml (the suite file's bytes) and sets/<name>.jsonl (the
 rows each set evaluated; their sha256 is in the scorecard).
+
+The steps `glmtune decide` runs with eval's own machinery are public, in `run_eval`'s order:
+`prompting_dir` (one tokenizer and chat template), `reference_tool_results`, `check_prompts`,
+`evaluate_model` (one model's answers, scores and operations; a model already loaded may be
+given), `implicit_margins` and `build_scorecard`; everything else here is eval's own.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def _check_same_prompting(base: ModelSource, candidate: ModelSource) -> tuple[Pa
     return tok_cand, load_chat_template(tok_cand)
 
 
-def _prompting_dir(base, candidate, tokenizer: Path | None) -> tuple[Path, str]:
+def prompting_dir(base, candidate, tokenizer: Path | None) -> tuple[Path, str]:
     """The tokenizer directory and chat template every model is prompted with: the local models'
     (`_check_same_prompting`), else `--tokenizer`'s (an endpoint model has no files here); a local
     model's must then be the same."""
@@ -167,7 +172,7 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     reads += [r for m in models for r in m.reads()]
     reads += [("--tokenizer", endpoint.tokenizer)] if endpoint.tokenizer is not None else []
     check_output(out, overwrite=overwrite, sources=reads, what="--out", command="eval")
-    tokenizer_dir, template = _prompting_dir(base, candidate, endpoint.tokenizer)
+    tokenizer_dir, template = prompting_dir(base, candidate, endpoint.tokenizer)
     loaded = load_sets(suite, candidate)
     placement = Placement.choose(device, dtype, sharded, candidate, fp8_base)
     log = log if placement.is_main else _quiet
@@ -182,13 +187,13 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
         windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window)
     with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
         executor.check()
-        _reference_tool_results(loaded, executor, placement)
+        reference_tool_results(loaded, executor, placement)
         check_rows(loaded)
-        _check_prompts(loaded, prompting)
-        results = {m.label: _evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
+        check_prompts(loaded, prompting)
+        results = {m.label: evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
                                             windows, placement, log, endpoint) for m in models}
-    _implicit_margins(loaded, results, labels)
-    card = _scorecard(suite, loaded, models, prints, results, template, labels)
+    implicit_margins(loaded, results, labels)
+    card = build_scorecard(suite, loaded, models, prints, results, template, labels)
     if placement.is_main:
         _write(out, overwrite, reads, suite, loaded, card)
     placement.close()
@@ -199,7 +204,7 @@ def _quiet(message: str) -> None:
     """The log of a rank other than 0: rank 0 speaks for the job."""
 
 
-def _reference_tool_results(loaded: list[LoadedSet], executor: ToolExecutor, placement: Placement) -> None:
+def reference_tool_results(loaded: list[LoadedSet], executor: ToolExecutor, placement: Placement) -> None:
     """The reference tool calls' results on each tool_execution row, executed once (rank 0's, shared)."""
     def run_all() -> dict:
         return {(i, j): [executor.run(c["name"], c["arguments"], row.tools) for c in row.reference_calls]
@@ -209,7 +214,7 @@ def _reference_tool_results(loaded: list[LoadedSet], executor: ToolExecutor, pla
         loaded[i].rows[j].reference_results = results
 
 
-def _check_prompts(loaded: list[LoadedSet], prompting: Prompting) -> None:
+def check_prompts(loaded: list[LoadedSet], prompting: Prompting) -> None:
     """Every row's first prompt renders (ValueError naming the row): the template, before a model loads."""
     for s in loaded:
         for row in s.rows:
@@ -283,9 +288,9 @@ def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, s
     return outs, scores, seconds
 
 
-def _evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
-                    placement: Placement, log, endpoint: EndpointOptions | None = None,
-                    backend: Backend | None = None) -> dict[str, Any]:
+def evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
+                   placement: Placement, log, endpoint: EndpointOptions | None = None,
+                   backend: Backend | None = None) -> dict[str, Any]:
     """One model's outputs, scores, losses and operations on every set. `backend`: a model already
     loaded (`glmtune decide` answers several prompt arms with one load), which the caller frees;
     None: this model is loaded here and freed at the end."""
@@ -341,7 +346,7 @@ def _pairs_not_available(s: LoadedSet, outs: list[ModelOutput]) -> dict[str, str
             for m in scorer.metrics(scorer.options)} if why else {}
 
 
-def _implicit_margins(loaded: list[LoadedSet], results: dict, labels: list[str]) -> None:
+def implicit_margins(loaded: list[LoadedSet], results: dict, labels: list[str]) -> None:
     """Each candidate's preference scores again, now with its implicit reward margin against the
     base's log-probabilities of the same pairs (`Preference.with_base`)."""
     for s in loaded:
@@ -401,8 +406,11 @@ def _text_loss(backend: Backend, windows, not_available: dict[str, str]) -> tupl
         return None, 0
 
 
-def _scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource], prints: dict, results: dict,
-               template: str, labels: list[str]) -> dict[str, Any]:
+def build_scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource], prints: dict,
+                    results: dict, template: str, labels: list[str]) -> dict[str, Any]:
+    """The `glmtune.scorecard/1` document of `models` (`labels` in order, the first the base) from
+    their `evaluate_model` results: per-set metrics by category with deltas against the base, fields,
+    examples, the general text, operations, and the suite's gates checked for every label but the first."""
     scores = {label: results[label]["scores"] for label in labels}
     outputs = {label: results[label]["outputs"] for label in labels}
     metrics, fields, examples = [], [], []

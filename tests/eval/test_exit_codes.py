@@ -101,7 +101,7 @@ def test_an_internal_error_exits_3_in_one_line_and_debug_shows_it(tiny_hf, tmp_p
     def broken(*args, **kwargs):
         raise RuntimeError("scorecard\nbroke")
 
-    monkeypatch.setattr("glmtune.eval.evaluate._scorecard", broken)
+    monkeypatch.setattr("glmtune.eval.evaluate.build_scorecard", broken)
     suite = _suite(tmp_path, [])
     code, err = _eval(suite, tiny_hf, tmp_path / "out")
     assert code == 3, err

@@ -20,7 +20,10 @@ from pathlib import Path
 from glmtune.eval.scorers.base import EvalRow, MetricDef, ModelOutput, RowScore, answer_text, short
 
 
-def _normalize(text: str, case_sensitive: bool) -> str:
+def normalize(text: str, case_sensitive: bool) -> str:
+    """The text facts are matched in: whitespace collapsed to single spaces, case folded unless
+    `case_sensitive` (a fact matches when its `normalize` is a substring of the answer's); also
+    `glmtune decide`'s grounding check, which matches the same facts against the passages shown."""
     text = re.sub(r"\s+", " ", text).strip()
     return text if case_sensitive else text.casefold()
 
@@ -58,10 +61,10 @@ class Facts:
 
     def score(self, row: EvalRow, output: ModelOutput) -> RowScore:
         sensitive = self.options.case_sensitive
-        answer = _normalize(answer_text(output.text), sensitive)
+        answer = normalize(answer_text(output.text), sensitive)
         required = [[f] if isinstance(f, str) else f for f in row.data.get("required_facts") or []]
-        missing = [alts for alts in required if not any(_normalize(a, sensitive) in answer for a in alts)]
-        claims = [c for c in row.data.get("forbidden_claims") or [] if _normalize(c, sensitive) in answer]
+        missing = [alts for alts in required if not any(normalize(a, sensitive) in answer for a in alts)]
+        claims = [c for c in row.data.get("forbidden_claims") or [] if normalize(c, sensitive) in answer]
         failures = [f"missing fact: {short(' | '.join(alts))}" for alts in missing]
         failures += [f"unsupported claim: {short(claim)}" for claim in claims]
         recall = (len(required) - len(missing)) / len(required) if required else None
