@@ -40,6 +40,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.preflight_cmd",
     "glmtune.cli.eval_cmd",
     "glmtune.cli.decide_cmd",
+    "glmtune.cli.distill_cmd",
     "glmtune.cli.release_cmd",
     "glmtune.cli.version_cmd",
 )
