@@ -20,6 +20,8 @@ records existed has none. What each output is, recognized by content:
   * export --hf, merge OUT_DIR: config.json and model*.safetensors, besides them only the index
     and the tokenizer and template files glmtune copies (`HF_SIDE_FILES`), nothing else (a model
     downloaded from a hub carries a README, a licence: not recognized);
+  * an export's model card, README.md holding `CARD_MARKER`, is part of its export (any other
+    README.md is not);
   * data prepare --out: pii_report.json, with manifest.json and the split files (NAME-HASH.jsonl)
     it writes, nothing else;
   * data synth OUT: every line a synthetic row (an `id` synth-SEED-NNNNNN or pref-SEED-NNNNNN, a
@@ -48,6 +50,9 @@ from glmtune.io.regular import kind_of
 
 RECORD = ".glmtune-output.json"
 FORMAT = "glmtune.output/1"
+# The line right after a model card's front matter that says glmtune wrote it (glmtune/release/model_card.py):
+# what lets `glmtune release --overwrite` replace its own card and never a README.md someone else wrote.
+CARD_MARKER = "<!-- glmtune model card: generated from the run's records; edits are replaced by the next one -->"
 # What glmtune's HF writer puts beside config.json and the shards: checkpoint/hf_io.py's
 # TOKENIZER_FILES (io/ imports nothing above it; tests/io/test_output_owner.py checks they agree).
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -67,6 +72,19 @@ def write_record(directory: Path, command: str, output: str) -> None:
     record = {"format": FORMAT, "command": command, "output": output, "created": created,
               "entries": _tree(directory)}
     (directory / RECORD).write_text(json.dumps(record) + "\n", encoding="utf-8")
+
+
+def record_added_file(directory: Path, name: str) -> None:
+    """Add `name`, a file the command itself wrote into its finished output `directory` (an export's
+    model card), to the directory's record, rewritten atomically; a directory without a record is
+    left as it is."""
+    record, damaged = _read_record(directory)
+    if record is None or damaged:
+        return
+    record["entries"] = sorted(set(record["entries"]) | {name})
+    tmp = directory / f"{RECORD}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    os.replace(tmp, directory / RECORD)
 
 
 def _tree(directory: Path) -> list[str]:
@@ -143,8 +161,10 @@ def _json_object(path: Path) -> dict | None:
 
 
 def _files_only(directory: Path, allowed: Callable[[str], bool], required: tuple[str, ...]) -> bool:
-    """Whether the directory holds regular files only, each `allowed`, the `required` among them."""
-    entries = _entries(directory)
+    """Whether the directory holds regular files only, each `allowed`, the `required` among them (an
+    export's own model card, README.md with `CARD_MARKER`, besides them)."""
+    entries = {name: is_file for name, is_file in _entries(directory).items()
+               if not (name == "README.md" and is_file and _card_file(directory / name))}
     return (bool(entries) and all(entries.values()) and all(map(allowed, entries))
             and all(name in entries for name in required))
 
@@ -160,6 +180,14 @@ def _eval_dir(directory: Path) -> bool:
         return False
     card = _json_object(directory / "scorecard.json")
     return card is not None and str(card.get("format", "")).startswith("glmtune.scorecard/")
+
+
+def _card_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return CARD_MARKER.encode() in fh.read(1 << 16)
+    except OSError:
+        return False
 
 
 def _release_file(path: Path) -> bool:
@@ -214,6 +242,7 @@ def _preflight_dir(directory: Path) -> bool:
 CONTENT: dict[tuple[str, str], tuple[str, Callable[[Path], bool]]] = {
     ("eval", "--out"): ("an eval directory (scorecard.json)", _eval_dir),
     ("release", "--out"): ("a release manifest", _release_file),
+    ("release", "model card"): ("a model card glmtune wrote", _card_file),
     ("export", "--adapter"): ("an adapter glmtune exported", _adapter_dir),
     ("export", "--hf"): ("an HF checkpoint glmtune wrote", _hf_dir),
     ("merge", "OUT_DIR"): ("an HF checkpoint glmtune wrote", _hf_dir),

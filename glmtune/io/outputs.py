@@ -61,7 +61,8 @@ from glmtune.io.run_lock import LOCK_FILE, RUN_FILE, lock_holder
 Source = tuple[str, "str | os.PathLike[str]"]
 
 # Where in a run directory each command writes: "NAME" is RUN/NAME, "NAME/" anything under RUN/NAME.
-RUN_PLACES: dict[str | None, tuple[str, ...]] = {"eval": ("eval/",), "release": ("release.json", "releases/")}
+RUN_PLACES: dict[str | None, tuple[str, ...]] = {"eval": ("eval/",),
+                                                  "release": ("release.json", "release.md", "releases/")}
 # What a training writes into its own run directory through output_dir (run.py: hf/, base/, the
 # adapters; run_data.py: data/), allowed only while the run's lock is held.
 TRAINER_PLACES = ("hf", "base", "adapter", "adapter_per_expert", "data")

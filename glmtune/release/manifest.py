@@ -43,12 +43,13 @@ from glmtune.io.outputs import check_output, output_file
 from glmtune.io.run_lock import RUN_FILE, lock_holder
 from glmtune.io.text_limits import printable
 from glmtune.models.registry import is_preset
-from glmtune.release import signing, triggers
+from glmtune.release import model_card, signing, triggers
 from glmtune.release.artifacts import MAX_JSON_BYTES, read_format_json, read_json, record_artifact, stored_root
 from glmtune.release.base_model import BASE_DIR, record_base, record_hf_dir
 from glmtune.release.deployment import deployment
 from glmtune.release.eval_record import check_evaluated_base, eval_section, failed_gates, load_eval, released_candidate
 from glmtune.release.fields import Fields
+from glmtune.release.model_card_facts import release_facts
 from glmtune.release.paths import innermost, is_link_refusal, walk, within
 from glmtune.release.provenance import data_section, environment, tokenizer_section
 
@@ -214,6 +215,8 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     recorded = _recorded_inputs(run_dir, eval_dir, deployable, base_dir, tokenizer_dir)
     reads = recorded + ([("--previous", Path(req.previous))] if req.previous is not None else [])
     check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out", command="release")
+    card = model_card.release_card_path(out)
+    check_output(card, kind="file", overwrite=req.overwrite, sources=reads, what="model card", command="release")
     _check_links(recorded, run_dir, manifest_dir)
     if req.sign_key is not None:
         _check_key_outside(Path(req.sign_key), recorded)
@@ -260,6 +263,10 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         "artifacts": artifacts,
         "signature": None,
     }
+    model_dir = base_dir if lora else run_dir / "hf"  # whose config.json describes what ships
+    facts = release_facts(manifest, cfg, run_dir, model_dir)
+    manifest["artifacts"].append(model_card.write_release_card(card, facts, out.name, manifest_dir,
+                                                               overwrite=req.overwrite, sources=reads))
     manifest["id"] = release_id(manifest)
     if key is not None:
         manifest["signature"] = signing.sign(manifest, key)

@@ -207,7 +207,7 @@ def test_export_replaces_only_its_own_output(run_dir, tmp_path, capsys):
                 "writes there; " + NOT_ITS_OWN.format("export", "directory"))
     ours = tmp_path / "ours"
     assert cli(capsys, "export", run, "--adapter", ours)[0] == 0
-    assert sorted(os.listdir(ours)) == [RECORD, "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(ours)) == [RECORD, "README.md", "adapter_config.json", "adapter_model.safetensors"]
     (ours / RECORD).unlink()  # as glmtune wrote it before output records: recognized by its files
     before = snapshot(tmp_path, ignore=("ours",))
     assert cli(capsys, "export", run, "--adapter", ours, "--overwrite", "--layout", "per_expert")[0] == 0

@@ -54,7 +54,7 @@ def test_full_finetune_manifest(sft_run, capsys):
                                                                          identity["weights_sha256"])
     names = [a["name"] for a in m["artifacts"]]
     assert names == ["checkpoint", "base", "tokenizer", "data_manifest", "data", "pii_report", "config",
-                     "run_record", "eval"]
+                     "run_record", "eval", "model_card"]
     _check_artifact_files(m, run)
     checkpoint = next(a for a in m["artifacts"] if a["name"] == "checkpoint")
     assert checkpoint["root"] == "hf" and "model.safetensors" in [f["path"] for f in checkpoint["files"]]

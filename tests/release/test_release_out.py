@@ -42,7 +42,7 @@ def test_release_never_writes_over_a_runs_own_files(run_with_checkpoints, tmp_pa
     rel = place.replace("STEP", step)
     assert code == 2 and err == (
         f"glmtune release: error: --out {target} is inside the glmtune run directory {run} ({rel}: the run's, and "
-        f"glmtune release writes {run}/release.json or {run}/releases/NAME); choose another path (--overwrite never "
+        f"glmtune release writes {run}/release.json or {run}/release.md or {run}/releases/NAME); choose another path (--overwrite never "
         "replaces a run's files)"), err
     assert changes(before, snapshot(tmp_path)) == []
 

@@ -25,7 +25,7 @@ def test_verify_catches_drift(lora_run, capsys):
     capsys.readouterr()
     release = run / "release.json"
     code, lines = _verify(capsys, release)
-    assert code == 0 and lines["verdict"].endswith("clean (10 artifacts, 25 files)"), lines
+    assert code == 0 and lines["verdict"].endswith("clean (11 artifacts, 26 files)"), lines
     assert all(" ok " in line for name, line in lines.items() if name != "verdict")
     assert "unsigned: integrity only" in lines["release.json"]
 
@@ -36,7 +36,7 @@ def test_verify_catches_drift(lora_run, capsys):
     flipped[len(flipped) // 2] ^= 0x01
     weights.write_bytes(bytes(flipped))
     code, lines = _verify(capsys, release)
-    assert code == 1 and "DRIFT in 1 of 11" in lines["verdict"]
+    assert code == 1 and "DRIFT in 1 of 12" in lines["verdict"]
     assert "DRIFT" in lines["adapter"] and "adapter_model.safetensors sha256 changed" in lines["adapter"]
     assert all(" ok " in line for name, line in lines.items() if name not in ("adapter", "verdict"))
     weights.write_bytes(original)
@@ -50,7 +50,7 @@ def test_verify_catches_drift(lora_run, capsys):
     tokenizer = run / "base" / "tokenizer_config.json"
     tokenizer.write_text(tokenizer.read_text()[:-10])
     code, lines = _verify(capsys, release)
-    assert code == 1 and "DRIFT in 3 of 11" in lines["verdict"]
+    assert code == 1 and "DRIFT in 3 of 12" in lines["verdict"]
     assert f"{train_file.name} is missing" in lines["data"]
     assert "extra.safetensors is new (not recorded)" in lines["base"] and "hidden" not in lines["base"]
     assert "tokenizer_config.json size changed" in lines["base"]
