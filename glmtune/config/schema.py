@@ -245,3 +245,6 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # MLflow tracking URI (file:///abs/mlruns: a local store, no server; http://host:5000); experiment and
+    # run named after `name`; params: the resolved config; metrics: every step record. null = off
+    mlflow: str | None = None

@@ -1,5 +1,13 @@
 """Training metrics: one JSON object per optimizer step in `metrics.jsonl`, TensorBoard
-scalars, and per-MoE-layer routing statistics.
+scalars, the experiment trackers (W&B: `logging.wandb`; MLflow: `logging.mlflow`), and
+per-MoE-layer routing statistics.
+
+Every sink receives the same step records: what metrics.jsonl holds, a tracker holds too.
+MLflow gets the resolved config as params (dotted keys: `optim.lr`) and each numeric field of
+a record as a metric at its step, through `MlflowClient` (no global active run: a notebook's
+own MLflow run is left alone). A `file:` tracking URI is MLflow's local store, no server;
+MLflow 3 keeps it behind MLFLOW_ALLOW_FILE_STORE, which glmtune sets (unless you set it) when
+the URI you chose is one.
 
 Routing statistics per MoE layer, from the (token, expert) pairs each expert received in
 the step, summed over every micro-batch and rank:
@@ -18,6 +26,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +34,9 @@ import torch
 
 from glmtune.io.json_file import json_lines
 from glmtune.io.text_limits import clipped
+
+_MLFLOW_BATCH = 100  # MLflow's log_batch takes at most 100 params (and 1000 metrics) per call
+_MLFLOW_PARAM_CHARS = 6000  # the longest param value MLflow stores
 
 
 def routing_stats(tokens_per_expert: torch.Tensor) -> dict[str, float]:
@@ -50,7 +62,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, metrics_file: str, tensorboard: bool, enabled: bool = True,
                  wandb_project: str | None = None, run_name: str | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, mlflow_uri: str | None = None) -> None:
         self.enabled = enabled
         self.path = run_dir / metrics_file
         self.tb = None
@@ -62,6 +74,7 @@ class MetricsWriter:
                 raise ValueError("logging.wandb is set but the wandb package is not installed "
                                  "(pip install wandb), or set logging.wandb: null") from None
             self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(run_dir))
+        self.mlflow = MlflowSink(mlflow_uri, run_name or "glmtune", config or {}) if enabled and mlflow_uri else None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
         self.tb_dir = run_dir / "tensorboard" if enabled and tensorboard else None
@@ -105,6 +118,8 @@ class MetricsWriter:
             fh.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self.mlflow is not None:
+            self.mlflow.log(record)
         if self.tb is None and self.tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -119,3 +134,52 @@ class MetricsWriter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.close()
+
+
+def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """The config as MLflow params: dotted keys, values as YAML would show them (lists and dicts as
+    JSON), each cut to the length MLflow stores."""
+    params: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            params.update(flat_params(value, f"{name}."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value)
+            params[name] = text[:_MLFLOW_PARAM_CHARS]
+    return params
+
+
+class MlflowSink:
+    """One MLflow run per training process (as W&B's): experiment and run named after the run."""
+
+    def __init__(self, uri: str, name: str, config: dict[str, Any]) -> None:
+        try:
+            import mlflow
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ValueError("logging.mlflow is set but the mlflow package is not installed "
+                             "(pip install mlflow-skinny), or set logging.mlflow: null") from None
+        if uri.startswith("file:"):  # MLflow 3 asks for this opt-in before it writes its local file store
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self._metric = mlflow.entities.Metric
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        params = [Param(k, v) for k, v in flat_params(config).items()]
+        for start in range(0, len(params), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=params[start:start + _MLFLOW_BATCH])
+
+    def log(self, record: dict[str, Any]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self._metric(key, float(value), now, record["step"]) for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED")

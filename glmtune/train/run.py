@@ -505,7 +505,8 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
                                     async_group=async_group)
     decide_on_rank0(lambda: _check_disk_space(cfg, model, console, claim.freed()))
     metrics = MetricsWriter(launch.run_dir, cfg.logging.metrics_file, cfg.logging.tensorboard, enabled=info.is_main,
-                            wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg))
+                            wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg),
+                            mlflow_uri=cfg.logging.mlflow)
     settings = objective(cfg, trainer_settings(cfg, launch, model, mesh, hooks))
     trainer = Trainer(model, optimizer, scheduler, laid_out.runner, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
