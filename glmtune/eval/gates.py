@@ -6,6 +6,8 @@
                    candidate >= base - t (higher is better), candidate <= base + t (lower is better)
     min / max      candidate >= threshold / candidate <= threshold
     max_increase   candidate - base <= threshold (loss, latency: lower-is-better budgets)
+    max_ratio_to_base  candidate <= threshold x base, both measured in the same run (latency on an
+                   unknown or shared machine: a ratio holds where an absolute service level cannot)
 
 A gate names a metric id, a category (default "all") and a model label (default: every
 candidate, one result each). A value that is None (not measurable, e.g. peak memory where no
@@ -54,10 +56,21 @@ def check(rule: str, value: float, base: float | None, threshold: float | None, 
         return passed, (f"{_fmt(value)} vs base {_fmt(base)}: " +
                         ("no regression" if gain >= 0 else f"{'within' if passed else 'regressed by'} {_fmt(-gain)}")
                         + allowed)
+    if rule == "max_ratio_to_base":
+        return _ratio_to_base(value, base, t)
     assert rule == "max_increase", rule
     increase = value - base
     relation = "<=" if increase <= t else ">"
     return increase <= t, f"{_fmt(value)} - base {_fmt(base)} = {_fmt(increase)} {relation} {_fmt(t)}"
+
+
+def _ratio_to_base(value: float, base: float, t: float) -> tuple[bool, str]:
+    """candidate / base <= t; a base of 0 (or below) gives no ratio, and the gate fails saying so."""
+    if base <= 0:
+        return False, f"{_fmt(value)} vs base {_fmt(base)}: no ratio to a base of {_fmt(base)}"
+    ratio = value / base
+    relation = "<=" if ratio <= t else ">"
+    return ratio <= t, f"{_fmt(value)} / base {_fmt(base)} = {ratio:.2f} x base {relation} {t:g} x"
 
 
 def evaluate_gates(gates: list[GateConfig], metrics: list[dict[str, Any]], candidates: list[str]) -> list[dict]:

@@ -67,6 +67,8 @@ def _threshold_text(rule: str | None, threshold, unit: str | None) -> str:
         return f"≤ {fmt_value(threshold, unit)}"
     if rule == "max_increase":
         return f"increase over base ≤ {amount}"
+    if rule == "max_ratio_to_base":
+        return f"≤ {threshold:g} × base"
     if rule == "improves":
         return "improves on base" + (f" by > {amount}" if threshold else "")
     if rule == "no_regression":

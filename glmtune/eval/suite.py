@@ -101,9 +101,9 @@ class GeneralTextConfig:
 @dataclass
 class GateConfig:
     metric: str = ""  # "<set>/<scorer>/<name>"
-    rule: Literal["improves", "no_regression", "min", "max", "max_increase"] = "improves"
+    rule: Literal["improves", "no_regression", "min", "max", "max_increase", "max_ratio_to_base"] = "improves"
     name: str | None = None  # shown in reports; default: metric, rule and threshold
-    threshold: float | None = None  # required for min, max and max_increase; default 0 for the others
+    threshold: float | None = None  # a margin for improves and no_regression (default 0); required otherwise
     category: str = "all"
     model: str | None = None  # a candidate label ("candidate", "candidate-merged"); null: every candidate
 
@@ -333,12 +333,15 @@ def _check_gates(gates: list[GateConfig], metrics: dict[str, MetricDef], errors:
         if gate.metric in metrics and metrics[gate.metric].candidate_only and gate.rule not in ("min", "max"):
             errors.at(where + ("rule",), f"{gate.metric} is measured against the base (the base has no value of "
                       f"its own), so rule {gate.rule} has nothing to compare; use min or max with a threshold")
-        if gate.rule in ("min", "max", "max_increase") and gate.threshold is None:
+        if gate.rule in ("min", "max", "max_increase", "max_ratio_to_base") and gate.threshold is None:
             errors.at(where + ("threshold",), f"rule {gate.rule} needs a threshold")
         if gate.threshold is not None:
             ratio = gate.metric in metrics and metrics[gate.metric].unit == "ratio"
             bound = 1.0 if ratio else MAX_THRESHOLD  # a ratio's 75% is 0.75: 75 would be a typo
             low = 0.0 if gate.rule in ("improves", "no_regression") else -bound  # a margin
-            errors.in_range(where + ("threshold",), gate.threshold, low, bound)
+            multiple = gate.rule == "max_ratio_to_base"  # a multiple of the base (> 0), whatever the metric's unit
+            if multiple:
+                low, bound = 0.0, MAX_THRESHOLD
+            errors.in_range(where + ("threshold",), gate.threshold, low, bound, above_low=multiple)
         if gate.model is not None and gate.model not in ("candidate", "candidate-merged"):
             errors.at(where + ("model",), f"must be candidate or candidate-merged, got {gate.model!r}")

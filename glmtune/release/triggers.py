@@ -154,6 +154,8 @@ def _gate_bar(gate: dict[str, Any], higher_is_better: bool) -> float | None:
         return base - slack if higher_is_better else base + slack
     if rule == "max_increase":
         return base + slack
+    if rule == "max_ratio_to_base":
+        return base * slack
     return None
 
 
@@ -164,7 +166,7 @@ def _gate_signal(scorecard: dict[str, Any], label: str, gate: dict[str, Any], me
     try:
         return _signal(scorecard, label, metric, category, f"gate {gate.get('name')!r}")
     except ValueError:
-        if gate.get("rule") not in ("min", "max", "max_increase"):
+        if gate.get("rule") not in ("min", "max", "max_increase", "max_ratio_to_base"):
             return None
         return {"higher_is_better": gate["rule"] == "min", "unit": None, "eval_value": gate.get("value"),
                 "base_value": gate.get("base_value")}
