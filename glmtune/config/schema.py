@@ -80,6 +80,18 @@ class DataConfig:
     # Ratios (train/validation/test) carved from `train`, used only when `validation` is empty.
     split: dict[str, float] = field(default_factory=lambda: {"train": 0.98, "validation": 0.02})
     pii: Literal["report", "drop", "fail"] = "report"  # what to do with rows that look like they contain PII
+    # chat: conversations through the chat template (the keys above); text: raw documents for continued
+    # pretraining: every token a target, EOS after each document, no template (docs/data.md "Raw text")
+    kind: Literal["chat", "text"] = "chat"
+    text_field: str = "text"  # kind text: the JSONL key / Parquet column holding a document
+    text_separator: str | None = None  # kind text, .txt/.md files: null = one document per file, else split on it
+    source_field: str | None = None  # kind text: the key / column naming a document's source; null = its file
+    min_document_tokens: int = 1  # kind text: a document with fewer tokens (EOS not counted) is removed
+    max_document_tokens: int | None = None  # kind text: a document with more tokens is removed; null = no limit
+    # kind text: a document longer than a packed row: split into chunks of the row's length, cut to it, or skipped
+    long_documents: Literal["split", "truncate", "drop"] = "split"
+    long_document_overlap: int = 0  # kind text, split: tokens a chunk repeats from the previous one, as context only
+
 
 
 @dataclass

@@ -183,7 +183,8 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
         + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
-        + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg)
+        + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg) \
+        + text_data_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -272,6 +273,47 @@ def objective_errors(cfg: JobConfig) -> list[str]:
          "and score the run with glmtune eval's preference scorer"),
     ]
     return [message for ok, message in rules if not ok]
+
+
+_TEXT_KEYS = ("text_field", "text_separator", "source_field", "min_document_tokens", "max_document_tokens",
+              "long_documents", "long_document_overlap")
+_CHAT_KEYS = ("loss_on", "enable_thinking", "json_schema", "chat_template", "too_long", "synthetic")
+
+
+def text_data_errors(cfg: JobConfig) -> list[str]:
+    """`data.kind: text` (raw documents, docs/data.md) and its keys: each takes effect or is refused,
+    and the chat-only keys are refused with it (a text document has no template, turns or answers)."""
+    d, defaults = cfg.data, DataConfig()
+    changed = [key for key in (_TEXT_KEYS if d.kind == "chat" else _CHAT_KEYS)
+               if getattr(d, key) != getattr(defaults, key)]
+    if d.kind == "chat":
+        return [f"data.{key} is set but data.kind is chat; set data.kind: text or remove it" for key in changed]
+    errors = [f"data.{key} is for chat rows and data.kind is text; remove it"
+              + (" (a document longer than a row: see data.long_documents)" if key == "too_long" else "")
+              for key in changed]
+    size, overlap = d.packed_sequence_size, d.long_document_overlap
+    rules = [
+        (d.format != "hf_datasets", "data.format: hf_datasets with data.kind: text; text documents are read from "
+                                    ".txt/.md, .jsonl or .parquet files"),
+        (bool(d.text_field), "data.text_field is empty"),
+        (d.text_separator is None or d.text_separator != "", "data.text_separator is empty; null = one document "
+                                                              "per file"),
+        (d.source_field is None or (d.source_field and d.source_field != d.text_field),
+         f"data.source_field must name another key than data.text_field ({d.text_field!r}), or be null"),
+        (d.min_document_tokens >= 1, f"data.min_document_tokens must be >= 1, got {d.min_document_tokens}"),
+        (d.max_document_tokens is None or d.max_document_tokens >= d.min_document_tokens,
+         f"data.max_document_tokens ({d.max_document_tokens}) must be >= data.min_document_tokens "
+         f"({d.min_document_tokens}) or null"),
+        (0 <= overlap <= size // 2, f"data.long_document_overlap must be between 0 and half of "
+                                    f"data.packed_sequence_size ({size // 2}), got {overlap}"),
+        (overlap == 0 or d.long_documents == "split",
+         f"data.long_document_overlap is set but data.long_documents is {d.long_documents}; it applies to split"),
+        (cfg.train.objective == "sft", "train.objective: dpo needs preference rows; data.kind: text trains the "
+                                       "next-token loss (train.objective: sft)"),
+        (cfg.train.generate_samples == 0, "train.generate_samples answers held-out chat prompts; with data.kind: "
+                                          "text set it to 0"),
+    ]
+    return errors + [message for ok, message in rules if not ok]
 
 
 def auxiliary_loss_errors(cfg: JobConfig) -> list[str]:

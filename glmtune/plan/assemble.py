@@ -22,7 +22,7 @@ from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.registry import model_spec
 from glmtune.plan import cost as run_cost
 from glmtune.plan.data_tokens import EpochTokens, epoch_tokens, unreadable_data
-from glmtune.plan.floor import floor_table, recipe_row
+from glmtune.plan.floor import adapter_parameters, floor_table, model_parameters, recipe_row
 from glmtune.plan.hardware import gpu_spec
 from glmtune.plan.model_state import build_meta_model, memory_model_of
 from glmtune.plan.planner import degrees_for, plan_memory
@@ -73,8 +73,10 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     layout_note = memory_model_of(cfg).check_layout(spec.args_of(model), _base_parameters(model, cfg))
     report: dict[str, Any] = {
         "recipe": recipe,
-        "model": f"{cfg.model.validate_as or cfg.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} "
+        "model": f"{cfg.model.validate_as or cfg.model.name_or_path}: {model_parameters(model):,} "
                  f"parameters, {'LoRA r=' + str(cfg.peft.rank) if cfg.peft.method == 'lora' else 'full fine-tuning'}",
+        **({"adapters": f"LoRA r={cfg.peft.rank} adapters: {adapter_parameters(model):,} parameters (trained; "
+                        "not among the model's)"} if cfg.peft.method == "lora" else {}),
         "floor": [vars(row) for row in floor],
         "layout": {"world_size": degrees.world_size, "pp": degrees.pp, "dp_replicate": degrees.dp_replicate,
                    "dp_shard": degrees.dp_shard, "cp": degrees.cp, "ep": degrees.ep, "describe": degrees.describe()},

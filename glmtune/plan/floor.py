@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from glmtune.checkpoint.fp8_layout import SCALE_SUFFIX
 from glmtune.models.common.model_spec import ModelSpec
+from glmtune.peft.init import adapter_parameter_names
 from glmtune.plan.model_state import whole_model_state
 
 
@@ -33,9 +35,9 @@ class FloorRow:
 
 def _fp8_base_bytes(model: nn.Module) -> int:
     """e4m3 weights and fp32 block scales for every matrix (as GLM-5's FP8 checkpoint stores
-    them), the rest in bf16."""
+    them), the rest in bf16; of the model's own parameters (`model_parameters`)."""
     total = 0
-    for _, param in model.named_parameters():
+    for param in _own_parameters(model):
         if param.dim() >= 2 and param.shape[-1] % 128 == 0 and param.shape[-2] % 128 == 0:
             blocks = param.numel() // (128 * 128)
             total += param.numel() + 4 * blocks
@@ -46,8 +48,9 @@ def _fp8_base_bytes(model: nn.Module) -> int:
 
 def floor_table(model: nn.Module, lora_model: nn.Module | None = None) -> list[FloorRow]:
     """The guide's rows for `model` (the recipe's, any dtype), then the recipe's own figure.
-    `lora_model`: the same architecture with the recipe's (or default) LoRA adapters applied."""
-    n = sum(p.numel() for p in model.parameters())
+    `lora_model`: the same architecture with the recipe's (or default) LoRA adapters applied. The
+    model's parameters are the checkpoint's: a LoRA recipe's adapters count in the LoRA rows only."""
+    n = model_parameters(model)
     rows = [FloorRow("bf16 weights", 2 * n, f"{n:,} parameters x 2 B"),
             FloorRow("gradients (bf16)", 2 * n, "x 2 B"),
             FloorRow("Adam moments (fp32)", 8 * n, "x 8 B"),
@@ -62,6 +65,23 @@ def floor_table(model: nn.Module, lora_model: nn.Module | None = None) -> list[F
         rows.append(FloorRow("LoRA on an FP8 base", _fp8_base_bytes(model) + 16 * adapters,
                              "e4m3 matrices + fp32 128x128 scales, bf16 rest, adapters x 16 B"))
     return rows
+
+
+def _own_parameters(model: nn.Module) -> list[nn.Parameter]:
+    adapters = adapter_parameter_names(model)
+    return [p for name, p in model.named_parameters() if name not in adapters and not name.endswith(SCALE_SUFFIX)]
+
+
+def model_parameters(model: nn.Module) -> int:
+    """The parameters of the model itself: a LoRA recipe's adapters and an FP8 base's block scales (how its
+    weights are stored, not parameters) aside, so a LoRA recipe counts what its full fine-tune counts."""
+    return sum(p.numel() for p in _own_parameters(model))
+
+
+def adapter_parameters(model: nn.Module) -> int:
+    """The LoRA adapters' parameters of `model` (0 without adapters)."""
+    adapters = adapter_parameter_names(model)
+    return sum(p.numel() for name, p in model.named_parameters() if name in adapters)
 
 
 def recipe_row(model: nn.Module, spec: ModelSpec, masters: bool) -> FloorRow:

@@ -20,6 +20,8 @@ def _gib(nbytes: float) -> str:
 
 def print_report(report: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]{report['recipe']}[/bold]: {report['model']}")
+    if "adapters" in report:  # a LoRA recipe: its adapters on their own line, apart from the model's count
+        console.print(report["adapters"])
     floor = Table(title="Model-state floor (whole model, before activations)", title_justify="left")
     floor.add_column("state")
     floor.add_column("bytes", justify="right")

@@ -331,7 +331,8 @@ def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console:
     if info.is_main:
         (run_dir / "data_manifest.json").write_text(json.dumps(data.manifest, indent=2) + "\n")
         packing = data.manifest["train_packing"]
-        unit = "preference pairs" if cfg.train.objective == "dpo" else "conversations"
+        unit = "preference pairs" if cfg.train.objective == "dpo" else "documents" if cfg.data.kind == "text" \
+            else "conversations"
         console.print(f"data: {data.manifest['train_conversations']} train / "
                       f"{data.manifest['validation_conversations']} validation {unit} -> "
                       f"{packing['num_rows']} packed rows of {cfg.data.packed_sequence_size} "

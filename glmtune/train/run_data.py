@@ -23,6 +23,7 @@ from glmtune.data.sources import check_format, no_rows_message, read_rows
 from glmtune.data.split import split_rows
 from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.synthetic_preferences import generate_preference_rows
+from glmtune.data.text_run_data import prepare_text_data
 from glmtune.data.token_cache import tokenize_dataset, tokenize_preference_dataset
 from glmtune.data.tokenizer import load_tokenizer
 
@@ -60,6 +61,8 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     d = cfg.data
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
+    if d.kind == "text":  # raw documents: their own reader, contract and packing (text_run_data.py)
+        return _text(cfg, run_dir, tokenizer_dir, vocab_size)
     notes: list[str] = []
     rows, filters, schema = _checked_rows(cfg, data_dir, run_dir, notes)
     train_data, val_data, val_paths = _split(cfg, rows, data_dir, schema)
@@ -90,6 +93,14 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         "notes": notes,
     }
     return PreparedData(train_rows, val_rows, val_data, manifest, notes)
+
+
+def _text(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, vocab_size: int) -> PreparedData:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
+    text = prepare_text_data(cfg, run_dir, tokenizer_dir, tokenizer)
+    return PreparedData(text.train_rows, text.val_rows, [], text.manifest, text.notes)
 
 
 def _conversations(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema, tokenizer):
