@@ -3,9 +3,10 @@
   glmtune data validate PATH... [--schema S]    every contract violation as file:line: field: reason
   glmtune data prepare PATH... --out DIR         dedup, PII lint, group split, versioned JSONL + manifest
   glmtune data synth OUT [--kind K --rows N --seed S]   the bundled support-ticket task as JSONL (its
-                                                       documents as a folder: --kind support_docs)
+                                                       documents as a folder: --kind support_docs; a raw-text
+                                                       domain corpus as a folder: --kind domain_text)
 (prepare and synth refuse an existing non-empty output unless --overwrite; synth replaces a directory only by
-support_docs' own)
+support_docs' or domain_text's own)
 Each file's kind is detected from its rows: chat rows (`messages`) or preference rows
 (`prompt`/`chosen`/`rejected`); validate and prepare print it, prepare's manifest records it.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-SYNTH_KINDS = ("support_tickets", "support_preferences", "support_docs", "support_doc_questions")
+SYNTH_KINDS = ("support_tickets", "support_preferences", "support_docs", "support_doc_questions", "domain_text")
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -66,9 +67,16 @@ def _synth(args: argparse.Namespace) -> int:
     from glmtune.data.synthetic import SCHEMA_PATH, check_jsonl_target, generate_rows, write_jsonl
     from glmtune.data.synthetic_docs import generate_doc_questions, write_documents
     from glmtune.data.synthetic_preferences import generate_preference_rows
+    from glmtune.data.synthetic_text import CORPUS_FILE, HELDOUT_FILE, write_domain_text
 
     if args.kind in ("support_docs", "support_doc_questions") and args.rows is not None:
         raise ValueError(f"--rows: --kind {args.kind} is a fixed set per seed (6 products; 5 questions each)")
+    if args.kind == "domain_text":  # a directory: the corpus and its held-out sources
+        path, num_corpus, num_heldout = write_domain_text(args.out, seed=args.seed, overwrite=args.overwrite,
+                                                          **({} if args.rows is None else {"num_sources": args.rows}))
+        print(f"wrote {num_corpus} documents to {path / CORPUS_FILE} and {num_heldout} documents of held-out "
+              f"sources to {path / HELDOUT_FILE} (train with data.kind: text, data.source_field: source)")
+        return 0
     if args.kind == "support_docs":
         path = write_documents(args.out, seed=args.seed, overwrite=args.overwrite)
         print(f"wrote the support documents (triage policy and product catalog) to {path}/")
@@ -123,15 +131,17 @@ def register(subparsers: Any) -> None:
         description="Generate the deterministic support-ticket triage task (JSON answers, ~20%% tool calls), "
                     "as chat rows or as preference pairs (chosen = the reference answer, rejected = a wrong "
                     "severity, a wrong next action or invalid JSON).")
-    synth.add_argument("out", metavar="OUT", help="output .jsonl path (a directory for support_docs)")
+    synth.add_argument("out", metavar="OUT", help="output .jsonl path (a directory for support_docs and domain_text)")
     synth.add_argument("--kind", choices=SYNTH_KINDS, default=SYNTH_KINDS[0],
                        help="support_tickets: chat rows; support_preferences: prompt/chosen/rejected rows; "
                             "support_docs: the task's documents (triage policy, product catalog: Markdown files); "
-                            "support_doc_questions: questions only those documents answer (a facts set) "
+                            "support_doc_questions: questions only those documents answer (a facts set); "
+                            "domain_text: a raw-text domain corpus (contracts and manuals) for continued "
+                            "pretraining, OUT/corpus.jsonl and OUT/heldout.jsonl of held-out sources "
                             "(default: support_tickets)")
     synth.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier data synth output "
-                       "(never anything else; a directory only by support_docs' own)")
+                       "(never anything else; a directory only by support_docs' or domain_text's own)")
     synth.add_argument("--rows", type=int, default=None, help="number of rows (default: 2000; not for the "
-                       "documents and their questions)")
+                       "documents and their questions; domain_text: number of sources, default 160)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     synth.set_defaults(func=_synth)

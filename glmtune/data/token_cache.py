@@ -34,6 +34,7 @@ $XDG_CACHE_HOME/glmtune, else ~/.cache/glmtune; entries live in `tokenized/`.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import math
@@ -47,7 +48,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from glmtune.data.chat_template import (IGNORE_INDEX, LOSS_ON_CHOICES, LossOn, TokenizedSample, chat_format,
-                                        load_chat_template, tokenize_row)
+                                        control_tokens, load_chat_template, tokenize_row)
 from glmtune.data.contract import check_or_raise
 from glmtune.data.preferences import check_preferences_or_raise, tokenize_pair
 from glmtune.data.sources import inputs_sha256, read_rows
@@ -193,6 +194,50 @@ class TokenizationCache:
         sidecar = {"key": key, "num_samples": len(samples), "num_tokens": int(offsets[-1]), **(meta or {})}
         path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2) + "\n")
         return path
+
+
+class StreamingEntry:
+    """A cache entry written a sample at a time, for corpora larger than memory (raw text,
+    `text_corpus.py`): the tokens go to a temporary file as they come, only the offsets stay in
+    memory; `commit` then writes the `.npz` exactly as `put` would (same members, `.npy` headers
+    and checks on read) by copying that file in chunks, and puts it in place atomically. Labels are
+    the tokens themselves (every token of raw text is a target; the packer applies the boundary
+    rule)."""
+
+    def __init__(self, cache: TokenizationCache, key: str):
+        cache.directory.mkdir(parents=True, exist_ok=True)
+        self.path, self.key = cache.path(key), key
+        fd, raw = tempfile.mkstemp(dir=cache.directory, prefix=f".{key}.", suffix=".tokens")
+        self.raw_path = Path(raw)
+        self.raw = os.fdopen(fd, "wb")
+        self.offsets = array.array("q", [0])
+
+    def append(self, input_ids: list[int]) -> None:
+        np.asarray(input_ids, dtype=np.int32).tofile(self.raw)
+        self.offsets.append(self.offsets[-1] + len(input_ids))
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        self.raw.close()
+        num_tokens = self.offsets[-1]
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.key}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name in ("input_ids", "labels"):
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as member, open(self.raw_path, "rb") as raw:
+                    np.lib.format.write_array_header_1_0(member, {"descr": np.lib.format.dtype_to_descr(
+                        np.dtype(np.int32)), "fortran_order": False, "shape": (num_tokens,)})
+                    while chunk := raw.read(1 << 22):
+                        member.write(chunk)
+            with archive.open("offsets.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.frombuffer(self.offsets, dtype=np.int64), allow_pickle=False)
+        os.replace(tmp, self.path)
+        self.raw_path.unlink()
+        sidecar = {"key": self.key, "num_samples": len(self.offsets) - 1, "num_tokens": num_tokens, **meta}
+        self.path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2) + "\n")
+        return self.path
+
+    def discard(self) -> None:
+        self.raw.close()
+        self.raw_path.unlink(missing_ok=True)
 
 
 @dataclass

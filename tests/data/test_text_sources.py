@@ -1,0 +1,117 @@
+"""Raw-text readers (glmtune/data/text_sources.py): .txt/.md, JSONL, Parquet, and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from glmtune.data.text_sources import TextReadOptions, read_documents
+
+
+def _docs(paths, **options):
+    return [(d.text, d.source, d.origin.line) for d in read_documents(paths, TextReadOptions(**options))]
+
+
+def test_plain_files_one_document_per_file_and_folder_sources(tmp_path: Path) -> None:
+    (tmp_path / "corpus" / "b").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.md").write_text("# Title\n\nBody <|user|> text.\n")
+    (tmp_path / "corpus" / "b" / "c.txt").write_text("\n\nsecond file\n")
+    (tmp_path / "corpus" / "notes.csv").write_text("ignored")
+    (tmp_path / "corpus" / ".hidden.txt").write_text("ignored")
+    (tmp_path / "corpus" / "blank.txt").write_text("  \n\n")
+    assert _docs([tmp_path / "corpus"]) == [("# Title\n\nBody <|user|> text.", "a.md", 1),
+                                             ("second file", "b/c.txt", 3)]
+
+
+def test_separator_splits_a_file_even_across_lines(tmp_path: Path) -> None:
+    path = tmp_path / "manual.txt"
+    path.write_text("one\ntwo\n\n===\n\nthree\n===\nfour")
+    assert _docs([path], separator="\n===\n") == [("one\ntwo", "manual.txt", 1), ("three", "manual.txt", 6),
+                                                  ("four", "manual.txt", 8)]
+
+
+def test_jsonl_named_field_and_source_field(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    rows = [{"body": "alpha", "family": "f1"}, {"body": "beta", "family": 7}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    assert _docs([path], text_field="body") == [("alpha", "docs.jsonl", 1), ("beta", "docs.jsonl", 2)]
+    assert _docs([path], text_field="body", source_field="family") == [("alpha", "f1", 1), ("beta", "7", 2)]
+    with pytest.raises(ValueError, match=r"docs\.jsonl:1: the text field 'text' is missing, not a string"):
+        _docs([path])
+
+
+def test_parquet_text_column_streamed_by_batches(tmp_path: Path) -> None:
+    path = tmp_path / "docs.parquet"
+    texts = [f"document {i}" for i in range(600)]
+    pq.write_table(pa.table({"content": texts, "family": [f"s{i % 3}" for i in range(600)]}), path,
+                   row_group_size=100)
+    docs = _docs([path], text_field="content", source_field="family")
+    assert [d[0] for d in docs] == texts and docs[599] == ("document 599", "s2", 599)
+    with pytest.raises(ValueError, match=r"docs\.parquet: no column 'text' \(columns: content, family\)"):
+        _docs([path])
+
+
+def test_binary_file_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "image.txt"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(ValueError, match=r"image\.txt: a binary file \(a NUL byte at offset 8\), not text"):
+        _docs([path])
+    late = tmp_path / "late.jsonl"  # a NUL past the first 8 KiB: the line that holds it
+    late.write_bytes(b'{"text": "ok"}\n' * 1000 + b"\x00\n")
+    with pytest.raises(ValueError, match=r"late\.jsonl:1001: a binary file \(a NUL byte on this line\), not text"):
+        _docs([late])
+
+
+def test_invalid_utf8_names_file_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.md"
+    path.write_bytes("fine\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.md:2: not valid UTF-8 \(byte 0xe9 at column 4\)"):
+        _docs([path])
+
+
+def test_huge_single_line_refused_without_reading_it_whole(tmp_path: Path) -> None:
+    """A 24 MB line with a 1 MB bound: refused, and the reader's peak memory grows by far less than
+    the line (it reads at most the bound)."""
+    path = tmp_path / "one_line.txt"
+    with path.open("wb") as f:
+        for _ in range(24):
+            f.write(b"x" * (1 << 20))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with pytest.raises(ValueError, match=r"one_line\.txt:1: a line longer than 1,048,576 bytes"):
+        _docs([path], max_line_bytes=1 << 20)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 12 * 1024, grown_kib
+
+
+def test_document_bound(tmp_path: Path) -> None:
+    path = tmp_path / "book.txt"
+    path.write_text("a line of text\n" * 1000)
+    with pytest.raises(ValueError, match=r"book\.txt:1: a document longer than 4,096 bytes"):
+        _docs([path], max_document_bytes=4096)
+
+
+def test_jsonl_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object, got list"):
+        _docs([path])
+    path.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: invalid JSON"):
+        _docs([path])
+
+
+def test_unsupported_inputs(tmp_path: Path) -> None:
+    (tmp_path / "x.csv").write_text("a")
+    with pytest.raises(ValueError, match=r"x\.csv: unsupported text file"):
+        _docs([tmp_path / "x.csv"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty holds no \.txt, \.md, \.jsonl, \.parquet files"):
+        _docs([tmp_path / "empty"])
+    (tmp_path / "a.txt").write_text("a")
+    with pytest.raises(ValueError, match=r"a\.txt: data.format is 'jsonl' but this input is not a \.jsonl file"):
+        _docs([tmp_path / "a.txt"], file_format="jsonl")
