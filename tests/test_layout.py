@@ -81,6 +81,7 @@ ALLOWED = {
     "distill": _BELOW_TRAIN | {"train", "eval"},  # `glmtune distill generate`: eval's endpoint client and scorers
     "cli": _BELOW_TRAIN | {"train", "eval", "release", "plan", "preflight", "decide", "root", "distill"},
     "root": _BELOW_TRAIN | {"models.family"},  # glmtune/__init__.py: the Python API
+    "api": _BELOW_TRAIN | {"train", "eval"},  # glmtune/api.py: load a recipe, train, evaluate (docs/python-api.md)
 }
 
 # Violations not yet removed: (importing module, imported module) for floors and cycles,
