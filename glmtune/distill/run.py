@@ -111,12 +111,12 @@ def settings(o: GenerateOptions, teacher: dict[str, Any], tokenizer_dir: Path, v
             "token_ids": o.token_ids if o.top_logprobs else None, "logprob_dtype": o.logprob_dtype}
 
 
-def _endpoint_teacher(o: GenerateOptions, tokenizer, template: str):
+def _endpoint_teacher(o: GenerateOptions, tokenizer, template: str, log: Callable[[str], None]):
     o.endpoint.candidate_model = o.teacher_model  # resolve_endpoint reads the model of its role from there
     o.endpoint.api = o.api
     source = resolve_endpoint(o.teacher, "teacher", o.endpoint)
     teacher = EndpointTeacher(source, o.endpoint, tokenizer, template, o.decoding, o.top_logprobs, o.token_ids,
-                              o.rate_limit, o.enable_thinking)
+                              o.rate_limit, o.enable_thinking, log)
     return teacher, source.fingerprint(), len(tokenizer), {"endpoint": source.source, "model": source.model}
 
 
@@ -152,7 +152,7 @@ def run_generate(o: GenerateOptions, log: Callable[[str], None] = print) -> dict
         check_output(o.out, sources=reads, what="--out", command="distill generate")
     tokenizer, template = load_tokenizer(tokenizer_dir), load_chat_template(tokenizer_dir)
     if local is None:
-        teacher, identity, vocab, stable = _endpoint_teacher(o, tokenizer, template)
+        teacher, identity, vocab, stable = _endpoint_teacher(o, tokenizer, template, log)
     else:
         teacher, identity, vocab, stable = _local_teacher(o, local, tokenizer, template)
     output = Output(o.out, settings(o, stable, tokenizer_dir, verifier), o.top_logprobs, vocab, o.logprob_dtype)
@@ -176,6 +176,8 @@ def run_generate(o: GenerateOptions, log: Callable[[str], None] = print) -> dict
     finally:
         faults = teacher.faults.summary() if local is None else None
         result = summary(output, counts, len(prompts), began, faults)
+        if local is None and teacher.notes:
+            result["engine_notes"] = list(teacher.notes)
         output.write_manifest(status=status, counts=result)
         output.close()
         if local is None:

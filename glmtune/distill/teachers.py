@@ -12,7 +12,9 @@ Two request modes, as `glmtune eval --api`: `completions` renders the prompt wit
 tokenizer's chat template (the text the student is trained on) and asks for `logprobs: K`;
 `chat` sends the messages and tools (the engine's template and tool parser) and asks for
 `logprobs: true, top_logprobs: K`. With `token_ids` (default) the request also asks for
-`return_tokens_as_token_ids` (vLLM: tokens come back as "token_id:N"; other engines ignore it).
+`return_tokens_as_token_ids` (vLLM: tokens come back as "token_id:N"; SGLang ignores it); an
+engine that refuses it (HTTP 400/422 on the first such requests: transformers serve refuses unknown
+fields) gets the request again without it, said in one line, and its token strings are mapped.
 
 The in-process teacher decodes with `glmtune.generation.generate` (greedy or seeded sampling,
 the template's stop tokens) and takes the top-K of log_softmax of each step's logits: the raw
@@ -33,7 +35,7 @@ from glmtune.data.chat_generation import stop_token_ids, stop_tokens
 from glmtune.data.chat_template import chat_format, render_conversation
 from glmtune.distill.teacher_logprobs import Malformed, TokenMap, TopK, check_spells, cut_at_stop, from_chat, \
     from_completion
-from glmtune.eval.endpoint_client import FaultLog, call
+from glmtune.eval.endpoint_client import FaultLog, RequestFailed, call
 from glmtune.eval.endpoint_responses import read
 from glmtune.eval.endpoint_source import EndpointOptions, EndpointSource, client_for
 from glmtune.eval.suite import DecodingConfig
@@ -94,7 +96,7 @@ class EndpointTeacher:
 
     def __init__(self, source: EndpointSource, options: EndpointOptions, tokenizer: Any, template: str,
                  decoding: DecodingConfig, top_logprobs: int | None, token_ids: bool, rate_limit: float | None,
-                 enable_thinking: bool = False) -> None:
+                 enable_thinking: bool = False, log=print) -> None:
         self.source, self.tokenizer, self.template, self.decoding = source, tokenizer, template, decoding
         self.k, self.token_ids, self.enable_thinking = top_logprobs, token_ids, enable_thinking
         self.policy = options.policy()
@@ -105,6 +107,9 @@ class EndpointTeacher:
         self.tokens = TokenMap(tokenizer) if top_logprobs else None
         self.stops = stop_tokens(tokenizer, template)
         self.stop_ids = stop_token_ids(tokenizer, template)
+        self.log, self.notes = log, []  # what the run learned of the engine, said once each
+        self._lock = threading.Lock()
+        self._ids_answered = False  # a response to a request asking for token ids has come
 
     def close(self) -> None:
         self.client.close()
@@ -128,7 +133,7 @@ class EndpointTeacher:
         else:
             request = lambda: self._chat(messages, tools, seed)  # noqa: E731
         self.limit.wait()
-        text, finish, logprobs, calls = call(request, self.faults, self.policy, self.source.source)
+        text, finish, logprobs, calls = self._call(request)
         parse = from_completion if self.source.api == "completions" else from_chat
         cut = _cut(text, self.stops)
         if not self.k:
@@ -140,6 +145,31 @@ class EndpointTeacher:
         if calls is None:  # the chat API's tool calls are not in the content's tokens
             check_spells(topk, cut, self.tokenizer)
         return Answer(cut, finish, topk, calls=calls)
+
+    def _call(self, request):
+        """`call(request)`; while token ids are asked and not yet answered, a 400 or 422 (an engine that
+        refuses unknown fields: transformers serve) turns them off, said once, and the request is sent
+        again (the refused attempt counted apart, as a probe)."""
+        probing = bool(self.k and self.token_ids and not self._ids_answered)
+        log = FaultLog() if probing else self.faults
+        try:
+            result = call(request, log, self.policy, self.source.source)
+        except RequestFailed as exc:
+            if not (probing and exc.kind in ("http 400", "http 422")):
+                if probing:
+                    self.faults.merge(log)
+                raise
+            with self._lock:
+                if self.token_ids:
+                    self.token_ids = False
+                    self.notes.append(f"the engine refused return_tokens_as_token_ids ({exc.kind}): its token "
+                                      "strings are mapped through the tokenizer")
+                    self.log(self.notes[-1])
+            return call(request, self.faults, self.policy, self.source.source)
+        if probing:
+            self.faults.merge(log)
+            self._ids_answered = True
+        return result
 
     def _complete(self, prompt: str, seed: int):
         args = self._sampling(seed)

@@ -9,11 +9,14 @@ from the prompt's sha256 (so every row's answer is its own and a rerun gets the 
 token, its log-prob and K alternatives (the token itself first, then K - 1 other ids), spelled
 "token_id:N" when the request asks for `return_tokens_as_token_ids`, else as the token's text;
 after the answer's tokens comes the end-of-turn token (vLLM includes the EOS it stopped at).
+POST /v1/chat/completions answers the last user turn (`answer_for(its content, seed)`) with the
+chat API's `logprobs.content` (token, logprob, bytes, top_logprobs).
 
 `mode` breaks the answers on purpose: "no_logprobs" (transformers serve), "wrong_k" (K + 2
 alternatives), "out_of_vocab" (an id past the vocabulary), "short" (one position fewer than the
 answer's tokens), "unmappable" (a token string that is no token), "nan" (a NaN in the JSON),
-"fail" (HTTP 500 for every request after `fail_after`). `hold_after`: requests after that many
+"fail" (HTTP 500 for every request after `fail_after`), "refuse_ids" (HTTP 422 for a request
+asking for `return_tokens_as_token_ids`, as transformers serve refuses unknown fields). `hold_after`: requests after that many
 wait until `release` is set (a test kills the client meanwhile). `requests` counts the requests
 per prompt hash.
 """
@@ -101,6 +104,21 @@ class TeacherStub:
             choice["logprobs"] = self.logprobs(ids, k, bool(body.get("return_tokens_as_token_ids")))
         return {"id": "c", "object": "text_completion", "created": 0, "model": "teacher", "choices": [choice]}
 
+    def chat(self, body: dict) -> dict:
+        """/v1/chat/completions: the answer to the last user turn, log-probs in the chat API's form."""
+        last_user = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
+        text = answer_for(last_user, body.get("seed", 0), self.bad_json)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        if body.get("logprobs") and self.mode != "no_logprobs":
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            flat = self.logprobs(ids, body["top_logprobs"], bool(body.get("return_tokens_as_token_ids")))
+            spelled = lambda token: list(token.encode())  # noqa: E731 - the bytes field vLLM sends
+            choice["logprobs"] = {"content": [
+                {"token": token, "logprob": lp, "bytes": spelled(token),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": spelled(t)} for t, v in top.items()]}
+                for token, lp, top in zip(flat["tokens"], flat["token_logprobs"], flat["top_logprobs"])]}
+        return {"id": "c", "object": "chat.completion", "created": 0, "model": "teacher", "choices": [choice]}
+
     def _handler(self):
         stub = self
 
@@ -122,12 +140,15 @@ class TeacherStub:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.authorization.add(self.headers.get("Authorization", ""))
-                number = stub._count(body["prompt"])
+                chat = self.path.endswith("/chat/completions")
+                number = stub._count(json.dumps(body["messages"]) if chat else body["prompt"])
                 if stub.hold_after is not None and number > stub.hold_after:
                     stub.release.wait(timeout=300)
+                if stub.mode == "refuse_ids" and "return_tokens_as_token_ids" in body:  # transformers serve
+                    return self._send(422, b'{"detail": "Unexpected fields in the request"}')
                 if stub.mode == "fail" and number > (stub.fail_after or 0):
                     return self._send(500, b'{"error": "engine down"}')
-                data = json.dumps(stub.completion(body)).encode()
+                data = json.dumps(stub.chat(body) if chat else stub.completion(body)).encode()
                 if stub.mode == "nan":
                     data = data.replace(b"-0.25", b"NaN", 1)
                 self._send(200, data)

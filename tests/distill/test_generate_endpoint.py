@@ -70,9 +70,14 @@ def _expected(data: Path, tokenizer) -> dict[str, str]:
             for p in read_prompts([data])}
 
 
-def _check_complete(out: Path, data: Path, tokenizer, k: int = 4) -> None:
+def _expected_chat(data: Path) -> dict[str, str]:
+    return {p.row_id: answer_for(next(m["content"] for m in reversed(p.messages) if m["role"] == "user"),
+                                 sample_seed(0, p.row_id, 0)) for p in read_prompts([data])}
+
+
+def _check_complete(out: Path, data: Path, tokenizer, k: int = 4, chat: bool = False) -> None:
     """Every prompt answered once, as the stub answers it; the sidecar holds exactly the rows' tokens."""
-    rows, expected = _rows(out), _expected(data, tokenizer)
+    rows, expected = _rows(out), _expected_chat(data) if chat else _expected(data, tokenizer)
     assert sorted(r["id"] for r in rows) == sorted(expected)  # none lost, none twice
     reader = TopKReader(out / "topk")
     assert sorted(reader.row_ids) == sorted(expected) and reader.k == k
@@ -87,13 +92,15 @@ def _check_complete(out: Path, data: Path, tokenizer, k: int = 4) -> None:
         assert torch.all(logprobs[:, 1] == -2.0) and torch.all(logprobs[:, 1:].diff(dim=-1) < 0)
 
 
-@pytest.mark.parametrize("token_ids", [True, False], ids=["token_ids", "token_strings"])
-def test_rows_sidecar_and_manifest(stub, data, tokenizer, tmp_path, capsys, monkeypatch, token_ids):
+@pytest.mark.parametrize(("api", "token_ids"), [("completions", True), ("completions", False), ("chat", True),
+                                                ("chat", False)])
+def test_rows_sidecar_and_manifest(stub, data, tokenizer, tmp_path, capsys, monkeypatch, api, token_ids):
     monkeypatch.setenv("TEACHER_KEY", "sk-secret-123")
     out = tmp_path / "out"
-    extra = ["--top-logprobs", "4", "--concurrency", "4", "--api-key-env", "TEACHER_KEY"]
-    assert main(_argv(data, out, stub.url, *extra, *([] if token_ids else ["--no-token-ids"]))) == 0
-    _check_complete(out, data, tokenizer)
+    extra = ["--top-logprobs", "4", "--concurrency", "4", "--api-key-env", "TEACHER_KEY", "--api", api,
+             *([] if token_ids else ["--no-token-ids"])]
+    assert main(_argv(data, out, stub.url, *extra)) == 0
+    _check_complete(out, data, tokenizer, chat=api == "chat")
     manifest = _manifest(out)
     assert manifest["status"] == "complete" and manifest["counts"]["done"] == ROWS
     assert manifest["counts"]["failed"] == 0 and manifest["counts"]["rows_without_topk"] == 0
@@ -103,7 +110,7 @@ def test_rows_sidecar_and_manifest(stub, data, tokenizer, tmp_path, capsys, monk
     assert f"{ROWS} rows done, 0 rejected, 0 failed" in capsys.readouterr().out
     # A rerun asks nothing: every row is done.
     before = stub.total
-    assert main(_argv(data, out, stub.url, *extra, *([] if token_ids else ["--no-token-ids"]))) == 0
+    assert main(_argv(data, out, stub.url, *extra)) == 0
     assert stub.total == before and len(_rows(out)) == ROWS
 
 
@@ -135,6 +142,17 @@ def test_a_teacher_without_logprobs_gives_sequence_level_rows(stub, data, tmp_pa
     assert len(_rows(out)) == ROWS and TopKReader(out / "topk").row_ids == []
     counts = _manifest(out)["counts"]
     assert counts["rows_without_topk"] == ROWS and "sequence-level" in counts["note"]
+
+
+def test_an_engine_refusing_token_ids_is_asked_again_without_them(stub, data, tokenizer, tmp_path, capsys):
+    stub.mode = "refuse_ids"
+    out = tmp_path / "out"
+    assert main(_argv(data, out, stub.url, "--top-logprobs", "4", "--concurrency", "1")) == 0
+    assert capsys.readouterr().out.count("refused return_tokens_as_token_ids (http 422)") == 1
+    _check_complete(out, data, tokenizer)  # the token strings, mapped, give the same sidecar
+    counts = _manifest(out)["counts"]
+    assert counts["endpoint"]["failed_requests"] == 0 and len(counts["engine_notes"]) == 1
+    assert stub.total == ROWS + 1  # one refused request, asked again
 
 
 def test_a_teacher_failing_midway_loses_nothing_and_resumes(stub, data, tokenizer, tmp_path, capsys):
