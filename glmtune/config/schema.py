@@ -115,8 +115,9 @@ class TrainConfig:
     master_weights: Literal["auto", "fp32", "none"] = "auto"
     generate_samples: int = 0  # held-out prompts answered greedily before and after training, scored (3 printed)
     # sft: next-token loss on the assistant turns; dpo: preference optimization on prompt/chosen/rejected
-    # rows (the `dpo` section; docs/preference.md)
-    objective: Literal["sft", "dpo"] = "sft"
+    # rows (the `dpo` section; docs/preference.md); distill: SFT's loss on a teacher's answers plus a KL to its
+    # top-K log-probabilities (the `distill` section; docs/distill.md)
+    objective: Literal["sft", "dpo", "distill"] = "sft"
     # GLM-5's multi-token-prediction layer predicts token t+2 from the model's state at t and the
     # embedding of t+1 (what serving engines draft with); its loss, averaged over its own supervised
     # tokens, is added with this weight and the MTP layer trains (0: frozen, no loss). docs/auxiliary-losses.md
@@ -164,6 +165,17 @@ class DpoConfig:
     # log-probabilities computed once before training and cached); none: reference-free (SimPO)
     reference: Literal["model", "none"] = "model"
     simpo_gamma: float = 0.5  # SimPO's target reward margin (reference: none only)
+
+
+@dataclass
+class DistillConfig:
+    """Distillation (`train.objective: distill`) from a teacher directory (`glmtune distill generate`'s,
+    named by data.train); the losses and their choices in docs/distill.md."""
+
+    # λ: weight of the KL between the teacher's top-K distribution (the rest of its mass as one bucket) and
+    # the student's, beside the cross-entropy on the teacher's tokens; 0: sequence-level only (no log-probs read)
+    weight: float = 1.0
+    temperature: float = 1.0  # both distributions softened by it; the KL is multiplied by its square
 
 
 @dataclass
@@ -253,6 +265,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)

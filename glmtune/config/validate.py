@@ -41,7 +41,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from glmtune.config.degrees import MeshDegrees, raise_config_errors as _raise
-from glmtune.config.schema import DataConfig, DpoConfig, JobConfig, ParallelConfig, PeftConfig
+from glmtune.config.schema import DataConfig, DistillConfig, DpoConfig, JobConfig, ParallelConfig, PeftConfig
 
 # A model family's limit on one setting: (dotted config key, the values it honours, the rest of the
 # sentence that refuses another value). The families state them as plain data (models/common/family.py).
@@ -238,10 +238,14 @@ def objective_errors(cfg: JobConfig) -> list[str]:
     """`train.objective` and the `dpo` section: settings that would be ignored, or that the
     preference objective cannot honour (why: docs/preference.md)."""
     t, dpo, d = cfg.train, cfg.dpo, cfg.data
+    errors = distill_errors(cfg)
+    if t.objective == "distill":
+        return errors + [f"dpo.{f.name} is set but train.objective is distill; remove it" for f in
+                         dataclasses.fields(DpoConfig) if getattr(dpo, f.name) != getattr(DpoConfig(), f.name)]
     if t.objective == "sft":
         defaults = DpoConfig()
-        errors = [f"dpo.{f.name} is set but train.objective is sft; set train.objective: dpo or remove it"
-                  for f in dataclasses.fields(DpoConfig) if getattr(dpo, f.name) != getattr(defaults, f.name)]
+        errors += [f"dpo.{f.name} is set but train.objective is sft; set train.objective: dpo or remove it"
+                   for f in dataclasses.fields(DpoConfig) if getattr(dpo, f.name) != getattr(defaults, f.name)]
         if d.synthetic is not None and d.synthetic.kind == "support_preferences":
             errors.append("data.synthetic.kind: support_preferences makes preference rows; train.objective: sft "
                           "needs chat rows (kind support_tickets), or set train.objective: dpo")
@@ -271,6 +275,31 @@ def objective_errors(cfg: JobConfig) -> list[str]:
         (t.generate_samples == 0,
          "train.generate_samples answers held-out prompts for SFT runs; with train.objective: dpo set it to 0 "
          "and score the run with glmtune eval's preference scorer"),
+    ]
+    return errors + [message for ok, message in rules if not ok]
+
+
+def distill_errors(cfg: JobConfig) -> list[str]:
+    """`train.objective: distill` and the `distill` section (docs/distill.md): each key takes effect or is
+    refused here; the teacher directory itself (manifest, tokenizer, sidecar) when the data is read."""
+    t, x, d, p = cfg.train, cfg.distill, cfg.data, cfg.parallel
+    if t.objective != "distill":
+        return [f"distill.{f.name} is set but train.objective is {t.objective}; set train.objective: distill or "
+                "remove it" for f in dataclasses.fields(DistillConfig)
+                if getattr(x, f.name) != getattr(DistillConfig(), f.name)]
+    rules = [
+        (math.isfinite(x.weight) and x.weight >= 0, f"distill.weight must be >= 0, got {x.weight}"),
+        (math.isfinite(x.temperature) and x.temperature > 0, f"distill.temperature must be > 0, got {x.temperature}"),
+        (x.weight > 0 or x.temperature == DistillConfig().temperature,
+         "distill.temperature is set but distill.weight is 0 (sequence-level only: no KL to soften); remove it"),
+        (len(d.train) == 1 and d.synthetic is None,
+         "train.objective: distill reads one teacher directory: data.train must name its rows file alone "
+         "(no data.synthetic)"),
+        (d.too_long == "drop", "data.too_long: truncate with train.objective: distill: a cut answer is not the "
+                               "teacher's; set data.too_long: drop"),
+        (x.weight <= 0 or (p.pp == 1 and p.cp == 1),
+         f"distill.weight > 0 with parallel.pp: {p.pp}, parallel.cp: {p.cp}: the KL term needs whole rows and the "
+         "head in one process (FSDP, HSDP and EP layouts); set parallel.pp and parallel.cp to 1, or distill.weight: 0"),
     ]
     return [message for ok, message in rules if not ok]
 

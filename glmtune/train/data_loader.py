@@ -14,7 +14,7 @@ import torch
 
 from glmtune.data.packing import next_token_targets, second_next_targets
 from glmtune.models.common.document_masks import longest_document, single_document_rows
-from glmtune.models.common.microbatch import REFERENCE_LOGPS
+from glmtune.models.common.microbatch import REFERENCE_LOGPS, TEACHER_IDS, TEACHER_LOGPS, TEACHER_MASK
 
 # A preference run's reference log-probabilities (reference_logps.py): per supervised target in a
 # packed row, [B, T] fp32 beside `targets` in a batch (`MicroBatch.ref_token_logps`, which
@@ -48,7 +48,22 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, Any]:
         ref = torch.zeros(batch["targets"].shape, dtype=torch.float32)
         ref[batch["targets"] != -100] = torch.cat([r[REFERENCE_CACHE] for r in rows])
         batch[REFERENCE_CACHE] = ref
+    if TEACHER_IDS in rows[0]:  # a distillation run's teacher top-K at its positions (distill_data.py)
+        batch.update(_teacher_top_k(rows, batch["targets"].shape))
     return batch
+
+
+def _teacher_top_k(rows: list[dict[str, Any]], shape: torch.Size) -> dict[str, torch.Tensor]:
+    """[B, T, K] ids and log-probabilities, [B, T] mask, of rows whose `teacher_positions` list the
+    target positions their [n, K] `teacher_ids` / `teacher_logps` belong to (zeros elsewhere)."""
+    k = rows[0][TEACHER_IDS].shape[1]
+    ids = torch.zeros(*shape, k, dtype=torch.long)
+    logps = torch.zeros(*shape, k, dtype=torch.float32)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        positions = torch.as_tensor(row["teacher_positions"], dtype=torch.long)
+        ids[b, positions], logps[b, positions], mask[b, positions] = row[TEACHER_IDS], row[TEACHER_LOGPS], True
+    return {TEACHER_IDS: ids, TEACHER_LOGPS: logps, TEACHER_MASK: mask}
 
 
 class PackedRowLoader:

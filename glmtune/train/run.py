@@ -66,6 +66,7 @@ from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
+from glmtune.train.distill_loss import distill_settings
 from glmtune.train.preference import PreferenceObjective, pair_counts, preference_summary
 from glmtune.train.precision import Precision, bf16_only_warning, bf16_rounded_away, resolve_precision
 from glmtune.train.model_source import build_model_from_config, tokenizer_dir_for
@@ -481,6 +482,8 @@ def objective(cfg: JobConfig, settings: TrainerSettings) -> TrainerSettings:
             settings, auxiliary=AuxiliaryLosses(t.mtp_loss_weight, t.indexer_loss_weight),
             unit_counts=NextTokenUnits(mtp=t.mtp_loss_weight > 0, queries=t.indexer_loss_weight > 0),
             indexer_warmup_steps=t.indexer_warmup_steps, router_bias_after=t.indexer_warmup_steps)
+    if cfg.train.objective == "distill":  # SFT's loss plus the teacher's KL (distill_loss.py)
+        return distill_settings(cfg.distill, settings)
     preference = PreferenceObjective(cfg.dpo, lora=cfg.peft.method == "lora")
     return dataclasses.replace(settings, unit_counts=pair_counts, rows_loss=preference, prepare=preference.prepare,
                                stats_prefix="dpo/")

@@ -7,6 +7,7 @@ group-aware split, tokenization through the cache, packing. `glmtune plan` uses 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from glmtune.data.synthetic_preferences import generate_preference_rows
 from glmtune.data.text_run_data import prepare_text_data
 from glmtune.data.token_cache import tokenize_dataset, tokenize_preference_dataset
 from glmtune.data.tokenizer import load_tokenizer
+from glmtune.train.distill_data import distilled_conversations, open_teacher, teacher_notes
 
 
 @dataclass
@@ -71,7 +73,11 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     if len(tokenizer) > vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
     tokenize_and_pack = _pairs if cfg.train.objective == "dpo" else _conversations
+    teacher = open_teacher(cfg, tokenizer_dir, vocab_size) if cfg.train.objective == "distill" else None
+    if teacher is not None:  # distillation with λ > 0: rows aligned with the teacher's top-K (distill_data.py)
+        tokenize_and_pack = functools.partial(distilled_conversations, teacher)
     train_tok, train_rows, train_stats = tokenize_and_pack(cfg, [train_file], tokenizer_dir, schema, tokenizer)
+    notes += teacher_notes(teacher, "training") if teacher is not None else []
     unit = "pairs" if cfg.train.objective == "dpo" else "conversations"
     packing_notes = _packing_notes(train_stats, f"training {unit}", d.packed_sequence_size, d.too_long)
     if not train_rows:
@@ -82,6 +88,7 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     val_rows, val_stats = [], None
     if val_paths:
         _, val_rows, val_stats = tokenize_and_pack(cfg, val_paths, tokenizer_dir, schema, tokenizer)
+        notes += teacher_notes(teacher, "validation") if teacher is not None else []
         notes += _packing_notes(val_stats, f"validation {unit}", d.packed_sequence_size, d.too_long)
     manifest = {
         "train_file": str(train_file), "train_conversations": len(train_data),

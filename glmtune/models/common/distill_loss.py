@@ -114,3 +114,17 @@ def topk_kl_reference(logits_BSV: torch.Tensor, teacher: TeacherTopK) -> torch.T
     ids_NK = teacher.ids.reshape(-1, teacher.ids.shape[-1])[mask]
     teacher_NB = teacher_buckets(teacher.logps.reshape(-1, teacher.logps.shape[-1])[mask].double())
     return bucket_kl(teacher_NB, student_buckets(logits_NV, ids_NK), teacher.temperature).sum()
+
+
+def distilling(teacher: TeacherTopK | None) -> bool:
+    """Whether a micro-batch's loss adds the KL term (a teacher with weight λ > 0)."""
+    return teacher is not None and teacher.weight > 0
+
+
+def with_teacher_kl(loss_sum: torch.Tensor, hidden_BSD: torch.Tensor, weight_VD: torch.Tensor,
+                    teacher: TeacherTopK) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A model family's loss sum with the KL term added (`loss_sum + λ · KL sum`), and the two parts as
+    statistics (summed; the trainer reports them per supervised token): `ce`, `kl`. The hidden states
+    are the forward's final ones and `weight_VD` its head, gathered (inside the forward under FSDP2)."""
+    kl = chunked_topk_kl(hidden_BSD, weight_VD, teacher)
+    return loss_sum + teacher.weight * kl, {"ce": loss_sum.detach().float(), "kl": kl.detach().float()}

@@ -15,6 +15,8 @@ runner (`step_runner.py`), which runs the model family on it. It holds:
                                  1 / the step's loss units), the step's unit totals, the auxiliary
                                  losses sized for the step (`aux_loss.AuxiliaryScales`)
   reference log-probabilities    `ref_token_logps` [B, T] fp32 (a full fine-tuning preference run's)
+  teacher distributions          `teacher` (`distill_loss.TeacherTopK`: [B, T, K] ids and log-probs,
+                                 a [B, T] mask; a distillation run's, packed like the targets)
 
 The host facts are counted on the host before the tensors move (`to`); a pipeline splits a
 micro-batch into its microbatches of whole rows (`rows`), each with its own facts.
@@ -32,10 +34,14 @@ from typing import Any
 import torch
 
 from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
+from glmtune.models.common.distill_loss import TeacherTopK
 from glmtune.models.common.document_masks import longest_document, single_document_rows
 
 IGNORE_INDEX = -100
 REFERENCE_LOGPS = "ref_token_logps"  # the data loader's key of a preference run's reference, [B, T] fp32
+# A distillation run's teacher top-K in a batch (`collate`): [B, T, K] int64 ids, [B, T, K] fp32
+# log-probabilities, [B, T] bool mask (`MicroBatch.teacher`, which distill_loss.py reads).
+TEACHER_IDS, TEACHER_LOGPS, TEACHER_MASK = "teacher_ids", "teacher_logps", "teacher_mask"
 _TENSORS = ("input_ids", "position_ids", "document_ids", "targets", "mtp_targets", "ref_token_logps")
 
 
@@ -61,6 +67,7 @@ class MicroBatch:
     step_totals: Mapping[str, int] = field(default_factory=dict)  # the step's loss units (its objective's)
     aux: AuxiliaryScales | None = None  # the auxiliary losses, sized for the step (None: none)
     ref_token_logps: torch.Tensor | None = None  # [B, T] fp32 reference log-probabilities of the targets
+    teacher: TeacherTopK | None = None  # a distillation run's teacher top-K at the targets (weight 0: unused)
 
     @classmethod
     def of_batch(cls, batch: Mapping[str, Any], local_tokens: Callable[[torch.Tensor], torch.Tensor] = _identity,
@@ -88,12 +95,16 @@ class MicroBatch:
             num_mtp_supervised=_supervised(local_tokens, batch["mtp_targets"], batch.get("num_mtp_supervised"))
             if mtp else None,
             documents_per_row=None if documents is None else tuple((documents.max(dim=1).values + 1).tolist()),
-            loss_scale=loss_scale, step_totals=totals, aux=scales, ref_token_logps=batch.get(REFERENCE_LOGPS))
+            loss_scale=loss_scale, step_totals=totals, aux=scales, ref_token_logps=batch.get(REFERENCE_LOGPS),
+            teacher=TeacherTopK(batch[TEACHER_IDS], batch[TEACHER_LOGPS], batch[TEACHER_MASK])
+            if TEACHER_IDS in batch else None)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The micro-batch with its tensors on `device` (its host facts as they are)."""
         moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSORS
                  if getattr(self, name) is not None}
+        if self.teacher is not None:
+            moved["teacher"] = self.teacher.to(device)
         return dataclasses.replace(self, **moved)
 
     def rows(self, part: slice | list[int], local_tokens: Callable[[torch.Tensor], torch.Tensor] = _identity
@@ -102,6 +113,8 @@ class MicroBatch:
         microbatch): the longest document, one-document rows, the supervised targets among this rank's
         queries."""
         sliced = {name: getattr(self, name)[part] for name in _TENSORS if getattr(self, name) is not None}
+        if self.teacher is not None:
+            sliced["teacher"] = self.teacher.rows(part)
         documents, seq_len = sliced["document_ids"], self.input_ids.shape[1]
         picked = range(self.input_ids.shape[0])[part] if isinstance(part, slice) else part
         return dataclasses.replace(

@@ -39,6 +39,7 @@ from glmtune.checkpoint.hf_verify import check_loadable, holds_weights
 from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
 from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
+from glmtune.models.common.distill_loss import distilling, with_teacher_kl
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.common.step_runner import PlainRunner, StepRunner
@@ -201,6 +202,10 @@ class Glm5Spec(ModelSpec):
         # MTP tokens; the indexer KL: over the step's queries and the KL layers).
         out = model(mb.input_ids, mb, compute_logits=False)
         mtp, indexer = mb.aux is not None and mb.aux.mtp, mb.aux is not None and mb.aux.indexer
+        if distilling(mb.teacher):  # distillation's KL term (models/common/distill_loss.py); no auxiliary loss
+            # FSDP2's root keeps its weights gathered from forward to backward (parallelize.py): the head is whole
+            loss_sum, stats = with_teacher_kl(out.loss_sum, out.hidden_states, model.lm_head.weight, mb.teacher)
+            return loss_sum, out.num_targets, stats
         if not mtp and not indexer:
             return out.loss_sum, out.num_targets
         stats = {"indexer_kl": out.indexer_kl} if indexer else {}
