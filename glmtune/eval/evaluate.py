@@ -8,7 +8,8 @@ sets (data contract, file:line), the models' fingerprints (an adapter or run who
 differs is refused), the tool functions (each imports) and the reference tool calls, the
 scorers' row checks, every row's prompt rendered once (a template the sandbox refuses is named
 here). Then each model in turn (base, candidate, candidate-merged): load, answer every set (a
-preference set's pairs are scored teacher-forced instead), score the general text, measure
+preference set's pairs are scored teacher-forced instead), score the general text and the
+held-out domain documents (`domain_text.py`, by source), measure
 operations (the serving metrics teacher-forced over the chat rows' reference answers:
 `serving.py`), free it, so memory holds one model. Last, each candidate's implicit reward margins
 against the base's log-probabilities of the same pairs (`scorers/preference.py`).
@@ -56,6 +57,8 @@ from glmtune.eval.backends import Backend, NotAvailable
 from glmtune.eval.endpoint import Endpoint, EndpointOptions, is_endpoint, resolve_endpoint
 from glmtune.eval.endpoint_client import RequestFailed
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, text_windows
+from glmtune.eval.domain_loss import domain_losses
+from glmtune.eval.domain_text import domain_metric_records, suite_domain_windows
 from glmtune.eval.models import Fingerprints, ModelSource, merged_variant, resolve_model
 from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
 from glmtune.eval.placement import Placement
@@ -185,13 +188,14 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     if suite.general_text_path is not None:
         g = suite.file.general_text
         windows = text_windows(tokenizer, suite.general_text_path, g.max_tokens, g.window)
+    domain = suite_domain_windows(tokenizer, suite.domain_text_path, suite.file.domain_text)  # before a model loads
     with ToolExecutor(suite.file.tools.functions, suite.file.tools.timeout_s, suite.dir) as executor:
         executor.check()
         reference_tool_results(loaded, executor, placement)
         check_rows(loaded)
         check_prompts(loaded, prompting)
         results = {m.label: evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
-                                            windows, placement, log, endpoint) for m in models}
+                                            windows, placement, log, endpoint, domain=domain) for m in models}
     implicit_margins(loaded, results, labels)
     card = build_scorecard(suite, loaded, models, prints, results, template, labels)
     if placement.is_main:
@@ -290,10 +294,11 @@ def answer_set(backend: Backend, s: LoadedSet, prompting: Prompting, executor, s
 
 def evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Prompting, executor, windows,
                    placement: Placement, log, endpoint: EndpointOptions | None = None,
-                   backend: Backend | None = None) -> dict[str, Any]:
+                   backend: Backend | None = None, domain: dict | None = None) -> dict[str, Any]:
     """One model's outputs, scores, losses and operations on every set. `backend`: a model already
     loaded (`glmtune decide` answers several prompt arms with one load), which the caller frees;
-    None: this model is loaded here and freed at the end."""
+    None: this model is loaded here and freed at the end. `domain`: the suite's domain windows by
+    source (`domain_text.suite_domain_windows`); None without a domain set."""
     what = f"{model.label} ({model.kind}{', merged' if model.merged else ''}: {model.source})"
     memory = PeakMemory(placement.device)
     memory.start()
@@ -321,6 +326,8 @@ def evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Promp
                                   for o in outs[:1] if o.reference_loss_not_available})
         stage = "the general text"
         loss = _text_loss(backend, windows, not_available)
+        stage = "the domain text"
+        domain_sums = domain_losses(backend, domain, not_available)
         began = time.perf_counter()
         serving = _serving(backend, loaded, prompting, not_available)
         if serving is not None:
@@ -336,7 +343,8 @@ def evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Promp
             placement.release()
     ops = served_ops or placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
     ops = {**ops, "serving": serving} if serving is not None else ops
-    return {"outputs": outputs, "scores": scores, "loss": loss, "operations": ops, "not_available": not_available}
+    return {"outputs": outputs, "scores": scores, "loss": loss, "domain": domain_sums, "operations": ops,
+            "not_available": not_available}
 
 
 def _pairs_not_available(s: LoadedSet, outs: list[ModelOutput]) -> dict[str, str]:
@@ -426,6 +434,8 @@ def build_scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSou
         metrics.append(aggregate.single_metric("general_text/loss/loss", GENERAL_TEXT_METRIC,
                                                {lb: loss[0] for lb, loss in losses.items()},
                                                max(loss[1] for loss in losses.values()), labels))
+    if suite.domain_text_path is not None:  # held-out domain loss and perplexity, by source (domain_text.py)
+        metrics += domain_metric_records(results, labels)
     operations = {label: results[label]["operations"] for label in labels}
     for group, definition in OPERATIONS_METRICS:
         values = {label: operations_values(operations[label])[definition.name] for label in labels}

@@ -1,7 +1,8 @@
 """scorecard.md: the scorecard as Markdown for a terminal, a pull request or a release note.
 
 Sections: the verdict and the gates, the models, every metric by category (each model's value,
-the delta from the base, n), per-field accuracy, operations, and the failures of each candidate
+the delta from the base, n), per-field accuracy, the domain text against the general text (when the
+suite has a domain set: the held-out domain perplexity and loss beside the general-text loss), operations, and the failures of each candidate
 listed beside the reference and the base's answer (the first `max_failures` per set).
 
 Every string from the scorecard (answers, prompts, categories, labels, sources, gate names and
@@ -87,6 +88,25 @@ def _metrics(card: dict[str, Any], labels: list[str], candidates: list[str]) -> 
     return lines
 
 
+def _domain_and_general(card: dict[str, Any], labels: list[str], candidates: list[str]) -> list[str]:
+    """Continued pretraining's two figures side by side: the domain gain (held-out domain loss and
+    perplexity) and its general cost (the general text's loss), each model's value and the deltas."""
+    metrics = {m["id"]: m for m in card["metrics"]}
+    shown = [i for i in ("domain_text/loss/perplexity", "domain_text/loss/loss", "general_text/loss/loss")
+             if i in metrics]
+    if not any(i.startswith("domain_text/") for i in shown):
+        return []
+    head = " | ".join([_cell(label) for label in labels] + [f"Δ {_cell(c)}" for c in candidates])
+    lines = ["", "## Domain text against general text", "", f"| metric | tokens | {head} |",
+             "|---|---|" + "---|" * (2 * len(labels) - 1)]
+    for metric_id in shown:
+        metric, entry = metrics[metric_id], metrics[metric_id]["by_category"]["all"]
+        cells = [_v(entry["values"].get(label), metric["unit"]) for label in labels]
+        cells += [_d(entry["delta"].get(c), metric["unit"]) for c in candidates]
+        lines.append(f"| {_cell(metric_id)} | {entry['n']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _operations(card: dict[str, Any], labels: list[str]) -> list[str]:
     lines = ["", "## Operations", "", "| model | device | requests | p50 s | p95 s | generated tok/s | peak GiB |",
              "|---|---|---|---|---|---|---|"]
@@ -129,7 +149,8 @@ def render_markdown(card: dict[str, Any], max_failures: int = 10, failures_of: l
     `glmtune decide` lists every arm's, the base's too)."""
     labels = [m["label"] for m in card["models"]]
     candidates = labels[1:]
-    lines = _header(card) + _gates_and_models(card) + _metrics(card, labels, candidates) + _operations(card, labels)
+    lines = _header(card) + _gates_and_models(card) + _metrics(card, labels, candidates)
+    lines += _domain_and_general(card, labels, candidates) + _operations(card, labels)
     for candidate in candidates if failures_of is None else failures_of:
         lines += _failures(card, candidate, max_failures)
     return "\n".join(lines) + "\n"

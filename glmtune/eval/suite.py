@@ -13,6 +13,7 @@
         limit: 24
         scorers: [{type: task_success, fields: [product]}, {type: format, schema: s.json}, tool_execution]
     general_text: {path: general.txt, max_tokens: 2048, window: 512}
+    domain_text: {path: heldout.jsonl, window: 512}   # held-out domain documents (domain_text.py)
     gates:
       - {metric: tickets/task_success/exact, rule: improves}
 
@@ -37,13 +38,14 @@ from typing import Any, Literal
 
 from glmtune.config.loader import Converter, resolve_recipe_path
 from glmtune.config.yaml_layers import format_path, read_yaml_layer
+from glmtune.eval.domain_text import DOMAIN_METRICS, MAX_DOMAIN_DOCUMENTS, METRIC_PREFIX, DomainTextConfig
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC
 from glmtune.eval.operations import OPERATIONS_METRICS
 from glmtune.eval.scorers import SCORERS, MetricDef
 from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import safe_name
 
-RESERVED_SETS = ("general_text", "operations")  # metric-id prefixes the suite itself produces
+RESERVED_SETS = ("general_text", "operations", "domain_text")  # metric-id prefixes the suite itself produces
 _SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -119,6 +121,7 @@ class SuiteFile:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     sets: list[SetConfig] = field(default_factory=list)
     general_text: GeneralTextConfig | None = None
+    domain_text: DomainTextConfig | None = None  # held-out domain documents, scored as loss and perplexity
     gates: list[GateConfig] = field(default_factory=list)
 
 
@@ -146,6 +149,7 @@ class Suite:
     sets: list[EvalSet]
     metrics: dict[str, MetricDef]  # metric id -> definition, every metric the suite produces
     general_text_path: Path | None
+    domain_text_path: Path | None = None  # resolved `domain_text.path`
 
     @property
     def name(self) -> str:
@@ -231,9 +235,30 @@ def load_suite(path: str | Path) -> Suite:
     metrics.update({f"operations/{group}/{m.name}": m for group, m in OPERATIONS_METRICS})
     if file.general_text is not None:
         metrics["general_text/loss/loss"] = GENERAL_TEXT_METRIC
+    domain_path = _check_domain_text(file.domain_text, path.parent, errors)
+    if domain_path is not None:
+        metrics.update({f"{METRIC_PREFIX}/{m.name}": m for m in DOMAIN_METRICS})
     _check_gates(file.gates, metrics, errors)
     errors.raise_if_any()
-    return Suite(path, data, hashlib.sha256(data).hexdigest(), file, sets, metrics, general_path)
+    return Suite(path, data, hashlib.sha256(data).hexdigest(), file, sets, metrics, general_path, domain_path)
+
+
+def _check_domain_text(domain: DomainTextConfig | None, suite_dir: Path, errors: _Errors) -> Path | None:
+    """The domain set's resolved path (None without one), its keys checked (`domain_text.py`)."""
+    if domain is None:
+        return None
+    path = suite_dir / domain.path
+    if not domain.path or not path.exists():
+        errors.at(("domain_text", "path"), f"file not found: {path}")
+    errors.in_range(("domain_text", "window"), domain.window, 2, MAX_WINDOW)
+    if domain.limit is not None:
+        errors.in_range(("domain_text", "limit"), domain.limit, 1, MAX_DOMAIN_DOCUMENTS)
+    if not domain.text_field:
+        errors.at(("domain_text", "text_field"), "a field name is required")
+    for key in ("source_field", "text_separator"):  # null: the file is the source / one document per file
+        if getattr(domain, key) == "":
+            errors.at(("domain_text", key), "empty; give a value or null")
+    return path
 
 
 def _check_decoding(d: DecodingConfig, errors: _Errors) -> None:
@@ -260,8 +285,8 @@ def _check_tools(tools: ToolsConfig, errors: _Errors) -> None:
 
 
 def _build_sets(file: SuiteFile, suite_dir: Path, converter: Converter, errors: _Errors) -> list[EvalSet]:
-    if not file.sets:
-        errors.at(("sets",), "at least one set is required")
+    if not file.sets and file.domain_text is None:  # a continued-pretraining suite may score text alone
+        errors.at(("sets",), "at least one set (or a domain_text set) is required")
     sets, seen = [], set()
     for i, s in enumerate(file.sets):
         where = ("sets", i)
