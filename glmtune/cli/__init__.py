@@ -42,6 +42,7 @@ _COMMAND_MODULES = (
     "glmtune.cli.decide_cmd",
     "glmtune.cli.distill_cmd",
     "glmtune.cli.release_cmd",
+    "glmtune.cli.publish_cmd",
     "glmtune.cli.version_cmd",
 )
 
