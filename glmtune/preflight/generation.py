@@ -5,8 +5,9 @@ training split when it has none), cut before their final assistant answer
 (`glmtune.train.samples.prompts_from`), rendered with the run's chat template and a
 generation prompt. Decoding: greedy, through `glmtune.train.samples.run_samples` as a
 training run's samples are decoded (glmtune/generation's cached decoding for an unsharded
-model), at most `MAX_NEW_TOKENS` new tokens, stopping at `<|endoftext|>`, `<|user|>` or
-`<|observation|>`, thinking disabled. The base is the model the reference run
+model), at most `MAX_NEW_TOKENS` new tokens, stopping at the template's end-of-turn tokens
+(`chat_generation.stop_tokens`: GLM's `<|endoftext|>`, `<|user|>`, `<|observation|>`; ChatML's
+`<|im_end|>`; Llama-3's `<|eot_id|>`; ...), thinking disabled. The base is the model the reference run
 started from; the trained model is the base with the reference run's last checkpoint.
 
 Two steps of training promise nothing about quality, so the criterion is about the decoding
@@ -27,15 +28,16 @@ from typing import Any
 
 from torch import nn
 
-from glmtune.data.chat_template import load_chat_template, render_conversation
-from glmtune.data.tokenizer import CHAT_STOP_TOKENS, load_tokenizer, resolve_tokenizer_dir
+from glmtune.data.chat_generation import stop_tokens
+from glmtune.data.chat_template import load_chat_template
+from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.io.json_file import json_lines
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
 from glmtune.preflight.runs import ReferenceRun
 from glmtune.preflight.trained import base_model, trained_model
 from glmtune.train.model_source import tokenizer_dir_for
-from glmtune.train.samples import SampleResult, prompts_from, run_samples
+from glmtune.train.samples import SampleResult, prompt_ids, prompts_from, run_samples
 
 NUM_PROMPTS = 3
 MAX_NEW_TOKENS = 24
@@ -48,8 +50,8 @@ class Decoding:
     max_new_tokens: int
     template_sha256: str
     prompt_ids_sha256: str  # the rendered, tokenized prompts
+    stop_tokens: tuple[str, ...]  # the template's (run_samples stops at them)
     strategy: str = "greedy"
-    stop_tokens: tuple[str, ...] = CHAT_STOP_TOKENS
     enable_thinking: bool = False
 
 
@@ -61,11 +63,9 @@ def fixed_prompts(pf: Preflight) -> list[tuple[dict[str, Any], str]]:
 
 
 def decoding_for(tokenizer, template: str, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> Decoding:
-    ids = [tokenizer(render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
-                                         enable_thinking=False, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"] for row, _ in prompts]
+    ids = [prompt_ids(tokenizer, template, row) for row, _ in prompts]  # as run_samples renders them
     return Decoding(max_new_tokens, hashlib.sha256(template.encode()).hexdigest(),
-                    hashlib.sha256(json.dumps(ids).encode()).hexdigest())
+                    hashlib.sha256(json.dumps(ids).encode()).hexdigest(), stop_tokens(tokenizer, template))
 
 
 def decode_twice(model: nn.Module, tokenizer, template: str, prompts, decoding: Decoding

@@ -1,4 +1,5 @@
-"""Check 3: the config and tokenizer load without the weights; the architecture is the family's, the template GLM-5's.
+"""Check 3: the config and tokenizer load without the weights; the architecture is the family's; the
+template renders the data in its own turn format.
 
 The model is built on the meta device by its family's spec (`glmtune.models.registry`) from
 the recipe's model (an HF directory's config.json, or a preset with its overrides): no weight
@@ -8,13 +9,16 @@ transformers must read it (`AutoConfig`, as its own loading would); a preset's d
 reported as they are.
 
 The tokenizer is the one the run loads (data.tokenizer, else the model directory's, else
-the bundled tiny one), with GLM-5's role tokens as single tokens and a vocabulary that fits
-the model. The chat template is the one the run renders with (the tokenizer directory's,
-else the bundled GLM-5 template); it must render the first conversation of the recipe's
-data with GLM-5's markers: `[gMASK]<sop>` first, the role token of every message
-(`<|system|>`, `<|user|>`, `<|assistant|>`, `<|observation|>` for tool results), a
-generation prompt ending in `<|assistant|>` (then `</think>` or `<think>`), and assistant
-tokens to train on under `data.loss_on`.
+the bundled tiny one), with a vocabulary that fits the model. The chat template is the one the
+run renders with (the tokenizer directory's, else the bundled GLM-5 template); its turn format
+(data/turn_formats.py: GLM, ChatML, Llama-3, or generation blocks) decides what it must render
+for the first conversation of the recipe's data, and the tokenizer must hold that format's
+marker tokens as single tokens. GLM (as before): `[gMASK]<sop>` first (also single tokens), the
+role token of every message (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|observation|>` for
+tool results). ChatML, Llama-3: an assistant turn for every assistant message and a user turn
+for every user message, by the format's openings. Every format: a generation prompt ending in
+the format's assistant opening (then at most a `<think>`/`</think>` block), and assistant tokens
+to train on under `data.loss_on`.
 """
 
 from __future__ import annotations
@@ -25,11 +29,18 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from glmtune.data.chat_template import BUNDLED_TEMPLATE_PATH, load_chat_template, render_conversation, tokenize_row
+from glmtune.data.chat_template import (
+    BUNDLED_TEMPLATE_PATH,
+    chat_format,
+    load_chat_template,
+    render_conversation,
+    tokenize_row,
+)
 from glmtune.data.contract import check_or_raise, normalize_row
 from glmtune.data.sources import read_rows
 from glmtune.data.synthetic import generate_rows
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
+from glmtune.data.turn_formats import GLM, TurnFormat
 from glmtune.io.json_file import json_name, read_json_file
 from glmtune.io.text_limits import clipped
 from glmtune.models.common.hf_config import read_hf_config
@@ -88,35 +99,62 @@ def template_source(directory: Path) -> str:
     return f"{BUNDLED_TEMPLATE_PATH} (bundled GLM-5 template)"
 
 
+def _required_tokens(turns: TurnFormat) -> tuple[str, ...]:
+    """Tokens the tokenizer must hold as one token each under a template of `turns`."""
+    if turns is GLM:
+        return (*ROLE_TOKENS, EOS_TOKEN, "[gMASK]", "<sop>")
+    return (*turns.markers, turns.appended_eos) if turns.appended_eos else turns.markers
+
+
+def _turn_problems(turns: TurnFormat, row: dict[str, Any], text: str, prompt: str, source: str) -> list[str]:
+    """What the rendered conversation `text` and generation `prompt` lack in the format of `turns`."""
+    problems = []
+    roles = [m["role"] for m in row["messages"]]
+    if turns is GLM:
+        if not text.startswith(PREFIX):
+            problems.append(f"chat template {source} does not start the conversation with {PREFIX}: {text[:40]!r}")
+        missing = sorted({ROLE_MARKERS[r] for r in roles} - {t for t in ROLE_TOKENS if t in text})
+        if missing:
+            problems.append(f"chat template {source} renders no {', '.join(missing)} for the data's messages")
+    elif turns.assistant_start:  # ChatML, Llama-3: a turn for every message of the two roles
+        found = {"assistant": len(turns.assistant_char_spans(text)), "user": len(turns.user_start.findall(text))}
+        for role, count in found.items():
+            if count < roles.count(role):
+                problems.append(f"chat template {source} renders {count} {turns.name} {role} turns for the data's "
+                                f"{roles.count(role)} {role} messages")
+    if turns.assistant_start:
+        opening = prompt.rfind(turns.assistant_start)
+        tail = prompt[opening + len(turns.assistant_start):] if opening >= 0 else prompt
+        if opening < 0 or tail.replace("<think>", "").replace("</think>", "").strip():
+            problems.append(f"chat template {source}: the generation prompt ends {prompt[-30:]!r}, not {turns.label}")
+    return problems
+
+
 def template_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     tokenizer_dir = tokenizer_dir_for(pf.cfg, pf.model_dir)
     directory = resolve_tokenizer_dir(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = pf.spec.vocab_size(model_args(pf.cfg.model))
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (*ROLE_TOKENS, EOS_TOKEN, "[gMASK]", "<sop>")}
+    template = load_chat_template(directory)
+    source = template_source(directory)
+    turns = chat_format(template).turns  # a template of no format glmtune knows: a ValueError naming it
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _required_tokens(turns)}
     evidence["tokenizer"] = {"directory": str(directory), "size": len(tokenizer), "special_token_ids": ids}
     problems = [f"tokenizer {directory}: {token} is not one token" for token, i in ids.items()
                 if i in (None, tokenizer.unk_token_id)]
     if len(tokenizer) > vocab:
         problems.append(f"tokenizer {directory} has {len(tokenizer)} tokens, the model's vocab_size is {vocab}")
-    template = load_chat_template(directory)
-    source = template_source(directory)
     row = first_conversation(pf)
     d = pf.cfg.data
     text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
-                               enable_thinking=d.enable_thinking)
+                               enable_thinking=d.enable_thinking, tokenizer=tokenizer)
     prompt = render_conversation(row["messages"][:-1], tools=row.get("tools") or None, template=template,
-                                 enable_thinking=False, add_generation_prompt=True)
+                                 enable_thinking=False, add_generation_prompt=True, tokenizer=tokenizer)
     evidence["chat_template"] = rendered = {
-        "source": source, "sha256": hashlib.sha256(template.encode()).hexdigest(), "rendered_head": text[:400],
-        "generation_prompt_tail": prompt[-60:], "roles": [m["role"] for m in row["messages"]]}
-    if not text.startswith(PREFIX):
-        problems.append(f"chat template {source} does not start the conversation with {PREFIX}: {text[:40]!r}")
-    missing = sorted({ROLE_MARKERS[m["role"]] for m in row["messages"]} - {t for t in ROLE_TOKENS if t in text})
-    if missing:
-        problems.append(f"chat template {source} renders no {', '.join(missing)} for the data's messages")
-    if not prompt.removesuffix("</think>").removesuffix("<think>").endswith("<|assistant|>"):
-        problems.append(f"chat template {source}: the generation prompt ends {prompt[-30:]!r}, not <|assistant|>")
+        "source": source, "sha256": hashlib.sha256(template.encode()).hexdigest(), "turn_format": turns.name,
+        "rendered_head": text[:400], "generation_prompt_tail": prompt[-60:],
+        "roles": [m["role"] for m in row["messages"]]}
+    problems += _turn_problems(turns, row, text, prompt, source)
     try:
         sample = tokenize_row(row, tokenizer, template=template, loss_on=d.loss_on, enable_thinking=d.enable_thinking)
     except ValueError as exc:  # the loss mask cannot be found: role tokens missing or not atomic
@@ -147,6 +185,6 @@ def check_model(pf: Preflight) -> CheckResult:
                f"{dims.num_layers} layers ({dims.num_layers - moe_layers} dense, {moe_layers} MoE), "
                f"{dims.num_experts} experts, hidden {arch['hidden_size']}; tokenizer "
                f"{evidence.get('tokenizer', {}).get('size')} tokens; template renders "
-               f"{'/'.join(template.get('roles', []))} with GLM-5 markers, "
+               f"{'/'.join(template.get('roles', []))} with {template.get('turn_format', 'GLM')} turns, "
                f"{template.get('supervised_tokens')} of {template.get('tokens')} tokens supervised")
     return verdict(3, problems, message, evidence)

@@ -4,8 +4,10 @@ For the prompts (validation conversations cut before their final assistant turn)
 the model generates greedily (with the decoding cache of `glmtune.generation` when
 the model is a plain unsharded `Glm5ForCausalLM`; else `greedy_generate`, which re-runs
 the prefix and works under every parallel wrapper); each output is scored as parseable
-JSON and as an exact match of the reference answer's JSON. Generation stops at the end-of-turn
-tokens of the template's turn format (`chat_generation.stop_token_ids`), not GLM's alone. Running the same prompts before and
+JSON and as an exact match of the reference answer's JSON. A prompt is rendered with the
+tokenizer's special tokens (Llama-3's template starts with its bos_token), as training data is;
+generation stops at the end-of-turn tokens of the template's turn format
+(`chat_generation.stop_token_ids`), not GLM's alone. Running the same prompts before and
 after training shows, in the terminal, what the fine-tune changed.
 """
 
@@ -61,6 +63,14 @@ def prompts_from(conversations: list[dict[str, Any]], count: int) -> list[tuple[
     return out
 
 
+def prompt_ids(tokenizer, template: str, row: dict[str, Any]) -> list[int]:
+    """The row's prompt as the model reads it: rendered with a generation prompt, thinking off, and
+    the tokenizer's special tokens (what transformers' apply_chat_template gives)."""
+    text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
+                               enable_thinking=False, add_generation_prompt=True, tokenizer=tokenizer)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[dict[str, Any], str]],
                 max_new_tokens: int = 64) -> list[SampleResult]:
     # The template's own end of turn (GLM's <|endoftext|>/<|user|>/<|observation|>, ChatML's <|im_end|>,
@@ -68,9 +78,7 @@ def run_samples(model: nn.Module, tokenizer, template: str, prompts: list[tuple[
     stop_ids = stop_token_ids(tokenizer, template)
     results = []
     for row, reference in prompts:
-        text = render_conversation(row["messages"], tools=row.get("tools") or None, template=template,
-                                   enable_thinking=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids(tokenizer, template, row)
         if cached_decoding_supported(model):
             output_ids = generate(model, [ids], max_new_tokens, stop_token_ids=stop_ids).token_ids[0]
         else:

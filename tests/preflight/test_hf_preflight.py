@@ -21,12 +21,13 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.export import check_export
-from glmtune.preflight.generation import check_generation
+from glmtune.preflight.generation import check_generation, decoding_for
 from glmtune.preflight.loading import check_model
 from glmtune.preflight.pins import check_pins
 from glmtune.preflight.runs import run_reference
 from glmtune.preflight.step import check_gradients, check_step
 from glmtune.preflight.trainable import check_trainable
+from tests.data.chat_format_fixtures import build_tokenizer
 from tests.preflight.conftest import LORA, SFT
 
 SHAPES = {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -95,3 +96,34 @@ def test_step_gradients_export_and_generation_on_the_whole_model(qwen3_dir, tmp_
     assert export.evidence["logits"]["max_abs_difference"] <= 1e-4
     generation = check_generation(pf, ref)
     assert generation.status == "pass", generation.message
+
+
+FORMAT_STOPS = {"qwen3": ("ChatML", ("<|im_end|>", "<|endoftext|>")),
+                "llama3_1": ("Llama-3", ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"))}
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_STOPS))
+def test_template_checks_follow_the_templates_turn_format(qwen3_dir, tmp_path, name):
+    """The tiny Qwen3 with a ChatML (Qwen3's) or Llama-3.1 tokenizer and template: check 3 passes
+    on that format's turns and tokens (it required GLM-5's [gMASK]<sop> and role tokens), and check
+    9 decodes to the format's end-of-turn tokens (it stopped at GLM's)."""
+    turn_format, stops = FORMAT_STOPS[name]
+    tokenizer = build_tokenizer(tmp_path / "tokenizer", name)
+    pf = Preflight(SFT, ["--model.name_or_path", str(qwen3_dir), "--data.tokenizer", str(tmp_path / "tokenizer")],
+                   tmp_path / "out")
+    model = check_model(pf)
+    assert model.status == "pass", model.message
+    assert f"with {turn_format} turns" in model.message
+    assert model.evidence["chat_template"]["turn_format"] == turn_format
+    prompts = [({"messages": [{"role": "user", "content": "Where is order 7?"}]}, "{}")]
+    assert decoding_for(tokenizer, tokenizer.chat_template, prompts).stop_tokens == stops
+    broken = tmp_path / "broken"  # the format's template whose generation prompt opens no assistant turn
+    build_tokenizer(broken, name)
+    (broken / "chat_template.jinja").write_text(tokenizer.chat_template.replace("assistant", "helper"))
+    pf = Preflight(SFT, ["--model.name_or_path", str(qwen3_dir), "--data.tokenizer", str(broken)], tmp_path / "out2")
+    failed = check_model(pf)
+    assert failed.status == "fail"
+    problems = failed.evidence["problems"]
+    assert any("the generation prompt ends" in p and "helper" in p for p in problems), problems
+    if name == "qwen3":  # Llama-3.1's template writes a message's role as it is: its turns still render
+        assert any("renders 0 ChatML assistant turns for the data's" in p for p in problems), problems

@@ -1,6 +1,7 @@
 """Training samples stop at the chat template's own end of turn: a Qwen3 (ChatML) run at
 `<|im_end|>`, a Llama-3 run at `<|eot_id|>` (they stopped only at GLM's tokens, so a non-GLM run
-generated past its answer up to `max_new_tokens`)."""
+generated past its answer up to `max_new_tokens`); their prompts are what transformers'
+apply_chat_template renders (Llama-3's `<|begin_of_text|>` first: it was left out)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from glmtune.data.chat_template import load_chat_template, render_conversation
 from glmtune.data.tokenizer import load_tokenizer
-from glmtune.train.samples import prompts_from, run_samples
+from glmtune.train.samples import prompt_ids, prompts_from, run_samples
 from tests.data.chat_format_fixtures import build_tokenizer
 
 END_OF_TURN = {"qwen3": "<|im_end|>", "llama3_1": "<|eot_id|>"}
@@ -41,3 +42,13 @@ def test_samples_stop_at_the_templates_end_of_turn(name, tmp_path):
     model = _model_that_ends_its_turn_at_once(tokenizer, template, end_id)
     [result] = run_samples(model, tokenizer, template, prompts_from(ROWS, 1), max_new_tokens=6)
     assert result.output == ""  # stopped at the end-of-turn token, which is excluded
+
+
+@pytest.mark.parametrize("name", sorted(END_OF_TURN))
+def test_sample_prompts_are_transformers_rendering(name, tmp_path):
+    build_tokenizer(tmp_path, name, vocab_size=400)
+    tokenizer, template = load_tokenizer(tmp_path), load_chat_template(tmp_path)
+    [(row, _)] = prompts_from(ROWS, 1)
+    theirs = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+    assert prompt_ids(tokenizer, template, row) == tokenizer(theirs, add_special_tokens=False)["input_ids"]
