@@ -55,6 +55,7 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.data.turn_formats import ChatFormat, check_tokenizer, detect_format
 from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import parse_json
@@ -255,6 +256,13 @@ def chat_format(template: str) -> ChatFormat:
     except ValueError:  # a template that cannot render the probe is judged by its text
         probe = ""
     return detect_format(template, probe)
+
+
+def template_format_of(tokenizer_dir: str | Path | None) -> ChatFormat:
+    """The turn format of the template a run with the tokenizer in `tokenizer_dir` renders with (its
+    own, else GLM-5's); a ValueError naming the template file for one glmtune cannot tell the turns
+    of. Reads the template alone, so `glmtune train` asks before the model is built or anything written."""
+    return chat_format(load_chat_template(resolve_tokenizer_dir(tokenizer_dir)))
 
 
 def render_conversation(messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,

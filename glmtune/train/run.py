@@ -44,7 +44,7 @@ from glmtune.checkpoint.space import check_free_space, checkpoint_bytes, export_
 from glmtune.config import JobConfig, config_to_dict, config_to_yaml, grad_accum_steps, pipeline_microbatches
 from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import planned_saves
-from glmtune.data.chat_template import load_chat_template
+from glmtune.data.chat_template import load_chat_template, template_format_of
 from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.distributed.agreement import decide_on_rank0
 from glmtune.distributed.mesh import ParallelMesh
@@ -222,6 +222,10 @@ def check_launch(cfg: JobConfig) -> Launch:
     if device.type == "cuda":
         device = resolve_device(cfg.train.device, info.local_rank)
     degrees = check_recipe(cfg, info.world_size)
+    if cfg.data.kind == "chat":  # text documents (data.kind: text) render no template
+        # a template whose turns glmtune cannot tell: refused (naming its file) before the model is built
+        model_dir = None if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
+        template_format_of(tokenizer_dir_for(cfg, model_dir))
     if cfg.peft.method == "lora":
         resolve_backend(cfg.peft.adapter_kernel, device)  # triton without CUDA: refused before anything is written
     return Launch(model_spec(cfg.model), device, info, degrees, resolve_precision(cfg),
