@@ -55,8 +55,8 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from glmtune.data.tokenizer import resolve_tokenizer_dir
-from glmtune.data.turn_formats import ChatFormat, check_tokenizer, detect_format
+from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS, resolve_tokenizer_dir
+from glmtune.data.turn_formats import GLM, ChatFormat, check_tokenizer, detect_format
 from glmtune.io.regular import open_regular
 from glmtune.io.text_limits import parse_json
 
@@ -256,6 +256,20 @@ def chat_format(template: str) -> ChatFormat:
     except ValueError:  # a template that cannot render the probe is judged by its text
         probe = ""
     return detect_format(template, probe)
+
+
+def control_tokens(template: str, tokenizer: Any) -> tuple[str, ...]:
+    """Text no message of a row may hold under `template` and `tokenizer` (the data contract's
+    control tokens): tokenized, it would be a control token and could forge a turn. GLM: GLM-5's
+    control tokens, as always; another format: the tokenizer's special tokens (bos, eos, pad and the
+    special added ones: ChatML's <|im_start|>/<|im_end|>, Llama-3's <|start_header_id|>, ...) with
+    the format's markers, longest first (a message names the longest it holds)."""
+    turns = chat_format(template).turns
+    if turns is GLM:
+        return GLM5_CONTROL_TOKENS
+    special = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    tokens = special | set(tokenizer.all_special_tokens) | set(turns.markers)
+    return tuple(sorted((token for token in tokens if token), key=lambda token: (-len(token), token)))
 
 
 def template_format_of(tokenizer_dir: str | Path | None) -> ChatFormat:

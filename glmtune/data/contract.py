@@ -12,8 +12,10 @@ Checks, each reported as `file:line: field: reason` (field like
   * tool calls have a non-empty string name and object arguments (a JSON string
     that parses to an object is accepted and normalized), and name a declared tool
     when the row has `tools`;
-  * no text contains GLM control tokens (`<|user|>`, `<|endoftext|>`, ...): they would
-    be tokenized as real control tokens and forge turn boundaries;
+  * no text contains control tokens: they would be tokenized as real control tokens and forge
+    turn boundaries; GLM's (`<|user|>`, `<|endoftext|>`, ...) unless the caller gives the set of
+    the template and tokenizer in use (chat_template.control_tokens: ChatML's `<|im_start|>`,
+    `<|im_end|>`, Llama-3's headers, ...), as tokenization does;
   * optionally, the final answer (last assistant content, parsed as JSON) satisfies
     a JSON Schema.
 Preference rows (prompt/chosen/rejected) reuse these checks through
@@ -120,9 +122,11 @@ def _call_function(call: dict[str, Any], path: str) -> tuple[dict[str, Any], str
 class _RowChecker:
     """Collects the violations of one row."""
 
-    def __init__(self, origin: Origin, schema: dict[str, Any] | None):
+    def __init__(self, origin: Origin, schema: dict[str, Any] | None,
+                 control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS):
         self.origin = origin
         self.schema = schema
+        self.control_tokens = control_tokens
         self.violations: list[Violation] = []
 
     def add(self, field: str, reason: str) -> None:
@@ -171,7 +175,7 @@ class _RowChecker:
 
     def check_control_tokens(self, value: Any, path: str) -> None:
         for field, text in iter_strings(value, path):
-            for token in GLM5_CONTROL_TOKENS:
+            for token in self.control_tokens:
                 if token in text:
                     self.add(field, f"contains the control token {token!r}, which would forge a turn boundary")
                     break
@@ -297,28 +301,32 @@ class _RowChecker:
             self.add(path, f"final answer at {error.json_path}: {error.message}")
 
 
-def check_conversation(data: Any, origin: Origin, schema: dict[str, Any] | None = None) -> list[Violation]:
+def check_conversation(data: Any, origin: Origin, schema: dict[str, Any] | None = None,
+                       control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Violation]:
     """All contract violations of one parsed chat row (`{"messages": ..., "tools": ...}`)."""
-    return _RowChecker(origin, schema).check(data)
+    return _RowChecker(origin, schema, control_tokens).check(data)
 
 
-def validate_row(row: Row, schema: dict[str, Any] | None = None) -> list[Violation]:
+def validate_row(row: Row, schema: dict[str, Any] | None = None,
+                 control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Violation]:
     """All contract violations of one row (empty when valid)."""
     if row.parse_error is not None:
         return [Violation(row.origin, "<row>", row.parse_error)]
-    return check_conversation(row.data, row.origin, schema)
+    return check_conversation(row.data, row.origin, schema, control_tokens)
 
 
-def validate_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None) -> list[Violation]:
+def validate_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None,
+                  control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Violation]:
     """All violations of all rows, in input order."""
-    return [violation for row in rows for violation in validate_row(row, schema)]
+    return [violation for row in rows for violation in validate_row(row, schema, control_tokens)]
 
 
-def check_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None, max_shown: int = 10) -> list[Row]:
+def check_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None, max_shown: int = 10,
+                   control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Row]:
     """Validate everything; raise ValueError listing the first violations, else return
-    the rows normalized (see `normalize_row`)."""
+    the rows normalized (see `normalize_row`). `control_tokens`: the text no string may hold."""
     rows = list(rows)
-    violations = validate_rows(rows, schema)
+    violations = validate_rows(rows, schema, control_tokens)
     if violations:
         raise violations_error(violations, max_shown)
     return [Row(normalize_row(row.data), row.origin) for row in rows]

@@ -276,7 +276,7 @@ def tokenize_dataset(paths: str | Path | list[str | Path], *, tokenizer_dir: str
     if use_cache and (samples := cache.get(key, vocab_size)) is not None:
         return TokenizedDataset(samples, key, cache_hit=True, cache_path=cache.path(key))
     tokenizer = load_tokenizer(directory)
-    rows = check_or_raise(read_rows(paths), schema)
+    rows = check_or_raise(read_rows(paths), schema, control_tokens=control_tokens(template, tokenizer))
     samples = [tokenize_row(row.data, tokenizer, template=template, loss_on=loss_on,
                             enable_thinking=enable_thinking) for row in rows]
     if not use_cache:
