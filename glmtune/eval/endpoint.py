@@ -5,13 +5,15 @@
 the served model and the fingerprint (what the server says of itself) are `endpoint_source`'s.
 
 Two request modes (`--api`):
-  * completions: glmtune renders the prompt with the suite's chat template (the same text the
-    in-process model tokenizes) and sends it as text to /v1/completions; the engine stops on the
+  * completions: glmtune renders the prompt with the suite's chat template and the tokenizer's
+    special tokens (the same text the in-process model tokenizes: Llama-3's begins with its
+    <|begin_of_text|>) and sends it as text to /v1/completions; the engine stops on the
     model's own end-of-turn ids (config.json's `eos_token_id`, which a glmtune export lists:
     <|endoftext|>, <|user|>, <|observation|>), an answer that holds the template's stop tokens (an
     engine that keeps special tokens; `Prompting.stop_tokens`: GLM's, ChatML's <|im_end|>, ...) is
-    cut at them, the suite's stop strings are cut client-side as in-process generation cuts them, and the GLM-5 tool calls are parsed from the text by
-    `answering` (Turn.calls None). Base and candidate are compared under one wrapper.
+    cut at them, the suite's stop strings are cut client-side as in-process generation cuts them,
+    and the tool calls are parsed from the text in the template's format by `answering`
+    (Turn.calls None). Base and candidate are compared under one wrapper.
   * chat: the messages and tools go to /v1/chat/completions as they are (the engine's chat
     template and tool-call parser: what production traffic sees); the returned `tool_calls`
     become the turn's calls (an argument string that is not a JSON object: a call with an error).
@@ -138,8 +140,10 @@ class Endpoint:
     def _answer_one(self, messages, tools, prompting, seed) -> Turn | Failed:
         if self.source.api == "completions":
             try:
+                # the in-process path's text: the tokenizer's special tokens too (Llama-3's bos_token)
                 text = render_conversation(messages, tools=tools, template=prompting.template,
-                                           enable_thinking=prompting.enable_thinking, add_generation_prompt=True)
+                                           enable_thinking=prompting.enable_thinking, add_generation_prompt=True,
+                                           tokenizer=prompting.tokenizer)
                 num_prompt_tokens = len(prompting.tokenizer(text, add_special_tokens=False)["input_ids"])
             except Exception as exc:  # e.g. a tool result the template cannot render
                 return Failed("rendering the prompt", exc)
