@@ -16,15 +16,24 @@ rates the configured `optim.lr`, and the current learning rate the configured sc
 step reached. A resume with the same settings gets exactly the saved values back (the same
 arithmetic on the same numbers); a resume with `--optim.lr` halved after a loss spike trains at
 half the rate from its first step, as the run's "resuming with changed settings" line says.
+
+That line compares resolved values: a setting left null stands for what it resolves to
+(`null_settings`), so a run saved before `peft.target_modules: null` meant the family's default
+(its config.yaml holds GLM-5's list) resumed with the recipe's null is no change when the family's
+default for its model is that list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from glmtune.config import JobConfig
+from glmtune.models.registry import model_spec
+from glmtune.peft import target_globs
 from glmtune.train.data_loader import PackedRowLoader
 
 
@@ -85,3 +94,14 @@ def apply_configured(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr
         group.update({key: value for key, value in settings.items() if key != "lr"})
         group["lr"] = base_lr * factor(step)  # what LambdaLR.step() sets after `step` steps
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def null_settings(cfg: JobConfig) -> dict[str, Callable[[], Any]]:
+    """Dotted key -> what its null stands for in `cfg` (asked only when a saved and a resolved config
+    differ by that null: run_dir.config_changes). `peft.target_modules`: the family's default targets
+    for the model, read from the model built on the meta device (nothing read but its config)."""
+    def default_targets() -> list[str]:
+        model, _ = model_spec(cfg.model).build_from_config(cfg.model, torch.float32, "meta", cfg.train.seed)
+        return target_globs(model, cfg.peft)
+
+    return {"peft.target_modules": default_targets}

@@ -75,6 +75,7 @@ from glmtune.train.process import DistributedInfo, check_recipe, init_distribute
 from glmtune.train.run_data import PreparedData, prepare_data
 from glmtune.train.run_dir import RunDirectory, check_writable, save_run_config
 from glmtune.train.samples import prompts_from, run_samples, score
+from glmtune.train.resume_state import null_settings
 from glmtune.train.trainer import NextTokenUnits, NonFiniteLossError, Trainer, TrainerSettings
 
 
@@ -115,7 +116,7 @@ def _claim_run_dir(cfg: JobConfig, overwrite: bool, console: Console, resources:
     claim.lock()
     resources.callback(claim.release)
     claimed.append(claim)
-    run_id = claim.claim(config_to_yaml(cfg), cfg.checkpoint.resume, overwrite, _run_inputs(cfg))
+    run_id = claim.claim(config_to_yaml(cfg), cfg.checkpoint.resume, overwrite, _run_inputs(cfg), null_settings(cfg))
     check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
     return run_id
 

@@ -40,7 +40,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +74,22 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 _NOT_THE_RUN = ("logging.run_dir", "checkpoint.dir", "checkpoint.resume", "data.cache_dir")
 
 
-def config_changes(saved_yaml: str, new_yaml: str) -> list[str]:
-    """`key: old -> new` for every resolved setting that differs (locations and resume aside)."""
+def config_changes(saved_yaml: str, new_yaml: str, null_means: Mapping[str, Callable[[], Any]] | None = None
+                   ) -> list[str]:
+    """`key: old -> new` for every resolved setting that differs (locations and resume aside); a key of
+    `null_means` that is null on one side only is compared as what the null resolves to."""
     old = _flatten(load_yaml_text(saved_yaml, "the run's config.yaml") or {})
     new = _flatten(load_yaml_text(new_yaml, "the resolved config") or {})
+
+    def differs(key: str) -> bool:
+        a, b = old.get(key), new.get(key)
+        if a != b and key in (null_means or {}) and (a is None) != (b is None):
+            resolved = null_means[key]()
+            a, b = (resolved if a is None else a), (resolved if b is None else b)
+        return a != b
+
     return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
-            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key) and key not in _NOT_THE_RUN]
+            for key in sorted(old.keys() | new.keys()) if key not in _NOT_THE_RUN and differs(key)]
 
 
 def check_writable(directory: Path, key: str, create: bool = False) -> None:
@@ -163,7 +173,8 @@ class RunDirectory:
         """What committing the --overwrite frees, by directory (the disk check counts it free)."""
         return self._aside.bytes_held() if self._aside is not None else {}
 
-    def claim(self, config_yaml: str, resume: str, overwrite: bool, inputs: tuple[tuple[str, str], ...] = ()) -> str:
+    def claim(self, config_yaml: str, resume: str, overwrite: bool, inputs: tuple[tuple[str, str], ...] = (),
+              null_means: Mapping[str, Callable[[], Any]] | None = None) -> str:
         """Decide whose run this directory holds; returns the run id this process trains as.
 
         Raises ValueError (before anything is written) when the directory holds files a run
@@ -181,14 +192,15 @@ class RunDirectory:
         elif overwrite:
             self._set_aside_previous_run(record["run_id"], inputs)
         elif fresh:
-            self._refuse_mixed_run(record["run_id"], config_yaml)
+            self._refuse_mixed_run(record["run_id"], config_yaml, null_means)
         else:
             self._refuse_inputs_among([self.run_dir / n for n in FINISHED_OUTPUTS], inputs, "replaces when it "
                                       "finishes")
             if resume == "auto":
                 self._refuse_restart_over_outputs(record["run_id"])
             if (self.run_dir / "config.yaml").is_file():
-                changed = config_changes((self.run_dir / "config.yaml").read_text(encoding="utf-8"), config_yaml)
+                changed = config_changes((self.run_dir / "config.yaml").read_text(encoding="utf-8"), config_yaml,
+                                         null_means)
                 if changed:
                     self.say("resuming with changed settings: " + "; ".join(changed))
         continued = record if (record and not fresh and not overwrite) else None
@@ -228,14 +240,15 @@ class RunDirectory:
             raise ValueError(f"checkpoint.dir {self.checkpoint_dir} holds checkpoints that record no run (up to "
                              f"step {legacy[-1].step}); choose another --checkpoint.dir, or move them away")
 
-    def _refuse_mixed_run(self, run_id: str, config_yaml: str) -> None:
+    def _refuse_mixed_run(self, run_id: str, config_yaml: str,
+                          null_means: Mapping[str, Callable[[], Any]] | None = None) -> None:
         """A fresh start into a directory holding run `run_id`: refused if it would mix with that run."""
         reasons = []
         earlier = CheckpointManager(self.checkpoint_dir, run_id=run_id).owned()
         if earlier:
             reasons.append(f"checkpoints up to step {earlier[-1].step} in {self.checkpoint_dir}")
         saved_config = self.run_dir / "config.yaml"
-        changed = config_changes(saved_config.read_text(encoding="utf-8"), config_yaml) \
+        changed = config_changes(saved_config.read_text(encoding="utf-8"), config_yaml, null_means) \
             if saved_config.is_file() else []
         if changed:
             reasons.append(f"a different config ({changed[0]}" + (f", and {len(changed) - 1} more)"
