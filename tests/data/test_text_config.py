@@ -65,7 +65,7 @@ def test_text_config_validates() -> None:
            "--data.max_document_tokens", "9000", "--data.text_separator", "\n\n\n")
 
 
-@pytest.mark.parametrize("recipe", ["recipes/tiny/cpt_domain_text.yaml"])
+@pytest.mark.parametrize("recipe", ["recipes/tiny/cpt_domain_text.yaml", "recipes/tiny/cpt_lora_domain_text.yaml"])
 def test_text_recipes_validate(recipe: str) -> None:
     cfg = load_config(recipe, [])
     assert cfg.data.kind == "text"

@@ -14,7 +14,6 @@ from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample
 from glmtune.data.packing import PAD_DOCUMENT_ID, next_token_targets
 from glmtune.data.text_corpus import TextCorpusOptions, build_text_corpus, load_split
 from glmtune.data.text_packing import pack_documents, split_document
-from glmtune.data.text_sources import TextReadOptions
 
 TEXTS = ["Section 1. The Supplier shall deliver steel brackets.", "Reset <|user|> the router, then wait.",
          " ".join(f"Step {i}: check the filter and the status light." for i in range(40)), "Short."]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-import resource
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from glmtune.data.text_sources import TextReadOptions, read_documents
+from tests.peak_rss import PEAK
 
 
 def _docs(paths, **options):
@@ -74,18 +77,30 @@ def test_invalid_utf8_names_file_line_and_column(tmp_path: Path) -> None:
         _docs([path])
 
 
+def _peak_reading(path: Path, max_line_bytes: int) -> tuple[int, str]:
+    """(peak RSS in a fresh interpreter, the refusal) of reading `path` with a line bound."""
+    code = (f"from glmtune.data.text_sources import TextReadOptions, read_documents\n"
+            f"try:\n    list(read_documents([{str(path)!r}], TextReadOptions(max_line_bytes={max_line_bytes})))\n"
+            f"except ValueError as exc:\n    print('REFUSED', exc)\n{PEAK}")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split("PEAK")[-1]), done.stdout
+
+
 def test_huge_single_line_refused_without_reading_it_whole(tmp_path: Path) -> None:
-    """A 24 MB line with a 1 MB bound: refused, and the reader's peak memory grows by far less than
-    the line (it reads at most the bound)."""
-    path = tmp_path / "one_line.txt"
-    with path.open("wb") as f:
-        for _ in range(24):
+    """A 48 MB line without a newline, read with a 1 MB bound: refused naming the file and line, and
+    the reader's peak memory is that of reading a small file (the line is never read whole; with a
+    bound above the line it would be, and decoded: twice its size)."""
+    huge, small = tmp_path / "one_line.txt", tmp_path / "small.txt"
+    with huge.open("wb") as f:
+        for _ in range(48):
             f.write(b"x" * (1 << 20))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    with pytest.raises(ValueError, match=r"one_line\.txt:1: a line longer than 1,048,576 bytes"):
-        _docs([path], max_line_bytes=1 << 20)
-    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    assert grown_kib < 12 * 1024, grown_kib
+    small.write_text("x" * (2 << 20))  # also over the bound: the same refusal, after reading 1 MB
+    peak_huge, out = _peak_reading(huge, 1 << 20)
+    assert f"REFUSED {huge}:1: a line longer than 1,048,576 bytes" in out
+    peak_small, _ = _peak_reading(small, 1 << 20)
+    assert peak_huge - peak_small < 16 << 20, (peak_huge, peak_small)
 
 
 def test_document_bound(tmp_path: Path) -> None:

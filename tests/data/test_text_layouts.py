@@ -1,0 +1,45 @@
+"""The text recipe (recipes/tiny/cpt_domain_text.yaml) at FSDP2 over 2 gloo ranks equals one process:
+the same packed rows (documents split at the row's length with overlap, document masks) give the same
+per-step losses, gradient norms, validation losses and supervised tokens (the existing equivalence
+harness: tests/distributed/forked_runs.py's forked ranks and layout_tolerances.py's bound)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.distributed.forked_runs import SECONDS_PER_RUN, _entry, one_torch_thread  # noqa: F401 (fixture)
+from tests.distributed.gloo_helpers import start_forkserver_ranks
+from tests.distributed.layout_tolerances import LOSS_REL
+from tests.train.run_helpers import assert_same_steps, step_records
+
+RECIPE = "recipes/tiny/cpt_domain_text.yaml"
+FLAGS = ["--train.max_steps", "3", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+         "--train.val_every", "3", "--train.val_steps", "2", "--train.log_every", "1", "--checkpoint.every_steps", "0",
+         "--data.packed_sequence_size", "128", "--data.long_document_overlap", "8", "--logging.progress", "false",
+         "--optim.warmup_steps", "1"]
+DATA_PARALLEL = ["--train.val_steps", "1"]  # one validation batch per rank: the one-process run's two
+
+
+def _train(run_dir: Path, cache_dir: Path, nproc: int, *extra: str) -> None:
+    argv = ["train", RECIPE, *FLAGS, "--logging.run_dir", str(run_dir), "--data.cache_dir", str(cache_dir), *extra]
+    jobs = [(str(run_dir.parent / f"{run_dir.name}.out"), argv)]
+    context = start_forkserver_ranks(_entry, (nproc, str(run_dir.parent / f"gloo-{time.monotonic_ns()}"), jobs),
+                                     nproc)
+    deadline = time.monotonic() + SECONDS_PER_RUN
+    while not context.join(timeout=1.0):
+        assert time.monotonic() < deadline, f"{nproc} forked ranks not done after {SECONDS_PER_RUN:.0f} s"
+
+
+def test_text_recipe_fsdp2_equals_one_process(shared_results) -> None:
+    def build(root: Path) -> None:
+        _train(root / "one", root / "cache", 1)
+        _train(root / "fsdp2", root / "cache", 2, *DATA_PARALLEL)
+
+    root = shared_results.get("text-layouts-fsdp2", build)
+    keys = ("loss", "grad_norm", "val_loss", "tokens", "supervised_tokens")
+    one, fsdp = step_records(root / "one", keys), step_records(root / "fsdp2", keys)
+    assert "world 2 = dp_replicate 1 x dp_shard 2" in (root / "fsdp2.out").read_text()
+    assert "documents ->" in (root / "one.out").read_text()
+    assert sorted(one) == [1, 2, 3] and one[3][2] is not None  # a validation loss at step 3
+    assert_same_steps(fsdp, one, rel=LOSS_REL)
