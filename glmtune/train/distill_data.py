@@ -3,8 +3,8 @@ them, each packed row carrying the teacher's top-K at the positions whose tokens
 
 A teacher directory (`glmtune distill generate`'s, named by `data.train`: its rows file, or the
 directory) holds chat rows, each with a stable `id`, whose last assistant turn is the teacher's
-answer; `manifest.json` (the teacher, its tokenizer's `tokenizer_sha256`: `data/token_cache.py`'s
-hash of its tokenizer files); and the sidecar `topk/` (`glmtune/distill/topk_store.py`), one record
+answer; `manifest.json` (the teacher; its `settings` name the teacher's tokenizer directory and
+`tokenizer_sha256`, `data/sources.file_sha256` of it); and the sidecar `topk/` (`glmtune/distill/topk_store.py`), one record
 per row id: n positions of K ids and log-probabilities, the teacher's distribution before each token
 of its answer it emitted (and that token).
 
@@ -13,9 +13,11 @@ sidecar is not read). With λ > 0:
   * the student's tokenizer must be the teacher's (the manifest's hash against the student's
     tokenizer files): token ids of one are not the other's; refused in one sentence otherwise.
   * every row is aligned before anything trains: the rendered row (the chat template, tokenized
-    through the cache as SFT does) must supervise exactly n tokens in its last assistant turn (the
-    last run of supervised labels); positions where the teacher recorded a different emitted token
-    than the rendered one are left out of the KL (counted), a row without a record or with another
+    through the cache as SFT does) must supervise n tokens in its last assistant turn (the last run
+    of supervised labels), or n + 1 (the end-of-turn token, whose distribution an engine that
+    sampled it did not record: cross-entropy only there); the positions after the first token the
+    teacher emitted otherwise than the row renders it (its context differs from there on) are left
+    out of the KL (counted), a row without a record or with another
     count is left out of the run (one line, counted, the first such row named). A record that is
     not a distribution (NaN, +inf or positive log-probabilities, an id outside the student's
     vocabulary, an id twice at one position) stops the run, naming the row.
@@ -40,7 +42,7 @@ import torch
 from glmtune.config import JobConfig
 from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample
 from glmtune.data.packing import first_fit_decreasing, pack_samples
-from glmtune.data.sources import read_rows
+from glmtune.data.sources import file_sha256, read_rows
 from glmtune.data.token_cache import tokenize_dataset, tokenizer_sha256
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.distill.topk_store import TopKReader
@@ -78,8 +80,10 @@ def open_teacher(cfg: JobConfig, tokenizer_dir: Path | None, vocab_size: int) ->
     manifest = read_json_file(manifest_path, "teacher manifest")
     if cfg.distill.weight == 0:
         return None
-    teacher_hash, student_dir = manifest.get("tokenizer_sha256"), resolve_tokenizer_dir(tokenizer_dir)
-    if teacher_hash != tokenizer_sha256(student_dir):
+    student_dir = resolve_tokenizer_dir(tokenizer_dir)
+    if not same_tokenizer(manifest.get("settings"), student_dir):
+        teacher_hash = (manifest.get("settings") or {}).get("tokenizer_sha256") if isinstance(
+            manifest.get("settings"), dict) else None
         raise ValueError(f"distill.weight {cfg.distill.weight} needs the teacher's tokenizer, but {manifest_path}'s "
                          f"tokenizer_sha256 ({teacher_hash}) is not the student's ({student_dir}): their token ids "
                          "name different tokens; set distill.weight: 0 for sequence-level distillation")
@@ -88,6 +92,20 @@ def open_teacher(cfg: JobConfig, tokenizer_dir: Path | None, vocab_size: int) ->
                          f"{directory} has no {SIDECAR}/ sidecar (generate with --top-logprobs K, or set "
                          "distill.weight: 0)")
     return Teacher(TopKReader(directory / SIDECAR), vocab_size)
+
+
+def same_tokenizer(settings: Any, student_dir: Path) -> bool:
+    """Whether the manifest's `settings` (`glmtune distill generate`'s: the teacher's `tokenizer`
+    directory and `tokenizer_sha256`, the sha256 of that directory's files) name the student's
+    tokenizer: the same directory hash, or, where the teacher's directory still exists (a model
+    directory hashes its weights too), the same tokenizer files (`token_cache.tokenizer_sha256`)."""
+    if not isinstance(settings, dict):
+        return False
+    if settings.get("tokenizer_sha256") == file_sha256(student_dir):
+        return True
+    teacher_dir = Path(str(settings.get("tokenizer", "")))
+    return bool(settings.get("tokenizer")) and teacher_dir.is_dir() and \
+        tokenizer_sha256(teacher_dir) == tokenizer_sha256(student_dir)
 
 
 def last_turn_targets(labels: list[int]) -> list[int]:
@@ -137,13 +155,19 @@ def align(teacher: Teacher, row_id: Any, sample: TokenizedSample) -> tuple | Non
     ids, logps = teacher.reader.get(row_id)
     check_record(row_id, ids, logps, teacher.vocab_size)
     label_indices = last_turn_targets(list(sample.labels))
+    if ids.shape[0] == len(label_indices) - 1:  # the end of turn not recorded (a sampled stop token): no KL there
+        label_indices = label_indices[:-1]
     if len(label_indices) != ids.shape[0]:
         teacher.left_out.setdefault("a record whose positions are not its answer's tokens", []).append(
             f"{row_id} ({ids.shape[0]} vs {len(label_indices)})")
         return None
     generated = teacher.reader.generated(row_id)
     rendered = torch.tensor([sample.labels[i] for i in label_indices], dtype=torch.long)
-    agree = ((generated < 0) | (generated == rendered)) & (ids >= 0).any(dim=1)
+    # The teacher's distribution at position j was conditioned on its tokens before j: where the rows
+    # render another token (a re-tokenized answer), every later position's context differs.
+    same = ((generated < 0) | (generated == rendered)).long()
+    before_agree = torch.cat([torch.ones(1, dtype=torch.long), same.cumprod(0)[:-1]]) > 0
+    agree = before_agree & (ids >= 0).any(dim=1)
     teacher.disagreeing_positions += int((~agree).sum())
     ids, logps = _filled(ids[agree], logps[agree])
     positions = [index - 1 for index, keep in zip(label_indices, agree.tolist()) if keep]  # target t -> token t+1
@@ -202,7 +226,7 @@ def teacher_notes(teacher: Teacher, split: str) -> list[str]:
     notes = [f"left out {len(ids):,} {split} rows with {reason} (first: {ids[0]}); they need the teacher's "
              "record (distill.weight: 0 trains on every row, sequence-level)" for reason, ids in teacher.left_out.items()]
     if teacher.disagreeing_positions:
-        notes.append(f"{teacher.disagreeing_positions:,} {split} answer tokens the teacher emitted otherwise than the "
-                     "rows render them: no KL there (cross-entropy only)")
+        notes.append(f"{teacher.disagreeing_positions:,} {split} answer tokens come after a token the teacher emitted "
+                     "otherwise than the rows render it: no KL there (cross-entropy only)")
     teacher.left_out, teacher.disagreeing_positions = {}, 0
     return notes

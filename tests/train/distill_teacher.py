@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from glmtune.data.synthetic import generate_rows
-from glmtune.data.token_cache import tokenize_dataset, tokenizer_sha256
+from glmtune.data.sources import file_sha256
+from glmtune.data.token_cache import tokenize_dataset
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 from glmtune.distill.topk_store import TopKWriter
 from glmtune.models.registry import GLM5
@@ -27,9 +28,12 @@ RECIPE = "tiny/distill_support_json"
 
 @torch.no_grad()
 def build_teacher_dir(directory: Path, rows: int = 48, seed: int = 0, skip: tuple[str, ...] = (),
-                      short: tuple[str, ...] = (), model: bool = True) -> Path:
+                      short: tuple[str, ...] = (), unstopped: tuple[str, ...] = (), diverged: tuple[str, ...] = (),
+                      model: bool = True) -> Path:
     """The rows file of a teacher directory at `directory`: rows whose id is in `skip` get no record,
-    those in `short` one position too few; `model` False: random distributions instead of the model's."""
+    those in `short` two positions too few, those in `unstopped` none at their end-of-turn token (a
+    sampled stop), those in `diverged` another emitted token at their third position; `model` False:
+    random distributions instead of the model's."""
     directory.mkdir(parents=True, exist_ok=True)
     data = generate_rows(rows, seed)
     rows_file = directory / "rows.jsonl"
@@ -44,13 +48,17 @@ def build_teacher_dir(directory: Path, rows: int = 48, seed: int = 0, skip: tupl
             if row["id"] in skip:
                 continue
             labels = last_turn_targets(list(sample.labels))
-            if row["id"] in short:
-                labels = labels[:-1]
+            if row["id"] in short or row["id"] in unstopped:
+                labels = labels[:-2] if row["id"] in short else labels[:-1]
             top = logps[[i - 1 for i in labels]].topk(K, dim=-1)  # the distribution before each answer token
-            writer.append(row["id"], top.indices, top.values,
-                          generated=torch.tensor([sample.labels[i] for i in labels]))
-    manifest = {"teacher": "tiny (seed 0, in process)", "tokenizer_sha256": tokenizer_sha256(TINY_TOKENIZER_DIR),
-                "top_logprobs": K, "rows": rows}
+            generated = torch.tensor([sample.labels[i] for i in labels])
+            if row["id"] in diverged:
+                generated[2] = (generated[2] + 1) % 4096
+            writer.append(row["id"], top.indices, top.values, generated=generated)
+    # glmtune distill generate's manifest, as much of it as training reads
+    manifest = {"command": "glmtune distill generate", "settings": {
+        "teacher": "tiny (seed 0, in process)", "tokenizer": str(TINY_TOKENIZER_DIR),
+        "tokenizer_sha256": file_sha256(TINY_TOKENIZER_DIR), "top_logprobs": K}}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return rows_file
 

@@ -4,6 +4,7 @@ one counted line; mismatched tokenizers with λ > 0 and malformed records are re
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -11,19 +12,22 @@ import torch
 from glmtune.config.schema import JobConfig
 from glmtune.data.packing import next_token_targets
 from glmtune.data.synthetic import generate_rows
-from glmtune.data.tokenizer import load_tokenizer
+from glmtune.data.sources import file_sha256
+from glmtune.data.tokenizer import TINY_TOKENIZER_DIR, load_tokenizer
 from glmtune.train.data_loader import collate
 from glmtune.train.distill_data import (MANIFEST, check_record, distilled_conversations, open_teacher,
-                                        teacher_notes)
+                                        same_tokenizer, teacher_notes)
 from tests.train.distill_teacher import K, build_teacher_dir
 
 
 @pytest.fixture(scope="module")
 def teacher_rows(tmp_path_factory):
-    """A teacher directory of 24 rows with random distributions: row 3 has no record, row 5 a short one."""
+    """A teacher directory of 24 rows with random distributions: row 3 has no record, row 5 a short one,
+    row 7 none at its end-of-turn token, row 9 emitted another third token than the row renders."""
     directory = tmp_path_factory.mktemp("teacher")
     ids = [row["id"] for row in generate_rows(24, 0)]
-    rows_file = build_teacher_dir(directory, rows=24, skip=(ids[3],), short=(ids[5],), model=False)
+    rows_file = build_teacher_dir(directory, rows=24, skip=(ids[3],), short=(ids[5],), unstopped=(ids[7],),
+                                  diverged=(ids[9],), model=False)
     return rows_file, ids
 
 
@@ -45,18 +49,21 @@ def test_positions_align_and_bad_rows_are_left_out(teacher_rows, tmp_path):
     notes = teacher_notes(teacher, "training")
     skipped, shortened = ids[3], ids[5]
     reader = teacher.reader
-    n = reader.get(shortened)[0].shape[0]
+    n, n9 = reader.get(shortened)[0].shape[0], reader.get(ids[9])[0].shape[0]
     assert notes == [
         f"left out 1 training rows with no top-K record for its id (first: {skipped}); they need the teacher's "
         "record (distill.weight: 0 trains on every row, sequence-level)",
         f"left out 1 training rows with a record whose positions are not its answer's tokens (first: {shortened} "
-        f"({n} vs {n + 1})); they need the teacher's record (distill.weight: 0 trains on every row, sequence-level)",
+        f"({n} vs {n + 2})); they need the teacher's record (distill.weight: 0 trains on every row, sequence-level)",
+        f"{n9 - 3} training answer tokens come after a token the teacher emitted otherwise than the rows render it: "
+        "no KL there (cross-entropy only)",
     ]
-    assert stats.num_packed_samples == len(ids) - 2
+    assert stats.num_packed_samples == len(ids) - 2  # row 7 kept: its answer's tokens but the last have a record
     batch = collate(packed)
     assert batch["teacher_ids"].shape == (*batch["targets"].shape, K)
     # Every teacher position predicts the token the teacher emitted there; elsewhere zeros.
-    emitted = torch.cat([reader.generated(i) for i in ids if i not in (skipped, shortened)])
+    emitted = torch.cat([reader.generated(i)[:3 if i == ids[9] else None] for i in ids if i not in (skipped, shortened)])
+    emitted[sum(len(reader.generated(i)) for i in ids[:9] if i not in (skipped, shortened)) + 2] -= 1  # row 9's
     assert sorted(batch["targets"][batch["teacher_mask"]].tolist()) == sorted(emitted.tolist())
     for row in packed:
         targets = next_token_targets(row["labels"])
@@ -64,9 +71,9 @@ def test_positions_align_and_bad_rows_are_left_out(teacher_rows, tmp_path):
     assert (batch["teacher_ids"][~batch["teacher_mask"]] == 0).all()
     assert (batch["teacher_logps"][~batch["teacher_mask"]] == 0).all()
     # the packed top-K are the records' own, in order (one packed row of documents in first-fit order)
-    records = {i: reader.get(i) for i in ids if i not in (skipped, shortened)}
+    records = {i: reader.get(i)[1][:3 if i == ids[9] else None] for i in ids if i not in (skipped, shortened)}
     packed_logps = sorted(batch["teacher_logps"][batch["teacher_mask"]].sum(-1).tolist())
-    assert packed_logps == sorted(torch.cat([lp for _, lp in records.values()]).sum(-1).tolist())
+    assert packed_logps == sorted(torch.cat(list(records.values())).sum(-1).tolist())
 
 
 def test_mismatched_tokenizer_with_kl_is_refused_sequence_level_is_not(teacher_rows, tmp_path):
@@ -74,7 +81,7 @@ def test_mismatched_tokenizer_with_kl_is_refused_sequence_level_is_not(teacher_r
     other = tmp_path / "teacher"
     other.mkdir()
     (other / "rows.jsonl").write_text(rows_file.read_text())
-    (other / MANIFEST).write_text(json.dumps({"tokenizer_sha256": "0" * 64}))
+    (other / MANIFEST).write_text(json.dumps({"settings": {"tokenizer": str(other), "tokenizer_sha256": "0" * 64}}))
     with pytest.raises(ValueError, match=r"^distill.weight 1.0 needs the teacher's tokenizer, but .*manifest.json's "
                                          r"tokenizer_sha256 \(0{64}\) is not the student's .*set distill.weight: 0 "
                                          r"for sequence-level distillation$"):
@@ -100,3 +107,19 @@ def test_malformed_records_are_refused_naming_the_row(damage, message):
     damage(ids, logps)
     with pytest.raises(ValueError, match=rf"^teacher top-K of row 'row-7': {message}"):
         check_record("row-7", ids, logps, 4096)
+
+
+def test_same_tokenizer_by_its_files_when_the_teacher_directory_holds_more(tmp_path):
+    """generate's manifest hashes the teacher's whole directory (a model directory: its weights too): the
+    student's tokenizer is the teacher's when that hash or the tokenizer files match."""
+    model_dir = tmp_path / "teacher-model"
+    shutil.copytree(TINY_TOKENIZER_DIR, model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    settings = {"tokenizer": str(model_dir), "tokenizer_sha256": file_sha256(model_dir)}
+    assert same_tokenizer(settings, TINY_TOKENIZER_DIR)
+    assert same_tokenizer({"tokenizer": "/gone", "tokenizer_sha256": file_sha256(TINY_TOKENIZER_DIR)},
+                          TINY_TOKENIZER_DIR)
+    tokenizer_json = model_dir / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text().replace('"<|user|>"', '"<|usr|>"', 1))
+    assert not same_tokenizer(settings, TINY_TOKENIZER_DIR)
+    assert not same_tokenizer(None, TINY_TOKENIZER_DIR)

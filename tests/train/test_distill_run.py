@@ -75,7 +75,8 @@ def test_other_tokenizer_with_kl_is_refused_in_one_line(teacher, tmp_path):
     other.mkdir()
     (other / "rows.jsonl").write_text(rows_file.read_text())
     manifest = json.loads((rows_file.parent / "manifest.json").read_text())
-    (other / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "f" * 64}))
+    manifest["settings"].update(tokenizer=str(other), tokenizer_sha256="f" * 64)  # another tokenizer's
+    (other / "manifest.json").write_text(json.dumps(manifest))
     done = run_distill(tmp_path / "run", cache, other / "rows.jsonl")
     assert done.returncode != 0
     assert "Traceback" not in done.stderr + done.stdout
