@@ -160,6 +160,8 @@ def _objective_note(cfg) -> str:
     """What the training objective adds to the step, in the plan's words (docs/preference.md)."""
     if cfg.train.objective == "sft":
         extras = []
+        target = ("every token of the documents (data.kind text: continued pretraining)" if cfg.data.kind == "text"
+                  else "the assistant turns")
         if cfg.train.mtp_loss_weight > 0:
             mtp = (f"the MTP loss (weight {cfg.train.mtp_loss_weight:g}: one more MoE layer and head pass "
                    "on the last stage, whose parameters and optimizer state count")
@@ -170,7 +172,7 @@ def _objective_note(cfg) -> str:
         if cfg.train.indexer_loss_weight > 0:
             extras.append(f"the indexer KL loss (weight {cfg.train.indexer_loss_weight:g}: the indexers' parameters "
                           "and optimizer state count; the KL's chunked scores are transient)")
-        return "sft: next-token loss on the assistant turns" + "".join(f"; + {x}" for x in extras)
+        return f"sft: next-token loss on {target}" + "".join(f"; + {x}" for x in extras)
     if cfg.dpo.reference == "none":
         return "dpo, reference-free (SimPO): the step's memory and work are SFT's"
     if cfg.peft.method == "lora":

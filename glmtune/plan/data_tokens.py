@@ -8,6 +8,11 @@ then counts from the packed rows, not from a nominal length:
   rows per epoch (what the GPUs compute, padding included), real (non-padding) tokens,
   documents per row, the share of one-document rows, and every document's length (for the
   attention FLOPs, which depend on them).
+A raw-text corpus (`data.kind: text`) takes the same path (`data/text_run_data.py`: read, text
+contract, split by source, EOS after each document, long documents split at the row's length):
+its rows are what remains after the contract, and the plan also reports the corpus' token count
+before and after it (`corpus`: tokens read, removed by each rule, kept in each split), so
+`--epochs` prices the tokens training will actually see.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class EpochTokens:
     documents: int
     one_document_rows: int
     document_lengths: list[int] = field(repr=False, default_factory=list)
+    corpus: dict | None = None  # a text corpus' contract counts (`corpus_counts`); None for chat rows
 
     @property
     def tokens(self) -> int:
@@ -38,7 +44,18 @@ class EpochTokens:
     def to_dict(self) -> dict:
         return {"rows": self.rows, "seq": self.seq, "tokens": self.tokens, "real_tokens": self.real_tokens,
                 "documents": self.documents, "documents_per_row": round(self.documents / max(1, self.rows), 2),
-                "one_document_rows": self.one_document_rows}
+                "one_document_rows": self.one_document_rows, **({"corpus": self.corpus} if self.corpus else {})}
+
+
+def corpus_counts(manifest: dict) -> dict | None:
+    """A text run's corpus before and after its contract (a document's own tokens, its EOS aside):
+    read, removed per rule (only the rules that removed some), kept per split; None for chat data."""
+    contract = manifest.get("contract") if manifest.get("kind") == "text" else None
+    if contract is None:
+        return None
+    return {"documents": contract["input"]["documents"], "tokens": contract["input"]["tokens"],
+            "removed_tokens": {rule: c["tokens"] for rule, c in contract["removed"].items() if c["documents"]},
+            "kept_tokens": {split: c["tokens"] for split, c in contract["splits"].items()}}
 
 
 def unreadable_data(cfg: JobConfig) -> str | None:
@@ -63,7 +80,7 @@ def epoch_tokens(cfg: JobConfig, vocab_size: int, model_dir: Path | None = None)
     stats = data.manifest["train_packing"]
     return EpochTokens(rows=len(data.train_rows), seq=cfg.data.packed_sequence_size,
                        real_tokens=stats["num_tokens"], documents=len(lengths), one_document_rows=one_document,
-                       document_lengths=lengths)
+                       document_lengths=lengths, corpus=corpus_counts(data.manifest))
 
 
 def _document_lengths(document_ids: list[int]) -> list[int]:

@@ -63,6 +63,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(f"data: {data['rows']:,} packed rows of {data['seq']} per epoch = {data['tokens']:,} tokens "
                       f"({data['real_tokens']:,} real, {data['documents_per_row']} documents a row, "
                       f"{data['one_document_rows']:,} one-document rows)")
+        corpus = data.get("corpus")
+        if corpus:  # a text corpus: its tokens before and after the contract (data/text_contract.py)
+            removed = ", ".join(f"{rule} {tokens:,}" for rule, tokens in corpus["removed_tokens"].items()) or "none"
+            kept = ", ".join(f"{split} {tokens:,}" for split, tokens in corpus["kept_tokens"].items())
+            console.print(f"corpus: {corpus['documents']:,} documents, {corpus['tokens']:,} tokens read; removed by "
+                          f"the contract: {removed}; kept: {kept}")
     elif data:
         console.print(f"data: {data['note']}")
     run = report["run"]
