@@ -24,6 +24,7 @@ from typing import Any
 
 from glmtune.data.contract import check_conversation, normalize_row
 from glmtune.data.sources import Origin
+from glmtune.distill.align import align, rendered_targets
 from glmtune.distill.output import Output
 from glmtune.distill.prompts import Prompt
 from glmtune.distill.teacher_logprobs import Malformed
@@ -54,7 +55,19 @@ class Counts:
     messages: list[str] = field(default_factory=list)
     written: int = 0
     without_topk: int = 0
+    positions: int = 0  # sidecar positions written this run (the rendered turns' tokens)
+    matched: int = 0  # of them, those holding the teacher's top-K (align)
     no_logprobs_said: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What every prompt's samples share: how many, their seed, what keeps an answer."""
+
+    samples: int
+    seed: int
+    verifier: Verifier | None
+    keep_truncated: bool
 
 
 def sample_seed(seed: int, row_id: str, sample: int) -> int:
@@ -78,32 +91,29 @@ def _row(prompt: Prompt, answer: Answer, template: str, api: str) -> dict[str, A
     return normalize_row(row)
 
 
-def judge(prompt: Prompt, answer: Answer, template: str, api: str, verifier: Verifier | None,
-          keep_truncated: bool = False) -> tuple[dict[str, Any] | None, str | None]:
-    """(the row, None) for a kept answer, (None, why) for a rejected one; Malformed for a failed one."""
-    if answer.finish == "length" and not keep_truncated:
+def judge(prompt: Prompt, answer: Answer, teacher: EndpointTeacher | LocalTeacher, api: str,
+          policy: Policy) -> tuple[dict[str, Any] | None, str | None]:
+    """(the row, None) for a kept answer (its top-K laid on the rendered turn: `align`), (None, why)
+    for a rejected one; Malformed for a failed one."""
+    if answer.finish == "length" and not policy.keep_truncated:
         return None, "cut at max_new_tokens"
     try:
-        row = _row(prompt, answer, template, api)
+        row = _row(prompt, answer, teacher.template, api)
     except Malformed as exc:
         if exc.reason == "bad tool call":
             return None, str(exc)
         raise
-    if verifier is not None:
-        failures = verifier.failures(row["messages"][-1].get("content") or "", prompt.messages, prompt.tools)
+    if policy.verifier is not None:
+        failures = policy.verifier.failures(row["messages"][-1].get("content") or "", prompt.messages, prompt.tools)
         if failures:
             return None, "keep-if: " + "; ".join(failures[:2])
+    if answer.topk is not None:
+        try:
+            rendered = rendered_targets(row, teacher.tokenizer, teacher.template, teacher.enable_thinking)
+        except ValueError as exc:  # the template cannot tell the turn's tokens: not a row to train on
+            raise Malformed("answer does not render", str(exc)) from None
+        answer.topk = align(answer.topk, rendered)
     return row, None
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What every prompt's samples share: how many, their seed, what keeps an answer."""
-
-    samples: int
-    seed: int
-    verifier: Verifier | None
-    keep_truncated: bool
 
 
 def answer_endpoint(teacher: EndpointTeacher, prompt: Prompt, policy: Policy) -> Outcome:
@@ -112,8 +122,7 @@ def answer_endpoint(teacher: EndpointTeacher, prompt: Prompt, policy: Policy) ->
     for sample in range(policy.samples):
         try:
             answer = teacher.answer(prompt.messages, prompt.tools, sample_seed(policy.seed, prompt.row_id, sample))
-            row, why = judge(prompt, answer, teacher.template, teacher.source.api, policy.verifier,
-                             policy.keep_truncated)
+            row, why = judge(prompt, answer, teacher, teacher.source.api, policy)
         except RequestFailed as exc:
             return Outcome(prompt, failed=f"request failed ({exc.kind})", message=str(exc))
         except Malformed as exc:
@@ -137,8 +146,7 @@ def answer_local(teacher: LocalTeacher, prompts: list[Prompt], policy: Policy) -
         for prompt, answer in zip(pending, answers):
             outcome = outcomes[prompt.row_id]
             try:
-                row, why = judge(prompt, answer, teacher.template, "completions", policy.verifier,
-                                 policy.keep_truncated)
+                row, why = judge(prompt, answer, teacher, "completions", policy)
             except Malformed as exc:
                 outcome.failed, outcome.message = exc.reason, f"{prompt.row_id}: {exc}"
                 continue
@@ -171,6 +179,9 @@ def record(output: Output, outcome: Outcome, counts: Counts, log: Callable[[str]
             log(NO_LOGPROBS)
     output.add_row(outcome.row, answer.topk)
     counts.written += 1
+    if answer.topk is not None:
+        counts.positions += len(answer.topk.generated)
+        counts.matched += int((answer.topk.generated >= 0).sum())
 
 
 def run_endpoint(teacher: EndpointTeacher, pending: list[Prompt], output: Output, counts: Counts, policy: Policy,
@@ -205,6 +216,7 @@ def summary(output: Output, counts: Counts, prompts: int, began: float, faults: 
     without = len(output.done - set(output.topk.row_ids)) if output.topk is not None else None
     return {"prompts": prompts, "done": len(output.done), "rejected": len(output.rejected), "failed": failed,
             "written_this_run": counts.written, "rows_without_topk": without,
+            "topk_positions_this_run": counts.positions, "topk_positions_matched_this_run": counts.matched,
             **({"note": NO_LOGPROBS} if counts.no_logprobs_said else {}),
             "failures": dict(sorted(counts.failures.items())), "rejections": dict(sorted(counts.rejections.items())),
             "failed_examples": counts.messages, "seconds": round(time.monotonic() - began, 3),

@@ -180,18 +180,22 @@ def _empty(k: int) -> TopK:
 
 
 def cut_at_stop(topk: TopK, stop_ids: set[int]) -> TopK:
-    """The positions before the first stop token (an engine that returns its end-of-turn token's
-    log-prob: the answer's text does not hold it)."""
+    """The positions up to the first stop token, included: an engine that returns its end-of-turn
+    token's log-prob (vLLM) gives the teacher's distribution where the student learns to end the turn;
+    the answer's text does not hold it."""
     stops = [i for i, token in enumerate(topk.generated.tolist()) if token in stop_ids]
     if not stops:
         return topk
-    n = stops[0]
+    n = stops[0] + 1
     return TopK(topk.generated[:n], topk.ids[:n], topk.logprobs[:n])
 
 
-def check_spells(topk: TopK, text: str, tokenizer: Any) -> None:
-    """Malformed unless the sampled tokens decode to the answer's text."""
-    spelled = tokenizer.decode(topk.generated.tolist(), skip_special_tokens=False)
+def check_spells(topk: TopK, text: str, tokenizer: Any, stop_ids: set[int]) -> None:
+    """Malformed unless the sampled tokens (a last stop token aside) decode to the answer's text."""
+    tokens = topk.generated.tolist()
+    if tokens and tokens[-1] in stop_ids:
+        tokens = tokens[:-1]
+    spelled = tokenizer.decode(tokens, skip_special_tokens=False)
     if spelled != text:
         raise Malformed("tokens do not spell the answer",
-                        f"{len(topk.generated)} tokens decode to {spelled[:60]!r}, the answer is {text[:60]!r}")
+                        f"{len(tokens)} tokens decode to {spelled[:60]!r}, the answer is {text[:60]!r}")

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from glmtune.data.chat_generation import stop_token_ids, stop_tokens
@@ -143,7 +144,7 @@ class EndpointTeacher:
             return Answer(cut, finish, None, no_logprobs=True, calls=calls)
         topk = cut_at_stop(topk, self.stop_ids)
         if calls is None:  # the chat API's tool calls are not in the content's tokens
-            check_spells(topk, cut, self.tokenizer)
+            check_spells(topk, cut, self.tokenizer, self.stop_ids)
         return Answer(cut, finish, topk, calls=calls)
 
     def _call(self, request):
@@ -220,17 +221,21 @@ class LocalTeacher:
                           return_logits=bool(self.k))
         answers = []
         for row, (tokens, text, reason) in enumerate(zip(result.token_ids, result.texts, result.finish_reasons)):
-            topk = None
-            if self.k:
-                logits_NV = torch.stack([step[row] for step in result.step_logits[:len(tokens)]]) if tokens else \
-                    torch.zeros(0, 1)
-                top = torch.log_softmax(logits_NV.float(), dim=-1).topk(min(self.k, logits_NV.shape[-1]), dim=-1)
-                topk = TopK(torch.tensor(tokens, dtype=torch.int32).numpy(), top.indices.int().numpy(),
-                            top.values.numpy())
-                if topk.ids.shape[1] != self.k:  # no tokens (an empty answer): [0, k]
-                    topk = TopK(topk.generated, topk.ids.reshape(0, self.k), topk.logprobs.reshape(0, self.k))
+            topk = self._topk(result.step_logits, row, tokens, reason) if self.k else None
             answers.append(Answer(text, "length" if reason == "length" else "stop", topk))
         return answers
+
+    def _topk(self, step_logits: list[torch.Tensor], row: int, tokens: list[int], reason: str) -> TopK:
+        """The row's top-K per generated token, and at the stop token when greedy decoding names it
+        (the argmax: a sampled stop token is not recorded by the generator)."""
+        tokens = list(tokens)
+        if reason == "stop_token" and self.decoding.temperature == 0 and len(step_logits) > len(tokens):
+            tokens.append(int(step_logits[len(tokens)][row].argmax()))
+        logps_NV = torch.stack([step[row] for step in step_logits[:len(tokens)]]).float().log_softmax(-1) \
+            if tokens else torch.zeros(0, max(self.k, 1))
+        top = logps_NV.topk(self.k, dim=-1)
+        return TopK(np.array(tokens, dtype=np.int32), top.indices.int().numpy().reshape(-1, self.k),
+                    top.values.numpy().reshape(-1, self.k))
 
 
 def parse_calls(text: str, template: str, tools: list | None) -> tuple[str, list[dict[str, Any]]]:

@@ -38,7 +38,7 @@ def answer_for(prompt: str, seed: int, bad_json=None) -> str:
 
 
 class TeacherStub:
-    def __init__(self, tokenizer, stop_token: str = "<|user|>") -> None:
+    def __init__(self, tokenizer, stop_token: str = "<|endoftext|>") -> None:
         self.tokenizer = tokenizer
         self.stop_id = tokenizer.convert_tokens_to_ids(stop_token)
         # Alternatives are ids whose text is ASCII (an engine spells a partial UTF-8 byte as U+FFFD: unmappable)

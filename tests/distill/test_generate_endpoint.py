@@ -22,6 +22,7 @@ from glmtune.data.contract import check_conversation
 from glmtune.data.sources import Origin
 from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR, load_tokenizer
+from glmtune.distill.align import rendered_targets
 from glmtune.distill.generate import sample_seed
 from glmtune.distill.prompts import read_prompts
 from glmtune.distill.topk_store import TopKReader
@@ -76,20 +77,27 @@ def _expected_chat(data: Path) -> dict[str, str]:
 
 
 def _check_complete(out: Path, data: Path, tokenizer, k: int = 4, chat: bool = False) -> None:
-    """Every prompt answered once, as the stub answers it; the sidecar holds exactly the rows' tokens."""
+    """Every prompt answered once, as the stub answers it; the sidecar holds one position per token of
+    the rendered last turn: '</think>' (in the teacher's prompt, not generated: no entry), the answer's
+    tokens, and the end-of-turn token (the stub's completions report it, as vLLM does; its chat does not)."""
     rows, expected = _rows(out), _expected_chat(data) if chat else _expected(data, tokenizer)
     assert sorted(r["id"] for r in rows) == sorted(expected)  # none lost, none twice
     reader = TopKReader(out / "topk")
     assert sorted(reader.row_ids) == sorted(expected) and reader.k == k
+    think, end = tokenizer.convert_tokens_to_ids("</think>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     for row in rows:
         assert check_conversation(row, Origin("rows", 1)) == []
         answer = row["messages"][-1]["content"]
         assert answer == expected[row["id"]]
         tokens = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        assert rendered_targets(row, tokenizer, load_chat_template(TINY_TOKENIZER_DIR), False) == [think, *tokens, end]
+        generated = reader.generated(row["id"]).tolist()
+        assert generated == [-1, *tokens, -1 if chat else end]
         ids, logprobs = reader.get(row["id"])
-        assert reader.generated(row["id"]).tolist() == tokens  # the end-of-turn position is cut
-        assert ids[:, 0].tolist() == tokens and torch.all(logprobs[:, 0] == -0.25)
-        assert torch.all(logprobs[:, 1] == -2.0) and torch.all(logprobs[:, 1:].diff(dim=-1) < 0)
+        assert torch.all(ids[0] == -1) and torch.all(torch.isneginf(logprobs[0]))
+        taught = slice(1, len(generated) - 1 if chat else len(generated))
+        assert ids[taught, 0].tolist() == generated[taught] and torch.all(logprobs[taught, 0] == -0.25)
+        assert torch.all(logprobs[taught, 1] == -2.0) and torch.all(logprobs[taught, 1:].diff(dim=-1) < 0)
 
 
 @pytest.mark.parametrize(("api", "token_ids"), [("completions", True), ("completions", False), ("chat", True),

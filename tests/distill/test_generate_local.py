@@ -1,5 +1,6 @@
 """`glmtune distill generate` with the teacher in process (the tiny GLM-5 model, an HF directory):
-the sidecar's top-K equals the teacher's own log-softmax over the answer, teacher-forced; prompt
+the teacher's top-K equals its own log-softmax over the answer, teacher-forced, and the sidecar holds
+it laid on the rendered turn; prompt
 rows and chat rows alike; a rerun asks nothing; endpoint-only options are refused."""
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from glmtune.cli import main
 from glmtune.data.chat_template import load_chat_template, render_conversation
 from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR, load_tokenizer
+from glmtune.data.token_cache import tokenizer_sha256
+from glmtune.distill.align import align, rendered_targets
 from glmtune.distill.prompts import read_prompts
+from glmtune.distill.teachers import LocalTeacher
+from glmtune.eval.suite import DecodingConfig
 from glmtune.distill.topk_store import TopKReader
 from glmtune.models.glm5 import build_model, get_preset
 
@@ -54,22 +59,31 @@ def test_in_process_topk_equals_the_teacher_forced_distribution(teacher, data, t
     assert sorted(r["id"] for r in rows) == sorted(prompts) and "q1" in prompts
     assert next(r for r in rows if r["id"] != "q1" and "category" in r and r["category"] == "misc")
     tokenizer, template = load_tokenizer(hf_dir), load_chat_template(hf_dir)
+    local = LocalTeacher(model, tokenizer, template, DecodingConfig(max_new_tokens=6), K)
     reader = TopKReader(out / "topk")
     for row in rows:
         p = prompts[row["id"]]
+        [answer] = local.answer_batch([(p.messages, p.tools)], seed=0)
+        raw = answer.topk  # the teacher's own positions: its 6 tokens (cut at max_new_tokens: no stop token)
+        assert tokenizer.decode(raw.generated.tolist()) == row["messages"][-1]["content"] and len(raw.generated) == 6
         prompt = tokenizer(render_conversation(p.messages, tools=p.tools, template=template, tokenizer=tokenizer,
                                                enable_thinking=False, add_generation_prompt=True),
                            add_special_tokens=False)["input_ids"]
-        answer = reader.generated(row["id"]).tolist()
-        assert tokenizer.decode(answer) == row["messages"][-1]["content"] and len(answer) == 6
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1].float()
+            logits = model(torch.tensor([prompt + raw.generated.tolist()])).logits[0, len(prompt) - 1:-1].float()
         want = torch.log_softmax(logits, dim=-1).topk(K, dim=-1)
+        assert torch.equal(torch.from_numpy(raw.ids).long(), want.indices)  # greedy: the answer is each top-1
+        assert torch.allclose(torch.from_numpy(raw.logprobs), want.values, atol=1e-4)
+        # The sidecar: those positions laid on the rendered turn (align), as the student trains on it.
+        expected = align(raw, rendered_targets(row, tokenizer, template, False))
         ids, logprobs = reader.get(row["id"])
-        assert torch.equal(ids[:, 0], torch.tensor(answer))  # greedy: the answer is the top-1
-        assert torch.equal(ids, want.indices) and torch.allclose(logprobs, want.values, atol=1e-4)
+        assert reader.generated(row["id"]).tolist() == expected.generated.tolist()
+        assert torch.equal(ids, torch.from_numpy(expected.ids).long())
+        assert torch.allclose(logprobs, torch.from_numpy(expected.logprobs), atol=1e-4)
+        assert (expected.generated >= 0).sum() >= 4  # the answer's tokens (a stripped leading space aside)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["teacher"]["kind"] == "hf" and manifest["counts"]["done"] == len(prompts)
+    assert manifest["tokenizer_sha256"] == tokenizer_sha256(hf_dir)
     assert main(argv) == 0  # resumed: nothing left to answer
     assert json.loads((out / "manifest.json").read_text())["counts"]["written_this_run"] == 0
 
