@@ -45,6 +45,8 @@ from transformers import AutoModelForCausalLM
 from glmtune.checkpoint.export_stream import stream_export
 from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.io.outputs import output_dir
+from glmtune.models.common.distill_loss import distilling, with_teacher_kl
+from glmtune.models.common.loss import chunked_cross_entropy
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.common.step_runner import StepRunner
@@ -55,7 +57,8 @@ from glmtune.models.hf.hf_files import settle_config, write_configs
 from glmtune.models.hf.hf_format import HF_FORMAT
 from glmtune.models.hf.lora_rules import HfLoraRules
 from glmtune.models.hf.memory_model import HF_MEMORY
-from glmtune.models.hf.model import build_model, check_model, loss_sum, token_logps
+from glmtune.models.hf.model import (FSDP_RUN, LOSS_CHUNK_SIZE, build_model, check_model, final_hidden, loss_sum,
+                                     token_logps)
 from glmtune.models.hf.parallelize import parallelize_hf
 from glmtune.models.hf.quiet import no_progress_bars
 from glmtune.models.hf.shapes import flops_per_token
@@ -67,6 +70,17 @@ from glmtune.models.hf.weights import check_weights, holds_weights
 # Files a serving stack needs besides the weights; copied from the source directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def _distilled_loss(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(cross-entropy sum + λ · KL sum, supervised tokens, {ce, kl}) of one packed micro-batch: the
+    family's loss (model.py `_loss_sum`) and the KL on the same final hidden states and head."""
+    hidden_BSD = final_hidden(model, mb.input_ids, mb.position_ids, mb.document_ids, mb.single_document)
+    head_VD = model.get_output_embeddings().weight
+    ce_sum, num_targets = chunked_cross_entropy(hidden_BSD, head_VD, mb.targets, LOSS_CHUNK_SIZE,
+                                                num_supervised=mb.num_supervised, grad_scale=mb.loss_scale)
+    total, stats = with_teacher_kl(ce_sum, hidden_BSD, head_VD, mb.teacher)
+    return total, num_targets, stats
 
 
 def _not_yet(what: str) -> ValueError:
@@ -206,6 +220,9 @@ class HfSpec(ModelSpec):
         if mb.aux is not None and (mb.aux.mtp or mb.aux.indexer):
             raise ValueError("train.mtp_loss_weight / train.indexer_loss_weight: the hf family has no "
                              "multi-token-prediction layer or indexer")
+        if distilling(mb.teacher):  # distillation's KL term beside the cross-entropy (models/common/distill_loss.py)
+            run = getattr(model, FSDP_RUN, None)  # under FSDP2: the root's forward method, its head gathered
+            return _distilled_loss(model, mb) if run is None else run(_distilled_loss, mb)
         return loss_sum(model, mb)
 
     def token_logps(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
