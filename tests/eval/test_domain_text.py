@@ -10,7 +10,9 @@ here: two sources, one document longer than the window. Asserted:
   * gates: `improves` with a margin in nats on the domain loss and `max_increase` on the general
     loss pass or fail exactly as the values say;
   * bad input (a missing file, an empty set, a row without text, bytes that are not UTF-8) is one
-    sentence naming the file (and line), before a model loads.
+    sentence naming the file (and line), before a model loads;
+  * a served model (a stub engine's prompt log-probabilities) gives the in-process values, and an
+    engine without them leaves both metrics null with the reason (the gate fails saying so).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,7 @@ from glmtune.eval.evaluate import run_eval
 from glmtune.eval.gates import evaluate_gates
 from glmtune.eval.suite import GateConfig, load_suite
 from glmtune.models.glm5 import build_model, get_preset
+from tests.eval.endpoint_stub import engine
 
 LOSS, PPL, GENERAL = "domain_text/loss/loss", "domain_text/loss/perplexity", "general_text/loss/loss"
 WINDOW = 48
@@ -186,3 +191,29 @@ def test_text_files_are_one_document_each_named_by_file(tmp_path):
     assert [(d.source, d.text) for d in docs] == [("a.md", "# Pump\nThe housing is cast iron."),
                                                   ("b/c.txt", "Revenue rose.")]
     assert len(load_documents(tmp_path / "corpus", DomainTextConfig(limit=1))) == 1
+
+
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_a_served_candidate_scores_through_its_prompt_logprobs(models, tmp_path, with_logprobs):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), engine(build_model(get_preset("tiny"), seed=0).eval(),
+                                                          with_logprobs=with_logprobs))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        suite = _suite(tmp_path, [{"metric": LOSS, "rule": "no_regression", "threshold": 0.01}])
+        scorecard, _ = run_eval(suite, models["base"], f"http://127.0.0.1:{server.server_address[1]}/v1",
+                                tmp_path / "eval", device="cpu", log=lambda _: None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    metrics = {m["id"]: m for m in scorecard["metrics"]}
+    [gate] = scorecard["gates"]
+    for metric_id in (LOSS, PPL):
+        values = metrics[metric_id]["by_category"]["all"]["values"]
+        if with_logprobs:  # the same weights as the base, served
+            assert "not_available" not in metrics[metric_id]
+            assert values["candidate"] == pytest.approx(values["base"], rel=1e-5), metric_id
+        else:
+            assert values["candidate"] is None and values["base"] is not None
+            assert metrics[metric_id]["not_available"]["candidate"].startswith("not available from this engine")
+    assert gate["passed"] is with_logprobs
