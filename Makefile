@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-capability test-engines venv chromium clean
+.PHONY: demo test test-fast test-capability test-engines venv chromium clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,14 @@ chromium:
 	fi
 
 test: venv chromium
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=15 --ignore=tests/engines tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 --ignore=tests/engines tests
+
+# The edit-test loop: every test that starts no other process. tests/conftest.py marks the others at
+# collection (multiprocess: gloo jobs of several ranks; subprocess: glmtune in another interpreter,
+# training runs, the browser); no chromium needed.
+test-fast: venv
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 -m "not multiprocess and not subprocess" \
+	    --ignore=tests/engines tests
 
 # The multi-process layout tests (every layout against one process) and the golden losses again, on
 # the CPU's next-narrower vector kernels (avx512 -> avx2 -> default): their tolerances come from the

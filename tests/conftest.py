@@ -1,9 +1,22 @@
 """Shared fixtures: a sharded tiny HF checkpoint, fresh copies of it a test may damage, and
-results made once per session for several tests."""
+results made once per session for several tests; and the test tiers.
+
+Tiers (issue 49): every test that starts other processes is marked at collection, so
+`make test-fast` (`-m "not multiprocess and not subprocess"`) is the edit-test loop:
+- `multiprocess`: gloo jobs of several ranks (torchrun, `--nproc-per-node`, the forked or
+  spawned harnesses of tests/distributed);
+- `subprocess`: a glmtune command or training run in another interpreter (`subprocess`,
+  tests/train/run_helpers.py's runs, preflight's reference runs, peak-RSS probes, the browser).
+A test module is marked by its own source and by every tests.* module it imports (transitively),
+a test also by the source of each fixture it uses (a conftest fixture that trains, for one).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,3 +48,59 @@ def shared_results(tmp_path_factory) -> SharedResults:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # <session>/popen-gwN -> <session>, the same for every worker
     return SharedResults(root / "shared")
+
+
+TESTS = Path(__file__).resolve().parent
+_TIERS = {
+    # `"--nproc-per-node", "2"` as an argument (a command launched in-process starts torchrun)
+    "multiprocess": re.compile(r"\btorchrun\b|[\"']--nproc-per-node[\"'],|--nproc-per-node[= ]\d|\bnproc\s*=\s*\d|"
+                               r"\bmultiprocessing\b|\bmp\.spawn\b|tests\.distributed\.(gloo_helpers|forked_runs)\b"),
+    "subprocess": re.compile(r"\bsubprocess\b|\bPopen\b|\bos\.fork\b|tests\.train\.run_helpers\b|"
+                             r"tests\.peak_rss\b|\bshared_run\b|\bplaywright\b"),
+}
+# Directories whose tests start processes through the code under test: preflight's reference runs.
+_SUBPROCESS_DIRS = ("preflight",)
+_TESTS_IMPORT = re.compile(r"^\s*(?:from|import)\s+(tests(?:\.\w+)+)", re.M)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "multiprocess: starts a job of several processes (make test-fast leaves it out)")
+    config.addinivalue_line("markers", "subprocess: runs glmtune in another interpreter (make test-fast leaves it out)")
+
+
+@functools.lru_cache(maxsize=None)
+def _tiers_of_file(path: Path) -> frozenset[str]:
+    """The tiers a tests/ source file needs, from its text and the tests.* modules it imports."""
+    if path == TESTS / "conftest.py" or not path.is_file():  # this file names the patterns it looks for
+        return frozenset()
+    text = path.read_text()
+    tiers = {name for name, pattern in _TIERS.items() if pattern.search(text)}
+    for module in _TESTS_IMPORT.findall(text):
+        parts = module.split(".")[1:]
+        for candidate in (TESTS.joinpath(*parts).with_suffix(".py"), TESTS.joinpath(*parts, "__init__.py")):
+            if candidate != path:
+                tiers |= _tiers_of_file(candidate)
+    return frozenset(tiers)
+
+
+def _fixture_files(item) -> set[Path]:
+    info = getattr(item, "_fixtureinfo", None)
+    files = set()
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            source = inspect.getsourcefile(fixturedef.func)
+            if source and Path(source).resolve().is_relative_to(TESTS):
+                files.add(Path(source).resolve())
+    return files
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        tiers = set(_tiers_of_file(path))
+        for source in _fixture_files(item):
+            tiers |= _tiers_of_file(source)
+        if path.relative_to(TESTS).parts[0] in _SUBPROCESS_DIRS:
+            tiers.add("subprocess")
+        for tier in sorted(tiers):
+            item.add_marker(getattr(pytest.mark, tier))
