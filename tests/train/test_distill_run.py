@@ -1,14 +1,18 @@
 """`train.objective: distill` end to end on the tiny recipe (a 3-layer, 4-expert student) with a
 teacher directory built in process (tests/train/distill_teacher.py): λ = 0 is SFT bit for bit, the
 cross-entropy part of λ > 0 is SFT's loss, the KL part is logged and trains, a resumed run equals an
-uninterrupted one, and a student with another tokenizer is refused before anything trains."""
+uninterrupted one, FSDP2 over 2 gloo ranks equals one process, a LoRA student trains, and a student
+with another tokenizer is refused before anything trains."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from tests.train.distill_teacher import build_teacher_dir, run_distill
-from tests.train.run_helpers import losses
+from tests.distributed.layout_tolerances import LOSS_REL
+from tests.train.distill_teacher import build_teacher_dir, distill_command, run_distill
+from tests.train.run_helpers import env, losses
 
 
 def _records(run_dir):
@@ -83,3 +87,29 @@ def test_other_tokenizer_with_kl_is_refused_in_one_line(teacher, tmp_path):
     message = " ".join((done.stderr + done.stdout).split())
     assert "needs the teacher's tokenizer" in message and "set distill.weight: 0 for sequence-level" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_fsdp_two_ranks_equal_one_process(teacher, distilled, tmp_path):
+    """FSDP2 over 2 gloo ranks (one micro-batch each) gives the one-process run's steps (two micro-batches)."""
+    rows_file, cache = teacher
+    run_dir = tmp_path / "fsdp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               *distill_command(run_dir, cache, rows_file, "--distill.temperature", "2")[1:]]
+    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "world 2 = dp_replicate 1 x dp_shard 2" in " ".join(done.stdout.split())
+    got, want = _records(run_dir), _records(distilled)
+    assert got.keys() == want.keys()
+    for step in want:
+        for key in ("loss", "distill/ce", "distill/kl", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=LOSS_REL), (step, key)
+
+
+def test_lora_student_learns_from_the_teacher(teacher, tmp_path):
+    """LoRA adapters take the KL's gradient (the head is frozen): the loss falls and both parts are logged."""
+    rows_file, cache = teacher
+    done = run_distill(tmp_path / "lora", cache, rows_file, "--peft.method", "lora", "--optim.lr", "1e-2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = _records(tmp_path / "lora")
+    assert records[4]["loss"] < records[1]["loss"]
+    assert all(r["distill/kl"] > 0 for r in records.values())
