@@ -131,6 +131,10 @@ def _check_suite(suite: Suite) -> None:
         if gate.model is not None:
             raise ValueError(f"{suite.path}: gates[{i}].model: {gate.model}: decide checks every gate in every arm; "
                              "remove model (it names an eval candidate label)")
+    if suite.domain_text_path is not None:  # continued pretraining's held-out documents: eval scores them
+        raise ValueError(f"{suite.path}: domain_text: decide compares ways to serve a task (prompts, retrieval, "
+                         "fine-tunes) by its sets' gates and does not score held-out domain text; use glmtune eval "
+                         "for a continued-pretraining run's domain perplexity (docs/eval.md)")
 
 
 def _resolve(arg: str, label: str, role: str, options: EndpointOptions, option: str):
