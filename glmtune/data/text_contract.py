@@ -17,7 +17,8 @@ Then the split (split.py's hash of the source with the run's seed): every docume
 (a file, or the value of `data.source_field`) lands in one split, so the same document family
 never straddles train and validation/test.
 
-Memory: two sets of 32-byte digests and the set of sources, whatever the corpus' size.
+Memory: two sets of 32-byte digests and the set of sources, whatever the corpus' size (the PII
+scan keeps no document: `_scan_uncached`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from glmtune.data.split import SPLITS, assign_split
 from glmtune.data.text_sources import TextDocument
 
 RULES: tuple[str, ...] = ("too_short", "too_long", "pii", "exact_duplicate", "near_duplicate")
+# pii.scan_text without its cache: that cache (for chat rows' repeated system prompts) would keep up to
+# 65,536 documents alive, unbounded memory on a corpus of long documents, which rarely repeat anyway.
+_scan_uncached = scan_text.__wrapped__
 
 
 @dataclass
@@ -68,7 +72,7 @@ class TextContract:
             return "too_short"
         if self.max_tokens is not None and num_tokens > self.max_tokens:
             return "too_long"
-        hits = scan_text(document.text) if self.pii_action != "none" else ()
+        hits = _scan_uncached(document.text)
         if hits:
             self.documents_with_findings += 1
             self.findings += [Finding(document.origin, "text", kind, redact(matched)) for kind, matched in hits]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from glmtune.data.pii import scan_text
 from glmtune.data.split import assign_split
 from glmtune.data.text_corpus import TextCorpusOptions, build_text_corpus, load_split
 from glmtune.data.text_sources import TextReadOptions
@@ -61,6 +62,13 @@ def test_each_rule_counts_documents_and_tokens(tmp_path: Path, rows, tiny_tokeni
     finding = corpus.pii_report["findings"][0]
     assert (finding["line"], finding["field"], finding["kind"]) == (5, "text", "api_key")
     assert KEY not in json.dumps(corpus.pii_report)  # redacted
+
+
+def test_pii_scan_keeps_no_document_alive(tmp_path: Path, rows) -> None:
+    """pii.scan_text's cache (for chat rows) would hold up to 65,536 documents: the text scan bypasses it."""
+    scan_text.cache_clear()
+    _build(tmp_path, rows)
+    assert scan_text.cache_info().currsize == 0
 
 
 def test_pii_report_keeps_the_document(tmp_path: Path, rows) -> None:
