@@ -19,7 +19,6 @@ import torch
 
 from glmtune.data.chat_template import load_chat_template
 from glmtune.data.sources import file_sha256, inputs_sha256
-from glmtune.data.token_cache import tokenizer_sha256
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.distill.generate import Counts, Policy, run_endpoint, run_local, summary
 from glmtune.distill.output import Output
@@ -103,7 +102,7 @@ def check_options(o: GenerateOptions) -> None:
 def settings(o: GenerateOptions, teacher: dict[str, Any], tokenizer_dir: Path, verifier: Verifier | None) -> dict:
     """What a resumed run must share with the first (output.Output compares them)."""
     return {"data_sha256": inputs_sha256(o.data), "teacher": teacher, "api": o.api,
-            "tokenizer": str(tokenizer_dir.resolve()), "tokenizer_sha256": tokenizer_sha256(tokenizer_dir),
+            "tokenizer": str(tokenizer_dir.resolve()), "tokenizer_sha256": file_sha256(tokenizer_dir),
             "decoding": {k: v for k, v in asdict(o.decoding).items() if k in ("max_new_tokens", "temperature", "top_k",
                                                                                "top_p", "seed")},
             "enable_thinking": o.enable_thinking, "top_logprobs": o.top_logprobs, "samples": o.samples,
@@ -164,10 +163,8 @@ def run_generate(o: GenerateOptions, log: Callable[[str], None] = print) -> dict
     log(f"{len(prompts)} prompts: {len(prompts) - len(pending)} already done, {len(pending)} to answer"
         + (f" (resuming {o.out})" if output.resumed else ""))
     counts, began = Counts(), time.monotonic()
-    # The training side reads these at the top: the tokenizer the sidecar's ids are of (token_cache's hash)
     output.write_manifest(status="running", teacher=identity, rows="rows.jsonl",
-                          topk="topk" if o.top_logprobs else None, tokenizer_sha256=tokenizer_sha256(tokenizer_dir), top_logprobs=o.top_logprobs,
-                          enable_thinking=o.enable_thinking)
+                          topk="topk" if o.top_logprobs else None)
     status = "interrupted"
     try:
         policy = Policy(o.samples, o.decoding.seed, verifier, o.keep_truncated)

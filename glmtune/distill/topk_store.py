@@ -6,8 +6,9 @@ loss reads them back by the row's id. A sidecar is a directory of three files:
   header.json    {"format": "glmtune-topk", "version": 1, "k": K, "vocab_size": V or null,
                  "logprob_dtype": "float32" | "float16"}, written once (atomically) at creation.
   records.bin    the records, back to back, little-endian, no padding. A record of n positions
-                 (the teacher's generated tokens, in order) is
-                     generated  int32[n]      the token the teacher emitted at each position (-1: not known)
+                 (`glmtune distill generate` writes one per token training supervises in the row's
+                 last assistant turn, in order: distill/align.py) is
+                     generated  int32[n]      the token the teacher emitted there (-1: not the teacher's)
                      ids        int32[n, K]   its top-K token ids, row-major (-1: no entry)
                      logprobs   dtype[n, K]   their log-probabilities (-inf where the id is -1)
                  i.e. n * (4 + K * (4 + itemsize)) bytes.

@@ -16,7 +16,7 @@ from glmtune.cli import main
 from glmtune.data.chat_template import load_chat_template, render_conversation
 from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR, load_tokenizer
-from glmtune.data.token_cache import tokenizer_sha256
+from glmtune.data.sources import file_sha256
 from glmtune.distill.align import align, rendered_targets
 from glmtune.distill.prompts import read_prompts
 from glmtune.distill.teachers import LocalTeacher
@@ -83,7 +83,7 @@ def test_in_process_topk_equals_the_teacher_forced_distribution(teacher, data, t
         assert (expected.generated >= 0).sum() >= 4  # the answer's tokens (a stripped leading space aside)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["teacher"]["kind"] == "hf" and manifest["counts"]["done"] == len(prompts)
-    assert manifest["tokenizer_sha256"] == tokenizer_sha256(hf_dir)
+    assert manifest["settings"]["tokenizer_sha256"] == file_sha256(hf_dir)  # what the distill loss compares
     assert main(argv) == 0  # resumed: nothing left to answer
     assert json.loads((out / "manifest.json").read_text())["counts"]["written_this_run"] == 0
 
