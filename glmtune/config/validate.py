@@ -297,6 +297,8 @@ def distill_errors(cfg: JobConfig) -> list[str]:
          "(no data.synthetic)"),
         (d.too_long == "drop", "data.too_long: truncate with train.objective: distill: a cut answer is not the "
                                "teacher's; set data.too_long: drop"),
+        (d.kind == "chat", f"data.kind: {d.kind} with train.objective: distill: the teacher's answers are chat rows; "
+                           "remove data.kind"),
         (x.weight <= 0 or (p.pp == 1 and p.cp == 1),
          f"distill.weight > 0 with parallel.pp: {p.pp}, parallel.cp: {p.cp}: the KL term needs whole rows and the "
          "head in one process (FSDP, HSDP and EP layouts); set parallel.pp and parallel.cp to 1, or distill.weight: 0"),
