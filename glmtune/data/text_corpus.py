@@ -96,6 +96,9 @@ def build_text_corpus(paths: list[str | Path], options: TextCorpusOptions, *, to
     sidecar = entries[splits[0]].with_suffix(".json")
     if all(path.is_file() for path in entries.values()) and sidecar.is_file():
         meta = read_json_file(sidecar, "tokenization cache sidecar", max_bytes=_MAX_SIDECAR_BYTES)
+        if not (isinstance(meta.get("contract"), dict) and isinstance(meta.get("pii_report"), dict)):
+            raise ValueError(f"{sidecar}: not a text corpus sidecar glmtune writes (no contract and PII report); "
+                             "delete it and its .npz to tokenize again")
         return TextCorpus(entries, keys, meta["contract"], meta["pii_report"], cache_hit=True)
     tokenizer = load_tokenizer(directory)
     contract = TextContract(options.min_tokens, options.max_tokens, options.pii_action, options.ratios, options.seed)

@@ -83,6 +83,10 @@ def test_cache_hit_gives_the_same_report_without_reading(tmp_path: Path, rows) -
     second = _build(tmp_path, rows)
     assert (first.cache_hit, second.cache_hit) == (False, True)
     assert second.report == first.report and second.keys == first.keys
+    sidecar = first.entries["train"].with_suffix(".json")
+    sidecar.write_text(json.dumps({"key": "planted"}))
+    with pytest.raises(ValueError, match=r"\.json: not a text corpus sidecar glmtune writes"):
+        _build(tmp_path, rows)
     changed = _build(tmp_path, rows, min_tokens=1)  # an option that changes what is kept: another entry
     assert not changed.cache_hit and changed.report["removed"]["too_short"]["documents"] == 0
 
