@@ -3,7 +3,8 @@ documents (`glmtune data synth --kind support_docs` / `support_doc_questions`). 
 passage holding each fact first; the retrieval arm answers every question, the base and the
 prompted arm none, and the verdict is "use retrieval" (exit 0); its answers are supported by the
 passages shown and cite them. The model is the tiny run's, its generation the reader of
-tests/decide/reader.py (answers only from its prompt's text: no tiny model reads passages)."""
+tests/decide/reader.py (answers only from its prompt's text: no tiny model reads passages
+faithfully). A real model's answers to the same questions: tests/decide/test_planted_facts_model.py."""
 
 from __future__ import annotations
 
