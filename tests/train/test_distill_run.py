@@ -106,10 +106,16 @@ def test_fsdp_two_ranks_equal_one_process(teacher, distilled, tmp_path):
 
 
 def test_lora_student_learns_from_the_teacher(teacher, tmp_path):
-    """LoRA adapters take the KL's gradient (the head is frozen): the loss falls and both parts are logged."""
+    """LoRA adapters take the KL's gradient (the head is frozen): the loss falls and both parts are logged,
+    for the validation rows too (carved from the teacher's rows, their top-K with them)."""
     rows_file, cache = teacher
-    done = run_distill(tmp_path / "lora", cache, rows_file, "--peft.method", "lora", "--optim.lr", "1e-2")
+    done = run_distill(tmp_path / "lora", cache, rows_file, "--peft.method", "lora", "--optim.lr", "1e-2",
+                       "--data.split", "{train: 0.7, validation: 0.3}", "--train.val_every", "2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = _records(tmp_path / "lora")
     assert records[4]["loss"] < records[1]["loss"]
     assert all(r["distill/kl"] > 0 for r in records.values())
+    for step in (2, 4):
+        val = records[step]
+        assert val["val_distill/kl"] > 0
+        assert val["val_loss"] == pytest.approx(val["val_distill/ce"] + val["val_distill/kl"], rel=1e-6)
