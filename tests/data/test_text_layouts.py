@@ -1,5 +1,5 @@
-"""The text recipe (recipes/tiny/cpt_domain_text.yaml) at FSDP2 over 2 gloo ranks equals one process:
-the same packed rows (documents split at the row's length with overlap, document masks) give the same
+"""The text recipe (recipes/tiny/cpt_domain_text.yaml) at FSDP2, and at PP 2, over 2 gloo ranks equals
+one process: the same packed rows (documents split at the row's length with overlap, document masks) give the same
 per-step losses, gradient norms, validation losses and supervised tokens (the existing equivalence
 harness: tests/distributed/forked_runs.py's forked ranks and layout_tolerances.py's bound)."""
 
@@ -31,15 +31,29 @@ def _train(run_dir: Path, cache_dir: Path, nproc: int, *extra: str) -> None:
         assert time.monotonic() < deadline, f"{nproc} forked ranks not done after {SECONDS_PER_RUN:.0f} s"
 
 
-def test_text_recipe_fsdp2_equals_one_process(shared_results) -> None:
+KEYS = ("loss", "grad_norm", "val_loss", "tokens", "supervised_tokens")
+
+
+def _runs(shared_results) -> Path:
     def build(root: Path) -> None:
         _train(root / "one", root / "cache", 1)
         _train(root / "fsdp2", root / "cache", 2, *DATA_PARALLEL)
+        _train(root / "pp2", root / "cache", 2, "--parallel.pp", "2")
 
-    root = shared_results.get("text-layouts-fsdp2", build)
-    keys = ("loss", "grad_norm", "val_loss", "tokens", "supervised_tokens")
-    one, fsdp = step_records(root / "one", keys), step_records(root / "fsdp2", keys)
+    return shared_results.get("text-layouts", build)
+
+
+def test_text_recipe_fsdp2_equals_one_process(shared_results) -> None:
+    root = _runs(shared_results)
+    one, fsdp = step_records(root / "one", KEYS), step_records(root / "fsdp2", KEYS)
     assert "world 2 = dp_replicate 1 x dp_shard 2" in (root / "fsdp2.out").read_text()
     assert "documents ->" in (root / "one.out").read_text()
     assert sorted(one) == [1, 2, 3] and one[3][2] is not None  # a validation loss at step 3
     assert_same_steps(fsdp, one, rel=LOSS_REL)
+
+
+def test_text_recipe_pp2_equals_one_process(shared_results) -> None:
+    """Two pipeline stages (1F1B): the document masks and positions travel with the micro-batches."""
+    root = _runs(shared_results)
+    assert "pp 2" in (root / "pp2.out").read_text()
+    assert_same_steps(step_records(root / "pp2", KEYS), step_records(root / "one", KEYS), rel=LOSS_REL)
