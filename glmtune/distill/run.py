@@ -9,6 +9,7 @@ Every option is checked before a request is sent or a file written; a setting th
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -86,6 +87,9 @@ def check_options(o: GenerateOptions) -> None:
         if o.tokenizer is None:
             raise ValueError("--tokenizer DIR is needed with an endpoint teacher: its chat template renders the "
                              "prompts and its vocabulary maps the engine's tokens to ids")
+        key_env = o.endpoint.api_key_env
+        if key_env is not None and not os.environ.get(key_env):
+            raise ValueError(f"--api-key-env {key_env}: the environment variable is not set (or empty)")
         o.endpoint.check(None, o.teacher)
     else:
         e = o.endpoint

@@ -213,6 +213,7 @@ def test_best_of_n_keeps_the_first_answer_passing_the_suite(stub, data, tmp_path
     (["--batch-size", "4"], "--batch-size applies to an in-process teacher"),
     (["--top-logprobs", "0"], "--top-logprobs 0: expected an integer from 1"),
     (["--keep-if", "missing.yaml"], "missing.yaml"),
+    (["--api-key-env", "GLMTUNE_TEST_UNSET_KEY"], "GLMTUNE_TEST_UNSET_KEY: the environment variable is not set"),
 ])
 def test_settings_that_cannot_apply_are_refused_before_anything_is_written(stub, data, tmp_path, capsys, extra,
                                                                           message):
