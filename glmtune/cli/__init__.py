@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: a command that relaunches itself
     # "glmtune data validate", not just "glmtune data": name the action that failed.
-    command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
+    command = " ".join(filter(None, (args.command, getattr(args, "data_command", None),
+                                     getattr(args, "distill_command", None))))
     try:
         # what the command writes is its own (glmtune/io/outputs.py, --overwrite); a Ctrl-C is recorded
         with running(command), interrupts_recorded():

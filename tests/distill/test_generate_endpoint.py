@@ -218,7 +218,8 @@ def test_best_of_n_keeps_the_first_answer_passing_the_suite(stub, data, tmp_path
 def test_settings_that_cannot_apply_are_refused_before_anything_is_written(stub, data, tmp_path, capsys, extra,
                                                                           message):
     assert main(_argv(data, tmp_path / "out", stub.url, *extra)) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("glmtune distill generate: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists() and stub.total == 0
 
 
