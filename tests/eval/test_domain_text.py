@@ -217,3 +217,15 @@ def test_a_served_candidate_scores_through_its_prompt_logprobs(models, tmp_path,
             assert values["candidate"] is None and values["base"] is not None
             assert metrics[metric_id]["not_available"]["candidate"].startswith("not available from this engine")
     assert gate["passed"] is with_logprobs
+
+
+def test_the_bundled_cpt_suite_loads_its_held_out_sources():
+    suite = load_suite(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "eval_cpt_domain_text.yaml")
+    assert not suite.sets and {LOSS, PPL, GENERAL} <= set(suite.metrics)
+    docs = load_documents(suite.domain_text_path, suite.file.domain_text)
+    assert len(docs) == 92 and len({d.source for d in docs}) == 23
+    corpus = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "domain_text" / "corpus.jsonl"
+    trained = {json.loads(line)["source"] for line in corpus.read_text().splitlines()}
+    assert not trained & {d.source for d in docs}  # held out by source: no training document's family
+    assert [(g.metric, g.rule, g.threshold) for g in suite.file.gates] == [(LOSS, "improves", 1.0),
+                                                                          (GENERAL, "max_increase", 0.5)]
