@@ -202,7 +202,7 @@ def _export_adapter(ns: argparse.Namespace, cfg, run_dir: Path, record: dict | N
     out = export_adapter(model, ns.adapter, layout, named_base, overwrite=ns.overwrite, sources=sources,
                          base_identity=base)
     print(f"exported {layout} adapter from {checkpoint.path} (step {checkpoint.step}) to {out}")
-    _write_card(cfg, run_dir, out, base_dir, "adapter")
+    _write_card(run_dir, Path(out), base_dir, "adapter")
     if engine is not None:
         facts, traits, notes = engine
         print(f"serve it with {facts.name} (facts checked against {facts.name} {facts.checked}, docs/lora.md):")
@@ -253,15 +253,13 @@ def _export_model(ns: argparse.Namespace, cfg, run_dir: Path, manager, checkpoin
                                  source_dir=tokenizer_dir, max_shard_size=ns.max_shard_size, overwrite=ns.overwrite,
                                  sources=sources, what="--hf", base_dir=model_dir)
     print(f"exported the model of {checkpoint.path} (step {checkpoint.step}) to {out}")
-    _write_card(cfg, run_dir, Path(out), Path(out), "hf")
+    _write_card(run_dir, Path(out), Path(out), "hf")
     return 0
 
 
-def _write_card(cfg, run_dir: Path, out: Path, model_dir: Path, kind: str) -> None:
+def _write_card(run_dir: Path, out: Path, model_dir: Path, kind: str) -> None:
     """The export's model card, OUT/README.md, from the run's records (glmtune/release/model_card.py)."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.release.model_card import render_card, write_export_card
-    from glmtune.release.model_card_facts import run_facts
+    from glmtune.release.model_card import write_run_card
 
-    card = write_export_card(out, render_card(run_facts(cfg, run_dir, model_dir, kind)))
-    print(f"wrote the model card {card}")
+    print(f"wrote the model card {write_run_card(run_dir, out, model_dir, kind)}")

@@ -9,12 +9,15 @@ like the base), with the base's tokenizer files copied alongside; it is written 
 shard (`glmtune/peft/merge_stream.py`), never holding the model. A non-empty OUT_DIR
 is replaced only with --overwrite, and never when it is, is inside or contains
 BASE_DIR or ADAPTER_DIR. An adapter that records its base (glmtune_adapter.json) is
-merged only onto that base unless --force.
+merged only onto that base unless --force. OUT_DIR/README.md is the model card of the adapter's
+run (its sections from the run's records), when the adapter lies in its run directory or is an
+export whose card names the run.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from glmtune.cli.arg_types import DTYPE_CHOICES
 from glmtune.io.sizes import size_arg
@@ -55,4 +58,19 @@ def _run(ns: argparse.Namespace) -> int:
     out = merge_to_dir(ns.base_dir, ns.adapter_dir, ns.out_dir, dtype=dtype, max_shard_size=ns.max_shard_size,
                        overwrite=ns.overwrite, force=ns.force, fp8=ns.fp8)
     print(f"merged {ns.adapter_dir} into {ns.base_dir}: {out}")
+    _write_card(Path(ns.adapter_dir), Path(out))
     return 0
+
+
+def _write_card(adapter_dir: Path, out: Path) -> None:
+    """OUT_DIR/README.md, the model card of the adapter's run (glmtune/release/model_card.py), when the
+    run is known: the adapter lies in its run directory, or its exported card names it."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.release.model_card import write_run_card
+    from glmtune.release.model_card_facts import run_dir_of_adapter
+
+    run_dir = run_dir_of_adapter(adapter_dir)
+    if run_dir is None:
+        print(f"no model card: {adapter_dir} is neither in a run directory nor an export whose card names its run")
+        return
+    print(f"wrote the model card {write_run_card(run_dir, out, out, 'merged')}")

@@ -36,10 +36,12 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCardData
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa
 
+from glmtune.config import load_run_config
 from glmtune.io.output_owner import CARD_MARKER, record_added_file
 from glmtune.io.outputs import output_file
 from glmtune.io.text_limits import printable
 from glmtune.release.artifacts import record_artifact
+from glmtune.release.model_card_facts import run_facts
 
 CARD_FILE = "README.md"
 TEMPLATE = "model_card.md.jinja"
@@ -103,7 +105,8 @@ def front_matter(facts: dict[str, Any]) -> str:
         license=base["license"], datasets=facts["data"]["hub_datasets"] or None, tags=tags,
         model_name=run["name"] if results else None, eval_results=results or None, pipeline_tag="text-generation",
         base_model_relation="adapter" if adapter else "finetune",
-        glmtune={"version": facts["glmtune"], "run_id": run["run_id"], "method": run["method"],
+        glmtune={"version": facts["glmtune"], "run_id": run["run_id"], "run_dir": run["run_dir"],
+                 "method": run["method"],
                  "objective": run["objective"], "artifact": facts["kind"],
                  "base": {k: base[k] for k in ("name_or_path", "revision", "revision_source", "weights_sha256")}})
     if base["hub_id"] and base["revision"]:
@@ -139,6 +142,13 @@ def render_card(facts: dict[str, Any], manifest_name: str | None = None) -> str:
     body = _environment().get_template(TEMPLATE).render(
         f=facts, method=method_label(facts), mtp_note=mtp_load_note(facts["model"]), manifest_name=manifest_name)
     return f"---\n{front_matter(facts)}\n---\n{CARD_MARKER}\n\n{body}"
+
+
+def write_run_card(run_dir: Path, out_dir: Path, model_dir: Path, kind: str) -> Path:
+    """Render the card of an export of the run in `run_dir` (kind: hf, adapter or merged) and write
+    it into `out_dir` (`write_export_card`)."""
+    cfg = load_run_config(run_dir / "config.yaml")
+    return write_export_card(out_dir, render_card(run_facts(cfg, run_dir, model_dir, kind)))
 
 
 def write_export_card(out_dir: str | os.PathLike[str], text: str) -> Path:

@@ -138,9 +138,37 @@ def run_facts(cfg, run_dir: Path, model_dir: Path | None, kind: str) -> dict[str
     method = "lora" if cfg.peft.method == "lora" else "full"
     return {"kind": kind, "glmtune": glmtune_pin().get("version"),
             "run": {"name": cfg.name, "description": cfg.description, "run_id": record.get("run_id"),
+                    "run_dir": str(run_dir.resolve()),
                     "method": method, "objective": cfg.train.objective},
             "base": base_facts(cfg, run_dir, record), "training": training_facts(cfg, run_dir),
             "data": data_facts(cfg, run_dir), "model": model_facts(model_dir), "eval": None, "serving": None}
+
+
+def run_dir_of_adapter(adapter_dir: Path) -> Path | None:
+    """The run directory an adapter came from: its parent (RUN_DIR/adapter, RUN_DIR/adapter_per_expert),
+    or the run its glmtune model card names (an export: `glmtune.run_dir`) when that directory still
+    holds the run of the card's run id; None otherwise."""
+    candidates = [adapter_dir.parent]
+    card = adapter_dir / "README.md"
+    if card.is_file() and card.stat().st_size < 1 << 20:
+        # lazily: huggingface_hub reads the card's front matter only when there is a card
+        from huggingface_hub import ModelCard
+
+        try:
+            block = ModelCard(card.read_text(encoding="utf-8"), ignore_metadata_errors=True).data.to_dict()
+        except (ValueError, UnicodeDecodeError):
+            block = {}
+        recorded = (block.get("glmtune") or {}) if isinstance(block.get("glmtune"), dict) else {}
+        if isinstance(recorded.get("run_dir"), str):
+            candidates.append(Path(recorded["run_dir"]))
+        wanted = recorded.get("run_id")
+    else:
+        wanted = None
+    for run_dir in candidates:
+        record = _json(run_dir / "run.json") if (run_dir / "config.yaml").is_file() else {}
+        if record.get("run_id") and (wanted is None or record["run_id"] == wanted):
+            return run_dir
+    return None
 
 
 def _eval_facts(section: dict[str, Any]) -> dict[str, Any]:

@@ -120,3 +120,20 @@ def test_tiny_export_reports_exactly_its_mtp_layer_as_unexpected(sft_source):
     _, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
     assert info["unexpected_keys"] and all(k.startswith("model.layers.4.") for k in info["unexpected_keys"])
     assert not info["missing_keys"]
+
+
+def test_merge_cards_the_adapters_run(lora_source, tmp_path, capsys):
+    """glmtune merge writes the card of the adapter's run: found as the adapter's run directory, or
+    through the run an exported adapter's card names; an adapter of no known run gets none (said)."""
+    exported = tmp_path / "exported"
+    assert main(["export", str(lora_source), "--adapter", str(exported)]) == 0
+    for adapter, out in ((lora_source / "adapter", tmp_path / "m1"), (exported, tmp_path / "m2")):
+        assert main(["merge", str(lora_source / "base"), str(adapter), str(out)]) == 0
+        data = _card(out / "README.md").data
+        assert (data.glmtune["artifact"], data.glmtune["method"], data.library_name) == ("merged", "lora",
+                                                                                          "transformers")
+        assert data.glmtune["run_id"] == json.loads((lora_source / "run.json").read_text())["run_id"]
+    loose = shutil.copytree(lora_source / "adapter", tmp_path / "loose" / "adapter")
+    capsys.readouterr()
+    assert main(["merge", str(lora_source / "base"), str(loose), str(tmp_path / "m3")]) == 0
+    assert "no model card" in capsys.readouterr().out and not (tmp_path / "m3" / "README.md").exists()
