@@ -62,6 +62,8 @@ def _add_arms(parser: argparse.ArgumentParser) -> None:
     retrieval.add_argument("--chunk-words", type=int, metavar="W", help="words per chunk (default 120)")
     retrieval.add_argument("--chunk-overlap", type=int, metavar="O", help="words two windows of a long paragraph "
                            "share (default 20)")
+    retrieval.add_argument("--retriever", metavar="HOW", help="bm25 (default), or embeddings:DIR: a local "
+                           "transformers model directory (mean-pooled last hidden states, cosine; never downloaded)")
     parser.add_argument("--compare", action="append", default=[], metavar="TARGET[,KEY=VALUE...]",
                         help="an alternative (repeatable): an endpoint or a local model, with options (below)")
 
@@ -164,7 +166,7 @@ def _options(ns: argparse.Namespace):
     return DecideOptions(ns.suite, ns.base, ns.out, ns.overwrite, ns.examples, ns.shots, ns.shots_by, ns.docs,
                          ns.passages, ns.chunk_words, ns.chunk_overlap, list(ns.compare), ns.base_key_env, endpoint,
                          ns.device, None if ns.dtype == "auto" else getattr(torch, ns.dtype), cost,
-                         ShardedLayout(ns.ep, ns.fp8_base) if sharded else None)
+                         ShardedLayout(ns.ep, ns.fp8_base) if sharded else None, ns.retriever)
 
 
 def _decide(ns: argparse.Namespace) -> int:

@@ -62,7 +62,7 @@ def retrieval_arm(base: ArmSpec, passages: Passages) -> ArmSpec:
     arm = ArmSpec("retrieval", "retrieval", dataclasses.replace(base.model, label="retrieval", role="candidate"), [],
                   passages.describe(), base.endpoint,
                   info={"documents": passages.corpus.describe(), "passages_per_prompt": passages.k,
-                        "instruction": CITE_INSTRUCTION})
+                        "retriever": passages.retriever, "instruction": CITE_INSTRUCTION})
 
     def prompt_of(set_name: str, i: int, row) -> list[dict[str, Any]]:
         shown: list[Shown] = passages.for_question(row.last_user_text)

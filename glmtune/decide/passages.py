@@ -3,7 +3,8 @@ system turn with an instruction to cite them.
 
 The query is the prompt's last user turn; the passages are the `k` chunks BM25 ranks first
 (`retrieval.py`; a chunk sharing no word with the query is never shown, so a prompt may get fewer,
-or none: then it is the base's prompt). They are appended to the prompt's system turn (one is
+or none: then it is the base's prompt), or with `--retriever embeddings:DIR` the k a local embedding
+model ranks first (`embeddings.py`). They are appended to the prompt's system turn (one is
 added when it has none) as
 
     <CITE_INSTRUCTION>
@@ -40,9 +41,11 @@ class Shown:
 class Passages:
     """The documents' index and how many passages a prompt gets."""
 
-    def __init__(self, corpus: Corpus, k: int) -> None:
-        self.corpus, self.k = corpus, k
-        self.index = Bm25Index([chunk.text for chunk in corpus.chunks])
+    def __init__(self, corpus: Corpus, k: int, index=None, retriever: str = "bm25") -> None:
+        """`index`: a built index of the chunks' texts with `search(query, k)` (an `EmbeddingIndex`,
+        named `retriever` in the report); None: BM25's."""
+        self.corpus, self.k, self.retriever = corpus, k, retriever
+        self.index = index if index is not None else Bm25Index([chunk.text for chunk in corpus.chunks])
 
     def for_question(self, question: str) -> list[Shown]:
         return [Shown(n, self.corpus.chunks[hit.index], hit.score)
@@ -51,8 +54,9 @@ class Passages:
     def describe(self) -> str:
         c = self.corpus
         return (f"the top {self.k} of {len(c.chunks):,} chunks ({len(c.files)} files, {c.bytes:,} bytes; chunks of at "
-                f"most {c.chunk_words} words, long paragraphs windowed with {c.overlap} words of overlap) by BM25 "
-                "(bm25s) against the prompt's last user turn, in its system turn with an instruction to cite them")
+                f"most {c.chunk_words} words, long paragraphs windowed with {c.overlap} words of overlap) by "
+                f"{'BM25 (bm25s)' if self.retriever == 'bm25' else 'cosine of mean-pooled ' + self.retriever} "
+                "against the prompt's last user turn, in its system turn with an instruction to cite them")
 
 
 def with_passages(prompt: list[dict[str, Any]], shown: list[Shown]) -> list[dict[str, Any]]:

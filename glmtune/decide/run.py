@@ -26,6 +26,7 @@ import torch
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.decide.arms import ArmSpec, prompted_arm, retrieval_arm
 from glmtune.decide.cost import CostOptions, plan_cost
+from glmtune.decide.embeddings import EmbeddingIndex, parse_retriever
 from glmtune.decide.documents import DEFAULT_CHUNK_WORDS, DEFAULT_OVERLAP, read_documents
 from glmtune.decide.examples import MAX_SHOTS, SHOTS_BY, eval_split_keys, load_examples
 from glmtune.decide.grounding import grounding_metrics
@@ -68,6 +69,7 @@ class DecideOptions:
     dtype: torch.dtype | None = None
     cost: CostOptions = field(default_factory=CostOptions)
     sharded: ShardedLayout | None = None  # one rank of a torchrun job (eval's layout), else one process
+    retriever: str | None = None  # bm25 (None) or embeddings:DIR, with --docs
 
     def check(self) -> None:
         """The device, and the arms' options: each given only with what it applies to, each in range
@@ -77,7 +79,8 @@ class DecideOptions:
                                             ("--shots-by", self.shots_by, "--examples", self.examples),
                                             ("--passages", self.passages, "--docs", self.docs),
                                             ("--chunk-words", self.chunk_words, "--docs", self.docs),
-                                            ("--chunk-overlap", self.chunk_overlap, "--docs", self.docs)):
+                                            ("--chunk-overlap", self.chunk_overlap, "--docs", self.docs),
+                                            ("--retriever", self.retriever, "--docs", self.docs)):
             if value is not None and given is None:
                 raise ValueError(f"{option} applies to the {'prompted' if needs == '--examples' else 'retrieval'} "
                                  f"arm, which runs with {needs}; add {needs}")
@@ -85,6 +88,7 @@ class DecideOptions:
             raise ValueError(f"--shots {self.shots}: expected 1 to {MAX_SHOTS} examples")
         if self.shots_by is not None and self.shots_by not in SHOTS_BY:
             raise ValueError(f"--shots-by {self.shots_by}: expected one of {', '.join(SHOTS_BY)}")
+        parse_retriever(self.retriever)
         if self.passages is not None and not 1 <= self.passages <= MAX_PASSAGES:
             raise ValueError(f"--passages {self.passages}: expected 1 to {MAX_PASSAGES} passages")
         if self.base_key_env is not None:
@@ -212,6 +216,8 @@ def _reads(suite: Suite, arms: list[ArmSpec], o: DecideOptions) -> list[tuple[st
     reads += [r for a in arms for r in a.model.reads()]
     reads += [(option, Path(value)) for option, value in (("--tokenizer", o.endpoint.tokenizer),
                                                           ("--examples", o.examples), ("--docs", o.docs)) if value]
+    embedder = parse_retriever(o.retriever)
+    reads += [("--retriever", embedder)] if embedder is not None else []
     return reads
 
 
@@ -266,10 +272,19 @@ def _inputs(o: DecideOptions) -> _Inputs:
     loaded = load_sets(suite, _run_source(suite, [base] + alternatives))
     base.sets = loaded
     pool = load_examples(o.examples, eval_split_keys(loaded), o.shots_by or "fixed") if o.examples else None
-    passages = (Passages(read_documents(o.docs, o.chunk_words or DEFAULT_CHUNK_WORDS,
-                                        DEFAULT_OVERLAP if o.chunk_overlap is None else o.chunk_overlap),
-                         o.passages or DEFAULT_PASSAGES) if o.docs else None)
+    passages = _passages(o) if o.docs else None
     return _Inputs(suite, [base] + alternatives, out, reads, tokenizer_dir, template, loaded, pool, passages)
+
+
+def _passages(o: DecideOptions) -> Passages:
+    """The documents' chunks and their index: BM25's, or the embedding model's (`--retriever`)."""
+    corpus = read_documents(o.docs, o.chunk_words or DEFAULT_CHUNK_WORDS,
+                            DEFAULT_OVERLAP if o.chunk_overlap is None else o.chunk_overlap)
+    embedder = parse_retriever(o.retriever)
+    if embedder is None:
+        return Passages(corpus, o.passages or DEFAULT_PASSAGES)
+    index = EmbeddingIndex(embedder, [chunk.text for chunk in corpus.chunks])
+    return Passages(corpus, o.passages or DEFAULT_PASSAGES, index, f"embeddings:{embedder}")
 
 
 def _quiet(message: str) -> None:
