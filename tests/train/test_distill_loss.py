@@ -51,6 +51,9 @@ def test_kl_equals_direct_computation_fp64(temperature):
                    for b in range(B) for t in range(T) if mask[b, t])
     chunked = chunked_topk_kl(hidden, weight, teacher, chunk_size=3)
     assert chunked.dtype == torch.float64
+    counted = TeacherTopK.on_host(ids, logps, mask)  # the host count spares the sync: the same sum
+    counted = TeacherTopK(counted.ids, counted.logps, counted.mask, 1.0, temperature, counted.count)
+    assert torch.equal(chunked_topk_kl(hidden, weight, counted, chunk_size=3), chunked)
     assert chunked.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
     assert topk_kl_reference(logits, teacher).item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
 

@@ -43,13 +43,21 @@ class TeacherTopK:
     mask: torch.Tensor  # [B, T] bool: a teacher position (always a supervised target)
     weight: float = 0.0  # λ: the term's weight beside the cross-entropy
     temperature: float = 1.0
+    count: int | None = None  # teacher positions, counted on the host (None: the loss counts, a host sync)
+
+    @classmethod
+    def on_host(cls, ids: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> TeacherTopK:
+        """Host tensors, their teacher positions counted here (before they move)."""
+        return cls(ids, logps, mask, count=int(mask.sum()))
 
     def to(self, device: torch.device | str) -> TeacherTopK:
         return TeacherTopK(self.ids.to(device, non_blocking=True), self.logps.to(device, non_blocking=True),
-                           self.mask.to(device, non_blocking=True), self.weight, self.temperature)
+                           self.mask.to(device, non_blocking=True), self.weight, self.temperature, self.count)
 
     def rows(self, part: slice | list[int]) -> TeacherTopK:
-        return TeacherTopK(self.ids[part], self.logps[part], self.mask[part], self.weight, self.temperature)
+        """Rows `part` of host tensors, their positions counted again."""
+        return TeacherTopK(self.ids[part], self.logps[part], self.mask[part], self.weight, self.temperature,
+                           int(self.mask[part].sum()))
 
 
 def teacher_buckets(logps_NK: torch.Tensor) -> torch.Tensor:
@@ -91,7 +99,8 @@ def chunked_topk_kl(hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, teacher: 
     per-position term (module docstring), without the weight λ. Only the teacher positions pay for
     the head; at most one [chunk, V] fp32 slice of logits is alive, in forward and in backward."""
     hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
-    kept = teacher.mask.reshape(-1).nonzero().squeeze(1)
+    mask_N = teacher.mask.reshape(-1)
+    kept = (mask_N.nonzero() if teacher.count is None else mask_N.nonzero_static(size=teacher.count)).squeeze(1)
     hidden_ND = hidden_ND.index_select(0, kept)
     ids_NK = teacher.ids.reshape(-1, teacher.ids.shape[-1]).index_select(0, kept)
     teacher_NB = teacher_buckets(teacher.logps.reshape(-1, teacher.logps.shape[-1]).index_select(0, kept))

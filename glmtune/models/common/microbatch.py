@@ -96,7 +96,7 @@ class MicroBatch:
             if mtp else None,
             documents_per_row=None if documents is None else tuple((documents.max(dim=1).values + 1).tolist()),
             loss_scale=loss_scale, step_totals=totals, aux=scales, ref_token_logps=batch.get(REFERENCE_LOGPS),
-            teacher=TeacherTopK(batch[TEACHER_IDS], batch[TEACHER_LOGPS], batch[TEACHER_MASK])
+            teacher=TeacherTopK.on_host(batch[TEACHER_IDS], batch[TEACHER_LOGPS], batch[TEACHER_MASK])
             if TEACHER_IDS in batch else None)
 
     def to(self, device: torch.device | str) -> MicroBatch:
