@@ -184,7 +184,7 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
         + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
         + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg) \
-        + text_data_errors(cfg)
+        + text_data_errors(cfg) + chat_template_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -345,6 +345,15 @@ def text_data_errors(cfg: JobConfig) -> list[str]:
                                           "text set it to 0"),
     ]
     return errors + [message for ok, message in rules if not ok]
+
+
+def chat_template_errors(cfg: JobConfig) -> list[str]:
+    """`data.chat_template`: no command reads a template apart from the tokenizer yet (the template is
+    the tokenizer directory's own, else GLM-5's), so a path there is refused, never ignored."""
+    if cfg.data.kind != "chat" or cfg.data.chat_template is None:
+        return []  # data.kind: text refuses the key itself (text_data_errors)
+    return [f"data.chat_template {cfg.data.chat_template}: a template file apart from the tokenizer is not read; "
+            "save it as chat_template.jinja in the tokenizer directory (data.tokenizer) and remove data.chat_template"]
 
 
 def auxiliary_loss_errors(cfg: JobConfig) -> list[str]:
