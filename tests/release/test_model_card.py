@@ -103,10 +103,11 @@ def test_base_from_a_hub_snapshot_names_its_id_revision_and_licence(lora_source,
 def test_mtp_layer_keys_are_the_ones_transformers_ignores_on_glm5():
     """GLM-5 (78 layers): the exported MTP layer is model.layers.78.*, which transformers' own
     `_keys_to_ignore_on_load_unexpected` names, so it loads as the upstream checkpoints do."""
-    args = PRESETS["glm5"]()
-    adapter = Glm5StateDictAdapter(args)
-    assert args.num_hidden_layers == 78 and args.num_nextn_predict_layers == 1
-    assert adapter.hf_prefix("mtp.0.self_attn.q_a_proj.weight") == "model.layers.78.self_attn.q_a_proj.weight"
+    for name in ("glm5", "glm5.1", "glm5.2", "glm5.3"):  # every real GLM-5.x preset
+        args = PRESETS[name]()
+        adapter = Glm5StateDictAdapter(args)
+        assert args.num_hidden_layers == 78 and args.num_nextn_predict_layers == 1, name
+        assert adapter.hf_prefix("mtp.0.self_attn.q_a_proj.weight") == "model.layers.78.self_attn.q_a_proj.weight"
     assert mtp_ignored_by_transformers(78)
     assert not mtp_ignored_by_transformers(4) and not mtp_ignored_by_transformers(77)
 
