@@ -60,7 +60,7 @@ from glmtune.eval.general_text import GENERAL_TEXT_METRIC, text_windows
 from glmtune.eval.domain_loss import domain_losses
 from glmtune.eval.domain_text import domain_metric_records, suite_domain_windows
 from glmtune.eval.models import Fingerprints, ModelSource, merged_variant, resolve_model
-from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, summarize
+from glmtune.eval.operations import OPERATIONS_METRICS, PeakMemory, operations_values, parameter_counts, summarize
 from glmtune.eval.placement import Placement
 from glmtune.eval.sharded import ShardedLayout
 from glmtune.eval.report_html import render_html
@@ -343,6 +343,7 @@ def evaluate_model(model: ModelSource, loaded: list[LoadedSet], prompting: Promp
             placement.release()
     ops = served_ops or placement.with_ranks(summarize(latencies, tokens, generate_s, memory.gib(), placement.device))
     ops = {**ops, "serving": serving} if serving is not None else ops
+    ops = ops if model.kind == "endpoint" else {**ops, **parameter_counts(model.spec, model.weights_dir)}
     return {"outputs": outputs, "scores": scores, "loss": loss, "domain": domain_sums, "operations": ops,
             "not_available": not_available}
 

@@ -14,6 +14,11 @@ metrics of one model.
     where neither is available.
   * serving (`serving.py`): MTP speculative-decoding acceptance and the sparse-attention
     indexer's recall, teacher-forced over the chat sets' reference answers.
+  * parameters and active parameters (a model in this process): the family's own count of the
+    loaded HF directory's architecture (`spec.parameter_report`, as `glmtune inspect` prints it):
+    total without MTP layers, and per token (a MoE's routed experts counted top-k of n; the input
+    embedding left out of the headline). An adapter is counted as its base. An endpoint's are not
+    known here (null): its engine does not say.
 """
 
 from __future__ import annotations
@@ -87,6 +92,14 @@ def summarize(latencies: list[float], generated_tokens: int, generate_s: float, 
             "generated_tokens": generated_tokens,
             "generated_tokens_per_s": generated_tokens / generate_s if generate_s > 0 else None,
             "peak_memory_gib": peak_gib, "device": str(device)}
+
+
+def parameter_counts(spec, weights_dir: Path) -> dict[str, int]:
+    """`parameters` and `active_parameters` (per token) of the HF directory `weights_dir` by its
+    family's `spec`: the serving-cost facts beside tokens/s and peak memory (distillation's
+    teacher against its student)."""
+    report = spec.parameter_report(spec.args_from_hf(weights_dir))
+    return {"parameters": int(report["total_params"]), "active_parameters": int(report["active_params"])}
 
 
 def operations_values(ops: dict) -> dict[str, float | None]:

@@ -108,11 +108,14 @@ def _domain_and_general(card: dict[str, Any], labels: list[str], candidates: lis
 
 
 def _operations(card: dict[str, Any], labels: list[str]) -> list[str]:
-    lines = ["", "## Operations", "", "| model | device | requests | p50 s | p95 s | generated tok/s | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", "## Operations", "", "| model | device | parameters | active parameters | requests | p50 s | p95 s "
+             "| generated tok/s | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for label in labels:
         o = card["operations"][label]
-        lines.append(f"| {_cell(label)} | {_cell(o['device'])} | {o['requests']} | {_v(o['p50_s'])} | "
+        # Serving cost: parameters and active (per-token) parameters of a model run here; an endpoint's are unknown.
+        params = " | ".join(f"{o[key]:,}" if o.get(key) is not None else "—"
+                            for key in ("parameters", "active_parameters"))
+        lines.append(f"| {_cell(label)} | {_cell(o['device'])} | {params} | {o['requests']} | {_v(o['p50_s'])} | "
                      f"{_v(o['p95_s'])} | {_v(o['generated_tokens_per_s'])} | {_v(o['peak_memory_gib'])} |")
     for label in labels:
         o = card["operations"][label]
