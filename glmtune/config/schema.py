@@ -93,7 +93,6 @@ class DataConfig:
     long_document_overlap: int = 0  # kind text, split: tokens a chunk repeats from the previous one, as context only
 
 
-
 @dataclass
 class TrainConfig:
     """The optimisation loop. The number of accumulation steps is derived, not set."""
@@ -250,6 +249,9 @@ class LoggingConfig:
     run_dir: str | None = None  # null = runs/<name>; holds config.yaml, metrics and checkpoints
     tensorboard: bool = True  # write TensorBoard events under <run_dir>/tensorboard
     wandb: str | None = None  # Weights & Biases project; null = off
+    # MLflow tracking URI (file:///abs/mlruns: a local store, no server; http://host:5000); experiment and
+    # run named after `name`; params: the resolved config; metrics: every step record. null = off
+    mlflow: str | None = None
     metrics_file: str = "metrics.jsonl"  # one JSON object per logged step, relative to run_dir
     progress: bool = True  # live progress bar on rank 0
 
@@ -270,6 +272,3 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    # MLflow tracking URI (file:///abs/mlruns: a local store, no server; http://host:5000); experiment and
-    # run named after `name`; params: the resolved config; metrics: every step record. null = off
-    mlflow: str | None = None
