@@ -329,15 +329,7 @@ def test_no_function_is_longer_than_a_screen_or_two():
 # steps that `glmtune decide` shares are public in eval/evaluate.py). A package is the folder
 # holding the module (a package's __init__ is its own). `KNOWN_PRIVATE` lists the imports not yet
 # made public: (importing module, imported module, name); it only shrinks.
-KNOWN_PRIVATE: set[tuple[str, str, str]] = {
-    ("glmtune.peft.merge", "glmtune.checkpoint.hf_io", "_check_shard_sizes"),
-    ("glmtune.peft.merge", "glmtune.checkpoint.hf_io", "_open"),
-    ("glmtune.peft.merge", "glmtune.checkpoint.hf_io", "_read"),
-    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_check_shard_sizes"),
-    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_destination"),
-    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_open"),
-    ("glmtune.peft.merge_stream", "glmtune.checkpoint.hf_io", "_read"),
-}
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def package_of(module: str, modules: set[str]) -> str:

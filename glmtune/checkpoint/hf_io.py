@@ -112,14 +112,18 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     raise FileNotFoundError(f"{path}: no {INDEX_NAME} or {SINGLE_NAME}")
 
 
-def _open(file: Path):
+def open_shard(file: Path):
+    """A safetensors handle on `file` (CPU tensors); a corrupt or truncated file is a
+    ValueError naming it, not safetensors' own error."""
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own error type for bad headers
         raise ValueError(f"{file}: unreadable safetensors file (truncated or corrupt): {exc}") from None
 
 
-def _read(handle, file: Path, key: str) -> torch.Tensor:
+def read_tensor(handle, file: Path, key: str) -> torch.Tensor:
+    """Tensor `key` from `handle` (`open_shard(file)`); a read that fails is a ValueError
+    naming `file` and `key`."""
     try:
         return handle.get_tensor(key)
     except Exception as exc:
@@ -143,7 +147,7 @@ def load_pretrained(path: str | Path, fmt: HfFormat, build: Callable[[Any], nn.M
     return model
 
 
-def _check_shard_sizes(files: dict[str, Path]) -> None:
+def check_shard_sizes(files: dict[str, Path]) -> None:
     """A shard cut short (an interrupted copy), or one safetensors would refuse, is caught
     before any tensor is read (`read_header` checks the file's size against its header)."""
     for file in sorted(set(files.values())):
@@ -160,18 +164,18 @@ def load_state_into(model: nn.Module, files: dict[str, Path], adapter: StateDict
     plan = read_plan(files, adapter, state.keys())
     check_complete({key: tuple(tensor.shape) for key, tensor in state.items()}, plan, adapter)
     for file, entries in plan:
-        handle = _open(file)
+        handle = open_shard(file)
         for hf_key, target in entries:
-            tensor = _read(handle, file, hf_key)
+            tensor = read_tensor(handle, file, hf_key)
             scale = None
             if is_fp8(tensor):
                 scale_key = fp8_scale_key(files, file, hf_key)
-                scale = _read(_open(files[scale_key]), files[scale_key], scale_key)
+                scale = read_tensor(open_shard(files[scale_key]), files[scale_key], scale_key)
                 try:
                     check_fp8_scale(tuple(tensor.shape), tuple(scale.shape))
                 except ValueError as exc:
                     raise ValueError(f"{file}: {hf_key}: {exc}") from None
-            dest, dest_scale = _destination(state, target)
+            dest, dest_scale = tensor_destination(state, target)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"{file}: tensor {hf_key} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}")
@@ -188,7 +192,8 @@ def load_state_into(model: nn.Module, files: dict[str, Path], adapter: StateDict
             dest_scale.copy_(scale)
 
 
-def _destination(state: dict[str, torch.Tensor], target: Target) -> tuple[torch.Tensor, torch.Tensor | None]:
+def tensor_destination(state: dict[str, torch.Tensor],
+                       target: Target) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model tensor (slice) an HF tensor fills and, on a frozen FP8 base, the slice of
     block scales that goes with it (None for a bf16/fp32 tensor)."""
     dest = state[target.key]

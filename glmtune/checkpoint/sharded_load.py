@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets, compute_local_shape_and_global_offset
 
 from glmtune.checkpoint.hf_io import (
-    _open,
+    open_shard,
     check_complete,
     checkpoint_files,
     fp8_scale_key,
@@ -182,7 +182,7 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, fmt: HfFormat, args: Any,
                     if key not in not_in_checkpoint}
     stats.local_param_bytes = sum(_local(t).numel() * t.element_size() for t, _ in destinations.values())
     for file, entries in plan:
-        handle = _open(file)
+        handle = open_shard(file)
         _check_header(handle, file, entries)
         for key in handle.keys():
             meta = handle.get_slice(key)
@@ -249,7 +249,7 @@ def _load_scales(handle, file: Path, files, hf_key: str, target: Any, destinatio
     """This rank's part of the block scales of the FP8 weight `hf_key`, into `<weight>_scale_inv`."""
     scale_key = fp8_scale_key(files, file, hf_key)
     scale_file = files[scale_key]
-    scale_handle = handle if scale_file == file else _open(scale_file)
+    scale_handle = handle if scale_file == file else open_shard(scale_file)
     try:
         check_fp8_scale(tuple(handle.get_slice(hf_key).get_shape()), tuple(scale_handle.get_slice(scale_key).get_shape()))
     except ValueError as exc:
@@ -269,7 +269,7 @@ def _read_fp8(handle, file: Path, files, hf_key: str, hf_shape, hf_index, stats:
     """Dequantize the slice with the scales of the 128x128 blocks that cover it."""
     scale_key = fp8_scale_key(files, file, hf_key)
     scale_file = files[scale_key]
-    scale_handle = handle if scale_file == file else _open(scale_file)
+    scale_handle = handle if scale_file == file else open_shard(scale_file)
     scale_meta = scale_handle.get_slice(scale_key)
     try:
         check_fp8_scale(hf_shape, tuple(scale_meta.get_shape()))

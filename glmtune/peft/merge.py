@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from glmtune.checkpoint.fingerprint import identity_mismatch
-from glmtune.checkpoint.hf_io import _check_shard_sizes, _open, _read
+from glmtune.checkpoint.hf_io import check_shard_sizes, open_shard, read_tensor
 from glmtune.io.outputs import check_output
 from glmtune.io.text_limits import parse_json
 from glmtune.models.common.hf_config import read_hf_config
@@ -78,9 +78,9 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
 def read_adapter_weights(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
     """adapter_model.safetensors, its header and size checked before a tensor is read."""
     file = Path(adapter_dir) / WEIGHTS_NAME
-    _check_shard_sizes({WEIGHTS_NAME: file})  # not safetensors, or cut short: named, before safetensors reads it
-    handle = _open(file)
-    return {key.removeprefix(PREFIX): _read(handle, file, key) for key in handle.keys()}
+    check_shard_sizes({WEIGHTS_NAME: file})  # not safetensors, or cut short: named, before safetensors reads it
+    handle = open_shard(file)
+    return {key.removeprefix(PREFIX): read_tensor(handle, file, key) for key in handle.keys()}
 
 
 def _config_problem(config: dict) -> str | None:

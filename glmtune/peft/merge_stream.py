@@ -36,16 +36,16 @@ import torch
 from torch import nn
 
 from glmtune.checkpoint.hf_io import (
-    _check_shard_sizes,
-    _destination,
-    _open,
-    _read,
-    checkpoint_files,
     check_complete,
+    check_shard_sizes,
+    checkpoint_files,
     fp8_scale_key,
     host_copy,
+    open_shard,
     read_plan,
+    read_tensor,
     shard_plan,
+    tensor_destination,
     write_metadata,
     write_planned_shards,
 )
@@ -119,7 +119,7 @@ def _base(spec: ModelSpec, base_dir: Path, dtype: torch.dtype):
         raise ValueError(f"{base_dir}: the {spec.family} family's checkpoints have no HF format glmtune merges")
     args = fmt.read_config(base_dir)
     files = checkpoint_files(base_dir)
-    _check_shard_sizes(files)
+    check_shard_sizes(files)
     model = fmt.build_meta(args, dtype)
     state = model.state_dict(keep_vars=True)
     adapter = fmt.adapter(args)
@@ -161,7 +161,7 @@ def _check_shapes(files: dict[str, Path], plan, state: dict[str, torch.Tensor]) 
                     check_fp8_scale(shape, tuple(headers[files[scale_key]][scale_key]["shape"]))
                 except ValueError as exc:
                     raise ValueError(f"{file}: {hf_key}: {exc}") from None
-            dest, _ = _destination(state, target)
+            dest, _ = tensor_destination(state, target)
             if shape != tuple(dest.shape):
                 raise ValueError(f"{file}: tensor {hf_key} has shape {shape}, "
                                  f"the model expects {tuple(dest.shape)}")
@@ -229,12 +229,12 @@ class _Merger:
         """A base tensor (FP8 dequantized in fp32); one shard file mapped at a time."""
         if file != self._file:
             self._file, self._handle = None, None  # unmap the previous shard first
-            self._file, self._handle = file, _open(file)
-        tensor = _read(self._handle, file, hf_key)
+            self._file, self._handle = file, open_shard(file)
+        tensor = read_tensor(self._handle, file, hf_key)
         if not is_fp8(tensor):
             return tensor
         scale_key = fp8_scale_key(self.files, file, hf_key)
-        scale = _read(_open(self.files[scale_key]), self.files[scale_key], scale_key)
+        scale = read_tensor(open_shard(self.files[scale_key]), self.files[scale_key], scale_key)
         return dequantize_fp8_block(tensor, scale, torch.float32)
 
 
