@@ -32,6 +32,8 @@ import torch
 
 from glmtune.config import JobConfig, dump_config, load_config, resolve_recipe_path
 from glmtune.data.sources import read_rows
+from glmtune.data.text_run_data import corpus_options
+from glmtune.data.text_sources import read_documents
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.models.registry import is_preset, model_args, model_spec
 from glmtune.preflight.layout import ONE_PROCESS, Replica, UNPINNED_TOPOLOGY, scaled_replica
@@ -180,6 +182,8 @@ class Preflight:
     def _data_overrides(self) -> list[str]:
         """The first `rows` conversations of the recipe's data, read by its own pipeline."""
         d, out = self.cfg.data, []
+        if d.kind == "text":
+            return self._text_overrides()
         if d.synthetic is not None and d.synthetic.rows > self.rows:
             out += ["--data.synthetic.rows", str(self.rows)]
             self.notes.append(f"{self.rows} of the recipe's {d.synthetic.rows} generated conversations")
@@ -198,6 +202,25 @@ class Preflight:
             self.notes.append(f"the first {len(lines)} conversations of data.{split} ({', '.join(paths)}), "
                               f"copied to {subset}")
         return out
+
+    def _text_overrides(self) -> list[str]:
+        """data.kind text: the first `rows` documents of each split's files, read by the recipe's
+        reader, copied to one JSONL that keeps each document's source (the split's unit)."""
+        d, out = self.cfg.data, []
+        source_field = d.source_field or ("source" if d.text_field != "source" else "source_file")
+        for split, paths in (("train", d.train), ("validation", d.validation)):
+            if not paths:
+                continue
+            subset = self.work / "data" / f"{split}-first-{self.rows}.jsonl"
+            subset.parent.mkdir(parents=True, exist_ok=True)
+            docs = itertools.islice(read_documents(paths, corpus_options(self.cfg, (1.0, 0.0, 0.0)).read), self.rows)
+            lines = [json.dumps({d.text_field: doc.text, source_field: doc.source}, ensure_ascii=False) + "\n"
+                     for doc in docs]
+            subset.write_text("".join(lines), encoding="utf-8")
+            out += [f"--data.{split}", json.dumps([str(subset.resolve())])]
+            self.notes.append(f"the first {len(lines)} documents of data.{split} ({', '.join(paths)}), "
+                              f"copied to {subset}")
+        return out + ["--data.format", "auto", "--data.source_field", source_field]
 
     def scratch_model_dir(self) -> Path | None:
         """The HF directory the scratch model reads (the view, or the model's own), None for a preset."""

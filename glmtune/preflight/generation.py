@@ -16,6 +16,11 @@ model decoded twice gives the same outputs (greedy decoding of the same weights 
 deterministic); (3) the decoding settings and the prompt token ids are the same for both
 models (a comparison under different settings proves nothing). How many outputs changed
 is recorded, not judged.
+
+A raw-text recipe (`data.kind: text`) has no conversations and no template: its prompts are the
+first `PROMPT_TOKENS` tokens of the first documents of the same rows, as training tokenized them,
+continued greedily until EOS or `MAX_NEW_TOKENS` (`glmtune.generation.generate`); the same three
+criteria hold.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch import nn
 from glmtune.data.chat_generation import stop_tokens
 from glmtune.data.chat_template import load_chat_template
 from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
+from glmtune.generation import generate
 from glmtune.io.json_file import json_lines
 from glmtune.preflight.context import Preflight
 from glmtune.preflight.result import CheckResult, verdict
@@ -41,6 +47,7 @@ from glmtune.train.samples import SampleResult, prompt_ids, prompts_from, run_sa
 
 NUM_PROMPTS = 3
 MAX_NEW_TOKENS = 24
+PROMPT_TOKENS = 16  # a raw-text prompt: the start of a document
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,37 @@ def fixed_prompts(pf: Preflight) -> list[tuple[dict[str, Any], str]]:
     return prompts_from(conversations, NUM_PROMPTS)
 
 
+def text_prompts(pf: Preflight) -> list[list[int]]:
+    """data.kind text: the first PROMPT_TOKENS tokens of the first NUM_PROMPTS documents of the
+    scratch data's validation rows (the training rows when it has none)."""
+    data = pf.data()
+    prompts: list[list[int]] = []
+    for row in data.val_rows or data.train_rows:
+        docs = row["document_ids"]
+        for start, doc in enumerate(docs):
+            if doc < 0 or (start and docs[start - 1] == doc):
+                continue  # padding, or not a document's first token
+            ids = [t for t, d in zip(row["input_ids"][start:start + PROMPT_TOKENS], docs[start:]) if d == doc]
+            prompts += [ids] if len(ids) >= 2 else []
+            if len(prompts) == NUM_PROMPTS:
+                return prompts
+    return prompts
+
+
+class TextDecoding:
+    """`decode_twice` for raw-text prompts: greedy continuations until EOS, as SampleResults."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, model: nn.Module, tokenizer, template: str, prompts, decoding: Decoding):
+        def once() -> list[SampleResult]:
+            result = generate(model, prompts, decoding.max_new_tokens, tokenizer=tokenizer,
+                              stop_token_ids={tokenizer.eos_token_id})
+            return [SampleResult(tokenizer.decode(p), "", text) for p, text in zip(prompts, result.texts)]
+        return once(), once()
+
+
 def decoding_for(tokenizer, template: str, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> Decoding:
     ids = [prompt_ids(tokenizer, template, row) for row, _ in prompts]  # as run_samples renders them
     return Decoding(max_new_tokens, hashlib.sha256(template.encode()).hexdigest(),
@@ -78,17 +116,22 @@ def check_generation(pf: Preflight, ref: ReferenceRun, base: nn.Module | None = 
     """Check 9 on the reference run's base and trained models (or the ones given), with one decoding
     (or `trained_decoding` for the trained model: a test's planted mismatch)."""
     directory = resolve_tokenizer_dir(tokenizer_dir_for(pf.scratch(), pf.scratch_model_dir()))
-    tokenizer, template = load_tokenizer(directory), load_chat_template(directory)
-    prompts = fixed_prompts(pf)
+    text = pf.cfg.data.kind == "text"
+    tokenizer = load_tokenizer(directory)
+    template = "" if text else load_chat_template(directory)  # raw text: no template
+    prompts = text_prompts(pf) if text else fixed_prompts(pf)
     if not prompts:
-        return CheckResult(9, "fail", "no conversation of the data ends with an assistant answer to prompt with")
-    decoding = decoding_for(tokenizer, template, prompts)
+        return CheckResult(9, "fail", "no document of the data has two tokens to prompt with" if text else
+                           "no conversation of the data ends with an assistant answer to prompt with")
+    decode = TextDecoding(tokenizer) if text else decode_twice
+    decoding = (Decoding(MAX_NEW_TOKENS, "", hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+                         (tokenizer.eos_token,)) if text else decoding_for(tokenizer, template, prompts))
     trained_decoding = trained_decoding or decoding
     base = base if base is not None else base_model(pf)
     trained = trained if trained is not None else trained_model(pf, ref.run_dir)[0]
     problems, results = [], {}
     for label, model, settings in (("base", base, decoding), ("trained", trained, trained_decoding)):
-        first, second = decode_twice(model, tokenizer, template, prompts, settings)
+        first, second = decode(model, tokenizer, template, prompts, settings)
         results[label] = first
         differ = [i for i, (a, b) in enumerate(zip(first, second)) if a.output != b.output]
         if differ:

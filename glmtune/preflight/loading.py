@@ -19,6 +19,10 @@ tool results). ChatML, Llama-3: an assistant turn for every assistant message an
 for every user message, by the format's openings. Every format: a generation prompt ending in
 the format's assistant opening (then at most a `<think>`/`</think>` block), and assistant tokens
 to train on under `data.loss_on`.
+
+A raw-text recipe (`data.kind: text`) has no chat template: its tokenizer must have an EOS token
+(training puts it after every document) and fit the model, and the first document of its data
+tokenizes as training tokenizes it (`data.text_corpus.tokenize_texts`), every token a target.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from glmtune.data.chat_template import (
 from glmtune.data.contract import check_or_raise, normalize_row
 from glmtune.data.sources import read_rows
 from glmtune.data.synthetic import generate_rows
+from glmtune.data.text_corpus import tokenize_texts
+from glmtune.data.text_run_data import corpus_options
+from glmtune.data.text_sources import no_documents_message, read_documents
 from glmtune.data.tokenizer import EOS_TOKEN, ROLE_TOKENS, load_tokenizer, resolve_tokenizer_dir
 from glmtune.data.turn_formats import GLM, TurnFormat
 from glmtune.io.json_file import json_name, read_json_file
@@ -165,6 +172,30 @@ def template_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     return problems
 
 
+def text_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
+    """data.kind text: the tokenizer (an EOS, a vocabulary that fits) and the first document tokenized."""
+    tokenizer_dir = tokenizer_dir_for(pf.cfg, pf.model_dir)
+    directory = resolve_tokenizer_dir(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocab = pf.spec.vocab_size(model_args(pf.cfg.model))
+    evidence["tokenizer"] = {"directory": str(directory), "size": len(tokenizer),
+                             "eos_token_id": tokenizer.eos_token_id}
+    problems = []
+    if tokenizer.eos_token_id is None:
+        problems.append(f"tokenizer {directory}: no EOS token, which training puts after every document")
+    if len(tokenizer) > vocab:
+        problems.append(f"tokenizer {directory} has {len(tokenizer)} tokens, the model's vocab_size is {vocab}")
+    if problems:
+        return problems
+    paths = pf.cfg.data.train
+    doc = next(read_documents(paths, corpus_options(pf.cfg, (1.0, 0.0, 0.0)).read), None)
+    if doc is None:
+        return [f"data.train: {no_documents_message(paths)}"]
+    [ids] = tokenize_texts(tokenizer, [doc.text])
+    evidence["text"] = {"origin": str(doc.origin), "source": doc.source, "tokens": len(ids)}
+    return problems
+
+
 def check_model(pf: Preflight) -> CheckResult:
     evidence: dict[str, Any] = {}
     try:
@@ -172,11 +203,12 @@ def check_model(pf: Preflight) -> CheckResult:
     except (OSError, ValueError) as exc:
         return CheckResult(3, "fail", f"model config does not load: {exc}", evidence)
     try:
-        problems += template_problems(pf, evidence)
+        problems += (text_problems if pf.cfg.data.kind == "text" else template_problems)(pf, evidence)
     except (OSError, ValueError) as exc:
         problems.append(f"tokenizer or chat template: {exc}")
     arch = evidence["architecture"]
     template = evidence.get("chat_template", {})
+    text = evidence.get("text")
     meta = evidence["meta_model"]
     dims = pf.spec.dims(model_args(pf.cfg.model), pf.cfg.model.name_or_path)
     moe_layers = arch.get("num_moe_layers", 0)  # every family's summary says how many layers are MoE
@@ -184,7 +216,10 @@ def check_model(pf: Preflight) -> CheckResult:
     message = (f"{name} on meta ({meta['parameters']:,} parameters, nothing read): "
                f"{dims.num_layers} layers ({dims.num_layers - moe_layers} dense, {moe_layers} MoE), "
                f"{dims.num_experts} experts, hidden {arch['hidden_size']}; tokenizer "
-               f"{evidence.get('tokenizer', {}).get('size')} tokens; template renders "
-               f"{'/'.join(template.get('roles', []))} with {template.get('turn_format', 'GLM')} turns, "
-               f"{template.get('supervised_tokens')} of {template.get('tokens')} tokens supervised")
+               f"{evidence.get('tokenizer', {}).get('size')} tokens; " + (
+                   f"raw text, no chat template: the first document ({text['origin']}) is {text['tokens']} tokens "
+                   "with its EOS, every one a target" if text else
+                   f"template renders {'/'.join(template.get('roles', []))} with "
+                   f"{template.get('turn_format', 'GLM')} turns, "
+                   f"{template.get('supervised_tokens')} of {template.get('tokens')} tokens supervised"))
     return verdict(3, problems, message, evidence)
