@@ -207,9 +207,14 @@ _STATUS_FILE = "GLMTUNE_EVAL_STATUS_FILE"
 
 
 def _evaluate(ns: argparse.Namespace) -> int:
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.eval.placement import check_device
+
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # a device this machine lacks: one line before the suite, a model or torchrun is touched
+    check_device(ns.device, sharded=sharded or ns.nproc_per_node is not None, command="eval")
     if ns.nproc_per_node is not None:
         return launch_on_ranks(ns)
-    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not sharded and ns.ep not in (None, 1):
         raise ValueError(f"--parallel.ep {ns.ep} splits experts over ranks: add --nproc-per-node N (or start "
                          "`glmtune eval` with torchrun)")

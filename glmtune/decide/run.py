@@ -41,7 +41,7 @@ from glmtune.eval.evaluate import (  # eval's own steps, in run_eval's order (it
 from glmtune.eval.gates import evaluate_gates
 from glmtune.eval.general_text import text_windows
 from glmtune.eval.models import Fingerprints, resolve_model
-from glmtune.eval.placement import Placement
+from glmtune.eval.placement import Placement, check_device as placement_check_device
 from glmtune.eval.sharded import ShardedLayout
 from glmtune.eval.sets import check_rows, load_sets
 from glmtune.eval.suite import Suite, load_suite
@@ -102,29 +102,9 @@ class DecideOptions:
 
 
 def check_device(device: str, sharded: bool) -> None:
-    """`--device`: auto, cpu, or a CUDA device this machine has (`cuda`, or `cuda:N` in one process:
-    sharded, each rank takes its LOCAL_RANK's GPU); ValueError in one sentence otherwise, so a device
-    that cannot be used is refused before anything is read or loaded."""
-    if device == "auto":
-        return
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):  # torch's own parse of the string
-        raise ValueError(f"--device {device}: not a device (expected auto, cpu, cuda or cuda:N)") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: decide runs local models on the CPU or a CUDA GPU (expected auto, cpu, "
-                         "cuda or cuda:N)")
-    if parsed.type == "cpu":
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__}); use "
-                         "--device cpu, or auto")
-    if parsed.index is not None and sharded:
-        raise ValueError(f"--device {device} with --nproc-per-node: each rank runs on its own GPU (its LOCAL_RANK); "
-                         "pass --device cuda")
-    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
-                         f"cuda:{torch.cuda.device_count() - 1}")
+    """decide's `--device`, refused as eval's is (`placement.check_device`, decide named), before
+    anything is read or launched."""
+    placement_check_device(device, sharded, "decide")
 
 
 def _check_suite(suite: Suite) -> None:

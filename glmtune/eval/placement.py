@@ -7,6 +7,10 @@ rank loads its shards (`sharded.load_sharded_model`) and the ranks agree through
 What only one rank should do (hash the models, run the reference tool calls) runs on rank 0
 and is shared (`on_main`); a user error there is raised on every rank, so no rank waits for a
 collective the others never reach.
+
+`check_device` refuses a `--device` this machine cannot use, in one sentence; `glmtune eval` and
+`glmtune decide` call it first, before the suite or any model is read (and `choose` again, for the
+Python API).
 """
 
 from __future__ import annotations
@@ -24,6 +28,33 @@ from glmtune.eval.models import ModelSource, load_model
 from glmtune.eval.sharded import ShardedLayout, join, load_sharded_model
 
 
+def check_device(device: str, sharded: bool, command: str) -> None:
+    """`--device`: auto, cpu, or a CUDA device this machine has (`cuda`, or `cuda:N` in one process:
+    sharded, each rank takes its LOCAL_RANK's GPU); ValueError in one sentence otherwise, so a device
+    that cannot be used is refused before anything is read or loaded. `command` (eval, decide)
+    names who runs the models in the message."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's own parse of the string
+        raise ValueError(f"--device {device}: not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: {command} runs local models on the CPU or a CUDA GPU (expected auto, "
+                         "cpu, cuda or cuda:N)")
+    if parsed.type == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__}); use "
+                         "--device cpu, or auto")
+    if parsed.index is not None and sharded:
+        raise ValueError(f"--device {device} with --nproc-per-node: each rank runs on its own GPU (its LOCAL_RANK); "
+                         "pass --device cuda")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}")
+
+
 @dataclass
 class Placement:
     device: torch.device
@@ -38,10 +69,9 @@ class Placement:
         if sharded is not None:
             lockstep, torch_device = join(device)
             return cls(torch_device, dtype, lockstep, sharded.resolved(candidate))
+        check_device(device, sharded=False, command="eval")
         torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                     "cpu" if device == "auto" else device)
-        if torch_device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
         return cls(torch_device, dtype, fp8_base=fp8_base)
 
     @property
