@@ -47,10 +47,10 @@ test: venv chromium
 
 # The edit-test loop: every test that starts no other process. tests/conftest.py marks the others at
 # collection (multiprocess: gloo jobs of several ranks; subprocess: glmtune in another interpreter,
-# training runs, the browser); no chromium needed.
+# training runs, the browser; slow: in-process tests of more than ~10 s); no chromium needed.
 test-fast: venv
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 -m "not multiprocess and not subprocess" \
-	    --ignore=tests/engines tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 \
+	    -m "not multiprocess and not subprocess and not slow" --ignore=tests/engines tests
 
 # The multi-process layout tests (every layout against one process) and the golden losses again, on
 # the CPU's next-narrower vector kernels (avx512 -> avx2 -> default): their tolerances come from the

@@ -2,11 +2,12 @@
 results made once per session for several tests; and the test tiers.
 
 Tiers (issue 49): every test that starts other processes is marked at collection, so
-`make test-fast` (`-m "not multiprocess and not subprocess"`) is the edit-test loop:
+`make test-fast` (`-m "not multiprocess and not subprocess and not slow"`) is the edit-test loop:
 - `multiprocess`: gloo jobs of several ranks (torchrun, `--nproc-per-node`, the forked or
   spawned harnesses of tests/distributed);
 - `subprocess`: a glmtune command or training run in another interpreter (`subprocess`,
   tests/train/run_helpers.py's runs, preflight's reference runs, peak-RSS probes, the browser).
+- `slow`: the in-process tests of more than ~10 s, listed below by node id.
 A test module is marked by its own source and by every tests.* module it imports (transitively),
 a test also by the source of each fixture it uses (a conftest fixture that trains, for one).
 """
@@ -58,6 +59,22 @@ _TIERS = {
     "subprocess": re.compile(r"\bsubprocess\b|\bPopen\b|\bos\.fork\b|tests\.train\.run_helpers\b|"
                              r"tests\.peak_rss\b|\bshared_run\b|\bplaywright\b"),
 }
+# In-process tests of more than ~10 s on an idle core (the fast tier's `--durations`, 2026-12-05): `slow`,
+# so that `make test-fast` stays the edit-test loop. A node id, or its prefix (a module, a parametrized test).
+_SLOW = (
+    "tests/kernels/test_sparse_attention.py::test_sparse_attention_in_interpreter",
+    "tests/eval/test_serving_metrics.py::",
+    "tests/eval/test_exit_codes.py::test_an_internal_error_exits_3_in_one_line_and_debug_shows_it",
+    "tests/eval/test_preference_scorer.py::test_log_probabilities_equal_transformers",
+    "tests/generation/test_generation.py::test_greedy_equals_transformers_generate",
+    "tests/generation/test_generation.py::test_seeded_sampling_reproducible",
+    "tests/generation/test_generation.py::test_run_samples_uses_the_cache",
+    "tests/benchmarks/test_lora_bench.py::",
+    "tests/benchmarks/test_plan_scripts.py::",
+    "tests/benchmarks/test_generation_bench.py::",
+    "tests/distributed/test_fsdp_units.py::test_optimizer_held_masters_give_the_earlier_fp32_master_path_per_step",
+    "tests/distill/test_generate_local.py::test_in_process_topk_equals_the_teacher_forced_distribution",
+)
 # Directories whose tests start processes through the code under test: preflight's reference runs.
 _SUBPROCESS_DIRS = ("preflight",)
 _TESTS_IMPORT = re.compile(r"^\s*(?:from|import)\s+(tests(?:\.\w+)+)", re.M)
@@ -66,6 +83,7 @@ _TESTS_IMPORT = re.compile(r"^\s*(?:from|import)\s+(tests(?:\.\w+)+)", re.M)
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: starts a job of several processes (make test-fast leaves it out)")
     config.addinivalue_line("markers", "subprocess: runs glmtune in another interpreter (make test-fast leaves it out)")
+    config.addinivalue_line("markers", "slow: in-process, over ~10 s on an idle core (make test-fast leaves it out)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,5 +120,7 @@ def pytest_collection_modifyitems(config, items):
             tiers |= _tiers_of_file(source)
         if path.relative_to(TESTS).parts[0] in _SUBPROCESS_DIRS:
             tiers.add("subprocess")
+        if item.nodeid.startswith(_SLOW):
+            tiers.add("slow")
         for tier in sorted(tiers):
             item.add_marker(getattr(pytest.mark, tier))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TESTS, _tiers_of_file
+from tests.conftest import _SLOW, TESTS, _tiers_of_file
 
 ROOT = TESTS.parent
 
@@ -43,6 +43,13 @@ def test_a_fixture_that_trains_marks_the_test_that_uses_it():
 def test_makefile_targets():
     makefile = (ROOT / "Makefile").read_text()
     fast = re.search(r"^test-fast:.*?(?=^\S|\Z)", makefile, re.M | re.S).group(0)
-    assert '-m "not multiprocess and not subprocess"' in fast and "--durations=25" in fast
+    assert '-m "not multiprocess and not subprocess and not slow"' in fast and "--durations=25" in fast
     full = re.search(r"^test:.*?(?=^\S|\Z)", makefile, re.M | re.S).group(0)
     assert "--durations=25" in full and "-m \"not" not in full  # the whole suite
+
+
+def test_the_slow_list_names_tests_that_exist():
+    for node in _SLOW:
+        path, _, name = node.partition("::")
+        source = (ROOT / path).read_text()
+        assert not name or f"def {name}(" in source, node
