@@ -35,6 +35,7 @@ def test_ten_steps_of_any_bundled_recipe_validates(path: Path):
 
 @pytest.mark.parametrize("name, steps, warmup, warmup_of_10", [
     ("tiny/sft_support_json", 300, 20, 1), ("tiny/lora_support_json", 150, 20, 2), ("tiny/dpo_support_json", 60, 5, 1),
+    ("tiny/distill_support_json", 300, 20, 1), ("glm5.2/distill_to_glm5_small", 20000, 500, 1),
 ])
 def test_bundled_tiny_recipes_keep_their_warm_up_at_their_own_length(name, steps, warmup, warmup_of_10):
     cfg = load_config(name)  # the warm-up in steps each recipe stated before it stated a ratio
