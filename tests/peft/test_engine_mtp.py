@@ -149,6 +149,7 @@ def test_an_adapter_without_mtp_layer_adapters_exports_as_before(plain_run, tmp_
     checked = {"vllm": "0.34.0", "sglang": "0.5.23"}[engine]
     assert printed.splitlines() == [
         f"exported per_expert adapter from {plain_run / 'checkpoints' / 'step-00000002'} (step 2) to {tmp_path / 'e'}",
+        f"wrote the model card {tmp_path / 'e' / 'README.md'}",
         f"serve it with {engine} (facts checked against {engine} {checked}, docs/lora.md):", f"  {command}"]
     # The same files as the per-expert export without an engine (which reads no engine fact).
     assert _glmtune("export", str(plain_run), "--adapter", str(tmp_path / "p"), "--layout", "per_expert")[0] == 0

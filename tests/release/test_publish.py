@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 
 from glmtune.cli import main
@@ -27,6 +28,9 @@ def released(lora_run, capsys) -> Path:
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
+    # the suite runs with HF_HUB_OFFLINE=1 (make test), which huggingface_hub reads once at import and
+    # then refuses every request: publishing to this local endpoint is the one place a test goes online
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     with LocalHub() as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # where a client would store a token
