@@ -457,3 +457,12 @@ def tokenize_row(row: dict[str, Any], tokenizer: Any, *, template: str | None = 
                                  loss_on=loss_on, enable_thinking=enable_thinking)
 
 
+def last_turn_span(labels: list[int]) -> tuple[int, int]:
+    """[start, end) of the last run of supervised labels (the last assistant turn's tokens)."""
+    end = len(labels)
+    while end and labels[end - 1] == IGNORE_INDEX:
+        end -= 1
+    start = end
+    while start and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start, end

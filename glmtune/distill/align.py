@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from glmtune.data.chat_template import IGNORE_INDEX, tokenize_row
+from glmtune.data.chat_template import last_turn_span, tokenize_row
 from glmtune.distill.teacher_logprobs import TopK
 
 
@@ -29,13 +29,9 @@ def rendered_targets(row: dict[str, Any], tokenizer: Any, template: str, enable_
     """The supervised tokens of the row's last assistant turn as training renders it (the last run of
     supervised labels)."""
     labels = list(tokenize_row(row, tokenizer, template=template, enable_thinking=enable_thinking).labels)
-    end = len(labels)
-    while end and labels[end - 1] == IGNORE_INDEX:
-        end -= 1
-    start = end
-    while start and labels[start - 1] != IGNORE_INDEX:
-        start -= 1
+    start, end = last_turn_span(labels)
     return labels[start:end]
+
 
 
 def align(topk: TopK, rendered: list[int]) -> TopK:

@@ -23,7 +23,6 @@ distribution, as engines return it (vLLM's default), not the temperature-scaled 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from glmtune.data.chat_generation import stop_token_ids, stop_tokens
 from glmtune.data.chat_template import chat_format, render_conversation
 from glmtune.distill.teacher_logprobs import Malformed, TokenMap, TopK, check_spells, cut_at_stop, from_chat, \
     from_completion
+from glmtune.eval.endpoint import chat_messages
 from glmtune.eval.endpoint_client import FaultLog, RequestFailed, call
 from glmtune.eval.endpoint_responses import read
 from glmtune.eval.endpoint_source import EndpointOptions, EndpointSource, client_for
@@ -73,23 +73,6 @@ class RateLimit:
 def _cut(text: str, stops: tuple[str, ...]) -> str:
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[:min(hits)] if hits else text
-
-
-def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Contract messages in the chat API's form: call ids, JSON-string arguments, tool_call_id."""
-    out, pending = [], []
-    for n, message in enumerate(messages):
-        message = dict(message)
-        if message.get("tool_calls"):
-            calls = [{"id": f"call_{n}_{i}", "type": "function",
-                      "function": {"name": c["function"]["name"],
-                                   "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                     for i, c in enumerate(message["tool_calls"])]
-            message["tool_calls"], pending = calls, [c["id"] for c in calls]
-        elif message.get("role") == "tool" and pending:
-            message["tool_call_id"] = pending.pop(0)
-        out.append(message)
-    return out
 
 
 class EndpointTeacher:
@@ -188,7 +171,7 @@ class EndpointTeacher:
             args.update(logprobs=True, top_logprobs=self.k)
         if tools:
             args["tools"] = [t if "function" in t else {"type": "function", "function": t} for t in tools]
-        raw = self.client.chat.completions.with_raw_response.create(messages=_chat_messages(messages), **args)
+        raw = self.client.chat.completions.with_raw_response.create(messages=chat_messages(messages), **args)
         choice = read(raw.http_response.content, "chat", "POST /v1/chat/completions",
                       self.decoding.max_new_tokens)["choices"][0]
         calls = [{"type": "function", "function": {"name": c["function"]["name"],

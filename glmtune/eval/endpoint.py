@@ -65,8 +65,9 @@ def _cut_at_stop(text: str, stop_strings: list[str]) -> tuple[str, bool]:
     return (text[:min(hits)], True) if hits else (text, False)
 
 
-def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """answering's messages in the chat API's form: call ids, JSON-string arguments, tool_call_id."""
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Contract/answering messages in the chat API's form: call ids, JSON-string arguments, tool_call_id
+    (eval's endpoint arm and distill generate's endpoint teacher)."""
     out, pending = [], []
     for n, message in enumerate(messages):
         message = dict(message)
@@ -188,7 +189,7 @@ class Endpoint:
         if tools:
             args["tools"] = [t if "function" in t else {"type": "function", "function": t} for t in tools]
         max_new_tokens = prompting.decoding.max_new_tokens
-        raw = self.client.chat.completions.with_raw_response.create(messages=_chat_messages(messages), **args)
+        raw = self.client.chat.completions.with_raw_response.create(messages=chat_messages(messages), **args)
         choice = read(raw.http_response.content, "chat", "POST /v1/chat/completions", max_new_tokens)["choices"][0]
         content = choice["message"].get("content") or ""
         tool_calls = choice["message"].get("tool_calls") or []

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from glmtune.config import JobConfig
-from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample
+from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample, last_turn_span
 from glmtune.data.packing import first_fit_decreasing, pack_samples
 from glmtune.data.sources import file_sha256, read_rows
 from glmtune.data.token_cache import tokenize_dataset, tokenizer_sha256
@@ -110,13 +110,7 @@ def same_tokenizer(settings: Any, student_dir: Path) -> bool:
 
 def last_turn_targets(labels: list[int]) -> list[int]:
     """Label indices of the last run of supervised labels (the last assistant turn's tokens)."""
-    end = len(labels)
-    while end and labels[end - 1] == IGNORE_INDEX:
-        end -= 1
-    start = end
-    while start and labels[start - 1] != IGNORE_INDEX:
-        start -= 1
-    return list(range(start, end))
+    return list(range(*last_turn_span(labels)))
 
 
 def check_record(row_id: str, ids_NK: torch.Tensor, logps_NK: torch.Tensor, vocab_size: int) -> None:

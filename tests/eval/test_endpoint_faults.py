@@ -18,7 +18,7 @@ import pytest
 
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from tests.eval.hostile_stub import reply
-from glmtune.eval.endpoint import EndpointOptions, _chat_messages, _engine_calls
+from glmtune.eval.endpoint import EndpointOptions, _engine_calls, chat_messages
 from glmtune.eval.evaluate import run_eval
 
 TIMEOUT_S = 1.0  # --timeout; the "timeout" row sleeps past it
@@ -168,7 +168,7 @@ def test_engine_tool_calls_and_chat_history():
     assert (parsed[0].arguments, parsed[0].error) == ({"order_id": "A-1"}, None)
     assert parsed[1].arguments is None and parsed[1].error.startswith("arguments are not JSON")
     assert parsed[2].error == "arguments are not a JSON object"
-    history = _chat_messages([
+    history = chat_messages([
         {"role": "user", "content": "where is A-1?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "lookup_order", "arguments": {"order_id": "A-1"}}}]},
