@@ -10,11 +10,20 @@ KeyboardInterrupt (a library that checks for signals and drops the error) or wra
 exception (torch's C++ turns it into a RuntimeError). `glmtune train` asks `raise_if_interrupted`
 between its steps, and the command line reports any failure after a recorded Ctrl-C as
 "interrupted".
+
+A KeyboardInterrupt raised inside a finalizer (`__del__`, a weakref callback: a tokenizer's regex
+object collected as the signal lands) cannot propagate: Python prints it as "Exception ignored",
+a traceback, and carries on. Inside `interrupts_recorded` nothing is printed for it: it is
+recorded, and the command stops at its next `raise_if_interrupted` (a rank that waits in a
+collective for ranks that have stopped is ended by torchrun). Raising it again outside the
+finalizer is not done: a signal re-sent from the hook runs its handler inside the hook (the
+interpreter checks for signals after each call), where it is ignored in turn.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,6 +66,14 @@ def _record_then_raise(signum, frame) -> None:
     signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as Python's own handler
 
 
+def _unraisable_hook(previous_hook):
+    """Python's hook for errors it cannot raise, quiet about a Ctrl-C (recorded already)."""
+    def hook(report) -> None:
+        if report.exc_type is None or not issubclass(report.exc_type, KeyboardInterrupt):
+            previous_hook(report)
+    return hook
+
+
 @contextmanager
 def interrupts_recorded() -> Iterator[None]:
     """Within the block, a Ctrl-C raises KeyboardInterrupt as usual and is also recorded (module
@@ -68,9 +85,12 @@ def interrupts_recorded() -> Iterator[None]:
         yield
         return
     previous = signal.signal(signal.SIGINT, _record_then_raise)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _unraisable_hook(previous_hook)
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGINT, previous)
 
 
