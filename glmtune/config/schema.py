@@ -62,6 +62,19 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """General data mixed into the run's own (`data.replay`): a share of the target tokens, so a continued
+    pretraining or fine-tuning run keeps general capability while it shifts the distribution
+    (docs/data.md "Replay mix"). Prepared with the data section's keys of its kind; one tokenizer for both."""
+
+    kind: Literal["chat", "text"] = "chat"  # chat rows through the template, or raw documents
+    train: list[str] = field(default_factory=list)  # its files (or folders, kind text)
+    validation: list[str] = field(default_factory=list)  # its validation files; empty = carve with data.split
+    synthetic: SyntheticDataConfig | None = None  # kind chat: generated support tickets (the bundled tiny data)
+    weight: float = 0.2  # its share of the training target tokens, in (0, 1); the run's own data gets the rest
+
+
+@dataclass
 class DataConfig:
     """Where conversations come from and how they become packed token rows."""
 
@@ -91,6 +104,8 @@ class DataConfig:
     # kind text: a document longer than a packed row: split into chunks of the row's length, cut to it, or skipped
     long_documents: Literal["split", "truncate", "drop"] = "split"
     long_document_overlap: int = 0  # kind text, split: tokens a chunk repeats from the previous one, as context only
+    # general data mixed in by target tokens against forgetting (ReplayConfig); null = the run's own data only
+    replay: ReplayConfig | None = None
 
 
 @dataclass

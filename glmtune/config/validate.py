@@ -184,7 +184,7 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
         + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
         + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg) \
-        + text_data_errors(cfg) + chat_template_errors(cfg)
+        + text_data_errors(cfg) + chat_template_errors(cfg) + replay_errors(cfg)
     try:
         grad_accum_steps(cfg, degrees)
     except ValueError as exc:
@@ -345,6 +345,31 @@ def text_data_errors(cfg: JobConfig) -> list[str]:
                                           "text set it to 0"),
     ]
     return errors + [message for ok, message in rules if not ok]
+
+
+def replay_errors(cfg: JobConfig) -> list[str]:
+    """`data.replay` (the replay mix, docs/data.md): one weight in (0, 1), so the two shares cannot fail to sum
+    to one; something to replay; chat rows from the generator; the next-token objective. The mix has no
+    tokenizer key of its own (an unknown key to the loader): both sources are tokenized by the run's."""
+    r = cfg.data.replay
+    if r is None:
+        return []
+    rules = [
+        (math.isfinite(r.weight) and 0 < r.weight < 1,
+         f"data.replay.weight must be in (0, 1), the replay's share of the target tokens (the run's own data "
+         f"gets the rest), got {r.weight}"),
+        (bool(r.train) or r.synthetic is not None,
+         "data.replay.train is empty and data.replay.synthetic is not set: nothing to replay"),
+        (r.synthetic is None or r.kind == "chat",
+         "data.replay.synthetic generates chat rows but data.replay.kind is text; set data.replay.kind: chat"),
+        (r.synthetic is None or r.synthetic.kind == "support_tickets",
+         "data.replay.synthetic.kind: support_preferences makes preference rows; a replay mixes chat rows "
+         "(kind support_tickets) or text"),
+        (cfg.train.objective == "sft",
+         f"data.replay with train.objective: {cfg.train.objective}: a replay mix trains the next-token loss "
+         "(train.objective: sft)"),
+    ]
+    return [message for ok, message in rules if not ok]
 
 
 def chat_template_errors(cfg: JobConfig) -> list[str]:

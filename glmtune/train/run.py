@@ -64,6 +64,7 @@ from glmtune.peft import apply_lora, build_inventory, export_run_adapters, print
 from glmtune.peft.init import adapter_parameter_names, reset_lora_parameters
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
+from glmtune.train.mix_loader import MixedRowLoader
 from glmtune.train.metrics import MetricsWriter
 from glmtune.train.optim import build_optimizer
 from glmtune.train.distill_loss import distill_settings
@@ -445,12 +446,28 @@ def attach_reference(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
 def _loaders(cfg: JobConfig, data: PreparedData, mesh: ParallelMesh | None, dp_size: int):
     """This rank's training rows, and the validation rows when every rank gets a micro batch."""
     dp_rank = mesh.dp_rank if mesh is not None else 0
-    train_loader = PackedRowLoader(data.train_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size)
+    train_loader = PackedRowLoader(data.train_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size) \
+        if data.mix is None else MixedRowLoader(data.train_rows, data.mix, cfg.train.micro_batch_size, cfg.train.seed,
+                                                dp_rank, dp_size)
     val_loader = None
     if data.val_rows and len(data.val_rows) >= cfg.train.micro_batch_size * dp_size:
         val_loader = PackedRowLoader(data.val_rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
                                      shuffle=False)
     return train_loader, val_loader
+
+
+def mixed(cfg: JobConfig, settings: TrainerSettings, data: PreparedData, train_loader, mesh: ParallelMesh | None,
+          dp_size: int) -> TrainerSettings:
+    """A replay mix's settings: the realized mix logged per window (mix/<source>), and the replay's own
+    validation rows validated beside the run's (val_loss/replay) when every rank gets a micro batch."""
+    if data.mix is None:
+        return settings
+    dp_rank = mesh.dp_rank if mesh is not None else 0
+    loaders = {name: PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, dp_rank, dp_size,
+                                     shuffle=False)
+               for name, rows in data.mix.val_rows.items()
+               if name != data.mix.names[0] and len(rows) >= cfg.train.micro_batch_size * dp_size}
+    return dataclasses.replace(settings, window_metrics=train_loader.window_mix, source_val_loaders=loaders)
 
 
 def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh | None,
@@ -517,18 +534,22 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg),
                             mlflow_uri=cfg.logging.mlflow)
     settings = objective(cfg, trainer_settings(cfg, launch, model, mesh, hooks))
+    settings = mixed(cfg, settings, data, train_loader, mesh, launch.degrees.dp)
     trainer = Trainer(model, optimizer, scheduler, laid_out.runner, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
         metrics.truncate_after(0)  # a fresh run starts a fresh metrics file
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     initial_val = trainer.validate() if trainer.step == 0 else None  # every rank: sharded forward
+    initial_sources = trainer.validate_sources() if trainer.step == 0 else {}  # a replay mix's general data
     if info.is_main:
         console.print(f"model: {cfg.model.name_or_path}, {trainable:,} trainable parameters (this rank's "
                       f"shard when sharded); {launch.precision.describe()}; {launch.degrees.describe()}; "
                       f"grad_accum {launch.grad_accum}; run dir {launch.run_dir}")
         if initial_val is not None:
             console.print(f"validation loss before training: {initial_val:.4f}{preference_summary(trainer.val_stats)}")
+        for key, loss in initial_sources.items():
+            console.print(f"validation loss before training, {key.split('/', 1)[1]}: {loss:.4f}")
         if _weights_not_kept(cfg):
             console.print("[yellow]checkpoint.save_at_end is false with checkpoint.every_steps 0 and "
                           "checkpoint.export_hf false: the trained weights will not be kept[/yellow]")

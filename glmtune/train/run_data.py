@@ -7,6 +7,7 @@ group-aware split, tokenization through the cache, packing. `glmtune plan` uses 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -28,6 +29,7 @@ from glmtune.data.text_run_data import prepare_text_data
 from glmtune.data.token_cache import tokenize_dataset, tokenize_preference_dataset
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.train.distill_data import distilled_conversations, open_teacher, teacher_notes
+from glmtune.train.mix_data import MixSources, mix_notes, mix_sources, replay_config
 
 
 @dataclass
@@ -37,6 +39,10 @@ class PreparedData:
     val_conversations: list[dict[str, Any]]
     manifest: dict[str, Any]
     notes: list[str]  # one console line per thing the filters removed or changed (also in the manifest)
+    # a replay mix (data.replay): the sources of the training rows (the domain's, then the replay's), their
+    # weights and validation rows; train_rows/val_rows/val_conversations/manifest are then the domain's
+    # (val_rows, manifest) with the replay's training rows appended to train_rows. None: one source.
+    mix: MixSources | None = None
 
 
 def _write_jsonl(rows: list[dict[str, Any]], directory: Path, split: str) -> Path:
@@ -58,8 +64,10 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     `glmtune data prepare`'s order: the PII policy, exact dedup (only exact: see
     dedup.py), the group split, and packing with `data.too_long`. What each filter
     removed is counted in the manifest and described in `notes`; a filter that
-    leaves nothing to train on is a ValueError naming it.
+    leaves nothing to train on is a ValueError naming it. A replay mix prepares each source so (`_mixed`).
     """
+    if cfg.data.replay is not None:
+        return _mixed(cfg, run_dir, tokenizer_dir, vocab_size)
     d = cfg.data
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +108,24 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
         "notes": notes,
     }
     return PreparedData(train_rows, val_rows, val_data, manifest, notes)
+
+
+def _mixed(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, vocab_size: int) -> PreparedData:
+    """The run's own data and `data.replay`'s (mix_data.replay_config: its files under run_dir/data/replay),
+    each prepared alone; the training rows of both, the domain's validation, the mix's sources."""
+    assert cfg.data.replay is not None
+    weight = cfg.data.replay.weight
+    domain = prepare_data(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, replay=None)), run_dir,
+                          tokenizer_dir, vocab_size)
+    replay_dir = run_dir / "data" / "replay"  # under data/, where a training writes its data files
+    replay_dir.mkdir(parents=True, exist_ok=True)
+    replay = prepare_data(replay_config(cfg), replay_dir, tokenizer_dir, vocab_size)
+    mix = mix_sources(domain.train_rows, replay.train_rows, weight, domain.val_rows, replay.val_rows)
+    notes = domain.notes + mix_notes(replay.manifest, weight, replay.notes, domain.train_rows, replay.train_rows)
+    manifest = {**domain.manifest, "notes": notes, "replay": replay.manifest,
+                "mix": {"sources": list(mix.names), "weights": list(mix.weights), "unit": "target tokens"}}
+    return PreparedData(domain.train_rows + replay.train_rows, domain.val_rows, domain.val_conversations,
+                        manifest, notes, mix)
 
 
 def _text(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, vocab_size: int) -> PreparedData:

@@ -138,6 +138,12 @@ class TrainerSettings:
     # alone: the main model, its routing included, stays as it is).
     router_bias_after: int = 0
     stats_prefix: str = ""  # the loss function's logged statistics are recorded as prefix + name
+    # Metrics of a logging window kept outside the trainer, added to each logged record: the replay mix's
+    # realized shares of the window's target tokens (MixedRowLoader.window_mix). None: none.
+    window_metrics: Callable[[], dict[str, float]] | None = None
+    # Validation rows of other sources (a replay mix's general data), each validated whenever the run's own
+    # are, as val_loss/<name>; the run's own validation stays val_loss.
+    source_val_loaders: dict[str, PackedRowLoader] = field(default_factory=dict)
 
 
 @dataclass
@@ -400,6 +406,18 @@ class Trainer:
         self.val_stats = self._stat_means(stat_sums, count, prefix="val_")
         return (_all_reduce_sum(loss_sum) / count).item()
 
+    def validate_sources(self) -> dict[str, float]:
+        """`validate` on each of `source_val_loaders`' rows: {val_loss/<name>: loss}; the last validation's
+        statistics (val_stats) stay the run's own."""
+        own_loader, own_stats, losses = self.val_loader, self.val_stats, {}
+        try:
+            for name, loader in self.s.source_val_loaders.items():
+                self.val_loader = loader
+                losses[f"val_loss/{name}"] = self.validate()
+        finally:
+            self.val_loader, self.val_stats = own_loader, own_stats
+        return losses
+
     # -- throughput over the logging window ---------------------------------------------
     def _window_add(self, **amounts: float) -> None:
         for key, value in amounts.items():
@@ -454,12 +472,15 @@ class Trainer:
                         val_loss = self.validate()
                         record["val_loss"] = val_loss
                         record.update(self.val_stats)
+                        record.update(self.validate_sources())
                     logged = self.step % self.s.log_every == 0 or self.step == self.s.max_steps or "val_loss" in record
                     if logged:
                         if not self._window:  # only the first step so far: it is all there is to report
                             self._window = first_window
                         throughput = self._throughput(step_seconds)
                         record.update(throughput)
+                        if self.s.window_metrics is not None:
+                            record.update(self.s.window_metrics())
                         self.metrics.write(record)
                     last_record = record
                     bar.update({**throughput, **record})
