@@ -456,8 +456,8 @@ def _loaders(cfg: JobConfig, data: PreparedData, mesh: ParallelMesh | None, dp_s
     return train_loader, val_loader
 
 
-def mixed(cfg: JobConfig, settings: TrainerSettings, data: PreparedData, train_loader, mesh: ParallelMesh | None,
-          dp_size: int) -> TrainerSettings:
+def mix_settings(cfg: JobConfig, settings: TrainerSettings, data: PreparedData, train_loader,
+                 mesh: ParallelMesh | None, dp_size: int) -> TrainerSettings:
     """A replay mix's settings: the realized mix logged per window (mix/<source>), and the replay's own
     validation rows validated beside the run's (val_loss/replay) when every rank gets a micro batch."""
     if data.mix is None:
@@ -534,7 +534,7 @@ def build_trainer(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Prepa
                             wandb_project=cfg.logging.wandb, run_name=cfg.name, config=config_to_dict(cfg),
                             mlflow_uri=cfg.logging.mlflow)
     settings = objective(cfg, trainer_settings(cfg, launch, model, mesh, hooks))
-    settings = mixed(cfg, settings, data, train_loader, mesh, launch.degrees.dp)
+    settings = mix_settings(cfg, settings, data, train_loader, mesh, launch.degrees.dp)
     trainer = Trainer(model, optimizer, scheduler, laid_out.runner, train_loader, val_loader, checkpoints, metrics,
                       settings, console if info.is_main else None)
     if trainer.resume(cfg.checkpoint.resume) == 0 and info.is_main:
