@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from contextlib import nullcontext
 
 from glmtune.cli.arg_types import RecipeOptions
-
 
 _MAX_GPUS = 2048  # the fit search's default limit
 
@@ -49,7 +49,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gpus", type=int, default=_MAX_GPUS, help="largest GPU count the fit search tries")
     parser.add_argument("--no-data", action="store_true", help="do not read and pack the recipe's data")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    measure = parser.add_argument_group("one rank of the job, measured on this machine's GPU (--measure)")
+    _add_measure_options(parser.add_argument_group("one rank of the job, measured on this machine's GPU (--measure)"))
+
+
+def _add_measure_options(measure: argparse._ArgumentGroup) -> None:
     measure.add_argument("--measure", action="store_true",
                          help="run rank --rank of the recipe's layout here (other ranks stood in for, random weights, "
                               "synthetic rows) and print its memory and time beside the plan")
@@ -65,6 +68,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     measure.add_argument("--emulate-links", action="store_const", const=True, default=None,
                          help="then time --steps more steps in which each collective holds its group's communication "
                               "stream for the links' time, so the step feels what its schedule does not hide")
+    measure.add_argument("--profile", default=None, metavar="DIR",
+                         help="run the timed steps under torch.profiler and write its kernel table, a summary by "
+                              "stream and kind of work, and the Chrome trace into DIR (a new directory)")
 
 
 _OPTIONS = RecipeOptions("glmtune plan", _add_options)
@@ -89,7 +95,8 @@ _RANGES = {
     "fabric_gbps": (0, math.inf, True),
     "link_latency_us": (0, math.inf, False),
 }
-_MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps", "link_latency_us", "emulate_links")
+_MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps", "link_latency_us", "emulate_links",
+                 "profile")
 # What --measure does not use (a plan's time, cost and fit come from the plan without it).
 _NOT_WITH_MEASURE = {"gpu": None, "price_per_gpu_hour": None, "throughput": None, "tflops_per_gpu": None,
                      "measured_gpu": None, "epochs": None, "restarts": None, "max_gpus": _MAX_GPUS, "no_data": False}
@@ -189,6 +196,7 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     from rich.console import Console
 
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.io.outputs import check_output, output_dir
     from glmtune.plan.assemble import with_world
     from glmtune.plan.comm import Links
     from glmtune.plan.measure import check_device_holds, measure_rank, planned_for
@@ -208,11 +216,17 @@ def _measure(args: argparse.Namespace, cfg) -> int:
                   cfg.parallel.gpus_per_node or defaults.gpus_per_node,
                   defaults.latency_us if args.link_latency_us is None else args.link_latency_us)
     check_device_holds(plan, *_device_memory(cfg), context_gib=args.headroom_gib, fragmentation=args.fragmentation)
+    if args.profile is not None:
+        check_output(args.profile, what="--profile")
     console = Console(stderr=True)
     console.print(f"measuring rank {rank} of {degrees.describe()}")
-    measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
-                            warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print,
-                            links=links if args.emulate_links else None)
+    with output_dir(args.profile, what="--profile") if args.profile is not None else nullcontext() as profile_dir:
+        measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
+                                warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print,
+                                links=links if args.emulate_links else None, profile_dir=profile_dir)
+    if args.profile is not None:
+        console.print(f"wrote the timed steps' profile: {args.profile} (rank{rank}_kernels.txt, "
+                      f"rank{rank}_summary.json, rank{rank}_trace.json)")
     report = measure_report(cfg, args.recipe, measured, plan, links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))
@@ -226,6 +240,7 @@ def _device_memory(cfg) -> tuple[int | None, str]:
     available memory (None where the system does not say)."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     import torch
+
     from glmtune.plan.measure import host_available_bytes
     from glmtune.train.process import resolve_device
 

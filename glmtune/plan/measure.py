@@ -44,12 +44,19 @@ from glmtune.plan.memory import MemoryPlan, plan_rank_memory
 from glmtune.plan.model_state import build_meta_model, rank_state
 from glmtune.plan.planner import plan_memory
 from glmtune.plan.random_weights import fill_random_weights
+from glmtune.plan.step_profile import profiled, write_profile
 from glmtune.train.data_loader import PackedRowLoader
 from glmtune.train.lr_schedule import build_scheduler
 from glmtune.train.optim import build_optimizer
 from glmtune.train.precision import resolve_precision
 from glmtune.train.process import DistributedInfo, resolve_device
-from glmtune.train.run import Launch, RunHooks, objective, pipeline_options, trainer_settings
+from glmtune.train.run import (
+    Launch,
+    RunHooks,
+    objective,
+    pipeline_options,
+    trainer_settings,
+)
 from glmtune.train.trainer import Trainer
 
 GIB = 2**30
@@ -96,6 +103,7 @@ class RankMeasurement:
     emulated_steps: list[StepTimes] = field(default_factory=list)
     lane_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     links: Links | None = None
+    profile: dict[str, Any] | None = None  # --profile: the timed steps' summary (step_profile.py)
 
     @property
     def step(self) -> StepTimes:
@@ -229,16 +237,19 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
 
 
 def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1,
-                 say=lambda message: None, links: Links | None = None) -> RankMeasurement:
+                 say=lambda message: None, links: Links | None = None,
+                 profile_dir: Path | None = None) -> RankMeasurement:
     """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring),
     and `steps` more with `links` emulated when given; `say` hears what it is doing (a line per
-    stage and step)."""
+    stage and step). With `profile_dir` (an existing directory), the timed steps run under
+    torch.profiler and its tables are written there (`step_profile.py`)."""
     with join_loopback_world(rank, degrees.world_size):
-        return measure_in_world(cfg, degrees, steps, warmup, say, links)
+        return measure_in_world(cfg, degrees, steps, warmup, say, links, profile_dir)
 
 
 def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmup: int = 1,
-                     say=lambda message: None, links: Links | None = None) -> RankMeasurement:
+                     say=lambda message: None, links: Links | None = None,
+                     profile_dir: Path | None = None) -> RankMeasurement:
     """`measure_rank` in the process group that exists: the loopback world, or a real one (the
     tests run the same on gloo ranks and compare; emulated links act on loopback groups only)."""
     cfg = copy.deepcopy(cfg)
@@ -257,14 +268,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
                      on_optimizer_step=lambda step, m, opt: step == 1 and result.held.update(held_bytes(m, opt)))
     micro_losses: list[torch.Tensor] = []
     if degrees.pp == 1:  # a pipeline's stages run inside its schedule: no per-micro-batch forward marks
-        model.register_forward_pre_hook(lambda m, a: clock.mark("forward"))
-
-        def forward_done(module, args, out) -> None:
-            clock.mark("backward")
-            if out.loss_sum is not None:  # a preference objective's forwards return log-probabilities
-                micro_losses.append(out.loss_sum.detach())
-
-        model.register_forward_hook(forward_done)
+        _mark_micro_batches(model, clock, micro_losses)
     seq = cfg.data.packed_sequence_size
     result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq,
                              launch.spec.flops_per_token(launch.spec.args_of(model), [seq]), None, None)
@@ -277,10 +281,14 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     phases = [("warm-up", warmup, None), ("timed", steps, FREE_LINKS)] + ([("emulated", steps, links)] if links else [])
     done = 0
     for phase, count, phase_links in phases:
-        with (emulated_links(phase_links, device) if phase_links else nullcontext()) as emulator:
+        profiling = profile_dir is not None and phase == "timed"
+        with (emulated_links(phase_links, device) if phase_links else nullcontext()) as emulator, \
+                (profiled(device) if profiling else nullcontext()) as prof:
             for _ in range(count):
                 done += 1
                 _one_step(trainer, clock, probe, result, micro_losses, phase, (done, total), axes, say)
+        if profiling:
+            result.profile = write_profile(prof, profile_dir, rank, device.type == "cuda", count)
         if phase == "emulated":
             result.links = links
             result.lane_seconds = _lane_seconds(emulator, axes, count)
@@ -288,6 +296,19 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
         result.peak_bytes = torch.cuda.max_memory_allocated(device)
     result.phase_starts = probe.seen
     return result
+
+
+def _mark_micro_batches(model: nn.Module, clock: _Clock, micro_losses: list[torch.Tensor]) -> None:
+    """Each forward's start and end marked on `clock` (the end starts the backward), and each
+    micro-batch's loss sum kept in `micro_losses`."""
+    model.register_forward_pre_hook(lambda m, a: clock.mark("forward"))
+
+    def forward_done(module, args, out) -> None:
+        clock.mark("backward")
+        if out.loss_sum is not None:  # a preference objective's forwards return log-probabilities
+            micro_losses.append(out.loss_sum.detach())
+
+    model.register_forward_hook(forward_done)
 
 
 def _one_step(trainer: Trainer, clock: _Clock, probe: _PhaseProbe, result: RankMeasurement,
