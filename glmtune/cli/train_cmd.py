@@ -15,6 +15,7 @@ same command without it (glmtune/distributed/launch.py; exit status is torchrun'
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from glmtune.config import RECIPES_DIR, JobConfig, load_config
@@ -55,7 +56,29 @@ def _run(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.train.run import run_training
 
-    return run_training(cfg, overwrite="--overwrite" in args.overrides)
+    status = run_training(cfg, overwrite="--overwrite" in args.overrides)
+    if status == 0 and os.environ.get("RANK", "0") == "0":  # rank 0 of torchrun, or the one process
+        write_run_cards(cfg)
+    return status
+
+
+def write_run_cards(cfg: JobConfig) -> None:
+    """A model card (README.md, docs/release.md "The model card") in each export the run writes
+    itself: RUN_DIR/hf for full fine-tuning, RUN_DIR/adapter and adapter_per_expert for LoRA; the
+    card `glmtune export` would write for the same checkpoint."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.cli.export_cmd import run_base_dir
+    from glmtune.peft.adapter_export import RUN_DIRS
+    from glmtune.release.model_card import write_run_card
+
+    run_dir = Path(cfg.logging.run_dir)
+    if cfg.peft.method == "lora":
+        exports = [(run_dir / sub, run_base_dir(cfg, run_dir), "adapter") for sub in RUN_DIRS.values()]
+    else:
+        exports = [(run_dir / "hf", run_dir / "hf", "hf")] if cfg.checkpoint.export_hf else []
+    for out, model_dir, kind in exports:
+        if out.is_dir():
+            print(f"wrote the model card {write_run_card(run_dir, out, model_dir, kind)}")
 
 
 _FLAGS = ("--overwrite", "--debug")

@@ -119,7 +119,7 @@ def test_lora_manifest(lora_run, tmp_path, capsys):
     assert names[:3] == ["adapter", "adapter_per_expert", "base"] and "checkpoint" not in names
     _check_artifact_files(m, out.parent)
     adapter = {f["path"] for f in m["artifacts"][0]["files"]}
-    assert adapter == {"adapter_config.json", "adapter_model.safetensors", "glmtune_adapter.json"}
+    assert adapter == {"README.md", "adapter_config.json", "adapter_model.safetensors", "glmtune_adapter.json"}
     # The adapter's base: the identity the run recorded when it trained.
     assert m["base"]["weights_sha256"] == json.loads((run / "run.json").read_text())["base"]["weights_sha256"]
     assert m["tokenizer"]["path"] == str(run / "base")

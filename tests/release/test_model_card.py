@@ -87,6 +87,18 @@ def test_export_cards(sft_source, lora_source, tmp_path, capsys):
     assert "notes.md" in capsys.readouterr().err
 
 
+def test_a_training_run_cards_its_own_exports(sft_source, lora_source, tmp_path, capsys):
+    """`glmtune train` writes RUN_DIR/hf (full fine-tuning) and RUN_DIR/adapter, adapter_per_expert
+    (LoRA) itself: each carries the card `glmtune export` writes for the run's last checkpoint."""
+    hf, adapter = tmp_path / "hf", tmp_path / "adapter"
+    assert main(["export", str(sft_source), "--hf", str(hf)]) == 0
+    assert main(["export", str(lora_source), "--adapter", str(adapter)]) == 0
+    capsys.readouterr()
+    assert (sft_source / "hf" / "README.md").read_text() == (hf / "README.md").read_text()
+    for sub in ("adapter", "adapter_per_expert"):
+        assert (lora_source / sub / "README.md").read_text() == (adapter / "README.md").read_text()
+
+
 def test_base_from_a_hub_snapshot_names_its_id_revision_and_licence(lora_source, tmp_path):
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = tmp_path / "hub" / "models--zai-org--GLM-5" / "snapshots" / commit
@@ -135,6 +147,7 @@ def test_merge_cards_the_adapters_run(lora_source, tmp_path, capsys):
                                                                                           "transformers")
         assert data.glmtune["run_id"] == json.loads((lora_source / "run.json").read_text())["run_id"]
     loose = shutil.copytree(lora_source / "adapter", tmp_path / "loose" / "adapter")
+    (loose / "README.md").unlink()  # the card training wrote names the run: without it, no run is known
     capsys.readouterr()
     assert main(["merge", str(lora_source / "base"), str(loose), str(tmp_path / "m3")]) == 0
     assert "no model card" in capsys.readouterr().out and not (tmp_path / "m3" / "README.md").exists()

@@ -25,7 +25,7 @@ def test_verify_catches_drift(lora_run, capsys):
     capsys.readouterr()
     release = run / "release.json"
     code, lines = _verify(capsys, release)
-    assert code == 0 and lines["verdict"].endswith("clean (11 artifacts, 26 files)"), lines
+    assert code == 0 and lines["verdict"].endswith("clean (11 artifacts, 28 files)"), lines
     assert all(" ok " in line for name, line in lines.items() if name != "verdict")
     assert "unsigned: integrity only" in lines["release.json"]
 
