@@ -240,7 +240,6 @@ def _device_memory(cfg) -> tuple[int | None, str]:
     available memory (None where the system does not say)."""
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     import torch
-
     from glmtune.plan.measure import host_available_bytes
     from glmtune.train.process import resolve_device
 
