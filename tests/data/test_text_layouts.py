@@ -1,4 +1,4 @@
-"""The text recipe (recipes/tiny/cpt_domain_text.yaml) at FSDP2, and at PP 2, over 2 gloo ranks equals
+"""The text recipe (recipes/tiny/cpt_domain_text.yaml) at FSDP2, PP 2, EP 2 and CP 2, over 2 gloo ranks, equals
 one process: the same packed rows (documents split at the row's length with overlap, document masks) give the same
 per-step losses, gradient norms, validation losses and supervised tokens (the existing equivalence
 harness: tests/distributed/forked_runs.py's forked ranks and layout_tolerances.py's bound)."""
@@ -39,6 +39,8 @@ def _runs(shared_results) -> Path:
         _train(root / "one", root / "cache", 1)
         _train(root / "fsdp2", root / "cache", 2, *DATA_PARALLEL)
         _train(root / "pp2", root / "cache", 2, "--parallel.pp", "2")
+        _train(root / "ep2", root / "cache", 2, "--parallel.ep", "2", *DATA_PARALLEL)
+        _train(root / "cp2", root / "cache", 2, "--parallel.cp", "2")
 
     return shared_results.get("text-layouts", build)
 
@@ -57,3 +59,18 @@ def test_text_recipe_pp2_equals_one_process(shared_results) -> None:
     root = _runs(shared_results)
     assert "pp 2" in (root / "pp2.out").read_text()
     assert_same_steps(step_records(root / "pp2", KEYS), step_records(root / "one", KEYS), rel=LOSS_REL)
+
+
+def test_text_recipe_ep2_equals_one_process(shared_results) -> None:
+    """Experts split over the two ranks (each rank its own rows): the all-to-all carries every token."""
+    root = _runs(shared_results)
+    assert "ep 2" in (root / "ep2.out").read_text()
+    assert_same_steps(step_records(root / "ep2", KEYS), step_records(root / "one", KEYS), rel=LOSS_REL)
+
+
+def test_text_recipe_cp2_equals_one_process(shared_results) -> None:
+    """Each packed row's sequence split over the two ranks: several documents and split chunks in a row,
+    their masks and restarting positions cut with it."""
+    root = _runs(shared_results)
+    assert "cp 2" in (root / "cp2.out").read_text()
+    assert_same_steps(step_records(root / "cp2", KEYS), step_records(root / "one", KEYS), rel=LOSS_REL)
