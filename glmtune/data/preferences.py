@@ -39,6 +39,7 @@ from glmtune.data.chat_template import IGNORE_INDEX, TokenizedSample, tokenize_c
 from glmtune.data.contract import (Violation, check_conversation, content_text, normalize_fields, normalize_message,
                                    normalize_row, validate_row, violations_error)
 from glmtune.data.sources import Origin, Row
+from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS
 
 PREFERENCE_FIELDS: tuple[str, ...] = ("prompt", "chosen", "rejected")
 ANSWER_FIELDS: tuple[str, ...] = ("chosen", "rejected")
@@ -84,15 +85,15 @@ def _role_violations(origin: Origin, prompt: list[Any], answer: list[Any], name:
     return found
 
 
-def _answer_violations(data: dict[str, Any], origin: Origin, name: str,
-                       schema: dict[str, Any] | None) -> list[Violation]:
+def _answer_violations(data: dict[str, Any], origin: Origin, name: str, schema: dict[str, Any] | None,
+                       control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Violation]:
     """Violations of prompt + one answer, as an SFT conversation and as an answer."""
     prompt, answer = data["prompt"], data[name]
     conversation = {"messages": prompt + answer, "tools": data.get("tools"), "group": data.get("group"),
                     "id": data.get("id")}
     # The SFT "no target" check looks at the whole conversation; an answer needs its own (below).
-    found = [_relabel(v, len(prompt), name) for v in check_conversation(conversation, origin, schema)
-             if v.field != "messages"]
+    found = [_relabel(v, len(prompt), name) for v in check_conversation(conversation, origin, schema,
+                                                                             control_tokens) if v.field != "messages"]
     found += _role_violations(origin, prompt, answer, name)
     if not any(v.field.startswith(name) for v in found) and not any(
             m["role"] == "assistant" and (content_text(m.get("content")).strip() or m.get("tool_calls"))
@@ -101,8 +102,10 @@ def _answer_violations(data: dict[str, Any], origin: Origin, name: str,
     return found
 
 
-def validate_preference_row(row: Row, schema: dict[str, Any] | None = None) -> list[Violation]:
-    """All contract violations of one preference row (module docstring); empty when valid."""
+def validate_preference_row(row: Row, schema: dict[str, Any] | None = None,
+                            control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Violation]:
+    """All contract violations of one preference row (module docstring); empty when valid.
+    `control_tokens`: the text no string may hold (contract.py: the template's and tokenizer's)."""
     if row.parse_error is not None:
         return [Violation(row.origin, "<row>", row.parse_error)]
     data, origin = row.data, row.origin
@@ -119,8 +122,8 @@ def validate_preference_row(row: Row, schema: dict[str, Any] | None = None) -> l
             found.append(Violation(origin, field, "is empty"))
     if found:
         return found
-    found += _answer_violations(data, origin, "chosen", schema)
-    found += _answer_violations(data, origin, "rejected", None)  # the schema is for chosen only
+    found += _answer_violations(data, origin, "chosen", schema, control_tokens)
+    found += _answer_violations(data, origin, "rejected", None, control_tokens)  # the schema is for chosen only
     found = list(dict.fromkeys(found))  # prompt and tools violations come from both checks
     if not found and ([normalize_message(m) for m in data["chosen"]]
                       == [normalize_message(m) for m in data["rejected"]]):
@@ -128,7 +131,8 @@ def validate_preference_row(row: Row, schema: dict[str, Any] | None = None) -> l
     return found
 
 
-def validate_any_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None
+def validate_any_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None,
+                      control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS
                       ) -> Iterator[tuple[Row, str | None, list[Violation]]]:
     """(row, kind, violations) for rows of either kind; kind is None for an unparsed row.
 
@@ -139,7 +143,7 @@ def validate_any_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None
     for row in rows:
         if row.parse_error is not None or not isinstance(row.data, dict):
             kind = None if row.parse_error is not None else "chat"
-            yield row, kind, validate_row(row, schema)
+            yield row, kind, validate_row(row, schema, control_tokens)
             continue
         kind = row_kind(row.data)
         file_kind, first = file_kinds.setdefault(row.origin.path, (kind, row.origin))
@@ -147,9 +151,9 @@ def validate_any_rows(rows: Iterable[Row], schema: dict[str, Any] | None = None
             yield row, kind, [Violation(row.origin, "<row>", f"a {kind} row in a file of {file_kind} rows (the "
                                         f"first at {first}); one file holds one kind")]
         elif kind == "preference":
-            yield row, kind, validate_preference_row(row, schema)
+            yield row, kind, validate_preference_row(row, schema, control_tokens)
         else:
-            yield row, kind, validate_row(row, schema)
+            yield row, kind, validate_row(row, schema, control_tokens)
 
 
 def normalize_preference_row(data: dict[str, Any]) -> dict[str, Any]:
@@ -157,15 +161,15 @@ def normalize_preference_row(data: dict[str, Any]) -> dict[str, Any]:
     return normalize_fields(data, PREFERENCE_FIELDS)
 
 
-def check_rows_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None,
-                        max_shown: int = 10) -> tuple[str, list[Row]]:
+def check_rows_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None, max_shown: int = 10,
+                        control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> tuple[str, list[Row]]:
     """Validate rows of either kind; raise ValueError as contract.check_or_raise does,
     else return (kind, the rows normalized). All rows must be of one kind ("chat" when
     there are none)."""
     rows = list(rows)
     violations: list[Violation] = []
     first_of_kind: dict[str, Origin] = {}
-    for row, kind, row_violations in validate_any_rows(rows, schema):
+    for row, kind, row_violations in validate_any_rows(rows, schema, control_tokens):
         violations += row_violations
         if kind is not None:
             first_of_kind.setdefault(kind, row.origin)
@@ -180,9 +184,10 @@ def check_rows_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = Non
     return kind, [Row(normalize(row.data), row.origin) for row in rows]
 
 
-def check_preferences_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None) -> list[Row]:
+def check_preferences_or_raise(rows: Iterable[Row], schema: dict[str, Any] | None = None,
+                               control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[Row]:
     """`check_rows_or_raise` for data that must be preference rows; returns them normalized."""
-    kind, rows = check_rows_or_raise(rows, schema)
+    kind, rows = check_rows_or_raise(rows, schema, control_tokens=control_tokens)
     if rows and kind != "preference":
         raise ValueError(f"{rows[0].origin}: <row>: a chat row (messages) where preference rows "
                          "(prompt/chosen/rejected) are expected")

@@ -322,7 +322,7 @@ def tokenize_preference_dataset(paths: str | Path | list[str | Path], *, tokeniz
                              "samples, an odd number); delete it to tokenize again")
         return TokenizedPairs(list(zip(samples[0::2], samples[1::2])), key, cache_hit=True, cache_path=cache.path(key))
     tokenizer = load_tokenizer(directory)
-    rows = check_preferences_or_raise(read_rows(paths), schema)
+    rows = check_preferences_or_raise(read_rows(paths), schema, control_tokens=control_tokens(template, tokenizer))
     pairs = [tokenize_pair(row.data, tokenizer, template=template, enable_thinking=enable_thinking,
                            name=str(row.origin)) for row in rows]
     if not use_cache:

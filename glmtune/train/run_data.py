@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from glmtune.config import JobConfig
+from glmtune.data.chat_template import control_tokens, load_chat_template
 from glmtune.data.contract import check_or_raise, load_schema
 from glmtune.data.dedup import dedup_rows
 from glmtune.data.packing import pack_pairs, pack_samples
@@ -27,7 +28,7 @@ from glmtune.data.synthetic import generate_rows, write_jsonl
 from glmtune.data.synthetic_preferences import generate_preference_rows
 from glmtune.data.text_run_data import prepare_text_data
 from glmtune.data.token_cache import tokenize_dataset, tokenize_preference_dataset
-from glmtune.data.tokenizer import load_tokenizer
+from glmtune.data.tokenizer import load_tokenizer, resolve_tokenizer_dir
 from glmtune.train.distill_data import distilled_conversations, open_teacher, teacher_notes
 from glmtune.train.mix_data import MixSources, mix_notes, mix_sources, replay_config
 
@@ -74,12 +75,14 @@ def prepare_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, voca
     if d.kind == "text":  # raw documents: their own reader, contract and packing (text_run_data.py)
         return _text(cfg, run_dir, tokenizer_dir, vocab_size)
     notes: list[str] = []
-    rows, filters, schema = _checked_rows(cfg, data_dir, run_dir, notes)
-    train_data, val_data, val_paths = _split(cfg, rows, data_dir, schema)
-    train_file = _write_jsonl(train_data, data_dir, "train")
     tokenizer = load_tokenizer(tokenizer_dir)
     if len(tokenizer) > vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}")
+    # the contract's control tokens are the template's and tokenizer's, as tokenization checks them again
+    forbidden = control_tokens(load_chat_template(resolve_tokenizer_dir(tokenizer_dir)), tokenizer)
+    rows, filters, schema = _checked_rows(cfg, data_dir, run_dir, notes, forbidden)
+    train_data, val_data, val_paths = _split(cfg, rows, data_dir, schema, forbidden)
+    train_file = _write_jsonl(train_data, data_dir, "train")
     tokenize_and_pack = _pairs if cfg.train.objective == "dpo" else _conversations
     teacher = open_teacher(cfg, tokenizer_dir, vocab_size) if cfg.train.objective == "distill" else None
     if teacher is not None:  # distillation with λ > 0: rows aligned with the teacher's top-K (distill_data.py)
@@ -157,9 +160,11 @@ def _pairs(cfg: JobConfig, paths: list[Path], tokenizer_dir: Path | None, schema
     return tokenized, rows, stats
 
 
-def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str]) -> tuple[list, dict, Any]:
-    """The training rows (the synthetic ones written first), every one through the contract, then
-    the PII policy and exact dedup; the counts the manifest's `filters` records; the JSON schema."""
+def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str],
+                  forbidden: tuple[str, ...]) -> tuple[list, dict, Any]:
+    """The training rows (the synthetic ones written first), every one through the contract (no
+    string holding a `forbidden` control token), then the PII policy and exact dedup; the counts
+    the manifest's `filters` records; the JSON schema."""
     d = cfg.data
     train_paths = [Path(p) for p in d.train]
     if d.synthetic is not None:
@@ -174,7 +179,7 @@ def _checked_rows(cfg: JobConfig, data_dir: Path, run_dir: Path, notes: list[str
         raise ValueError("data.train is empty and data.synthetic is not set: nothing to train on")
     check_format([*d.train, *d.validation], d.format)
     schema = load_schema(d.json_schema) if d.json_schema else None
-    rows = _row_check(cfg)(read_rows(train_paths), schema)  # every row, before any training
+    rows = _row_check(cfg)(read_rows(train_paths), schema, control_tokens=forbidden)  # every row, before training
     if not rows:
         raise ValueError(f"data.train: {no_rows_message(train_paths)}: nothing to train on")
     num_input_rows = len(rows)
@@ -193,13 +198,14 @@ def _row_check(cfg: JobConfig):
     return check_preferences_or_raise if cfg.train.objective == "dpo" else check_or_raise
 
 
-def _split(cfg: JobConfig, rows: list, data_dir: Path, schema) -> tuple[list, list, list[Path]]:
+def _split(cfg: JobConfig, rows: list, data_dir: Path, schema,
+           forbidden: tuple[str, ...]) -> tuple[list, list, list[Path]]:
     """(training conversations, validation conversations, validation files): data.validation's
     files, else the group-aware split of the training rows (its validation part written out)."""
     d = cfg.data
     if d.validation:
         val_paths = [Path(p) for p in d.validation]
-        val_data = [r.data for r in _row_check(cfg)(read_rows(val_paths), schema)]
+        val_data = [r.data for r in _row_check(cfg)(read_rows(val_paths), schema, control_tokens=forbidden)]
         if not val_data:
             raise ValueError(f"data.validation: {no_rows_message(val_paths)}; "
                              "leave data.validation empty to carve validation rows from data.train")
