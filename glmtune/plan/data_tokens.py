@@ -13,6 +13,11 @@ contract, split by source, EOS after each document, long documents split at the 
 its rows are what remains after the contract, and the plan also reports the corpus' token count
 before and after it (`corpus`: tokens read, removed by each rule, kept in each split), so
 `--epochs` prices the tokens training will actually see.
+A replay mix (`data.replay`): an epoch is one pass over the run's own (domain) rows with the
+replay rows the mixed loader draws meanwhile — its weight's share of the target tokens, the
+replay's rows taken in turn and again from the start when they run out, as the loader does
+(`train/mix_loader.py`) — so the epoch's rows, tokens and document lengths are what training
+computes (`mix`: the rows of each source in it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmtune.config import JobConfig
+from glmtune.train.mix_data import MixSources, target_tokens
 from glmtune.train.model_source import tokenizer_dir_for
 from glmtune.train.run_data import prepare_data
 
@@ -35,6 +41,7 @@ class EpochTokens:
     one_document_rows: int
     document_lengths: list[int] = field(repr=False, default_factory=list)
     corpus: dict | None = None  # a text corpus' contract counts (`corpus_counts`); None for chat rows
+    mix: dict | None = None  # a replay mix's epoch: the weights and each source's rows in it (`_mixed_epoch`)
 
     @property
     def tokens(self) -> int:
@@ -44,7 +51,8 @@ class EpochTokens:
     def to_dict(self) -> dict:
         return {"rows": self.rows, "seq": self.seq, "tokens": self.tokens, "real_tokens": self.real_tokens,
                 "documents": self.documents, "documents_per_row": round(self.documents / max(1, self.rows), 2),
-                "one_document_rows": self.one_document_rows, **({"corpus": self.corpus} if self.corpus else {})}
+                "one_document_rows": self.one_document_rows, **({"corpus": self.corpus} if self.corpus else {}),
+                **({"mix": self.mix} if self.mix else {})}
 
 
 def corpus_counts(manifest: dict) -> dict | None:
@@ -72,15 +80,31 @@ def epoch_tokens(cfg: JobConfig, vocab_size: int, model_dir: Path | None = None)
     """Pack the recipe's training data as `glmtune train` does and count it (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="glmtune-plan-") as tmp:
         data = prepare_data(cfg, Path(tmp), tokenizer_dir_for(cfg, model_dir), vocab_size)
+    rows, mix = (data.train_rows, None) if data.mix is None else _mixed_epoch(data.train_rows, data.mix)
     lengths, one_document = [], 0
-    for row in data.train_rows:
+    for row in rows:
         docs = _document_lengths(row["document_ids"])
         lengths += docs
         one_document += len(docs) == 1
-    stats = data.manifest["train_packing"]
-    return EpochTokens(rows=len(data.train_rows), seq=cfg.data.packed_sequence_size,
-                       real_tokens=stats["num_tokens"], documents=len(lengths), one_document_rows=one_document,
-                       document_lengths=lengths, corpus=corpus_counts(data.manifest))
+    # real tokens: the packer's count; a mixed epoch's, counted in its rows (every document token is real)
+    real = data.manifest["train_packing"]["num_tokens"] if mix is None else sum(lengths)
+    return EpochTokens(rows=len(rows), seq=cfg.data.packed_sequence_size, real_tokens=real,
+                       documents=len(lengths), one_document_rows=one_document, document_lengths=lengths,
+                       corpus=corpus_counts(data.manifest), mix=mix)
+
+
+def _mixed_epoch(train_rows: list, mix: MixSources) -> tuple[list, dict]:
+    """One pass over the domain's rows and the replay rows drawn meanwhile (module docstring)."""
+    domain = [row for row, source in zip(train_rows, mix.row_sources) if source == 0]
+    replay = [row for row, source in zip(train_rows, mix.row_sources) if source == 1]
+    domain_weight, replay_weight = mix.weights
+    replay_targets = sum(map(target_tokens, domain)) * replay_weight / domain_weight
+    per_row = sum(map(target_tokens, replay)) / len(replay)
+    drawn = [replay[i % len(replay)] for i in range(round(replay_targets / per_row))]
+    return domain + drawn, {
+        "weights": dict(zip(mix.names, mix.weights)), "rows": {mix.names[0]: len(domain), mix.names[1]: len(drawn)},
+        "targets": {name: sum(map(target_tokens, rows)) for name, rows in zip(mix.names, (domain, drawn))},
+        "replay_rows_available": len(replay)}
 
 
 def _document_lengths(document_ids: list[int]) -> list[int]:

@@ -69,6 +69,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             kept = ", ".join(f"{split} {tokens:,}" for split, tokens in corpus["kept_tokens"].items())
             console.print(f"corpus: {corpus['documents']:,} documents, {corpus['tokens']:,} tokens read; removed by "
                           f"the contract: {removed}; kept: {kept}")
+        if data.get("mix"):  # a replay mix: an epoch is one pass over the domain's rows (plan/data_tokens.py)
+            mix = data["mix"]
+            shares = " / ".join(f"{name} {weight:.2f}" for name, weight in mix["weights"].items())
+            rows = ", ".join(f"{name} {count:,}" for name, count in mix["rows"].items())
+            console.print(f"mix: {shares} of the target tokens; an epoch is one pass over the domain's rows: {rows} "
+                          f"rows (of {mix['replay_rows_available']:,} replay rows)")
     elif data:
         console.print(f"data: {data['note']}")
     run = report["run"]

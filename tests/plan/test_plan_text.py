@@ -76,3 +76,20 @@ def test_the_glm5_cpt_recipes_plan(capsys):
         assert (report["layout"]["pp"], report["layout"]["ep"]) == (pp, ep)
         assert report["gpus"][0]["recipe_layout"]["fits"], recipe
         assert "every token of the documents" in report["objective"]
+
+
+def test_a_replay_mix_epoch_is_one_pass_over_the_domain_with_the_replay_it_draws(capsys):
+    """recipes/tiny/cpt_domain_text_replay.yaml: 0.2 of the target tokens replay. The epoch holds every
+    domain row once and as many replay rows as carry a quarter of the domain's targets (0.2 / 0.8), the
+    replay taken in turn and again (its rows' targets are few: more rows than the replay holds)."""
+    assert main(["plan", "recipes/tiny/cpt_domain_text_replay.yaml", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["data"]
+    mix = data["mix"]
+    assert mix["weights"] == {"domain": 0.8, "replay": 0.2}
+    domain_rows, replay_rows = mix["rows"]["domain"], mix["rows"]["replay"]
+    assert data["rows"] == domain_rows + replay_rows and replay_rows > mix["replay_rows_available"]
+    assert data["corpus"]["kept_tokens"]["train"] > 0
+    # the replay's drawn rows carry the weight's share of the epoch's targets, to about one row's targets
+    targets = mix["targets"]
+    assert abs(targets["replay"] / (targets["domain"] + targets["replay"]) - 0.2) < 50 / sum(targets.values())
+    assert 0.5 < replay_rows / data["rows"] < 0.9  # docs/data.md: about 73% of the rows are replay rows
