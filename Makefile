@@ -67,29 +67,13 @@ test-engines: venv
 	bash scripts/engines_venv.sh $(ENGINES_VENV)
 	HF_HUB_OFFLINE=1 GLMTUNE_PYTHON=$(abspath $(BIN))/python $(ENGINES_VENV)/bin/python -m pytest -q tests/engines
 
-# Distillation, the whole tiny flow on a CPU (docs/distill.md, "The tiny demo"): the SFT demo's model
-# (trained first when runs/ lacks it, as `make demo`'s first line does) is the teacher, in process:
-# `transformers serve` returns no log-probabilities, so a served teacher would leave the KL term
-# nothing to learn from. It answers 1000 tickets (seed 0, the demo's prompts) with its top-8
-# log-probabilities; a 3-layer, 4-expert student trains on them; two scorecards on 24 tickets of
-# another seed: teacher beside the distilled student (its gate, the student above the teacher, is
-# not expected to pass: exit 1 is taken, any other failure stops), then base student -> distilled
-# student, whose gate decides the target's status.
-DISTILL_RUN := runs/tiny-distill-support-json
+# Distillation, the whole tiny flow on a CPU (docs/distill.md, "The tiny demo"; the steps and why are
+# in the script, which tests/distill/test_distill_demo.py runs too): the SFT demo's model (trained
+# first when runs/ lacks it) as the in-process teacher, 1000 tickets answered with top-8
+# log-probabilities, a 3-layer student, scorecards on 240 tickets of another seed (teacher beside the
+# distilled student, then base student -> distilled student, whose gate decides the target's status).
 distill: venv
-	test -f $(DEMO_RUN)/hf/config.json || \
-	    HF_HUB_OFFLINE=1 $(BIN)/glmtune train recipes/tiny/sft_support_json.yaml --overwrite
-	test -f runs/distill-prompts.jsonl || \
-	    HF_HUB_OFFLINE=1 $(BIN)/glmtune data synth runs/distill-prompts.jsonl --rows 1000 --seed 0
-	HF_HUB_OFFLINE=1 $(BIN)/glmtune distill generate runs/distill-prompts.jsonl --out runs/distill-teacher \
-	    --teacher $(DEMO_RUN)/hf --top-logprobs 8 --max-new-tokens 64 --batch-size 16
-	HF_HUB_OFFLINE=1 $(BIN)/glmtune train recipes/tiny/distill_support_json.yaml --overwrite
-	HF_HUB_OFFLINE=1 $(BIN)/glmtune eval recipes/tiny/eval_distill_support_json.yaml --base $(DEMO_RUN)/hf \
-	    --candidate $(DISTILL_RUN) --out $(DISTILL_RUN)/eval/teacher --overwrite || test $$? -eq 1
-	HF_HUB_OFFLINE=1 $(BIN)/glmtune eval recipes/tiny/eval_distill_support_json.yaml --base $(DISTILL_RUN) \
-	    --candidate $(DISTILL_RUN) --out $(DISTILL_RUN)/eval/student --overwrite
-	@echo "scorecards: $(DISTILL_RUN)/eval/teacher/scorecard.md (teacher beside the distilled student)," \
-	    "$(DISTILL_RUN)/eval/student/scorecard.md (base student -> distilled student)"
+	bash scripts/distill_demo.sh $(BIN)
 
 clean:
 	rm -rf $(VENV)

@@ -26,5 +26,6 @@ def test_the_glm5_student_recipe_validates_and_is_smaller_than_its_teacher():
 def test_the_tiny_distill_scorecard_suite_scores_ground_truth_tickets():
     suite = load_suite(RECIPES_DIR / "tiny" / "eval_distill_support_json.yaml")
     [tickets] = suite.sets
-    assert tickets.path and tickets.path.name == "dpo_tickets_seed7.jsonl"  # not the teacher's answers
+    assert tickets.path and tickets.path.name == "distill_tickets_seed7.jsonl"  # not the teacher's answers
+    assert len(tickets.path.read_text().splitlines()) == 240  # 24 would hold 0 to 6 right by chance alone
     assert [g.metric for g in suite.file.gates] == ["tickets/task_success/exact"] and "tickets/task_success/exact" in suite.metrics
