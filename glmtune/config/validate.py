@@ -282,7 +282,7 @@ def objective_errors(cfg: JobConfig) -> list[str]:
 def distill_errors(cfg: JobConfig) -> list[str]:
     """`train.objective: distill` and the `distill` section (docs/distill.md): each key takes effect or is
     refused here; the teacher directory itself (manifest, tokenizer, sidecar) when the data is read."""
-    t, x, d, p = cfg.train, cfg.distill, cfg.data, cfg.parallel
+    t, x, d = cfg.train, cfg.distill, cfg.data
     if t.objective != "distill":
         return [f"distill.{f.name} is set but train.objective is {t.objective}; set train.objective: distill or "
                 "remove it" for f in dataclasses.fields(DistillConfig)
@@ -299,9 +299,6 @@ def distill_errors(cfg: JobConfig) -> list[str]:
                                "teacher's; set data.too_long: drop"),
         (d.kind == "chat", f"data.kind: {d.kind} with train.objective: distill: the teacher's answers are chat rows; "
                            "remove data.kind"),
-        (x.weight <= 0 or (p.pp == 1 and p.cp == 1),
-         f"distill.weight > 0 with parallel.pp: {p.pp}, parallel.cp: {p.cp}: the KL term needs whole rows and the "
-         "head in one process (FSDP, HSDP and EP layouts); set parallel.pp and parallel.cp to 1, or distill.weight: 0"),
     ]
     return [message for ok, message in rules if not ok]
 

@@ -25,6 +25,8 @@ def test_a_distill_run_as_given_is_accepted():
     assert objective_errors(_distill()) == []
     assert objective_errors(_distill(distill__weight=0.0)) == []
     assert objective_errors(_distill(distill__weight=0.0, parallel__pp=2)) == []  # sequence-level: any layout
+    # the KL term at every layout too (tests/train/test_distill_run.py: PP 2 and CP 2 equal one process)
+    assert objective_errors(_distill(parallel__pp=2)) == objective_errors(_distill(parallel__cp=2)) == []
 
 
 @pytest.mark.parametrize("changes, sentence", [
@@ -41,12 +43,6 @@ def test_a_distill_run_as_given_is_accepted():
      "data.too_long: drop"),
     (dict(data__kind="text"), "data.kind: text with train.objective: distill: the teacher's answers are chat rows; "
                               "remove data.kind"),
-    (dict(parallel__pp=2), "distill.weight > 0 with parallel.pp: 2, parallel.cp: 1: the KL term needs whole rows "
-                           "and the head in one process (FSDP, HSDP and EP layouts); set parallel.pp and parallel.cp "
-                           "to 1, or distill.weight: 0"),
-    (dict(parallel__cp=2), "distill.weight > 0 with parallel.pp: 1, parallel.cp: 2: the KL term needs whole rows "
-                           "and the head in one process (FSDP, HSDP and EP layouts); set parallel.pp and parallel.cp "
-                           "to 1, or distill.weight: 0"),
     (dict(dpo__beta=0.2), "dpo.beta is set but train.objective is distill; remove it"),
 ])
 def test_each_setting_it_cannot_honour_is_one_sentence(changes, sentence):

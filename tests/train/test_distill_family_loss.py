@@ -36,8 +36,11 @@ def _check(spec, model, logits_fn, vocab):
     assert torch.equal(no_kl[0], plain[0]) and len(no_kl) == 2  # λ = 0: the family's loss, nothing else
     with torch.no_grad():
         kl = topk_kl_reference(logits_fn(mb.input_ids).double(), mb.teacher)
-    assert stats["ce"].item() == pytest.approx(plain[0].item(), rel=1e-6)
-    assert stats["kl"].item() == pytest.approx(kl.item(), rel=1e-5)
+    # (sum, supervised targets) pairs: the trainer sums them over every rank (a context-parallel rank's are
+    # its own queries') and reports sum / count
+    assert stats["ce"][0].item() == pytest.approx(plain[0].item(), rel=1e-6)
+    assert stats["kl"][0].item() == pytest.approx(kl.item(), rel=1e-5)
+    assert stats["ce"][1].item() == stats["kl"][1].item() == int((mb.targets != -100).sum())
     assert loss.item() == pytest.approx(plain[0].item() + 0.7 * kl.item(), rel=1e-6)
     assert int(count) == int((mb.targets != -100).sum())
     loss.backward()  # the KL's gradient reaches the head

@@ -1,7 +1,7 @@
 """`train.objective: distill` end to end on the tiny recipe (a 3-layer, 4-expert student) with a
 teacher directory built in process (tests/train/distill_teacher.py): λ = 0 is SFT bit for bit, the
 cross-entropy part of λ > 0 is SFT's loss, the KL part is logged and trains, a resumed run equals an
-uninterrupted one, FSDP2 over 2 gloo ranks equals one process, a LoRA student trains, and a student
+uninterrupted one, FSDP2, PP 2 and CP 2 over 2 gloo ranks equal one process, a LoRA student trains, and a student
 with another tokenizer is refused before anything trains."""
 
 import json
@@ -103,6 +103,26 @@ def test_fsdp_two_ranks_equal_one_process(teacher, distilled, tmp_path):
     for step in want:
         for key in ("loss", "distill/ce", "distill/kl", "grad_norm"):
             assert got[step][key] == pytest.approx(want[step][key], rel=LOSS_REL), (step, key)
+
+
+@pytest.mark.parametrize(("layout", "flags", "described"), [
+    ("pp2", ["--parallel.pp", "2"], "pp 2"),  # the last stage adds the KL; its parts travel as statistics
+    ("cp2", ["--parallel.cp", "2"], "cp 2"),  # each rank's queries' teacher positions, as its hidden states
+])
+def test_pipeline_and_context_parallel_ranks_equal_one_process(teacher, distilled, tmp_path, layout, flags,
+                                                                described):
+    rows_file, cache = teacher
+    run_dir = tmp_path / layout
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               *distill_command(run_dir, cache, rows_file, "--distill.temperature", "2", *flags)[1:]]
+    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert described in " ".join(done.stdout.split())
+    got, want = _records(run_dir), _records(distilled)
+    assert got.keys() == want.keys()
+    for step in want:
+        for key in ("loss", "distill/ce", "distill/kl", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=LOSS_REL), (layout, step, key)
 
 
 def test_lora_student_learns_from_the_teacher(teacher, tmp_path):

@@ -25,6 +25,7 @@ D model dim, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,21 +44,32 @@ class TeacherTopK:
     mask: torch.Tensor  # [B, T] bool: a teacher position (always a supervised target)
     weight: float = 0.0  # λ: the term's weight beside the cross-entropy
     temperature: float = 1.0
-    count: int | None = None  # teacher positions, counted on the host (None: the loss counts, a host sync)
+    # teacher positions among this rank's queries, counted on the host (None: the loss counts, a host sync)
+    count: int | None = None
 
     @classmethod
-    def on_host(cls, ids: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> TeacherTopK:
-        """Host tensors, their teacher positions counted here (before they move)."""
-        return cls(ids, logps, mask, count=int(mask.sum()))
+    def on_host(cls, ids: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor,
+                local_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TeacherTopK:
+        """Host tensors, their teacher positions among this rank's queries (`local_tokens`: context
+        parallelism's; None: every query) counted here, before they move."""
+        return cls(ids, logps, mask, count=int((mask if local_tokens is None else local_tokens(mask)).sum()))
 
     def to(self, device: torch.device | str) -> TeacherTopK:
         return TeacherTopK(self.ids.to(device, non_blocking=True), self.logps.to(device, non_blocking=True),
                            self.mask.to(device, non_blocking=True), self.weight, self.temperature, self.count)
 
-    def rows(self, part: slice | list[int]) -> TeacherTopK:
-        """Rows `part` of host tensors, their positions counted again."""
-        return TeacherTopK(self.ids[part], self.logps[part], self.mask[part], self.weight, self.temperature,
-                           int(self.mask[part].sum()))
+    def rows(self, part: slice | list[int], local_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> TeacherTopK:
+        """Rows `part` of host tensors, their positions among this rank's queries counted again."""
+        mask = self.mask[part]
+        return TeacherTopK(self.ids[part], self.logps[part], mask, self.weight, self.temperature,
+                           int((mask if local_tokens is None else local_tokens(mask)).sum()))
+
+    def local(self, local_tokens: Callable[[torch.Tensor], torch.Tensor]) -> TeacherTopK:
+        """This rank's queries of the full rows (context parallelism: [B, T, ...] -> [B, S, ...]), as the
+        forward's hidden states hold them; the count is already theirs."""
+        return TeacherTopK(local_tokens(self.ids), local_tokens(self.logps), local_tokens(self.mask), self.weight,
+                           self.temperature, self.count)
 
 
 def teacher_buckets(logps_NK: torch.Tensor) -> torch.Tensor:
@@ -131,9 +143,14 @@ def distilling(teacher: TeacherTopK | None) -> bool:
 
 
 def with_teacher_kl(loss_sum: torch.Tensor, hidden_BSD: torch.Tensor, weight_VD: torch.Tensor,
-                    teacher: TeacherTopK) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    teacher: TeacherTopK, num_targets: torch.Tensor | int
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A model family's loss sum with the KL term added (`loss_sum + λ · KL sum`), and the two parts as
-    statistics (summed; the trainer reports them per supervised token): `ce`, `kl`. The hidden states
-    are the forward's final ones and `weight_VD` its head, gathered (inside the forward under FSDP2)."""
+    statistics `ce`, `kl`: (sum, `num_targets`) pairs of this rank's queries, which the trainer sums over
+    every rank and reports per supervised token (a context-parallel rank's sums are its own queries').
+    The hidden states are the forward's final ones and `weight_VD` its head, gathered (inside the
+    forward under FSDP2)."""
     kl = chunked_topk_kl(hidden_BSD, weight_VD, teacher)
-    return loss_sum + teacher.weight * kl, {"ce": loss_sum.detach().float(), "kl": kl.detach().float()}
+    count = torch.as_tensor(num_targets, device=kl.device).reshape(()).float()
+    return loss_sum + teacher.weight * kl, {"ce": torch.stack([loss_sum.detach().float(), count]),
+                                            "kl": torch.stack([kl.detach().float(), count])}

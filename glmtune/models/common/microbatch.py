@@ -96,7 +96,7 @@ class MicroBatch:
             if mtp else None,
             documents_per_row=None if documents is None else tuple((documents.max(dim=1).values + 1).tolist()),
             loss_scale=loss_scale, step_totals=totals, aux=scales, ref_token_logps=batch.get(REFERENCE_LOGPS),
-            teacher=TeacherTopK.on_host(batch[TEACHER_IDS], batch[TEACHER_LOGPS], batch[TEACHER_MASK])
+            teacher=TeacherTopK.on_host(batch[TEACHER_IDS], batch[TEACHER_LOGPS], batch[TEACHER_MASK], local_tokens)
             if TEACHER_IDS in batch else None)
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -114,7 +114,7 @@ class MicroBatch:
         queries."""
         sliced = {name: getattr(self, name)[part] for name in _TENSORS if getattr(self, name) is not None}
         if self.teacher is not None:
-            sliced["teacher"] = self.teacher.rows(part)
+            sliced["teacher"] = self.teacher.rows(part, local_tokens)
         documents, seq_len = sliced["document_ids"], self.input_ids.shape[1]
         picked = range(self.input_ids.shape[0])[part] if isinstance(part, slice) else part
         return dataclasses.replace(

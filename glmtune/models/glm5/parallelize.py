@@ -177,12 +177,13 @@ def apply_fsdp(model: Glm5ForCausalLM, mesh, reduce_dtype: torch.dtype = torch.f
 
 def split_model(model: Glm5ForCausalLM, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int,
                 seq_len: int, explicit_split: list[int] | None = None,
-                loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False) -> list[Glm5Stage]:
+                loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False,
+                distill: bool = False) -> list[Glm5Stage]:
     """Prune `model` to this pp rank's stages and return them: the layers split by their training
     cost (`stage_costs.py`, balanced by `glmtune/distributed/pipeline_plan.py`) or as
     `explicit_split` says, the stages placed on ranks as `schedule` wants (`models/glm5/stages.py`;
     `mtp`: the last stage runs the MTP layer and its loss; `indexer_kl`: every layer computes its
-    indexer's KL loss).
+    indexer's KL loss; `distill`: the last stage adds a teacher's KL term).
 
     Trained indexers (`model.indexer_trainable`): a shared-indexer layer's KL trains the indexer of
     the full layer before it through the selection's graph, which does not cross stages: stages
@@ -202,7 +203,7 @@ def split_model(model: Glm5ForCausalLM, *, pp: int, pp_rank: int, schedule: str,
     layers_per_stage = plan_stages(layer_costs(args, seq_len), head_cost(args), pp * stages_per_rank, explicit_split,
                                    starts)
     stage_ids = stage_ids_for_rank(schedule, pp_rank, pp, stages_per_rank)
-    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size, mtp, indexer_kl)
+    stages = split_into_stages(model, layers_per_stage, stage_ids, loss_chunk_size, mtp, indexer_kl, distill)
     model.layers_per_stage = layers_per_stage  # for the run's description
     return stages
 
@@ -225,6 +226,9 @@ class PipelineOptions:
     # train.indexer_loss_weight: > 0, every stage's layers (and the MTP layer, when it runs) compute
     # their indexer's KL loss (models/glm5/stages.py)
     indexer_loss_weight: float = 0.0
+    # distill.weight of train.objective distill: > 0, the last stage adds the teacher's KL term to its
+    # loss and reports its parts (models/glm5/stages.py)
+    distill_weight: float = 0.0
 
 
 def parallelize_glm5(
@@ -256,7 +260,7 @@ def parallelize_glm5(
         stages = split_model(model, pp=mesh.size("pp"), pp_rank=mesh.rank("pp"), schedule=pipeline.schedule,
                              stages_per_rank=pipeline.stages_per_rank, seq_len=pipeline.seq_len,
                              explicit_split=pipeline.layer_split, mtp=pipeline.mtp_loss_weight > 0,
-                             indexer_kl=pipeline.indexer_loss_weight > 0)
+                             indexer_kl=pipeline.indexer_loss_weight > 0, distill=pipeline.distill_weight > 0)
     expert_parallel = mesh is not None and mesh.ep_size > 1
     if expert_parallel:
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)

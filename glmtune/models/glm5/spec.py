@@ -203,8 +203,11 @@ class Glm5Spec(ModelSpec):
         out = model(mb.input_ids, mb, compute_logits=False)
         mtp, indexer = mb.aux is not None and mb.aux.mtp, mb.aux is not None and mb.aux.indexer
         if distilling(mb.teacher):  # distillation's KL term (models/common/distill_loss.py); no auxiliary loss
-            # FSDP2's root keeps its weights gathered from forward to backward (parallelize.py): the head is whole
-            loss_sum, stats = with_teacher_kl(out.loss_sum, out.hidden_states, model.lm_head.weight, mb.teacher)
+            # FSDP2's root keeps its weights gathered from forward to backward (parallelize.py): the head is whole.
+            # Under context parallelism the hidden states are this rank's queries: the teacher's, too.
+            teacher = mb.teacher.local(model.model.local_tokens)
+            loss_sum, stats = with_teacher_kl(out.loss_sum, out.hidden_states, model.lm_head.weight, teacher,
+                                              out.num_targets)
             return loss_sum, out.num_targets, stats
         if not mtp and not indexer:
             return out.loss_sum, out.num_targets

@@ -12,7 +12,8 @@ first MTP layer and its loss.
 
 The last stage's loss is the summed cross-entropy of the targets, or, when the queued microbatch
 carries a `token_loss` (another objective: preference pairs), that function of its rows and their
-targets' log-probabilities.
+targets' log-probabilities. A distillation run's stages (`distill`) add the teacher's KL term
+(models/common/distill_loss.py) to the cross-entropy, and report both parts in `statistics`.
 
 The MTP layer at position t reads the embedding of token t + 1 (`model.py`), and the embedding
 lives on the first stage. With `mtp` the first stage embeds the next tokens too
@@ -71,6 +72,7 @@ import torch
 from torch import nn
 
 from glmtune.models.common.aux_loss import attach
+from glmtune.models.common.distill_loss import distilling, with_teacher_kl
 from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logps
 from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 from glmtune.models.glm5.model import Glm5ForCausalLM, LayerInputs
@@ -102,7 +104,8 @@ class Glm5Stage(nn.Module):
     """
 
     def __init__(self, model: Glm5ForCausalLM, layer_ids: range, is_first: bool, is_last: bool,
-                 loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False) -> None:
+                 loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False,
+                 distill: bool = False) -> None:
         super().__init__()
         assert len(layer_ids) > 0 and layer_ids.step == 1, layer_ids
         core = model.model
@@ -131,7 +134,7 @@ class Glm5Stage(nn.Module):
         # ones (each rank reduces them).
         self.indexer_kl = indexer_kl
         self.statistic_names = (*(("mtp_loss", "mtp_acceptance") if mtp else ()),
-                                *(("indexer_kl",) if indexer_kl else ()))
+                                *(("indexer_kl",) if indexer_kl else ()), *(("ce", "kl") if distill else ()))
         self.statistics: dict[str, torch.Tensor] = {}
         # Tokens routed to each expert, summed over the training microbatches since the caller
         # last cleared it (read right after the layers ran: a recompute in backward overwrites
@@ -233,6 +236,11 @@ class Glm5Stage(nn.Module):
                                                 self.loss_chunk_size, num_supervised=mb.num_supervised,
                                                 grad_scale=mb.loss_scale,
                                                 backward_twice=self.backward_twice)
+        if distilling(mb.teacher):  # the teacher's KL term, added before the loss is scaled (as Glm5Spec.loss)
+            loss_sum, parts = with_teacher_kl(loss_sum, hidden_BSD, self.lm_head.weight, mb.teacher.local(local),
+                                              mb.num_supervised)
+            for name, pair in parts.items():  # (sum, supervised targets): the trainer's per-token mean
+                self._add_statistic(name, pair)
         self.loss_sums.append(loss_sum.detach())
         if self.mtp:
             loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, mb)
@@ -267,19 +275,20 @@ class Glm5Stage(nn.Module):
 
 
 def split_into_stages(model: Glm5ForCausalLM, layers_per_stage: list[int], stage_ids: list[int],
-                      loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False) -> list[Glm5Stage]:
+                      loss_chunk_size: int = 2048, mtp: bool = False, indexer_kl: bool = False,
+                      distill: bool = False) -> list[Glm5Stage]:
     """This process's stages (`stage_ids`, in order) of the split `layers_per_stage`, and the
     model pruned to them: layers, embedding, norm, head and MTP of other stages are removed,
     so its state dict names exactly what this process holds, under the full model's names
     (`model.layers.{i}` keeps its index: the decoder layers become a ModuleDict). `mtp`: the
     last stage runs the first MTP layer and its loss; `indexer_kl`: every layer computes its indexer's
-    KL (`Glm5Stage`)."""
+    KL; `distill`: the last stage adds a teacher's KL term (`Glm5Stage`)."""
     assert sum(layers_per_stage) == model.args.num_hidden_layers, layers_per_stage
     assert not mtp or len(model.mtp) > 0, "the MTP loss needs a model with an MTP layer"
     starts = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
     last = len(layers_per_stage) - 1
     stages = [Glm5Stage(model, range(starts[i], starts[i] + layers_per_stage[i]), i == 0, i == last,
-                        loss_chunk_size, mtp, indexer_kl) for i in stage_ids]
+                        loss_chunk_size, mtp, indexer_kl, distill) for i in stage_ids]
     kept = {i for stage in stages for i in stage.layer_ids}
     core = model.model
     core.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(core.layers) if i in kept})

@@ -79,7 +79,7 @@ def _distilled_loss(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, tor
     head_VD = model.get_output_embeddings().weight
     ce_sum, num_targets = chunked_cross_entropy(hidden_BSD, head_VD, mb.targets, LOSS_CHUNK_SIZE,
                                                 num_supervised=mb.num_supervised, grad_scale=mb.loss_scale)
-    total, stats = with_teacher_kl(ce_sum, hidden_BSD, head_VD, mb.teacher)
+    total, stats = with_teacher_kl(ce_sum, hidden_BSD, head_VD, mb.teacher, num_targets)
     return total, num_targets, stats
 
 
