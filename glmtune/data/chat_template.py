@@ -263,12 +263,17 @@ def control_tokens(template: str, tokenizer: Any) -> tuple[str, ...]:
     control tokens): tokenized, it would be a control token and could forge a turn. GLM: GLM-5's
     control tokens, as always; another format: the tokenizer's special tokens (bos, eos, pad and the
     special added ones: ChatML's <|im_start|>/<|im_end|>, Llama-3's <|start_header_id|>, ...) with
-    the format's markers, longest first (a message names the longest it holds)."""
-    turns = chat_format(template).turns
+    the format's markers, longest first (a message names the longest it holds). A template whose
+    turns glmtune cannot tell (training refuses it; `glmtune eval` renders it as it is): the
+    tokenizer's special tokens alone."""
+    try:
+        turns = chat_format(template).turns
+    except ValueError:
+        turns = None
     if turns is GLM:
         return GLM5_CONTROL_TOKENS
     special = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    tokens = special | set(tokenizer.all_special_tokens) | set(turns.markers)
+    tokens = special | set(tokenizer.all_special_tokens) | set(turns.markers if turns is not None else ())
     return tuple(sorted((token for token in tokens if token), key=lambda token: (-len(token), token)))
 
 

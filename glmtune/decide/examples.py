@@ -30,6 +30,7 @@ from glmtune.data.contract import check_or_raise
 from glmtune.data.preferences import row_kind
 from glmtune.data.sources import Row, no_rows_message, read_rows
 from glmtune.data.split import split_key
+from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS
 from glmtune.decide.retrieval import Bm25Index
 from glmtune.io.contained import inside
 from glmtune.io.json_file import read_json_file
@@ -102,17 +103,19 @@ def _read_pool(arg: str | Path) -> tuple[str, list[Row]]:
     return str(files[0]) if len(files) == 1 else str(arg), rows
 
 
-def load_examples(arg: str | Path, eval_keys: dict[str, str], how: str = "fixed") -> ExamplePool:
+def load_examples(arg: str | Path, eval_keys: dict[str, str], how: str = "fixed",
+                  forbidden: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> ExamplePool:
     """The example pool of `--examples ARG` (module docstring); `eval_keys`: the split key of every
     evaluated row -> where it is (`eval_split_keys`). ValueError naming file:line for a row that
-    breaks the contract, is not a chat row, or shares the eval set's groups."""
+    breaks the contract (`forbidden`: the prompts' control tokens), is not a chat row, or shares the
+    eval set's groups."""
     source, rows = _read_pool(arg)
     for row in rows:
         if row.parse_error is None and row_kind(row.data) == "preference":
             raise ValueError(f"--examples {row.origin}: a preference row (prompt/chosen/rejected); examples are chat "
                              "rows (messages), as SFT trains on")
     try:
-        rows = check_or_raise(rows)
+        rows = check_or_raise(rows, control_tokens=forbidden)
     except ValueError as exc:
         raise ValueError(f"--examples: {exc}") from None
     examples = []

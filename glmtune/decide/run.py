@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from glmtune.data.chat_template import control_tokens
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.decide.arms import ArmSpec, prompted_arm, retrieval_arm
 from glmtune.decide.cost import CostOptions, plan_cost
@@ -249,9 +250,11 @@ def _inputs(o: DecideOptions) -> _Inputs:
     reads = _reads(suite, [base] + alternatives, o)
     check_output(out, overwrite=o.overwrite, sources=reads, what="--out", command="decide")
     tokenizer_dir, template = _prompting([base] + alternatives, o.endpoint.tokenizer)
-    loaded = load_sets(suite, _run_source(suite, [base] + alternatives))
+    # the rows are held to the control tokens of the template and tokenizer the prompts are rendered with
+    forbidden = control_tokens(template, load_tokenizer(tokenizer_dir))
+    loaded = load_sets(suite, _run_source(suite, [base] + alternatives), forbidden)
     base.sets = loaded
-    pool = load_examples(o.examples, eval_split_keys(loaded), o.shots_by or "fixed") if o.examples else None
+    pool = load_examples(o.examples, eval_split_keys(loaded), o.shots_by or "fixed", forbidden) if o.examples else None
     passages = _passages(o) if o.docs else None
     return _Inputs(suite, [base] + alternatives, out, reads, tokenizer_dir, template, loaded, pool, passages)
 

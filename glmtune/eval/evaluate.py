@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from glmtune.data.chat_template import load_chat_template
+from glmtune.data.chat_template import control_tokens, load_chat_template
 from glmtune.data.tokenizer import load_tokenizer
 from glmtune.eval import aggregate
 from glmtune.eval.answering import Prompting, failure_text, run_rows
@@ -176,13 +176,13 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     reads += [("--tokenizer", endpoint.tokenizer)] if endpoint.tokenizer is not None else []
     check_output(out, overwrite=overwrite, sources=reads, what="--out", command="eval")
     tokenizer_dir, template = prompting_dir(base, candidate, endpoint.tokenizer)
-    loaded = load_sets(suite, candidate)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    loaded = load_sets(suite, candidate, control_tokens(template, tokenizer))
     placement = Placement.choose(device, dtype, sharded, candidate, fp8_base)
     log = log if placement.is_main else _quiet
     fingerprints = Fingerprints()  # one for all models: a base directory they share is hashed once
     prints = placement.on_main(lambda: {m.label: m.fingerprint() if m.kind == "endpoint" else fingerprints.of(m)
                                         for m in models})
-    tokenizer = load_tokenizer(tokenizer_dir)
     prompting = Prompting(tokenizer, template, suite.file.enable_thinking, suite.file.decoding)
     windows = None
     if suite.general_text_path is not None:

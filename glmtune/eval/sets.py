@@ -32,6 +32,7 @@ from typing import Any
 from glmtune.data.contract import check_or_raise
 from glmtune.data.preferences import check_preferences_or_raise, row_kind
 from glmtune.data.sources import Row, no_rows_message, read_rows
+from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS
 from glmtune.eval.models import ModelSource
 from glmtune.eval.scorers.base import EvalRow
 from glmtune.eval.suite import MAX_SET_ROWS, EvalSet, Suite
@@ -134,8 +135,9 @@ def _check_kind(spec: EvalSet, rows: list[Row]) -> None:
                          "generated answers to chat rows (messages); score pairs with the preference scorer")
 
 
-def _read_set(spec: EvalSet, files: list[Path], where: str) -> list[Row]:
-    """The set's first `limit` rows (at most MAX_SET_ROWS), checked by the data contract."""
+def _read_set(spec: EvalSet, files: list[Path], where: str, forbidden: tuple[str, ...]) -> list[Row]:
+    """The set's first `limit` rows (at most MAX_SET_ROWS), checked by the data contract (no string
+    holding a `forbidden` control token)."""
     for path in files:
         if path.is_file() and path.stat().st_size > MAX_SET_FILE_BYTES:
             raise ValueError(f"{where}: {path} is {path.stat().st_size:,} bytes, more than the {MAX_SET_FILE_BYTES:,} "
@@ -148,19 +150,22 @@ def _read_set(spec: EvalSet, files: list[Path], where: str) -> list[Row]:
                              "set a limit")
         _check_kind(spec, rows[:wanted])
         if spec.row_kind == "preference":
-            return check_preferences_or_raise(rows[:wanted])
-        return check_or_raise(rows[:wanted])
+            return check_preferences_or_raise(rows[:wanted], control_tokens=forbidden)
+        return check_or_raise(rows[:wanted], control_tokens=forbidden)
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def load_sets(suite: Suite, candidate: ModelSource) -> list[LoadedSet]:
-    """Every set's rows (ValueError: the first problems, each as file:line)."""
+def load_sets(suite: Suite, candidate: ModelSource,
+              forbidden: tuple[str, ...] = GLM5_CONTROL_TOKENS) -> list[LoadedSet]:
+    """Every set's rows (ValueError: the first problems, each as file:line). `forbidden`: the control
+    tokens of the template and tokenizer the prompts are rendered with (`chat_template.control_tokens`),
+    which no string of a row may hold: it would forge a turn of the prompt."""
     loaded = []
     for spec in suite.sets:
         files = [spec.path] if spec.path is not None else _split_files(candidate, spec.run_split)
         where = f"{spec.where}: set {spec.name}"
-        rows = _read_set(spec, files, where)
+        rows = _read_set(spec, files, where, forbidden)
         if not rows:
             raise ValueError(f"{where}: {no_rows_message(files)}")
         cut = _eval_pair if spec.row_kind == "preference" else _eval_row
