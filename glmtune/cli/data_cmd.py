@@ -1,6 +1,6 @@
 """`glmtune data validate|prepare|synth`: check, version and generate chat and preference datasets.
 
-  glmtune data validate PATH... [--schema S]    every contract violation as file:line: field: reason
+  glmtune data validate PATH... [--schema S] [--tokenizer DIR]   every contract violation as file:line: field: reason
   glmtune data prepare PATH... --out DIR         dedup, PII lint, group split, versioned JSONL + manifest
   glmtune data synth OUT [--kind K --rows N --seed S]   the bundled support-ticket task as JSONL (its
                                                        documents as a folder: --kind support_docs; a raw-text
@@ -9,6 +9,9 @@
 support_docs' or domain_text's own)
 Each file's kind is detected from its rows: chat rows (`messages`) or preference rows
 (`prompt`/`chosen`/`rejected`); validate and prepare print it, prepare's manifest records it.
+The control tokens no string may hold are GLM-5's, or with `--tokenizer DIR` those of the template
+and tokenizer in DIR (the model that will train on the data: ChatML's, Llama-3's, ...), as
+`glmtune train` checks them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+TOKENIZER_HELP = ("the model or tokenizer directory that will train on the data: its template's and tokenizer's "
+                  "control tokens are refused in any string (default: GLM-5's)")
 SYNTH_KINDS = ("support_tickets", "support_preferences", "support_docs", "support_doc_questions", "domain_text")
 
 
@@ -26,9 +31,10 @@ def _validate(args: argparse.Namespace) -> int:
     from glmtune.data.sources import no_rows_message, read_rows
 
     schema = load_schema(args.schema) if args.schema else None
+    forbidden = _control_tokens(args.tokenizer)
     num_rows = num_violations = num_bad_rows = 0
     kinds: dict[str, int] = {}
-    for row, kind, violations in validate_any_rows(read_rows(args.paths), schema):
+    for row, kind, violations in validate_any_rows(read_rows(args.paths), schema, forbidden):
         num_rows += 1
         if kind is not None:
             kinds[kind] = kinds.get(kind, 0) + 1
@@ -45,13 +51,26 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control_tokens(tokenizer_dir: str | None) -> tuple[str, ...]:
+    """The contract's control tokens: GLM-5's, or the template's and tokenizer's in `tokenizer_dir`."""
+    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.data.chat_template import control_tokens, load_chat_template
+    from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS, load_tokenizer, resolve_tokenizer_dir
+
+    if tokenizer_dir is None:
+        return GLM5_CONTROL_TOKENS
+    directory = resolve_tokenizer_dir(tokenizer_dir)
+    return control_tokens(load_chat_template(directory), load_tokenizer(directory))
+
+
 def _prepare(args: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
     from glmtune.data.prepare import prepare_dataset
     from glmtune.data.split import parse_ratios
 
     result = prepare_dataset(args.paths, args.out, ratios=parse_ratios(args.ratios), pii_action=args.pii,
-                             schema_path=args.schema, split_seed=args.split_seed, overwrite=args.overwrite)
+                             schema_path=args.schema, split_seed=args.split_seed, overwrite=args.overwrite,
+                             control_tokens=_control_tokens(args.tokenizer))
     counts, pii, kind = result.manifest["counts"], result.manifest["pii"], result.manifest["kind"]
     print(f"read {counts['input_rows']} {kind} row(s); dropped {counts['exact_duplicates']} exact and "
           f"{counts['normalized_duplicates']} normalized duplicate(s), {counts['pii_dropped']} for PII "
@@ -107,6 +126,7 @@ def register(subparsers: Any) -> None:
     validate.add_argument("paths", nargs="+", metavar="PATH",
                           help=".jsonl / .parquet files, datasets save_to_disk directories, or folders of files")
     validate.add_argument("--schema", metavar="S", help="JSON Schema the final assistant answer (as JSON) must satisfy")
+    validate.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     validate.set_defaults(func=_validate)
 
     prepare = actions.add_parser(
@@ -124,6 +144,7 @@ def register(subparsers: Any) -> None:
                          help="what to do with rows that contain secrets/PII (default: report)")
     prepare.add_argument("--schema", metavar="S", help="JSON Schema for final answers (contract check)")
     prepare.add_argument("--split-seed", type=int, default=0, help="salt of the group hash (default: 0)")
+    prepare.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     prepare.set_defaults(func=_prepare)
 
     synth = actions.add_parser(

@@ -39,6 +39,7 @@ from glmtune.data.pii import PII_ACTIONS, build_report, lint_rows
 from glmtune.data.preferences import check_rows_or_raise
 from glmtune.data.sources import Row, expand_inputs, file_sha256, no_rows_message, read_rows
 from glmtune.data.split import DEFAULT_RATIOS, SPLITS, check_ratios, split_rows
+from glmtune.data.tokenizer import GLM5_CONTROL_TOKENS
 from glmtune.io.contained import inside
 from glmtune.io.json_file import read_json_file
 from glmtune.io.outputs import check_output, output_dir
@@ -65,7 +66,8 @@ def _serialize(rows: list[Row]) -> bytes:
 def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
                     ratios: tuple[float, float, float] = DEFAULT_RATIOS, pii_action: str = "report",
                     schema_path: str | Path | None = None, split_seed: int = 0,
-                    overwrite: bool = False) -> PrepareResult:
+                    overwrite: bool = False, control_tokens: tuple[str, ...] = GLM5_CONTROL_TOKENS
+                    ) -> PrepareResult:
     """Validate, lint, dedup, split and write a dataset version (see module docstring).
 
     Args:
@@ -79,6 +81,8 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
             preference rows, chosen answers).
         split_seed: salt of the group hash; change it to draw a different split.
         overwrite: replace an existing non-empty `out_dir`.
+        control_tokens: the text no string of a row may hold (the contract's; GLM-5's by default,
+            `chat_template.control_tokens` for another model's template and tokenizer).
 
     Returns:
         The data version, the output directory and the manifest dict.
@@ -98,7 +102,7 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
         rows.extend(unit_rows)
     if not rows:  # refused before anything is written: an empty version is never what was meant
         raise ValueError(f"{no_rows_message(inputs)}: nothing to prepare")
-    kind, rows = check_rows_or_raise(rows, schema)
+    kind, rows = check_rows_or_raise(rows, schema, control_tokens=control_tokens)
 
     per_row_findings = lint_rows(rows)
     report = build_report(per_row_findings, pii_action)
