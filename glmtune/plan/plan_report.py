@@ -58,7 +58,14 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                      _describe_layout(best["layout"]) if best else "", f"{best['peak_gib']:.1f}" if best else "")
     console.print(fits)
 
-    data = report.get("data")
+    _print_data(report.get("data"), console)
+    run = report["run"]
+    console.print(f"run: {run['steps']:,} steps = {run['tokens']:,} tokens ({run['source']})")
+    _print_time(report, console)
+
+
+def _print_data(data: dict[str, Any] | None, console: Console) -> None:
+    """The data lines: the epoch's packed rows, a text corpus' contract counts, a replay mix's sources."""
     if data and "rows" in data:
         console.print(f"data: {data['rows']:,} packed rows of {data['seq']} per epoch = {data['tokens']:,} tokens "
                       f"({data['real_tokens']:,} real, {data['documents_per_row']} documents a row, "
@@ -77,8 +84,10 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                           f"rows (of {mix['replay_rows_available']:,} replay rows)")
     elif data:
         console.print(f"data: {data['note']}")
-    run = report["run"]
-    console.print(f"run: {run['steps']:,} steps = {run['tokens']:,} tokens ({run['source']})")
+
+
+def _print_time(report: dict[str, Any], console: Console) -> None:
+    """The time and cost table, one row per GPU kind with a speed, and each one's assumptions."""
     time_rows = [g for g in report["gpus"] if g.get("time")]
     if time_rows:
         t = Table(title=f"Time and cost ({report['throughput']['source']})", title_justify="left")
