@@ -330,7 +330,17 @@ class Trainer:
         if self.s.router_bias_update == "sign" and self.step >= self.s.router_bias_after:
             update_router_biases(self._moe, load, self.s.router_bias_rate)
         self.step += 1
-        # Over the data-parallel ranks (the others share rows): all tokens, non-padding ones, model FLOPs.
+        self._count_tokens(batches, data_seconds)
+        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
+        record.update(self._units_record(keys, total_targets, step_totals))
+        record.update(self._stat_means(stat_sums, denominator))  # its statistics' means per unit
+        record["grad_norm"] = grad_norm
+        record.update(self._routing_record(load))
+        return record
+
+    def _count_tokens(self, batches: list[dict[str, Any]], data_seconds: float) -> None:
+        """The step's tokens over the data-parallel ranks (the others share rows): all tokens, non-padding
+        ones and model FLOPs, into the run's count and the logging window."""
         local = [sum(int(b["input_ids"].numel()) for b in batches),
                  sum(int((b["document_ids"] >= 0).sum()) for b in batches),
                  self.s.step_flops(batches) if self.s.step_flops is not None else 0.0]
@@ -338,23 +348,27 @@ class Trainer:
                                                      self.s.row_group).tolist()
         self.tokens_seen += int(tokens)
         self._window_add(tokens=tokens, real_tokens=real_tokens, flops=flops, data_s=data_seconds)
-        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
+
+    def _units_record(self, keys: list[str], total_targets: torch.Tensor, step_totals: dict[str, int]
+                      ) -> dict[str, int]:
+        """The step's loss units in the record: supervised tokens (and the step's other token totals), or
+        another objective's units, named with its statistics' prefix."""
         if keys[0] == "tokens":
-            record["supervised_tokens"] = int(total_targets.item())
-            record.update({k: n for k, n in step_totals.items() if k != "tokens"})
-        else:  # another objective's units: their step totals
-            record.update({f"{self.s.stats_prefix}{k}": n for k, n in step_totals.items()})
-        record.update(self._stat_means(stat_sums, denominator))  # its statistics' means per unit
-        record["grad_norm"] = grad_norm
+            return {"supervised_tokens": int(total_targets.item()),
+                    **{k: n for k, n in step_totals.items() if k != "tokens"}}
+        return {f"{self.s.stats_prefix}{k}": n for k, n in step_totals.items()}
+
+    def _routing_record(self, load: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's routing statistics per MoE layer (`moe/<layer>/<stat>`): under a pipeline every
+        stage's layers, gathered for rank 0, which writes the metrics, in layer order."""
         stats = {f"moe/{name}/{key}": value for name, counts in load.items()
                  for key, value in routing_stats(counts).items()}
-        if self.s.pp_group is not None:  # rank 0 writes the metrics: every stage's layers, in layer order
+        if self.s.pp_group is not None:
             gathered: list[dict] = [{} for _ in range(dist.get_world_size(self.s.pp_group))]
             dist.all_gather_object(gathered, stats, group=self.s.pp_group)
             stats = {k: v for part in gathered for k, v in part.items()}
             stats = dict(sorted(stats.items(), key=lambda item: _layer_order(item[0])))
-        record.update(stats)
-        return record
+        return stats
 
     def _stat_means(self, sums: dict[str, torch.Tensor], denominator: torch.Tensor, prefix: str = "") -> dict[str, float]:
         """The loss function's statistics summed over the step's (or validation's) micro-batches and
