@@ -43,7 +43,8 @@ chromium:
 	fi
 
 test: venv chromium
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 --ignore=tests/engines tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 --ignore=tests/engines \
+	    --ignore=tests/distill/test_distill_demo.py tests
 
 # The edit-test loop: every test that starts no other process. tests/conftest.py marks the others at
 # collection (multiprocess: gloo jobs of several ranks; subprocess: glmtune in another interpreter,
@@ -55,10 +56,13 @@ test-fast: venv
 # The multi-process layout tests (every layout against one process) and the golden losses again, on
 # the CPU's next-narrower vector kernels (avx512 -> avx2 -> default): their tolerances come from the
 # arithmetic, and a user's CPU is not this one (tests/distributed/layout_tolerances.py). CI runs it.
+# With them, the long end-to-end run `make test` leaves out: the tiny distillation demo (~10 minutes,
+# tests/distill/test_distill_demo.py), whose claim must hold on these kernels too.
 test-capability: venv
 	cap=$$($(BIN)/python -c 'import torch; print({"AVX512": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "default"))'); \
 	echo "layout tests under ATEN_CPU_CAPABILITY=$$cap"; \
-	HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -n 2 tests/distributed tests/test_golden_losses.py
+	HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -n 2 tests/distributed tests/test_golden_losses.py \
+	    tests/distill/test_distill_demo.py
 
 # Opt-in: vLLM's and SGLang's own LoRA loader code on our adapters, in a separate venv (~2 GB,
 # --no-deps engines, CPU torch); compares with tests/peft/engine_fixtures/ (docs/lora.md).
