@@ -33,7 +33,7 @@ def _timed(fn) -> float:
 
 
 def main() -> None:
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     shard = torch.ones(1 << 20, device=device)  # 4 MiB
     output = torch.empty(8 << 20, device=device)

@@ -21,7 +21,7 @@ export HF_HUB_OFFLINE=1
 if [ -z "${SKIP_TINY:-}" ]; then
 PYTHONPATH=$HEAD_DIR python3 "$HEAD_DIR/benchmarks/cuda_link_lanes.py" > "$OUT/lanes.json" 2> "$OUT/lanes.err"
 echo "lanes: exit $?"
-tiny=(recipes/tiny/sft_support_json.yaml --measure --gpus 8 --rank 0 --steps 2 --warmup-steps 1 --json
+tiny=(recipes/tiny/sft_support_json.yaml --measure --gpus 8 --rank 0 --steps 2 --warmup-steps 1 --json --train.micro_batch_size 1
       --train.generate_samples 0)
 for which in HEAD CTL; do
     dir=$HEAD_DIR; [ "$which" = CTL ] && dir=$CTL_DIR

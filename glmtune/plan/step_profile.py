@@ -56,10 +56,14 @@ def kind_of(name: str) -> str:
     return next(kind for kind, pattern in KINDS if pattern.search(name))
 
 
-def _timed_events(prof: profile, on_device: bool) -> list[tuple[str, Any, float]]:
+def timed_events(prof: profile, on_device: bool) -> list[tuple[str, Any, float]]:
     """(name, stream, own microseconds) of each kernel (on a device) or CPU operator."""
     events = []
     for event in prof.events():
+        # a range a caller marked (record_function: the pipeline schedule's "PP:..." ranges, shown on the
+        # device's timeline too) spans kernels counted on their own: counting it would count them twice
+        if event.is_user_annotation:
+            continue
         if on_device and event.device_type == DeviceType.CUDA:
             events.append((event.name, event.device_resource_id, event.time_range.elapsed_us()))
         elif not on_device and event.device_type == DeviceType.CPU:
@@ -73,7 +77,7 @@ def summarize(prof: profile, on_device: bool, steps: int) -> dict[str, Any]:
     """Seconds per step per stream, and per kind on the busiest stream (module docstring)."""
     per_stream: dict[Any, float] = defaultdict(float)
     per_kind: dict[Any, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for name, stream, micros in _timed_events(prof, on_device):
+    for name, stream, micros in timed_events(prof, on_device):
         per_stream[stream] += micros
         per_kind[stream][kind_of(name)] += micros
     if not per_stream:
