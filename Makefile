@@ -43,7 +43,7 @@ chromium:
 	fi
 
 test: venv chromium
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 --ignore=tests/engines \
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=60 --ignore=tests/engines \
 	    --ignore=tests/distill/test_distill_demo.py tests
 
 # The edit-test loop: every test that starts no other process. tests/conftest.py marks the others at
