@@ -45,7 +45,7 @@ def test_makefile_targets():
     fast = re.search(r"^test-fast:.*?(?=^\S|\Z)", makefile, re.M | re.S).group(0)
     assert '-m "not multiprocess and not subprocess and not slow"' in fast and "--durations=25" in fast
     full = re.search(r"^test:.*?(?=^\S|\Z)", makefile, re.M | re.S).group(0)
-    assert "--durations=25" in full and "-m \"not" not in full  # the whole suite
+    assert "--durations=60" in full and "-m \"not" not in full  # the whole suite
 
 
 def test_the_slow_list_names_tests_that_exist():

@@ -78,7 +78,7 @@ def test_a_runs_checkpoint_exports_as_the_run_exported_its_model(shared_results,
     assert main(["export", str(run_dir), "--hf", str(out)]) == 0
     assert "(step 4)" in capsys.readouterr().out
     exported = _digests(out)
-    assert exported.pop("README.md")  # `export` adds its model card (docs/release.md); the run's own hf/ has none
+    assert "README.md" in exported  # the model card (docs/release.md): the run's own hf/ carries the same one
     assert exported == _digests(run_dir / "hf")
 
 
