@@ -217,23 +217,33 @@ class StreamingEntry:
         self.offsets.append(self.offsets[-1] + len(input_ids))
 
     def commit(self, meta: dict[str, Any]) -> Path:
+        """Write the entry; a failure (a full disk: the `.npz` holds the stream twice, input_ids and
+        labels, beside the stream itself) removes the partial `.npz` and the stream, and raises."""
         self.raw.close()
         num_tokens = self.offsets[-1]
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.key}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-            for name in ("input_ids", "labels"):
-                with archive.open(f"{name}.npy", "w", force_zip64=True) as member, open(self.raw_path, "rb") as raw:
-                    np.lib.format.write_array_header_1_0(member, {"descr": np.lib.format.dtype_to_descr(
-                        np.dtype(np.int32)), "fortran_order": False, "shape": (num_tokens,)})
-                    while chunk := raw.read(1 << 22):
-                        member.write(chunk)
-            with archive.open("offsets.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.frombuffer(self.offsets, dtype=np.int64), allow_pickle=False)
-        os.replace(tmp, self.path)
+        try:
+            with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                self._write_members(archive, num_tokens)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            self.raw_path.unlink(missing_ok=True)
+            raise
         self.raw_path.unlink()
         sidecar = {"key": self.key, "num_samples": len(self.offsets) - 1, "num_tokens": num_tokens, **meta}
         self.path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2) + "\n")
         return self.path
+
+    def _write_members(self, archive: zipfile.ZipFile, num_tokens: int) -> None:
+        for name in ("input_ids", "labels"):
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member, open(self.raw_path, "rb") as raw:
+                np.lib.format.write_array_header_1_0(member, {"descr": np.lib.format.dtype_to_descr(
+                    np.dtype(np.int32)), "fortran_order": False, "shape": (num_tokens,)})
+                while chunk := raw.read(1 << 22):
+                    member.write(chunk)
+        with archive.open("offsets.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, np.frombuffer(self.offsets, dtype=np.int64), allow_pickle=False)
 
     def discard(self) -> None:
         self.raw.close()
