@@ -66,6 +66,15 @@ def _teacher_top_k(rows: list[dict[str, Any]], shape: torch.Size) -> dict[str, t
     return {TEACHER_IDS: ids, TEACHER_LOGPS: logps, TEACHER_MASK: mask}
 
 
+
+def check_same_layout(state: dict[str, Any], layout: dict[str, Any], keep: str) -> None:
+    """A checkpoint's data position means this run's rows only under the layout it was taken with:
+    a key of `layout` the saved `state` holds with another value is a ValueError naming it."""
+    for key, now in layout.items():
+        if key in state and state[key] != now:
+            raise ValueError(f"checkpoint data position was taken with {key}={state[key]}, this run has "
+                             f"{key}={now}: resuming would not replay the same batches (keep {keep})")
+
 class PackedRowLoader:
     def __init__(self, rows: list[dict[str, list[int]]], micro_batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
@@ -110,9 +119,6 @@ class PackedRowLoader:
         return {"epoch": self.epoch, "cursor": self.cursor, **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, now in self._layout().items():
-            if key in state and state[key] != now:
-                raise ValueError(f"checkpoint data position was taken with {key}={state[key]}, this run has "
-                                 f"{key}={now}: resuming would not replay the same batches (keep the data, "
-                                 "train.seed, train.micro_batch_size and the data-parallel size of the run)")
+        check_same_layout(state, self._layout(), "the data, train.seed, train.micro_batch_size and the "
+                                                 "data-parallel size of the run")
         self.epoch, self.cursor = state["epoch"], state["cursor"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from glmtune.train.data_loader import collate
+from glmtune.train.data_loader import check_same_layout, collate
 from glmtune.train.mix_data import MixSources, target_tokens
 
 
@@ -110,11 +110,8 @@ class MixedRowLoader:
         return {"epoch": self.epoch, "cursor": self.cursor, **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, now in self._layout().items():
-            if key in state and state[key] != now:
-                raise ValueError(f"checkpoint data position was taken with {key}={state[key]}, this run has "
-                                 f"{key}={now}: resuming would not replay the same batches (keep the data, "
-                                 "data.replay, train.seed, train.micro_batch_size and the data-parallel size)")
+        check_same_layout(state, self._layout(), "the data, data.replay, train.seed, train.micro_batch_size and "
+                                                 "the data-parallel size")
         position = state["epoch"] * self.batches_per_epoch + state["cursor"]
         self.epoch, self.cursor = 0, 0
         self._restart()
