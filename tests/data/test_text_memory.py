@@ -3,21 +3,14 @@ than holding its tokens would (docs/data.md "Raw text": measured 290 MiB at 27 K
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from benchmarks.text_corpus_memory import write_corpus
 from tests.peak_rss import PEAK, peak_rss
 
 
 def _corpus(path: Path, megabytes: float) -> Path:
-    with path.open("w") as f:
-        written, i = 0, 0
-        while written < megabytes * (1 << 20):
-            text = f"Contract {i}. " + " ".join(f"Clause {k}: the buyer pays invoice {i * 31 + k} within "
-                                                  f"{k % 9 + 7} days of delivery." for k in range(20))
-            line = json.dumps({"text": text, "source": f"c{i // 10}"}) + "\n"
-            f.write(line)
-            written, i = written + len(line), i + 1
+    write_corpus(path, megabytes)  # the memory table's documents (benchmarks/text_corpus_memory.py)
     return path
 
 
