@@ -40,6 +40,8 @@ examples:
       --candidate runs/tiny-sft-support-json
   glmtune eval SUITE.yaml --base /models/GLM-5 --candidate runs/glm5-lora --merged --device cuda
   glmtune eval SUITE.yaml --base B --candidate C --out evals/c --overwrite --json > scorecard.json
+  glmtune eval SUITE.yaml --base runs/student --candidate runs/student-distilled \
+      --compare runs/teacher/hf,name=teacher --compare https://api.example.com/v1,model=glm-5,key-env=ZAI_KEY
 """
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--candidate", required=True, metavar="CAND",
                         help="the candidate: a run directory (its hf/ or adapter/), an HF directory, an adapter, or a "
                              "server's http(s)://HOST:PORT/v1")
+    parser.add_argument("--compare", action="append", default=[], metavar="TARGET[,KEY=VALUE...]",
+                        help="one more model on the scorecard, reported beside base and candidate and not gated "
+                             "(repeatable): an HF directory, a run directory, an adapter, or a server's "
+                             "http(s)://HOST:PORT/v1; keys name=LABEL, model=ID, api=completions|chat, key-env=VAR "
+                             "(the variable holding the endpoint's API key, written nowhere)")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="eval directory to write (default: CAND/eval/<suite name> for a run directory, "
                              "else ./eval/<suite name>)")
@@ -208,12 +215,14 @@ _STATUS_FILE = "GLMTUNE_EVAL_STATUS_FILE"
 
 def _evaluate(ns: argparse.Namespace) -> int:
     # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+    from glmtune.eval.compare import compare_targets
     from glmtune.eval.placement import check_device
 
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # a device this machine lacks: one line before the suite, a model or torchrun is touched
     check_device(ns.device, sharded=sharded or ns.nproc_per_node is not None, command="eval")
     if ns.nproc_per_node is not None:
+        compare_targets(ns.compare, sharded=True)  # refused (one line) before torchrun starts
         return launch_on_ranks(ns)
     if not sharded and ns.ep not in (None, 1):
         raise ValueError(f"--parallel.ep {ns.ep} splits experts over ranks: add --nproc-per-node N (or start "
@@ -231,7 +240,7 @@ def _evaluate(ns: argparse.Namespace) -> int:
     card, out = run_eval(ns.suite, ns.base, ns.candidate, ns.out, overwrite=ns.overwrite, device=ns.device,
                          dtype=dtype, merged=ns.merged, log=lambda message: progress.print(console_text(message)),
                          sharded=ShardedLayout(ns.ep, ns.fp8_base) if sharded else None,
-                         fp8_base=ns.fp8_base or "none", endpoint=_endpoint_options(ns))
+                         fp8_base=ns.fp8_base or "none", endpoint=_endpoint_options(ns), compare=ns.compare)
     return _report(ns, card, out) if main_rank else EXIT_PASSED
 
 

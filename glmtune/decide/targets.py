@@ -1,110 +1,29 @@
-"""The alternatives, `--compare TARGET[,key=value...]` (repeatable), and the base's endpoint key.
+"""decide's alternatives, `--compare TARGET[,key=value...]` (repeatable), and the base's endpoint key.
 
-TARGET is an OpenAI-compatible endpoint (http(s)://HOST:PORT/v1: an API, or a smaller model a
-server runs) or a local model as `glmtune eval` takes one (an HF directory, a run directory, an
-adapter). The keys after it, comma-separated:
+The target and its keys are `glmtune eval`'s (`glmtune.eval.targets`: name=, model=, api=,
+key-env=), and one more:
 
-  name=LABEL         the arm's label in the report (default: the directory's name, or `HOST:PORT`)
-  model=ID           an endpoint's served model (default: the only one its /v1/models lists)
-  api=completions|chat   an endpoint's API (default completions: glmtune renders the suite's chat
-                     template; chat: the engine's own template, what an API offers)
-  key-env=VAR        an endpoint's API key is read from the environment variable VAR (only its name
-                     is kept; the key is sent as the bearer token and written nowhere)
   cost-per-1k=USD    the cost of 1,000 requests, as the user knows it; shown beside the verdict
 
-A key that does not apply (model, api or key-env of a local model), an unknown key, a repeated or
-reserved label, a variable that is not set or empty: one sentence, before anything runs.
+The arms decide adds itself (base, prompted, retrieval) are reserved labels.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import re
-from dataclasses import dataclass
-from pathlib import Path
+from glmtune.eval.targets import COST_KEY, KEYS, Target, check_key_env
+from glmtune.eval.targets import check_labels as _check_labels
+from glmtune.eval.targets import parse_target as _parse_target
 
-from glmtune.eval.endpoint_source import APIS, is_endpoint
+__all__ = ["RESERVED", "Target", "check_key_env", "check_labels", "parse_target"]
 
 RESERVED = ("base", "prompted", "retrieval")
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
-_KEYS = ("name", "model", "api", "key-env", "cost-per-1k")
-_ENDPOINT_KEYS = ("model", "api", "key-env")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-@dataclass(frozen=True)
-class Target:
-    spec: str  # as given
-    source: str  # the URL or the path
-    label: str
-    model: str | None = None
-    api: str | None = None
-    key_env: str | None = None
-    cost_per_1k: float | None = None
-
-    @property
-    def is_endpoint(self) -> bool:
-        return is_endpoint(self.source)
-
-
-def check_key_env(option: str, name: str) -> str:
-    """`name` when it names a set, non-empty environment variable; ValueError naming `option` otherwise
-    (the key itself is never quoted)."""
-    if not _ENV_NAME.match(name):
-        raise ValueError(f"{option}: {name!r} is not an environment variable name")
-    if not os.environ.get(name):
-        raise ValueError(f"{option}: the environment variable {name} is not set (or empty); export the API key in it")
-    return name
-
-
-def _default_label(source: str) -> str:
-    if is_endpoint(source):
-        return source.split("://", 1)[1].split("/", 1)[0]
-    return Path(source).resolve().name or "model"
 
 
 def parse_target(spec: str) -> Target:
-    """One `--compare` value (module docstring)."""
-    option = f"--compare {spec}"
-    source, *pairs = spec.split(",")
-    if not source:
-        raise ValueError(f"{option}: no target before the options (an endpoint URL or a model directory)")
-    values: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in _KEYS:
-            raise ValueError(f"{option}: {pair!r} is not one of {', '.join(k + '=' for k in _KEYS)}")
-        if key in values:
-            raise ValueError(f"{option}: {key}= given twice")
-        values[key] = value
-    if not is_endpoint(source) and (given := [k for k in _ENDPOINT_KEYS if k in values]):
-        raise ValueError(f"{option}: {given[0]}= applies to an endpoint (http(s)://HOST:PORT/v1); {source} is a "
-                         "local model")
-    if values.get("api", "completions") not in APIS:
-        raise ValueError(f"{option}: api={values['api']}: expected one of {', '.join(APIS)}")
-    cost = None
-    if "cost-per-1k" in values:
-        try:
-            cost = float(values["cost-per-1k"])
-        except ValueError:
-            cost = math.nan
-        if not (math.isfinite(cost) and cost >= 0):
-            raise ValueError(f"{option}: cost-per-1k={values['cost-per-1k']}: expected a finite cost >= 0")
-    key_env = check_key_env(f"{option}: key-env", values["key-env"]) if "key-env" in values else None
-    label = values.get("name") or _default_label(source)
-    if not _LABEL.match(label):
-        raise ValueError(f"{option}: name {label!r}: a label is letters, digits, '_', '.', ':', '-' (at most 64); "
-                         "give one with name=")
-    return Target(spec, source, label, values.get("model"), values.get("api"), key_env, cost)
+    """One `--compare` value: eval's keys and cost-per-1k (module docstring)."""
+    return _parse_target(spec, KEYS + (COST_KEY,))
 
 
 def check_labels(targets: list[Target]) -> None:
-    """Each alternative's label is its own (the arms' labels are the report's columns)."""
-    seen: set[str] = set()
-    for t in targets:
-        if t.label in RESERVED:
-            raise ValueError(f"--compare {t.spec}: the label {t.label!r} is an arm's; give another with name=")
-        if t.label in seen:
-            raise ValueError(f"--compare {t.spec}: the label {t.label!r} is given twice; tell them apart with name=")
-        seen.add(t.label)
+    """Each alternative's label is its own and none of decide's own arms'."""
+    _check_labels(targets, RESERVED)

@@ -63,9 +63,10 @@ class EndpointOptions:
     # None: GLMTUNE_ENDPOINT_API_KEY. Only the variable's name is kept: the key is read when a client is made
     api_key_env: str | None = None
 
-    def check(self, base_arg, candidate_arg) -> None:
+    def check(self, base_arg, candidate_arg, compared: tuple = ()) -> None:
         """ValueError (one line, naming the option) for a value out of range, or an endpoint option given
-        with no endpoint model to apply to (an accepted setting must take effect)."""
+        with no endpoint model to apply to (an accepted setting must take effect). `compared`: the
+        `--compare` targets' sources, which the shared options apply to as well."""
         if self.api is not None and self.api not in APIS:
             raise ValueError(f"--api {self.api}: expected one of {', '.join(APIS)}")
         for option, value, low in (("--concurrency", self.concurrency, 1), ("--retries", self.retries, 0)):
@@ -82,14 +83,14 @@ class EndpointOptions:
             if value is not None and not is_endpoint(arg):
                 raise ValueError(f"{option} names a served model, but --{option[2:-6]} {arg} is not an endpoint "
                                  "(http(s)://HOST:PORT/v1)")
-        if not (is_endpoint(base_arg) or is_endpoint(candidate_arg)):
+        if not any(is_endpoint(arg) for arg in (base_arg, candidate_arg, *compared)):
             given = [o for o, v in (("--api", self.api), ("--concurrency", self.concurrency),
                                     ("--timeout", self.timeout_s), ("--retries", self.retries),
                                     ("--tokenizer", self.tokenizer),
                                     ("--max-response-bytes", self.max_response_bytes)) if v is not None]
             if given:
-                raise ValueError(f"{given[0]} applies to an endpoint model (--base or --candidate "
-                                 "http(s)://HOST:PORT/v1); neither is one")
+                raise ValueError(f"{given[0]} applies to an endpoint model (--base, --candidate or a --compare "
+                                 "http(s)://HOST:PORT/v1); none is one")
         else:
             self._check_memory()
 

@@ -7,7 +7,7 @@ candidate's; a base with other tokenizer or template files is refused, naming bo
 sets (data contract, file:line), the models' fingerprints (an adapter or run whose recorded base
 differs is refused), the tool functions (each imports) and the reference tool calls, the
 scorers' row checks, every row's prompt rendered once (a template the sandbox refuses is named
-here). Then each model in turn (base, candidate, candidate-merged): load, answer every set (a
+here). Then each model in turn (base, candidate, candidate-merged, each --compare arm: `compare.py`): load, answer every set (a
 preference set's pairs are scored teacher-forced instead), score the general text and the
 held-out domain documents (`domain_text.py`, by source), measure
 operations (the serving metrics teacher-forced over the chat rows' reference answers:
@@ -55,6 +55,7 @@ from glmtune.eval.gates import evaluate_gates
 from glmtune.distributed.lockstep import ONE_PROCESS
 from glmtune.eval.backends import Backend, NotAvailable
 from glmtune.eval.endpoint import Endpoint, EndpointOptions, is_endpoint, resolve_endpoint
+from glmtune.eval.compare import ROLE as COMPARE_ROLE, check_prompting, compare_targets, resolve_targets
 from glmtune.eval.endpoint_client import RequestFailed
 from glmtune.eval.general_text import GENERAL_TEXT_METRIC, text_windows
 from glmtune.eval.domain_loss import domain_losses
@@ -71,6 +72,7 @@ from glmtune.eval.scorers.reference_loss import ReferenceLoss
 from glmtune.eval.serving import SERVING_METRICS, serving_count, serving_entry
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
+from glmtune.eval.targets import redact, secrets_of
 from glmtune.eval.tools import ToolExecutor
 from glmtune.io import json_out
 from glmtune.io.outputs import check_output, output_dir
@@ -134,6 +136,19 @@ def prompting_dir(base, candidate, tokenizer: Path | None) -> tuple[Path, str]:
     return found
 
 
+def _prompting(models: list, tokenizer: Path | None) -> tuple[Path, str]:
+    """`prompting_dir` of the base and the candidate (a local compared model's when both are
+    endpoints and no --tokenizer is given), every local compared model held to it."""
+    base, candidate, compared = models[0], models[1], [m for m in models if m.role == COMPARE_ROLE]
+    local = [m for m in compared if m.kind != "endpoint"]
+    if tokenizer is None and base.kind == candidate.kind == "endpoint" and local:
+        found = prompting_dir(local[0], local[0], None)
+    else:
+        found = prompting_dir(base, candidate, tokenizer)
+    check_prompting(found, compared, lambda directory, template: (tokenizer_sha256(directory), _sha256(template)))
+    return found
+
+
 def default_out(candidate: ModelSource, suite: Suite) -> Path:
     """RUN_DIR/eval/<suite name> for a run directory candidate, else ./eval/<suite name>."""
     root = candidate.source / "eval" if candidate.kind == "run" else Path("eval")
@@ -148,14 +163,33 @@ def _glmtune_pin() -> dict[str, Any]:
 def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | Path, out: str | Path | None = None,
              *, overwrite: bool = False, device: str = "auto", dtype: torch.dtype | None = None,
              merged: bool = False, sharded: ShardedLayout | None = None, fp8_base: str = "none",
-             endpoint: EndpointOptions | None = None,
+             endpoint: EndpointOptions | None = None, compare: list[str] | tuple[str, ...] = (),
              log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path]:
     """Evaluate and write the eval directory; returns (scorecard, its directory). ValueError: user errors.
     `sharded`: run as one rank of a torchrun job (`sharded.py`); rank 0 logs and writes.
-    `endpoint`: the options of a model given as a server URL (`endpoint.py`)."""
-    suite = load_suite(suite_path)
-    endpoint = endpoint or EndpointOptions()
-    endpoint.check(base_arg, candidate_arg)
+    `endpoint`: the options of a model given as a server URL (`endpoint.py`). `compare`: the
+    `--compare` values, more models reported beside base and candidate, not gated (`compare.py`);
+    the API keys of their key-env variables reach no log, message, scorecard or file."""
+    targets = compare_targets(list(compare), sharded is not None)
+    secrets = secrets_of(targets)
+    try:
+        return _run_eval(suite_path, base_arg, candidate_arg, out, overwrite=overwrite, device=device, dtype=dtype,
+                         merged=merged, sharded=sharded, fp8_base=fp8_base, endpoint=endpoint or EndpointOptions(),
+                         targets=targets, secrets=secrets, log=lambda message: log(redact(message, secrets)))
+    except Exception as exc:  # a server may echo the key back in an error
+        text = str(exc)
+        if not any(secret in text for secret in secrets):
+            raise
+        try:
+            clean = type(exc)(redact(text, secrets))
+        except Exception:  # an exception type that takes other arguments
+            clean = RuntimeError(redact(text, secrets))
+        raise clean from None
+
+
+def _resolve_models(suite: Suite, base_arg, candidate_arg, merged: bool, targets: list, endpoint: EndpointOptions,
+                    sharded: ShardedLayout | None) -> tuple[list, list[str]]:
+    """(every model: base, candidate, candidate-merged, the compared ones; the labels the gates check)."""
     if sharded is not None and (is_endpoint(base_arg) or is_endpoint(candidate_arg)):
         raise ValueError("--nproc-per-node with an endpoint model: the engine holds that model; evaluate it "
                          "in one process")
@@ -164,18 +198,31 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
     models = [base, candidate] + ([merged_variant(candidate)] if merged else [])
     labels = [m.label for m in models]
     for i, gate in enumerate(suite.file.gates):
+        if gate.model is not None and gate.model in {t.label for t in targets}:
+            raise ValueError(f"{suite.path}: gates[{i}].model: {gate.model} is a --compare arm, which is reported, "
+                             "not gated (the gates decide the candidate against the base)")
         if gate.model is not None and gate.model not in labels:
             raise ValueError(f"{suite.path}: gates[{i}].model: {gate.model} is not evaluated (pass --merged to "
                              "evaluate candidate-merged)")
     if sharded is not None and merged:
         raise ValueError("--merged with --nproc-per-node: merge the adapter with `glmtune merge` (it streams shard "
                          "by shard) and pass the merged directory as --candidate")
+    return models + resolve_targets(targets, endpoint), labels
+
+
+def _run_eval(suite_path, base_arg, candidate_arg, out, *, overwrite: bool, device: str, dtype, merged: bool,
+              sharded: ShardedLayout | None, fp8_base: str, endpoint: EndpointOptions, targets: list,
+              secrets: list[str], log: Callable[[str], None]) -> tuple[dict[str, Any], Path]:
+    suite = load_suite(suite_path)
+    endpoint.check(base_arg, candidate_arg, tuple(t.source for t in targets))
+    models, gated = _resolve_models(suite, base_arg, candidate_arg, merged, targets, endpoint, sharded)
+    candidate, labels = models[1], [m.label for m in models]
     out = Path(out) if out is not None else default_out(candidate, suite)
     reads = [("SUITE", suite.path)] + [(f"set {s.name}", s.path) for s in suite.sets if s.path is not None]
     reads += [r for m in models for r in m.reads()]
     reads += [("--tokenizer", endpoint.tokenizer)] if endpoint.tokenizer is not None else []
     check_output(out, overwrite=overwrite, sources=reads, what="--out", command="eval")
-    tokenizer_dir, template = prompting_dir(base, candidate, endpoint.tokenizer)
+    tokenizer_dir, template = _prompting(models, endpoint.tokenizer)
     tokenizer = load_tokenizer(tokenizer_dir)
     loaded = load_sets(suite, candidate, control_tokens(template, tokenizer))
     placement = Placement.choose(device, dtype, sharded, candidate, fp8_base)
@@ -197,7 +244,7 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
         results = {m.label: evaluate_model(m, loaded, prompting, executor if suite.file.tools.functions else None,
                                             windows, placement, log, endpoint, domain=domain) for m in models}
     implicit_margins(loaded, results, labels)
-    card = build_scorecard(suite, loaded, models, prints, results, template, labels)
+    card = redact(build_scorecard(suite, loaded, models, prints, results, template, labels, gated), secrets)
     if placement.is_main:
         _write(out, overwrite, reads, suite, loaded, card)
     placement.close()
@@ -416,10 +463,12 @@ def _text_loss(backend: Backend, windows, not_available: dict[str, str]) -> tupl
 
 
 def build_scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSource], prints: dict,
-                    results: dict, template: str, labels: list[str]) -> dict[str, Any]:
+                    results: dict, template: str, labels: list[str],
+                    gated: list[str] | None = None) -> dict[str, Any]:
     """The `glmtune.scorecard/1` document of `models` (`labels` in order, the first the base) from
     their `evaluate_model` results: per-set metrics by category with deltas against the base, fields,
-    examples, the general text, operations, and the suite's gates checked for every label but the first."""
+    examples, the general text, operations, and the suite's gates checked for every label but the first (`gated`: the labels the
+    gates check, the base first; eval's --compare arms are reported, not gated)."""
     scores = {label: results[label]["scores"] for label in labels}
     outputs = {label: results[label]["outputs"] for label in labels}
     metrics, fields, examples = [], [], []
@@ -449,7 +498,7 @@ def build_scorecard(suite: Suite, loaded: list[LoadedSet], models: list[ModelSou
         if any(reasons.values()):
             metric["not_available"] = {lb: why for lb, why in reasons.items() if why}
 
-    gates = evaluate_gates(suite.file.gates, metrics, labels[1:])
+    gates = evaluate_gates(suite.file.gates, metrics, (gated or labels)[1:])
     offered = tools_offered(loaded)
     system_prompt = suite.file.system_prompt
     return {

@@ -145,6 +145,9 @@ def _operations(operations: dict, labels: list[str]):
         table.append({"label": lab, "color": color.get(lab, 3), "requests": fmt_value(op.get("requests"), "count"),
                       "p50": fmt_value(op.get("p50_s"), "seconds"), "p95": fmt_value(op.get("p95_s"), "seconds"),
                       "tokens": fmt_value(op.get("generated_tokens"), "count"),
+                      # serving cost: a model run here counts them; an endpoint's engine does not say
+                      "parameters": fmt_value(op.get("parameters"), "count"),
+                      "active": fmt_value(op.get("active_parameters"), "count"),
                       "tps": fmt_value(op.get("generated_tokens_per_s"), "tokens_per_s"),
                       "memory": fmt_value(op.get("peak_memory_gib"), "gib"),
                       "device": (op.get("device") or "—") + endpoint_faults(op.get("endpoint"))})
@@ -229,6 +232,7 @@ def render_html(scorecard: dict, preface: dict | None = None) -> str:
         models=[{**m, "label": labels[i], "color": i,
                  "fingerprint": list((m.get("fingerprint") or {}).items())} for i, m in enumerate(models)],
         labels=labels, candidates=candidates, gates=gates,
+        compared=[str(m.get("label")) for m in models if m.get("role") == "compare"],
         gates_failed=sum(1 for g in gates if g.get("passed") is False),
         sections=_metric_sections(scorecard.get("metrics") or [], set_order, labels, candidates),
         field_chart=_field_chart(scorecard.get("fields") or [], labels),

@@ -56,6 +56,10 @@ def _gates_and_models(card: dict[str, Any]) -> list[str]:
         lines += [f"| {_cell(g['name'])} | {_cell(g['model'] or 'every candidate')} | "
                   f"{'pass' if g['passed'] else '**FAIL**'} | {_cell(g['message'])} |" for g in card["gates"]]
         lines.append("")
+    compared = [_cell(m["label"]) for m in card["models"] if m.get("role") == "compare"]
+    if compared:  # eval's --compare arms: beside the others on every table, never gated
+        lines += [f"Compared, not gated: {', '.join(compared)} (the gates decide the candidate against the base).",
+                  ""]
     lines += ["## Models", "", "| label | kind | source | weights sha256 |", "|---|---|---|---|"]
     for m in card["models"]:
         merged = " (merged)" if m["merged"] else " (unmerged)" if m["merged"] is False else ""
