@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from glmtune.data.text_sources import TextReadOptions, read_documents
+from glmtune.cli import main
+from glmtune.data.text_sources import MAX_TEXT_LINE_BYTES, TextReadOptions, read_documents
 from tests.peak_rss import PEAK
 
 
@@ -130,3 +132,26 @@ def test_unsupported_inputs(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("a")
     with pytest.raises(ValueError, match=r"a\.txt: data.format is 'jsonl' but this input is not a \.jsonl file"):
         _docs([tmp_path / "a.txt"], file_format="jsonl")
+
+
+def test_a_500_mb_single_line_is_one_sentence_naming_the_file(tmp_path: Path, capsys) -> None:
+    """Issue 47's case at its size, through `glmtune plan` (which reads the corpus as `glmtune train`
+    does): a 500 MB file with no newline is refused in one line naming the file and line 1, after
+    reading no more than the 16 MiB bound. Past the bound the file is a hole (no disk spent: the
+    refusal comes before the reader gets there)."""
+    huge = tmp_path / "dump.txt"
+    with huge.open("wb") as f:
+        f.write(b"x" * (MAX_TEXT_LINE_BYTES + 4096))
+        f.truncate(500 * 10**6)
+    assert huge.stat().st_size == 500 * 10**6
+    code = main(["plan", "recipes/tiny/cpt_domain_text.yaml", "--data.train", f"[{huge}]",
+                 "--data.cache_dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1, err
+    assert f"{huge}:1: a line longer than 16,777,216 bytes; not a text file glmtune reads" in err
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=r"dump\.txt:1: a line longer than"):
+        _docs([huge])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2 * MAX_TEXT_LINE_BYTES + (4 << 20), peak  # the bound's read, not the 500 MB line
