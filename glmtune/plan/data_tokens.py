@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmtune.config import JobConfig
+from glmtune.models.catalog import is_preset
 from glmtune.train.mix_data import MixSources, target_tokens
 from glmtune.train.model_source import tokenizer_dir_for
 from glmtune.train.run_data import prepare_data
@@ -78,6 +79,12 @@ def unreadable_data(cfg: JobConfig) -> str | None:
 
 def epoch_tokens(cfg: JobConfig, vocab_size: int, model_dir: Path | None = None) -> EpochTokens:
     """Pack the recipe's training data as `glmtune train` does and count it (module docstring)."""
+    if model_dir is None and not cfg.data.tokenizer and not is_preset(cfg.model.name_or_path):
+        # the tokenizer training will use is the checkpoint's: the bundled tiny one would count other tokens
+        raise ValueError(f"glmtune plan counts data.train with the model's tokenizer, and model.name_or_path "
+                         f"{cfg.model.name_or_path} is not here (a placeholder?): give --data.tokenizer DIR (the "
+                         "checkpoint's tokenizer files) or --model.name_or_path CHECKPOINT, or plan without the "
+                         "data (--no-data)")
     with tempfile.TemporaryDirectory(prefix="glmtune-plan-") as tmp:
         data = prepare_data(cfg, Path(tmp), tokenizer_dir_for(cfg, model_dir), vocab_size)
     rows, mix = (data.train_rows, None) if data.mix is None else _mixed_epoch(data.train_rows, data.mix)
