@@ -1,7 +1,8 @@
 """`glmtune eval SUITE --base BASE --candidate CAND [--out DIR]`: a scorecard and release gates.
 
-Both (with --merged all three) models answer the suite's sets under one chat template, system
-prompt and decoding, one model in memory at a time; the scores, per category with the base's
+Both (with --merged all three) models, and each --compare TARGET (reported beside them, never
+gated: glmtune/eval/compare.py), answer the suite's sets under one chat template, system prompt and
+decoding, one model in memory at a time; the scores, per category with the base's
 value, the delta and n, go to DIR/scorecard.{json,md,html} with the suite and the exact rows
 (docs/eval.md). Exit status: 0 every gate passed, 1 a gate failed (each failed gate is printed
 with its values), 2 a user error (one line: the suite, a row, a model or an option; ValueError
