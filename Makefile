@@ -74,8 +74,8 @@ test-engines: venv
 # Distillation, the whole tiny flow on a CPU (docs/distill.md, "The tiny demo"; the steps and why are
 # in the script, which tests/distill/test_distill_demo.py runs too): the SFT demo's model (trained
 # first when runs/ lacks it) as the in-process teacher, 1000 tickets answered with top-8
-# log-probabilities, a 3-layer student, scorecards on 240 tickets of another seed (teacher beside the
-# distilled student, then base student -> distilled student, whose gate decides the target's status).
+# log-probabilities, a 3-layer student, one scorecard on 240 tickets of another seed (base student ->
+# distilled student, whose gate decides the target's status, the teacher a --compare arm beside them).
 distill: venv
 	bash scripts/distill_demo.sh $(BIN)
 
