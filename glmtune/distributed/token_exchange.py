@@ -79,6 +79,16 @@ class AllToAllState(DispatchState):
     inverse_R: torch.Tensor  # received row -> expert-major position
 
 
+@dataclass
+class _RowsInFlight:
+    """`AllToAllTokenDispatcher.dispatch_start`'s result: the received rows (an all-to-all not
+    yet waited), in [source rank][local expert] order, and what `dispatch_finish` needs."""
+
+    rows: torch.Tensor
+    tokens_per_expert_L: torch.Tensor
+    state: AllToAllState
+
+
 class AllToAllTokenDispatcher(TokenDispatcher):
     """Expert parallelism with two all-to-alls per layer, forward and backward alike.
 
@@ -96,6 +106,12 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
+        return self.dispatch_finish(self.dispatch_start(x_TD, topk_idx_TK, topk_w_TK, num_experts))
+
+    def dispatch_start(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+    ) -> _RowsInFlight:
+        """Sends the rows and returns with the all-to-all in flight (not waited)."""
         ep, num_local = self.ep.size, self.ep.num_local_experts
         assert num_experts == ep * num_local, (num_experts, ep, num_local)
         # Sorted by global expert id, the rows are already grouped by destination rank.
@@ -107,20 +123,29 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         counts_host = torch.stack([tokens_per_expert_E.view(ep, num_local), recv_PL]).sum(2).cpu()
         send_splits, recv_splits = counts_host.tolist()
         num_rows = sum(recv_splits)
+        # Functional collective: waited at the first use of its result, in `dispatch_finish`.
         x_RD = all_to_all_single_autograd(x_ND, recv_splits, send_splits, self.ep.group)
         # Received rows come as [source rank][local expert]; the grouped GEMM wants them
         # local-expert-major. A stable sort by local expert keeps the source ranks in order.
         block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_TD.device), recv_PL.reshape(-1),
                                           output_size=num_rows)
         _, order_R, inverse_R = sort_permutation(block_R % num_local)
-        x_RD = permute_rows(x_RD, order_R, inverse_R)
-        tokens_per_expert_L = recv_PL.sum(0)
         state = AllToAllState(tokens_per_expert_E, local, send_splits, recv_splits, order_R, inverse_R)
-        return x_RD, tokens_per_expert_L, state
+        return _RowsInFlight(x_RD, recv_PL.sum(0), state)
+
+    def dispatch_finish(self, in_flight: _RowsInFlight) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
+        state = in_flight.state
+        return permute_rows(in_flight.rows, state.order_R, state.inverse_R), in_flight.tokens_per_expert_L, state
 
     def combine(self, y_RD: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
+        return self.combine_finish(self.combine_start(y_RD, state), state, out_dtype)
+
+    def combine_start(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
+        """Sends the outputs back; the returned rows are waited at their first use."""
         y_RD = permute_rows(y_RD, state.inverse_R, state.order_R)
-        y_ND = all_to_all_single_autograd(y_RD, state.send_splits, state.recv_splits, self.ep.group)
+        return all_to_all_single_autograd(y_RD, state.send_splits, state.recv_splits, self.ep.group)
+
+    def combine_finish(self, y_ND: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
         return self.local.combine(y_ND, state.local, out_dtype)
 
 

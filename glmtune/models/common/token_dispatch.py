@@ -5,8 +5,9 @@ here knows a model family.
 
 A dispatcher moves routed tokens to the experts that compute them and their outputs back:
 `dispatch` returns the rows this rank's experts compute, grouped by local expert, and
-`combine` sums each token's weighted expert outputs. The model calls only those two, so
-expert parallelism replaces the dispatcher without touching the model.
+`combine` sums each token's weighted expert outputs. The model calls only those two (each
+split in a `*_start` and a `*_finish` half, so it can compute what needs no routed row while
+the rows travel), so expert parallelism replaces the dispatcher without touching the model.
 
 The routed-experts layer contract (what `glmtune/distributed/expert_parallel.py` relies on
 to find and transform a model's MoE layers, whatever the family; `expert_layers` finds them):
@@ -126,6 +127,30 @@ class TokenDispatcher(ABC):
     def combine(self, y_RD: torch.Tensor, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
         """Returns [T, D] in `out_dtype`: the sum of each token's experts' outputs weighted by
         its routing weights, in fp32, differentiable in the weights (the router's gradient)."""
+
+    # The two trips in two halves, so a layer can compute what needs no routed row (GLM-5's
+    # shared experts) while a trip is in flight: `dispatch_start` returns once the rows are
+    # sent, `dispatch_finish` waits for them; likewise `combine_start` / `combine_finish`.
+    # `dispatch` = finish(start(...)) and `combine` = finish(start(...)) compute the same thing.
+    # These defaults run the whole trip in `*_start`: nothing is in flight between the halves.
+
+    def dispatch_start(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
+    ) -> object:
+        """Begins `dispatch`; what it returns goes to `dispatch_finish` and nowhere else."""
+        return self.dispatch(x_TD, topk_idx_TK, topk_w_TK, num_experts)
+
+    def dispatch_finish(self, in_flight: object) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """Completes `dispatch_start`: `dispatch`'s result."""
+        return in_flight  # type: ignore[return-value]
+
+    def combine_start(self, y_RD: torch.Tensor, state: DispatchState) -> object:
+        """Begins `combine`; what it returns goes to `combine_finish` and nowhere else."""
+        return y_RD
+
+    def combine_finish(self, in_flight: object, state: DispatchState, out_dtype: torch.dtype) -> torch.Tensor:
+        """Completes `combine_start`: `combine`'s result."""
+        return self.combine(in_flight, state, out_dtype)  # type: ignore[arg-type]
 
 
 DISPATCH_BACKENDS = ("auto", "torch", "triton")

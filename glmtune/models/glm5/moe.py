@@ -42,7 +42,11 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): the input of `down_proj` (MoE runs the halves apart)."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.gate_proj, self.up_proj, self.down_proj):
@@ -137,12 +141,21 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         _, topk_w_TK, topk_idx_TK = self.gate(x_TD)
-        x_RD, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
+        # The shared experts need no routed row: their first half runs while the dispatch's
+        # all-to-all is in flight, their second while the combine's is (expert parallelism;
+        # the local dispatcher has nothing in flight). The same ops on the same operands as
+        # one after the other, and backward accumulates x's gradient in the same order
+        # (tests/models/test_moe_overlap.py), so the losses are bit-identical.
+        in_flight = self.dispatcher.dispatch_start(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
+        shared_hidden_BSI = self.shared_experts.hidden(x_BSD)
+        x_RD, tokens_per_expert_L, state = self.dispatcher.dispatch_finish(in_flight)
         with torch.no_grad():
             self.tokens_per_expert.copy_(state.tokens_per_expert_E)
         y_RD = self.experts(x_RD, tokens_per_expert_L)
-        routed_TD = self.dispatcher.combine(y_RD, state, x_TD.dtype)
-        return routed_TD.view_as(x_BSD) + self.shared_experts(x_BSD)
+        in_flight = self.dispatcher.combine_start(y_RD, state)
+        shared_BSD = self.shared_experts.down_proj(shared_hidden_BSI)
+        routed_TD = self.dispatcher.combine_finish(in_flight, state, x_TD.dtype)
+        return routed_TD.view_as(x_BSD) + shared_BSD
 
     def reset_parameters(self, std: float) -> None:
         self.gate.reset_parameters(std)
