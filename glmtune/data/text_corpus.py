@@ -53,6 +53,7 @@ class TextCorpus:
     report: dict[str, Any]  # text_contract.TextContract.report()
     pii_report: dict[str, Any]
     cache_hit: bool
+    inputs: list[dict[str, Any]]  # every input file: path, source, bytes, sha256 (what the key hashed)
 
 
 def tokenize_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -73,11 +74,17 @@ def _batches(documents: Iterator[TextDocument]) -> Iterator[list[TextDocument]]:
         yield batch
 
 
-def corpus_keys(paths: list[Path], options: TextCorpusOptions, tokenizer_dir: Path, splits: tuple[str, ...]
-                ) -> dict[str, str]:
-    """The cache key of each stored split (module docstring)."""
-    inputs = [(source, file_sha256(path)) for path, source in expand_text_inputs(paths, options.read.file_format)]
-    data = hashlib.sha256(json.dumps({"inputs": inputs, "options": asdict(options)}, sort_keys=True).encode())
+def input_files(paths: list[Path], file_format: str) -> list[dict[str, Any]]:
+    """Every input file of `paths` (folders expanded): its path, source name, size and sha256."""
+    return [{"path": str(path), "source": source, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+            for path, source in expand_text_inputs(paths, file_format)]
+
+
+def corpus_keys(inputs: list[dict[str, Any]], options: TextCorpusOptions, tokenizer_dir: Path,
+                splits: tuple[str, ...]) -> dict[str, str]:
+    """The cache key of each stored split (module docstring) from `input_files`' records."""
+    hashed = [(f["source"], f["sha256"]) for f in inputs]
+    data = hashlib.sha256(json.dumps({"inputs": hashed, "options": asdict(options)}, sort_keys=True).encode())
     tokenizer_hash = tokenizer_sha256(tokenizer_dir)
     return {split: cache_key(tokenizer_hash=tokenizer_hash, template="", data_hash=data.hexdigest(),
                              loss_on="every_token", enable_thinking=False, kind=f"text:{split}") for split in splits}
@@ -90,7 +97,8 @@ def build_text_corpus(paths: list[str | Path], options: TextCorpusOptions, *, to
     No documents at all is a ValueError naming the inputs."""
     paths = [Path(p) for p in paths]
     directory = resolve_tokenizer_dir(tokenizer_dir)
-    keys = corpus_keys(paths, options, directory, splits)
+    inputs = input_files(paths, options.read.file_format)
+    keys = corpus_keys(inputs, options, directory, splits)
     cache = TokenizationCache(cache_dir)
     entries = {split: cache.path(key) for split, key in keys.items()}
     sidecar = entries[splits[0]].with_suffix(".json")
@@ -99,7 +107,7 @@ def build_text_corpus(paths: list[str | Path], options: TextCorpusOptions, *, to
         if not (isinstance(meta.get("contract"), dict) and isinstance(meta.get("pii_report"), dict)):
             raise ValueError(f"{sidecar}: not a text corpus sidecar glmtune writes (no contract and PII report); "
                              "delete it and its .npz to tokenize again")
-        return TextCorpus(entries, keys, meta["contract"], meta["pii_report"], cache_hit=True)
+        return TextCorpus(entries, keys, meta["contract"], meta["pii_report"], cache_hit=True, inputs=inputs)
     tokenizer = load_tokenizer(directory)
     contract = TextContract(options.min_tokens, options.max_tokens, options.pii_action, options.ratios, options.seed)
     writers = {split: StreamingEntry(cache, key) for split, key in keys.items()}
@@ -120,7 +128,7 @@ def build_text_corpus(paths: list[str | Path], options: TextCorpusOptions, *, to
     finally:
         for writer in writers.values():
             writer.discard()
-    return TextCorpus(entries, keys, report, pii_report, cache_hit=False)
+    return TextCorpus(entries, keys, report, pii_report, cache_hit=False, inputs=inputs)
 
 
 def load_split(corpus: TextCorpus, split: str, vocab_size: int | None, cache_dir: str | Path | None

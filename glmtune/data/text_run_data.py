@@ -6,12 +6,15 @@ by source), the train and validation documents are read back and packed (text_pa
 Validation documents are `data.validation`'s files when given (all their documents; the contract's
 length and PII rules and dedup within them), else the validation share of `data.split`; the
 test share is counted in the report and never trained on. The manifest records the contract's
-report: documents and tokens each rule removed, and what each split kept.
+report: documents and tokens each rule removed, and what each split kept. RUN_DIR/data/text_inputs.json
+lists each split's input files (path, source, size, sha256): the run's data files, which `glmtune
+release` records, as a chat run's split rows are.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,9 @@ from glmtune.data.text_contract import removal_notes
 from glmtune.data.text_corpus import TextCorpus, TextCorpusOptions, build_text_corpus, load_split
 from glmtune.data.text_packing import chunk_notes, pack_documents
 from glmtune.data.text_sources import TextReadOptions
+
+
+INPUTS_FILE = "text_inputs.json"  # RUN_DIR/data/: each split's input files with their sha256
 
 
 @dataclass
@@ -60,6 +66,14 @@ def _built(cfg: JobConfig, paths: list[str], ratios: tuple[float, float, float],
     return corpus
 
 
+def _write_inputs(data_dir: Path, inputs: dict[str, list[dict[str, Any]]]) -> None:
+    """data_dir/INPUTS_FILE, whole or not at all (every rank writes the same: each through its own temp file)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = data_dir / f".{INPUTS_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(inputs, indent=1) + "\n")
+    tmp.replace(data_dir / INPUTS_FILE)
+
+
 def prepare_text_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None, tokenizer: Any) -> TextRunData:
     """Build, read back and pack the run's text corpus (module docstring)."""
     d = cfg.data
@@ -87,6 +101,8 @@ def prepare_text_data(cfg: JobConfig, run_dir: Path, tokenizer_dir: Path | None,
         manifest[f"{name}_chunks"] = vars(chunks)
     if d.validation:
         manifest["validation_contract"] = parts["validation"][0].report
+    # the run's data files (a chat run's are its split rows): the corpus' files by hash, not a copy of them
+    _write_inputs(run_dir / "data", {name: source.inputs for name, (source, _) in parts.items()})
     manifest.setdefault("validation_documents", 0)
     manifest.setdefault("validation_packing", None)
     # the chat manifest's names, which `glmtune train` prints

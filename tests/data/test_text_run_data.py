@@ -4,6 +4,7 @@ data.pii: fail naming the document, and a split that leaves nothing to train on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -63,3 +64,30 @@ def test_nothing_left_to_train_on_is_one_sentence(tmp_path: Path, tiny_tokenizer
     with pytest.raises(ValueError, match=r"data.train: no train documents left \(10 read; removed 10 of 10 "
                                          r"documents \(\d+ tokens\): too_short\)"):
         prepare_text_data(cfg, tmp_path, None, tiny_tokenizer)
+
+
+def test_the_runs_data_folder_records_the_corpus_files(tmp_path: Path, tiny_tokenizer) -> None:
+    """RUN_DIR/data/text_inputs.json (what `glmtune release` records as the run's data files, as a chat
+    run's split rows are): every input file of data.train and data.validation, folders expanded, with
+    its source name, size and sha256; the same on a cache hit, and a changed file changes its hash."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    train, more = _corpus(folder / "a.jsonl", 30), _corpus(folder / "b.jsonl", 12)
+    val = _corpus(tmp_path / "val.jsonl", 5)
+    cfg = _cfg(tmp_path, "--data.train", f"[{folder}]", "--data.validation", f"[{val}]")
+    runs = [tmp_path / "run1", tmp_path / "run2"]
+    for run_dir in runs:  # the second: a cache hit
+        (run_dir / "data").mkdir(parents=True)
+        prepare_text_data(cfg, run_dir, None, tiny_tokenizer)
+    recorded = [json.loads((run_dir / "data" / "text_inputs.json").read_text()) for run_dir in runs]
+    assert recorded[0] == recorded[1]
+    files = {split: [(f["path"], f["source"], f["bytes"], f["sha256"]) for f in entries]
+             for split, entries in recorded[0].items()}
+    assert files == {"train": [(str(p), p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+                               for p in (train, more)],
+                     "validation": [(str(val), val.name, val.stat().st_size,
+                                     hashlib.sha256(val.read_bytes()).hexdigest())]}
+    more.write_text(more.read_text() + json.dumps({"text": "One more manual line.", "source": "m1"}) + "\n")
+    prepare_text_data(cfg, runs[1], None, tiny_tokenizer)
+    changed = json.loads((runs[1] / "data" / "text_inputs.json").read_text())["train"][1]
+    assert changed["sha256"] == hashlib.sha256(more.read_bytes()).hexdigest() != files["train"][1][3]
