@@ -11,13 +11,16 @@ log-probabilities near -200, and the pair loss, a function of the margin, to abs
 under FSDP2 too, and full fine-tuning with the reference model under PP 2 and CP 2 (40 pairs): its
 reference log-probabilities, computed before training through the pipeline or gathered over the cp
 ranks, are the one-process cache file's (1e-6), and the steps the one-process full fine-tuning run's. Every layout reads the same four rows per step (data-parallel ranks two each;
-validation: one batch per data-parallel rank, two in one process: the same four rows).
+validation: one batch per data-parallel rank, two in one process: the same four rows). The runs are
+`glmtune train` through the CLI's entry point in processes forked with torch and glmtune imported
+(tests/distributed/forked_runs.py): the one-process runs in a process of their own, the LoRA and SimPO
+layouts one after another on the same two gloo ranks, and each full fine-tuning layout with the
+reference model on two ranks of its own (its own data cache: it computes its own reference).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -37,8 +40,8 @@ from glmtune.models.glm5.parallelize import PipelineOptions, parallelize_glm5
 from glmtune.models.glm5.spec import GLM5
 from glmtune.train.data_loader import REFERENCE_CACHE, collate
 from glmtune.train.preference import PreferenceObjective, pair_counts
+from tests.distributed.forked_runs import one_torch_thread, shared_train_runs  # noqa: F401 (autouse: one torch thread)
 from tests.distributed.gloo_helpers import run_gloo
-from tests.train.run_helpers import shared_run, torchrun
 
 RECIPE = "tiny/dpo_support_json"
 STEPS = ["--model.name_or_path", "tiny", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "1024",
@@ -81,20 +84,38 @@ def _assert_same_steps(actual: dict[int, dict], expected: dict[int, dict]) -> No
     assert expected[2]["dpo/margin"] != 0  # the policy has left its reference: the rewards are compared
 
 
+# The one-process runs share a data cache: only the full fine-tuning run with the reference model
+# writes reference log-probabilities (a LoRA run's reference is its adapters-off forward).
+ONE_PROCESS = {"lora": STEPS, "simpo-full": [*STEPS, *SIMPO_FULL], "full-reference": FULL_REFERENCE}
+DESCRIBED = {"fsdp2": "dp_shard 2", "ep2": "ep 2", "pp2": "pipeline: 2 stages", "cp2": "cp 2"}
+
+
+@pytest.fixture(scope="module")
+def single(shared_results):
+    """The one-process runs (one forked process, no process group: tests/distributed/forked_runs.py)."""
+    return shared_train_runs(shared_results, ONE_PROCESS, recipe=RECIPE)
+
+
+@pytest.fixture(scope="module")
+def layouts(shared_results):
+    """The LoRA layouts and SimPO under FSDP2, one after another on the same 2 gloo ranks."""
+    runs = {**{layout: [*STEPS, *flags] for layout, flags in LAYOUTS.items()},
+            "simpo-fsdp2": [*STEPS, *SIMPO_FULL, *DATA_PARALLEL]}
+    return shared_train_runs(shared_results, runs, nproc=2, recipe=RECIPE)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_lora_dpo_layouts_match_one_process(layout, tmp_path, shared_results):
-    single = shared_run(shared_results, *STEPS, recipe=RECIPE)
-    done = torchrun(2, tmp_path / layout, single.cache_dir, *STEPS, *LAYOUTS[layout], recipe=RECIPE)
+def test_lora_dpo_layouts_match_one_process(layout, single, layouts):
+    done = layouts[layout]
     described = " ".join(done.stdout.split())  # the console wraps long lines
-    assert {"fsdp2": "dp_shard 2", "ep2": "ep 2", "pp2": "pipeline: 2 stages", "cp2": "cp 2"}[layout] in described
-    _assert_same_steps(_records(tmp_path / layout), _records(single.run_dir))
+    assert DESCRIBED[layout] in described
+    _assert_same_steps(_records(done.run_dir), _records(single["lora"].run_dir))
 
 
-def test_reference_free_full_fine_tuning_under_fsdp2_matches_one_process(tmp_path, shared_results):
-    single = shared_run(shared_results, *STEPS, *SIMPO_FULL, recipe=RECIPE)
-    done = torchrun(2, tmp_path / "fsdp", single.cache_dir, *STEPS, *SIMPO_FULL, *DATA_PARALLEL, recipe=RECIPE)
+def test_reference_free_full_fine_tuning_under_fsdp2_matches_one_process(single, layouts):
+    done = layouts["simpo-fsdp2"]
     assert "dp_shard 2" in " ".join(done.stdout.split())
-    _assert_same_steps(_records(tmp_path / "fsdp"), _records(single.run_dir))
+    _assert_same_steps(_records(done.run_dir), _records(single["simpo-full"].run_dir))
 
 
 def _reference_cache(cache_dir: Path) -> Path:
@@ -103,24 +124,24 @@ def _reference_cache(cache_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize("layout", ["pp2", "cp2"])
-def test_full_fine_tuning_with_the_reference_model_under_pp2_and_cp2_matches_one_process(layout, tmp_path,
+def test_full_fine_tuning_with_the_reference_model_under_pp2_and_cp2_matches_one_process(layout, single,
                                                                                        shared_results):
     """The reference log-probabilities computed before training under the layout (through the
     pipeline; gathered over the cp ranks) are the one-process ones, and so are the steps."""
-    single = shared_run(shared_results, *FULL_REFERENCE, recipe=RECIPE)
-    cache_dir = tmp_path / "cache"  # the tokenized data, not the reference: the layout computes its own
-    shutil.copytree(single.cache_dir, cache_dir, ignore=shutil.ignore_patterns("reference_logps"))
-    done = torchrun(2, tmp_path / layout, cache_dir, *FULL_REFERENCE, *LAYOUTS[layout], recipe=RECIPE)
+    one = single["full-reference"]
+    # its own set of ranks and data cache: the layout computes its own reference
+    done = shared_train_runs(shared_results, {layout: [*FULL_REFERENCE, *LAYOUTS[layout]]}, nproc=2,
+                             recipe=RECIPE)[layout]
     described = " ".join(done.stdout.split())
-    assert {"pp2": "pipeline: 2 stages", "cp2": "cp 2"}[layout] in described
+    assert DESCRIBED[layout] in described
     assert "computed from the starting weights" in described
-    want_path, got_path = _reference_cache(single.cache_dir), _reference_cache(cache_dir)
+    want_path, got_path = _reference_cache(one.cache_dir), _reference_cache(done.cache_dir)
     assert got_path.name == want_path.name  # the same key: the same model and rows
     want, got = load_file(want_path), load_file(got_path)
     assert sorted(got) == sorted(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
-    _assert_same_steps(_records(tmp_path / layout), _records(single.run_dir))
+    _assert_same_steps(_records(done.run_dir), _records(one.run_dir))
 
 
 # -- the reference cache (`ref_token_logps`) under context and pipeline parallelism -------------
