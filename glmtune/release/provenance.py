@@ -3,7 +3,7 @@
   * data: the run's data manifest (hashed, with its counts and the notes of what the filters
     dropped), the training and validation files the run wrote (RUN_DIR/data, an artifact),
     the sources the config names, the data contract (the sha256 of the module that defines
-    it, glmtune/data/contract.py: its rules are code), the JSON Schema answers were checked
+    it, glmtune/data/contract.py, or text_contract.py for raw text: its rules are code), the JSON Schema answers were checked
     against (`data.json_schema`), the PII policy and report, and the approval record;
   * tokenizer: the tokenizer files that ship with the model (RUN_DIR/hf for a full
     fine-tune, else the tokenizer the run trained with: `data.tokenizer` or the base's) and
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import glmtune.data.contract as contract
+import glmtune.data.text_contract as text_contract
 from glmtune.config import JobConfig
 from glmtune.data.chat_template import load_chat_template
 from glmtune.data.tokenizer import TOKENIZER_FILES
@@ -65,12 +66,18 @@ def data_section(cfg: JobConfig, run_dir: Path, data_manifest: dict[str, Any], m
                     "synthetic": None if d.synthetic is None else
                     {"kind": d.synthetic.kind, "rows": d.synthetic.rows, "seed": d.synthetic.seed},
                     "split": dict(d.split), "split_seed": cfg.train.seed},
-        "contract": {"module": "glmtune/data/contract.py", "sha256": _sha256_file(Path(contract.__file__))},
+        "contract": _contract(d.kind),
         "json_schema": schema,
         "pii": {"policy": d.pii, "report_sha256": artifacts[2]["files"][0]["sha256"] if len(artifacts) > 2 else None},
         "approval": approval,
     }
     return section, artifacts
+
+
+def _contract(kind: str) -> dict[str, str]:
+    """The module whose rules the run's data went through (raw text has its own), by sha256."""
+    module = Path((text_contract if kind == "text" else contract).__file__)
+    return {"module": f"glmtune/data/{module.name}", "sha256": _sha256_file(module)}
 
 
 def tokenizer_section(tokenizer_dir: Path, manifest_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
