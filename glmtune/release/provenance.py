@@ -3,8 +3,9 @@
   * data: the run's data manifest (hashed, with its counts and the notes of what the filters
     dropped), the training and validation files the run wrote (RUN_DIR/data, an artifact),
     the sources the config names, the data contract (the sha256 of the module that defines
-    it, glmtune/data/contract.py, or text_contract.py for raw text: its rules are code), the JSON Schema answers were checked
-    against (`data.json_schema`), the PII policy and report, and the approval record;
+    it, glmtune/data/contract.py, or text_contract.py for raw text: its rules are code), the
+    JSON Schema answers were checked against (`data.json_schema`), the PII policy and report,
+    and the approval record;
   * tokenizer: the tokenizer files that ship with the model (RUN_DIR/hf for a full
     fine-tune, else the tokenizer the run trained with: `data.tokenizer` or the base's) and
     the chat template they resolve to, hashed as the text `glmtune eval` renders with;
