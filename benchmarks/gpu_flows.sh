@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:?set OUT to a directory}
 mkdir -p "$OUT"
 if [ -d .devwheels ]; then
-    python3 -m pip install -q --no-index --find-links .devwheels jsonschema bm25s pyarrow >> "$OUT/pip.log" 2>&1
+    python3 -m pip install -q --no-index --find-links .devwheels jsonschema bm25s pyarrow httpx2 openai >> "$OUT/pip.log" 2>&1
 fi
 export PYTHONPATH=. HF_HUB_OFFLINE=1
 G=${G:-python3 -m glmtune}  # G=echo: print the commands only
