@@ -96,12 +96,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         ep_group: the ep process group, or a 1-D device mesh of it.
         num_local_experts: L, experts per rank (E / ep).
         local: the on-rank sort and weighted combine (its backend: torch or triton).
+        overlap_chunks: C, the chunks a layer splits its tokens into so that one chunk's
+            all-to-alls travel while another chunk's experts compute (`TokenDispatcher`).
     """
 
     def __init__(self, ep_group: dist.ProcessGroup | DeviceMesh, num_local_experts: int,
-                 local: LocalTokenDispatcher | None = None) -> None:
+                 local: LocalTokenDispatcher | None = None, overlap_chunks: int = 1) -> None:
+        if overlap_chunks < 1:
+            raise ValueError(f"ep overlap chunks must be at least 1, got {overlap_chunks}")
         self.ep = _EpGroup(ep_group, num_local_experts)
         self.local = local if local is not None else LocalTokenDispatcher()
+        self.overlap_chunks = overlap_chunks
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
@@ -112,23 +117,41 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_w_TK: torch.Tensor, num_experts: int
     ) -> _RowsInFlight:
         """Sends the rows and returns with the all-to-all in flight (not waited)."""
-        ep, num_local = self.ep.size, self.ep.num_local_experts
+        return self.dispatch_start_chunks([(x_TD, topk_idx_TK, topk_w_TK)], num_experts)[0]
+
+    def dispatch_start_chunks(
+        self, chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_experts: int
+    ) -> list[_RowsInFlight]:
+        """Sends every chunk's rows, one all-to-all each, and returns with all of them in flight.
+
+        The counts of all chunks travel in one exchange with one host sync, so no chunk's counts
+        queue behind another chunk's rows."""
+        ep, num_local, num_chunks = self.ep.size, self.ep.num_local_experts, len(chunks)
         assert num_experts == ep * num_local, (num_experts, ep, num_local)
         # Sorted by global expert id, the rows are already grouped by destination rank.
-        x_ND, tokens_per_expert_E, local = self.local.dispatch(x_TD, topk_idx_TK, topk_w_TK, num_experts)
-        # recv_PL[s, l]: rows that rank s sends to this rank's local expert l.
-        recv_PL = _wait(all_to_all_single(tokens_per_expert_E, None, None, group=self.ep.group)).view(ep, num_local)
+        sorted_chunks = [self.local.dispatch(x, idx, w, num_experts) for x, idx, w in chunks]
+        # send_PCL[p, c, l]: chunk c's rows for rank p's local expert l (a block per destination).
+        send_PCL = torch.stack([counts for _, counts, _ in sorted_chunks]).view(num_chunks, ep, num_local)
+        send_PCL = send_PCL.transpose(0, 1).contiguous()
+        # recv_PCL[s, c, l]: rows of chunk c that rank s sends to this rank's local expert l.
+        recv_PCL = _wait(all_to_all_single(send_PCL.view(-1), None, None, group=self.ep.group))
+        recv_PCL = recv_PCL.view(ep, num_chunks, num_local)
         # The one device-to-host sync of the layer: the collectives take split sizes as host
         # ints. Both count tables come over in a single copy.
-        counts_host = torch.stack([tokens_per_expert_E.view(ep, num_local), recv_PL]).sum(2).cpu()
-        send_splits, recv_splits = counts_host.tolist()
-        num_rows = sum(recv_splits)
+        splits_2PC = torch.stack([send_PCL, recv_PCL]).sum(3).cpu()
+        return [self._send(x_ND, counts_E, local, recv_PCL[:, c], splits_2PC[0, :, c].tolist(),
+                           splits_2PC[1, :, c].tolist())
+                for c, (x_ND, counts_E, local) in enumerate(sorted_chunks)]
+
+    def _send(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, local: LocalDispatchState,
+              recv_PL: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> _RowsInFlight:
+        ep, num_local = self.ep.size, self.ep.num_local_experts
         # Functional collective: waited at the first use of its result, in `dispatch_finish`.
         x_RD = all_to_all_single_autograd(x_ND, recv_splits, send_splits, self.ep.group)
         # Received rows come as [source rank][local expert]; the grouped GEMM wants them
         # local-expert-major. A stable sort by local expert keeps the source ranks in order.
-        block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_TD.device), recv_PL.reshape(-1),
-                                          output_size=num_rows)
+        block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_ND.device), recv_PL.reshape(-1),
+                                          output_size=sum(recv_splits))
         _, order_R, inverse_R = sort_permutation(block_R % num_local)
         state = AllToAllState(tokens_per_expert_E, local, send_splits, recv_splits, order_R, inverse_R)
         return _RowsInFlight(x_RD, recv_PL.sum(0), state)

@@ -113,7 +113,14 @@ class TokenDispatcher(ABC):
     The model calls only `dispatch` and `combine`; which experts live on this rank, and
     how tokens travel between ranks, is the dispatcher's business (expert parallelism
     installs its own, see `glmtune/distributed/expert_parallel.py`).
+
+    `overlap_chunks`: how many chunks of consecutive tokens a layer dispatches apart
+    (`dispatch_start_chunks`), so one chunk's trips overlap another chunk's experts; 1 = the
+    whole layer at once. Per-row results are unchanged, sums over rows (the experts' weight
+    gradients) are taken per chunk, so losses move within rounding.
     """
+
+    overlap_chunks: int = 1
 
     @abstractmethod
     def dispatch(
@@ -139,6 +146,13 @@ class TokenDispatcher(ABC):
     ) -> object:
         """Begins `dispatch`; what it returns goes to `dispatch_finish` and nowhere else."""
         return self.dispatch(x_TD, topk_idx_TK, topk_w_TK, num_experts)
+
+    def dispatch_start_chunks(
+        self, chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_experts: int
+    ) -> list[object]:
+        """`dispatch_start` of each chunk of a layer's tokens ((x, top-k ids, top-k weights) of
+        consecutive tokens), all started before any finishes; each result goes to `dispatch_finish`."""
+        return [self.dispatch_start(x_TD, idx_TK, w_TK, num_experts) for x_TD, idx_TK, w_TK in chunks]
 
     def dispatch_finish(self, in_flight: object) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         """Completes `dispatch_start`: `dispatch`'s result."""

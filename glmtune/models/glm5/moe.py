@@ -141,20 +141,28 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         _, topk_w_TK, topk_idx_TK = self.gate(x_TD)
+        num_chunks = self.dispatcher.overlap_chunks
+        chunks = [(x_TD, topk_idx_TK, topk_w_TK)] if num_chunks == 1 else list(zip(
+            x_TD.tensor_split(num_chunks), topk_idx_TK.tensor_split(num_chunks), topk_w_TK.tensor_split(num_chunks)))
         # The shared experts need no routed row: their first half runs while the dispatch's
         # all-to-all is in flight, their second while the combine's is (expert parallelism;
         # the local dispatcher has nothing in flight). The same ops on the same operands as
         # one after the other, and backward accumulates x's gradient in the same order
-        # (tests/models/test_moe_overlap.py), so the losses are bit-identical.
-        in_flight = self.dispatcher.dispatch_start(x_TD, topk_idx_TK, topk_w_TK, self.num_experts)
+        # (tests/models/test_moe_overlap.py), so the losses are bit-identical. With chunks,
+        # chunk c+1's rows travel while chunk c's experts compute.
+        in_flight = self.dispatcher.dispatch_start_chunks(chunks, self.num_experts)
         shared_hidden_BSI = self.shared_experts.hidden(x_BSD)
-        x_RD, tokens_per_expert_L, state = self.dispatcher.dispatch_finish(in_flight)
+        returning, counts_E = [], []
+        for rows in in_flight:
+            x_RD, tokens_per_expert_L, state = self.dispatcher.dispatch_finish(rows)
+            counts_E.append(state.tokens_per_expert_E)
+            y_RD = self.experts(x_RD, tokens_per_expert_L)
+            returning.append((self.dispatcher.combine_start(y_RD, state), state))
         with torch.no_grad():
-            self.tokens_per_expert.copy_(state.tokens_per_expert_E)
-        y_RD = self.experts(x_RD, tokens_per_expert_L)
-        in_flight = self.dispatcher.combine_start(y_RD, state)
+            self.tokens_per_expert.copy_(counts_E[0] if len(counts_E) == 1 else torch.stack(counts_E).sum(0))
         shared_BSD = self.shared_experts.down_proj(shared_hidden_BSI)
-        routed_TD = self.dispatcher.combine_finish(in_flight, state, x_TD.dtype)
+        routed = [self.dispatcher.combine_finish(y, state, x_TD.dtype) for y, state in returning]
+        routed_TD = routed[0] if len(routed) == 1 else torch.cat(routed)
         return routed_TD.view_as(x_BSD) + shared_BSD
 
     def reset_parameters(self, std: float) -> None:

@@ -41,6 +41,7 @@ from glmtune.distributed.pipeline import Pipeline
 from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
 from glmtune.kernels import lora_ops as _lora_ops  # noqa: F401  (registers glmtune::lora_linear)
 from glmtune.models.common.step_runner_pipelined import PipelinedRunner
+from glmtune.models.common.token_dispatch import expert_layers
 from glmtune.models.glm5.model import Glm5ForCausalLM
 from glmtune.models.glm5.moe import MoE, Router
 from glmtune.models.glm5.stage_costs import head_cost, layer_costs
@@ -240,6 +241,7 @@ def parallelize_glm5(
     compile: bool = False,
     reduce_dtype: torch.dtype = torch.float32,
     ep_dispatcher: str = "all_to_all",
+    ep_overlap_chunks: int = 1,
     cp_balance: str = "head_tail",
     pipeline: PipelineOptions | None = None,
 ) -> nn.Module:
@@ -249,6 +251,8 @@ def parallelize_glm5(
         mesh: the run's `ParallelMesh` (glmtune/distributed/mesh.py); None = one process.
         reduce_dtype: what FSDP2 sums gradients in (module docstring).
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
+        ep_overlap_chunks: chunks of each MoE layer's tokens whose all-to-alls overlap the other
+            chunks' experts (`TokenDispatcher.overlap_chunks`); > 1 needs EP's all_to_all dispatcher.
         cp_balance: which queries each context-parallel rank keeps (`parallel.cp_balance`).
         pipeline: the schedule and split when the mesh has pp > 1; the runner of the built
             `glmtune.distributed.pipeline.Pipeline` is then `model.step_runner` (a
@@ -262,8 +266,13 @@ def parallelize_glm5(
                              explicit_split=pipeline.layer_split, mtp=pipeline.mtp_loss_weight > 0,
                              indexer_kl=pipeline.indexer_loss_weight > 0, distill=pipeline.distill_weight > 0)
     expert_parallel = mesh is not None and mesh.ep_size > 1
+    if ep_overlap_chunks != 1 and not (expert_parallel and ep_dispatcher == "all_to_all" and ep_overlap_chunks > 1):
+        raise ValueError(f"ep_overlap_chunks {ep_overlap_chunks}: chunks overlap the all-to-alls of expert "
+                         "parallelism, so more than 1 needs ep > 1 with the all_to_all dispatcher")
     if expert_parallel:
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
+        for layer in expert_layers(model):
+            layer.dispatcher.overlap_chunks = ep_overlap_chunks
     if mesh is not None and mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), cp_balance)
     if activation_checkpointing != "none":
