@@ -92,6 +92,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sharding.add_argument("--model.fp8_base", dest="fp8_base", choices=("none", "dequant"),
                           help="keep the models' weights in FP8 as a LoRA run keeps its frozen base "
                                "(default: the candidate run's model.fp8_base, else none)")
+    _add_endpoint_options(parser)
+    parser.set_defaults(func=_run)
+
+
+def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
     served = parser.add_argument_group(
         "endpoint models", "--base / --candidate given as http(s)://HOST:PORT/v1: an OpenAI-compatible server "
                            "(vLLM, SGLang, transformers serve; docs/eval.md, Endpoint evaluation)")
@@ -112,7 +117,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "16777216, 16 MiB; from 1024 to 1073741824)")
     served.add_argument("--tokenizer", metavar="DIR", help="tokenizer and chat template for the suite's prompts "
                         "when no model is local (default: the local model's)")
-    parser.set_defaults(func=_run)
 
 
 def _fmt(value: float | None, unit: str) -> str:
