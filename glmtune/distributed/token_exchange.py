@@ -41,6 +41,7 @@ except ImportError:
         reduce_scatter_tensor_autograd as reduce_scatter_single_autograd,
     )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
 
 from glmtune.models.common.token_dispatch import (
     DispatchState,
@@ -79,12 +80,87 @@ class AllToAllState(DispatchState):
     inverse_R: torch.Tensor  # received row -> expert-major position
 
 
+class _Transfer:
+    """One all-to-all of rows whose wait and issue are apart, in forward and in backward.
+
+    `_SendRows` issues the rows in forward and, in backward, waits for their gradient;
+    `_ReceiveRows` waits for the rows in forward and, in backward, issues their gradient's
+    transfer. Autograd runs backward nodes latest-created first, so the backward transfer
+    is issued where forward waited and waited where forward issued: the ops forward ran
+    between the two halves (the shared experts, another chunk's experts) run again, as
+    their gradients, while the gradient travels. (torch's `all_to_all_single_autograd`
+    waits inside its backward: nothing overlaps it.)
+    """
+
+    def __init__(self, group: dist.ProcessGroup, send_splits: list[int], recv_splits: list[int]) -> None:
+        self.group, self.send_splits, self.recv_splits = group, send_splits, recv_splits
+        self.work: dist.Work | None = None
+        self.tensors: tuple[torch.Tensor, ...] = ()  # kept alive until the transfer is waited
+
+    def issue(self, x_ND: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        assert self.work is None, "one transfer in flight at a time"
+        x_ND = x_ND.contiguous()
+        out = x_ND.new_empty(out_rows, *x_ND.shape[1:])
+        with record_function("ep_all_to_all_issue"):
+            self.work = dist.all_to_all_single(out, x_ND, out_splits, in_splits, group=self.group, async_op=True)
+        self.tensors = (x_ND, out)
+        return out
+
+    def wait(self) -> None:
+        with record_function("ep_all_to_all_wait"):
+            self.work.wait()
+        self.work, self.tensors = None, ()
+
+
+class _SendRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+        ctx.transfer = transfer
+        return transfer.issue(x_ND, sum(transfer.recv_splits), transfer.recv_splits, transfer.send_splits)
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):  # noqa: ARG004 (already on its way: `_ReceiveRows.backward`)
+        grad_ND = ctx.transfer.tensors[1]
+        ctx.transfer.wait()
+        return grad_ND, None
+
+
+class _ReceiveRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RD: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+        transfer.wait()
+        ctx.transfer, ctx.num_sent = transfer, sum(transfer.send_splits)
+        return rows_RD
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        # The gradient leaves here; `_SendRows.backward` waits for it and returns it.
+        transfer = ctx.transfer
+        transfer.issue(grad_RD, ctx.num_sent, transfer.send_splits, transfer.recv_splits)
+        return grad_RD, None
+
+
+def _send_rows(x_ND: torch.Tensor, group: dist.ProcessGroup, send_splits: list[int],
+               recv_splits: list[int]) -> tuple[torch.Tensor, _Transfer | None]:
+    """Issues the rows' all-to-all: (the rows, not yet received, and the transfer that
+    `_received` waits for). Compiled, it is torch's functional collective (waited where first used)."""
+    if torch.compiler.is_compiling():
+        return all_to_all_single_autograd(x_ND, recv_splits, send_splits, group), None
+    transfer = _Transfer(group, send_splits, recv_splits)
+    return _SendRows.apply(x_ND, transfer), transfer
+
+
+def _received(rows: torch.Tensor, transfer: _Transfer | None) -> torch.Tensor:
+    return rows if transfer is None else _ReceiveRows.apply(rows, transfer)
+
+
 @dataclass
 class _RowsInFlight:
     """`AllToAllTokenDispatcher.dispatch_start`'s result: the received rows (an all-to-all not
     yet waited), in [source rank][local expert] order, and what `dispatch_finish` needs."""
 
     rows: torch.Tensor
+    transfer: _Transfer | None
     tokens_per_expert_L: torch.Tensor
     state: AllToAllState
 
@@ -146,30 +222,32 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def _send(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, local: LocalDispatchState,
               recv_PL: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> _RowsInFlight:
         ep, num_local = self.ep.size, self.ep.num_local_experts
-        # Functional collective: waited at the first use of its result, in `dispatch_finish`.
-        x_RD = all_to_all_single_autograd(x_ND, recv_splits, send_splits, self.ep.group)
+        # Waited in `dispatch_finish`.
+        x_RD, transfer = _send_rows(x_ND, self.ep.group, send_splits, recv_splits)
         # Received rows come as [source rank][local expert]; the grouped GEMM wants them
         # local-expert-major. A stable sort by local expert keeps the source ranks in order.
         block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_ND.device), recv_PL.reshape(-1),
                                           output_size=sum(recv_splits))
         _, order_R, inverse_R = sort_permutation(block_R % num_local)
         state = AllToAllState(tokens_per_expert_E, local, send_splits, recv_splits, order_R, inverse_R)
-        return _RowsInFlight(x_RD, recv_PL.sum(0), state)
+        return _RowsInFlight(x_RD, transfer, recv_PL.sum(0), state)
 
     def dispatch_finish(self, in_flight: _RowsInFlight) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         state = in_flight.state
-        return permute_rows(in_flight.rows, state.order_R, state.inverse_R), in_flight.tokens_per_expert_L, state
+        x_RD = _received(in_flight.rows, in_flight.transfer)
+        return permute_rows(x_RD, state.order_R, state.inverse_R), in_flight.tokens_per_expert_L, state
 
     def combine(self, y_RD: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
         return self.combine_finish(self.combine_start(y_RD, state), state, out_dtype)
 
-    def combine_start(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
-        """Sends the outputs back; the returned rows are waited at their first use."""
+    def combine_start(self, y_RD: torch.Tensor, state: AllToAllState) -> tuple[torch.Tensor, _Transfer | None]:
+        """Sends the outputs back (the way they came: the splits reversed); waited in `combine_finish`."""
         y_RD = permute_rows(y_RD, state.inverse_R, state.order_R)
-        return all_to_all_single_autograd(y_RD, state.send_splits, state.recv_splits, self.ep.group)
+        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits)
 
-    def combine_finish(self, y_ND: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
-        return self.local.combine(y_ND, state.local, out_dtype)
+    def combine_finish(self, in_flight: tuple[torch.Tensor, _Transfer | None], state: AllToAllState,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        return self.local.combine(_received(*in_flight), state.local, out_dtype)
 
 
 @dataclass

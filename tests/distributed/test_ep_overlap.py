@@ -1,20 +1,18 @@
-"""Expert parallelism hides the all-to-alls behind the shared experts (issue 50's overlap), on CPU.
+"""Expert parallelism hides the all-to-alls behind compute (issue 50's overlap), on CPU.
 
-Two gloo ranks run one GLM-5 MoE layer (tiny, all-to-all dispatcher, ep 2) forward under the
-torch profiler, and the order in which ops were issued is read from it: each all-to-all that
-carries rows (`_c10d_functional::all_to_all_single`, the dispatch's and the combine's) must
-have a shared-expert projection issued between it and its `_c10d_functional::wait_tensor`,
-i.e. the shared experts run while the rows are in flight. No timing is read: only the order.
-The counts' all-to-all (waited at once: its host sync sizes the rows' exchange) is left out.
+Two gloo ranks run one GLM-5 MoE layer (tiny, all-to-all dispatcher, ep 2) forward and backward
+under the torch profiler, and the order of what it issued is read from it: the rows'
+all-to-alls (the dispatcher's `ep_all_to_all_issue` / `ep_all_to_all_wait` ranges) and markers
+for the shared experts (forward: their projections; backward: their weights' gradients
+accumulated) and the routed experts' forward. Each all-to-all must have shared-expert work
+between its issue and its wait, forward and backward: the shared experts run while the rows
+are in flight. No timing is read: only the order. The counts' all-to-all (waited at once: its
+host sync sizes the rows' exchange) is not in the lists.
 
 With `overlap_chunks` 2 the layer's tokens go in two chunks: both chunks' rows are sent before
 the first chunk's experts compute (chunk 1's rows in flight meanwhile), and the tiny model's
 loss and every gradient equal the one-chunk run's within the layouts' tolerance
 (`layout_tolerances.LOSS_REL`), its recorded tokens per expert exactly.
-
-Backward is not asserted: torch's all-to-all backward (`all_to_all_single_backward` in
-`torch/distributed/_functional_collectives.py`) waits inside its autograd node, so nothing
-overlaps it, in any schedule (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -37,33 +35,35 @@ from glmtune.models.glm5.parallelize import parallelize_glm5
 from tests.distributed.gloo_helpers import run_gloo
 from tests.distributed.layout_tolerances import LOSS_REL
 
-ALL_TO_ALL = "_c10d_functional::all_to_all_single"
-WAIT = "_c10d_functional::wait_tensor"
+NAMES = {"ep_all_to_all_issue": "all_to_all", "ep_all_to_all_wait": "wait", "shared": "shared", "experts": "experts"}
 
 
-def _issue_order(moe: MoE, x_BSD: torch.Tensor) -> list[str]:
-    """The layer's forward as the ops it issued, in order: all_to_all, wait, shared (a shared
-    expert's projection); other ops left out."""
-    shared_weights = {tuple(m.weight.shape) for m in (moe.shared_experts.gate_proj, moe.shared_experts.down_proj)}
-    others = {tuple(moe.gate.weight.shape)}
-    assert not shared_weights & others, "the tiny preset's shapes must tell the router from the shared experts"
-    marks = []  # the routed experts' forward as a profiler range named "experts"
-    hooks = [moe.experts.register_forward_pre_hook(lambda *_: marks.append(record_function("experts").__enter__())),
-             moe.experts.register_forward_hook(lambda *_: marks.pop().__exit__(None, None, None))]
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+def _mark(name: str) -> None:
+    with record_function(name):
+        pass
+
+
+def _issue_order(moe: MoE, x_BSD: torch.Tensor) -> dict[str, list[str]]:
+    """The layer's forward and backward as what they issued, in order: all_to_all, wait,
+    shared (a shared-expert projection, or in backward its weight's gradient), experts."""
+    shared = moe.shared_experts
+    hooks = [moe.experts.register_forward_pre_hook(lambda *_: _mark("experts"))]
+    hooks += [linear.register_forward_pre_hook(lambda *_: _mark("shared"))
+              for linear in (shared.gate_proj, shared.up_proj, shared.down_proj)]
+    hooks += [linear.weight.register_post_accumulate_grad_hook(lambda _: _mark("shared"))
+              for linear in (shared.gate_proj, shared.up_proj, shared.down_proj)]
+    orders = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         out = moe(x_BSD)
+    orders["forward"] = [NAMES[e.name] for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+                         if e.name in NAMES]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out.sum().backward()
+    orders["backward"] = [NAMES[e.name] for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+                          if e.name in NAMES]
     for hook in hooks:
         hook.remove()
-    out.sum().backward()  # the split halves keep autograd working
-    order = []
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        if event.name == ALL_TO_ALL:
-            order.append("all_to_all")
-        elif event.name in (WAIT, "experts"):
-            order.append(event.name.split("::")[-1].replace("_tensor", ""))
-        elif event.name == "aten::linear" and tuple(event.input_shapes[1]) in shared_weights:
-            order.append("shared")
-    return order
+    return orders
 
 
 def _loss_and_grads(model, rank: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -92,7 +92,8 @@ def _overlap_worker(rank: int, world: int, out_dir) -> None:
     model = apply_expert_parallel(build_model(get_preset("tiny"), seed=0, attention_backend="eager"), mesh)
     moe = model.model.layers[2].mlp
     assert isinstance(moe, MoE)
-    x_BSD = torch.randn(1, 11 + 4 * rank, get_preset("tiny").hidden_size, generator=torch.Generator().manual_seed(rank))
+    x_BSD = torch.randn(1, 11 + 4 * rank, get_preset("tiny").hidden_size, generator=torch.Generator().manual_seed(rank),
+                        requires_grad=True)  # a layer input: its gradient goes back through the dispatch
     orders = {1: _issue_order(moe, x_BSD)}
     one_chunk = _loss_and_grads(model, rank)
     _set_chunks(model, 2)
@@ -109,14 +110,6 @@ def _overlap_worker(rank: int, world: int, out_dir) -> None:
     torch.save({"one": one_chunk, "two": two_chunks}, out_dir / f"runs{rank}.pt")
 
 
-def _rows_order(order: list[str]) -> list[str]:
-    """`order` after the counts' exchange: its all-to-all and the waits it is given at once
-    (`wait_tensor` on the functional collective's wrapper, which waits its own tensor too)."""
-    assert order[:2] == ["all_to_all", "wait"], order
-    first = 1 + next(i for i, op in enumerate(order[1:]) if op != "wait")
-    return order[first:]
-
-
 @pytest.fixture(scope="module")
 def ranks_dir(tmp_path_factory):
     """Both ranks' op orders and runs, one gloo run shared by the tests."""
@@ -126,24 +119,32 @@ def ranks_dir(tmp_path_factory):
 
 
 def test_shared_experts_run_while_the_rows_all_to_alls_are_in_flight(ranks_dir):
-    tmp_path = ranks_dir
     for rank in range(2):
-        order = _rows_order(json.loads((tmp_path / f"order{rank}.json").read_text())["1"])
+        orders = json.loads((ranks_dir / f"order{rank}.json").read_text())["1"]
         # The dispatch's rows sent, the shared experts' gate and up projections, then the wait;
         # the experts; the outputs sent back, the shared down projection, then the wait.
-        assert order == ["all_to_all", "shared", "shared", "wait", "experts",
-                         "all_to_all", "shared", "wait"], (rank, order)
+        assert orders["forward"] == ["all_to_all", "shared", "shared", "wait", "experts",
+                                     "all_to_all", "shared", "wait"], (rank, orders)
+        # Backward mirrors it: the outputs' gradient sent back while down_proj's gradient is
+        # formed, the rows' gradient while gate and up's are.
+        assert orders["backward"] == ["all_to_all", "shared", "wait",
+                                      "all_to_all", "shared", "shared", "wait"], (rank, orders)
 
 
 def test_two_chunks_overlap_each_others_all_to_alls_and_equal_one_chunk(ranks_dir):
     tmp_path, worst = ranks_dir, 0.0
     for rank in range(2):
-        order = _rows_order(json.loads((tmp_path / f"order{rank}.json").read_text())["2"])
-        # Counts of both chunks in one exchange (above); both chunks' rows sent before chunk 0's
-        # experts, so chunk 1's travel meanwhile; chunk 0's outputs sent back before chunk 1's
-        # rows are waited for and travel while chunk 1's experts compute.
-        assert order == ["all_to_all", "all_to_all", "shared", "shared", "wait", "experts",
-                         "all_to_all", "wait", "experts", "all_to_all", "shared", "wait", "wait"], (rank, order)
+        orders = json.loads((tmp_path / f"order{rank}.json").read_text())["2"]
+        # Both chunks' rows sent before chunk 0's experts, so chunk 1's travel meanwhile; chunk
+        # 0's outputs sent back before chunk 1's rows are waited for and travel while chunk 1's
+        # experts compute.
+        assert orders["forward"] == ["all_to_all", "all_to_all", "shared", "shared", "wait", "experts",
+                                     "all_to_all", "wait", "experts", "all_to_all", "shared", "wait", "wait"], \
+            (rank, orders)
+        # Backward: both chunks' output gradients sent before either is waited for; chunk 1's
+        # rows' gradient sent before chunk 0's output gradient is waited for.
+        assert orders["backward"] == ["all_to_all", "all_to_all", "shared", "wait", "all_to_all", "wait",
+                                      "all_to_all", "shared", "shared", "wait", "wait"], (rank, orders)
         runs = torch.load(tmp_path / f"runs{rank}.pt")
         one, two = runs["one"], runs["two"]
         assert sorted(one["values"]) == sorted(two["values"])
