@@ -41,7 +41,6 @@ except ImportError:
         reduce_scatter_tensor_autograd as reduce_scatter_single_autograd,
     )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 
 from glmtune.models.common.token_dispatch import (
     DispatchState,
@@ -101,14 +100,12 @@ class _Transfer:
         assert self.work is None, "one transfer in flight at a time"
         x_ND = x_ND.contiguous()
         out = x_ND.new_empty(out_rows, *x_ND.shape[1:])
-        with record_function("ep_all_to_all_issue"):
-            self.work = dist.all_to_all_single(out, x_ND, out_splits, in_splits, group=self.group, async_op=True)
+        self.work = dist.all_to_all_single(out, x_ND, out_splits, in_splits, group=self.group, async_op=True)
         self.tensors = (x_ND, out)
         return out
 
     def wait(self) -> None:
-        with record_function("ep_all_to_all_wait"):
-            self.work.wait()
+        self.work.wait()
         self.work, self.tensors = None, ()
 
 

@@ -2,7 +2,7 @@
 
 Two gloo ranks run one GLM-5 MoE layer (tiny, all-to-all dispatcher, ep 2) forward and backward
 under the torch profiler, and the order of what it issued is read from it: the rows'
-all-to-alls (the dispatcher's `ep_all_to_all_issue` / `ep_all_to_all_wait` ranges) and markers
+all-to-alls (the dispatcher's transfers' issue and wait, marked as profiler ranges) and markers
 for the shared experts (forward: their projections; backward: their weights' gradients
 accumulated) and the routed experts' forward. Each all-to-all must have shared-expert work
 between its issue and its wait, forward and backward: the shared experts run while the rows
@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from glmtune.config.schema import ParallelConfig
 from glmtune.distributed.expert_parallel import apply_expert_parallel
 from glmtune.distributed.mesh import ParallelMesh
+from glmtune.distributed import token_exchange
 from glmtune.distributed.token_exchange import AllToAllTokenDispatcher
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
@@ -41,6 +42,15 @@ NAMES = {"ep_all_to_all_issue": "all_to_all", "ep_all_to_all_wait": "wait", "sha
 def _mark(name: str) -> None:
     with record_function(name):
         pass
+
+
+def _marked(method, name: str):
+    """`method` inside a profiler range `name` (the dispatcher's transfers, marked in the ranks
+    of this test only: a range inside a checkpointed region would upset selective AC)."""
+    def call(*args):
+        with record_function(name):
+            return method(*args)
+    return call
 
 
 def _issue_order(moe: MoE, x_BSD: torch.Tensor) -> dict[str, list[str]]:
@@ -88,6 +98,8 @@ def _set_chunks(model, chunks: int) -> None:
 
 
 def _overlap_worker(rank: int, world: int, out_dir) -> None:
+    token_exchange._Transfer.issue = _marked(token_exchange._Transfer.issue, "ep_all_to_all_issue")
+    token_exchange._Transfer.wait = _marked(token_exchange._Transfer.wait, "ep_all_to_all_wait")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     model = apply_expert_parallel(build_model(get_preset("tiny"), seed=0, attention_backend="eager"), mesh)
     moe = model.model.layers[2].mlp
@@ -104,6 +116,12 @@ def _overlap_worker(rank: int, world: int, out_dir) -> None:
     mesh = ParallelMesh.from_config(ParallelConfig(ep=world), world_size=world)
     chunked = parallelize_glm5(build_model(get_preset("tiny"), seed=0), mesh=mesh, ep_overlap_chunks=3)
     assert [m.dispatcher.overlap_chunks for m in chunked.modules() if isinstance(m, MoE)] == [3, 3, 3]
+    # Recomputed in backward (full activation checkpointing), the transfers run again, apart
+    # from the backward's own: the same loss and gradients.
+    runs = {ac: _loss_and_grads(parallelize_glm5(build_model(get_preset("tiny"), seed=0, attention_backend="eager"),
+                                                 mesh=mesh, activation_checkpointing=ac, ep_overlap_chunks=2), rank)
+            for ac in ("none", "full")}
+    torch.save(runs, out_dir / f"checkpointed{rank}.pt")
     with pytest.raises(ValueError, match="ep_overlap_chunks 2: .* all_to_all dispatcher"):
         parallelize_glm5(build_model(get_preset("tiny"), seed=0), mesh=mesh, ep_dispatcher="all_gather",
                          ep_overlap_chunks=2)
@@ -164,3 +182,12 @@ def test_two_chunks_overlap_each_others_all_to_alls_and_equal_one_chunk(ranks_di
 def test_overlap_chunks_without_expert_parallelism_are_refused(chunks):
     with pytest.raises(ValueError, match=f"ep_overlap_chunks {chunks}: .* needs ep > 1"):
         parallelize_glm5(build_model(get_preset("tiny"), seed=0), ep_overlap_chunks=chunks)
+
+
+def test_recomputed_transfers_give_the_same_gradients(ranks_dir):
+    for rank in range(2):
+        runs = torch.load(ranks_dir / f"checkpointed{rank}.pt")
+        plain, recomputed = runs["none"]["values"], runs["full"]["values"]
+        assert sorted(plain) == sorted(recomputed) and len(plain) > 10
+        for name, expected in plain.items():
+            assert torch.equal(recomputed[name], expected), (rank, name)
