@@ -87,8 +87,14 @@ def _entry(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, lis
 
 def train_in_forks(runs: dict[Path, list[str]], cache_dir: Path, nproc: int = 1, recipe: str = RECIPE) -> None:
     """Train each run directory of `runs` (in order) with its flags on `nproc` forked ranks."""
-    jobs = [(str(run_dir.parent / f"{run_dir.name}.out"),
-             train_command(run_dir, cache_dir, *flags, recipe=recipe)[3:]) for run_dir, flags in runs.items()]
+    commands_in_forks({run_dir: train_command(run_dir, cache_dir, *flags, recipe=recipe)[3:]
+                       for run_dir, flags in runs.items()}, nproc)
+
+
+def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1) -> None:
+    """Each run directory's whole `glmtune train` argv (in order; it names its own run directory, data
+    cache and flags) on `nproc` forked ranks, the output beside it in `<run_dir>.out`."""
+    jobs = [(str(run_dir.parent / f"{run_dir.name}.out"), argv) for run_dir, argv in runs.items()]
     assert all(argv[0] == "train" for _, argv in jobs)
     init_file = next(iter(runs)).parent / f"gloo-rendezvous-{time.monotonic_ns()}"
     context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs), nproc)

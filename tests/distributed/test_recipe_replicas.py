@@ -8,14 +8,14 @@ model, under torchrun (gloo, CPU), equal one process step by step (fp32, relativ
 
 GLM-5.2/5.3's recipes are GLM-5's with another model; the tiny model has their shared-indexer
 layers. The FP8 one-node LoRA recipe's layout (dp_shard 8, ep 8 over an FP8 base) is the one of
-tests/distributed/test_fp8_base_sharded.py at ep 2.
+tests/distributed/test_fp8_base_sharded.py at ep 2. The runs are `glmtune train` through the CLI's
+entry point in processes forked with torch and glmtune imported (tests/distributed/forked_runs.py),
+as torchrun starts its ranks.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ import pytest
 from glmtune.config import load_config
 from glmtune.config.loader import RECIPES_DIR
 from glmtune.preflight.layout import ONE_PROCESS, UNPINNED_TOPOLOGY, scaled_replica
-from tests.train.run_helpers import env
+from tests.distributed.forked_runs import commands_in_forks
 
 # What makes a 256-GPU recipe a CPU-sized one; everything else stays as the recipe says.
 TINY = [
@@ -36,12 +36,8 @@ TINY = [
 
 
 def _train(nproc: int, recipe: Path, run_dir: Path, cache: Path, *extra: str) -> None:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
-        if nproc > 1 else [sys.executable]
-    cmd = [*launch, "-m", "glmtune", "train", str(recipe), *TINY, "--logging.run_dir", str(run_dir),
-           "--data.cache_dir", str(cache), *extra]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    commands_in_forks({run_dir: ["train", str(recipe), *TINY, "--logging.run_dir", str(run_dir),
+                                 "--data.cache_dir", str(cache), *extra]}, nproc)
 
 
 def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
