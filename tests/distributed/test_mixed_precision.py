@@ -4,13 +4,13 @@ bf16-only parameters start and train (the fp32 router is a unit of its own), war
 start, and leave most weights bit-for-bit unchanged. The default, bf16 parameters with
 fp32 masters held by the optimizer, moves every weight that an fp32 run moves (its
 checkpoint holds the masters) and follows the fp32 run's loss curve; sharded over 2
-processes it gives the one-process losses exactly."""
+processes it gives the one-process losses exactly. The runs are `glmtune train` through the CLI's
+entry point in processes forked with torch and glmtune imported (tests/distributed/forked_runs.py):
+the one-process runs in one process, one after another, the sharded ones on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,8 @@ import torch
 from glmtune.checkpoint.manager import CheckpointManager
 from glmtune.config import load_config
 from glmtune.train.model_source import build_model_from_config
-from tests.train.run_helpers import SMALL, env, losses, run
+from tests.distributed.forked_runs import train_in_forks
+from tests.train.run_helpers import losses
 
 LR_1E5 = ["--train.max_steps", "4", "--optim.lr", "1e-5", "--optim.warmup_steps", "0", "--optim.scheduler",
           "constant", "--checkpoint.export_hf", "true"]
@@ -27,11 +28,9 @@ BF16 = ["--model.dtype", "bfloat16"]
 BF16_ONLY = [*BF16, "--train.master_weights", "none"]
 
 
-def _torchrun(run_dir: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, *LR_1E5, "--logging.run_dir", str(run_dir),
-           "--data.cache_dir", str(cache), *extra]
-    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+def _output(run_dir: Path) -> str:
+    """The run's console output (rank 0's), rich's wrapped lines joined."""
+    return " ".join((run_dir.parent / f"{run_dir.name}.out").read_text().split())
 
 
 def _changed(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
@@ -48,9 +47,8 @@ def _changed(run_dir: Path, *overrides: str) -> dict[str, torch.Tensor]:
 
 
 def test_bf16_only_parameters_train_under_fsdp2_warn_and_leave_most_weights_unchanged(tmp_path):
-    result = _torchrun(tmp_path / "run", tmp_path / "cache", *BF16_ONLY)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = " ".join(result.stdout.split())  # rich wraps long lines
+    train_in_forks({tmp_path / "run": [*LR_1E5, *BF16_ONLY]}, tmp_path / "cache", nproc=2)
+    out = _output(tmp_path / "run")
     assert "bf16 parameters and compute; world 2" in out
     assert "at optim.lr 1e-05 most bf16 weights do not move: 85% of updates round away" in out
     curve = losses(tmp_path / "run")
@@ -69,16 +67,13 @@ def test_default_fp32_master_weights_move_every_weight_and_follow_the_fp32_curve
     GLM-5 checkpoint is bf16): fp32 parameters and compute, bf16 with fp32 masters in one process,
     and sharded over 2 processes."""
     cache, twelve = tmp_path / "cache", ["--train.max_steps", "12"]
-    single = run(tmp_path / "single", cache, *LR_1E5, *twelve, *BF16)  # one process: no FSDP2
-    assert single.returncode == 0, single.stdout + single.stderr
     base = ["--model.name_or_path", str(tmp_path / "single" / "base")]
-    reference = run(tmp_path / "fp32", cache, *LR_1E5, *twelve, *base, "--model.dtype", "float32")
-    assert reference.returncode == 0, reference.stdout + reference.stderr
-    sharded = _torchrun(tmp_path / "sharded", cache, *twelve, *BF16)
-    assert sharded.returncode == 0, sharded.stdout + sharded.stderr
-    assert "bf16 parameters and compute, fp32 master weights in the optimizer; world 2" in \
-        " ".join(sharded.stdout.split())
-    assert "round away" not in sharded.stdout
+    train_in_forks({tmp_path / "single": [*LR_1E5, *twelve, *BF16],  # one process: no FSDP2
+                    tmp_path / "fp32": [*LR_1E5, *twelve, *base, "--model.dtype", "float32"]}, cache)
+    train_in_forks({tmp_path / "sharded": [*LR_1E5, *twelve, *BF16]}, cache, nproc=2)
+    sharded = _output(tmp_path / "sharded")
+    assert "bf16 parameters and compute, fp32 master weights in the optimizer; world 2" in sharded
+    assert "round away" not in sharded
 
     # Sharding the masters changes nothing: the same bf16 weights; the one process adds its two
     # micro-batches' bf16 gradients (one rounding), FSDP2 sums the ranks' in fp32 and rounds once.
