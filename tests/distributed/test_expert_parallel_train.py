@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from glmtune import load_pretrained, save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
+from tests.distributed.forked_runs import train_in_forks
 from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, SMALL, env, printed, run, shared_run
 
 
@@ -79,18 +80,25 @@ def test_ep2_matches_one_process_and_exports_the_same_model(shared_results):
 
 
 def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path, shared_results):
+    """The ep 2 run, then its step-2 checkpoint resumed at ep 1 and at ep 4 one after another, each
+    on 4 gloo ranks forked with their imports done (tests/distributed/forked_runs.py)."""
     single = shared_run(shared_results, *BATCH_8_WITH_EXPORT)  # its HF export is not read here
     expected, cache = _records(single.run_dir), single.cache_dir
     batch = ["--train.global_batch_size", "8"]  # 4 ranks x micro-batch 2
-    done = _torchrun(4, tmp_path / "ep2", cache, *FOUR_STEPS, *batch, "--parallel.ep", "2")
-    assert "dp_shard 4" in done.stdout and "ep 2 (expert FSDP 2)" in done.stdout
+    train_in_forks({tmp_path / "ep2": [*FOUR_STEPS, *batch, "--parallel.ep", "2"]}, cache, nproc=4)
+    out = (tmp_path / "ep2.out").read_text()
+    assert "dp_shard 4" in out and "ep 2 (expert FSDP 2)" in out
     _assert_same(_records(tmp_path / "ep2"), expected)
+    resumes = {}
     for ep in ("1", "4"):  # the step-2 checkpoint of the ep 2 run, resharded onto another layout
         layout = tmp_path / f"resume-ep{ep}"
         shutil.copytree(tmp_path / "ep2", layout)
         shutil.rmtree(layout / "checkpoints" / "step-00000004")
-        done = _torchrun(4, layout, cache, *FOUR_STEPS, *batch, "--parallel.ep", ep, "--checkpoint.resume", "auto")
-        assert printed(done.stdout, "resumed from") and printed(done.stdout, "step-00000002")
+        resumes[layout] = [*FOUR_STEPS, *batch, "--parallel.ep", ep, "--checkpoint.resume", "auto"]
+    train_in_forks(resumes, cache, nproc=4)
+    for layout in resumes:
+        out = (layout.parent / f"{layout.name}.out").read_text()
+        assert printed(out, "resumed from") and printed(out, "step-00000002")
         _assert_same(_records(layout), expected)
 
 
