@@ -16,6 +16,10 @@ gradient entry, so an entry whose gradient is mostly rounding noise may step the
 (measured: up to 3e-3 on B after three steps at lr 2e-3; with `peft.adapter_compute: fp32`
 the same runs differ by 3e-5 at most), and the adapters are not compared there. EP's adapters are compared to one process in fp32 (tests/distributed/
 test_expert_parallel_train.py, rtol 1e-4).
+
+The runs are `glmtune train` through the CLI's entry point in processes forked with torch and glmtune
+imported (tests/distributed/forked_runs.py): the one-process run in a process of its own, FSDP2 then
+EP 2 on the same two gloo ranks.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.test_expert_parallel_train import _records, _torchrun
-from tests.train.run_helpers import run
+from tests.distributed.forked_runs import train_in_forks
+from tests.distributed.test_expert_parallel_train import _records
 
 RECIPE = "tiny/lora_support_json"
 STEPS = ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.dtype", "bfloat16"]
@@ -38,15 +42,17 @@ def _words(text: str) -> str:
 
 def test_bf16_lora_trains_under_fsdp2_and_ep2_like_one_process(tmp_path):
     cache = tmp_path / "cache"
-    single = run(tmp_path / "single", cache, *STEPS, recipe=RECIPE)
-    assert single.returncode == 0, single.stdout + single.stderr
-    assert "bf16 parameters and compute" in _words(single.stdout)
+    train_in_forks({tmp_path / "single": STEPS}, cache, recipe=RECIPE)
+    assert "bf16 parameters and compute" in _words((tmp_path / "single.out").read_text())
     expected = _records(tmp_path / "single")
     assert sorted(expected) == [1, 2, 3]
-    for name, extra in (("fsdp2", ()), ("ep2", ("--parallel.ep", "2"))):
-        done = _torchrun(2, tmp_path / name, cache, *STEPS, *extra, recipe=RECIPE)
-        assert "bf16 parameters and compute" in _words(done.stdout), name
-        assert "exported LoRA adapter" in _words(done.stdout), name
+    layouts = {"fsdp2": [], "ep2": ["--parallel.ep", "2"]}
+    train_in_forks({tmp_path / name: [*STEPS, *extra] for name, extra in layouts.items()}, cache, nproc=2,
+                   recipe=RECIPE)
+    for name in layouts:
+        out = _words((tmp_path / f"{name}.out").read_text())
+        assert "bf16 parameters and compute" in out, name
+        assert "exported LoRA adapter" in out, name
         actual = _records(tmp_path / name)
         assert sorted(actual) == sorted(expected), name
         for step, (loss, norm) in expected.items():
