@@ -5,6 +5,8 @@ batch (relative 1e-5, fp32) for 1F1B (with a stage that starts on a shared-index
 layer), Interleaved1F1B and the zero-bubble ZBVZeroBubble; pp 2 x FSDP 2, with and without
 EP 2, trains the same and exports the same HF model; a pp 2 checkpoint resumes at pp 1 and a pp 1
 checkpoint at pp 2 with the same next losses; LoRA under pp 2 writes the same adapters.
+The runs of pp 2 x FSDP 2, of the resumes and of LoRA are `glmtune train` through the CLI's entry point on gloo ranks forked with torch
+and glmtune imported (tests/distributed/forked_runs.py), as torchrun starts them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.run_helpers import (BATCH_8_WITH_EXPORT, TWO_STEPS, WITH_VALIDATION, assert_same_steps, printed, run,
-                                    shared_run, step_records, torchrun)
+from tests.distributed.forked_runs import train_in_forks
+from tests.train.run_helpers import (BATCH_8_WITH_EXPORT, TWO_STEPS, WITH_VALIDATION, assert_same_steps, printed,
+                                    shared_run, step_records)
 
 STEPS = WITH_VALIDATION  # global batch 4 (2 micro batches of 2 rows) with validation every 2 steps
 
@@ -50,9 +53,9 @@ def test_pp2_schedules_match_one_process(layout, single, shared_results):
 def test_pp2_fsdp2_trains_and_exports_as_one_process(ep, tmp_path, shared_results):
     # Global batch 8, HF export; no validation: 4 validation rows are too few for 2 data-parallel ranks x 2 rows.
     reference = shared_run(shared_results, *BATCH_8_WITH_EXPORT)
-    done = torchrun(4, tmp_path / "pp", reference.cache_dir, *BATCH_8_WITH_EXPORT, "--parallel.pp", "2",
-                    "--parallel.ep", ep)
-    described = " ".join(done.stdout.split())  # the console wraps long lines
+    train_in_forks({tmp_path / "pp": [*BATCH_8_WITH_EXPORT, "--parallel.pp", "2", "--parallel.ep", ep]},
+                   reference.cache_dir, nproc=4)
+    described = " ".join((tmp_path / "pp.out").read_text().split())  # the console wraps long lines
     assert "dp_shard 2" in described and f"pp 2; ep {ep}" in described
     assert_same_steps(step_records(tmp_path / "pp"), step_records(reference.run_dir))
     exported = load_file(tmp_path / "pp" / "hf" / "model.safetensors")
@@ -73,16 +76,17 @@ def test_checkpoints_resume_across_pipeline_layouts(single, shared_results, tmp_
         shutil.copytree(source.run_dir, layout)
         shutil.rmtree(layout / "checkpoints" / "step-00000004")
         args = [*STEPS, "--checkpoint.resume", "auto", *extra]
-        cache = source.cache_dir
-        done = torchrun(nproc, layout, cache, *args) if nproc > 1 else run(layout, cache, *args)
-        assert done.returncode == 0 and printed(done.stdout, "resumed from") and printed(done.stdout, "step-00000002")
+        train_in_forks({layout: args}, source.cache_dir, nproc=nproc)
+        out = (tmp_path / f"{layout.name}.out").read_text()
+        assert printed(out, "resumed from") and printed(out, "step-00000002")
         assert_same_steps(step_records(layout), expected)
 
 
 def test_lora_under_pp2_writes_the_one_process_adapters(tmp_path, shared_results):
     lora = TWO_STEPS  # one checkpoint, at the end
     reference = shared_run(shared_results, *lora, recipe="tiny/lora_support_json")  # also tests/train/test_run_e2e.py
-    torchrun(2, tmp_path / "pp", reference.cache_dir, *lora, "--parallel.pp", "2", recipe="tiny/lora_support_json")
+    train_in_forks({tmp_path / "pp": [*lora, "--parallel.pp", "2"]}, reference.cache_dir, nproc=2,
+                   recipe="tiny/lora_support_json")
     for layout in ("adapter", "adapter_per_expert"):
         got = load_file(tmp_path / "pp" / layout / "adapter_model.safetensors")
         want = load_file(reference.run_dir / layout / "adapter_model.safetensors")
