@@ -8,14 +8,13 @@ averaging (over the shard group, then the replicas) would scale it by 1/4."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader
 
 from glmtune.models.glm5 import build_model, get_preset
-from tests.train.run_helpers import SMALL, WITH_EXPORT, env, shared_run
+from tests.distributed.forked_runs import train_in_forks
+from tests.train.run_helpers import WITH_EXPORT, shared_run
 
 # Global batch 4: one row per rank and step here; in one process two accumulated micro-batches of
 # 2 rows (the shared reference of tests/distributed/test_expert_parallel_train.py; its HF export is not read).
@@ -30,12 +29,8 @@ def _records(run_dir) -> dict[int, tuple[float, float]]:
 def test_hsdp_2x2_matches_single_process_losses_and_grad_norms(tmp_path, shared_results):
     single = shared_run(shared_results, *WITH_EXPORT)
     cache = single.cache_dir
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
-           "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, *BATCH, "--parallel.dp_replicate", "2",
-           "--logging.run_dir", str(tmp_path / "hsdp"), "--data.cache_dir", str(cache)]
-    hsdp = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
-    assert hsdp.returncode == 0, hsdp.stdout + hsdp.stderr
-    assert "world 4 = dp_replicate 2 x dp_shard 2" in " ".join(hsdp.stdout.split())
+    train_in_forks({tmp_path / "hsdp": [*BATCH, "--parallel.dp_replicate", "2"]}, cache, nproc=4)
+    assert "world 4 = dp_replicate 2 x dp_shard 2" in " ".join((tmp_path / "hsdp.out").read_text().split())
 
     expected, actual = _records(single.run_dir), _records(tmp_path / "hsdp")
     assert sorted(actual) == [1, 2, 3, 4]
