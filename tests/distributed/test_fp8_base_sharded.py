@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from glmtune import save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
 from tests.checkpoint.test_fp8_base_load import ARGS, shared_fp8_checkpoint
-from tests.distributed.test_expert_parallel_train import _assert_same, _records, _torchrun
+from tests.distributed.forked_runs import train_in_forks
+from tests.distributed.test_expert_parallel_train import _assert_same, _records
 from tests.train.run_helpers import SMALL, env, shared_run
 
 RECIPE = "tiny/lora_support_json"
@@ -29,8 +30,9 @@ def _steps(base):
 def test_lora_on_a_sharded_fp8_base_matches_one_process(tmp_path, shared_results):
     base = shared_fp8_checkpoint(shared_results)
     single = shared_run(shared_results, *_steps(base), recipe=RECIPE)  # also tests/train/test_fp8_base_train.py
-    done = _torchrun(2, tmp_path / "ep2", single.cache_dir, *_steps(base), "--parallel.ep", "2", recipe=RECIPE)
-    assert "model: frozen FP8 base" in done.stdout and f"loaded {base}, rank 0: read" in " ".join(done.stdout.split())
+    train_in_forks({tmp_path / "ep2": [*_steps(base), "--parallel.ep", "2"]}, single.cache_dir, nproc=2, recipe=RECIPE)
+    out = (tmp_path / "ep2.out").read_text()  # the forked ranks' (tests/distributed/forked_runs.py), as torchrun's
+    assert "model: frozen FP8 base" in out and f"loaded {base}, rank 0: read" in " ".join(out.split())
     _assert_same(_records(tmp_path / "ep2"), _records(single.run_dir))
     ours = load_file(tmp_path / "ep2" / "adapter" / "adapter_model.safetensors")
     theirs = load_file(single.run_dir / "adapter" / "adapter_model.safetensors")
