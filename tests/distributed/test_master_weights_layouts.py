@@ -18,7 +18,8 @@ import shutil
 
 import pytest
 
-from tests.train.run_helpers import FOUR_STEPS, assert_same_steps, printed, shared_run, step_records, torchrun
+from tests.distributed.forked_runs import train_in_forks
+from tests.train.run_helpers import FOUR_STEPS, assert_same_steps, printed, shared_run, step_records
 
 MASTERS = [*FOUR_STEPS, "--model.dtype", "bfloat16", "--train.master_weights", "fp32"]
 # bf16's relative spacing is 2^-8 = 0.0039: losses within a quarter of it, gradient norms within one
@@ -59,6 +60,8 @@ def test_ep2_checkpoint_resumes_at_fsdp2(single, shared_results, tmp_path):
     layout = tmp_path / "resume-at-fsdp2"
     shutil.copytree(ep.run_dir, layout)
     shutil.rmtree(layout / "checkpoints" / "step-00000004")
-    done = torchrun(2, layout, ep.cache_dir, *MASTERS, "--parallel.ep", "1", "--checkpoint.resume", "auto")
-    assert printed(done.stdout, "resumed from") and printed(done.stdout, "step-00000002")
+    # on 2 gloo ranks forked with their imports done (tests/distributed/forked_runs.py), as torchrun starts them
+    train_in_forks({layout: [*MASTERS, "--parallel.ep", "1", "--checkpoint.resume", "auto"]}, ep.cache_dir, nproc=2)
+    out = (tmp_path / "resume-at-fsdp2.out").read_text()
+    assert printed(out, "resumed from") and printed(out, "step-00000002")
     _assert_bf16_close(layout, single.run_dir)
