@@ -136,13 +136,19 @@ def big_checkpoint(tmp_path_factory):
     return base, adapter
 
 
-def test_merging_1gb_stays_under_the_shard_bound(big_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def baseline_rss() -> int:
+    """The peak RSS of an interpreter that imported the merge and stopped: both merges' baseline."""
+    return peak_rss(_BASELINE)
+
+
+def test_merging_1gb_stays_under_the_shard_bound(big_checkpoint, baseline_rss, tmp_path):
     base, adapter = big_checkpoint
     shards = list(base.glob("*.safetensors"))
     base_bytes = sum(f.stat().st_size for f in shards)
     assert base_bytes > 900e6 and len(shards) >= 7
     out = tmp_path / "merged"
-    baseline = peak_rss(_BASELINE)
+    baseline = baseline_rss
     peak = peak_rss(f"from glmtune.peft.merge import merge_to_dir; "
                      f"merge_to_dir({str(base)!r}, {str(adapter)!r}, {str(out)!r}, max_shard_size='64MB'); " + PEAK)
     written = list(out.glob("*.safetensors"))
@@ -162,12 +168,12 @@ def test_merging_1gb_stays_under_the_shard_bound(big_checkpoint, tmp_path):
 FP8_SLACK = 512 << 20
 
 
-def test_merging_1gb_with_fp8_stays_under_the_shard_bound(big_checkpoint, tmp_path):
+def test_merging_1gb_with_fp8_stays_under_the_shard_bound(big_checkpoint, baseline_rss, tmp_path):
     base, adapter = big_checkpoint
     shards = list(base.glob("*.safetensors"))
     base_bytes = sum(f.stat().st_size for f in shards)
     out = tmp_path / "merged-fp8"
-    baseline = peak_rss(_BASELINE)
+    baseline = baseline_rss
     peak = peak_rss(f"from glmtune.peft.merge import merge_to_dir; merge_to_dir({str(base)!r}, {str(adapter)!r}, "
                      f"{str(out)!r}, max_shard_size='64MB', fp8=True); " + PEAK)
     written = list(out.glob("*.safetensors"))
