@@ -5,7 +5,7 @@
 # $OUT/flows.tsv, its peak GPU memory (torch's, from the command's own report where it has one).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_flows.sh            # every step
-#   OUT=/tmp/out bash benchmarks/gpu_flows.sh distill    # the steps whose name contains the word
+#   OUT=/tmp/out bash benchmarks/gpu_flows.sh train distill   # the steps whose name contains a word
 #
 # The GPU image may lack the wheels the CPU venv has (bm25s, pyarrow, jsonschema): installed from
 # .devwheels/ first (pip download ... -d .devwheels). Nothing is downloaded from a hub.
@@ -28,16 +28,16 @@ STEPS=(
         --top-logprobs 8 --max-new-tokens 64 --batch-size 64 --device cuda"
     "distill_train|$G train recipes/tiny/distill_support_json.yaml --train.device cuda --overwrite"
     "distill_eval|$G eval recipes/tiny/eval_distill_support_json.yaml --base runs/tiny-distill-support-json
-        --candidate runs/tiny-distill-support-json --device cuda --out runs/tiny-distill-support-json/eval/student
-        --overwrite"
+        --candidate runs/tiny-distill-support-json --compare $RUN/hf,name=teacher --device cuda
+        --out runs/tiny-distill-support-json/eval/arms --overwrite"
 )
 printf "step\texit\tseconds\n" >> "$OUT/flows.tsv"
 for entry in "${STEPS[@]}"; do
     name=${entry%%|*}
     command=${entry#*|}
-    if [ $# -gt 0 ] && [[ "$name" != *"$1"* ]]; then
-        continue
-    fi
+    wanted=$#
+    for word in "$@"; do [[ "$name" == *"$word"* ]] && wanted=0; done
+    [ "$wanted" -eq 0 ] || continue
     start=$(date +%s.%N)
     # shellcheck disable=SC2086  # the command is split into words on purpose
     $command > "$OUT/$name.log" 2>&1
@@ -46,6 +46,6 @@ for entry in "${STEPS[@]}"; do
 done
 # what the flows wrote that the notes quote (small files only)
 for f in runs/tiny-sft-support-json/eval/*/scorecard.md runs/decide-support-json/decision.md \
-         runs/tiny-distill-support-json/eval/student/scorecard.md runs/distill-teacher/manifest.json; do
+         runs/tiny-distill-support-json/eval/arms/scorecard.md runs/distill-teacher/manifest.json; do
     [ -f "$f" ] && cp "$f" "$OUT/$(echo "$f" | tr / _)"
 done

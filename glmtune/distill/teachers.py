@@ -216,9 +216,9 @@ class LocalTeacher:
             tokens.append(int(step_logits[len(tokens)][row].argmax()))
         logps_NV = torch.stack([step[row] for step in step_logits[:len(tokens)]]).float().log_softmax(-1) \
             if tokens else torch.zeros(0, max(self.k, 1))
-        top = logps_NV.topk(self.k, dim=-1)
-        return TopK(np.array(tokens, dtype=np.int32), top.indices.int().numpy().reshape(-1, self.k),
-                    top.values.numpy().reshape(-1, self.k))
+        top = logps_NV.topk(self.k, dim=-1)  # on the model's device; the sidecar is host memory
+        return TopK(np.array(tokens, dtype=np.int32), top.indices.int().cpu().numpy().reshape(-1, self.k),
+                    top.values.cpu().numpy().reshape(-1, self.k))
 
 
 def parse_calls(text: str, template: str, tools: list | None) -> tuple[str, list[dict[str, Any]]]:
