@@ -1,5 +1,15 @@
 """`python -m glmtune` is the same as the `glmtune` command."""
 
-from glmtune.cli import run
+import os
+import sys
 
-run()
+try:
+    from glmtune.cli import run
+
+    run()
+except KeyboardInterrupt:
+    # A Ctrl-C after glmtune.cli was imported but before `run()` took over (a few bytecodes; seen
+    # under load when the signal came as the import finished): the command had not started.
+    sys.stderr.write("glmtune: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)

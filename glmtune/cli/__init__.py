@@ -124,7 +124,10 @@ def run() -> None:
     Python stack first (faulthandler): a torchrun rank that dies says where it was.
     """
     faulthandler.enable(all_threads=True)
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # a Ctrl-C before main() entered its own handling
+        code = _interrupted(_command_in(sys.argv[1:]))
     if code == 130:
         sys.stdout.flush()
         sys.stderr.flush()

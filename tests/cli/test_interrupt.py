@@ -267,3 +267,27 @@ def test_ranks_torchrun_started_but_did_not_record_are_stopped_too(tmp_path):
     finally:
         for pid in _processes_naming(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_ctrl_c_before_main_takes_over_is_interrupted_not_a_traceback(monkeypatch):
+    """A Ctrl-C after glmtune.cli's import, before main() enters its handling (CI: the signal came
+    as the import finished, and the process printed a traceback and died by SIGINT): exit 130."""
+    def ctrl_c(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(glmtune.cli, "main", ctrl_c)
+    monkeypatch.setattr(sys, "argv", ["glmtune", "train", "recipe.yaml"])
+    monkeypatch.setattr(glmtune.cli.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as exited:
+        glmtune.cli.run()
+    assert exited.value.code == 130
+
+
+def test_python_m_glmtune_interrupted_before_run_takes_over_exits_130():
+    """`python -m glmtune` interrupted between glmtune.cli's import and run(): one line, exit 130."""
+    code = ("import runpy, glmtune.cli\n"
+            "def ctrl_c():\n    raise KeyboardInterrupt\n"
+            "glmtune.cli.run = ctrl_c\n"
+            "runpy.run_module('glmtune', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env())
+    assert done.returncode == 130 and done.stderr.strip() == "glmtune: interrupted", done.stderr[-2000:]
