@@ -59,14 +59,14 @@ def packed_batches(ids_R_B_S: torch.Tensor) -> list[dict]:
 def build(cfg, state, a, aux: AuxiliaryLosses):
     """The proxy with one MTP layer: the shared weights, the MTP layer's drawn from a fixed seed."""
     model = build_glmtune(cfg, state, a, torch.bfloat16, mtp_layers=1)
-    GLM5.set_auxiliary_training(model, mtp=aux.mtp_weight > 0, indexer=aux.indexer_weight > 0)
+    GLM5.compute.set_auxiliary_training(model, mtp=aux.mtp_weight > 0, indexer=aux.indexer_weight > 0)
     parallelize_glm5(model, activation_checkpointing=a.ckpt_mode if a.ckpt else "none", compile=a.compile,
                      ac_keep_matmul_min_k=a.ac_min_k)
     return model
 
 
 def train_step(model, opt, batches, aux: AuxiliaryLosses):
-    return loss_step(model, opt, batches, functools.partial(GLM5.loss, aux=aux))
+    return loss_step(model, opt, batches, functools.partial(GLM5.compute.loss, aux=aux))
 
 
 def run(side: str, cfg, state, a, batches) -> dict:

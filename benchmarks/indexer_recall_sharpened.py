@@ -16,7 +16,7 @@ language model: what it attends to is random (content- and position-dependent, f
 still predicts a near-uniform next token (loss ~8.3), and the indexers (their own wq_b / wk from
 q_resid and the hidden state, untouched) are as random as before. It gives the indexer something
 to find, nothing more. The weights are saved through the project's own HF export
-(`ModelSpec.save_pretrained`, the state-dict adapter), with the tiny tokenizer, and trained /
+(`Weights.save_pretrained`, the state-dict adapter), with the tiny tokenizer, and trained /
 evaluated as any HF base (`--model.name_or_path DIR`).
 
 Choosing FACTOR (`scan`, 2026-12-04): the preset's weights are initialized with a small std, so its
@@ -294,7 +294,7 @@ def main() -> None:
     elif a.command == "build":
         model, cfg = preset_base(a.factor)
         spec = spec_for(cfg.model.name_or_path)
-        spec.save_pretrained(model, a.out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)),
+        spec.weights.save_pretrained(model, a.out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)),
                              overwrite=False)
         (a.out / "SHARPENED.json").write_text(json.dumps({
             "what": "tiny preset random base (seed 1234, index_topk 64) with every self_attn.q_b_proj x factor",

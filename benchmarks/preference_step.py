@@ -56,7 +56,7 @@ def pair_rows(ids_R_B_S: torch.Tensor, lengths: list[int]) -> list[dict]:
 
 
 def dpo_step(model, opt, batches):
-    objective = PreferenceObjective(GLM5.token_logps, DpoConfig(), lora=True)
+    objective = PreferenceObjective(GLM5.compute.token_logps, DpoConfig(), lora=True)
     return loss_step(model, opt, batches, objective.loss)
 
 

@@ -94,9 +94,9 @@ def adapter_model(cfg):
     from glmtune.peft import apply_lora
 
     spec = model_spec(cfg.model)
-    model = spec.build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
+    model = spec.weights.build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
     # a run with the MTP loss adapted its MTP layer too (glmtune/peft/apply.py): the same adapters here
-    spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
+    spec.compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     apply_lora(model, cfg.peft)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -130,7 +130,7 @@ def _check_base_unchanged(base_dir: Path, recorded: dict | None) -> None:
         raise FileNotFoundError(f"the run's base {base_dir} has no config.json any more; restore the base the run "
                                 "trained on (model.name_or_path in the run's config.yaml, or RUN_DIR/base for a "
                                 "preset)")
-    if config_sha256(spec_for(base_dir).args_from_hf(base_dir)) != recorded["config_sha256"]:
+    if config_sha256(spec_for(base_dir).architecture.args_from_hf(base_dir)) != recorded["config_sha256"]:
         raise ValueError(f"the base {base_dir} changed since the run trained on it (its config.json describes another "
                          "model); restore the base the run trained on, or the adapter will not fit it")
 
@@ -248,8 +248,8 @@ def _export_model(ns: argparse.Namespace, cfg, run_dir: Path, manager, checkpoin
     _check_intact(manager, checkpoint)
     precision = resolve_precision(cfg)
     spec = model_spec(cfg.model)
-    model = spec.build(model_args(cfg.model), precision.param_dtype, "meta", cfg.model)
-    out = spec.export_checkpoint(model, checkpoint.path, ns.hf, dtype=precision.compute_dtype,
+    model = spec.weights.build(model_args(cfg.model), precision.param_dtype, "meta", cfg.model)
+    out = spec.weights.export_checkpoint(model, checkpoint.path, ns.hf, dtype=precision.compute_dtype,
                                  source_dir=tokenizer_dir, max_shard_size=ns.max_shard_size, overwrite=ns.overwrite,
                                  sources=sources, what="--hf", base_dir=model_dir)
     print(f"exported the model of {checkpoint.path} (step {checkpoint.step}) to {out}")

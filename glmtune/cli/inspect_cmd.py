@@ -71,9 +71,9 @@ def trainable_inventory(recipe: str) -> tuple[ModelSpec, Any, Any]:
 
     cfg = load_config(recipe)
     spec, args = model_spec(cfg.model), model_args(cfg.model)
-    model = spec.build(args, device="meta")
+    model = spec.weights.build(args, device="meta")
     # as training does: the MTP layer and the indexers train with their losses (LoRA adapts the MTP layer then)
-    spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
+    spec.compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
     return spec, args, inventory
 
@@ -81,7 +81,8 @@ def trainable_inventory(recipe: str) -> tuple[ModelSpec, Any, Any]:
 def inspect_payload(source: str, spec: ModelSpec, args: Any,
                     trainable_by_group: dict[str, int] | None = None) -> dict[str, Any]:
     """Everything `inspect` shows, as one JSON-serialisable dict."""
-    payload = {"source": source, "architecture": spec.summary(args), **spec.parameter_report(args)}
+    arch = spec.architecture
+    payload = {"source": source, "architecture": arch.summary(args), **arch.parameter_report(args)}
     if trainable_by_group is not None:
         payload["trainable_params_by_group"] = trainable_by_group
     return payload
@@ -102,7 +103,7 @@ def verify_dir(path: str) -> VerifyReport:
     except ValueError:  # config.json unreadable: reported by the verification itself
         spec = next(iter(SPECS.values()))
     if spec.hf_format is None:
-        raise ValueError(f"--verify: glmtune cannot verify a checkpoint of the {spec.family} family yet")
+        raise ValueError(f"--verify: glmtune cannot verify a checkpoint of the {spec.family.name} family yet")
     return verify_checkpoint(path, spec.hf_format)
 
 
@@ -227,7 +228,7 @@ def _display_rows(spec: ModelSpec, layers: list[dict[str, Any]], indexer: bool) 
             blocks.append([row])
     rows = []
     for block in blocks:
-        runs = spec.layer_runs(block)
+        runs = spec.architecture.layer_runs(block)
         if len(runs) <= 2:
             for run in runs:
                 span = str(run["first"]) if run["count"] == 1 else f"{run['first']}–{run['last']}"
@@ -252,7 +253,7 @@ def _print_summary(console: Console, spec: ModelSpec, payload: dict[str, Any]) -
     table = Table(title="Architecture", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    for label, text in spec.architecture_rows(arch):  # the family's own (its spec)
+    for label, text in spec.architecture.architecture_rows(arch):  # the family's own (its spec)
         table.add_row(label, text)
     console.print(table)
     _print_layers(console, spec, payload)

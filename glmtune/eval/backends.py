@@ -31,7 +31,7 @@ from glmtune.eval.serving import row_serving_sums
 from glmtune.eval.tool_calls import ParsedCall
 from glmtune.generation import generate
 from glmtune.models.common.microbatch import MicroBatch
-from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.common.model_spec import Compute
 
 
 @dataclass
@@ -152,15 +152,15 @@ class LocalModel:
 
     # The teacher-forced micro-batches run through the model family's step runner, as training's do.
     def _runner_loss(self, net, mb: MicroBatch) -> tuple:
-        return self.spec.step_runner(net).evaluate(mb)
+        return self.spec.compute.step_runner(net).evaluate(mb)
 
     def _runner_token_logps(self, net, mb: MicroBatch):
-        return self.spec.step_runner(net).token_logps(mb)
+        return self.spec.compute.step_runner(net).token_logps(mb)
 
     def serving_sums(self, row, prompting) -> dict[str, tuple[float, float]]:
         # Sharded: as reference_loss, every rank runs every row in step.
         assert self.spec is not None, "the serving metrics need the family's spec (Placement.load)"
-        if type(self.spec).serving_metrics is ModelSpec.serving_metrics:  # the family has neither part
-            raise NotAvailable(f"not available from this model family: {self.spec.family} models have no "
+        if type(self.spec.compute).serving_metrics is Compute.serving_metrics:  # the family has neither part
+            raise NotAvailable(f"not available from this model family: {self.spec.family.name} models have no "
                                "multi-token-prediction layer or sparse-attention indexer (GLM-5's)")
-        return row_serving_sums(self.net, self.spec.serving_metrics, row, prompting)
+        return row_serving_sums(self.net, self.spec.compute.serving_metrics, row, prompting)

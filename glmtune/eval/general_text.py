@@ -55,7 +55,7 @@ def text_windows(tokenizer, path: Path, max_tokens: int, window: int) -> list[li
 
 def general_text_loss(model, loss, windows: list[list[int]]) -> tuple[float, int]:
     """(mean loss in nats per predicted token, number of predicted tokens); `loss`: the model
-    family's `spec.loss`, each window one document whose every token but the first is predicted."""
+    family's `spec.compute.loss`, each window one document whose every token but the first is predicted."""
     total, count = 0.0, 0
     was_training = model.training
     model.eval()

@@ -213,9 +213,9 @@ def load_model(model: ModelSource, device: torch.device, dtype: torch.dtype | No
     dtype = dtype or checkpoint_dtype(model.weights_dir)
     spec = model.spec
     if fp8_base == "none":
-        net = spec.load_pretrained(model.weights_dir, dtype, device)
+        net = spec.weights.load_pretrained(model.weights_dir, dtype, device)
     else:
-        net, _ = spec.build_from_config(ModelConfig(name_or_path=str(model.weights_dir), fp8_base=fp8_base,
+        net, _ = spec.weights.build_from_config(ModelConfig(name_or_path=str(model.weights_dir), fp8_base=fp8_base,
                                                     family=model.family), dtype, device)
     if model.adapter_dir is not None:
         if model.merged:

@@ -15,7 +15,7 @@ metrics of one model.
   * serving (`serving.py`): MTP speculative-decoding acceptance and the sparse-attention
     indexer's recall, teacher-forced over the chat sets' reference answers.
   * parameters and active parameters (a model in this process): the family's own count of the
-    loaded HF directory's architecture (`spec.parameter_report`, as `glmtune inspect` prints it):
+    loaded HF directory's architecture (`spec.architecture.parameter_report`, as `glmtune inspect` prints it):
     total without MTP layers, and per token (a MoE's routed experts counted top-k of n; the input
     embedding left out of the headline). An adapter is counted as its base. An endpoint's are not
     known here (null): its engine does not say.
@@ -98,7 +98,7 @@ def parameter_counts(spec, weights_dir: Path) -> dict[str, int]:
     """`parameters` and `active_parameters` (per token) of the HF directory `weights_dir` by its
     family's `spec`: the serving-cost facts beside tokens/s and peak memory (distillation's
     teacher against its student)."""
-    report = spec.parameter_report(spec.args_from_hf(weights_dir))
+    report = spec.architecture.parameter_report(spec.architecture.args_from_hf(weights_dir))
     return {"parameters": int(report["total_params"]), "active_parameters": int(report["active_params"])}
 
 

@@ -9,7 +9,7 @@
     allowed keys than the top-k: what sparse attention keeps of dense attention at long
     context (1.0 where the selection misses nothing).
 
-The family's `ModelSpec.serving_metrics` computes both over one packed batch as (sum, count).
+The family's `Compute.serving_metrics` computes both over one packed batch as (sum, count).
 Here every row of the suite's chat sets is rendered as the reference loss renders it (prompt +
 reference turns, labels on the assistant turns after the last user turn:
 `reference_loss.reference_labels`), made a one-document batch as training's collate makes one,

@@ -3,10 +3,10 @@
 `glmtune eval ... --nproc-per-node N` (or `torchrun ... -m glmtune eval ...`, or under Slurm)
 runs the evaluation on every rank. Each model is built on the meta device by its family's
 spec, a LoRA candidate's adapter modules put on it (their weights held back), parallelized by
-the training code's own plan (`ModelSpec.parallelize`: experts split over `ep` ranks, FSDP2 over
+the training code's own plan (`Compute.parallelize`: experts split over `ep` ranks, FSDP2 over
 the dense weights and, under EP, over the ranks that hold the same experts; the frozen base in
 FP8 with `fp8_base: dequant`), then each rank reads only its own shards of the HF checkpoint
-(`ModelSpec.load_sharded`) and its part of the adapter. No rank ever holds the whole model.
+(`Weights.load_sharded`) and its part of the adapter. No rank ever holds the whole model.
 
 The work is split as `glmtune.distributed.lockstep` says: the batches of each round over the
 ranks (`answering.run_rows`), every forward taken by all ranks together. Rank 0 writes the
@@ -67,17 +67,17 @@ def load_sharded_model(model: ModelSource, layout: ShardedLayout, lockstep: Lock
     assert not model.merged, "a merged candidate is refused before anything loads (evaluate.check_sharded)"
     spec = model.spec
     model_cfg = ModelConfig(name_or_path=str(model.weights_dir), fp8_base=layout.fp8_base, family=model.family)
-    net, _ = spec.build_from_config(model_cfg, dtype or checkpoint_dtype(model.weights_dir), "meta")
+    net, _ = spec.weights.build_from_config(model_cfg, dtype or checkpoint_dtype(model.weights_dir), "meta")
     applied = apply_adapter(net, model.adapter_dir) if model.adapter_dir is not None else None
     parallel = ParallelConfig(ep=layout.ep)
     mesh = ParallelMesh.from_config(parallel, world_size=lockstep.world, device_type=device.type,
-                                    num_experts=spec.dims(spec.args_of(net), str(model.weights_dir)).num_experts)
-    spec.parallelize(net, mesh, parallel)
-    spec.load_sharded(net, model.weights_dir, device, not_in_checkpoint=adapter_parameter_names(net))
+                                    num_experts=spec.family.dims(spec.architecture.args_of(net), str(model.weights_dir)).num_experts)
+    spec.compute.parallelize(net, mesh, parallel)
+    spec.weights.load_sharded(net, model.weights_dir, device, not_in_checkpoint=adapter_parameter_names(net))
     if applied is not None:
         applied.load_into(net)
     net.eval()
     with torch.no_grad():  # FSDP2's lazy initialization (which unit is the root) in a real forward of the family's
-        spec.last_token_logits(net, torch.zeros(1, 1, dtype=torch.long, device=device))
+        spec.compute.last_token_logits(net, torch.zeros(1, 1, dtype=torch.long, device=device))
     release_gathered(net)  # the root keeps its weights gathered after a forward
     return net

@@ -5,7 +5,7 @@ the model over known tokens, not generated ones. Each is a packed batch as train
 makes one (one document per row here, or a preference pair's two documents), on the model's
 device, scored by the model family as training's typed micro-batch (`MicroBatch.of_batch`; the
 loss and token log-probabilities through the spec's step runner, `backends.LocalModel`) or as the
-batch itself (`ModelSpec.serving_metrics`): so a model is scored as its training scores it,
+batch itself (`Compute.serving_metrics`): so a model is scored as its training scores it,
 whatever its family's forward looks like.
 """
 

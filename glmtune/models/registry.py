@@ -32,7 +32,7 @@ __all__ = ["PRESETS", "SPECS", "decoding_of", "hf_dir_identity", "is_preset", "m
            "resolve_args", "spec_for"]
 
 # family name -> its spec: every family of the catalog has one.
-SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (GLM5, HF)}
+SPECS: dict[str, ModelSpec] = {spec.family.name: spec for spec in (GLM5, HF)}
 assert [family.name for family in catalog.FAMILIES] == list(SPECS), "a family of the catalog has no spec"
 
 
@@ -45,18 +45,20 @@ def spec_for(name_or_path: str | Path, family: str = catalog.AUTO) -> ModelSpec:
 def hf_dir_identity(hf_dir: str | Path, num_threads: int | None = None) -> dict[str, Any]:
     """The content identity of an HF directory (`checkpoint.fingerprint`), its config read by the
     family its config.json's `model_type` names."""
-    return base_identity_from_dir(hf_dir, spec_for(hf_dir).model_family.read_args, num_threads)
+    return base_identity_from_dir(hf_dir, spec_for(hf_dir).family.read_args, num_threads)
 
 
 def _args_from_hf(family: ModelFamily, path: str) -> Any:
     """An HF directory's architecture, checked against its weights (the family's spec's `args_from_hf`)."""
-    return SPECS[family.name].args_from_hf(path)
+    return SPECS[family.name].architecture.args_from_hf(path)
 
 
 def resolve_args(name_or_path: str | Path) -> Any:
     """The architecture of a preset or an HF directory (its family's args)."""
     spec = spec_for(name_or_path)
-    return spec.preset_args(str(name_or_path)) if is_preset(name_or_path) else spec.args_from_hf(name_or_path)
+    if is_preset(name_or_path):
+        return spec.family.preset_args(str(name_or_path))
+    return spec.architecture.args_from_hf(name_or_path)
 
 
 def model_spec(model: ModelConfig) -> ModelSpec:

@@ -114,9 +114,9 @@ def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> A
     """What the LoRA modules of `model` (after `apply_lora`; with the MTP loss, after
     `set_auxiliary_training(mtp=True)`, as training did) adapt."""
     adapted = {id(module) for _, module in lora_modules(model)}
-    family = spec_of(model)
-    assert family.lora is not None
-    kv_b = any(id(m) in adapted for m in family.lora.absorbed_projections(model))
+    spec = spec_of(model)
+    assert spec.lora is not None
+    kv_b = any(id(m) in adapted for m in spec.lora.absorbed_projections(model))
     shared, projections, leaves = False, set(), set()
     for name, module in lora_modules(model):
         if isinstance(module, LoRAGroupedExperts):
@@ -125,8 +125,8 @@ def adapter_traits(model: nn.Module, rank: int, alpha: float, rslora: bool) -> A
             leaves.update(leaf for proj in adapted_projections for leaf in EXPERT_LEAVES[proj])
         else:
             leaves.add(name.rpartition(".")[2])
-            shared |= isinstance(module, LoRALinear) and family.param_group(name) == "shared_experts"
-    mtp = [(name, eh_proj) for name, layer, eh_proj in family.lora.mtp_layers(model)
+            shared |= isinstance(module, LoRALinear) and spec.architecture.param_group(name) == "shared_experts"
+    mtp = [(name, eh_proj) for name, layer, eh_proj in spec.lora.mtp_layers(model)
            if any(id(m) in adapted for m in layer.modules())]
     # the on-disk name of the layer (`mtp.{j}` -> `model.layers.{L + j}`) is the state-dict adapter's
     on_disk = hf_prefix(model)

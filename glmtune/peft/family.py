@@ -29,11 +29,16 @@ def hf_prefix(model: nn.Module) -> Callable[[str], str]:
     the family's LoRA hooks' (`adapter_names`), else its state-dict adapter's."""
     spec = spec_of(model)
     names = spec.lora.adapter_names(model)
-    return names[0] if names is not None else spec.state_dict_adapter(spec.args_of(model)).hf_prefix
+    return names[0] if names is not None else _adapter(spec, model).hf_prefix
 
 
 def internal_prefix(model: nn.Module) -> Callable[[str], str]:
     """name in an adapter file -> the module's internal name (the inverse of `hf_prefix`)."""
     spec = spec_of(model)
     names = spec.lora.adapter_names(model)
-    return names[1] if names is not None else spec.state_dict_adapter(spec.args_of(model)).internal_prefix
+    return names[1] if names is not None else _adapter(spec, model).internal_prefix
+
+
+def _adapter(spec: ModelSpec, model: nn.Module):
+    """The family's state-dict adapter for the built `model` (the only place HF key names live)."""
+    return spec.weights.state_dict_adapter(spec.architecture.args_of(model))

@@ -152,8 +152,8 @@ def _count_by_group(model: nn.Module, groups: tuple[str, ...], param_group, trai
 
 def build_inventory(model: nn.Module) -> LoraInventory:
     """The inventory of `model` as it stands (after `apply_lora`, or as built for full FT)."""
-    family = spec_of(model)
-    param_group, groups = family.param_group, family.param_groups
+    spec = spec_of(model)
+    param_group, groups = spec.architecture.param_group, spec.architecture.param_groups
     total = _count_by_group(model, groups, param_group)
     trainable = _count_by_group(model, groups, param_group, trainable_only=True)
     adapted = lora_modules(model)

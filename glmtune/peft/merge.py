@@ -347,7 +347,7 @@ def merge_to_dir(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | P
 def _requantize(model: nn.Module) -> str:
     """Makes the merged model's quantizable layers FP8; one line with the relative error."""
     errors: list[tuple[float, float]] = []
-    spec_of(model).convert_to_fp8_base(model, "dequant", errors=errors)  # GLM-5's fp8_base.py
+    spec_of(model).weights.convert_to_fp8_base(model, "dequant", errors=errors)  # GLM-5's fp8_base.py
     return fp8_report(errors)
 
 

@@ -98,7 +98,7 @@ def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
         for hf_key, target in entries:
             inputs[(alias[target.key], target.expert)].append((file, hf_key, target.rows))
     if fp8:
-        spec.convert_to_fp8_base(model, "dequant")  # the meta model: which weights are written in e4m3
+        spec.weights.convert_to_fp8_base(model, "dequant")  # the meta model: which weights are written in e4m3
     out_state = model.state_dict()
     parts = _output_parts(out_state, adapter)
     merger = _Merger(files, state, out_state, inputs, deltas, parts)
@@ -116,7 +116,7 @@ def _base(spec: ModelSpec, base_dir: Path, dtype: torch.dtype):
     shape) made before anything is written."""
     fmt = spec.hf_format
     if fmt is None:
-        raise ValueError(f"{base_dir}: the {spec.family} family's checkpoints have no HF format glmtune merges")
+        raise ValueError(f"{base_dir}: the {spec.family.name} family's checkpoints have no HF format glmtune merges")
     args = fmt.read_config(base_dir)
     files = checkpoint_files(base_dir)
     check_shard_sizes(files)

@@ -66,11 +66,11 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
     why_no_data = unreadable_data(cfg) if options.read_data else "not read (--no-data)"
     if why_no_data is None:
         model_dir = Path(cfg.model.name_or_path) if (Path(cfg.model.name_or_path) / "config.json").is_file() else None
-        data = epoch_tokens(cfg, spec.vocab_size(spec.args_of(model)), model_dir)
+        data = epoch_tokens(cfg, spec.architecture.vocab_size(spec.architecture.args_of(model)), model_dir)
     one_document = data is None or data.one_document_rows * 2 >= data.rows  # the common row shape
     memory = plan_memory(cfg, model, degrees, one_document)
 
-    layout_note = memory_model_of(cfg).check_layout(spec.args_of(model), _base_parameters(model, cfg))
+    layout_note = memory_model_of(cfg).check_layout(spec.architecture.args_of(model), _base_parameters(model, cfg))
     report: dict[str, Any] = {
         "recipe": recipe,
         "model": f"{cfg.model.validate_as or cfg.model.name_or_path}: {model_parameters(model):,} "
@@ -106,7 +106,8 @@ def build_plan(cfg: JobConfig, recipe: str, options: PlanOptions) -> dict[str, A
         }
         if options.measurement is not None:
             lengths = data.document_lengths if data else [cfg.data.packed_sequence_size]
-            entry.update(_run_time(cfg, options, key, spec.flops_per_token(spec.args_of(model), lengths), (steps, tokens),
+            flops = spec.architecture.flops_per_token(spec.architecture.args_of(model), lengths)
+            entry.update(_run_time(cfg, options, key, flops, (steps, tokens),
                                    memory.state.params + memory.state.optimizer, degrees.world_size))
         report["gpus"].append(entry)
     report["run"] = {"steps": steps, "tokens": tokens,
@@ -125,7 +126,7 @@ def _lora_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module | None:
     rows; None when the model's family does not take LoRA (its `ModelFamily.limits`)."""
     lora_cfg = copy.deepcopy(cfg)
     lora_cfg.peft.method = "lora"
-    if limit_errors(lora_cfg, [limit for limit in spec.model_family.limits if limit[0] == "peft.method"]):
+    if limit_errors(lora_cfg, [limit for limit in spec.family.limits if limit[0] == "peft.method"]):
         return None
     return build_meta_model(lora_cfg)
 

@@ -231,8 +231,8 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     """The rank's share of the model on its device: meta, parallelized, random weights."""
     spec = launch.spec
     model = build_meta_model(cfg)
-    spec.parallelize(model, mesh, cfg.parallel, pipeline=pipeline_options(cfg, launch))
-    fill_random_weights(model, launch.device, spec.memory.weight_std(spec.args_of(model)), cfg.train.seed)
+    spec.compute.parallelize(model, mesh, cfg.parallel, pipeline=pipeline_options(cfg, launch))
+    fill_random_weights(model, launch.device, spec.memory.weight_std(spec.architecture.args_of(model)), cfg.train.seed)
     return model
 
 
@@ -271,7 +271,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
         _mark_micro_batches(model, clock, micro_losses)
     seq = cfg.data.packed_sequence_size
     result = RankMeasurement(rank, str(device), degrees, launch.grad_accum, cfg.train.micro_batch_size * seq,
-                             launch.spec.flops_per_token(launch.spec.args_of(model), [seq]), None, None)
+                             launch.spec.architecture.flops_per_token(launch.spec.architecture.args_of(model), [seq]), None, None)
     total = warmup + steps * (2 if links else 1)
     trainer = _trainer(cfg, launch, model, mesh, hooks, total)
     probe = _PhaseProbe(model, device, trainer.runner)
@@ -378,12 +378,12 @@ def _trainer(cfg: JobConfig, launch: Launch, model: nn.Module, mesh: ParallelMes
                                 masters=launch.precision.masters)
     scheduler = build_scheduler(optimizer, o.warmup_steps_for(cfg.train.max_steps), max(cfg.train.max_steps, steps),
                                 o.scheduler, o.min_lr_ratio)
-    vocab = launch.spec.vocab_size(launch.spec.args_of(model))
+    vocab = launch.spec.architecture.vocab_size(launch.spec.architecture.args_of(model))
     rows = synthetic_rows(cfg.train.micro_batch_size * degrees.dp, cfg.data.packed_sequence_size, vocab,
                           cfg.train.seed, documents=2 if cfg.train.objective == "dpo" else 1)
     loader = PackedRowLoader(rows, cfg.train.micro_batch_size, cfg.train.seed, mesh.dp_rank, degrees.dp)
     settings = objective(cfg, trainer_settings(cfg, launch, model, mesh, hooks))
-    return Trainer(model, optimizer, scheduler, launch.spec.step_runner(model), loader, None, None, None, settings)
+    return Trainer(model, optimizer, scheduler, launch.spec.compute.step_runner(model), loader, None, None, None, settings)
 
 
 def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:

@@ -110,7 +110,7 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
                      one_document: bool = True) -> MemoryPlan:
     """The phases of one step on global rank `rank` holding `state` (module docstring)."""
     spec = model_spec(cfg.model)
-    memory, args = memory_model_of(cfg), spec.args_of(model)
+    memory, args = memory_model_of(cfg), spec.architecture.args_of(model)
     step = step_shape(cfg, degrees, one_document)
     e = step.compute_bytes
     precision = resolve_precision(cfg)
@@ -118,7 +118,7 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     pp_rank = ParallelMesh(degrees, rank=rank).rank("pp")
     stage, stages_of_rank = layer_stages(model, cfg, degrees)
     mine = stages_of_rank[pp_rank]
-    layers = [i for i in range(spec.num_layers(args)) if stage[i] in mine]
+    layers = [i for i in range(spec.architecture.num_layers(args)) if stage[i] in mine]
     last = max(max(s) for s in stages_of_rank) in mine
     per_layer = {i: memory.layer(args, step, i) for i in layers}
     kept = {i: per_layer[i].kept for i in layers}

@@ -96,9 +96,9 @@ def build_meta_model(cfg: JobConfig) -> nn.Module:
     `glmtune train` with this config, and no storage (754B parameters cost nothing)."""
     model, _ = build_model_from_config(_readable(cfg), "meta")
     if cfg.model.fp8_base != "none" and not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
-        model_spec(cfg.model).convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
+        model_spec(cfg.model).weights.convert_to_fp8_base(model, cfg.model.fp8_base)  # a preset stands in for an FP8 checkpoint
     # the MTP layer and the indexers train with their losses: their gradients and optimizer state count
-    model_spec(cfg.model).set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0,
+    model_spec(cfg.model).compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0,
                                                  indexer=cfg.model.indexer_trainable)
     if cfg.peft.method == "lora":
         apply_lora(model, cfg.peft, seed=cfg.train.seed)
@@ -119,7 +119,7 @@ def memory_model_of(cfg: JobConfig) -> MemoryModel:
     """The recipe's family's memory model; a family without one is refused in one sentence."""
     spec = model_spec(cfg.model)
     if spec.memory is None:
-        raise ValueError(f"model {cfg.model.name_or_path}: a memory plan is not available for the {spec.family} "
+        raise ValueError(f"model {cfg.model.name_or_path}: a memory plan is not available for the {spec.family.name} "
                          "family (its spec gives no memory model)")
     return spec.memory
 
@@ -140,11 +140,11 @@ def _stage_of(unit: str, layer_stage: list[int], last: int) -> int:
 def layer_stages(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees) -> tuple[list[int], list[list[int]]]:
     """(stage of each decoder layer, the stages each pp rank runs)."""
     spec = model_spec(cfg.model)
-    args, p = spec.args_of(model), cfg.parallel
+    args, p = spec.architecture.args_of(model), cfg.parallel
     if degrees.pp == 1:
-        return [0] * spec.num_layers(args), [[0]]
+        return [0] * spec.architecture.num_layers(args), [[0]]
     seq_len = cfg.data.packed_sequence_size // degrees.cp
-    layer_costs, head_cost = spec.stage_costs(args, seq_len)
+    layer_costs, head_cost = spec.family.stage_costs(args, seq_len)
     split = plan_stages(layer_costs, head_cost, degrees.pp * p.pp_stages_per_rank, p.pp_layer_split or None)
     stage = [s for s, count in enumerate(split) for _ in range(count)]
     ranks = [stage_ids_for_rank(p.pp_schedule, r, degrees.pp, p.pp_stages_per_rank) for r in range(degrees.pp)]
@@ -188,7 +188,7 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
             continue
         experts = memory.routed_expert(name)
         numel = _local_numel(param, experts, degrees, mesh, sharded)
-        state.add(spec.param_group(name), numel, param.element_size(), param.requires_grad, precision.masters)
+        state.add(spec.architecture.param_group(name), numel, param.element_size(), param.requires_grad, precision.masters)
         unit = state.units.setdefault(unit_name, UnitBytes())
         unit.params += numel * param.element_size()
         full = math.prod(_after_ep(param, experts, degrees))
@@ -204,5 +204,5 @@ def whole_model_state(model: nn.Module, spec: ModelSpec, masters: bool = False) 
     which names each parameter's group; `masters`: fp32 master weights in the optimizer)."""
     state = StateBytes()
     for name, param in model.named_parameters():
-        state.add(spec.param_group(name), param.numel(), param.element_size(), param.requires_grad, masters)
+        state.add(spec.architecture.param_group(name), param.numel(), param.element_size(), param.requires_grad, masters)
     return state

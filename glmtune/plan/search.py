@@ -67,14 +67,14 @@ def _largest_ep(experts: int, sharded: int, honoured: tuple | None) -> int:
 
 def _honoured(spec: ModelSpec, key: str) -> tuple | None:
     """The values of setting `key` the family honours (its `limits`); None: any."""
-    return next((values for limit_key, values, _ in spec.model_family.limits if limit_key == key), None)
+    return next((values for limit_key, values, _ in spec.family.limits if limit_key == key), None)
 
 
 def candidates_at(cfg: JobConfig, model: nn.Module, gpus: int, gpu: GpuSpec, context_gib: float,
                   fragmentation: float, one_document: bool) -> list[Candidate]:
     spec = model_spec(cfg.model)
-    args = spec.args_of(model)
-    dims = spec.dims(args, cfg.model.name_or_path)
+    args = spec.architecture.args_of(model)
+    dims = spec.family.dims(args, cfg.model.name_or_path)
     honoured_pp, honoured_ep = _honoured(spec, "parallel.pp"), _honoured(spec, "parallel.ep")
     out = []
     for pp in (1, 2, 4, 8):

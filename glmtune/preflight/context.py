@@ -46,7 +46,7 @@ AUTO_TRUNCATE_PARAMS = 10**9  # `--layers auto` keeps a preset below this whole 
 
 
 def _num_params(spec: ModelSpec, args: Any) -> int:
-    return sum(p.numel() for p in spec.build(args, device="meta").parameters())
+    return sum(p.numel() for p in spec.weights.build(args, device="meta").parameters())
 
 
 class Preflight:
@@ -83,14 +83,14 @@ class Preflight:
         self.notes: list[str] = []  # how the scratch runs differ from the user's run
         if isinstance(layers, int):  # a user error, refused before anything runs
             try:
-                total = self.spec.num_layers(model_args(self.cfg.model))
+                total = self.spec.architecture.num_layers(model_args(self.cfg.model))
             except (OSError, ValueError):
                 total = layers  # an unreadable config: checks 1-4 say so
             if layers > total:
                 raise ValueError(f"--layers {layers}: {self.cfg.model.name_or_path} has {total} decoder layers")
-            if layers < total and self.model_dir is not None and not self.spec.truncated_views:
+            if layers < total and self.model_dir is not None and not self.spec.weights.truncated_views:
                 raise ValueError(f"--layers {layers}: a view of a checkpoint's first layers is not available for "
-                                 f"the {self.spec.family} family; use --layers all (or auto)")
+                                 f"the {self.spec.family.name} family; use --layers all (or auto)")
 
     @cached_property
     def spec(self) -> ModelSpec:
@@ -120,11 +120,11 @@ class Preflight:
         """Decoder layers of the scratch model, None for the model as it is."""
         if not self._layers:
             args = model_args(self.cfg.model)
-            total = self.spec.num_layers(args)
+            total = self.spec.architecture.num_layers(args)
             if self.layers == "all":
                 wanted = total
             elif self.layers == "auto":
-                wanted = total if self._whole_when_auto(args) else self.spec.covering_layers(args)
+                wanted = total if self._whole_when_auto(args) else self.spec.architecture.covering_layers(args)
             else:
                 wanted = int(self.layers)
             self._layers.append(wanted if wanted < total else None)
@@ -132,16 +132,16 @@ class Preflight:
 
     def _whole_when_auto(self, args: Any) -> bool:
         """`--layers auto` trains a small preset whole and views an HF directory's or a large preset's first
-        layers; a family that writes no view (`ModelSpec.truncated_views`) trains a small directory whole,
+        layers; a family that writes no view (`Weights.truncated_views`) trains a small directory whole,
         and a large one is refused: its steps could not run here."""
         if self.model_dir is None:
             return _num_params(self.spec, args) <= AUTO_TRUNCATE_PARAMS
-        if self.spec.truncated_views:
+        if self.spec.weights.truncated_views:
             return False
         count = _num_params(self.spec, args)
         if count > AUTO_TRUNCATE_PARAMS:
             raise ValueError(f"{self.model_dir}: a view of its first layers is not available for the "
-                             f"{self.spec.family} family, and its {count:,} parameters are more than checks 5-10 "
+                             f"{self.spec.family.name} family, and its {count:,} parameters are more than checks 5-10 "
                              f"step whole (--layers auto keeps {AUTO_TRUNCATE_PARAMS:,}); --layers all tries the "
                              "whole model")
         return True
@@ -169,12 +169,12 @@ class Preflight:
                       f"{self.cfg.train.max_steps} x {self.cfg.train.global_batch_size}"]
         layers = self.scratch_layers()
         if layers is not None and self.model_dir is not None:
-            view = self.spec.truncated_view(self.model_dir, self.work / f"model-first-{layers}-layers", layers)
+            view = self.spec.weights.truncated_view(self.model_dir, self.work / f"model-first-{layers}-layers", layers)
             out += ["--model.name_or_path", str(view.resolve())]
             self.notes.append(f"the first {layers} decoder layers of {self.model_dir} with their real weights "
                               f"(a view: {view}); MTP layers and the layers after {layers} are not loaded")
         elif layers is not None:
-            for key, value in self.spec.truncated_overrides(model_args(self.cfg.model), layers).items():
+            for key, value in self.spec.architecture.truncated_overrides(model_args(self.cfg.model), layers).items():
                 out += [f"--model.overrides.{key}", json.dumps(value)]
             self.notes.append(f"the first {layers} decoder layers of the {self.cfg.model.name_or_path} preset")
         return out + self._data_overrides()
@@ -231,7 +231,7 @@ class Preflight:
         if self._data is None:
             cfg = self.scratch()
             self._data = prepare_data(cfg, self.work / "rows", tokenizer_dir_for(cfg, self.scratch_model_dir()),
-                                      self.spec.vocab_size(model_args(cfg.model)))
+                                      self.spec.architecture.vocab_size(model_args(cfg.model)))
         return self._data
 
     # -- scratch runs ---------------------------------------------------------------------

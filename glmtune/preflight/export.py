@@ -175,7 +175,7 @@ def probe_tokens(pf: Preflight, top_k: int | None) -> torch.Tensor:
 def sparse_top_k(pf: Preflight, model: torch.nn.Module) -> int | None:
     """The keys a query's sparse attention selects, where the family's summary names an indexer (GLM-5's
     DSA: beyond them the selection could break a tie otherwise than transformers); None without one."""
-    indexer = pf.spec.summary(pf.spec.args_of(model)).get("indexer")
+    indexer = pf.spec.architecture.summary(pf.spec.architecture.args_of(model)).get("indexer")
     return indexer["topk"] if isinstance(indexer, dict) else None
 
 
@@ -213,8 +213,8 @@ def _hf_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: d
     export = ref.run_dir / "hf"
     trained, checkpoint = trained_model(pf, ref.run_dir)
     spec = pf.spec
-    args = spec.args_of(trained)
-    expected = dict(hf_tensors(trained.state_dict(), spec.state_dict_adapter(args)))
+    args = spec.architecture.args_of(trained)
+    expected = dict(hf_tensors(trained.state_dict(), spec.weights.state_dict_adapter(args)))
     problems = tensor_problems(expected, checkpoint_files(export), "hf/", written_dtypes(spec.hf_format, args, dtype))
     evidence.update(checkpoint=str(checkpoint.path), export=str(export), tensors=len(expected))
     del trained, expected  # the checkpoint's copy is no longer needed: two models are enough at once
@@ -222,7 +222,7 @@ def _hf_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: d
         served = AutoModelForCausalLM.from_pretrained(export, dtype=dtype, attn_implementation="eager")
     served = served.to(pf.device).eval()
     m = pf.scratch().model
-    ours = spec.load_pretrained(export, dtype, pf.device, model_cfg=m).eval()
+    ours = spec.weights.load_pretrained(export, dtype, pf.device, model_cfg=m).eval()
     evidence["reloaded_by"] = f"transformers {type(served).__name__} and glmtune on {export}"
     return problems, served, ours
 

@@ -74,9 +74,9 @@ def first_conversation(pf: Preflight) -> dict[str, Any]:
 
 def architecture_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     args = model_args(pf.cfg.model)
-    meta = pf.spec.build(args, device="meta")
+    meta = pf.spec.weights.build(args, device="meta")
     evidence["meta_model"] = {"parameters": sum(p.numel() for p in meta.parameters()), "bytes_allocated": 0}
-    evidence["architecture"] = pf.spec.summary(args)
+    evidence["architecture"] = pf.spec.architecture.summary(args)
     if pf.model_dir is None:
         evidence["source"] = f"preset {pf.cfg.model.name_or_path}"
         return []
@@ -141,7 +141,7 @@ def template_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     tokenizer_dir = tokenizer_dir_for(pf.cfg, pf.model_dir)
     directory = resolve_tokenizer_dir(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
-    vocab = pf.spec.vocab_size(model_args(pf.cfg.model))
+    vocab = pf.spec.architecture.vocab_size(model_args(pf.cfg.model))
     template = load_chat_template(directory)
     source = template_source(directory)
     turns = chat_format(template).turns  # a template of no format glmtune knows: a ValueError naming it
@@ -177,7 +177,7 @@ def text_problems(pf: Preflight, evidence: dict[str, Any]) -> list[str]:
     tokenizer_dir = tokenizer_dir_for(pf.cfg, pf.model_dir)
     directory = resolve_tokenizer_dir(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
-    vocab = pf.spec.vocab_size(model_args(pf.cfg.model))
+    vocab = pf.spec.architecture.vocab_size(model_args(pf.cfg.model))
     evidence["tokenizer"] = {"directory": str(directory), "size": len(tokenizer),
                              "eos_token_id": tokenizer.eos_token_id}
     problems = []
@@ -210,7 +210,7 @@ def check_model(pf: Preflight) -> CheckResult:
     template = evidence.get("chat_template", {})
     text = evidence.get("text")
     meta = evidence["meta_model"]
-    dims = pf.spec.dims(model_args(pf.cfg.model), pf.cfg.model.name_or_path)
+    dims = pf.spec.family.dims(model_args(pf.cfg.model), pf.cfg.model.name_or_path)
     moe_layers = arch.get("num_moe_layers", 0)  # every family's summary says how many layers are MoE
     name = (evidence.get("config_architectures") or [pf.spec.hf_architecture])[0]
     message = (f"{name} on meta ({meta['parameters']:,} parameters, nothing read): "

@@ -41,7 +41,7 @@ def tolerance(pf: Preflight) -> tuple[float, str]:
 
 @torch.no_grad()
 def row_loss(spec: ModelSpec, model: torch.nn.Module, row: dict, device: torch.device) -> float:
-    loss_sum, count, _ = spec.step_runner(model).evaluate(MicroBatch.of_batch(collate([row])))
+    loss_sum, count, _ = spec.compute.step_runner(model).evaluate(MicroBatch.of_batch(collate([row])))
     return (loss_sum / count).item()
 
 

@@ -119,7 +119,7 @@ def check_pins(pf: Preflight) -> CheckResult:
     try:
         args = model_args(pf.cfg.model)
         # the class transformers loads the checkpoint as (checks 8 and 9 compare against it)
-        architecture = pf.spec.summary(args)["architecture"]
+        architecture = pf.spec.architecture.summary(args)["architecture"]
         if getattr(transformers, architecture, None) is None:
             problems.append(f"transformers {transformers.__version__} has no {architecture}, the model's class")
         model["config_sha256"] = config_sha256(args)

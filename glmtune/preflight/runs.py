@@ -87,7 +87,7 @@ class Gradients:
     @classmethod
     def of(cls, model: nn.Module, spec: ModelSpec) -> "Gradients":
         """The gradients `model` holds now, by `spec`'s parameter groups."""
-        groups, param_group = spec.param_groups, spec.param_group
+        groups, param_group = spec.architecture.param_groups, spec.architecture.param_group
         everything = [(clean_name(n), p) for n, p in model.named_parameters()]
         named = [(n, p) for n, p in everything if p.requires_grad]
         with_grad = [(n, _local(p.grad)) for n, p in named if p.grad is not None]

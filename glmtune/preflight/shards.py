@@ -116,7 +116,7 @@ def space_problems(pf: Preflight) -> tuple[list[str], dict[str, Any]]:
     if layers is None:
         scratch = full
     else:
-        scratch, _ = transformed_meta_model(cfg, pf.spec.truncated(model_args(cfg.model), layers))
+        scratch, _ = transformed_meta_model(cfg, pf.spec.architecture.truncated(model_args(cfg.model), layers))
     one = checkpoint_bytes(scratch, trainable_only=pf.lora)
     # the reference run's HF export, or the base a LoRA run on a preset writes (adapters are small)
     exported = export_bytes(scratch) if not pf.lora or pf.model_dir is None else 0

@@ -82,9 +82,9 @@ def check_gradients(pf: Preflight, ref: ReferenceRun) -> CheckResult:
         return skipped(6, "no gradient was computed: the training step did not run (check 5)")
     first, last_step = ref.gradients[1], max(ref.gradients)
     problems, paths = [], {}
-    for group in pf.spec.param_groups:
+    for group in pf.spec.architecture.param_groups:
         trainable, norm = first.trainable[group], first.norms[group]
-        bad = [n for n in first.nonfinite if pf.spec.param_group(n) == group]
+        bad = [n for n in first.nonfinite if pf.spec.architecture.param_group(n) == group]
         if not first.total[group]:
             state = "not in the model"
         elif not trainable:

@@ -36,9 +36,9 @@ def transformed_meta_model(cfg: JobConfig, args: Any = None) -> tuple[nn.Module,
     """The model `cfg` trains (or `args`, the family's architecture, e.g. a truncated one) on the
     meta device, after its LoRA transform, in the run's parameter dtype; and its inventory."""
     spec = model_spec(cfg.model)
-    model = spec.build(args or model_args(cfg.model), resolve_precision(cfg).param_dtype, "meta")
+    model = spec.weights.build(args or model_args(cfg.model), resolve_precision(cfg).param_dtype, "meta")
     if args is None:  # the recipe's model: MTP layer and indexers as training sets them (a truncated one has no MTP)
-        spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
+        spec.compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     inventory = apply_lora(model, cfg.peft) if cfg.peft.method == "lora" else build_inventory(model)
     return model, inventory
 

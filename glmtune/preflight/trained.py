@@ -38,7 +38,7 @@ def trained_model(pf: Preflight, run_dir: Path, device: torch.device | None = No
     cfg = pf.scratch()
     model = base_model(pf, device)
     # as training does: the MTP layer and the indexers train with their losses (under LoRA: the MTP layer's adapters)
-    pf.spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
+    pf.spec.compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     if pf.lora:
         apply_lora(model, cfg.peft, seed=cfg.train.seed)
     manager = CheckpointManager(run_dir / "checkpoints", trainable_only=pf.lora)

@@ -72,7 +72,7 @@ def record_hf_dir(name: str, hf_dir: Path, what: str, manifest_dir: Path) -> tup
     The identity equals `glmtune.models.registry.hf_dir_identity(hf_dir)` minus its path.
     """
     _check_json_files(hf_dir)
-    args = spec_for(hf_dir).args_from_hf(hf_dir)
+    args = spec_for(hf_dir).architecture.args_from_hf(hf_dir)
     ranges = _tensor_ranges(hf_dir)
     artifact, tensor_shas = record_artifact(name, hf_dir, "dir", what, manifest_dir,
                                             tensors=lambda rel: ranges.get(rel, []))

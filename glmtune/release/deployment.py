@@ -38,9 +38,9 @@ def deployment(engine: dict[str, str], cfg, run_dir: Path, base_dir: Path) -> di
         command = serve_command(facts, str((run_dir / "hf").resolve()), None, None)
         return {"serve_command": shlex.join(command), "facts_checked": facts.checked, "caveats": []}
     spec = model_spec(cfg.model)
-    model = spec.build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
+    model = spec.weights.build(model_args(cfg.model), getattr(torch, cfg.model.dtype), "meta")
     # a run with the MTP loss adapted its MTP layer too (glmtune/peft/apply.py): the same adapters here
-    spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
+    spec.compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     apply_lora(model, cfg.peft)
     traits = adapter_traits(model, cfg.peft.rank, cfg.peft.alpha, cfg.peft.rslora)
     adapter = run_dir / "adapter_per_expert"

@@ -5,7 +5,7 @@ distillation: SFT's loss on the same rows, the same unit: the step's supervised 
 λ (`distill.weight`) times the KL between the teacher's top-K distribution and the student's at
 temperature T (`distill.temperature`), summed over the positions whose top-K the rows carry
 (`distill_data.py`) and divided by the same supervised tokens. The family computes the KL in its
-own loss path, from the forward's final hidden states and its head (`Glm5Spec.loss`, models/common/
+own loss path, from the forward's final hidden states and its head (`Glm5Compute.loss`, models/common/
 distill_loss.py); the trainer's part is only to give each micro-batch λ and T (`prepare`) and to
 log the two parts as distill/ce and distill/kl (per supervised token). With λ = 0 the micro-batches
 carry no teacher and the run is SFT's, bit for bit.

@@ -18,8 +18,8 @@ from glmtune.peft.family import spec_of
 def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                     stop_ids: set[int]) -> list[int]:
     """Token ids generated after `prompt_ids`, stopping at (and excluding) a stop id. The next
-    token's logits come from the model's family (`ModelSpec.last_token_logits`)."""
-    last_token_logits = spec_of(model).last_token_logits
+    token's logits come from the model's family (`Compute.last_token_logits`)."""
+    last_token_logits = spec_of(model).compute.last_token_logits
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -26,7 +26,7 @@ def build_model_from_config(cfg: JobConfig, device: torch.device | str = "cpu",
     With `device="meta"` and an HF directory nothing is read but config.json: the model has the
     checkpoint's architecture and no storage, for `load_sharded` after `parallelize`.
     """
-    return spec_for(cfg.model.name_or_path, cfg.model.family).build_from_config(
+    return spec_for(cfg.model.name_or_path, cfg.model.family).weights.build_from_config(
         cfg.model, resolve_precision(cfg).param_dtype, device, cfg.train.seed if seed is None else seed)
 
 

@@ -101,7 +101,7 @@ def null_settings(cfg: JobConfig) -> dict[str, Callable[[], Any]]:
     differ by that null: run_dir.config_changes). `peft.target_modules`: the family's default targets
     for the model, read from the model built on the meta device (nothing read but its config)."""
     def default_targets() -> list[str]:
-        model, _ = model_spec(cfg.model).build_from_config(cfg.model, torch.float32, "meta", cfg.train.seed)
+        model, _ = model_spec(cfg.model).weights.build_from_config(cfg.model, torch.float32, "meta", cfg.train.seed)
         return target_globs(model, cfg.peft)
 
     return {"peft.target_modules": default_targets}

@@ -148,7 +148,7 @@ def _write_preset_base(cfg: JobConfig, spec: ModelSpec, model: torch.nn.Module, 
             console.print(f"[yellow]{warning}[/yellow]")
 
     decide_on_rank0(check_space)
-    spec.save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
+    spec.weights.save_pretrained(model, out, source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, None)), overwrite=True)
     if not is_main:
         return None
     role = "the adapter's base model" if cfg.peft.method == "lora" else "the model before training"
@@ -161,7 +161,7 @@ def step_model_flops(spec: ModelSpec, args, batches: list[dict]) -> float:
     counts as one more document per row: the GPU computes it)."""
     lengths = [int(n) for b in batches for row in b["document_ids"]
                for n in torch.unique(row, return_counts=True)[1]]
-    return spec.flops_per_token(args, lengths) * sum(lengths)
+    return spec.architecture.flops_per_token(args, lengths) * sum(lengths)
 
 
 @dataclass
@@ -303,7 +303,7 @@ def build_model(cfg: JobConfig, launch: Launch, console: Console, hooks: RunHook
         base_identity = _write_preset_base(cfg, launch.spec, model, run_dir / BASE_DIR, console, info.is_main,
                                            claim.freed())
     # The MTP layer and the indexers train only with their losses (before LoRA and any wrapping).
-    launch.spec.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
+    launch.spec.compute.set_auxiliary_training(model, mtp=cfg.train.mtp_loss_weight > 0, indexer=cfg.model.indexer_trainable)
     # LoRA is a transformation of the built model, before any parallel wrapping.
     inventory = apply_lora(model, cfg.peft, seed=cfg.train.seed) if cfg.peft.method == "lora" \
         else build_inventory(model)
@@ -323,7 +323,7 @@ def prepare_run_data(cfg: JobConfig, launch: Launch, built: BuiltModel, console:
     entry, a base that cannot be hashed) stops every rank with its sentence at once, instead of
     leaving them at a barrier until the collective timeout."""
     info, run_dir = launch.info, launch.run_dir
-    vocab_size = launch.spec.vocab_size(launch.spec.args_of(built.model))
+    vocab_size = launch.spec.architecture.vocab_size(launch.spec.architecture.args_of(built.model))
     prepared: list[PreparedData] = []
 
     def prepare_on_rank0() -> None:  # rank 0 (every rank's answer is only "done", or the refusal)
@@ -367,7 +367,7 @@ def pipeline_options(cfg: JobConfig, launch: Launch) -> Any:
     if launch.degrees.pp == 1:
         return None
     p = cfg.parallel
-    return launch.spec.pipeline_options(
+    return launch.spec.compute.pipeline_options(
         schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank, microbatches=pipeline_microbatches(cfg),
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
         layer_split=p.pp_layer_split or None, dtype=launch.precision.compute_dtype, device=launch.device,
@@ -389,13 +389,13 @@ def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: Pr
     p = cfg.parallel
     spec = launch.spec
     pipeline = pipeline_options(cfg, launch)
-    runner = spec.parallelize(model, mesh, p, pipeline=pipeline)
+    runner = spec.compute.parallelize(model, mesh, p, pipeline=pipeline)
     if degrees.pp > 1 and info.is_main:
         console.print(f"pipeline: {degrees.pp * p.pp_stages_per_rank} stages of "
-                      f"{describe_split(spec.layers_per_stage(model))} layers, {p.pp_schedule}, "
+                      f"{describe_split(spec.compute.layers_per_stage(model))} layers, {p.pp_schedule}, "
                       f"{pipeline.microbatches} microbatches per micro batch")
     if built.sharded_load:
-        stats = spec.load_sharded(model, built.model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
+        stats = spec.weights.load_sharded(model, built.model_dir, device, not_in_checkpoint=adapter_parameter_names(model))
         if cfg.peft.method == "lora":
             reset_lora_parameters(model, cfg.train.seed)
         if info.is_main:
@@ -485,8 +485,8 @@ def trainer_settings(cfg: JobConfig, launch: Launch, model, mesh: ParallelMesh |
         stop_file=launch.run_dir / STOP_FILE,
         row_group=mesh.group("dp") if shared_rows else None, stage_group=mesh.group("loss") if degrees.pp > 1 else None,
         pp_group=mesh.group("pp") if degrees.pp > 1 else None,
-        step_flops=functools.partial(step_model_flops, spec, spec.args_of(model)),
-        moe_layers=spec.moe_layers(model),
+        step_flops=functools.partial(step_model_flops, spec, spec.architecture.args_of(model)),
+        moe_layers=spec.compute.moe_layers(model),
         peak_tflops=peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
         on_gradients=hooks.on_gradients,
         on_optimizer_step=hooks.on_optimizer_step,
@@ -601,7 +601,7 @@ def finish(cfg: JobConfig, launch: Launch, built: BuiltModel, samples: LaidOut, 
             if info.is_main:
                 console.print(f"exported LoRA adapter ({layout} layout): {out}")
     if cfg.checkpoint.export_hf and cfg.peft.method == "none":
-        out = launch.spec.save_pretrained(model, run_dir / "hf",
+        out = launch.spec.weights.save_pretrained(model, run_dir / "hf",
                                           source_dir=resolve_tokenizer_dir(tokenizer_dir_for(cfg, built.model_dir)),
                                           overwrite=True, dtype=launch.precision.compute_dtype,
                                           pp_group=pp_group)

@@ -139,7 +139,7 @@ def test_inspect_refuses_it_and_verify_lists_it(saved, tmp_path):
 def _sharded_load_refuses(rank: int, world_size: int, path: str, out: str) -> None:
     model = _parallel_model(Path(path), world_size, ep=2)
     with pytest.raises(ValueError) as caught:
-        GLM5.load_sharded(model, path, None)
+        GLM5.weights.load_sharded(model, path, None)
     Path(out, f"rank{rank}.txt").write_text(str(caught.value))
 
 

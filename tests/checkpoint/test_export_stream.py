@@ -53,7 +53,7 @@ def test_a_checkpoint_exports_as_save_pretrained_writes_the_model_it_holds(tmp_p
     for size in ("5GB", "300KB"):
         old, new = tmp_path / f"old-{size}", tmp_path / f"new-{size}"
         save_pretrained(model, old, max_shard_size=size, source_dir=tokenizer, dtype=torch.bfloat16)
-        GLM5.export_checkpoint(meta, checkpoint, new, dtype=torch.bfloat16, source_dir=tokenizer, max_shard_size=size)
+        GLM5.weights.export_checkpoint(meta, checkpoint, new, dtype=torch.bfloat16, source_dir=tokenizer, max_shard_size=size)
         assert _digests(new) == _digests(old), size
     assert len(list(new.glob("model-*.safetensors"))) > 4 and (new / INDEX_NAME).is_file()
     assert (new / "tokenizer.json").is_file()
@@ -64,7 +64,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
     wider = build_model(get_preset("tiny").replace(**ARGS), torch.float32, "meta")
     before = snapshot(tmp_path)
     with pytest.raises(ValueError, match="has shape .* not a checkpoint of this run's model"):
-        GLM5.export_checkpoint(wider, checkpoint, tmp_path / "out", dtype=torch.bfloat16, source_dir=None)
+        GLM5.weights.export_checkpoint(wider, checkpoint, tmp_path / "out", dtype=torch.bfloat16, source_dir=None)
     assert changes(before, snapshot(tmp_path)) == []
 
 
@@ -131,7 +131,7 @@ def test_exporting_1gb_stays_under_the_shard_bound(big_checkpoint, tmp_path):
     assert stored > 900e6
     out = tmp_path / "hf"
     baseline = peak_rss(_BASELINE)
-    peak = peak_rss(_EXPORT + f"GLM5.export_checkpoint(build_model(get_preset('tiny').replace(**{BIG!r}), torch.float32, "
+    peak = peak_rss(_EXPORT + f"GLM5.weights.export_checkpoint(build_model(get_preset('tiny').replace(**{BIG!r}), torch.float32, "
                                f"'meta'), {str(big_checkpoint)!r}, {str(out)!r}, dtype=torch.bfloat16, source_dir=None, "
                                "max_shard_size='64MB'); " + PEAK)
     written = list(out.glob("*.safetensors"))

@@ -175,7 +175,7 @@ def test_more_experts_on_disk_than_in_config_is_named(tiny_dir, tmp_path):
     # A one-line ValueError naming the file and a tensor (router or expert), never an IndexError.
     with pytest.raises(ValueError, match=r"safetensors: model\.layers\.[23]\.mlp\.\S+: (shape|unexpected)"):
         load_pretrained(bad, dtype=torch.float32)
-    adapter = GLM5.state_dict_adapter(Glm5Args.from_hf_config(bad))
+    adapter = GLM5.weights.state_dict_adapter(Glm5Args.from_hf_config(bad))
     assert adapter.from_hf_key("model.layers.2.mlp.experts.4.down_proj.weight") is None
     assert adapter.from_hf_key("model.layers.2.mlp.experts.3.down_proj.weight").expert == 3
 
@@ -187,7 +187,7 @@ def test_the_missing_tensor_named_is_the_one_missing(tiny_dir):
     model, path = tiny_dir
     files = checkpoint_files(path)
     absent = ["model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.3.mlp.experts.7.down_proj.weight"]
-    adapter = GLM5.state_dict_adapter(model.args)
+    adapter = GLM5.weights.state_dict_adapter(model.args)
     state = model.state_dict()
     plan = read_plan({key: file for key, file in files.items() if key not in absent}, adapter, state.keys())
     shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}

@@ -158,7 +158,7 @@ FP8_KEY = "lm_head.weight"  # [4096, 128] -> 32 x 1 blocks of 128 x 128
 
 def write_fp8_checkpoint(path: Path, scale_shape: tuple[int, ...] | None, extra: dict | None = None) -> Path:
     model = build_model(get_preset("tiny"), dtype=torch.bfloat16, seed=0)
-    tensors = {key: t.detach().clone().contiguous() for key, t in hf_tensors(model.state_dict(), GLM5.state_dict_adapter(model.args))}
+    tensors = {key: t.detach().clone().contiguous() for key, t in hf_tensors(model.state_dict(), GLM5.weights.state_dict_adapter(model.args))}
     tensors[FP8_KEY] = tensors[FP8_KEY].to(torch.float8_e4m3fn)
     if scale_shape is not None:
         tensors[FP8_KEY + "_scale_inv"] = torch.ones(scale_shape, dtype=torch.float32)

@@ -135,7 +135,7 @@ def test_a_truncated_view_links_only_to_its_sources_same_named_files(ckpt, tmp_p
     """preflight's K-layer view (truncated_view.py) is a directory of links to the checkpoint it was
     cut from: loadable; a link of it to any other file (another shard of the source, a file outside
     the source) is refused, whatever its index claims."""
-    view = GLM5.truncated_view(ckpt, tmp_path / "view", 2)
+    view = GLM5.weights.truncated_view(ckpt, tmp_path / "view", 2)
     assert checkpoint_files(view) and not any("leads out" in p.message for p in verify(view).problems)
     names = sorted(set(json.loads((view / INDEX_NAME).read_text())["weight_map"].values()))
     others = sorted(set(weight_map(ckpt).values()) - set(names))

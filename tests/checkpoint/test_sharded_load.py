@@ -50,7 +50,7 @@ def _loss(model, args):
 def _load_and_compare(rank: int, world_size: int, path: str, ep: int, out: str) -> None:
     path = Path(path)
     model = _parallel_model(path, world_size, ep)
-    stats = GLM5.load_sharded(model, path, None)
+    stats = GLM5.weights.load_sharded(model, path, None)
     reference = load_pretrained(path, dtype=torch.float32, device="cpu")
     expected = reference.state_dict()
     strided = []
@@ -165,7 +165,7 @@ def _expect_errors(rank: int, world_size: int, cases: list[tuple[str, str]], out
     for case, (path, pattern) in enumerate(cases):
         model = _parallel_model(Path(path), world_size, ep=2)
         with pytest.raises(ValueError, match=pattern) as caught:
-            GLM5.load_sharded(model, path, None)
+            GLM5.weights.load_sharded(model, path, None)
         assert "\n" not in str(caught.value)
         (Path(out) / f"case{case}-rank{rank}.txt").write_text(str(caught.value))
         dist.barrier()  # every rank got the error: none is left behind in a collective

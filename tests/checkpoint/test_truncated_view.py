@@ -19,7 +19,7 @@ def test_covering_layers():
 
 
 def test_view_reads_the_first_layers_of_the_original(ckpt, tmp_path):
-    view = GLM5.truncated_view(ckpt, tmp_path / "view", 2)
+    view = GLM5.weights.truncated_view(ckpt, tmp_path / "view", 2)
     config = json.loads((view / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["num_nextn_predict_layers"] == 0
     assert config["indexer_types"] == ["full", "shared"] and config["mlp_layer_types"] == ["dense", "dense"]

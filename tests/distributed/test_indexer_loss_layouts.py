@@ -216,7 +216,7 @@ def test_chained_stages_compute_the_kl_and_gradients(mtp):
         rows["mtp_targets"] = torch.roll(ids, -2, 1)
         num_mtp = int((rows["mtp_targets"] != -100).sum())
     mtp_scale = 0.3 / num_mtp if mtp else None
-    scale = 0.01 / (int((document_ids >= 0).sum()) * (5 if mtp else 4))  # queries x KL layers, as `Glm5Spec.loss`
+    scale = 0.01 / (int((document_ids >= 0).sum()) * (5 if mtp else 4))  # queries x KL layers, as `Glm5Compute.loss`
     reference = _tiny_fp64(mtp)
     queries = int((document_ids >= 0).sum())  # the sizes `scale` and `mtp_scale` come from
     aux = AuxiliaryScales(AuxiliaryLosses(0.3 if mtp else 0.0, 0.01), mtp_targets=num_mtp, queries=queries)

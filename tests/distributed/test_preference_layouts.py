@@ -171,13 +171,13 @@ def _cache_under_layout(rank: int, world_size: int, layout: str) -> None:
     denominator = torch.tensor(float(num_pairs))
     single = build_model(get_preset("tiny"), torch.float32, seed=0)
     mb = MicroBatch.of_batch(batch, loss_scale=1.0 / num_pairs, step_totals=totals)
-    want_loss, want_pairs, want_stats = GLM5.step_runner(single).train(mb, denominator, objective)
+    want_loss, want_pairs, want_stats = GLM5.compute.step_runner(single).train(mb, denominator, objective)
     assert want_stats["margin"] != 0  # the synthetic reference differs from the policy
     model = build_model(get_preset("tiny"), torch.float32, seed=0)
     mesh = ParallelMesh.from_config(ParallelConfig(**{layout: 2}), world_size=world_size)
     options = PipelineOptions("1F1B", 1, microbatches=2, micro_batch=2, seq_len=1024) if layout == "pp" else None
     parallelize_glm5(model, mesh=mesh, pipeline=options)
-    runner = GLM5.step_runner(model)
+    runner = GLM5.compute.step_runner(model)
     # the trainer's micro-batch: this rank's targets counted (cp); the runner runs the backward
     mb = MicroBatch.of_batch(batch, runner.local_tokens, loss_scale=1.0 / num_pairs, step_totals=totals)
     loss, pairs, stats = runner.train(mb, denominator, objective)

@@ -40,7 +40,7 @@ from glmtune.eval.sets import load_sets
 from glmtune.eval.suite import DecodingConfig, load_suite
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
-from glmtune.models.glm5.spec import Glm5Spec
+from glmtune.models.glm5.spec import Glm5Compute
 from tests.eval.endpoint_stub import engine
 
 MTP = "operations/serving/mtp_acceptance"
@@ -188,12 +188,12 @@ def test_no_mtp_layer_and_an_endpoint_are_not_available(models, served_candidate
 def test_nothing_counted_is_not_a_zero(models, tmp_path, monkeypatch):
     """A spec entry with count 0 (rows shorter than the indexer's top-k: every key is selected) is
     null with the reason, the longest row named."""
-    original = Glm5Spec.serving_metrics
+    original = Glm5Compute.serving_metrics
 
     def with_recall(self, model, batch):
         return {**original(self, model, batch), "indexer_recall": torch.zeros(2)}
 
-    monkeypatch.setattr(Glm5Spec, "serving_metrics", with_recall)
+    monkeypatch.setattr(Glm5Compute, "serving_metrics", with_recall)
     suite = _suite(tmp_path)
     scorecard, _ = run_eval(suite, models["base"], models["base"], tmp_path / "eval", device="cpu",
                             log=lambda _: None)

@@ -38,7 +38,7 @@ def test_recall_matches_the_dense_reference_layer_by_layer():
     hooks = [layer.self_attn.register_forward_hook(lambda m, a, o: captured.append((m, a, o)))
              for layer in model.model.layers]
     with torch.no_grad():
-        metrics = GLM5.serving_metrics(model, batch)
+        metrics = GLM5.compute.serving_metrics(model, batch)
     for h in hooks:
         h.remove()
     total, count = 0.0, 0
@@ -70,4 +70,4 @@ def test_a_selection_of_every_key_has_recall_one():
     k = torch.randn(1, 2, 40, 4, dtype=torch.float64)
     pair = selection_recall(q, k, 0.5, allowed, allowed, picked)
     torch.testing.assert_close(pair, torch.tensor([3.0, 3.0]))
-    assert GLM5.serving_metrics(model, batch)["indexer_recall"].tolist() == [0.0, 0.0]  # none qualifies
+    assert GLM5.compute.serving_metrics(model, batch)["indexer_recall"].tolist() == [0.0, 0.0]  # none qualifies

@@ -80,8 +80,8 @@ def _refused_before_writing(run: Path, engine: str, tmp_path: Path) -> str:
 def test_the_traits_name_the_mtp_layer_as_the_state_dict_adapter_does(plain_run, mtp_run, mtp_eh_run):
     # GLM-5 (on meta): the MTP layer after the 78 decoder layers, from num_hidden_layers, not a constant
     glm5 = ModelConfig(name_or_path="glm5")
-    model = model_spec(glm5).build(model_args(glm5), torch.float32, "meta")
-    model_spec(glm5).set_auxiliary_training(model, mtp=True, indexer=False)
+    model = model_spec(glm5).weights.build(model_args(glm5), torch.float32, "meta")
+    model_spec(glm5).compute.set_auxiliary_training(model, mtp=True, indexer=False)
     apply_lora(model, PeftConfig(method="lora", target_modules=[*DEFAULT_LORA_TARGETS, "*.eh_proj"]))
     traits = adapter_traits(model, 16, 32.0, False)
     assert (traits.mtp_layers, traits.mtp_eh_proj) == (("model.layers.78",), ("model.layers.78.eh_proj",))

@@ -26,7 +26,7 @@ from tests.train.run_helpers import TWO_STEPS, shared_run
 
 
 def _traits(**peft):
-    model = model_spec(ModelConfig()).build(model_args(ModelConfig()), torch.float32, "meta")
+    model = model_spec(ModelConfig()).weights.build(model_args(ModelConfig()), torch.float32, "meta")
     cfg = PeftConfig(method="lora", rank=peft.pop("rank", 8), **peft)
     apply_lora(model, cfg)
     return adapter_traits(model, cfg.rank, cfg.alpha, cfg.rslora)

@@ -42,7 +42,7 @@ def mtp_base(hf_dir, tmp_path_factory) -> Path:
 
 def _ours(base: Path, targets=WITH_EH, mtp: bool = True) -> torch.nn.Module:
     model = load_pretrained(base, dtype=torch.float32, attention_backend="eager", moe_backend="grouped_mm")
-    GLM5.set_auxiliary_training(model, mtp=mtp, indexer=False)  # what `glmtune train` does before LoRA
+    GLM5.compute.set_auxiliary_training(model, mtp=mtp, indexer=False)  # what `glmtune train` does before LoRA
     apply_lora(model, lora_cfg(target_modules=list(targets)))
     randomize_adapters(model)
     return model.eval()
@@ -56,7 +56,7 @@ def test_the_mtp_layer_takes_adapters_only_with_the_mtp_loss():
         apply_lora(build_model(get_preset("tiny"), seed=0), lora_cfg(target_modules=["*.eh_proj"]))
 
     model = build_model(get_preset("tiny"), seed=0)
-    GLM5.set_auxiliary_training(model, mtp=True, indexer=False)
+    GLM5.compute.set_auxiliary_training(model, mtp=True, indexer=False)
     inventory = apply_lora(model, lora_cfg())
     adapted = {name for name, _ in lora_modules(model) if name.startswith("mtp.")}
     assert adapted == {f"mtp.0.{m}" for m in ("self_attn.q_a_proj", "self_attn.q_b_proj",
@@ -70,19 +70,19 @@ def test_the_mtp_layer_takes_adapters_only_with_the_mtp_loss():
     assert "self_attn.q_a_proj (x4)" in inventory.row("attention").targets  # the decoder layers' count alone
 
     model = build_model(get_preset("tiny"), seed=0)
-    GLM5.set_auxiliary_training(model, mtp=True, indexer=False)
+    GLM5.compute.set_auxiliary_training(model, mtp=True, indexer=False)
     apply_lora(model, lora_cfg(target_modules=["*.eh_proj", "mtp.*.o_proj"]))
     assert [name for name, _ in lora_modules(model)] == ["mtp.0.self_attn.o_proj", "mtp.0.eh_proj"]
     for glob, message in (("mtp.0.*norm", "matches no module"), ("mtp.*.indexer.wk", "DSA indexer")):
         model = build_model(get_preset("tiny"), seed=0)
-        GLM5.set_auxiliary_training(model, mtp=True, indexer=False)
+        GLM5.compute.set_auxiliary_training(model, mtp=True, indexer=False)
         with pytest.raises(ValueError, match=message):
             apply_lora(model, lora_cfg(target_modules=[glob]))
 
 
 def test_the_mtp_adapters_learn_from_the_mtp_loss():
     model = build_model(get_preset("tiny"), seed=0, attention_backend="eager")
-    GLM5.set_auxiliary_training(model, mtp=True, indexer=False)
+    GLM5.compute.set_auxiliary_training(model, mtp=True, indexer=False)
     apply_lora(model, lora_cfg(target_modules=WITH_EH))
     randomize_adapters(model)  # B != 0: A gets a gradient too
     gen = torch.Generator().manual_seed(0)
@@ -94,7 +94,7 @@ def test_the_mtp_adapters_learn_from_the_mtp_loss():
     batch = collate(rows)
     weight = 0.3
     mb = MicroBatch.of_batch(batch, aux=AuxiliaryLosses(mtp_weight=weight))
-    loss_sum, _, stats = GLM5.loss(model, mb)  # the training loss
+    loss_sum, _, stats = GLM5.compute.loss(model, mb)  # the training loss
     loss_sum.backward()
     assert stats["mtp_loss"][1] == batch["num_mtp_supervised"]
     mtp = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.") and p.grad is not None}
@@ -228,7 +228,7 @@ def test_a_lora_run_with_the_mtp_loss_ships_its_trained_mtp_adapters(tmp_path):
 
     base = run_dir / "base"
     trained = load_pretrained(base, dtype=torch.float32, attention_backend="eager", moe_backend="grouped_mm")
-    GLM5.set_auxiliary_training(trained, mtp=True, indexer=False)
+    GLM5.compute.set_auxiliary_training(trained, mtp=True, indexer=False)
     apply_lora(trained, load_config("tiny/lora_support_json").peft)
     checkpoints = CheckpointManager(run_dir / "checkpoints", trainable_only=True)
     checkpoints.load(checkpoints.latest(), trained, torch.optim.AdamW([p for p in trained.parameters()

@@ -57,7 +57,7 @@ def test_parameters_from_the_config_equal_transformers_model(name):
         model = AutoModelForCausalLM.from_config(config)
     real: dict[str, int] = {}
     for param_name, param in model.named_parameters():
-        real[HF.param_group(param_name)] = real.get(HF.param_group(param_name), 0) + param.numel()
+        real[HF.architecture.param_group(param_name)] = real.get(HF.architecture.param_group(param_name), 0) + param.numel()
     args = _args(model, config)
     assert {group: n for group, n in parameter_counts(args).items() if n} == real
     assert parameter_count(args) == sum(real.values())
@@ -157,7 +157,7 @@ def test_the_plan_of_an_hf_directory_uses_its_memory_model(hf_dirs, capsys, reci
                  "--train.generate_samples", "0"]
     report = _plan(capsys, hf_dirs["qwen3"], "--parallel.activation_checkpointing", ac, recipe=recipe)
     cfg = load_config(f"tiny/{recipe}_support_json", overrides)
-    args = HF.args_from_hf(hf_dirs["qwen3"])
+    args = HF.architecture.args_from_hf(hf_dirs["qwen3"])
     assert report["model"].startswith(f"{hf_dirs['qwen3']}: ")
     step = step_shape(cfg, MeshDegrees(1, 1, 1, 1, 1, 1, 1))  # no data read: one-document rows
     assert step.lora_rank == (cfg.peft.rank if recipe == "lora" else 0) and step.activation_checkpointing == ac

@@ -65,7 +65,7 @@ def build_teacher_dir(directory: Path, rows: int = 48, seed: int = 0, skip: tupl
 
 def _teacher_logps(samples, seed: int) -> torch.Tensor:
     """The tiny preset's log-probabilities at every position of every sample ([rows, longest, V])."""
-    teacher = GLM5.build(GLM5.preset_args("tiny"), torch.float32, seed=seed).eval()
+    teacher = GLM5.weights.build(GLM5.family.preset_args("tiny"), torch.float32, seed=seed).eval()
     # Rows padded on the right, 16 per forward: causal attention keeps each row's positions its own.
     longest = max(len(sample.input_ids) for sample in samples)
     padded = torch.tensor([sample.input_ids + [0] * (longest - len(sample.input_ids)) for sample in samples])

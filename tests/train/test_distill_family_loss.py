@@ -1,4 +1,4 @@
-"""Each model family's loss path with a teacher (Glm5Spec.loss, HfSpec.loss): the cross-entropy sum
+"""Each model family's loss path with a teacher (Glm5Compute.loss, HfCompute.loss): the cross-entropy sum
 plus λ times the bucketed, tempered KL of `distill_loss.topk_kl_reference` over the model's own
 materialized logits, and the two parts as statistics; with λ = 0 the family's plain loss."""
 
@@ -30,9 +30,9 @@ def _batch(vocab: int, length: int = 24, seed: int = 0) -> MicroBatch:
 
 def _check(spec, model, logits_fn, vocab):
     mb = _batch(vocab)
-    loss, count, stats = spec.loss(model, mb)
-    plain = spec.loss(model, dataclasses.replace(mb, teacher=None))
-    no_kl = spec.loss(model, dataclasses.replace(mb, teacher=dataclasses.replace(mb.teacher, weight=0.0)))
+    loss, count, stats = spec.compute.loss(model, mb)
+    plain = spec.compute.loss(model, dataclasses.replace(mb, teacher=None))
+    no_kl = spec.compute.loss(model, dataclasses.replace(mb, teacher=dataclasses.replace(mb.teacher, weight=0.0)))
     assert torch.equal(no_kl[0], plain[0]) and len(no_kl) == 2  # λ = 0: the family's loss, nothing else
     with torch.no_grad():
         kl = topk_kl_reference(logits_fn(mb.input_ids).double(), mb.teacher)
@@ -49,11 +49,11 @@ def _check(spec, model, logits_fn, vocab):
 
 
 def test_glm5_loss_adds_the_teacher_kl():
-    model = GLM5.build(GLM5.preset_args("tiny"), torch.float32, seed=0)
+    model = GLM5.weights.build(GLM5.family.preset_args("tiny"), torch.float32, seed=0)
     _check(GLM5, model, lambda ids: model(ids).logits, 4096)
 
 
 def test_hf_loss_adds_the_teacher_kl(tmp_path):
     write_checkpoint("qwen3", tmp_path)
-    model = HF.load_pretrained(tmp_path, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tmp_path, torch.float32, "cpu")
     _check(HF, model, lambda ids: model(input_ids=ids).logits, 96)

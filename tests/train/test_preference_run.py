@@ -92,9 +92,9 @@ def test_the_trainer_objective_is_the_trl_proven_loss(lora_model, packed_rows, d
     """The preference objective run by the model's step runner (its loss / pairs) equals total_loss of
     preference_loss (tests/train/test_preference_loss.py proves those against TRL), the reference
     being the adapters-off model (`prepare`)."""
-    mb, objective, runner = _micro_batch(packed_rows), _objective(**dpo), GLM5.step_runner(lora_model)
+    mb, objective, runner = _micro_batch(packed_rows), _objective(**dpo), GLM5.compute.step_runner(lora_model)
     loss_sum, pairs, sums = runner.evaluate(objective.prepare(runner, mb), objective)
-    logps = lambda: GLM5.token_logps(lora_model, mb)  # noqa: E731
+    logps = lambda: GLM5.compute.token_logps(lora_model, mb)  # noqa: E731
     policy = pair_logps(logps(), mb.targets, mb.document_ids, mb.documents_per_row)
     with torch.no_grad(), adapters_disabled(lora_model):
         ref = pair_logps(logps(), mb.targets, mb.document_ids, mb.documents_per_row)

@@ -9,7 +9,7 @@ from glmtune.train.router_balance import update_router_biases
 
 def test_sign_update_raises_underloaded_and_lowers_overloaded_experts():
     model = build_model(get_preset("tiny"), seed=0)
-    layers = GLM5.moe_layers(model)
+    layers = GLM5.compute.moe_layers(model)
     assert [name for name, _ in layers] == ["model.layers.2.mlp", "model.layers.3.mlp"]
     counts = {name: torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]) for name, _ in layers}
     update_router_biases(layers, counts, rate=0.01)

@@ -134,7 +134,7 @@ def pair_samples(row: EvalRow, prompting) -> tuple[TokenizedSample, TokenizedSam
 @torch.no_grad()
 def local_pair_logps(model, token_logps, row: EvalRow, prompting) -> PairLogps:
     """The pair's log-probabilities under an in-process model: the pair packed into one row as
-    training packs it (documents 0 and 1), `token_logps` (the family's `spec.token_logps`) and
+    training packs it (documents 0 and 1), `token_logps` (the family's `spec.compute.token_logps`) and
     the per-document sums of `glmtune.train.preference_loss.pair_logps`."""
     chosen, rejected = pair_samples(row, prompting)
     size = len(chosen.input_ids) + len(rejected.input_ids)

@@ -77,6 +77,6 @@ def reference_batch(row: EvalRow, prompting) -> dict:
 
 
 def row_loss(model, loss, row: EvalRow, prompting) -> float:
-    """The row's mean reference loss (nats per token) under `model` (`loss`: its family's `spec.loss`)."""
+    """The row's mean reference loss (nats per token) under `model` (`loss`: its family's `spec.compute.loss`)."""
     total, count = summed_loss(model, loss, reference_batch(row, prompting))
     return total / max(count, 1)

@@ -1,54 +1,48 @@
 """`ModelSpec`: the front door of a model family, the one object the commands ask for a model.
 
-A family (`glmtune/models/<family>/`) implements it in its `spec.py`, and
-`glmtune/models/registry.py` lists the families. train/, plan/, preflight/, eval/, release/
-and cli/ reach a family only through it (tests/test_layout.py checks the imports), so a
-second family adds a folder and a spec, not edits across the tree. What a spec answers from
-the architecture's numbers alone (presets, config.json, overrides, dims, stage costs) is the
-family's torch-free `ModelFamily` (family.py, `model_family`), which the spec answers through.
+A family (`glmtune/models/<family>/`) builds one in its `spec.py`, and
+`glmtune/models/registry.py` lists the families. train/, plan/, preflight/, eval/, release/,
+checkpoint/, peft/, generation/ and cli/ reach a family only through it (tests/test_layout.py
+checks the imports), so a second family adds a folder and a spec, not edits across the tree.
 
-What a spec answers, in the order a run asks:
+A spec is a typed object of a few fields, each answering one kind of question, in the order a
+run asks them:
 
-  presets, args          the preset table (the only one) and a family's architecture, from a
-                         preset or an HF directory (`args.num_routed_experts` etc. are the
-                         family's own; `dims` gives what the layout check needs): the
-                         `model_family`'s, but `args_from_hf`, which checks the weights too
-  build, load, save      build on meta or materialized, the whole or the sharded HF load (FP8
-                         base included), the HF export (of a built model, or streamed from a
-                         training checkpoint), the state-dict adapter (the only place HF key
-                         names live); `hf_format` (hf_format.py): what checkpoint/'s HF readers,
-                         verifier and writers need of the family
-  loss, flops            the training loss of a micro-batch (`microbatch.MicroBatch`); model
-                         FLOPs per token (MFU)
-  parallelize,           the parallelization plan (PP -> EP -> CP -> AC -> compile -> FSDP2), and
-  step_runner            the step runner it built (step_runner.py: the whole model, or a
-                         pipeline's stages), through which everything runs the model
-  moe_layers             what the trainer needs of a built model (router statistics, bias updates)
-  param_group            the parameter groups the inventory and preflight report by
-  decoding               the cached-decoding hooks `glmtune.generation` drives (decoding.py;
-                         None: the family has none)
-  lora                   what `glmtune.peft` needs of the family's modules (lora_rules.py;
-                         None: peft/ refuses the family's models)
-  memory                 what `glmtune plan` needs of the architecture to walk a step's memory
-                         (memory_model.py; None: plan refuses the family)
-  describe               the architecture summary, its table's rows and the parameter report
-                         (`glmtune inspect`),
-                         the per-layer costs the pipeline split is planned from
+  family         the torch-free answers (family.py `ModelFamily`: name, config.json's model_type,
+                 presets, config.json read alone, `model.overrides`, the layout check's `dims`,
+                 the pipeline split's `stage_costs`), which `config validate` and `--help` use
+  hf_architecture  config.json `architectures[0]` (transformers' class name)
+  architecture   `Architecture`: the family's args of an HF directory (its weights checked), of a
+                 built model, and their numbers (vocabulary, layers, truncations, FLOPs per token,
+                 parameter groups, the summary and parameter report `glmtune inspect` prints)
+  weights        `Weights`: build (on meta or materialized), load whole or sharded, save, export a
+                 training checkpoint, K-layer views, the FP8 base, the state-dict adapter (the only
+                 place HF key names live)
+  compute        `Compute`: what runs a built model: the training loss and log-probs of a
+                 micro-batch (`microbatch.MicroBatch`), the serving metrics, the parallelization
+                 plan (PP -> EP -> CP -> AC -> compile -> FSDP2) and the step runner it returns
+                 (step_runner.py), through which everything runs the model
+  hf_format      what checkpoint/'s HF readers, verifier and writers need (hf_format.py; None:
+                 they refuse the family)
+  decoding       the cached-decoding hooks `glmtune.generation` drives (decoding.py; None: none)
+  lora           what `glmtune.peft` needs of the family's modules (lora_rules.py; None: peft/
+                 refuses the family's models)
+  memory         what `glmtune plan` needs to walk a step's memory (memory_model.py; None: plan
+                 refuses the family)
 
-Knows no family and imports only its neighbours in models/common/ (family.py, decoding.py,
-hf_format.py, lora_rules.py, memory_model.py, microbatch.py, step_runner.py): the methods take and
-return the family's own objects.
+Knows no family and imports only its neighbours in models/common/: the methods take and return
+the family's own objects (`args` is the family's architecture type).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glmtune.models.common.decoding import CachedDecoding
-from glmtune.models.common.family import ModelDims, ModelFamily
+from glmtune.models.common.family import ModelFamily
 from glmtune.models.common.hf_format import HfFormat
 from glmtune.models.common.lora_rules import LoraRules
 from glmtune.models.common.memory_model import MemoryModel
@@ -56,47 +50,15 @@ from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.step_runner import PlainRunner, StepRunner
 
 
-class ModelSpec(ABC):
-    """One model family's answers (see the module docstring). Stateless: one instance per family."""
+class Architecture(ABC):
+    """A family's architecture (`args`): read from an HF directory or a built model, and its numbers."""
 
-    model_family: ModelFamily  # the torch-free answers, which the spec gives through
-    hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
-    decoding: CachedDecoding | None = None  # the cached-decoding hooks (None: the family has none)
-    lora: LoraRules | None = None  # glmtune.peft's hooks (None: peft/ refuses the family's models)
-    hf_format: HfFormat | None = None  # checkpoint/'s HF readers, verifier, writers (None: they refuse the family)
-
-    # -- architecture ------------------------------------------------------------------
-    @property
-    def family(self) -> str:
-        """The family's folder under glmtune/models/ ("glm5")."""
-        return self.model_family.name
-
-    @property
-    def hf_model_type(self) -> str:
-        """config.json `model_type` of the family's checkpoints."""
-        return self.model_family.hf_model_type
-
-    @property
-    def presets(self) -> Mapping[str, Callable[[], Any]]:
-        """Preset name -> its architecture (args)."""
-        return self.model_family.presets
-
-    def preset_args(self, name: str) -> Any:
-        """The architecture of preset `name`."""
-        return self.model_family.preset_args(name)
+    param_groups: tuple[str, ...]  # the groups `param_group` answers, in report order
 
     @abstractmethod
     def args_from_hf(self, path: str | Path) -> Any:
         """The architecture of an HF directory (or its config.json), checked against the directory's
-        weights when it holds them (`model_family.read_args` reads config.json alone)."""
-
-    def with_overrides(self, args: Any, overrides: dict[str, Any]) -> Any:
-        """`args` with `model.overrides` applied (config.json key names)."""
-        return self.model_family.with_overrides(args, overrides)
-
-    def dims(self, args: Any, source: str, overrides: dict[str, Any] | None = None) -> ModelDims:
-        """Experts and layers of `args` after `model.overrides` (checked), for the layout check."""
-        return self.model_family.dims(args, source, overrides)
+        weights when it holds them (`ModelFamily.read_args` reads config.json alone)."""
 
     @abstractmethod
     def args_of(self, model: Any) -> Any:
@@ -121,7 +83,34 @@ class ModelSpec(ABC):
         """The `model.overrides` (config.json keys) that cut preset `args` to its first `num_layers`
         decoder layers, as a recipe override gives them (preflight's scratch runs of a preset)."""
 
-    # -- build, load, save -------------------------------------------------------------
+    @abstractmethod
+    def flops_per_token(self, args: Any, doc_lengths: list[int]) -> float:
+        """Model FLOPs (forward + backward) per token over documents of these lengths."""
+
+    @abstractmethod
+    def param_group(self, name: str) -> str:
+        """The group (one of `param_groups`) a parameter name belongs to."""
+
+    @abstractmethod
+    def summary(self, args: Any) -> dict[str, Any]:
+        """The architecture in a few numbers (`glmtune inspect`, preflight)."""
+
+    @abstractmethod
+    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
+        """The architecture table `glmtune inspect` prints: (label, text) rows of `summary`'s numbers."""
+
+    @abstractmethod
+    def parameter_report(self, args: Any) -> dict[str, Any]:
+        """Parameters total and active per token, by layer (`glmtune inspect`)."""
+
+    @abstractmethod
+    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Consecutive layers of one kind merged, from `parameter_report`'s per-layer rows."""
+
+
+class Weights(ABC):
+    """A family's models built, loaded and written (HF directories, training checkpoints, views)."""
+
     @abstractmethod
     def build(self, args: Any, dtype: Any, device: Any, model_cfg: Any = None, seed: int | None = None,
               init: bool = True) -> Any:
@@ -159,6 +148,7 @@ class ModelSpec(ABC):
 
     # whether `truncated_view` writes K-layer views (False: it refuses; preflight's scratch runs train the
     # whole model where it is small enough)
+
     truncated_views: bool = True
 
     @abstractmethod
@@ -175,26 +165,15 @@ class ModelSpec(ABC):
     def state_dict_adapter(self, args: Any) -> Any:
         """The family's HF key adapter for `args` (the only place HF key names live)."""
 
-    # -- train -------------------------------------------------------------------------
+
+class Compute(ABC):
+    """What runs a built model of the family: losses, log-probs, parallelization and its step runner."""
+
     @abstractmethod
     def loss(self, model: Any, mb: MicroBatch) -> tuple[Any, ...]:
         """(summed token loss, supervised tokens[, statistics]) of one packed micro-batch on the
         model's device. `mb.aux` (`aux_loss.AuxiliaryScales`) adds the family's auxiliary losses,
         differentiated with the main one; their (sum, count) pairs come back as statistics."""
-
-    def serving_metrics(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
-        """What a server of the model relies on beyond its answers, teacher-forced over one packed
-        batch (no gradient): name -> (sum, count) fp32 [2], summed over batches and reported as
-        sum / count. `mtp_acceptance`: the multi-token-prediction layer's drafts the model itself
-        would emit; `indexer_recall`: the attention mass the sparse selection keeps. A family
-        without those parts returns {} (the evaluation says "not available")."""
-        return {}
-
-    def set_auxiliary_training(self, model: Any, mtp: bool, indexer: bool) -> None:
-        """Make the multi-token-prediction layers / the sparse-attention indexers trainable (before
-        sharding); a family without them refuses."""
-        if mtp or indexer:
-            raise ValueError(f"model family {self.family} has no multi-token-prediction layer or indexer to train")
 
     @abstractmethod
     def token_logps(self, model: Any, mb: MicroBatch) -> Any:
@@ -207,9 +186,18 @@ class ModelSpec(ABC):
         forward differs overrides it."""
         return model(input_ids=input_ids_BS).logits[:, -1]
 
+    def serving_metrics(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        """What a server of the model relies on beyond its answers, teacher-forced over one packed
+        batch (no gradient): name -> (sum, count) fp32 [2], summed over batches and reported as
+        sum / count. `mtp_acceptance`: the multi-token-prediction layer's drafts the model itself
+        would emit; `indexer_recall`: the attention mass the sparse selection keeps. A family
+        without those parts returns {} (the evaluation says "not available")."""
+        return {}
+
     @abstractmethod
-    def flops_per_token(self, args: Any, doc_lengths: list[int]) -> float:
-        """Model FLOPs (forward + backward) per token over documents of these lengths."""
+    def set_auxiliary_training(self, model: Any, mtp: bool, indexer: bool) -> None:
+        """Make the multi-token-prediction layers / the sparse-attention indexers trainable (before
+        sharding); a family without them refuses in one sentence."""
 
     @abstractmethod
     def parallelize(self, model: Any, mesh: Any, parallel_cfg: Any, pipeline: Any = None) -> StepRunner:
@@ -235,30 +223,17 @@ class ModelSpec(ABC):
     def layers_per_stage(self, model: Any) -> list[int]:
         """The pipeline split `parallelize` chose: decoder layers per stage."""
 
-    @abstractmethod
-    def param_group(self, name: str) -> str:
-        """The group (one of `param_groups`) a parameter name belongs to."""
 
-    param_groups: tuple[str, ...]
-    memory: MemoryModel | None = None  # glmtune plan's memory model (memory_model.py; None: plan refuses)
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family's answers (see the module docstring): one instance per family."""
 
-    # -- describe ----------------------------------------------------------------------
-    @abstractmethod
-    def summary(self, args: Any) -> dict[str, Any]:
-        """The architecture in a few numbers (`glmtune inspect`, preflight)."""
-
-    @abstractmethod
-    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
-        """The architecture table `glmtune inspect` prints: (label, text) rows of `summary`'s numbers."""
-
-    @abstractmethod
-    def parameter_report(self, args: Any) -> dict[str, Any]:
-        """Parameters total and active per token, by layer (`glmtune inspect`)."""
-
-    @abstractmethod
-    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Consecutive layers of one kind merged, from `parameter_report`'s per-layer rows."""
-
-    def stage_costs(self, args: Any, seq_len: int) -> tuple[list[float], float]:
-        """(cost of each decoder layer, cost of the head) for a pipeline split."""
-        return self.model_family.stage_costs(args, seq_len)
+    family: ModelFamily  # the torch-free answers
+    hf_architecture: str  # config.json `architectures[0]` (transformers' class name)
+    architecture: Architecture
+    weights: Weights
+    compute: Compute
+    hf_format: HfFormat | None = None  # checkpoint/'s HF readers, verifier, writers (None: they refuse the family)
+    decoding: CachedDecoding | None = None  # the cached-decoding hooks (None: the family has none)
+    lora: LoraRules | None = None  # glmtune.peft's hooks (None: peft/ refuses the family's models)
+    memory: MemoryModel | None = None  # glmtune plan's memory model (None: plan refuses the family)

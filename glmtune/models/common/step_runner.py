@@ -2,7 +2,7 @@
 
 Everything that runs a model on packed rows (the trainer's steps and validation, a preference
 run's reference log-probabilities, `glmtune plan --measure`, eval's in-process scoring) takes the
-runner the model family's parallelization built (`ModelSpec.step_runner`) and calls it; none asks
+runner the model family's parallelization built (`Compute.step_runner`) and calls it; none asks
 which kind it holds:
 
     loss_sum, units, stats = runner.train(mb, denominator, rows_loss)   # forward and backward

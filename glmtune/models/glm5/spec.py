@@ -1,6 +1,8 @@
 """GLM-5's front door: `GLM5`, the `ModelSpec` the commands ask for a GLM-5 family model.
 
-It wires the family's pieces together; it holds no rule of its own. Where each answer lives:
+It wires the family's pieces into the spec's three parts, `Glm5Architecture`, `Glm5Weights` and
+`Glm5Compute` (models/common/model_spec.py), and its hooks; it holds no rule of its own. Where
+each answer lives:
 
   presets, args, dims,       family.py (`GLM5_FAMILY`, torch-free: args.py's `PRESETS` and
   stage costs                `Glm5Args`, stage_costs.py); an HF directory's args checked against
@@ -41,7 +43,7 @@ from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.models.common.distill_loss import distilling, with_teacher_kl
 from glmtune.models.common.microbatch import MicroBatch
-from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.common.model_spec import Architecture, Compute, ModelSpec, Weights
 from glmtune.models.common.step_runner import PlainRunner, StepRunner
 from glmtune.models.glm5.args import Glm5Args, covering_layers, truncated_args
 from glmtune.models.glm5.attention import set_attention_score_buffer
@@ -84,25 +86,18 @@ def save_pretrained(model: nn.Module, path: str | Path, **options: Any) -> Path:
     return hf_io.save_pretrained(model, path, GLM5_HF_FORMAT, model.args, **options)
 
 
-class Glm5Spec(ModelSpec):
-    """GLM-5, 5.1, 5.2, 5.3 (`GlmMoeDsaForCausalLM`) and the CPU-sized `tiny` preset."""
+class Glm5Architecture(Architecture):
+    """GLM-5's architecture (`Glm5Args`): from an HF directory (its weights checked) or a built model."""
 
-    model_family = GLM5_FAMILY  # presets, config.json, overrides, dims, stage costs (torch-free)
-    hf_architecture = "GlmMoeDsaForCausalLM"
     param_groups = GROUPS
-    decoding = GLM5_DECODING  # glmtune.generation's cached-decoding hooks
-    lora = GLM5_LORA  # glmtune.peft's hooks
-    memory = GLM5_MEMORY  # glmtune plan's memory model
-    hf_format = GLM5_HF_FORMAT  # checkpoint/'s HF readers, verifier and writers
 
-    # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> Glm5Args:
         """config.json's architecture, refused (one sentence naming the file and the tensor) when
         the directory's weights are not that model's, or, with no weights beside it, when it
         describes more parameters than any machine glmtune plans for: every command reads an HF
         directory's architecture here before it builds anything at that size."""
         if not holds_weights(path):  # config.json alone: its size bounded (GLM5_FAMILY.read_args)
-            return self.model_family.read_args(path)
+            return GLM5_FAMILY.read_args(path)
         args = Glm5Args.from_hf_config(path)
         # a missing or damaged file is the load's to name (and preflight's check 2)
         check_loadable(path, GLM5_HF_FORMAT, args, against_config_only=True)
@@ -130,7 +125,34 @@ class Glm5Spec(ModelSpec):
         cut = truncated_args(args, num_layers)
         return {key: getattr(cut, key) for key in ("num_hidden_layers", "mlp_layer_types", "indexer_types")}
 
-    # -- build, load, save -------------------------------------------------------------
+
+    def flops_per_token(self, args: Glm5Args, doc_lengths: list[int]) -> float:
+        return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
+
+    def param_group(self, name: str) -> str:
+        return param_group(name)
+
+
+    def summary(self, args: Glm5Args) -> dict[str, Any]:
+        return architecture_summary(args)
+
+    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
+        return architecture_rows(summary)
+
+    def parameter_report(self, args: Glm5Args) -> dict[str, Any]:
+        return parameter_report(args)
+
+    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Consecutive layers of one kind, merged (the report's per-layer rows)."""
+        return layer_runs(rows)
+
+
+GLM5_ARCHITECTURE = Glm5Architecture()
+
+
+class Glm5Weights(Weights):
+    """GLM-5 models built (model.py), loaded and written through checkpoint/ with `GLM5_HF_FORMAT`."""
+
     def build(self, args: Glm5Args, dtype: torch.dtype = torch.float32, device: Any = "cpu",
               model_cfg: ModelConfig | None = None, seed: int | None = None, init: bool = True) -> Glm5ForCausalLM:
         m = model_cfg or ModelConfig()
@@ -141,8 +163,8 @@ class Glm5Spec(ModelSpec):
     def build_from_config(self, model_cfg: ModelConfig, dtype: torch.dtype, device: Any,
                           seed: int | None = None) -> tuple[Glm5ForCausalLM, Path | None]:
         m = model_cfg
-        if m.name_or_path in self.presets:
-            args = self.with_overrides(self.preset_args(m.name_or_path), m.overrides)
+        if m.name_or_path in GLM5_FAMILY.presets:
+            args = GLM5_FAMILY.with_overrides(GLM5_FAMILY.preset_args(m.name_or_path), m.overrides)
             model = build_model(args, dtype, device, m.attention_backend, m.moe_backend, seed=seed,
                                 indexer_backend=m.indexer_backend)
             return self._configured(model, m), None
@@ -150,7 +172,7 @@ class Glm5Spec(ModelSpec):
             raise ValueError("model.overrides apply to presets only; edit the checkpoint's config.json instead")
         path, fp8 = Path(m.name_or_path), None if m.fp8_base == "none" else m.fp8_base
         if str(device) == "meta":  # load_sharded fills the weights (FP8: e4m3 and scales as stored)
-            model = build_model(self.args_from_hf(path), dtype, "meta", m.attention_backend, m.moe_backend,
+            model = build_model(GLM5_ARCHITECTURE.args_from_hf(path), dtype, "meta", m.attention_backend, m.moe_backend,
                                 indexer_backend=m.indexer_backend, fp8_base=fp8)
         else:
             model = load_pretrained(path, dtype, device, m.attention_backend, m.moe_backend,
@@ -196,7 +218,11 @@ class Glm5Spec(ModelSpec):
     def state_dict_adapter(self, args: Glm5Args) -> Glm5StateDictAdapter:
         return Glm5StateDictAdapter(args)
 
-    # -- train -------------------------------------------------------------------------
+
+
+class Glm5Compute(Compute):
+    """GLM-5's fused loss, serving metrics and parallelization plan (parallelize.py)."""
+
     def loss(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         # The auxiliary losses run as `mb.aux` sizes them (MTP: averaged over the step's own supervised
         # MTP tokens; the indexer KL: over the step's queries and the KL layers).
@@ -251,9 +277,6 @@ class Glm5Spec(ModelSpec):
         hidden = model(input_ids_BS, compute_logits=False).hidden_states[:, -1:]  # the head on one position only
         return model.lm_head(hidden)[:, -1]
 
-    def flops_per_token(self, args: Glm5Args, doc_lengths: list[int]) -> float:
-        return flops_per_token(args, args.num_hidden_layers, args.mlp_layer_types.count("dense"), doc_lengths)
-
     def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig,
                     pipeline: PipelineOptions | None = None) -> StepRunner:
         p = parallel_cfg
@@ -281,22 +304,8 @@ class Glm5Spec(ModelSpec):
         """The pipeline split `parallelize` chose (layers per stage), for the run's description."""
         return model.layers_per_stage
 
-    def param_group(self, name: str) -> str:
-        return param_group(name)
 
-    # -- describe ----------------------------------------------------------------------
-    def summary(self, args: Glm5Args) -> dict[str, Any]:
-        return architecture_summary(args)
+GLM5 = ModelSpec(family=GLM5_FAMILY, hf_architecture="GlmMoeDsaForCausalLM", architecture=GLM5_ARCHITECTURE,
+                 weights=Glm5Weights(), compute=Glm5Compute(), hf_format=GLM5_HF_FORMAT, decoding=GLM5_DECODING,
+                 lora=GLM5_LORA, memory=GLM5_MEMORY)
 
-    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
-        return architecture_rows(summary)
-
-    def parameter_report(self, args: Glm5Args) -> dict[str, Any]:
-        return parameter_report(args)
-
-    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Consecutive layers of one kind, merged (the report's per-layer rows)."""
-        return layer_runs(rows)
-
-
-GLM5 = Glm5Spec()

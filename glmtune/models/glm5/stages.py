@@ -236,7 +236,7 @@ class Glm5Stage(nn.Module):
                                                 self.loss_chunk_size, num_supervised=mb.num_supervised,
                                                 grad_scale=mb.loss_scale,
                                                 backward_twice=self.backward_twice)
-        if distilling(mb.teacher):  # the teacher's KL term, added before the loss is scaled (as Glm5Spec.loss)
+        if distilling(mb.teacher):  # the teacher's KL term, added before the loss is scaled (as Glm5Compute.loss)
             loss_sum, parts = with_teacher_kl(loss_sum, hidden_BSD, self.lm_head.weight, mb.teacher.local(local),
                                               mb.num_supervised)
             for name, pair in parts.items():  # (sum, supervised targets): the trainer's per-token mean

@@ -1,6 +1,7 @@
 """The `hf` family's front door: `HF`, the `ModelSpec` of any causal LM transformers implements.
 
-It wires the family's pieces together. Where each answer lives:
+It wires the family's pieces into the spec's three parts, `HfArchitecture`, `HfWeights` and
+`HfCompute` (models/common/model_spec.py), and its hooks. Where each answer lives:
 
   args, dims, stage costs    family.py (`HF_FAMILY`, torch-free: args.py's `HfArgs`, shapes.py);
                              an HF directory's args checked against its weights (weights.py)
@@ -48,7 +49,7 @@ from glmtune.io.outputs import output_dir
 from glmtune.models.common.distill_loss import distilling, with_teacher_kl
 from glmtune.models.common.loss import chunked_cross_entropy
 from glmtune.models.common.microbatch import MicroBatch
-from glmtune.models.common.model_spec import ModelSpec
+from glmtune.models.common.model_spec import Architecture, Compute, ModelSpec, Weights
 from glmtune.models.common.step_runner import StepRunner
 from glmtune.models.hf.args import HfArgs
 from glmtune.models.hf.decoding import HF_DECODING
@@ -92,22 +93,15 @@ def gathered_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-class HfSpec(ModelSpec):
-    """Any transformers causal LM (Llama, Qwen3, Qwen3-MoE, GLM-4, ...) from a local HF directory."""
+class HfArchitecture(Architecture):
+    """A transformers causal LM's architecture (`HfArgs`, from config.json; its weights checked)."""
 
-    model_family = HF_FAMILY
-    hf_architecture = "*ForCausalLM"  # whatever config.json's `architectures[0]` names
     param_groups = GROUPS
-    decoding = HF_DECODING
-    hf_format = HF_FORMAT  # checkpoint/'s HF verifier (`glmtune inspect --verify`); load and save: transformers'
-    memory = HF_MEMORY  # glmtune plan's memory model (memory_model.py)
-    lora = HfLoraRules()  # glmtune.peft's hooks: LoRA targets, transformers' stacked experts (lora_rules.py)
 
-    # -- architecture ------------------------------------------------------------------
     def args_from_hf(self, path: str | Path) -> HfArgs:
         """config.json's architecture, refused (one sentence naming the file and the tensor) when the
         directory's safetensors headers are not that model's (weights.py)."""
-        args = self.model_family.read_args(path)
+        args = HF_FAMILY.read_args(path)
         if holds_weights(path):
             check_weights(path, build_model(args, device="meta"), args.num_hidden_layers, HfStateDictAdapter(args))
         return args
@@ -133,7 +127,48 @@ class HfSpec(ModelSpec):
     def truncated_overrides(self, args: HfArgs, num_layers: int) -> dict[str, Any]:
         raise ValueError("the hf family has no presets, so no preset overrides to truncate one")
 
-    # -- build, load, save -------------------------------------------------------------
+
+    def flops_per_token(self, args: HfArgs, doc_lengths: list[int]) -> float:
+        return flops_per_token(args, doc_lengths)
+
+    def param_group(self, name: str) -> str:
+        if "embed_tokens" in name:
+            return "embeddings"
+        if name.startswith("lm_head"):
+            return "head"
+        if ".experts." in name:
+            return "experts"
+        if ".mlp.gate." in name or ".router." in name:
+            return "router"
+        if "self_attn." in name and "norm" not in name:
+            return "attention"
+        if ".mlp." in name:
+            return "mlp"
+        return "norm"
+
+
+    def summary(self, args: HfArgs) -> dict[str, Any]:
+        return architecture_summary(args)
+
+    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
+        return architecture_rows(summary)
+
+    def parameter_report(self, args: HfArgs) -> dict[str, Any]:
+        """Parameters total and active per token, by group and layer, from config.json's shapes (summary.py)."""
+        return parameter_report(args)
+
+    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return layer_runs(rows)
+
+
+HF_ARCHITECTURE = HfArchitecture()
+
+
+class HfWeights(Weights):
+    """transformers' models built on meta or loaded by `from_pretrained`, written by `save_pretrained`."""
+
+    truncated_views = False  # preflight trains a small model whole, and says so for a large one
+
     def build(self, args: HfArgs, dtype: torch.dtype = torch.float32, device: Any = "cpu",
               model_cfg: ModelConfig | None = None, seed: int | None = None, init: bool = True) -> nn.Module:
         return build_model(args, dtype, device, seed=seed, init=init)
@@ -146,7 +181,7 @@ class HfSpec(ModelSpec):
             raise _not_yet(f"model.fp8_base: {model_cfg.fp8_base} (an FP8 base)")
         path = Path(model_cfg.name_or_path)
         if str(device) == "meta":
-            return build_model(self.args_from_hf(path), dtype, "meta"), path
+            return build_model(HF_ARCHITECTURE.args_from_hf(path), dtype, "meta"), path
         return self.load_pretrained(path, dtype, device), path
 
     def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any,
@@ -154,7 +189,7 @@ class HfSpec(ModelSpec):
         """The HF directory loaded whole by transformers (safetensors only, no remote code), after its
         weights are checked against its config.json (`model_cfg`: transformers' modules have no
         backends to choose)."""
-        args = self.args_from_hf(path)
+        args = HF_ARCHITECTURE.args_from_hf(path)
         if not holds_weights(path):
             raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json to load")
         with no_progress_bars():  # glmtune reports the load itself (quiet.py)
@@ -165,7 +200,7 @@ class HfSpec(ModelSpec):
 
     def load_sharded(self, model: nn.Module, hf_dir: str | Path, device: Any,
                      not_in_checkpoint: set[str] = frozenset()) -> Any:
-        return load_sharded(model, hf_dir, self.args_from_hf(hf_dir), device, not_in_checkpoint)
+        return load_sharded(model, hf_dir, HF_ARCHITECTURE.args_from_hf(hf_dir), device, not_in_checkpoint)
 
     def save_pretrained(self, model: nn.Module, path: str | Path, max_shard_size: int | str = "5GB",
                         source_dir: str | Path | None = None, overwrite: bool = True,
@@ -201,10 +236,8 @@ class HfSpec(ModelSpec):
         tensors, a tied head not stored; config.json and generation_config.json (the run's base
         `base_dir`'s, as `from_pretrained` keeps it) through transformers' own writers (hf_files.py)."""
         dtype = options.pop("dtype")
-        return stream_export(model, checkpoint_dir, path, dtype, fmt=HF_FORMAT, args=self.args_of(model),
+        return stream_export(model, checkpoint_dir, path, dtype, fmt=HF_FORMAT, args=HF_ARCHITECTURE.args_of(model),
                              write_config=lambda tmp: write_configs(tmp, model, dtype, base_dir), **options)
-
-    truncated_views = False  # preflight trains a small model whole, and says so for a large one
 
     def truncated_view(self, src: str | Path, dst: str | Path, num_layers: int) -> Path:
         raise _not_yet("truncated checkpoint views")
@@ -215,7 +248,11 @@ class HfSpec(ModelSpec):
     def state_dict_adapter(self, args: HfArgs) -> HfStateDictAdapter:
         return HfStateDictAdapter(args)
 
-    # -- train -------------------------------------------------------------------------
+
+
+class HfCompute(Compute):
+    """glmtune's chunked loss on transformers' final hidden states; AC, compile and FSDP2 per layer."""
+
     def loss(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         if mb.aux is not None and (mb.aux.mtp or mb.aux.indexer):
             raise ValueError("train.mtp_loss_weight / train.indexer_loss_weight: the hf family has no "
@@ -228,8 +265,9 @@ class HfSpec(ModelSpec):
     def token_logps(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
         return token_logps(model, mb)
 
-    def flops_per_token(self, args: HfArgs, doc_lengths: list[int]) -> float:
-        return flops_per_token(args, doc_lengths)
+    def set_auxiliary_training(self, model: nn.Module, mtp: bool, indexer: bool) -> None:
+        if mtp or indexer:
+            raise ValueError("model family hf has no multi-token-prediction layer or indexer to train")
 
     def parallelize(self, model: nn.Module, mesh: Any, parallel_cfg: ParallelConfig, pipeline: Any = None
                     ) -> StepRunner:
@@ -248,34 +286,9 @@ class HfSpec(ModelSpec):
     def layers_per_stage(self, model: nn.Module) -> list[int]:
         return [model.config.num_hidden_layers]  # one stage
 
-    def param_group(self, name: str) -> str:
-        if "embed_tokens" in name:
-            return "embeddings"
-        if name.startswith("lm_head"):
-            return "head"
-        if ".experts." in name:
-            return "experts"
-        if ".mlp.gate." in name or ".router." in name:
-            return "router"
-        if "self_attn." in name and "norm" not in name:
-            return "attention"
-        if ".mlp." in name:
-            return "mlp"
-        return "norm"
 
-    # -- describe ----------------------------------------------------------------------
-    def summary(self, args: HfArgs) -> dict[str, Any]:
-        return architecture_summary(args)
+HF = ModelSpec(family=HF_FAMILY, hf_architecture="*ForCausalLM",  # whatever config.json's `architectures[0]` names
+               architecture=HF_ARCHITECTURE, weights=HfWeights(), compute=HfCompute(),
+               hf_format=HF_FORMAT,  # checkpoint/'s HF verifier (`glmtune inspect --verify`); load and save: transformers'
+               decoding=HF_DECODING, lora=HfLoraRules(), memory=HF_MEMORY)
 
-    def architecture_rows(self, summary: dict[str, Any]) -> list[tuple[str, str]]:
-        return architecture_rows(summary)
-
-    def parameter_report(self, args: HfArgs) -> dict[str, Any]:
-        """Parameters total and active per token, by group and layer, from config.json's shapes (summary.py)."""
-        return parameter_report(args)
-
-    def layer_runs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return layer_runs(rows)
-
-
-HF = HfSpec()

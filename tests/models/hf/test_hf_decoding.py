@@ -42,7 +42,7 @@ def _transformers_generate(model, prompts, **options):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_dir):
-    return HF.load_pretrained(tiny_dir, torch.float32, "cpu").eval()
+    return HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu").eval()
 
 
 @pytest.mark.parametrize("prefill_chunk", [512, 4])  # 4: the prompt prefilled in chunks through the cache

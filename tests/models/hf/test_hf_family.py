@@ -20,12 +20,12 @@ def test_dims_and_parameter_count_match_transformers(tiny_dir):
     config = json.loads((tiny_dir / "config.json").read_text())
     dims = HF_FAMILY.dims(args, "here", {})
     assert dims.num_layers == 2 and dims.num_experts == (4 if config["model_type"] == "qwen3_moe" else 0)
-    model = HF.build(args, device="meta")
+    model = HF.weights.build(args, device="meta")
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     assert HF_FAMILY.parameter_count(args) == matrices
     costs, head = HF_FAMILY.stage_costs(args, 128)
     assert len(costs) == 2 and all(cost > 0 for cost in costs) and head > 0
-    assert HF.flops_per_token(args, [64, 64]) < HF.flops_per_token(args, [128])  # less attention when packed
+    assert HF.architecture.flops_per_token(args, [64, 64]) < HF.architecture.flops_per_token(args, [128])  # less attention when packed
 
 
 def test_no_presets_no_overrides(tiny_dir):
@@ -55,7 +55,7 @@ def test_unknown_model_type_is_named(tmp_path):
               "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'no_such_lm': transformers .* does not implement it"):
-        HF.build(HF.args_from_hf(tmp_path), device="meta")
+        HF.weights.build(HF.architecture.args_from_hf(tmp_path), device="meta")
 
 
 def test_family_is_torch_free(tiny_dir):
@@ -67,11 +67,11 @@ def test_family_is_torch_free(tiny_dir):
 
 
 def test_unavailable_parts_are_refused_by_name(tiny_dir):
-    args = HF.args_from_hf(tiny_dir)
-    model = HF.build(args, device="meta")
-    for call, what in [(lambda: HF.pipeline_options(), "pipeline parallelism"),
-                       (lambda: HF.convert_to_fp8_base(model, "torch"), "FP8 base")]:
+    args = HF.architecture.args_from_hf(tiny_dir)
+    model = HF.weights.build(args, device="meta")
+    for call, what in [(lambda: HF.compute.pipeline_options(), "pipeline parallelism"),
+                       (lambda: HF.weights.convert_to_fp8_base(model, "torch"), "FP8 base")]:
         with pytest.raises(ValueError, match=f"the hf family does not do .*{what}"):
             call()
-    assert HF.moe_layers(model) == []
-    assert dict(HF.state_dict_adapter(args).to_hf("lm_head.weight", torch.zeros(1))).keys() == {"lm_head.weight"}
+    assert HF.compute.moe_layers(model) == []
+    assert dict(HF.weights.state_dict_adapter(args).to_hf("lm_head.weight", torch.zeros(1))).keys() == {"lm_head.weight"}

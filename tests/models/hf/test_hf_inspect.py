@@ -22,12 +22,12 @@ def _real(tiny_dir):
 
 
 def test_the_report_counts_transformers_model(tiny_dir):
-    args = HF.args_from_hf(tiny_dir)
+    args = HF.architecture.args_from_hf(tiny_dir)
     model = _real(tiny_dir)
-    report = HF.parameter_report(args)
-    by_group = dict.fromkeys(HF.param_groups, 0)
+    report = HF.architecture.parameter_report(args)
+    by_group = dict.fromkeys(HF.architecture.param_groups, 0)
     for name, param in model.named_parameters():  # a tied head once, under the embedding
-        by_group[HF.param_group(name)] += param.numel()
+        by_group[HF.architecture.param_group(name)] += param.numel()
     assert report["params_by_group"] == by_group
     assert report["total_params"] == sum(p.numel() for p in model.parameters())
     layers = model.model.layers
@@ -41,7 +41,7 @@ def test_the_report_counts_transformers_model(tiny_dir):
     assert report["active_params_excl_embedding_and_head"] == report["active_params"] - embedding  # untied head
     assert sum(report["active_params_by_group"].values()) == report["active_params_incl_embedding"]
     kind = "MoE" if args.num_experts else "dense"
-    assert HF.layer_runs(report["layers"]) == report["layer_runs"]
+    assert HF.architecture.layer_runs(report["layers"]) == report["layer_runs"]
     assert [run["label"] for run in report["layer_runs"]] == [f"0–1: {kind}"]
     assert report["layout_known"]
 
@@ -51,7 +51,7 @@ def test_a_tied_head_is_counted_once_and_is_the_active_head(tmp_path):
     config.tie_word_embeddings = True
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
-    report = HF.parameter_report(HF.args_from_hf(tmp_path))
+    report = HF.architecture.parameter_report(HF.architecture.args_from_hf(tmp_path))
     model = _real(tmp_path)
     assert report["total_params"] == sum(p.numel() for p in model.parameters())
     assert report["params_by_group"]["head"] == 0
@@ -59,7 +59,7 @@ def test_a_tied_head_is_counted_once_and_is_the_active_head(tmp_path):
 
 
 def test_inspect_prints_an_hf_directory(tiny_dir, capsys):
-    args = HF.args_from_hf(tiny_dir)
+    args = HF.architecture.args_from_hf(tiny_dir)
     total = sum(p.numel() for p in _real(tiny_dir).parameters())
     assert main(["inspect", str(tiny_dir)]) == 0
     # rich wraps at the terminal's width (a long temporary path moves the break): compare words

@@ -50,7 +50,7 @@ def reference(path) -> torch.nn.Module:
 def adapted(path, seed: int = 0, **changes) -> torch.nn.Module:
     """glmtune's model of `path` with LoRA on the family's default targets, every adapter non-zero
     (a fresh adapter, B = 0, would prove nothing)."""
-    model = HF.load_pretrained(path, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(path, torch.float32, "cpu")
     apply_lora(model, PeftConfig(**{"method": "lora", "rank": 4, "alpha": 8.0, **changes}), seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -72,7 +72,7 @@ def with_peft(path, adapter_dir, trainable: bool = False):
 
 
 def test_default_targets_are_every_linear_of_attention_and_mlp(tiny_dir):
-    model = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     inventory = apply_lora(model, PeftConfig(method="lora", rank=4), seed=0)
     model_type = json.loads((tiny_dir / "config.json").read_text())["model_type"]
     assert inventory.target_modules == DEFAULTS[model_type]
@@ -133,7 +133,7 @@ def test_one_training_step_equals_peft_and_adamw(tiny_dir, tmp_path):
     ours = adapted(tiny_dir, seed=1)
     theirs, _ = with_peft(tiny_dir, export_adapter(ours, tmp_path / "adapter"), trainable=True)
     batch = packed_batch([16], seed=1)
-    loss, count = HF.loss(ours, MicroBatch(**batch))  # glmtune's training loss
+    loss, count = HF.compute.loss(ours, MicroBatch(**batch))  # glmtune's training loss
     expected = reference_loss(theirs, batch)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     (loss / count).backward()
@@ -170,7 +170,7 @@ def test_the_export_applies_unmerged_and_merges_in_memory(tiny_dir, tmp_path):
     ours = adapted(tiny_dir, seed=3).eval()
     out = export_adapter(ours, tmp_path / "adapter")
     ids = packed_batch([12], seed=7)["input_ids"]
-    reloaded = HF.load_pretrained(tiny_dir, torch.float32, "cpu").eval()
+    reloaded = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu").eval()
     assert apply_adapter(reloaded, out).modules == len(lora_modules(ours))
     with torch.no_grad():
         expected = ours(ids).logits

@@ -20,7 +20,7 @@ from glmtune.peft.inventory import build_inventory
 
 
 def test_peft_finds_the_family_and_inventories_every_parameter(tiny_dir):
-    model = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     assert spec_of(model) is HF
     inventory = build_inventory(model).to_dict()
     total = sum(p.numel() for p in model.parameters())
@@ -32,7 +32,7 @@ def test_peft_finds_the_family_and_inventories_every_parameter(tiny_dir):
 
 def test_the_default_targets_are_the_same_on_an_adapted_model(tiny_dir):
     """What preflight reads off a model `apply_lora` transformed: the plain model's defaults."""
-    model = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     plain = HF.lora.default_targets(model)
     apply_lora(model, PeftConfig(method="lora", rank=2), seed=0)
     assert HF.lora.default_targets(model) == plain
@@ -55,7 +55,7 @@ def test_experts_peft_would_not_load_the_same_way_are_refused_by_name():
 
 
 def test_dropout_cannot_apply_to_folded_experts(tiny_dir):
-    model = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     cfg = PeftConfig(method="lora", dropout=0.1)
     if not any(HF.lora.is_grouped_experts(module) for module in model.modules()):  # dropout on every adapter input
         apply_lora(model, cfg)

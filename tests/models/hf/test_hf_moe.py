@@ -35,8 +35,8 @@ def moe_dir(tmp_path_factory):
 
 
 def test_experts_are_named_as_transformers_saves_them(moe_dir):
-    args = HF.args_from_hf(moe_dir)
-    adapter = HF.state_dict_adapter(args)
+    args = HF.architecture.args_from_hf(moe_dir)
+    adapter = HF.weights.state_dict_adapter(args)
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     state, on_disk = model.state_dict(), load_file(moe_dir / "model.safetensors")
     ours = {hf_key: part for key, tensor in state.items() for hf_key, part in adapter.to_hf(key, tensor)}
@@ -79,22 +79,22 @@ def test_a_conversion_of_another_kind_is_refused_by_name(moe_dir):
     with pytest.raises(ValueError, match=r"PhimoeForCausalLM: transformers converts its checkpoint tensors with "
                                          r"WeightRenaming \['.block_sparse_moe.'\] -> \['.mlp.'\], which the hf "
                                          "family's state-dict adapter does not map yet"):
-        HF.state_dict_adapter(HfArgs.from_config_dict(config, "config.json"))
+        HF.weights.state_dict_adapter(HfArgs.from_config_dict(config, "config.json"))
 
 
 def test_sharded_load_of_a_moe_model_on_two_ranks_equals_one_process(tmp_path):
     """tests/models/hf/test_hf_parallelize.py's step on 2 gloo ranks, the MoE model built on meta
-    and filled by `HF.load_sharded`: loss and every gradient equal one process's, and the export of
+    and filled by `HF.weights.load_sharded`: loss and every gradient equal one process's, and the export of
     the sharded model holds the weights loaded."""
     directory = tmp_path / "qwen3_moe"
     write_checkpoint("qwen3_moe", directory)
     out = tmp_path / "rank0.safetensors"
     run_gloo(_rank_step, 2, tmp_path, str(directory), str(out), True)
     sharded = load_file(out)
-    model = HF.load_pretrained(directory, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(directory, torch.float32, "cpu")
     rows = [_row(0), _row(1)]
     both = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
-    loss_sum, _ = HF.loss(model, MicroBatch(**both))
+    loss_sum, _ = HF.compute.loss(model, MicroBatch(**both))
     (loss_sum / sum(_supervised(row) for row in rows)).backward()
     torch.testing.assert_close(sharded["loss_sum"], loss_sum.detach(), rtol=1e-6, atol=1e-5)
     for name, param in model.named_parameters():

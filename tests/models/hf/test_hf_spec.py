@@ -1,4 +1,4 @@
-"""`HfSpec` against transformers' own model on tiny Llama, Qwen3, Qwen3-MoE and GLM-4 checkpoints:
+"""`HF` (the hf family's spec) against transformers' own model on tiny Llama, Qwen3, Qwen3-MoE and GLM-4 checkpoints:
 the same logits, the same loss and gradients (and AdamW step), packed documents kept apart, an
 export transformers loads back.
 
@@ -41,24 +41,24 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 def test_load_equals_transformers_logits(tiny_dir):
     ids = packed_batch([12])["input_ids"]
-    ours, theirs = HF.load_pretrained(tiny_dir, torch.float32, "cpu"), reference(tiny_dir)
+    ours, theirs = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu"), reference(tiny_dir)
     assert torch.equal(ours(ids).logits, theirs(ids).logits)
-    meta = HF.build(HF.args_from_hf(tiny_dir), device="meta")
+    meta = HF.weights.build(HF.architecture.args_from_hf(tiny_dir), device="meta")
     assert type(meta) is type(theirs) and meta.get_output_embeddings().weight.is_meta
 
 
 def test_build_from_args_is_transformers_class(tiny_dir):
-    args = HF.args_from_hf(tiny_dir)
-    model = HF.build(args, seed=0)
+    args = HF.architecture.args_from_hf(tiny_dir)
+    model = HF.weights.build(args, seed=0)
     assert {k: v.shape for k, v in model.state_dict().items()} == \
         {k: v.shape for k, v in reference(tiny_dir).state_dict().items()}
-    assert HF.args_of(model) == args
+    assert HF.architecture.args_of(model) == args
 
 
 def test_training_step_equals_transformers(tiny_dir):
     batch = packed_batch([16], seed=1)
-    ours, theirs = HF.load_pretrained(tiny_dir, torch.float32, "cpu"), reference(tiny_dir)
-    loss, count = HF.loss(ours, MicroBatch(**batch))
+    ours, theirs = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu"), reference(tiny_dir)
+    loss, count = HF.compute.loss(ours, MicroBatch(**batch))
     expected = reference_loss(theirs, batch)
     assert int(count) == 15
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
@@ -80,42 +80,42 @@ def test_training_step_equals_transformers(tiny_dir):
 
 
 def test_packed_documents_equal_separate_runs(tiny_dir):
-    model = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     packed, first, second = packed_batch([9, 7], seed=2), packed_batch([9], seed=2), None
     second = {key: value[:, 9:] for key, value in packed.items()}
     second["document_ids"] = second["document_ids"] - 1
-    loss, count = HF.loss(model, MicroBatch(**packed))
+    loss, count = HF.compute.loss(model, MicroBatch(**packed))
     loss.backward()
     packed_grads = grads(model)
     model.zero_grad()
-    separate = [HF.loss(model, MicroBatch(**batch)) for batch in (first, second)]
+    separate = [HF.compute.loss(model, MicroBatch(**batch)) for batch in (first, second)]
     sum(loss for loss, _ in separate).backward()
     assert int(count) == 14 == sum(int(n) for _, n in separate)
     torch.testing.assert_close(loss, sum(loss for loss, _ in separate), rtol=1e-5, atol=1e-5)
     for name, grad in grads(model).items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    logps = HF.token_logps(model, MicroBatch(**packed))
-    apart = torch.cat([HF.token_logps(model, MicroBatch(**batch)) for batch in (first, second)], dim=1)
+    logps = HF.compute.token_logps(model, MicroBatch(**packed))
+    apart = torch.cat([HF.compute.token_logps(model, MicroBatch(**batch)) for batch in (first, second)], dim=1)
     torch.testing.assert_close(logps, apart, rtol=1e-5, atol=1e-5)
     # Positions running on across the boundary: only the document ids tell the documents apart
     # (RoPE is relative, so the second document still equals its separate run); without them the
     # second document attends the first.
     running = {**packed, "position_ids": torch.arange(16)[None]}
-    torch.testing.assert_close(HF.token_logps(model, MicroBatch(**running)), apart, rtol=1e-5, atol=1e-5)
-    leaked = HF.token_logps(model, MicroBatch(**{**running, "document_ids": None}))
+    torch.testing.assert_close(HF.compute.token_logps(model, MicroBatch(**running)), apart, rtol=1e-5, atol=1e-5)
+    leaked = HF.compute.token_logps(model, MicroBatch(**{**running, "document_ids": None}))
     assert (leaked - apart)[:, 9:].abs().max() > 1e-2
 
 
 def test_save_pretrained_loads_in_transformers(tiny_dir, tmp_path):
-    model = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    model = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     with torch.no_grad():  # a trained model: not the weights it was loaded with
         for param in model.parameters():
             param.add_(0.01)
-    out = HF.save_pretrained(model, tmp_path / "export", source_dir=tiny_dir)
+    out = HF.weights.save_pretrained(model, tmp_path / "export", source_dir=tiny_dir)
     ids = packed_batch([10])["input_ids"]
     assert torch.equal(reference(out)(ids).logits, model(ids).logits)
     assert (out / "generation_config.json").is_file()
-    bf16 = HF.save_pretrained(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    bf16 = HF.weights.save_pretrained(model, tmp_path / "bf16", dtype=torch.bfloat16)
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = AutoModelForCausalLM.from_pretrained(bf16, local_files_only=True)
     assert loaded.get_input_embeddings().weight.dtype == torch.bfloat16
@@ -125,20 +125,20 @@ def test_activation_checkpointing_keeps_loss_and_gradients(tiny_dir):
     from glmtune.config.schema import ParallelConfig
 
     batch = packed_batch([6, 10], seed=3)
-    plain = HF.load_pretrained(tiny_dir, torch.float32, "cpu")
+    plain = HF.weights.load_pretrained(tiny_dir, torch.float32, "cpu")
     checkpointed = copy.deepcopy(plain)
-    HF.parallelize(checkpointed, None, ParallelConfig(activation_checkpointing="full"))
+    HF.compute.parallelize(checkpointed, None, ParallelConfig(activation_checkpointing="full"))
     results = []
     for model in (plain, checkpointed):
         model.train()
-        loss, _ = HF.loss(model, MicroBatch(**batch))
+        loss, _ = HF.compute.loss(model, MicroBatch(**batch))
         loss.backward()
         results.append((loss.detach(), grads(model)))
     assert torch.equal(results[0][0], results[1][0])
     for name, grad in results[0][1].items():
         torch.testing.assert_close(grad, results[1][1][name], rtol=1e-6, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="selective.*not available for the hf family"):
-        HF.parallelize(plain, None, ParallelConfig(activation_checkpointing="selective"))
+        HF.compute.parallelize(plain, None, ParallelConfig(activation_checkpointing="selective"))
 
 
 def test_weights_not_the_configs_are_refused(tiny_dir, tmp_path):
@@ -147,7 +147,7 @@ def test_weights_not_the_configs_are_refused(tiny_dir, tmp_path):
     layer_types = {"layer_types": config["layer_types"][:1]} if "layer_types" in config else {}
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, **layer_types}))
     with pytest.raises(ValueError, match="is of layer 1.*num_hidden_layers=1"):
-        HF.args_from_hf(tmp_path)
+        HF.architecture.args_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
     with pytest.raises(ValueError, match="embed_tokens.weight has shape"):
-        HF.args_from_hf(tmp_path)
+        HF.architecture.args_from_hf(tmp_path)
