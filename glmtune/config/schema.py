@@ -224,6 +224,9 @@ class ParallelConfig:
     cp: int = 1  # context parallel (packed rows are split along the sequence)
     cp_balance: Literal["head_tail", "contiguous"] = "head_tail"  # queries per cp rank: head_tail = equal causal work
     ep_dispatcher: Literal["all_to_all", "all_gather"] = "all_to_all"  # EP token movement; all_gather: the simple reference
+    # EP: each MoE layer's tokens in N chunks, each chunk's rows travelling while another chunk's experts
+    # compute (docs/distributed.md, "What hides the expert all-to-all"); > 1 needs ep > 1 and all_to_all
+    ep_overlap_chunks: int = 1
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)

@@ -494,6 +494,10 @@ def check_ranges(cfg: JobConfig) -> list[str]:
         (cfg.parallel.ep != 1 or cfg.parallel.ep_dispatcher == "all_to_all",
          f"parallel.ep_dispatcher: {cfg.parallel.ep_dispatcher} moves tokens between expert-parallel ranks and "
          "has no effect with parallel.ep: 1; remove it or set parallel.ep"),
+        (cfg.parallel.ep_overlap_chunks == 1 or (cfg.parallel.ep_overlap_chunks > 1 and cfg.parallel.ep != 1
+                                                  and cfg.parallel.ep_dispatcher == "all_to_all"),
+         f"parallel.ep_overlap_chunks: {cfg.parallel.ep_overlap_chunks} must be 1, or more with parallel.ep > 1 and "
+         "parallel.ep_dispatcher: all_to_all (the chunks overlap the expert all-to-alls)"),
         (cfg.model.attention_score_buffer_mib >= 0,
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
         (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),

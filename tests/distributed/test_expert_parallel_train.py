@@ -123,3 +123,15 @@ def test_lora_on_expert_parallel_experts_matches_one_process(tmp_path, shared_re
             # As above: Adam turns reduction-order noise in a near-zero gradient into ~1e-6 moves
             # (measured 4.5e-6 on one routed expert's B, whose entries reach 5e-3).
             torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_overlap_chunks_train_as_one_process_at_ep2_and_pp2_ep2(tmp_path, shared_results):
+    """`parallel.ep_overlap_chunks: 2` (each MoE layer's tokens in 2 chunks whose all-to-alls overlap
+    the other chunk's experts) trains as one process at EP 2 and at PP 2 x EP 2, on forked gloo ranks."""
+    single = shared_run(shared_results, *BATCH_8_WITH_EXPORT)
+    expected, cache = _records(single.run_dir), single.cache_dir
+    chunks = [*FOUR_STEPS, "--train.global_batch_size", "8", "--parallel.ep_overlap_chunks", "2"]
+    train_in_forks({tmp_path / "ep2": [*chunks, "--parallel.ep", "2"]}, cache, nproc=2)
+    train_in_forks({tmp_path / "pp2-ep2": [*chunks, "--parallel.pp", "2", "--parallel.ep", "2"]}, cache, nproc=4)
+    for layout in ("ep2", "pp2-ep2"):
+        _assert_same(_records(tmp_path / layout), expected)
