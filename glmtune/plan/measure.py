@@ -232,7 +232,8 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     spec = launch.spec
     model = build_meta_model(cfg)
     spec.compute.parallelize(model, mesh, cfg.parallel, pipeline=pipeline_options(cfg, launch))
-    fill_random_weights(model, launch.device, spec.memory.weight_std(spec.architecture.args_of(model)), cfg.train.seed)
+    std = spec.memory.weight_std(spec.architecture.args_of(model))
+    fill_random_weights(model, launch.device, std, cfg.train.seed, spec.weights.reset_buffers)
     return model
 
 

@@ -11,7 +11,7 @@ and no whole tensor ever exists:
   * e4m3 weights (an FP8 base): normal(0, 1) rounded to e4m3, and their block scales
     (`*_scale_inv`, the FP8 checkpoints' name) std, so the dequantized weight is ~normal(0, std);
   * LoRA adapters as any matrix (B not zero: a step in, as training is); non-persistent
-    buffers as the sharded load does.
+    buffers as the family's sharded load sets them.
 
 The values only need to be finite and of realistic scale: the measurement is of memory and
 time, which do not depend on them (the routing does, and a random router routes about evenly:
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glmtune.checkpoint.sharded_load import reset_non_persistent_buffers
+from collections.abc import Callable
 
 _CHUNK_ELEMENTS = 1 << 26  # e4m3 filled through a bf16 temporary this many elements at a time
 
@@ -33,8 +33,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_random_weights(model: nn.Module, device: torch.device, std: float, seed: int) -> None:
-    """Materialize `model` (meta, possibly parallelized) on `device` with random weights (module docstring)."""
+def fill_random_weights(model: nn.Module, device: torch.device, std: float, seed: int,
+                        reset_buffers: Callable[[nn.Module], None]) -> None:
+    """Materialize `model` (meta, possibly parallelized) on `device` with random weights (module docstring);
+    `reset_buffers`: the family's (`Weights.reset_buffers`: rotary frequencies as at construction)."""
     model.to_empty(device=device)
     generator = torch.Generator(device=device)
     for index, (name, param) in enumerate(model.named_parameters()):
@@ -59,4 +61,4 @@ def fill_random_weights(model: nn.Module, device: torch.device, std: float, seed
     for name, buffer in model.named_buffers():
         if name in persistent:
             _local(buffer).zero_()
-    reset_non_persistent_buffers(model)
+    reset_buffers(model)

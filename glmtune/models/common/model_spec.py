@@ -162,6 +162,11 @@ class Weights(ABC):
         (`glmtune merge --fp8`'s report)."""
 
     @abstractmethod
+    def reset_buffers(self, model: Any) -> None:
+        """Set the non-persistent buffers of a model materialized by `to_empty` (no checkpoint holds
+        them: rotary frequencies computed as at construction, counters zero)."""
+
+    @abstractmethod
     def state_dict_adapter(self, args: Any) -> Any:
         """The family's HF key adapter for `args` (the only place HF key names live)."""
 

@@ -38,7 +38,7 @@ from torch import nn
 from glmtune.checkpoint import hf_io
 from glmtune.checkpoint.export_stream import stream_export
 from glmtune.checkpoint.hf_verify import check_loadable, holds_weights
-from glmtune.checkpoint.sharded_load import LoadStats, load_sharded
+from glmtune.checkpoint.sharded_load import LoadStats, load_sharded, reset_non_persistent_buffers
 from glmtune.checkpoint.truncated_view import truncated_view
 from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.models.common.distill_loss import distilling, with_teacher_kl
@@ -214,6 +214,9 @@ class Glm5Weights(Weights):
 
     def convert_to_fp8_base(self, model: nn.Module, backend: str, errors: list | None = None) -> list[str]:
         return convert_to_fp8_base(model, backend, errors)
+
+    def reset_buffers(self, model: nn.Module) -> None:
+        reset_non_persistent_buffers(model)
 
     def state_dict_adapter(self, args: Glm5Args) -> Glm5StateDictAdapter:
         return Glm5StateDictAdapter(args)

@@ -46,8 +46,9 @@ class HfLoadStats:
                 f"whole checkpoint) in {self.seconds:.1f} s")
 
 
-def _rotary_buffers(model: nn.Module) -> None:
-    # the name rule transformers' `_init_weights` itself applies to rotary embeddings
+def reset_rotary_buffers(model: nn.Module) -> None:
+    """The rotary inverse frequencies of a model materialized by `to_empty`, by transformers' own
+    initializer (the name rule its `_init_weights` applies to rotary embeddings)."""
     for module in model.modules():
         if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
             model._init_weights(module)
@@ -60,7 +61,7 @@ def load_sharded(model: nn.Module, hf_dir: str | Path, args: HfArgs, device: Any
     Returns what the rank read."""
     start = time.perf_counter()
     model.to_empty(device=device)
-    _rotary_buffers(model)
+    reset_rotary_buffers(model)
     adapter = HfStateDictAdapter(args)
     stacks = _StackedExperts(model.state_dict(), adapter, not_in_checkpoint)
     wanted = set(stacks.shapes)

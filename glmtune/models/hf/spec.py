@@ -63,7 +63,7 @@ from glmtune.models.hf.model import (FSDP_RUN, LOSS_CHUNK_SIZE, build_model, che
 from glmtune.models.hf.parallelize import parallelize_hf
 from glmtune.models.hf.quiet import no_progress_bars
 from glmtune.models.hf.shapes import flops_per_token
-from glmtune.models.hf.sharded_load import load_sharded
+from glmtune.models.hf.sharded_load import load_sharded, reset_rotary_buffers
 from glmtune.models.hf.state_dict_adapter import HfStateDictAdapter
 from glmtune.models.hf.summary import GROUPS, architecture_rows, architecture_summary, layer_runs, parameter_report
 from glmtune.models.hf.weights import check_weights, holds_weights
@@ -244,6 +244,9 @@ class HfWeights(Weights):
 
     def convert_to_fp8_base(self, model: nn.Module, backend: str, errors: list | None = None) -> list[str]:
         raise _not_yet("an FP8 base")
+
+    def reset_buffers(self, model: nn.Module) -> None:
+        reset_rotary_buffers(model)
 
     def state_dict_adapter(self, args: HfArgs) -> HfStateDictAdapter:
         return HfStateDictAdapter(args)
