@@ -210,5 +210,5 @@ def test_cli_refuses_endpoint_options_without_an_endpoint(tmp_path, capsys):
     suite = _suite(tmp_path)
     assert main(["eval", str(suite), "--base", str(tmp_path), "--candidate", str(tmp_path), "--concurrency", "4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--concurrency applies to an endpoint model (--base or --candidate http(s)://HOST:PORT/v1)" in err
+    assert "--concurrency applies to an endpoint model (--base, --candidate or a --compare http(s)://HOST:PORT/v1)" in err
     assert len(err.splitlines()) == 1
