@@ -26,12 +26,12 @@ from typing import Any
 from glmtune.decide.cost import cost_line
 from glmtune.eval.report_html import render_html
 from glmtune.eval.report_md import render_markdown
+from glmtune.eval.targets import REDACTED, redact  # noqa: F401 - REDACTED: decide's API
 from glmtune.io import json_out
 from glmtune.io.escape import md_text
 from glmtune.io.outputs import output_dir
 
 FORMAT = "glmtune.decision/1"
-REDACTED = "[API key redacted]"
 MAX_PASSAGE_ROWS = 10  # the retrieval arm's failures shown with their passages in the reports
 
 
@@ -123,19 +123,6 @@ def render_preface_markdown(section: dict[str, Any]) -> str:
         lines += ["| " + " | ".join(md_text(cell, 300) for cell in row) + " |" for row in table["rows"]]
         lines.append("")
     return "\n".join(lines) + "\n"
-
-
-def redact(value: Any, secrets: list[str]) -> Any:
-    """`value` with every occurrence of a secret in its strings (keys included) replaced."""
-    if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, REDACTED)
-        return value
-    if isinstance(value, dict):
-        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v, secrets) for v in value]
-    return value
 
 
 def write_decision(out: Path, overwrite: bool, reads: list, suite, loaded, decision: dict,

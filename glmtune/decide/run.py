@@ -46,6 +46,7 @@ from glmtune.eval.placement import Placement, check_device as placement_check_de
 from glmtune.eval.sharded import ShardedLayout
 from glmtune.eval.sets import check_rows, load_sets
 from glmtune.eval.suite import Suite, load_suite
+from glmtune.eval.targets import without_secrets
 from glmtune.eval.tools import ToolExecutor
 from glmtune.io.outputs import check_output
 
@@ -210,14 +211,10 @@ def run_decide(o: DecideOptions, log: Callable[[str], None] = print) -> tuple[di
     secrets = _secrets(o)
     try:
         return _run(o, lambda message: log(redact(message, secrets)), secrets)
-    except Exception as exc:
-        text = str(exc)
-        if not any(secret in text for secret in secrets):
+    except Exception as exc:  # a server may echo the key back in an error
+        clean = without_secrets(exc, secrets)
+        if clean is None:
             raise
-        try:
-            clean = type(exc)(redact(text, secrets))
-        except Exception:  # an exception type that takes other arguments
-            clean = RuntimeError(redact(text, secrets))
         raise clean from None
 
 

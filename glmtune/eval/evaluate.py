@@ -72,7 +72,7 @@ from glmtune.eval.scorers.reference_loss import ReferenceLoss
 from glmtune.eval.serving import SERVING_METRICS, serving_count, serving_entry
 from glmtune.eval.sets import LoadedSet, check_rows, load_sets, tools_offered
 from glmtune.eval.suite import Suite, load_suite
-from glmtune.eval.targets import redact, secrets_of
+from glmtune.eval.targets import redact, secrets_of, without_secrets
 from glmtune.eval.tools import ToolExecutor
 from glmtune.io import json_out
 from glmtune.io.outputs import check_output, output_dir
@@ -177,13 +177,9 @@ def run_eval(suite_path: str | Path, base_arg: str | Path, candidate_arg: str | 
                          merged=merged, sharded=sharded, fp8_base=fp8_base, endpoint=endpoint or EndpointOptions(),
                          targets=targets, secrets=secrets, log=lambda message: log(redact(message, secrets)))
     except Exception as exc:  # a server may echo the key back in an error
-        text = str(exc)
-        if not any(secret in text for secret in secrets):
+        clean = without_secrets(exc, secrets)
+        if clean is None:
             raise
-        try:
-            clean = type(exc)(redact(text, secrets))
-        except Exception:  # an exception type that takes other arguments
-            clean = RuntimeError(redact(text, secrets))
         raise clean from None
 
 

@@ -29,7 +29,7 @@ from glmtune.eval.endpoint_source import APIS, is_endpoint
 
 KEYS = ("name", "model", "api", "key-env")
 COST_KEY = "cost-per-1k"  # glmtune decide's: the cost of 1,000 requests, shown beside its verdict
-REDACTED = "[API key redacted]"  # as glmtune decide writes it
+REDACTED = "[API key redacted]"  # what eval and decide write in a key's place
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 _ENDPOINT_KEYS = ("model", "api", "key-env")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -119,6 +119,18 @@ def secrets_of(targets: list[Target]) -> list[str]:
     """The API keys the targets are given (the values of their key-env variables), which nothing
     written or printed may hold."""
     return [os.environ[t.key_env] for t in targets if t.key_env and os.environ.get(t.key_env)]
+
+
+def without_secrets(exc: Exception, secrets: list[str]) -> Exception | None:
+    """`exc` again with every secret in its message replaced (a server may echo a key back in an
+    error), or None when its message holds none (re-raise it as it is)."""
+    text = str(exc)
+    if not any(secret in text for secret in secrets):
+        return None
+    try:
+        return type(exc)(redact(text, secrets))
+    except Exception:  # an exception type that takes other arguments
+        return RuntimeError(redact(text, secrets))
 
 
 def redact(value: Any, secrets: list[str]) -> Any:
