@@ -36,6 +36,7 @@ All failures are `ValueError`s naming the keys involved, reported together.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from pathlib import PurePosixPath
 from typing import Any
@@ -182,7 +183,7 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     _raise(limit_errors(cfg, [limit for limit in model_refusals if not isinstance(limit, str)]))
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
-        + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
+        + absorbed_attention_errors(cfg) + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
         + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg) \
         + text_data_errors(cfg) + chat_template_errors(cfg) + replay_errors(cfg)
     try:
@@ -436,6 +437,24 @@ def fp8_base_errors(cfg: JobConfig) -> list[str]:
     if cfg.peft.method != "lora":
         errors.append(f"{key} needs peft.method: lora (an FP8 base is frozen: only adapters train on it)")
     # On a preset it is refused by the model registry (`ModelDims.refusals`): config/ knows no preset.
+    return errors
+
+
+def absorbed_attention_errors(cfg: JobConfig) -> list[str]:
+    """`model.attention_backend: absorbed` multiplies by kv_b_proj's weight (W_uk into the queries,
+    W_uv on the output latent) instead of calling the layer: it needs that weight plain."""
+    if cfg.model.attention_backend != "absorbed":
+        return []
+    key, errors = "model.attention_backend: absorbed", []
+    if cfg.model.fp8_base != "none":
+        errors.append(f"{key} reads kv_b_proj's weight directly and cannot take model.fp8_base: "
+                      f"{cfg.model.fp8_base}; use another attention backend")
+    name = "model.layers.0.self_attn.kv_b_proj"  # the module every layer's adapter globs are matched on
+    targets = cfg.peft.target_modules or []
+    if cfg.peft.method == "lora" and any(fnmatch.fnmatchcase(name, glob) for glob in targets) \
+            and not any(fnmatch.fnmatchcase(name, glob) for glob in cfg.peft.exclude_modules):
+        errors.append(f"{key} reads kv_b_proj's base weight directly and would skip a kv_b_proj adapter: drop "
+                      "kv_b_proj from peft.target_modules (or add it to peft.exclude_modules)")
     return errors
 
 

@@ -22,6 +22,12 @@ The attention itself is a backend chosen by name:
   * "triton": the same causal prefix; all later queries in one call of the masked flash
     kernels (`triton_attention.py`), which read the top-k mask per tile and skip tiles with
     no allowed key. CUDA only (the kernels' CPU tests run in Triton's interpreter).
+  * "absorbed": MLA in its absorbed (MQA) form over each query's selected keys only
+    (`absorbed_attention.py`), as DeepSeek-V3.2 trains DSA: kv_b never runs over the keys
+    (W_uk folds into the queries, W_uv into the output latent), every query gathers its
+    (at most `index_topk`) compressed keys, the causal prefix included. kv_b over the keys
+    runs only for the indexer's KL, when it is requested. Needs a plain bf16/fp32 kv_b_proj
+    (no FP8 base, no kv_b_proj adapter: `config/validate.py` refuses both).
   * "auto" (the default): "triton" for bf16/fp16 CUDA tensors (when Triton is installed),
     "sdpa" elsewhere.
 
@@ -30,6 +36,7 @@ a few pieces of the row: the compressed KV (normed latent | roped k_rot) of ever
 all-gathered, kv_b runs over the keys up to the last local query, and each piece
 [o, o + n) attends keys [0, o + n) through the same backend (its queries are the last n of
 those keys); the is_causal prefix applies only to the piece at o = 0, where query i is key i.
+"absorbed" takes the gathered compressed KV as its keys as it is, all pieces in one call.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -47,6 +54,7 @@ from glmtune.kernels.sparse_attention import SCORE_BUFFER_BYTES
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.models.common.rope import apply_interleaved_rope, softmax_scale_for
 from glmtune.models.common.sequence_shard import SequenceShard
+from glmtune.models.glm5.absorbed_attention import absorbed_sparse_attention
 from glmtune.models.glm5.args import Glm5Args
 from glmtune.models.glm5.flex_attention import flex_sparse_attention
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention
@@ -55,7 +63,7 @@ from glmtune.models.glm5.indexer_loss import IndexerKLRequest
 from glmtune.models.glm5.indexer_loss import indexer_kl as indexer_kl_stats
 from glmtune.models.glm5.triton_attention import triton_attention_available, triton_masked_attention
 
-ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton", "absorbed")
 
 
 def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
@@ -168,7 +176,9 @@ class MLAttention(nn.Module):
             latent_BTR, k_rot_B1TK = latent_BSR, k_rot_B1SK
         else:
             latent_BTR, k_rot_B1TK = self._gathered_keys(latent_BSR, k_rot_B1SK, shard, allowed_BST.shape[-1])
-        k_BNTK, v_BNTV = self.keys_and_values(latent_BTR, k_rot_B1TK)
+        k_BNTK = v_BNTV = None  # "absorbed" never expands the keys (but for the indexer's KL)
+        if self.backend != "absorbed" or indexer_kl is not None:
+            k_BNTK, v_BNTV = self.keys_and_values(latent_BTR, k_rot_B1TK)
 
         if self.indexer is not None:
             # The warm-up runs the main model without gradients: the indexer's KL graph is built anyway.
@@ -180,20 +190,15 @@ class MLAttention(nn.Module):
             selection = shared
         sparse_BST, all_selected = selection[:2]
 
-        if shard is None:
-            causal_prefix = (seq_len if all_selected else self.index_topk) if plain_causal else 0
-            out_BNSV = self._attend(q_BNSK, k_BNTK, v_BNTV, sparse_BST, causal_prefix)
+        if self.backend == "absorbed":
+            # A query has at most top-k keys, or, all selected, its allowed ones: at most k, or the
+            # longest document's under the indexer warm-up's dense attention (which asks for the KL).
+            slots = indexer_kl.most_keys if all_selected and indexer_kl is not None else self.index_topk
+            out_BSX = self._absorbed_attend(q_BNSK, latent_BTR, k_rot_B1TK, sparse_BST, slots)
         else:
-            parts, local = [], 0
-            for start, length in shard.pieces(allowed_BST.shape[-1]):
-                end, rows = start + length, slice(local, local + length)
-                # is_causal pairs query i with key i: only the piece at the row's start has that.
-                causal_prefix = (length if all_selected else self.index_topk) if plain_causal and start == 0 else 0
-                parts.append(self._attend(q_BNSK[:, :, rows], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
-                                          sparse_BST[:, rows, :end], causal_prefix))
-                local += length
-            out_BNSV = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
+            out_BNSV = self._attend_pieces(q_BNSK, k_BNTK, v_BNTV, sparse_BST, all_selected, plain_causal, shard,
+                                           allowed_BST.shape[-1])
+            out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         if indexer_kl is None:
             return self.o_proj(out_BSX), selection
         assert len(selection) == 3, "the selecting layer ran without its indexer's KL"
@@ -206,6 +211,44 @@ class MLAttention(nn.Module):
                                         self.index_softmax_scale, sparse_BST, indexer_kl.queries_BS, most_keys,
                                         pieces)
         return self.o_proj(out_BSX), selection, kl_stats
+
+    def _attend_pieces(self, q_BNSK, k_BNTK, v_BNTV, sparse_BST, all_selected: bool, plain_causal: bool,
+                       shard: SequenceShard | None, row_len: int) -> torch.Tensor:
+        """[B, N, S, V]: every query over its selected keys through the backend; under a shard,
+        piece by piece (each piece's queries are the last of the keys up to its end)."""
+        if shard is None:
+            causal_prefix = (q_BNSK.shape[2] if all_selected else self.index_topk) if plain_causal else 0
+            return self._attend(q_BNSK, k_BNTK, v_BNTV, sparse_BST, causal_prefix)
+        parts, local = [], 0
+        for start, length in shard.pieces(row_len):
+            end, rows = start + length, slice(local, local + length)
+            # is_causal pairs query i with key i: only the piece at the row's start has that.
+            causal_prefix = (length if all_selected else self.index_topk) if plain_causal and start == 0 else 0
+            parts.append(self._attend(q_BNSK[:, :, rows], k_BNTK[:, :, :end], v_BNTV[:, :, :end],
+                                      sparse_BST[:, rows, :end], causal_prefix))
+            local += length
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def _absorbed_attend(self, q_BNSK, latent_BTR, k_rot_B1TK, sparse_BST, slots: int) -> torch.Tensor:
+        """The attention output [B, S, N x V] in the absorbed form: queries [q_nope W_uk | q_rot]
+        [B, S, N, R + rope] over the compressed keys c = [latent | k_rot] [B, T, R + rope] that
+        each selects (values: the latent), the output latent [B, S, N, R] through W_uv."""
+        batch, _, seq_len, _ = q_BNSK.shape
+        if type(self.kv_b_proj) is not nn.Linear:  # the config refuses these (config/validate.py)
+            raise ValueError("model.attention_backend 'absorbed' multiplies by kv_b_proj's weight itself: it takes "
+                             "neither an FP8 base (model.fp8_base) nor a kv_b_proj adapter (peft.target_modules)")
+        w_NXR = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        w_uk_NPR, w_uv_NVR = w_NXR.split([self.nope_dim, self.v_dim], dim=1)
+        q_BSNK = q_BNSK.transpose(1, 2)  # q_b's own layout: no copy
+        q_nope_BSNP, q_rot_BSNK = q_BSNK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_lat_BSNR = torch.einsum("bsnp,npr->bsnr", q_nope_BSNP, w_uk_NPR)
+        q_BSNC = torch.cat([q_lat_BSNR, q_rot_BSNK], dim=-1)
+        num_keys = latent_BTR.shape[1]
+        c_BTC = torch.cat([latent_BTR, k_rot_B1TK.squeeze(1)], dim=-1)
+        out_BSNR = absorbed_sparse_attention(q_BSNC, c_BTC, sparse_BST[..., :num_keys], self.scale, self.kv_rank,
+                                             min(slots, num_keys))
+        out_BSNV = torch.einsum("bsnr,nvr->bsnv", out_BSNR, w_uv_NVR)
+        return out_BSNV.reshape(batch, seq_len, self.num_heads * self.v_dim)
 
     def project(self, x_BSD, cos, sin):
         """Roped queries [B, N, S, K] (nope | rope), the query latent q_resid [B, S, Q] (the indexer's
