@@ -9,6 +9,12 @@ outputs and q/k/v gradients, fwd+bwd time.
 Indexer: 32 heads x 128, bf16 q/k; the fused Triton scores against the chunked
 fp32 reference: score error, selections equal up to ties within the score error.
 Mask cost: the same SDPA calls with the boolean mask, a bias, and no mask at all.
+Absorbed (`--only absorbed`): one MLA layer's attention, kv_b included (q [B, N, S, 256], the
+normed latent and roped k_rot of the keys in; o_proj's input out), fwd+bwd, through the
+"sdpa", "triton" and "absorbed" backends, for `seq` one-document queries and for a cp-8
+rank's `seq` queries of an 8 x seq row (head_tail ranks 0 and 1): ms, the model's TFLOP/s
+(top-k attention + kv_b per local token, as glmtune/models/glm5/flops.py counts them) and
+the output / gradient differences against "sdpa".
 Results print as JSON lines and append to $OUT/dsa_kernels.jsonl.
 """
 
@@ -19,13 +25,16 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glmtune.models.glm5.attention import sdpa_attention  # noqa: E402
+from glmtune.models.common.sequence_shard import SequenceShard  # noqa: E402
+from glmtune.models.glm5.args import Glm5Args  # noqa: E402
+from glmtune.models.glm5.attention import MLAttention, sdpa_attention  # noqa: E402
 from glmtune.models.glm5.flex_attention import flex_sparse_attention  # noqa: E402
 from glmtune.models.glm5.gemm_attention import gemm_masked_attention  # noqa: E402
 from glmtune.models.glm5.indexer import Indexer, dsa_topk_mask  # noqa: E402
@@ -207,6 +216,91 @@ def check_triton_sweep(seq, topk=2048, heads=64):
     return line
 
 
+ABSORBED_CASES = ("one_document", "cp8_rank0", "cp8_rank1")
+
+
+def layer_case(case: str, seq: int, device):
+    """(global positions of the local queries [S], keys T (one past the last query), shard or None)."""
+    if case == "one_document":
+        return torch.arange(seq, device=device), seq, None
+    shard = SequenceShard(int(case.removeprefix("cp8_rank")), 8, "head_tail", gather=lambda x: x)
+    return shard.query_index(8 * seq, device), shard.key_end(8 * seq), shard
+
+
+def topk_selection(positions_S, keys: int, topk: int, gen):
+    """bool [1, S, T]: each query's min(top-k, its causal past) random keys of its past."""
+    scores = torch.rand(len(positions_S), keys, generator=gen, device=positions_S.device)
+    causal = torch.arange(keys, device=positions_S.device) <= positions_S.unsqueeze(-1)
+    top = scores.masked_fill(~causal, -1.0).topk(min(topk, keys), dim=-1).indices
+    return (causal & torch.zeros_like(causal).scatter(-1, top, True)).unsqueeze(0)
+
+
+def layer_attention_step(layer: MLAttention, backend: str, inputs, grad_out):
+    """Output [1, S, N x V] and the gradients of (q, latent, k_rot, kv_b weight) through `backend`."""
+    q_BSNK, latent_BTR, k_rot_B1TK, sparse_BST, shard, row = inputs
+    q_BNSK = q_BSNK.transpose(1, 2)  # the layer's own layout: a view of q_b's output
+    if backend == "absorbed":
+        out = layer._absorbed_attend(q_BNSK, latent_BTR, k_rot_B1TK, sparse_BST, layer.index_topk)
+    else:
+        layer.backend = backend
+        k_BNTK, v_BNTV = layer.keys_and_values(latent_BTR, k_rot_B1TK)
+        out = layer._attend_pieces(q_BNSK, k_BNTK, v_BNTV, sparse_BST, False, True, shard, row)
+        out = out.transpose(1, 2).reshape(grad_out.shape)
+    return out, torch.autograd.grad(out, (q_BSNK, latent_BTR, k_rot_B1TK, layer.kv_b_proj.weight), grad_out)
+
+
+def _elapsed_ms(fn, device, warmup=2, reps=5):
+    if torch.device(device).type == "cuda":
+        return bench_ms(fn, warmup, reps)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) * 1000 / reps
+
+
+def check_absorbed(seq, args=None, device="cuda", backends=("sdpa", "triton", "absorbed"), dtype=torch.bfloat16):
+    """One line per case of `ABSORBED_CASES`: each backend's fwd+bwd ms, model TFLOP/s and error."""
+    args = args or Glm5Args()  # GLM-5: 64 heads, qk 192 + 64, v 256, latent 512, top-2048
+    with torch.device(device):
+        layer = MLAttention(args, has_indexer=False, backend="sdpa").to(dtype)
+    torch.nn.init.normal_(layer.kv_b_proj.weight, std=0.02)
+    heads, qk = args.num_attention_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+    lines = []
+    for case in ABSORBED_CASES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        positions, keys, shard = layer_case(case, seq, device)
+        randn = functools.partial(_leaf, gen=gen, device=device, dtype=dtype)
+        inputs = (randn(1, seq, heads, qk), randn(1, keys, args.kv_lora_rank),
+                  randn(1, 1, keys, args.qk_rope_head_dim), topk_selection(positions, keys, args.index_topk, gen),
+                  shard, keys if shard is None else 8 * seq)
+        grad_out = torch.randn(1, seq, heads * args.v_head_dim, generator=gen, device=device, dtype=dtype)
+        attended = sum(min(int(p) + 1, args.index_topk) for p in positions.tolist())
+        model_flops = 3 * 2 * heads * attended * (qk + args.v_head_dim) + 6 * seq * layer.kv_b_proj.weight.numel()
+        line = {"check": "absorbed", "case": case, "queries": seq, "keys": keys}
+        reference = None
+        for backend in backends:
+            try:
+                out, grads = layer_attention_step(layer, backend, inputs, grad_out)
+                ms = _elapsed_ms(functools.partial(layer_attention_step, layer, backend, inputs, grad_out), device)
+            except Exception as exc:  # a backend this machine cannot run (triton without a GPU): report it
+                line[backend] = f"{type(exc).__name__}: {str(exc)[-200:]}"
+                continue
+            reference = reference or (out.detach().float(), [g.float() for g in grads])
+            line[backend] = {"fwd_bwd_ms": round(ms, 2), "model_tflops": round(model_flops / ms / 1e9, 1),
+                             "out_rel_diff": _rel_diff(out, reference[0]),
+                             "grad_rel_diff_q_latent_krot_kvb": [_rel_diff(g, r) for g, r in zip(grads, reference[1])]}
+        lines.append(line)
+    return lines
+
+
+def _leaf(*shape, gen, device, dtype):
+    return torch.randn(*shape, generator=gen, device=device, dtype=dtype).requires_grad_()
+
+
+def _rel_diff(got, want):
+    return float(f"{float((got.detach().float() - want).norm() / want.norm()):.3g}")
+
+
 def check_indexer(seq, topk=2048, heads=32, dim=128):
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -236,21 +330,22 @@ def check_indexer(seq, topk=2048, heads=32, dim=128):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--only", choices=["attention", "indexer", "mask_cost", "triton_sweep"], default=None)
+    p.add_argument("--only", choices=["attention", "indexer", "mask_cost", "triton_sweep", "absorbed"], default=None)
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention variants (slow to compile)")
     a = p.parse_args(argv)
     out = Path(os.environ.get("OUT", "."), "dsa_kernels.jsonl")
     for seq in a.seq:
         checks = {"indexer": check_indexer, "attention": lambda n: check_attention(n, flex=not a.no_flex),
-                  "mask_cost": check_mask_cost, "triton_sweep": check_triton_sweep}
+                  "mask_cost": check_mask_cost, "triton_sweep": check_triton_sweep, "absorbed": check_absorbed}
         for name, check in checks.items():
             if a.only not in (None, name):
                 continue
-            line = check(seq)
-            line["gpu"] = torch.cuda.get_device_name()
-            print(json.dumps(line), flush=True)
-            with out.open("a") as fh:
-                fh.write(json.dumps(line) + "\n")
+            result = check(seq)
+            for line in result if isinstance(result, list) else [result]:
+                line["gpu"] = torch.cuda.get_device_name()
+                print(json.dumps(line), flush=True)
+                with out.open("a") as fh:
+                    fh.write(json.dumps(line) + "\n")
     return 0
 
 
