@@ -135,3 +135,13 @@ def test_overlap_chunks_train_as_one_process_at_ep2_and_pp2_ep2(tmp_path, shared
     train_in_forks({tmp_path / "pp2-ep2": [*chunks, "--parallel.pp", "2", "--parallel.ep", "2"]}, cache, nproc=4)
     for layout in ("ep2", "pp2-ep2"):
         _assert_same(_records(tmp_path / layout), expected)
+
+
+def test_selective_checkpointing_at_ep2_trains_as_one_process(tmp_path, shared_results):
+    """Selective activation checkpointing of expert-parallel layers (whose experts are their own FSDP
+    unit) trains as one process; it failed in backward on FSDP2's profiler ranges before (parallelize.py)."""
+    single = shared_run(shared_results, *BATCH_8_WITH_EXPORT)
+    flags = [*FOUR_STEPS, "--train.global_batch_size", "8", "--parallel.ep", "2",
+             "--parallel.activation_checkpointing", "selective"]
+    train_in_forks({tmp_path / "ep2-selective": flags}, single.cache_dir, nproc=2)
+    _assert_same(_records(tmp_path / "ep2-selective"), _records(single.run_dir))

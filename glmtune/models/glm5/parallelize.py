@@ -65,6 +65,22 @@ def _saved_under_checkpointing():
 _SAVED = _saved_under_checkpointing()
 
 
+def _ignore_profiler_ranges_under_selective_checkpointing() -> None:
+    """Selective checkpointing replays the region's ops by per-op invocation counts, and FSDP2's
+    hooks open profiler ranges ("FSDP::all_gather", ...) inside an expert-parallel layer (its experts
+    are their own FSDP unit) a different number of times in forward and in recomputation, so such a
+    layer failed in backward with "profiler._record_function_enter_new ... not
+    found in storage". A range marks no tensor computation: torch's fix (pytorch/pytorch#196862,
+    torchtitan#3427) adds these ops to the set selective checkpointing does not count; torch 2.11-2.13
+    lack it, so the set is extended here, once."""
+    profiler = torch.ops.profiler
+    ranges = {profiler._record_function_enter_new.default, profiler._record_function_exit._RecordFunction}
+    torch.utils.checkpoint.SAC_IGNORED_OPS.update(ranges)
+
+
+_ignore_profiler_ranges_under_selective_checkpointing()
+
+
 # Operand whose last dim is the reduction dim; the LoRA op's base product reduces over x's width.
 _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.glmtune.lora_linear.default: 0}
 if hasattr(torch.ops.aten, "_grouped_mm"):
