@@ -25,6 +25,7 @@ from glmtune.models.glm5 import absorbed_attention as aa
 from glmtune.models.glm5.args import get_preset
 from glmtune.models.glm5.attention import MLAttention
 from glmtune.models.glm5.model import build_model
+from glmtune.models.glm5.parallelize import apply_activation_checkpointing
 from glmtune.models.registry import model_dims
 from tests.models import test_indexer_loss as kl_tests
 
@@ -281,3 +282,27 @@ def test_indexer_kl_trains_as_with_eager(warmup):
     assert got_grads.keys() == grads.keys() and any(".indexer." in name for name in grads)
     for name in grads:
         assert _rel(got_grads[name], grads[name]) <= 2e-6, name
+
+
+@pytest.mark.parametrize("wrap", ["selective", "full", "compiled"])
+def test_checkpointed_and_compiled_layers_equal_plain_ones(wrap):
+    """Selective activation checkpointing keeps the ops' outputs (`parallelize.py`), full recomputes
+    them, and torch.compile traces them as opaque ops (their fake kernels): the same loss and
+    gradients as the plain model, to fp32 rounding (recomputation and compiled kernels reorder sums)."""
+    args = get_preset("tiny").replace(index_topk=TOPK)
+    x = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
+    results = []
+    for wrapped in (False, True):
+        model = build_model(args, attention_backend="absorbed", seed=0)
+        if wrapped and wrap == "compiled":
+            for layer in model.model.layers[:2]:  # a full-indexer layer and a shared one
+                layer.compile(backend="aot_eager", fullgraph=True)
+        elif wrapped:
+            apply_activation_checkpointing(model, wrap, keep_matmul_min_k=32)
+        out = model(x, MicroBatch(x, targets=torch.roll(x, -1, 1)))
+        out.loss_sum.backward()
+        results.append((out.loss_sum.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (got_loss, got_grads) = results
+    assert abs(got_loss - loss) <= 1e-6 * abs(loss) and got_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert _rel(got_grads[name], grad) <= 1e-5, name
