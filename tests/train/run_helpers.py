@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from tests.distributed.forked_cli import commands_in_forks
+
 SMALL = [
     "--train.max_steps", "8", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "0",
     "--data.synthetic.rows", "240", "--data.packed_sequence_size", "256",
@@ -94,19 +96,22 @@ class SharedRun(NamedTuple):
 
 
 def shared_run(shared, *extra: str, recipe: str = "tiny/sft_support_json", nproc: int = 1) -> SharedRun:
-    """`run` with these flags (`torchrun` on `nproc` ranks when nproc > 1), made once per test
+    """`run` with these flags (as torchrun on `nproc` ranks when nproc > 1), made once per test
     session for every test asking for the same flags (`shared` is the `shared_results`
     fixture). Read it only: copy the run directory before resuming it. Other runs may use
-    its data cache (entries are content-addressed and replaced atomically)."""
+    its data cache (entries are content-addressed and replaced atomically).
+
+    The run goes through the CLI's entry point in processes forked from the gloo fork server
+    (tests/distributed/forked_cli.py), torch and glmtune imported there once, not in a fresh
+    interpreter per run (seconds each, several times a run's training on this tiny recipe).
+    `stdout` is what the run printed to stdout (every rank's, rank 0's first), as `run` keeps it."""
     key = hashlib.sha256(json.dumps([recipe, nproc, *extra]).encode()).hexdigest()[:16]
 
     def build(root: Path) -> None:
-        if nproc > 1:
-            done = torchrun(nproc, root / "run", root / "cache", *extra, recipe=recipe)
-        else:
-            done = run(root / "run", root / "cache", *extra, recipe=recipe)
-            assert done.returncode == 0, done.stdout + done.stderr
-        (root / "stdout.txt").write_text(done.stdout)
+        argv = train_command(root / "run", root / "cache", *extra, recipe=recipe)[3:]
+        commands_in_forks({root / "run": argv}, nproc, stderr_apart=True, seconds_per_run=900.0)
+        ranks = [root / "run.out", *(root / f"run.rank{r}.out" for r in range(1, nproc))]
+        (root / "stdout.txt").write_text("".join(path.read_text() for path in ranks))
 
     root = shared.get(f"run-{key}", build)
     return SharedRun(root / "run", root / "cache", (root / "stdout.txt").read_text())
