@@ -20,9 +20,14 @@ import torch.multiprocessing as mp
 # What the fork server imports before it forks any rank (a module it cannot import is skipped).
 # The server starts once per test process with the first preload set: tests/distributed/test_mesh.py
 # names the same modules, so whichever of its gloo runs and these comes first, both get them.
-PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "glmtune.models.glm5", "glmtune.models.glm5.parallelize", "glmtune.checkpoint.hf_io",
-           "glmtune.distributed.mesh", __name__]
+# glmtune.models.registry brings transformers and the HF model family (~1.3 s), glmtune.cli the
+# command line: every forked `glmtune train` (tests/distributed/forked_cli.py) imported them itself.
+# Not glmtune.train.run: its data modules import pyarrow, which starts a thread (jemalloc's), and
+# the server forks; every module here leaves it with the threads torch started alone.
+PRELOAD = ["tests.distributed.fork_server_env", "torch", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "glmtune.models.glm5", "glmtune.models.glm5.parallelize",
+           "glmtune.checkpoint.hf_io", "glmtune.distributed.mesh", "glmtune.models.registry", "glmtune.cli",
+           __name__]
 
 
 def start_forkserver_ranks(fn, args: tuple, world_size: int, preload: list[str] = PRELOAD) -> mp.ProcessContext:
