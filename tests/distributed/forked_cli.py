@@ -12,9 +12,10 @@ runs every argv of a set in turn through `glmtune.cli.main`:
 A run's console output (at the file-descriptor level, Python's and native writes alike, as the
 subprocess helpers capture it) goes to `<name>.out` beside its run directory: rank 0's, which prints
 the run's log; the other ranks' to `<name>.rank<r>.out`. Stdout and stderr go there together, or with
-`stderr_apart` stderr to `<name>.err` (`<name>.rank<r>.err`), as `subprocess.run` keeps them. A run
-that exits non-zero, or a rank that raises, fails the set with its output; a set that outlives its
-deadline (a rank stuck in a collective) is killed.
+`stderr_apart` stderr to `<name>.err` (`<name>.rank<r>.err`), as `subprocess.run` keeps them. The
+processes run in the test process's working directory and environment (a subprocess's; the fork
+server's are those of the moment it started). A run that exits non-zero, or a rank that raises, fails
+the set with its output; a set that outlives its deadline (a rank stuck in a collective) is killed.
 
 tests/distributed/forked_runs.py trains sets of layouts this way; tests/train/run_helpers.py's
 `shared_run` builds its once-per-session references this way (this module does not import it).
@@ -63,8 +64,12 @@ def _outputs(out: str, rank: int, stderr_apart: bool) -> tuple[str, str | None]:
 
 
 def _entry(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, list[str]]],
-           stderr_apart: bool = False) -> None:
+           stderr_apart: bool = False, where: tuple[str, dict[str, str]] | None = None) -> None:
     torch.set_num_threads(1)  # as run_helpers.env's OMP_NUM_THREADS=1 (and the ranks share the cores)
+    if where is not None:  # the test process's working directory and environment, as a subprocess has them
+        os.chdir(where[0])
+        os.environ.clear()
+        os.environ.update(where[1])
     os.environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     if world_size > 1:
         os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -101,7 +106,8 @@ def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart:
     jobs = [(str(run_dir.parent / f"{run_dir.name}.out"), argv) for run_dir, argv in runs.items()]
     assert all(argv[0] == "train" for _, argv in jobs)
     init_file = next(iter(runs)).parent / f"gloo-rendezvous-{time.monotonic_ns()}"
-    context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs, stderr_apart), nproc)
+    where = (os.getcwd(), dict(os.environ))  # the fork server's are those of the moment it started
+    context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs, stderr_apart, where), nproc)
     deadline = time.monotonic() + seconds_per_run * len(jobs)
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -40,7 +40,7 @@ from glmtune.models.glm5.stages import split_into_stages
 from glmtune.config import load_config
 from tests.distributed.forked_runs import one_torch_thread, shared_train_runs  # noqa: F401 (autouse: one torch thread)
 from tests.distributed.layout_tolerances import assert_close_values, assert_same_updates
-from tests.train.run_helpers import printed, run
+from tests.train.run_helpers import printed, run_in_fork
 
 WEIGHT = 0.3
 STEPS = ["--train.mtp_loss_weight", str(WEIGHT), "--data.synthetic.rows", "480", "--data.packed_sequence_size",
@@ -183,7 +183,7 @@ def test_a_run_stopped_after_step_1_resumes_bit_for_bit(single, tmp_path):
     stopped = tmp_path / "stopped"
     shutil.copytree(single.run_dir, stopped)
     shutil.rmtree(stopped / "checkpoints" / "step-00000002")  # what a run stopped after step 1 left
-    done = run(stopped, single.cache_dir, *STEPS, "--checkpoint.resume", "auto")
+    done = run_in_fork(stopped, single.cache_dir, *STEPS, "--checkpoint.resume", "auto")
     assert done.returncode == 0, done.stdout + done.stderr
     assert printed(done.stdout, "resumed from") and printed(done.stdout, "step-00000001")
     expected, actual = _records(single.run_dir), _records(stopped)

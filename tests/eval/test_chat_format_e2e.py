@@ -25,7 +25,7 @@ from glmtune.data.chat_template import IGNORE_INDEX
 from glmtune.data.synthetic import SCHEMA_PATH
 from glmtune.models.hf.quiet import no_progress_bars
 from tests.data.chat_format_fixtures import build_tokenizer
-from tests.train.run_helpers import run
+from tests.train.run_helpers import run_in_fork
 
 SUITE = {
     "name": "chatml", "version": "1",
@@ -51,9 +51,9 @@ def qwen3_chatml_run(tmp_path_factory):
     torch.manual_seed(0)
     with no_progress_bars():
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
-    done = run(root / "run", root / "cache", "--model.name_or_path", str(model_dir), "--train.max_steps", "4",
-               "--optim.warmup_steps", "1", "--checkpoint.every_steps", "4", "--checkpoint.export_hf", "true",
-               "--data.packed_sequence_size", "512")
+    done = run_in_fork(root / "run", root / "cache", "--model.name_or_path", str(model_dir), "--train.max_steps", "4",
+                       "--optim.warmup_steps", "1", "--checkpoint.every_steps", "4", "--checkpoint.export_hf", "true",
+                       "--data.packed_sequence_size", "512")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return model_dir, root / "run", root / "cache", tokenizer
 

@@ -210,10 +210,10 @@ def test_a_lora_run_with_the_mtp_loss_ships_its_trained_mtp_adapters(tmp_path):
     rebuilds them from the checkpoint bit for bit; the merged checkpoint's MTP layer is the trained one."""
     from glmtune.checkpoint.manager import CheckpointManager
     from glmtune.config import load_config
-    from tests.train.run_helpers import TWO_STEPS, run
+    from tests.train.run_helpers import TWO_STEPS, run_in_fork
 
     run_dir, extra = tmp_path / "run", [*TWO_STEPS, "--train.mtp_loss_weight", "0.3"]
-    done = run(run_dir, tmp_path / "cache", *extra, recipe="tiny/lora_support_json")
+    done = run_in_fork(run_dir, tmp_path / "cache", *extra, recipe="tiny/lora_support_json")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     assert all(r["mtp_loss"] > 0 for r in records)

@@ -45,6 +45,18 @@ def run(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_sup
                           text=True, timeout=600)
 
 
+def run_in_fork(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
+                ) -> subprocess.CompletedProcess:
+    """`run` of a run that must finish, through the CLI's entry point in a process forked from the
+    gloo fork server (tests/distributed/forked_cli.py: torch and glmtune imported there once, not
+    in a fresh interpreter per run). A run that exits non-zero fails the test with its output;
+    stdout and stderr come back apart, as `run` gives them (also in `<run_dir>.out` and `.err`)."""
+    argv = train_command(run_dir, cache_dir, *extra, recipe=recipe)
+    commands_in_forks({run_dir: argv[3:]}, stderr_apart=True, seconds_per_run=600.0)
+    stdout, stderr = (run_dir.parent / f"{run_dir.name}{suffix}" for suffix in (".out", ".err"))
+    return subprocess.CompletedProcess(argv, 0, stdout.read_text(), stderr.read_text())
+
+
 def start(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json") -> subprocess.Popen:
     return subprocess.Popen(train_command(run_dir, cache_dir, *extra, recipe=recipe), env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from glmtune.checkpoint.dcp_storage import JsonMetadataReader
 from glmtune import load_pretrained
 from glmtune.checkpoint.manager import CheckpointManager, DamagedCheckpointError
-from tests.train.run_helpers import run, shared_run
+from tests.train.run_helpers import run_in_fork, shared_run
 
 WARMUP = 2
 FLAGS = ["--model.indexer_trainable", "true", "--train.indexer_loss_weight", "0.01",
@@ -95,7 +95,7 @@ def test_resume_from_a_warmup_checkpoint_matches_uninterrupted(straight, tmp_pat
     shutil.copytree(straight.run_dir, run_dir)
     for step in range(stopped_after + 1, 5):  # what a run stopped after `stopped_after` left
         shutil.rmtree(_checkpoint(run_dir, step))
-    done = run(run_dir, straight.cache_dir, *FLAGS, "--checkpoint.resume", "auto")
+    done = run_in_fork(run_dir, straight.cache_dir, *FLAGS, "--checkpoint.resume", "auto")
     assert done.returncode == 0, done.stdout + done.stderr
     unwrapped = "".join(done.stdout.split())  # the console wraps long lines, paths too
     assert f"resumedfrom{_checkpoint(run_dir, stopped_after)}atstep{stopped_after}" in unwrapped, done.stdout

@@ -28,7 +28,7 @@ from glmtune.train.preference import PreferenceObjective, pair_counts
 from glmtune.train import reference_logps
 from glmtune.train.preference_loss import pair_logps, preference_loss, total_loss
 from tests.peft.conftest import lora_cfg, randomize_adapters
-from tests.train.run_helpers import losses, run, start
+from tests.train.run_helpers import losses, run_in_fork, start
 
 RECIPE = "recipes/tiny/dpo_support_json.yaml"
 
@@ -125,9 +125,10 @@ def test_adapters_disabled_is_the_model_before_lora():
 
 
 def _run_losses(tmp_path, name, *extra):
-    result = run(tmp_path / name, tmp_path / "cache", "--train.max_steps", "3", "--model.name_or_path", "tiny",
-                 "--data.synthetic.rows", "120", "--data.packed_sequence_size", "1024", "--train.val_every", "3",
-                 "--train.val_steps", "2", "--dpo.sft_weight", "0.3", *extra, recipe=RECIPE)
+    result = run_in_fork(tmp_path / name, tmp_path / "cache", "--train.max_steps", "3", "--model.name_or_path",
+                         "tiny", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "1024",
+                         "--train.val_every", "3", "--train.val_steps", "2", "--dpo.sft_weight", "0.3", *extra,
+                         recipe=RECIPE)
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return result.stdout, records
@@ -162,7 +163,7 @@ FULL = ["--model.name_or_path", "tiny", "--peft.method", "none", "--peft.rank", 
 def test_full_fine_tuning_reference_is_cached_and_a_killed_run_resumes_without_recomputing_it(tmp_path):
     """The reference log-probabilities are computed once from the starting weights; a run killed with
     SIGKILL and resumed reads them back (the file untouched) and gives the uninterrupted losses."""
-    straight = run(tmp_path / "straight", tmp_path / "cache-a", *FULL, recipe="tiny/dpo_support_json")
+    straight = run_in_fork(tmp_path / "straight", tmp_path / "cache-a", *FULL, recipe="tiny/dpo_support_json")
     assert straight.returncode == 0, straight.stdout + straight.stderr
     assert "computed from the starting weights" in straight.stdout
     expected = losses(tmp_path / "straight")
@@ -180,7 +181,7 @@ def test_full_fine_tuning_reference_is_cached_and_a_killed_run_resumes_without_r
     (cached,) = (cache / "reference_logps").glob("*.safetensors")
     written = cached.stat().st_mtime_ns
 
-    resumed = run(killed_dir, cache, *FULL, "--checkpoint.resume", "auto", recipe="tiny/dpo_support_json")
+    resumed = run_in_fork(killed_dir, cache, *FULL, "--checkpoint.resume", "auto", recipe="tiny/dpo_support_json")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     said = resumed.stdout.replace("\n", "")  # rich wraps long lines
     assert f"reused from the cache, key {cached.stem}" in " ".join(resumed.stdout.split())

@@ -20,7 +20,7 @@ from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.train import reference_logps
 from tests.checkpoint_fixtures import Q_A, weight_map
-from tests.train.run_helpers import losses, run
+from tests.train.run_helpers import losses, run_in_fork
 
 
 def _swap_keeping_size_and_times(file: Path, replacement: Path) -> None:
@@ -134,11 +134,11 @@ def test_a_second_run_on_a_swapped_base_computes_its_own_reference(tmp_path):
     save_pretrained(build_model(get_preset("tiny"), seed=1), other)
     flags = [*FULL, "--model.name_or_path", str(base), "--data.tokenizer", str(resolve_tokenizer_dir(None))]
     cache = tmp_path / "cache"
-    first = run(tmp_path / "first", cache, *flags, recipe="tiny/dpo_support_json")
+    first = run_in_fork(tmp_path / "first", cache, *flags, recipe="tiny/dpo_support_json")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
     assert losses(tmp_path / "first")[1] == pytest.approx(math.log(2), abs=1e-6)
     _swap_keeping_size_and_times(base / "model.safetensors", other / "model.safetensors")
-    second = run(tmp_path / "second", cache, *flags, recipe="tiny/dpo_support_json")
+    second = run_in_fork(tmp_path / "second", cache, *flags, recipe="tiny/dpo_support_json")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert losses(tmp_path / "second")[1] == pytest.approx(math.log(2), abs=1e-6)  # 0.7137 when reused
     assert "computed from the starting weights" in second.stdout.replace("\n", "")

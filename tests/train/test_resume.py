@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.train.run_helpers import losses, printed, run, start
+from tests.train.run_helpers import losses, printed, run_in_fork, start
 
 
 def _wait_for(predicate, proc, timeout=300.0):
@@ -25,7 +25,7 @@ def _wait_for(predicate, proc, timeout=300.0):
 @pytest.mark.parametrize("recipe", ["tiny/sft_support_json", "tiny/lora_support_json"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, recipe):
     cache = tmp_path / "cache"
-    straight = run(tmp_path / "straight", cache, recipe=recipe)
+    straight = run_in_fork(tmp_path / "straight", cache, recipe=recipe)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     expected = losses(tmp_path / "straight")
     assert sorted(expected) == list(range(1, 9))
@@ -41,7 +41,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, recipe):
     done = sorted(p.name for p in (killed_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert "step-00000008" not in done  # it really died mid-run
 
-    resumed = run(killed_dir, cache, "--checkpoint.resume", "auto", recipe=recipe)
+    resumed = run_in_fork(killed_dir, cache, "--checkpoint.resume", "auto", recipe=recipe)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert printed(resumed.stdout, "resumed from")
     assert losses(killed_dir) == expected  # bit-for-bit: same floats at every step
@@ -59,6 +59,6 @@ def test_sigterm_saves_and_resumes(tmp_path):
     assert "SIGTERM: saved" in output
     saved = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-")]
     assert len(saved) == 1 and int(saved[0].name.split("-")[1]) < 8
-    resumed = run(run_dir, cache, "--checkpoint.every_steps", "0", "--checkpoint.resume", "auto")
+    resumed = run_in_fork(run_dir, cache, "--checkpoint.every_steps", "0", "--checkpoint.resume", "auto")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert sorted(losses(run_dir)) == list(range(1, 9))

@@ -12,7 +12,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from glmtune import load_pretrained
-from tests.train.run_helpers import TWO_STEPS, losses, run, shared_run
+from tests.train.run_helpers import TWO_STEPS, losses, run, run_in_fork, shared_run
 
 
 def test_short_run_writes_everything_and_exports_loadable_hf(tmp_path):
@@ -44,8 +44,8 @@ def test_short_run_writes_everything_and_exports_loadable_hf(tmp_path):
 def test_save_at_end_false_writes_no_checkpoint_and_says_so(tmp_path):
     """Throughput probes: no every_steps save and none at the end, yet the run finishes normally."""
     run_dir = tmp_path / "run"
-    result = run(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.every_steps", "0",
-                 "--checkpoint.save_at_end", "false")
+    result = run_in_fork(run_dir, tmp_path / "cache", "--train.max_steps", "2", "--checkpoint.every_steps", "0",
+                         "--checkpoint.save_at_end", "false")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "the trained weights will not be kept" in result.stdout
     assert "finished step 2" in result.stdout
@@ -97,7 +97,7 @@ def test_lora_run_exports_adapters_and_saves_small_checkpoints(shared_results):
 def test_rerunning_a_finished_run_is_a_no_op(tmp_path, shared_results):
     first = shared_run(shared_results, *TWO_STEPS)  # also test_progress.py's and test_run_dir_safety.py's run
     run_dir = shutil.copytree(first.run_dir, tmp_path / "run")
-    again = run(run_dir, first.cache_dir, *TWO_STEPS, "--checkpoint.resume", "auto")
+    again = run_in_fork(run_dir, first.cache_dir, *TWO_STEPS, "--checkpoint.resume", "auto")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already at train.max_steps (2)" in again.stdout
     assert sorted(losses(run_dir)) == [1, 2]

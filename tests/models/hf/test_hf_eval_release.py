@@ -34,7 +34,7 @@ from glmtune.models.glm5.spec import GLM5
 from glmtune.models.hf.quiet import no_progress_bars
 from glmtune.models.hf.spec import HF
 from tests.parity.hf_reference import make_hf_model
-from tests.train.run_helpers import run
+from tests.train.run_helpers import run_in_fork
 
 GENERAL_TEXT = Path(__file__).resolve().parents[3] / "recipes" / "tiny" / "eval_support_json" / "general_text.txt"
 SUITE = {
@@ -68,9 +68,9 @@ def qwen3_run(tmp_path_factory):
     torch.manual_seed(0)
     with no_progress_bars():  # transformers' own bar, not the one this test looks for
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "qwen3")
-    done = run(root / "run", root / "cache", "--model.name_or_path", str(root / "qwen3"), "--data.tokenizer",
-               str(TINY_TOKENIZER_DIR), "--train.max_steps", "4", "--optim.warmup_steps", "1",
-               "--checkpoint.every_steps", "4", "--checkpoint.export_hf", "true")
+    done = run_in_fork(root / "run", root / "cache", "--model.name_or_path", str(root / "qwen3"), "--data.tokenizer",
+                       str(TINY_TOKENIZER_DIR), "--train.max_steps", "4", "--optim.warmup_steps", "1",
+                       "--checkpoint.every_steps", "4", "--checkpoint.export_hf", "true")
     assert done.returncode == 0, done.stdout + done.stderr
     return root / "qwen3", root / "run", done.stdout + done.stderr
 

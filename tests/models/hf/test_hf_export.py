@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config, Qw
 from glmtune.cli import main
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 from glmtune.models.hf.quiet import no_progress_bars
-from tests.train.run_helpers import TWO_STEPS, run
+from tests.train.run_helpers import TWO_STEPS, run_in_fork
 
 SHAPES = {"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 512,
@@ -45,8 +45,8 @@ def trained_run(request, tmp_path_factory):
         # a generation config of the base's own (transformers derives another from config.json)
         GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0, do_sample=True, temperature=0.7,
                          top_p=0.8).save_pretrained(root / "base")
-    done = run(root / "run", root / "cache", "--model.name_or_path", str(root / "base"), "--data.tokenizer",
-               str(TINY_TOKENIZER_DIR), *TWO_STEPS, "--checkpoint.export_hf", "true")
+    done = run_in_fork(root / "run", root / "cache", "--model.name_or_path", str(root / "base"), "--data.tokenizer",
+                       str(TINY_TOKENIZER_DIR), *TWO_STEPS, "--checkpoint.export_hf", "true")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return root / "base", root / "run"
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from glmtune.cli import main
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 from glmtune.models.hf.quiet import no_progress_bars
-from tests.train.run_helpers import losses, run, torchrun
+from tests.train.run_helpers import losses, run_in_fork, torchrun
 
 peft = pytest.importorskip("peft")
 
@@ -60,8 +60,8 @@ def lora_runs(model_dirs, tmp_path_factory):
     runs = {}
     for name, base in model_dirs.items():
         root = tmp_path_factory.mktemp(f"lora_{name}")
-        done = run(root / "run", root / "cache", "--model.name_or_path", str(base), *FEW_STEPS,
-                   recipe="tiny/lora_support_json")
+        done = run_in_fork(root / "run", root / "cache", "--model.name_or_path", str(base), *FEW_STEPS,
+                           recipe="tiny/lora_support_json")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         runs[name] = root / "run"
     return runs
@@ -99,9 +99,9 @@ def test_two_ranks_train_the_adapters_one_process_does(model_dirs, lora_runs, tm
 
 def test_the_dpo_recipe_runs_unchanged(model_dirs, tmp_path):
     """LoRA DPO: the reference is the same model with its adapters off."""
-    done = run(tmp_path / "run", tmp_path / "cache", "--model.name_or_path", str(model_dirs["qwen3_moe"]),
-               *FEW_STEPS, "--data.synthetic.rows", "80", "--data.packed_sequence_size", "512",
-               recipe="tiny/dpo_support_json")
+    done = run_in_fork(tmp_path / "run", tmp_path / "cache", "--model.name_or_path", str(model_dirs["qwen3_moe"]),
+                       *FEW_STEPS, "--data.synthetic.rows", "80", "--data.packed_sequence_size", "512",
+                       recipe="tiny/dpo_support_json")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and records[-1]["dpo/pairs"] > 0
