@@ -1,4 +1,4 @@
-"""`glmtune train` with expert parallelism under torchrun (gloo, CPU), against one process.
+"""`glmtune train` with expert parallelism (forked gloo ranks on CPU, as torchrun starts them), against one process.
 
 Per-step losses and gradient norms equal the single-process run with the same global
 batch (relative 1e-5, fp32); the HF export of an EP run (from an HF checkpoint: the run
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,16 +21,7 @@ from safetensors.torch import load_file
 from glmtune import load_pretrained, save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
 from tests.distributed.forked_runs import train_in_forks
-from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, SMALL, env, printed, run, shared_run
-
-
-def _torchrun(nproc: int, run_dir: Path, cache: Path, *extra: str, recipe: str = "tiny/sft_support_json"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "glmtune", "train", recipe, *SMALL, "--logging.run_dir", str(run_dir),
-           "--data.cache_dir", str(cache), *extra]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
+from tests.train.run_helpers import BATCH_8_WITH_EXPORT, FOUR_STEPS, printed, shared_run
 
 
 def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -103,17 +92,16 @@ def test_ep2_with_expert_fsdp_resumes_at_other_expert_layouts(tmp_path, shared_r
 
 
 def test_lora_on_expert_parallel_experts_matches_one_process(tmp_path, shared_results):
-    """From an HF checkpoint: under torchrun the base is built on meta and each rank reads
-    only its shards, then the adapters get the values the one-process run draws."""
+    """From an HF checkpoint: on 2 ranks (forked, as torchrun starts them) the base is built on meta
+    and each rank reads only its shards, then the adapters get the values the one-process run draws."""
     base = tiny_hf_checkpoint(shared_results)
     cache = tmp_path / "cache"
     recipe = "tiny/lora_support_json"
     steps = ["--train.max_steps", "3", "--checkpoint.every_steps", "3", "--model.name_or_path", str(base),
              "--data.tokenizer", TOKENIZER]
-    single = run(tmp_path / "single", cache, *steps, recipe=recipe)
-    assert single.returncode == 0, single.stdout + single.stderr
-    done = _torchrun(2, tmp_path / "ep2", cache, *steps, "--parallel.ep", "2", recipe=recipe)
-    assert f"loaded {base}, rank 0: read" in " ".join(done.stdout.split())
+    train_in_forks({tmp_path / "single": steps}, cache, recipe=recipe)
+    train_in_forks({tmp_path / "ep2": [*steps, "--parallel.ep", "2"]}, cache, nproc=2, recipe=recipe)
+    assert f"loaded {base}, rank 0: read" in " ".join((tmp_path / "ep2.out").read_text().split())
     _assert_same(_records(tmp_path / "ep2"), _records(tmp_path / "single"))
     for layout in ("adapter", "adapter_per_expert"):  # every expert's adapter, gathered from both ranks
         ours = load_file(tmp_path / "ep2" / layout / "adapter_model.safetensors")
