@@ -47,14 +47,24 @@ def run(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_sup
 
 def run_in_fork(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
                 ) -> subprocess.CompletedProcess:
-    """`run` of a run that must finish, through the CLI's entry point in a process forked from the
-    gloo fork server (tests/distributed/forked_cli.py: torch and glmtune imported there once, not
-    in a fresh interpreter per run). A run that exits non-zero fails the test with its output;
-    stdout and stderr come back apart, as `run` gives them (also in `<run_dir>.out` and `.err`)."""
-    argv = train_command(run_dir, cache_dir, *extra, recipe=recipe)
-    commands_in_forks({run_dir: argv[3:]}, stderr_apart=True, seconds_per_run=600.0)
-    stdout, stderr = (run_dir.parent / f"{run_dir.name}{suffix}" for suffix in (".out", ".err"))
-    return subprocess.CompletedProcess(argv, 0, stdout.read_text(), stderr.read_text())
+    """`run` of a run that must finish, in a forked process (`command_in_fork`)."""
+    return command_in_fork(train_command(run_dir, cache_dir, *extra, recipe=recipe), run_dir)
+
+
+def command_in_fork(argv: list[str], run_dir: Path, nproc: int = 1) -> subprocess.CompletedProcess:
+    """A `glmtune train` command (`train_command`'s form: python -m glmtune train ...) of a run that must
+    finish, through the CLI's entry point on `nproc` processes forked from the gloo fork server
+    (tests/distributed/forked_cli.py: torch and glmtune imported there once, not in a fresh interpreter
+    per run and rank; N gloo ranks as torchrun starts them). A run that exits non-zero fails the test
+    with its output. stdout (every rank's, rank 0's first) and stderr come back apart, as `run` and
+    torchrun give them; the files are beside the run directory (`<run_dir>.out`, `.err`)."""
+    commands_in_forks({run_dir: argv[3:]}, nproc, stderr_apart=True, seconds_per_run=900.0)
+
+    def printed_by_ranks(suffix: str) -> str:
+        ranks = [f"{run_dir.name}{suffix}", *(f"{run_dir.name}.rank{r}{suffix}" for r in range(1, nproc))]
+        return "".join((run_dir.parent / name).read_text() for name in ranks)
+
+    return subprocess.CompletedProcess(argv, 0, printed_by_ranks(".out"), printed_by_ranks(".err"))
 
 
 def start(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json") -> subprocess.Popen:
@@ -120,10 +130,8 @@ def shared_run(shared, *extra: str, recipe: str = "tiny/sft_support_json", nproc
     key = hashlib.sha256(json.dumps([recipe, nproc, *extra]).encode()).hexdigest()[:16]
 
     def build(root: Path) -> None:
-        argv = train_command(root / "run", root / "cache", *extra, recipe=recipe)[3:]
-        commands_in_forks({root / "run": argv}, nproc, stderr_apart=True, seconds_per_run=900.0)
-        ranks = [root / "run.out", *(root / f"run.rank{r}.out" for r in range(1, nproc))]
-        (root / "stdout.txt").write_text("".join(path.read_text() for path in ranks))
+        done = command_in_fork(train_command(root / "run", root / "cache", *extra, recipe=recipe), root / "run", nproc)
+        (root / "stdout.txt").write_text(done.stdout)
 
     root = shared.get(f"run-{key}", build)
     return SharedRun(root / "run", root / "cache", (root / "stdout.txt").read_text())

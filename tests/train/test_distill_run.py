@@ -5,14 +5,18 @@ uninterrupted one, FSDP2, PP 2 and CP 2 over 2 gloo ranks equal one process, a L
 with another tokenizer is refused before anything trains."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests.distributed.layout_tolerances import LOSS_REL
 from tests.train.distill_teacher import build_teacher_dir, distill_command, run_distill
-from tests.train.run_helpers import env, losses
+from tests.train.run_helpers import command_in_fork, losses
+
+
+def _distill(run_dir, cache, rows_file, *extra, nproc: int = 1):
+    """`run_distill` of a run that must finish, on `nproc` forked processes (run_helpers.command_in_fork:
+    torch and glmtune imported once; N gloo ranks as torchrun starts them)."""
+    return command_in_fork(distill_command(run_dir, cache, rows_file, *extra), run_dir, nproc)
 
 
 def _records(run_dir):
@@ -30,7 +34,7 @@ def distilled(teacher, tmp_path_factory):
     """Four steps with λ = 1, T = 2, checkpoints after steps 2 and 4."""
     rows_file, cache = teacher
     run_dir = tmp_path_factory.mktemp("distilled")
-    done = run_distill(run_dir, cache, rows_file, "--distill.temperature", "2")
+    done = _distill(run_dir, cache, rows_file, "--distill.temperature", "2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
 
@@ -40,14 +44,14 @@ def sft(teacher, tmp_path_factory):
     """The same recipe and rows as plain SFT (train.objective: sft)."""
     rows_file, cache = teacher
     run_dir = tmp_path_factory.mktemp("sft")
-    done = run_distill(run_dir, cache, rows_file, "--train.objective", "sft")
+    done = _distill(run_dir, cache, rows_file, "--train.objective", "sft")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
 
 
 def test_weight_zero_is_sft_bit_for_bit(teacher, sft, tmp_path):
     rows_file, cache = teacher
-    seq = run_distill(tmp_path / "seq", cache, rows_file, "--distill.weight", "0")
+    seq = _distill(tmp_path / "seq", cache, rows_file, "--distill.weight", "0")
     assert seq.returncode == 0, seq.stderr[-3000:]
     assert losses(tmp_path / "seq") == losses(sft)  # exact floats, every step
     assert "distill/kl" not in _records(tmp_path / "seq")[1]
@@ -65,9 +69,9 @@ def test_cross_entropy_part_is_sft_loss_and_kl_is_added(sft, distilled):
 def test_resume_equals_uninterrupted(teacher, distilled, tmp_path):
     rows_file, cache = teacher
     run_dir = tmp_path / "resumed"
-    first = run_distill(run_dir, cache, rows_file, "--distill.temperature", "2", "--train.max_steps", "2")
+    first = _distill(run_dir, cache, rows_file, "--distill.temperature", "2", "--train.max_steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_distill(run_dir, cache, rows_file, "--distill.temperature", "2", "--checkpoint.resume", "auto")
+    second = _distill(run_dir, cache, rows_file, "--distill.temperature", "2", "--checkpoint.resume", "auto")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
     assert losses(run_dir) == losses(distilled)  # steps 3 and 4 after the resume: the same floats
@@ -93,9 +97,7 @@ def test_fsdp_two_ranks_equal_one_process(teacher, distilled, tmp_path):
     """FSDP2 over 2 gloo ranks (one micro-batch each) gives the one-process run's steps (two micro-batches)."""
     rows_file, cache = teacher
     run_dir = tmp_path / "fsdp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               *distill_command(run_dir, cache, rows_file, "--distill.temperature", "2")[1:]]
-    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=900)
+    done = _distill(run_dir, cache, rows_file, "--distill.temperature", "2", nproc=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "world 2 = dp_replicate 1 x dp_shard 2" in " ".join(done.stdout.split())
     got, want = _records(run_dir), _records(distilled)
@@ -113,9 +115,7 @@ def test_pipeline_and_context_parallel_ranks_equal_one_process(teacher, distille
                                                                 described):
     rows_file, cache = teacher
     run_dir = tmp_path / layout
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               *distill_command(run_dir, cache, rows_file, "--distill.temperature", "2", *flags)[1:]]
-    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=900)
+    done = _distill(run_dir, cache, rows_file, "--distill.temperature", "2", *flags, nproc=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert described in " ".join(done.stdout.split())
     got, want = _records(run_dir), _records(distilled)
@@ -129,8 +129,8 @@ def test_lora_student_learns_from_the_teacher(teacher, tmp_path):
     """LoRA adapters take the KL's gradient (the head is frozen): the loss falls and both parts are logged,
     for the validation rows too (carved from the teacher's rows, their top-K with them)."""
     rows_file, cache = teacher
-    done = run_distill(tmp_path / "lora", cache, rows_file, "--peft.method", "lora", "--optim.lr", "1e-2",
-                       "--data.split", "{train: 0.7, validation: 0.3}", "--train.val_every", "2")
+    done = _distill(tmp_path / "lora", cache, rows_file, "--peft.method", "lora", "--optim.lr", "1e-2",
+                    "--data.split", "{train: 0.7, validation: 0.3}", "--train.val_every", "2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = _records(tmp_path / "lora")
     assert records[4]["loss"] < records[1]["loss"]
