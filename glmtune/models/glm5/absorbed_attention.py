@@ -66,7 +66,7 @@ def _(sparse_BST, slots):
 
 
 def _blocks(batch: int, queries: int, heads: int, slots: int, width: int, itemsize: int):
-    """(flat query rows of one block, their batch offsets into the flat keys' rows)."""
+    """The flat query rows [B x S] of each block, as slices."""
     # Per query: gathered keys (input dtype), fp32 key gradients, fp32 S and dP, P and dS (input dtype).
     per_query = slots * (width * (itemsize + 4) + heads * (8 + 2 * itemsize))
     step = max(1, BLOCK_BYTES // max(per_query, 1))
