@@ -166,9 +166,9 @@ def _objective_note(cfg) -> str:
         if cfg.train.mtp_loss_weight > 0:
             mtp = (f"the MTP loss (weight {cfg.train.mtp_loss_weight:g}: one more MoE layer and head pass "
                    "on the last stage, whose parameters and optimizer state count")
-            if cfg.parallel.pp > 1:  # docs/plan.md: measured 10-11 GiB on GLM-5's last stages against 2-3 planned
-                mtp += ("; not counted: its second activation at every stage boundary and its layer's fp32 "
-                        "gradient between microbatches; measure the last stage with --measure")
+            if cfg.parallel.pp > 1:  # docs/plan.md: the terms located on GLM-5's ranks by memory snapshots
+                mtp += ("; its second activation at every stage boundary (receive buffers, stage outputs) and "
+                        "its layer's fp32 gradient between microbatches count")
             extras.append(mtp + ")")
         if cfg.train.indexer_loss_weight > 0:
             extras.append(f"the indexer KL loss (weight {cfg.train.indexer_loss_weight:g}: the indexers' parameters "

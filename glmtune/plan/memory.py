@@ -15,6 +15,11 @@ allocator's fragmentation are the separate headroom line of the plan):
                   in the reduce dtype (fp32)
   root reduction, optimizer step: every gradient, plus under FSDP2 the root unit's
                   (embedding, head) unsharded gradients and their fp32 staging
+  pipelines       besides: torch's receive buffers (every microbatch of each stage's inputs and
+                  output gradients) and the in-flight stages' outputs for the activations the
+                  family names (`StepTerms.boundary`); what each micro-batch in flight holds beside
+                  its layers (`StepTerms.per_microbatch`, GLM-5's attention mask); and FSDP2's fp32
+                  copy of the head's and the auxiliary units' gradients between microbatches
 
 What depends on the architecture (each layer's saved, recomputed and scratch bytes, the masks,
 the loss rows, the transients such as an all-to-all buffer or a dequantized FP8 weight, the
@@ -126,8 +131,10 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
 
     chunks = in_flight(cfg, degrees, pp_rank)
     stages_here = max(1, len(mine))
-    # Other in-flight stage-chunks hold about the rank's average stage of layers each.
-    other_chunks = (chunks - 1) * sum(kept.values()) // stages_here
+    # Other in-flight stage-chunks hold about the rank's average stage of layers each, less the first
+    # layer's input of each chunk a pipeline received (its receive buffer, counted with the boundary's).
+    boundary, received = _stage_boundary(cfg, degrees, mine, last, chunks, terms)
+    other_chunks = (chunks - 1) * sum(kept.values()) // stages_here - received
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
     grads_all = state.grads
@@ -146,11 +153,14 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
                 gathered_root += sum(units[u].gathered for u in memory.auxiliary_units(step) if u in units)
         static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
-    fixed = terms.fixed
+    fixed = {**terms.fixed, **{k: v * chunks for k, v in terms.per_microbatch.items()}, **boundary}
     head = units.get("head")
     head_grad = terms.head_elements * e if last and head is not None and head.grads else 0
     loss, forward_scratch, transients = terms.loss, terms.forward_scratch, terms.transients
     held = _head_gradients(cfg, terms.head_elements, degrees, precision, fsdp, accumulating, head_grad)
+    if last and _fp32_between_microbatches(cfg, degrees, precision, fsdp):
+        held.update({f"{u} gradient accumulated over the microbatches (fp32)": units[u].trainable_gathered * F32
+                     for u in memory.auxiliary_units(step) if u in units and units[u].trainable_gathered})
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
     phases = [Phase("forward end", {
         **static, "gradients (accumulated)": grads_all if accumulating else 0,
@@ -170,13 +180,16 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
         unit = units.get(f"layer.{i}")
         still_gathered = {"gathered parameters (kept)": gathered_root + sum(kept_layers[j] for j in order[n:])} \
             if kept_layers else {}  # units whose backward has ended are resharded
-        parts = {**static, **still_gathered, "gradients": grads_all if accumulating else done + (unit.grads if unit else 0), **held,
+        # A unit's sharded gradient is made by its reduce-scatter, after its backward (a pipeline's:
+        # after its last microbatch's, once that backward's activations are freed).
+        own_grad = unit.grads if unit and not kept_layers else 0
+        parts = {**static, **still_gathered, "gradients": grads_all if accumulating else done + own_grad, **held,
                  "activations (saved)": below + other_chunks, **fixed,
                  f"layer {i}: saved + recomputed": kept[i] + per_layer[i].recomputed,
                  f"layer {i}: backward scratch": per_layer[i].backward_scratch,
                  **per_layer[i].transients}
-        if fsdp and unit is not None:
-            parts.update(_fsdp_transient(units, order, n, e, gathered_root > 0 and degrees.pp > 1))
+        if fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
+            parts.update(_fsdp_transient(units, order, n, e, bool(kept_layers)))
         phases.append(Phase(f"layer {i} backward", parts))
         if unit is not None:
             done += unit.grads
@@ -202,10 +215,42 @@ def _head_gradients(cfg: JobConfig, head_elements: int, degrees: MeshDegrees, pr
     # FSDPParam.to_accumulated_grad_if_needed), until the unit's last microbatch reduces it. The
     # head's is the one the last stage's phases hold on top of the bf16 gradient the fused loss
     # computes each microbatch (measured: sft_4k's last stage, 3.5 GiB of its 3.9 GiB gap).
-    narrow_head = precision.param_dtype.itemsize < 4
-    if head_grad and fsdp and narrow_head and degrees.pp > 1 and pipeline_microbatches(cfg) > 1:
+    if head_grad and _fp32_between_microbatches(cfg, degrees, precision, fsdp):
         held["head gradient accumulated over the microbatches (fp32)"] = head_elements * F32
     return held
+
+
+def _fp32_between_microbatches(cfg: JobConfig, degrees: MeshDegrees, precision, fsdp: bool) -> bool:
+    """Whether FSDP2 keeps a unit's unsharded gradient in fp32 from its first microbatch's backward to
+    its last's (a pipeline's microbatches do not sync; a narrower parameter's gradient is upcast to
+    the reduce dtype: torch's FSDPParam.to_accumulated_grad_if_needed)."""
+    narrow = precision.param_dtype.itemsize < 4
+    return fsdp and narrow and degrees.pp > 1 and pipeline_microbatches(cfg) > 1
+
+
+def _stage_boundary(cfg: JobConfig, degrees: MeshDegrees, mine: list[int], last: bool, chunks: int,
+                    terms) -> tuple[dict[str, int], int]:
+    """A pipeline rank's stage-boundary tensors, and the bytes of them its layers' kept inputs count.
+
+    torch's PipelineStage allocates, once, a receive buffer for every microbatch of each stage's
+    inputs and of each stage's output gradients (`_make_tensor_from_meta`); every activation that
+    crosses a boundary has its own (`terms.boundary`, the activations the family counts them for:
+    GLM-5's next tokens' embeddings with its MTP loss). A non-last stage's outputs are kept by the
+    schedule from its forward to its backward: one per activation for each in-flight stage-chunk
+    but those of the last stage. A received activation that is the first layer's input is counted
+    by the layers' kept activations for the in-flight chunks of non-first stages (`received`)."""
+    if degrees.pp == 1 or not terms.boundary:
+        return {}, 0
+    microbatches, per_chunk = pipeline_microbatches(cfg), sum(terms.boundary)
+    first = 0 in mine
+    # in-flight chunks of the first stage (all of its microbatches run before the rank's first
+    # backward) and of the last stage (one under 1F1B schedules; all of them under GPipe)
+    first_chunks = min(chunks, microbatches) if first else 0
+    last_chunks = min(chunks, microbatches if cfg.parallel.pp_schedule == "GPipe" else 1) if last else 0
+    parts = {"pipeline: receive buffers (inputs)": microbatches * (len(mine) - first) * per_chunk,
+             "pipeline: receive buffers (output gradients)": microbatches * (len(mine) - last) * per_chunk,
+             "pipeline: stage outputs in flight": (chunks - last_chunks) * per_chunk}
+    return parts, (chunks - first_chunks) * terms.received_kept
 
 
 def _fsdp_transient(units, order: list[int], n: int, e: int, kept_gathered: bool) -> dict[str, int]:

@@ -34,7 +34,9 @@ def test_glm5_sft_4k_on_h100_and_h200(capsys):
     assert report["memory"]["peak_phase"].endswith("backward") and parts["gradients"] < 0.5 * state["grads"]
     for gpu in by_gpu.values():
         assert gpu["recipe_layout"]["fits"] == (gpu["recipe_layout"]["free_gib"] >= 0)
-        assert gpu["smallest_fit"]["gpus"] <= 256
+        # the recipe's 256 on an H200; an H100 (79.2 GiB usable) needs 512 once the plan's 74.9 GiB
+        # (measured 70.9) and its 2.5 GiB + 5% headroom exceed it
+        assert gpu["smallest_fit"]["gpus"] <= 512
     assert by_gpu["h200-141g"]["smallest_fit"]["gpus"] < by_gpu["h100-80g"]["smallest_fit"]["gpus"]
     assert report["data"]["note"].startswith("not read")
 

@@ -10,9 +10,10 @@ from its args (its own architecture type) and a `StepShape`:
                    its forward to its backward under the recipe's activation checkpointing, what
                    its backward recomputes, its backward's scratch, and what it holds for a
                    moment (an all-to-all buffer, a dequantized weight)
-  step_terms       the rest of a rank's step: tensors held the whole step (attention masks, the
-                   rotary tables), the last stage's loss rows, the forward's largest scratch, and
-                   the LM head's size (the fused loss computes its gradient in forward)
+  step_terms       the rest of a rank's step: tensors held the whole step (the rotary tables) or by
+                   each micro-batch in flight (attention masks), the last stage's loss rows, the
+                   forward's largest scratch, the LM head's size (the fused loss computes its
+                   gradient in forward), and the activations a pipeline stage sends on
   auxiliary        a family's extra training losses on the last stage (GLM-5's MTP layer)
   unit_of, routed_expert   how the family's parameter names map to the FSDP units its
                    parallelization wraps ("layer.{i}", "embed", "head", or a family's own, such as
@@ -80,6 +81,16 @@ class StepTerms:
     forward_scratch: int  # the forward's largest transient (a logits slice of the loss, a score chunk)
     transients: dict[str, int]  # held for a moment in forward (and by each layer `LayerMemory` names them for)
     head_elements: int  # elements of the LM head's weight
+    # Held by each micro-batch (each pipeline stage-chunk) from its forward to its backward beside the
+    # layers' own activations, so once per micro-batch in flight (GLM-5: the attention mask a stage's
+    # forward builds, which its checkpointed layers keep as an input).
+    per_microbatch: dict[str, int] = field(default_factory=dict)
+    # Bytes of each activation one micro-batch sends across a pipeline stage boundary that the plan
+    # counts the buffers of (plan/memory.py: receive buffers, stage outputs; GLM-5: the next tokens'
+    # embeddings of its MTP loss), and how much of them a stage's first layer already counts in its
+    # `LayerMemory.kept` (a received tensor that is its input).
+    boundary: tuple[int, ...] = ()
+    received_kept: int = 0
 
 
 class MemoryModel(ABC):

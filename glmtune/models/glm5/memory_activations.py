@@ -135,14 +135,15 @@ def selective_kept(args: Glm5Args, mb: StepShape, layer: int, e: int, min_k: int
 
 
 def backward_transient(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability,
-                       score_buffer_bytes: int) -> int:
+                       score_buffer_bytes: int, moe_buffers: int = 0) -> int:
     """Peak bytes inside one layer's backward beyond the layer's saved tensors (module docstring).
 
     The MLP's backward runs first, with every saved tensor still alive: the MoE's experts'
     output gradient and then their SiLU input's (once the output and the product are freed,
     the gate/up and dispatched-row gradients take their place). The attention's backward
     runs once the MLP's saved tensors are freed: dq, dk, dv, the kv_b output's gradient, and
-    the dS and P buffers."""
+    the dS and P buffers. `moe_buffers` (expert parallelism's all-to-all send buffer) are held in
+    the MoE's part only."""
     q, k, n, d = mb.queries, mb.keys, args.num_attention_heads, args.hidden_size
     attention = e * (q + 2 * k) * n * args.qk_head_dim + e * k * n * (args.qk_nope_head_dim + args.v_head_dim)
     if sparse_needed(args, mb):
@@ -151,7 +152,7 @@ def backward_transient(args: Glm5Args, mb: StepShape, layer: int, e: int, train:
         if 0 < buffer <= score_buffer_bytes:
             attention += 2 * buffer
     if args.mlp_layer_types[layer] == "sparse":
-        mlp = e * q * args.num_experts_per_tok * (d + args.moe_intermediate_size)
+        mlp = e * q * args.num_experts_per_tok * (d + args.moe_intermediate_size) + moe_buffers
     else:
         mlp = 3 * e * q * args.intermediate_size
     mlp_saved_bytes = sum(mlp_saved(args, mb, layer, e, train).values())

@@ -7,8 +7,12 @@ outputs and log-sum-exp, and every matmul output whose reduction dim is at least
 `parallel.ac_keep_matmul_min_k`, which the recompute then does not bring back), and its
 backward's scratch. Beside the layers:
 
-  masks            the DSA top-k selection mask, bool [q, k], unless every row is one document
-                   no longer than the indexer's top-k
+  masks            the allowed-keys mask, bool [q, k], one per micro-batch in flight (each stage's
+                   forward builds its own, kept by the checkpointed layers), unless every row is
+                   one document no longer than the indexer's top-k
+  stage boundary   with the MTP loss, the next tokens' embeddings [q, D] that cross every pipeline
+                   stage boundary beside the hidden states (plan/memory.py counts torch's receive
+                   buffers and the stages' outputs from them; the hidden states' own: see step_terms)
   loss             the last stage's final norm and the fused loss's hidden rows and their gradient;
                    the forward's largest scratch is a [2048, V] logits slice in bf16 + fp32, or the
                    indexer's score chunk, whichever is larger
@@ -75,9 +79,12 @@ class Glm5MemoryModel(MemoryModel):
 
     def layer(self, args: Glm5Args, step: StepShape, index: int) -> LayerMemory:
         kept, recomputed = layer_activations(args, step, index)
-        scratch = act.backward_transient(args, step, index, step.compute_bytes, _trainability(step),
-                                         step.score_buffer_bytes)
         transients = moe_transients(args, step) if args.mlp_layer_types[index] == "sparse" else {}
+        # The all-to-all's send buffer lives in the MoE's part of the backward (its recomputed dispatch
+        # and its combine's and dispatch's gradients), beside the MLP's scratch and not the attention's.
+        all_to_all = transients.pop("MoE all-to-all buffer", 0)
+        scratch = act.backward_transient(args, step, index, step.compute_bytes, _trainability(step),
+                                         step.score_buffer_bytes, all_to_all)
         return LayerMemory(kept, recomputed, scratch, transients)
 
     def step_terms(self, args: Glm5Args, step: StepShape, layers: list[int], last: bool) -> StepTerms:
@@ -90,9 +97,20 @@ class Glm5MemoryModel(MemoryModel):
         logits_slice = min(LOSS_SLICE, q) * args.vocab_size * (e + act.F32) if last else 0
         indexer_scratch = max((act.indexer_transient(args, step, e) for i in layers if args.indexer_types[i] == "full"),
                               default=0)
-        return StepTerms(fixed={"masks": 0 if plain_causal else act.BOOL * q * step.keys}, loss=loss,
-                         forward_scratch=max(logits_slice, indexer_scratch), transients=moe_transients(args, step),
-                         head_elements=args.vocab_size * d)
+        # Each stage's forward builds its micro-batch's allowed mask [B, S, T]; the checkpointed layers
+        # keep it as an input until that micro-batch's backward: one per micro-batch in flight.
+        mask = {} if plain_causal else {"attention masks (one per micro-batch in flight)": act.BOOL * q * step.keys}
+        # With the MTP loss the next tokens' embeddings [B, S, D] cross every stage boundary beside the
+        # hidden states (stages.py): their receive buffers and the stages' copies of them are counted.
+        # The hidden states' own buffers are not yet: the first layer's kept input of each chunk in
+        # flight is its receive buffer, but the rest (receive buffers of chunks not in flight, the
+        # output gradients' receive buffers, the stages' outputs: 3.1 GiB on sft_4k's last stage)
+        # would put sft_4k's measured ranks 11-17% under their plan, so a term of about that size is
+        # over-counted there and was not located (docs/plan.md); sft_32k_cp8's ranks would stay within 9%.
+        rows = e * q * d
+        return StepTerms(fixed={}, loss=loss, forward_scratch=max(logits_slice, indexer_scratch),
+                         transients=moe_transients(args, step), head_elements=args.vocab_size * d,
+                         per_microbatch=mask, boundary=(rows,) if step.mtp else ())
 
     def auxiliary(self, args: Glm5Args, step: StepShape, head_grad: int) -> tuple[dict[str, int], dict[str, int]]:
         """The MTP loss's memory on the last stage (module docstring)."""
