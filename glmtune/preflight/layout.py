@@ -28,7 +28,8 @@ UNPINNED_TOPOLOGY = ["--parallel.nodes", "null", "--parallel.gpus_per_node", "nu
 # The same recipe in one process: no parallel degrees, nor the pipeline keys that need pp.
 ONE_PROCESS = ["--parallel.pp", "1", "--parallel.cp", "1", "--parallel.ep", "1", "--parallel.dp_replicate", "1",
                "--parallel.pp_schedule", "1F1B", "--parallel.pp_stages_per_rank", "1",
-               "--parallel.pp_microbatches", "null", "--parallel.ep_dispatcher", "all_to_all"]
+               "--parallel.pp_microbatches", "null", "--parallel.ep_dispatcher", "all_to_all",
+               "--parallel.ep_overlap_chunks", "1"]
 
 
 @dataclass(frozen=True)
