@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.train.run_helpers import env, printed
+from tests.train.run_helpers import command_in_fork, printed
 
 RECIPE = "recipes/tiny/cpt_domain_text_replay.yaml"
 FLAGS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "0",
@@ -20,11 +20,10 @@ FLAGS = ["--train.max_steps", "4", "--checkpoint.every_steps", "2", "--checkpoin
 
 
 def _train(run_dir, cache_dir, *extra: str) -> subprocess.CompletedProcess:
+    """The run (it must finish) on a process forked from the gloo fork server (run_helpers.command_in_fork)."""
     command = [sys.executable, "-m", "glmtune", "train", RECIPE, *FLAGS, "--logging.run_dir", str(run_dir),
                "--data.cache_dir", str(cache_dir), *extra]
-    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
+    return command_in_fork(command, run_dir)
 
 
 def _records(run_dir) -> dict[int, dict]:
