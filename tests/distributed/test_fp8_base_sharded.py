@@ -34,6 +34,10 @@ def test_lora_on_a_sharded_fp8_base_matches_one_process(tmp_path, shared_results
     out = (tmp_path / "ep2.out").read_text()  # the forked ranks' (tests/distributed/forked_runs.py), as torchrun's
     assert "model: frozen FP8 base" in out and f"loaded {base}, rank 0: read" in " ".join(out.split())
     _assert_same(_records(tmp_path / "ep2"), _records(single.run_dir))
+    # lora_fp8_1node.yaml's schedule: the experts' all-to-alls in 2 chunks over the FP8 base, as one process.
+    chunks = [*_steps(base), "--parallel.ep", "2", "--parallel.ep_overlap_chunks", "2"]
+    train_in_forks({tmp_path / "ep2-chunks2": chunks}, single.cache_dir, nproc=2, recipe=RECIPE)
+    _assert_same(_records(tmp_path / "ep2-chunks2"), _records(single.run_dir))
     ours = load_file(tmp_path / "ep2" / "adapter" / "adapter_model.safetensors")
     theirs = load_file(single.run_dir / "adapter" / "adapter_model.safetensors")
     assert ours.keys() == theirs.keys()
