@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.distributed.forked_runs import SECONDS_PER_RUN, _entry, one_torch_thread  # noqa: F401 (fixture)
+from tests.distributed.forked_cli import SECONDS_PER_RUN, _entry
+from tests.distributed.forked_runs import one_torch_thread  # noqa: F401 (fixture)
 from tests.distributed.gloo_helpers import start_forkserver_ranks
 from tests.distributed.layout_tolerances import LOSS_REL
 from tests.train.run_helpers import assert_same_steps, step_records

@@ -18,14 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# _entry, _output_to, SECONDS_PER_RUN and commands_in_forks are also this module's for the tests that
-# import them from here (test_text_layouts.py, test_rank0_data_refusal.py, test_recipe_replicas.py)
-from tests.distributed.forked_cli import (  # noqa: F401
-    SECONDS_PER_RUN,
-    _entry,
-    _output_to,
-    commands_in_forks,
-)
+from tests.distributed.forked_cli import commands_in_forks
 from tests.train.run_helpers import SharedRun, train_command
 
 RECIPE = "tiny/sft_support_json"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.forked_runs import _output_to
+from tests.distributed.forked_cli import _output_to
 from tests.distributed.gloo_helpers import start_forkserver_ranks
 from tests.train.run_helpers import train_command
 

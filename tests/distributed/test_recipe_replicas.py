@@ -23,7 +23,7 @@ import pytest
 from glmtune.config import load_config
 from glmtune.config.loader import RECIPES_DIR
 from glmtune.preflight.layout import ONE_PROCESS, UNPINNED_TOPOLOGY, scaled_replica
-from tests.distributed.forked_runs import commands_in_forks
+from tests.distributed.forked_cli import commands_in_forks
 
 # What makes a 256-GPU recipe a CPU-sized one; everything else stays as the recipe says.
 TINY = [
