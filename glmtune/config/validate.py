@@ -477,8 +477,18 @@ def planned_saves(cfg: JobConfig, steps: int) -> int:
 
 def check_ranges(cfg: JobConfig) -> list[str]:
     """Single-section value checks that types alone cannot express."""
-    t, o, d, c, peft = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.peft
-    rules = [
+    rules = _train_rules(cfg) + _optim_rules(cfg) + _checkpoint_data_rules(cfg) + _model_parallel_logging_rules(cfg)
+    errors = non_finite_errors(cfg)  # the loader refuses these; a config built in code reaches here too
+    errors += [message for ok, message in rules if not ok]
+    errors += _split_errors(cfg.data.split)
+    errors += _lora_errors(cfg) if cfg.peft.method == "lora" else _peft_without_lora_errors(cfg.peft)
+    return errors
+
+
+def _train_rules(cfg: JobConfig) -> list[tuple[bool, str]]:
+    """(holds, message) for the train section's ranges."""
+    t = cfg.train
+    return [
         (t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"),
         (t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}"),
         (t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}"),
@@ -490,17 +500,31 @@ def check_ranges(cfg: JobConfig) -> list[str]:
         (t.router_bias_update_rate >= 0,
          f"train.router_bias_update_rate must be >= 0, got {t.router_bias_update_rate}"),
         (t.generate_samples >= 0, f"train.generate_samples must be >= 0, got {t.generate_samples}"),
+    ]
+
+
+def _optim_rules(cfg: JobConfig) -> list[tuple[bool, str]]:
+    """(holds, message) for the optim section's ranges (the warm-up against train.max_steps)."""
+    o, max_steps = cfg.optim, cfg.train.max_steps
+    return [
         (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
         (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
         (all(0 <= b < 1 for b in o.betas), f"optim.betas must be in [0, 1), got {list(o.betas)}"),
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
         (o.lr * o.weight_decay < 1, f"optim.lr x optim.weight_decay ({o.lr:g} x {o.weight_decay:g}) must be < 1: "
                                     "AdamW scales every weight by 1 - lr x weight_decay each step"),
-        (0 <= o.warmup_steps <= t.max_steps,
-         f"optim.warmup_steps ({o.warmup_steps}) must be between 0 and train.max_steps ({t.max_steps})"),
+        (0 <= o.warmup_steps <= max_steps,
+         f"optim.warmup_steps ({o.warmup_steps}) must be between 0 and train.max_steps ({max_steps})"),
         (o.warmup_ratio is None or 0 <= o.warmup_ratio <= 1,
          f"optim.warmup_ratio must be in [0, 1] (a fraction of train.max_steps) or null, got {o.warmup_ratio}"),
         (0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}"),
+    ]
+
+
+def _checkpoint_data_rules(cfg: JobConfig) -> list[tuple[bool, str]]:
+    """(holds, message) for the checkpoint and data sections' ranges."""
+    c, d = cfg.checkpoint, cfg.data
+    return [
         (c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = only at the end), got {c.every_steps}"),
         (c.keep_last >= 0, f"checkpoint.keep_last must be >= 0 (0 = keep all), got {c.keep_last}"),
         (c.resume != "", "checkpoint.resume must be none, auto or a checkpoint path"),
@@ -509,13 +533,19 @@ def check_ranges(cfg: JobConfig) -> list[str]:
         (d.synthetic is None or d.synthetic.rows >= 1,
          f"data.synthetic.rows must be >= 1, got {d.synthetic.rows if d.synthetic else None}"),
         (d.packed_sequence_size >= 1, f"data.packed_sequence_size must be >= 1, got {d.packed_sequence_size}"),
+    ]
+
+
+def _model_parallel_logging_rules(cfg: JobConfig) -> list[tuple[bool, str]]:
+    """(holds, message) for the model, parallel (expert dispatch) and logging sections' ranges."""
+    p = cfg.parallel
+    return [
         (bool(cfg.model.name_or_path), "model.name_or_path is empty"),
-        (cfg.parallel.ep != 1 or cfg.parallel.ep_dispatcher == "all_to_all",
-         f"parallel.ep_dispatcher: {cfg.parallel.ep_dispatcher} moves tokens between expert-parallel ranks and "
+        (p.ep != 1 or p.ep_dispatcher == "all_to_all",
+         f"parallel.ep_dispatcher: {p.ep_dispatcher} moves tokens between expert-parallel ranks and "
          "has no effect with parallel.ep: 1; remove it or set parallel.ep"),
-        (cfg.parallel.ep_overlap_chunks == 1 or (cfg.parallel.ep_overlap_chunks > 1 and cfg.parallel.ep != 1
-                                                  and cfg.parallel.ep_dispatcher == "all_to_all"),
-         f"parallel.ep_overlap_chunks: {cfg.parallel.ep_overlap_chunks} must be 1, or more with parallel.ep > 1 and "
+        (p.ep_overlap_chunks == 1 or (p.ep_overlap_chunks > 1 and p.ep != 1 and p.ep_dispatcher == "all_to_all"),
+         f"parallel.ep_overlap_chunks: {p.ep_overlap_chunks} must be 1, or more with parallel.ep > 1 and "
          "parallel.ep_dispatcher: all_to_all (the chunks overlap the expert all-to-alls)"),
         (cfg.model.attention_score_buffer_mib >= 0,
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
@@ -524,28 +554,31 @@ def check_ranges(cfg: JobConfig) -> list[str]:
          f"logging.metrics_file {cfg.logging.metrics_file!r} must be a path inside the run directory (relative, "
          "without '..'): a resume rewrites that file"),
     ]
-    errors = non_finite_errors(cfg)  # the loader refuses these; a config built in code reaches here too
-    errors += [message for ok, message in rules if not ok]
-    errors += _split_errors(d.split)
-    if peft.method == "lora":
-        errors += [message for ok, message in (
-            (peft.rank >= 1, f"peft.rank must be >= 1, got {peft.rank}"),
-            (peft.alpha > 0, f"peft.alpha must be > 0, got {peft.alpha}"),
-            (0 <= peft.dropout < 1, f"peft.dropout must be in [0, 1), got {peft.dropout}"),
-            (peft.target_modules != [], "peft.target_modules is empty: LoRA would train nothing"),
-            # The correction biases are base buffers an adapter cannot carry: PEFT, vLLM and SGLang
-            # would serve the old routing, not the model that was trained.
-            (t.router_bias_update == "none",
-             f"train.router_bias_update: {t.router_bias_update} with peft.method: lora would change the "
-             "routers' correction biases, which no LoRA adapter carries (PEFT, vLLM and SGLang would route "
-             "with the base's biases, not the trained ones); set train.router_bias_update: none"),
-        ) if not ok]
-    else:  # LoRA settings without LoRA would be validated and then ignored
-        defaults = PeftConfig()
-        errors += [f"peft.{f.name} is set but peft.method is none; set peft.method: lora or remove it"
-                   for f in dataclasses.fields(PeftConfig)
-                   if f.name != "method" and getattr(peft, f.name) != getattr(defaults, f.name)]
-    return errors
+
+
+def _lora_errors(cfg: JobConfig) -> list[str]:
+    """LoRA's ranges, and the train settings no adapter can carry."""
+    peft, t = cfg.peft, cfg.train
+    return [message for ok, message in (
+        (peft.rank >= 1, f"peft.rank must be >= 1, got {peft.rank}"),
+        (peft.alpha > 0, f"peft.alpha must be > 0, got {peft.alpha}"),
+        (0 <= peft.dropout < 1, f"peft.dropout must be in [0, 1), got {peft.dropout}"),
+        (peft.target_modules != [], "peft.target_modules is empty: LoRA would train nothing"),
+        # The correction biases are base buffers an adapter cannot carry: PEFT, vLLM and SGLang
+        # would serve the old routing, not the model that was trained.
+        (t.router_bias_update == "none",
+         f"train.router_bias_update: {t.router_bias_update} with peft.method: lora would change the "
+         "routers' correction biases, which no LoRA adapter carries (PEFT, vLLM and SGLang would route "
+         "with the base's biases, not the trained ones); set train.router_bias_update: none"),
+    ) if not ok]
+
+
+def _peft_without_lora_errors(peft: PeftConfig) -> list[str]:
+    """One error per LoRA setting changed while peft.method is none: it would be validated and then ignored."""
+    defaults = PeftConfig()
+    return [f"peft.{f.name} is set but peft.method is none; set peft.method: lora or remove it"
+            for f in dataclasses.fields(PeftConfig)
+            if f.name != "method" and getattr(peft, f.name) != getattr(defaults, f.name)]
 
 
 def non_finite_errors(value: object, path: str = "") -> list[str]:
