@@ -11,7 +11,7 @@ fp32 reference: score error, selections equal up to ties within the score error.
 Mask cost: the same SDPA calls with the boolean mask, a bias, and no mask at all.
 Absorbed (`--only absorbed`): one MLA layer's attention, kv_b included (q [B, N, S, 256], the
 normed latent and roped k_rot of the keys in; o_proj's input out), fwd+bwd, through the
-"sdpa", "triton" and "absorbed" backends, for `seq` one-document queries and for a cp-8
+"sdpa", "triton", "absorbed" and "absorbed_triton" backends, for `seq` one-document queries and for a cp-8
 rank's `seq` queries of an 8 x seq row (head_tail ranks 0 and 1): ms, the model's TFLOP/s
 (top-k attention + kv_b per local token, as glmtune/models/glm5/flops.py counts them) and
 the output / gradient differences against "sdpa".
@@ -239,7 +239,8 @@ def layer_attention_step(layer: MLAttention, backend: str, inputs, grad_out):
     """Output [1, S, N x V] and the gradients of (q, latent, k_rot, kv_b weight) through `backend`."""
     q_BSNK, latent_BTR, k_rot_B1TK, sparse_BST, shard, row = inputs
     q_BNSK = q_BSNK.transpose(1, 2)  # the layer's own layout: a view of q_b's output
-    if backend == "absorbed":
+    if backend in ("absorbed", "absorbed_triton"):
+        layer.backend = backend
         out = layer._absorbed_attend(q_BNSK, latent_BTR, k_rot_B1TK, sparse_BST, layer.index_topk)
     else:
         layer.backend = backend
@@ -258,7 +259,8 @@ def _elapsed_ms(fn, device, warmup=2, reps=5):
     return (time.perf_counter() - start) * 1000 / reps
 
 
-def check_absorbed(seq, args=None, device="cuda", backends=("sdpa", "triton", "absorbed"), dtype=torch.bfloat16):
+def check_absorbed(seq, args=None, device="cuda", backends=("sdpa", "triton", "absorbed", "absorbed_triton"),
+                   dtype=torch.bfloat16):
     """One line per case of `ABSORBED_CASES`: each backend's fwd+bwd ms, model TFLOP/s and error."""
     args = args or Glm5Args()  # GLM-5: 64 heads, qk 192 + 64, v 256, latent 512, top-2048
     with torch.device(device):

@@ -35,8 +35,10 @@ class ModelConfig:
     family: str = "auto"
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; parameters too unless train.master_weights
     overrides: dict[str, Any] = field(default_factory=dict)  # model-config fields to replace, e.g. num_hidden_layers
-    # auto: triton on GPU, sdpa on CPU; absorbed: MLA's absorbed (MQA) form over the selected keys only
-    attention_backend: Literal["auto", "sdpa", "eager", "flex", "gemm", "triton", "absorbed"] = "auto"
+    # auto: triton on GPU, sdpa on CPU; absorbed: MLA's absorbed (MQA) form over the selected keys only,
+    # absorbed_triton: the same through fused Triton kernels (CUDA, bf16/fp16)
+    attention_backend: Literal["auto", "sdpa", "eager", "flex", "gemm", "triton", "absorbed",
+                               "absorbed_triton"] = "auto"
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda

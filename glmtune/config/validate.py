@@ -441,11 +441,13 @@ def fp8_base_errors(cfg: JobConfig) -> list[str]:
 
 
 def absorbed_attention_errors(cfg: JobConfig) -> list[str]:
-    """`model.attention_backend: absorbed` multiplies by kv_b_proj's weight (W_uk into the queries,
-    W_uv on the output latent) instead of calling the layer: it needs that weight plain."""
-    if cfg.model.attention_backend != "absorbed":
+    """The absorbed backends multiply by kv_b_proj's weight (W_uk into the queries, W_uv on the
+    output latent) instead of calling the layer: they need that weight plain. "absorbed_triton"
+    runs Triton kernels on a CUDA GPU in bf16 (fp32 dots there would be TF32's)."""
+    backend = cfg.model.attention_backend
+    if backend not in ("absorbed", "absorbed_triton"):
         return []
-    key, errors = "model.attention_backend: absorbed", []
+    key, errors = f"model.attention_backend: {backend}", []
     if cfg.model.fp8_base != "none":
         errors.append(f"{key} reads kv_b_proj's weight directly and cannot take model.fp8_base: "
                       f"{cfg.model.fp8_base}; use another attention backend")
@@ -455,6 +457,10 @@ def absorbed_attention_errors(cfg: JobConfig) -> list[str]:
             and not any(fnmatch.fnmatchcase(name, glob) for glob in cfg.peft.exclude_modules):
         errors.append(f"{key} reads kv_b_proj's base weight directly and would skip a kv_b_proj adapter: drop "
                       "kv_b_proj from peft.target_modules (or add it to peft.exclude_modules)")
+    if backend == "absorbed_triton" and cfg.train.device == "cpu":
+        errors.append(f"{key} runs Triton kernels on a CUDA GPU, not train.device: cpu; use absorbed there")
+    if backend == "absorbed_triton" and cfg.model.dtype != "bfloat16":
+        errors.append(f"{key} computes in bf16, not model.dtype: {cfg.model.dtype}; use absorbed for fp32")
     return errors
 
 

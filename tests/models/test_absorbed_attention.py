@@ -120,6 +120,33 @@ def test_layer_matches_eager_in_fp32(case, monkeypatch):
         assert _rel(got_grads[name], grad) <= 1e-5, name
 
 
+def assert_fused_backend_matches_absorbed(case: str) -> None:
+    """"absorbed_triton" (Triton's fused kernels; run by tests/kernels/test_sparse_mla.py in the
+    interpreter) against "absorbed" in one MLA layer, fp32: output and every gradient (1e-5, the
+    two sum the same terms in different orders)."""
+    positions, single_document, shard = _row(case)
+    _, absorbed = _layers(torch.float32)
+    fused = MLAttention(ARGS, has_indexer=False, backend="absorbed_triton")
+    fused.load_state_dict(absorbed.state_dict())
+    x = torch.randn(2, positions.shape[1], ARGS.hidden_size, generator=torch.Generator().manual_seed(2))
+    want, want_grads = _run(absorbed, x, positions, single_document, shard, torch.float32)
+    got, got_grads = _run(fused, x, positions, single_document, shard, torch.float32)
+    assert _rel(got, want) <= 1e-5 and got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert _rel(got_grads[name], grad) <= 1e-5, (case, name)
+
+
+def test_fused_backend_is_refused_off_the_gpu():
+    """Without CUDA (and outside Triton's interpreter) the layer says which backend to use instead."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU runs the fused backend")
+    positions, single_document, shard = _row("one_document")
+    fused = MLAttention(ARGS, has_indexer=False, backend="absorbed_triton")
+    x = torch.randn(2, positions.shape[1], ARGS.hidden_size)
+    with pytest.raises(ValueError, match="'absorbed_triton' runs Triton kernels on a CUDA GPU; use 'absorbed'"):
+        _run(fused, x, positions, single_document, shard, torch.float32)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_layer_matches_eager_in_bf16(case):
     positions, single_document, shard = _row(case)
@@ -258,6 +285,18 @@ def test_config_refuses_what_absorbed_cannot_multiply_by():
     cfg = load_config(RECIPE, ["--model.attention_backend", "absorbed", "--peft.method", "lora"])
     cfg.model.fp8_base = "dequant"  # an HF directory's setting (a preset refuses it first)
     assert any("cannot take model.fp8_base: dequant" in e for e in absorbed_attention_errors(cfg))
+
+
+def test_config_refuses_the_fused_backend_where_it_cannot_run():
+    """absorbed_triton: the absorbed refusals, and a CPU device or an fp32 model."""
+    gpu = ["--train.device", "cuda", "--model.dtype", "bfloat16"]
+    assert absorbed_attention_errors(load_config(RECIPE, ["--model.attention_backend", "absorbed_triton", *gpu])) == []
+    cfg = load_config(RECIPE, ["--model.attention_backend", "absorbed_triton", "--train.device", "cpu",
+                               "--model.dtype", "float32", "--peft.method", "lora", "--peft.target_modules",
+                               '["*.kv_b_proj"]'])
+    errors = absorbed_attention_errors(cfg)
+    assert len(errors) == 3 and all(e.startswith("model.attention_backend: absorbed_triton") for e in errors)
+    assert "not train.device: cpu" in errors[1] and "not model.dtype: float32" in errors[2]
 
 
 @pytest.mark.parametrize("warmup", [False, True])

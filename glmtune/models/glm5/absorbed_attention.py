@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from glmtune.models.glm5.gemm_attention import _backward_pass, _elementwise, _forward_pass, _matmul_fp32
+from glmtune.models.glm5.sparse_mla_attention import fused_absorbed_attention
 
 BLOCK_BYTES = 1 << 30  # per block of queries: gathered keys and score-sized buffers (forward or backward)
 INDEX_BYTES = 1 << 28  # per block of queries deriving indices: int64 [Sb, T] slot numbers (twice)
@@ -163,8 +164,12 @@ absorbed_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def absorbed_sparse_attention(q_BSNC: torch.Tensor, c_BTC: torch.Tensor, sparse_BST: torch.Tensor, scale: float,
-                              value_dim: int, slots: int) -> torch.Tensor:
+                              value_dim: int, slots: int, fused: bool = False) -> torch.Tensor:
     """Output latent [B, S, N, R] of queries q [B, S, N, C] over the keys c [B, T, C] that the
-    selection mask [B, S, T] marks (at most `slots` per query; the values are c's first R)."""
+    selection mask [B, S, T] marks (at most `slots` per query; the values are c's first R), by
+    this module's blocks or, `fused`, by the Triton kernels (`sparse_mla_attention.py`)."""
     index_BSK, valid_BSK = selected_keys(sparse_BST, slots)
-    return absorbed_attention(q_BSNC.contiguous(), c_BTC.contiguous(), index_BSK, valid_BSK, scale, value_dim)[0]
+    q_BSNC, c_BTC = q_BSNC.contiguous(), c_BTC.contiguous()
+    if fused:
+        return fused_absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim)
+    return absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim)[0]

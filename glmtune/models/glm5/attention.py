@@ -28,6 +28,9 @@ The attention itself is a backend chosen by name:
     (at most `index_topk`) compressed keys, the causal prefix included. kv_b over the keys
     runs only for the indexer's KL, when it is requested. Needs a plain bf16/fp32 kv_b_proj
     (no FP8 base, no kv_b_proj adapter: `config/validate.py` refuses both).
+  * "absorbed_triton": "absorbed" computed by fused Triton kernels that gather each query's
+    keys on chip and add the keys' gradients with atomics (`sparse_mla_attention.py`); its
+    torch blocks are the reference. CUDA, bf16/fp16 only.
   * "auto" (the default): "triton" for bf16/fp16 CUDA tensors (when Triton is installed),
     "sdpa" elsewhere.
 
@@ -36,7 +39,8 @@ a few pieces of the row: the compressed KV (normed latent | roped k_rot) of ever
 all-gathered, kv_b runs over the keys up to the last local query, and each piece
 [o, o + n) attends keys [0, o + n) through the same backend (its queries are the last n of
 those keys); the is_causal prefix applies only to the piece at o = 0, where query i is key i.
-"absorbed" takes the gathered compressed KV as its keys as it is, all pieces in one call.
+The absorbed backends take the gathered compressed KV as their keys as it is, all pieces in
+one call.
 
 Legend: B batch, S queries, T keys, N heads, R latent rank, D model dim.
 """
@@ -63,7 +67,8 @@ from glmtune.models.glm5.indexer_loss import IndexerKLRequest
 from glmtune.models.glm5.indexer_loss import indexer_kl as indexer_kl_stats
 from glmtune.models.glm5.triton_attention import triton_attention_available, triton_masked_attention
 
-ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton", "absorbed")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "gemm", "triton", "absorbed", "absorbed_triton")
+ABSORBED_BACKENDS = ("absorbed", "absorbed_triton")
 
 
 def eager_attention(q_BNSK, k_BNTK, v_BNTV, allowed_BST, scale):
@@ -176,8 +181,8 @@ class MLAttention(nn.Module):
             latent_BTR, k_rot_B1TK = latent_BSR, k_rot_B1SK
         else:
             latent_BTR, k_rot_B1TK = self._gathered_keys(latent_BSR, k_rot_B1SK, shard, allowed_BST.shape[-1])
-        k_BNTK = v_BNTV = None  # "absorbed" never expands the keys (but for the indexer's KL)
-        if self.backend != "absorbed" or indexer_kl is not None:
+        k_BNTK = v_BNTV = None  # the absorbed backends never expand the keys (but for the indexer's KL)
+        if self.backend not in ABSORBED_BACKENDS or indexer_kl is not None:
             k_BNTK, v_BNTV = self.keys_and_values(latent_BTR, k_rot_B1TK)
 
         if self.indexer is not None:
@@ -190,7 +195,7 @@ class MLAttention(nn.Module):
             selection = shared
         sparse_BST, all_selected = selection[:2]
 
-        if self.backend == "absorbed":
+        if self.backend in ABSORBED_BACKENDS:
             # A query has at most top-k keys, or, all selected, its allowed ones: at most k, or the
             # longest document's under the indexer warm-up's dense attention (which asks for the KL).
             slots = indexer_kl.most_keys if all_selected and indexer_kl is not None else self.index_topk
@@ -235,7 +240,7 @@ class MLAttention(nn.Module):
         each selects (values: the latent), the output latent [B, S, N, R] through W_uv."""
         batch, _, seq_len, _ = q_BNSK.shape
         if type(self.kv_b_proj) is not nn.Linear:  # the config refuses these (config/validate.py)
-            raise ValueError("model.attention_backend 'absorbed' multiplies by kv_b_proj's weight itself: it takes "
+            raise ValueError(f"model.attention_backend {self.backend!r} multiplies by kv_b_proj's weight itself: it takes "
                              "neither an FP8 base (model.fp8_base) nor a kv_b_proj adapter (peft.target_modules)")
         w_NXR = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk_NPR, w_uv_NVR = w_NXR.split([self.nope_dim, self.v_dim], dim=1)
@@ -246,7 +251,7 @@ class MLAttention(nn.Module):
         num_keys = latent_BTR.shape[1]
         c_BTC = torch.cat([latent_BTR, k_rot_B1TK.squeeze(1)], dim=-1)
         out_BSNR = absorbed_sparse_attention(q_BSNC, c_BTC, sparse_BST[..., :num_keys], self.scale, self.kv_rank,
-                                             min(slots, num_keys))
+                                             min(slots, num_keys), fused=self.backend == "absorbed_triton")
         out_BSNV = torch.einsum("bsnr,nvr->bsnv", out_BSNR, w_uv_NVR)
         return out_BSNV.reshape(batch, seq_len, self.num_heads * self.v_dim)
 

@@ -50,11 +50,12 @@ from glmtune.models.glm5.stages import Glm5Stage, decoder_layers, needs_carry, s
 
 def _saved_under_checkpointing():
     aten = torch.ops.aten
-    # Registered by the model's indexer, GEMM-, Triton- and absorbed-attention modules, and the indexer's
+    # Registered by the model's indexer, GEMM-, Triton-, absorbed- and sparse-MLA-attention modules, and the indexer's
     # KL (`indexer_loss.py`: its saved gradients, linear in the tokens, instead of a second KL pass).
     ops = [torch.ops.glmtune.dsa_topk_mask.default, torch.ops.glmtune.gemm_attention.default,
            torch.ops.glmtune.sparse_attention.default, torch.ops.glmtune.indexer_kl.default,
-           torch.ops.glmtune.absorbed_attention.default, torch.ops.glmtune.selected_keys.default]
+           torch.ops.glmtune.absorbed_attention.default, torch.ops.glmtune.selected_keys.default,
+           torch.ops.glmtune.sparse_mla.default]
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):

@@ -1,0 +1,260 @@
+"""Sparse MLA attention in its absorbed (MQA) form, fused in Triton: each query gathers its own keys.
+
+DSA's indexer selects keys per token, not per head, and in MLA's absorbed form every head's key
+is the token's compressed KV c = [latent (R) | roped k_rot (E)] and its value is the latent. So
+a program takes one query token and a group of its heads as the rows of its tiles: the keys it
+gathers by index (through their row numbers, on chip) serve all those rows, and nothing of size
+[queries, top-k, C] is ever written to memory.
+
+  forward:  per (query, head group), over the query's slots in tiles of BLOCK_N: gather the
+            keys, S = q_lat c_lat^T + q_rot c_rot^T (fp32), online softmax in base 2, P rounded
+            to the input dtype for O += P c_lat. O and the fp32 log-sum-exp out.
+  backward: (1) per (query, head group): S and dP = dO c_lat^T recomputed, P from the saved lse,
+            dS = P (dP - delta) scale, both rounded to the input dtype as flash rounds them for
+            its GEMMs; dQ = dS c accumulated in fp32; P and dS written to [rows, N, K] buffers.
+            (2) per (query, slot tile): the gathered keys' gradient dS^T q (+ P^T dO on the
+            latent part), one [BLOCK_N, N] x [N, BLOCK_C] product per column tile over all
+            heads, added into an fp32 dC with atomics: queries share keys, and the atomics are
+            the sum over the queries that selected a key.
+            The buffers take at most `buffer_bytes` each: queries are processed in chunks.
+
+Layouts (contiguous): q [M, N, C], c [B x T, C], index int64 [M, K] (each slot's key within
+its query's batch row), valid bool [M, K]; out [M, N, R], lse [M, N]. A query loops over its
+slots up to its last valid one (`slot_ends`); a query without one gets O = 0, lse = -inf.
+
+The pure-torch reference is `glmtune.models.glm5.absorbed_attention` (the same op over gathered
+key blocks); tests/kernels/test_sparse_mla.py compares both with a float64 softmax in Triton's
+CPU interpreter, `benchmarks/dsa_kernels.py --only absorbed` on the GPU.
+
+Legend: B batch, S queries per row, T keys per row, M = B x S queries, N heads, K slots (top-k),
+R latent rank (the values), E rope dim, C = R + E.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+# Tile sizes and launch options. BLOCK_H heads of one query are a tile's rows (tl.dot needs at
+# least 16); the forward's fp32 output accumulator is [BLOCK_H, R] (32 x 512: 64 KiB of registers
+# over 8 warps), the dQ kernel's [BLOCK_H, C].
+FORWARD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+DQ_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+DKV_CONFIG = {"BLOCK_N": 64, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1}
+BUFFER_BYTES = 1 << 30  # each of the backward's P and dS buffers
+
+
+def _sparse_mla_forward_kernel(
+    q_ptr, c_ptr, index_ptr, valid_ptr, ends_ptr, out_ptr, lse_ptr, scale_log2,
+    queries, keys, heads, slots,
+    R: tl.constexpr, E: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """O [BLOCK_H, R] and lse of one query's head group."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = head < heads
+    dim_r, dim_e = tl.arange(0, R_PAD), tl.arange(0, E_PAD)
+    r_in, e_in = dim_r < R, dim_e < E
+    stats = row * heads + head
+    q_rows = q_ptr + stats[:, None] * (R + E)
+    q_lat = tl.load(q_rows + dim_r[None, :], mask=head_ok[:, None] & r_in[None, :], other=0.0)
+    q_rot = tl.load(q_rows + R + dim_e[None, :], mask=head_ok[:, None] & e_in[None, :], other=0.0)
+    first_key = (row // queries) * keys
+    end = tl.load(ends_ptr + row)
+    run_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    for start in range(0, end, BLOCK_N):
+        slot = start + tl.arange(0, BLOCK_N)
+        in_range = slot < end
+        ok = tl.load(valid_ptr + row * slots + slot, mask=in_range, other=0) != 0
+        key_rows = c_ptr + (first_key + tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)) * (R + E)
+        k_lat = tl.load(key_rows[:, None] + dim_r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
+        k_rot = tl.load(key_rows[:, None] + R + dim_e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
+        s = (tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rot, tl.trans(k_rot))) * scale_log2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(s, 1))
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: no inf - inf
+        p = tl.exp2(s - base[:, None])
+        rescale = tl.exp2(run_max - base)
+        run_sum = run_sum * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+        run_max = new_max
+    empty = run_sum == 0.0
+    total = tl.where(empty, 1.0, run_sum)
+    tl.store(out_ptr + stats[:, None] * R + dim_r[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & r_in[None, :])
+    lse = tl.where(empty, float("-inf"), (run_max + tl.log2(total)) / LOG2E_CONST)
+    tl.store(lse_ptr + stats, lse, mask=head_ok)
+
+
+def _sparse_mla_dq_kernel(
+    q_ptr, c_ptr, index_ptr, valid_ptr, ends_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ds_ptr, p_ptr,
+    scale, scale_log2, first_row, queries, keys, heads, slots,
+    R: tl.constexpr, E: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ [BLOCK_H, C] of one query's head group; its P and dS into the chunk's buffers."""
+    local = tl.program_id(0).to(tl.int64)
+    row = first_row + local
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = head < heads
+    dim_r, dim_e = tl.arange(0, R_PAD), tl.arange(0, E_PAD)
+    r_in, e_in = dim_r < R, dim_e < E
+    stats = row * heads + head
+    q_rows = q_ptr + stats[:, None] * (R + E)
+    q_lat = tl.load(q_rows + dim_r[None, :], mask=head_ok[:, None] & r_in[None, :], other=0.0)
+    q_rot = tl.load(q_rows + R + dim_e[None, :], mask=head_ok[:, None] & e_in[None, :], other=0.0)
+    d_out = tl.load(do_ptr + stats[:, None] * R + dim_r[None, :], mask=head_ok[:, None] & r_in[None, :], other=0.0)
+    lse2 = tl.load(lse_ptr + stats, mask=head_ok, other=0.0) * LOG2E_CONST
+    delta = tl.load(delta_ptr + stats, mask=head_ok, other=0.0)
+    buffer_rows = (local * heads + head) * slots
+    first_key = (row // queries) * keys
+    end = tl.load(ends_ptr + row)
+    dq_lat = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    dq_rot = tl.zeros([BLOCK_H, E_PAD], dtype=tl.float32)
+    for start in range(0, end, BLOCK_N):
+        slot = start + tl.arange(0, BLOCK_N)
+        in_range = slot < end
+        ok = tl.load(valid_ptr + row * slots + slot, mask=in_range, other=0) != 0
+        key_rows = c_ptr + (first_key + tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)) * (R + E)
+        k_lat = tl.load(key_rows[:, None] + dim_r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
+        k_rot = tl.load(key_rows[:, None] + R + dim_e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
+        s = (tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rot, tl.trans(k_rot))) * scale_log2
+        p = tl.where(ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(d_out, tl.trans(k_lat))
+        ds = (p * (dp - delta[:, None]) * scale).to(k_lat.dtype)
+        dq_lat += tl.dot(ds, k_lat)
+        dq_rot += tl.dot(ds, k_rot)
+        written = head_ok[:, None] & in_range[None, :]
+        tl.store(ds_ptr + buffer_rows[:, None] + slot[None, :], ds, mask=written)
+        tl.store(p_ptr + buffer_rows[:, None] + slot[None, :], p.to(k_lat.dtype), mask=written)
+    dq_rows = dq_ptr + stats[:, None] * (R + E)
+    tl.store(dq_rows + dim_r[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & r_in[None, :])
+    tl.store(dq_rows + R + dim_e[None, :], dq_rot.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & e_in[None, :])
+
+
+def _sparse_mla_dkv_kernel(
+    q_ptr, index_ptr, valid_ptr, ends_ptr, do_ptr, ds_ptr, p_ptr, dc_ptr,
+    first_row, queries, keys, heads, slots,
+    R: tl.constexpr, E: tl.constexpr, N_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The gradient of one query's slot tile's keys, dS^T q (+ P^T dO on the latent), added into dC."""
+    local = tl.program_id(0).to(tl.int64)
+    row = first_row + local
+    start = tl.program_id(1) * BLOCK_N
+    end = tl.load(ends_ptr + row)
+    if start < end:
+        slot = start + tl.arange(0, BLOCK_N)
+        in_range = slot < end
+        ok = tl.load(valid_ptr + row * slots + slot, mask=in_range, other=0) != 0
+        key = tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)
+        grad_rows = dc_ptr + ((row // queries) * keys + key) * (R + E)
+        head = tl.arange(0, N_PAD)
+        head_ok = head < heads
+        buffer = ((local * heads + head) * slots)[:, None] + slot[None, :]
+        ds = tl.load(ds_ptr + buffer, mask=head_ok[:, None] & in_range[None, :], other=0.0)  # [N_PAD, BLOCK_N]
+        p = tl.load(p_ptr + buffer, mask=head_ok[:, None] & in_range[None, :], other=0.0)
+        q_rows = q_ptr + (row * heads + head)[:, None] * (R + E)
+        do_rows = do_ptr + (row * heads + head)[:, None] * R
+        for first_col in range(0, R + E, BLOCK_C):
+            col = first_col + tl.arange(0, BLOCK_C)
+            col_ok = col < R + E
+            q_cols = tl.load(q_rows + col[None, :], mask=head_ok[:, None] & col_ok[None, :], other=0.0)
+            grad = tl.dot(tl.trans(ds), q_cols)  # [BLOCK_N, BLOCK_C] fp32
+            if first_col < R:  # a value column: the latent is the value too
+                latent = col < R
+                d_out = tl.load(do_rows + col[None, :], mask=head_ok[:, None] & latent[None, :], other=0.0)
+                grad += tl.dot(tl.trans(p), d_out)
+            tl.atomic_add(grad_rows[:, None] + col[None, :], grad, mask=ok[:, None] & col_ok[None, :],
+                          sem="relaxed")
+
+
+@functools.cache
+def _kernel(fn):
+    return triton.jit(fn)  # lazily: the CPU interpreter (TRITON_INTERPRET=1) may be switched on first
+
+
+if triton is not None:
+    LOG2E_CONST = tl.constexpr(LOG2E)  # a global the kernels may read: Triton wants it constexpr
+
+
+def _padded(dim: int) -> int:
+    """A width inside the kernels: the next power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def slot_ends(valid_MK: torch.Tensor) -> torch.Tensor:
+    """int32 [M]: one past each query's last valid slot (0 for a query with none)."""
+    numbers = torch.arange(1, valid_MK.shape[-1] + 1, dtype=torch.int32, device=valid_MK.device)
+    return torch.where(valid_MK, numbers, 0).amax(-1).to(torch.int32)
+
+
+def _check(q_MNC, c_XC, index_MK, valid_MK, value_dim: int):
+    assert q_MNC.is_contiguous() and c_XC.is_contiguous() and index_MK.is_contiguous() and valid_MK.is_contiguous()
+    assert index_MK.dtype == torch.int64 and valid_MK.dtype == torch.bool
+    assert index_MK.shape == valid_MK.shape and index_MK.shape[0] == q_MNC.shape[0]
+    assert q_MNC.shape[-1] == c_XC.shape[-1] and 0 < value_dim < c_XC.shape[-1] and index_MK.shape[-1] > 0
+
+
+def sparse_mla_forward(q_MNC, c_XC, index_MK, valid_MK, queries: int, keys: int, scale: float, value_dim: int):
+    """(out [M, N, R] in q's dtype, lse [M, N] fp32): each query over its valid slots' keys.
+    Query m belongs to batch row m // `queries`, whose keys are c's rows [b x keys, (b + 1) x keys)."""
+    _check(q_MNC, c_XC, index_MK, valid_MK, value_dim)
+    rows, heads, width = q_MNC.shape
+    out = q_MNC.new_empty(rows, heads, value_dim)
+    lse = q_MNC.new_empty(rows, heads, dtype=torch.float32)
+    config = FORWARD_CONFIG
+    if rows == 0:
+        return out, lse
+    block_h = min(config["BLOCK_H"], _padded(heads))
+    _kernel(_sparse_mla_forward_kernel)[(rows, triton.cdiv(heads, block_h))](
+        q_MNC, c_XC, index_MK, valid_MK.view(torch.uint8), slot_ends(valid_MK), out, lse, scale * LOG2E,
+        queries, keys, heads, index_MK.shape[-1], R=value_dim, E=width - value_dim, R_PAD=_padded(value_dim),
+        E_PAD=_padded(width - value_dim), BLOCK_H=block_h, BLOCK_N=config["BLOCK_N"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out, lse
+
+
+def sparse_mla_backward(grad_out_MNR, q_MNC, c_XC, index_MK, valid_MK, out_MNR, lse_MN, queries: int, keys: int,
+                        scale: float, buffer_bytes: int = BUFFER_BYTES):
+    """(dq [M, N, C] in q's dtype, dc [B x T, C] in c's dtype) of `sparse_mla_forward`, whose out
+    and lse these are. P and dS live in buffers of at most `buffer_bytes` each (at least one query)."""
+    value_dim = out_MNR.shape[-1]
+    _check(q_MNC, c_XC, index_MK, valid_MK, value_dim)
+    assert grad_out_MNR.is_contiguous() and out_MNR.is_contiguous() and lse_MN.is_contiguous()
+    rows, heads, width = q_MNC.shape
+    slots = index_MK.shape[-1]
+    ends = slot_ends(valid_MK)
+    valid = valid_MK.view(torch.uint8)
+    delta = (grad_out_MNR.float() * out_MNR.float()).sum(-1)  # rowsum(dO * O) [M, N]
+    dq = torch.empty_like(q_MNC)
+    dc = torch.zeros(c_XC.shape, dtype=torch.float32, device=c_XC.device)
+    chunk = max(1, buffer_bytes // max(1, heads * slots * q_MNC.element_size()))
+    ds = q_MNC.new_empty(min(chunk, rows), heads, slots)
+    probs = torch.empty_like(ds)
+    dims = dict(R=value_dim, E=width - value_dim)
+    dq_config, dkv_config = DQ_CONFIG, DKV_CONFIG
+    block_h = min(dq_config["BLOCK_H"], _padded(heads))
+    for first in range(0, rows, chunk):
+        count = min(chunk, rows - first)
+        _kernel(_sparse_mla_dq_kernel)[(count, triton.cdiv(heads, block_h))](
+            q_MNC, c_XC, index_MK, valid, ends, grad_out_MNR, lse_MN, delta, dq, ds, probs, scale, scale * LOG2E,
+            first, queries, keys, heads, slots, **dims, R_PAD=_padded(value_dim), E_PAD=_padded(width - value_dim),
+            BLOCK_H=block_h, BLOCK_N=dq_config["BLOCK_N"], num_warps=dq_config["num_warps"],
+            num_stages=dq_config["num_stages"])
+        _kernel(_sparse_mla_dkv_kernel)[(count, triton.cdiv(slots, dkv_config["BLOCK_N"]))](
+            q_MNC, index_MK, valid, ends, grad_out_MNR, ds, probs, dc, first, queries, keys, heads, slots, **dims,
+            N_PAD=_padded(heads), BLOCK_N=dkv_config["BLOCK_N"], BLOCK_C=dkv_config["BLOCK_C"],
+            num_warps=dkv_config["num_warps"], num_stages=dkv_config["num_stages"])
+    return dq, dc.to(c_XC.dtype)
