@@ -44,7 +44,7 @@ from glmtune.config import JobConfig
 from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import grad_accum_steps, pipeline_microbatches
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.models.common.memory_model import StepShape
+from glmtune.models.common.memory_model import LayerMemory, StepShape, StepTerms
 from glmtune.models.registry import model_spec
 from glmtune.plan.model_state import StateBytes, layer_stages, memory_model_of
 from glmtune.train.precision import resolve_precision
@@ -111,6 +111,26 @@ def step_shape(cfg: JobConfig, degrees: MeshDegrees, one_document: bool = True) 
                      cfg.model.fp8_base != "none", cfg.train.mtp_loss_weight > 0)
 
 
+@dataclass
+class _RankStep:
+    """What the phases of one rank's step are made of (gathered by plan_rank_memory)."""
+
+    layers: list[int]  # the rank's decoder layers, in forward order
+    per_layer: dict[int, LayerMemory]  # the family's bytes of each of them
+    kept: dict[int, int]  # layer -> its saved activations per micro-batch, as kept
+    other_chunks: int  # saved activations of the other in-flight stage-chunks
+    units: dict  # state.units: FSDP unit -> its UnitBytes
+    fsdp: bool
+    e: int  # bytes of one element in the compute dtype
+    static: dict[str, int]  # held through the step: parameters, optimizer state, units kept gathered
+    grads_all: int  # every sharded gradient of the rank
+    accumulating: bool  # gradients of the step's earlier micro-batches are held
+    gathered_root: int  # FSDP2: the root units' gathered bytes (and a last stage's auxiliary units')
+    kept_layers: dict[int, int]  # FSDP2 under a pipeline: layer -> its unit's gathered bytes
+    fixed: dict[str, int]  # masks, per-micro-batch terms, the pipeline's stage-boundary tensors
+    held: dict[str, int]  # gradients of the head (and auxiliary units) held until the root reduces
+
+
 def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, state: StateBytes,
                      one_document: bool = True) -> MemoryPlan:
     """The phases of one step on global rank `rank` holding `state` (module docstring)."""
@@ -121,10 +141,7 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     precision = resolve_precision(cfg)
     fsdp = degrees.fsdp_applies()
     pp_rank = ParallelMesh(degrees, rank=rank).rank("pp")
-    stage, stages_of_rank = layer_stages(model, cfg, degrees)
-    mine = stages_of_rank[pp_rank]
-    layers = [i for i in range(spec.architecture.num_layers(args)) if stage[i] in mine]
-    last = max(max(s) for s in stages_of_rank) in mine
+    mine, layers, last = _rank_layers(model, cfg, degrees, pp_rank, spec.architecture.num_layers(args))
     per_layer = {i: memory.layer(args, step, i) for i in layers}
     kept = {i: per_layer[i].kept for i in layers}
     terms = memory.step_terms(args, step, layers, last)
@@ -137,71 +154,109 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     other_chunks = (chunks - 1) * sum(kept.values()) // stages_here - received
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
-    grads_all = state.grads
     # Gradients of an earlier micro-batch of the step are held only when the trainer accumulates
     # micro-batches. A pipeline's microbatches do not: each unit reduces its gradient once, after
     # its last microbatch's backward, and the step's first backward finds none (zero_grad frees them).
     accumulating = _accumulation_steps(cfg, degrees) > 1
     units = state.units
-    gathered_root = 0
-    kept_layers: dict[int, int] = {}  # layer -> its unit's gathered bytes, kept until its backward ends
-    if fsdp:  # the root unit (embedding, final norm, head) stays gathered between forward and backward
-        gathered_root = sum(units[u].gathered for u in ("embed", "head") if u in units)
-        if degrees.pp > 1:  # stages keep every unit gathered from forward to its last backward
-            kept_layers = {i: units[f"layer.{i}"].gathered for i in layers}
-            if last:  # the last stage runs the family's auxiliary units (GLM-5's MTP layer)
-                gathered_root += sum(units[u].gathered for u in memory.auxiliary_units(step) if u in units)
+    gathered_root, kept_layers = _gathered_units(units, degrees, layers, last, memory, step) if fsdp else (0, {})
+    if fsdp:
         static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
     fixed = {**terms.fixed, **{k: v * chunks for k, v in terms.per_microbatch.items()}, **boundary}
     head = units.get("head")
     head_grad = terms.head_elements * e if last and head is not None and head.grads else 0
-    loss, forward_scratch, transients = terms.loss, terms.forward_scratch, terms.transients
     held = _head_gradients(cfg, terms.head_elements, degrees, precision, fsdp, accumulating, head_grad)
     if last and _fp32_between_microbatches(cfg, degrees, precision, fsdp):
         held.update({f"{u} gradient accumulated over the microbatches (fp32)": units[u].trainable_gathered * F32
                      for u in memory.auxiliary_units(step) if u in units and units[u].trainable_gathered})
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
+    r = _RankStep(layers, per_layer, kept, other_chunks, units, fsdp, e, static, state.grads, accumulating,
+                  gathered_root, kept_layers, fixed, held)
+    phases = _forward_phases(r, terms, aux_saved, aux_backward) + _backward_phases(r) + _closing_phases(r)
+    peak = max(phases, key=lambda ph: ph.total)
+    return MemoryPlan(rank, state, peak, phases, kept)
+
+
+def _rank_layers(model, cfg: JobConfig, degrees: MeshDegrees, pp_rank: int,
+                 num_layers: int) -> tuple[list[int], list[int], bool]:
+    """Pipeline rank `pp_rank`'s stages, their decoder layers, and whether the last stage is among them."""
+    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    mine = stages_of_rank[pp_rank]
+    layers = [i for i in range(num_layers) if stage[i] in mine]
+    last = max(max(s) for s in stages_of_rank) in mine
+    return mine, layers, last
+
+
+def _gathered_units(units: dict, degrees: MeshDegrees, layers: list[int], last: bool, memory,
+                    step: StepShape) -> tuple[int, dict[int, int]]:
+    """Under FSDP2, the root units' gathered bytes, and a pipeline's layer units kept gathered (layer -> bytes)."""
+    # The root unit (embedding, final norm, head) stays gathered between forward and backward.
+    gathered_root = sum(units[u].gathered for u in ("embed", "head") if u in units)
+    kept_layers: dict[int, int] = {}  # layer -> its unit's gathered bytes, kept until its backward ends
+    if degrees.pp > 1:  # stages keep every unit gathered from forward to its last backward
+        kept_layers = {i: units[f"layer.{i}"].gathered for i in layers}
+        if last:  # the last stage runs the family's auxiliary units (GLM-5's MTP layer)
+            gathered_root += sum(units[u].gathered for u in memory.auxiliary_units(step) if u in units)
+    return gathered_root, kept_layers
+
+
+def _forward_phases(r: _RankStep, terms: StepTerms, aux_saved: dict[str, int],
+                    aux_backward: dict[str, int]) -> list[Phase]:
+    """The forward's end and, where the family has an auxiliary loss, that loss's backward."""
     phases = [Phase("forward end", {
-        **static, "gradients (accumulated)": grads_all if accumulating else 0,
-        "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held, **aux_saved,
-        "forward scratch": forward_scratch, **transients})]
+        **r.static, "gradients (accumulated)": r.grads_all if r.accumulating else 0,
+        "activations (saved)": sum(r.kept.values()) + r.other_chunks, **r.fixed, **terms.loss, **r.held,
+        **aux_saved, "forward scratch": terms.forward_scratch, **terms.transients})]
     if aux_backward:  # an auxiliary loss's backward runs first; its layer's activations are freed after it
         phases.append(Phase("MTP layer backward", {
-            **static, "gradients (accumulated)": grads_all if accumulating else 0,
-            "activations (saved)": sum(kept.values()) + other_chunks, **fixed, **loss, **held, **aux_backward,
-            **transients}))
+            **r.static, "gradients (accumulated)": r.grads_all if r.accumulating else 0,
+            "activations (saved)": sum(r.kept.values()) + r.other_chunks, **r.fixed, **terms.loss, **r.held,
+            **aux_backward, **terms.transients}))
+    return phases
 
+
+def _backward_phases(r: _RankStep) -> list[Phase]:
+    """Each of the rank's layers' backward, the last layer first."""
+    phases = []
     done = 0  # sharded gradients finished (not accumulating); the head's is `held` until then
-    below = sum(kept.values())
-    order = list(reversed(layers))
+    below = sum(r.kept.values())
+    order = list(reversed(r.layers))
     for n, i in enumerate(order):
-        below -= kept[i]
-        unit = units.get(f"layer.{i}")
-        still_gathered = {"gathered parameters (kept)": gathered_root + sum(kept_layers[j] for j in order[n:])} \
-            if kept_layers else {}  # units whose backward has ended are resharded
+        below -= r.kept[i]
+        unit = r.units.get(f"layer.{i}")
+        still_gathered = {"gathered parameters (kept)": r.gathered_root + sum(r.kept_layers[j] for j in order[n:])} \
+            if r.kept_layers else {}  # units whose backward has ended are resharded
         # A unit's sharded gradient is made by its reduce-scatter, after its backward (a pipeline's:
         # after its last microbatch's, once that backward's activations are freed).
-        own_grad = unit.grads if unit and not kept_layers else 0
-        parts = {**static, **still_gathered, "gradients": grads_all if accumulating else done + own_grad, **held,
-                 "activations (saved)": below + other_chunks, **fixed,
-                 f"layer {i}: saved + recomputed": kept[i] + per_layer[i].recomputed,
-                 f"layer {i}: backward scratch": per_layer[i].backward_scratch,
-                 **per_layer[i].transients}
-        if fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
-            parts.update(_fsdp_transient(units, order, n, e, bool(kept_layers)))
+        own_grad = unit.grads if unit and not r.kept_layers else 0
+        layer = r.per_layer[i]
+        parts = {**r.static, **still_gathered,
+                 "gradients": r.grads_all if r.accumulating else done + own_grad, **r.held,
+                 "activations (saved)": below + r.other_chunks, **r.fixed,
+                 f"layer {i}: saved + recomputed": r.kept[i] + layer.recomputed,
+                 f"layer {i}: backward scratch": layer.backward_scratch,
+                 **layer.transients}
+        if r.fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
+            parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers)))
         phases.append(Phase(f"layer {i} backward", parts))
         if unit is not None:
             done += unit.grads
-    if kept_layers:  # every layer's backward has ended: only the roots stay gathered
-        static["gathered parameters (kept)"] = gathered_root
-    if fsdp:  # the root's post-backward: embedding and head gradients unsharded, staged in fp32, reduced
-        root = sum(units[u].trainable_gathered for u in ("embed", "head") if u in units)
+    return phases
+
+
+def _closing_phases(r: _RankStep) -> list[Phase]:
+    """After every layer's backward: the root's gradient reduction (FSDP2) and the optimizer step."""
+    static = r.static
+    if r.kept_layers:  # every layer's backward has ended: only the roots stay gathered
+        static = {**static, "gathered parameters (kept)": r.gathered_root}
+    phases = []
+    if r.fsdp:  # the root's post-backward: embedding and head gradients unsharded, staged in fp32, reduced
+        root = sum(r.units[u].trainable_gathered for u in ("embed", "head") if u in r.units)
         phases.append(Phase("root gradient reduction", {
-            **static, "gradients": grads_all, "root gradients (unsharded + fp32 staging)": root * (e + F32)}))
-    phases.append(Phase("optimizer step", {**static, "gradients": grads_all}))
-    peak = max(phases, key=lambda ph: ph.total)
-    return MemoryPlan(rank, state, peak, phases, kept)
+            **static, "gradients": r.grads_all, "root gradients (unsharded + fp32 staging)": root * (r.e + F32)}))
+    phases.append(Phase("optimizer step", {**static, "gradients": r.grads_all}))
+    return phases
 
 
 def _head_gradients(cfg: JobConfig, head_elements: int, degrees: MeshDegrees, precision, fsdp: bool,
