@@ -83,8 +83,11 @@ def sweep(seq: int) -> list[dict]:
                 line["timings"][label] = f"{type(exc).__name__}: {str(exc)[:120]}"
         getattr(kernels, name).update(default)
         lines.append(line)
+    sparse = torch.zeros(1, queries, keys, dtype=torch.bool, device="cuda")
+    sparse[0].scatter_(-1, index, valid)
     lines.append({"check": "sparse_mla_kernels", "queries": queries, "forward_kernels_ms": _kernel_ms(forward),
-                  "backward_kernels_ms": _kernel_ms(backward)})
+                  "backward_kernels_ms": _kernel_ms(backward),
+                  "selected_keys_ms": round(bench_ms(lambda: selected_keys(sparse, index.shape[-1]), 2, 5), 3)})
     return lines
 
 
