@@ -42,7 +42,9 @@ class ModelConfig:
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
-    attention_score_buffer_mib: int = 1024  # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never)
+    # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never);
+    # absorbed_triton: its backward's P / dS buffers, filled chunk of queries by chunk (0: one query at a time)
+    attention_score_buffer_mib: int = 1024
     # keep the frozen base in FP8 (e4m3, 128x128 block scales, as GLM-5's FP8 checkpoints store it; LoRA
     # only, an HF directory): dequant = each layer's weight dequantized into a
     # transient for a bf16 GEMM (docs/benchmarks.md); none = FP8 checkpoints are dequantized on load

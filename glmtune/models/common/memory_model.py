@@ -50,6 +50,7 @@ class StepShape:
     score_buffer_bytes: int = 0  # model.attention_score_buffer_mib, in bytes
     fp8_base: bool = False  # model.fp8_base: a frozen FP8 base, dequantized one projection at a time
     mtp: bool = False  # train.mtp_loss_weight > 0: the multi-token-prediction layer runs
+    absorbed_attention: bool = False  # MLA's absorbed form over the selected keys (attention_backend absorbed*)
 
     @property
     def queries(self) -> int:

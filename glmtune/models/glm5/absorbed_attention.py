@@ -164,12 +164,14 @@ absorbed_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def absorbed_sparse_attention(q_BSNC: torch.Tensor, c_BTC: torch.Tensor, sparse_BST: torch.Tensor, scale: float,
-                              value_dim: int, slots: int, fused: bool = False) -> torch.Tensor:
+                              value_dim: int, slots: int, fused: bool = False,
+                              buffer_bytes: int = BLOCK_BYTES) -> torch.Tensor:
     """Output latent [B, S, N, R] of queries q [B, S, N, C] over the keys c [B, T, C] that the
     selection mask [B, S, T] marks (at most `slots` per query; the values are c's first R), by
-    this module's blocks or, `fused`, by the Triton kernels (`sparse_mla_attention.py`)."""
+    this module's blocks or, `fused`, by the Triton kernels (`sparse_mla_attention.py`), whose
+    backward buffers take at most `buffer_bytes` each."""
     index_BSK, valid_BSK = selected_keys(sparse_BST, slots)
     q_BSNC, c_BTC = q_BSNC.contiguous(), c_BTC.contiguous()
     if fused:
-        return fused_absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim)
+        return fused_absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim, buffer_bytes)
     return absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim)[0]

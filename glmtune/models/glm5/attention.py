@@ -141,7 +141,7 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale_for(args.rope_parameters, self.qk_dim)
         self.index_topk = args.index_topk
         self.query_block = 1024  # sdpa backend: queries per masked block (keys beyond a block are skipped)
-        self.score_buffer_bytes = SCORE_BUFFER_BYTES  # triton backend: bound on its backward's dS / P buffers
+        self.score_buffer_bytes = SCORE_BUFFER_BYTES  # triton, absorbed_triton: bound on the backward's dS / P buffers
         self.indexer = Indexer(args, indexer_backend) if has_indexer else None
         self.index_softmax_scale = args.index_head_dim**-0.5  # every indexer's (shared layers': the owner's)
 
@@ -251,7 +251,8 @@ class MLAttention(nn.Module):
         num_keys = latent_BTR.shape[1]
         c_BTC = torch.cat([latent_BTR, k_rot_B1TK.squeeze(1)], dim=-1)
         out_BSNR = absorbed_sparse_attention(q_BSNC, c_BTC, sparse_BST[..., :num_keys], self.scale, self.kv_rank,
-                                             min(slots, num_keys), fused=self.backend == "absorbed_triton")
+                                             min(slots, num_keys), fused=self.backend == "absorbed_triton",
+                                             buffer_bytes=self.score_buffer_bytes)
         out_BSNV = torch.einsum("bsnr,nvr->bsnv", out_BSNR, w_uv_NVR)
         return out_BSNV.reshape(batch, seq_len, self.num_heads * self.v_dim)
 
@@ -317,7 +318,8 @@ class MLAttention(nn.Module):
 
 def set_attention_score_buffer(model: nn.Module, mib: int) -> None:
     """Bounds the dS and P buffers (MiB each) that every layer's Triton attention backward may
-    materialize (`model.attention_score_buffer_mib`; 0: always recompute them in the kernels)."""
+    materialize (`model.attention_score_buffer_mib`; 0: "triton" recomputes them in its kernels,
+    "absorbed_triton" fills them one query at a time)."""
     if mib < 0:
         raise ValueError(f"model.attention_score_buffer_mib must be >= 0, got {mib}")
     for module in model.modules():

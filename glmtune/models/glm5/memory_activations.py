@@ -82,11 +82,28 @@ def attention_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Tr
         "kv_b output (values)": e * k * n * (nope + v),
         "attention outputs": 2 * e * q * n * v + F32 * q * n,
     }
+    if mb.absorbed_attention:
+        out.pop("kv_b output (values)")
+        out.update(absorbed_saved(args, mb, e))
     if args.indexer_types[layer] == "full" and sparse_needed(args, mb):
         out["top-k mask"] = BOOL * q * k
     if train.lora_rank:  # each of the five adapted projections keeps x @ A.T [tokens, rank]
         out["adapter products"] = e * train.lora_rank * (3 * q + 2 * k)
     return out
+
+
+def absorbed_saved(args: Glm5Args, mb: StepShape, e: int) -> dict[str, int]:
+    """What the absorbed form keeps instead of the expanded keys and values: no kv_b input (kv_b
+    never runs over the keys); the roped query (q_nope W_uk's input), the absorbed query [q, N, C]
+    and the compressed keys [k, C] (the attention op's inputs), each query's key indices and their
+    validity [q, top-k]; the output latent [q, N, R] (the op's output, W_uv's input), the fp32 lse
+    and o_proj's input [q, N, V]."""
+    q, k, n = mb.queries, mb.keys, args.num_attention_heads
+    width = args.kv_lora_rank + args.qk_rope_head_dim
+    return {"projection inputs": e * q * (args.hidden_size + args.q_lora_rank),
+            "query, key": e * q * n * (args.qk_head_dim + width) + e * k * width,
+            "selected key indices": (I64 + BOOL) * q * min(args.index_topk, k),
+            "attention outputs": e * q * n * (args.kv_lora_rank + args.v_head_dim) + F32 * q * n}
 
 
 def mlp_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability) -> dict[str, int]:
@@ -117,13 +134,16 @@ def selective_kept(args: Glm5Args, mb: StepShape, layer: int, e: int, min_k: int
     outputs and log-sum-exp, and the outputs of matmuls reducing over >= min_k."""
     q, k, d, n = mb.queries, mb.keys, args.hidden_size, args.num_attention_heads
     kept = e * q * d + e * q * n * args.v_head_dim + F32 * q * n
+    if mb.absorbed_attention:  # the op's output latent instead of the attention output, and the key indices
+        kept += e * q * n * (args.kv_lora_rank - args.v_head_dim) + (I64 + BOOL) * q * min(args.index_topk, k)
     if args.indexer_types[layer] == "full" and sparse_needed(args, mb):
         kept += BOOL * q * k
     # (reduction dim, output bytes) of each matmul of the layer
     matmuls = [(d, e * q * args.q_lora_rank), (d, e * k * (args.kv_lora_rank + args.qk_rope_head_dim)),
                (args.q_lora_rank, e * q * n * args.qk_head_dim),
-               (args.kv_lora_rank, e * k * n * (args.qk_nope_head_dim + args.v_head_dim)),
                (n * args.v_head_dim, e * q * d)]
+    if not mb.absorbed_attention:  # the absorbed form never runs kv_b over the keys
+        matmuls.append((args.kv_lora_rank, e * k * n * (args.qk_nope_head_dim + args.v_head_dim)))
     if args.mlp_layer_types[layer] == "sparse":
         pairs, i = q * args.num_experts_per_tok, args.moe_intermediate_size
         shared = i * args.n_shared_experts
@@ -146,7 +166,9 @@ def backward_transient(args: Glm5Args, mb: StepShape, layer: int, e: int, train:
     the MoE's part only."""
     q, k, n, d = mb.queries, mb.keys, args.num_attention_heads, args.hidden_size
     attention = e * (q + 2 * k) * n * args.qk_head_dim + e * k * n * (args.qk_nope_head_dim + args.v_head_dim)
-    if sparse_needed(args, mb):
+    if mb.absorbed_attention:
+        attention = absorbed_backward_transient(args, mb, e, score_buffer_bytes)
+    elif sparse_needed(args, mb):
         tail = (mb.seq - args.index_topk if mb.one_document and mb.cp == 1 else mb.seq // mb.cp) * mb.rows
         buffer = e * n * tail * mb.seq
         if 0 < buffer <= score_buffer_bytes:
@@ -157,6 +179,18 @@ def backward_transient(args: Glm5Args, mb: StepShape, layer: int, e: int, train:
         mlp = 3 * e * q * args.intermediate_size
     mlp_saved_bytes = sum(mlp_saved(args, mb, layer, e, train).values())
     return max(mlp, attention - mlp_saved_bytes) + F32 * q * d  # + the residual's gradient
+
+
+def absorbed_backward_transient(args: Glm5Args, mb: StepShape, e: int, score_buffer_bytes: int) -> int:
+    """The absorbed attention's backward: the gradients of the absorbed and the roped query, the
+    compressed keys' fp32 sum and its rounding, the fp32 delta, and the P and dS buffers the fused
+    kernels fill (each [queries of a chunk, N, top-k], at most `score_buffer_bytes`, at least one
+    query; the pure-torch form's blocks stay within the same 2 GiB at the default bound)."""
+    q, k, n = mb.queries, mb.keys, args.num_attention_heads
+    width, slots = args.kv_lora_rank + args.qk_rope_head_dim, min(args.index_topk, mb.keys)
+    per_query = e * n * slots
+    buffers = 2 * per_query * min(q, max(1, score_buffer_bytes // per_query))
+    return e * q * n * (width + args.qk_head_dim) + (F32 + e) * k * width + F32 * q * n + buffers
 
 
 def indexer_transient(args: Glm5Args, mb: StepShape, e: int, chunk_bytes: int = 256 * 2**20) -> int:
