@@ -33,7 +33,8 @@ SWEEP = {
     "FORWARD_CONFIG": [dict(BLOCK_H=h, BLOCK_N=n, num_warps=w, num_stages=s)
                        for h, n, w, s in itertools.product((16, 32, 64), (32, 64), (4, 8), (2,))],
     "DQ_CONFIG": [dict(BLOCK_H=h, BLOCK_N=n, num_warps=w, num_stages=s)
-                  for h, n, w, s in itertools.product((16, 32), (32, 64), (4, 8), (2,))],
+                  for h, n, w, s in itertools.product((16, 32, 64), (32, 64), (4, 8), (2,))]
+    + [dict(BLOCK_H=64, BLOCK_N=n, num_warps=16, num_stages=2) for n in (32, 64)],
     "DKV_CONFIG": [dict(BLOCK_N=n, BLOCK_C=c, num_warps=w, num_stages=1)
                    for n, c, w in itertools.product((32, 64, 128), (64, 128), (4, 8))],
 }
@@ -59,7 +60,7 @@ def _kernel_ms(fn) -> dict:
     return {e.key[:40]: round(e.device_time_total / 1e3, 3) for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def sweep(seq: int) -> list[dict]:
+def sweep(seq: int, only: list[str]) -> list[dict]:
     q, c, index, valid, queries, keys, scale, latent = rank_inputs(seq)
     out, lse = kernels.sparse_mla_forward(q, c, index, valid, queries, keys, scale, latent)
     grad = torch.randn_like(out)
@@ -68,6 +69,8 @@ def sweep(seq: int) -> list[dict]:
     backward = lambda: kernels.sparse_mla_backward(grad, q, c, index, valid, out, lse, queries, keys, scale)  # noqa: E731
     lines = []
     for name, configs in SWEEP.items():
+        if name not in only:
+            continue
         default = dict(getattr(kernels, name))
         line = {"check": "sparse_mla_sweep", "kernel": name, "queries": queries, "keys": keys,
                 "selected": int(valid.sum()), "default": default, "timings": {}}
@@ -94,10 +97,12 @@ def sweep(seq: int) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096])
+    p.add_argument("--only", nargs="*", default=list(SWEEP), choices=list(SWEEP),
+                   help="the kernels whose configs to sweep (none: only the defaults' per-kernel times)")
     a = p.parse_args(argv)
     out = Path(os.environ.get("OUT", "."), "sparse_mla_sweep.jsonl")
     for seq in a.seq:
-        for line in sweep(seq):
+        for line in sweep(seq, a.only):
             line["gpu"] = torch.cuda.get_device_name()
             print(json.dumps(line), flush=True)
             with out.open("a") as fh:

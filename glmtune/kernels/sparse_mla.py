@@ -44,13 +44,17 @@ except ImportError:
 
 LOG2E = 1.4426950408889634
 
-# Tile sizes and launch options. BLOCK_H heads of one query are a tile's rows (tl.dot needs at
-# least 16); the forward's fp32 output accumulator is [BLOCK_H, R] (32 x 512: 64 KiB of registers
-# over 8 warps), the dQ kernel's [BLOCK_H, C].
-FORWARD_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-DQ_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-DKV_CONFIG = {"BLOCK_N": 64, "BLOCK_C": 64, "num_warps": 8, "num_stages": 1}
+# Tile sizes and launch options, from `benchmarks/sparse_mla_sweep.py` on an H100 (a cp-8 rank's
+# 4096 queries of a 32K row, top-2048, 64 heads, R 512, E 64: docs/benchmarks.md). BLOCK_H heads of
+# one query are a tile's rows (tl.dot needs at least 16): the more heads share a gathered key tile,
+# the less gathering — the forward with all 64 took 3.7 ms against 7.9 with 32 and 10.3 with 16.
+# The dQ kernel accumulates [BLOCK_H, C] in fp32, so 32 (24.7 ms for the backward against 29.1 with
+# 16); the key-gradient kernel's 128-slot tiles halve its loads of q and dO per slot.
+FORWARD_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+DQ_CONFIG = {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+DKV_CONFIG = {"BLOCK_N": 128, "BLOCK_C": 64, "num_warps": 4, "num_stages": 1}
 BUFFER_BYTES = 1 << 30  # each of the backward's P and dS buffers
+SELECT_BLOCK = 1024  # keys per tile of `selected_keys`' pass over a query's mask row
 
 
 def _sparse_mla_forward_kernel(
@@ -180,6 +184,21 @@ def _sparse_mla_dkv_kernel(
                           sem="relaxed")
 
 
+def _selected_keys_kernel(mask_ptr, index_ptr, count_ptr, queries, keys, slots, stride_mb, stride_ms,
+                          BLOCK_T: tl.constexpr):
+    """One query's selected keys, ascending, into its first slots (a running count over key tiles)."""
+    row = tl.program_id(0).to(tl.int64)
+    mask_row = mask_ptr + (row // queries) * stride_mb + (row % queries) * stride_ms
+    total = tl.zeros([], dtype=tl.int32)
+    for start in range(0, keys, BLOCK_T):
+        cols = start + tl.arange(0, BLOCK_T)
+        chosen = tl.load(mask_row + cols, mask=cols < keys, other=0).to(tl.int32)
+        slot = total + tl.cumsum(chosen, 0) - 1
+        tl.store(index_ptr + row * slots + slot, cols.to(tl.int64), mask=(chosen != 0) & (slot < slots))
+        total += tl.sum(chosen, 0)
+    tl.store(count_ptr + row, total)
+
+
 @functools.cache
 def _kernel(fn):
     return triton.jit(fn)  # lazily: the CPU interpreter (TRITON_INTERPRET=1) may be switched on first
@@ -198,6 +217,25 @@ def slot_ends(valid_MK: torch.Tensor) -> torch.Tensor:
     """int32 [M]: one past each query's last valid slot (0 for a query with none)."""
     numbers = torch.arange(1, valid_MK.shape[-1] + 1, dtype=torch.int32, device=valid_MK.device)
     return torch.where(valid_MK, numbers, 0).amax(-1).to(torch.int32)
+
+
+def selected_keys(mask_BST: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index int64 [B, S, K], valid bool [B, S, K]) of a selection mask (last dim contiguous): each
+    query's selected keys in ascending order in its first slots, key 0 in the rest, as
+    `glmtune.models.glm5.absorbed_attention.selected_keys` computes them in torch (its reference).
+    One pass over the mask instead of the reference's cumsum and scatter over [S, T] int64 blocks. A
+    query selecting more than K keys fails a device-side assert (never a silent drop)."""
+    assert mask_BST.dtype == torch.bool and mask_BST.stride(-1) == 1
+    batch, queries, keys = mask_BST.shape
+    index = torch.zeros(batch, queries, slots, dtype=torch.int64, device=mask_BST.device)
+    count = torch.empty(batch, queries, dtype=torch.int32, device=mask_BST.device)
+    if batch * queries:
+        _kernel(_selected_keys_kernel)[(batch * queries,)](
+            mask_BST.view(torch.uint8), index, count, queries, keys, slots, mask_BST.stride(0), mask_BST.stride(1),
+            BLOCK_T=SELECT_BLOCK, num_warps=4)
+        torch._assert_async(count.max() <= slots, "a query selects more keys than its slots")
+    valid = torch.arange(slots, device=mask_BST.device) < count.unsqueeze(-1)
+    return index, valid
 
 
 def _check(q_MNC, c_XC, index_MK, valid_MK, value_dim: int):

@@ -64,7 +64,9 @@ def test_glm_recipes_mirror_nvidia_topology(family: str):
     assert one_node.model.fp8_base == "dequant" and one_node.model.validate_as == family
     # Inherited recipes differ from the base only where they say so.
     diff = {k for k, v in config_to_dict(long).items() if v != config_to_dict(sft)[k]}
-    assert diff <= {"name", "description", "data", "train", "parallel", "logging", "checkpoint"}
+    assert diff <= {"name", "description", "data", "train", "parallel", "logging", "checkpoint", "model"}
+    model_diff = {k for k, v in config_to_dict(long)["model"].items() if v != config_to_dict(sft)["model"][k]}
+    assert model_diff == {"attention_backend"} and long.model.attention_backend == "absorbed_triton"  # 32K: sparse
 
 
 def test_tiny_default_is_cpu_float32_synthetic():

@@ -25,6 +25,7 @@ def _small_tiles():
     sm.FORWARD_CONFIG.update(BLOCK_H=16, BLOCK_N=16)
     sm.DQ_CONFIG.update(BLOCK_H=16, BLOCK_N=16)
     sm.DKV_CONFIG.update(BLOCK_N=16, BLOCK_C=16)
+    sm.SELECT_BLOCK = 16
     return sm
 
 
@@ -44,7 +45,7 @@ def _case(seed: int, dtype, batch=2, queries=9, keys=40, heads=3, latent=40, rop
 
 def _float64_reference(q, c, index, valid, queries, keys, scale, latent):
     """(out, lse) in float64 from leaves q and c: softmax over each query's gathered valid keys."""
-    rows = torch.arange(q.shape[0]).unsqueeze(-1)
+    rows = torch.arange(q.shape[0], device=q.device).unsqueeze(-1)
     keys_MKC = c[(rows // queries) * keys + index]
     logits = torch.einsum("mnc,mkc->mnk", q, keys_MKC) * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
@@ -103,6 +104,25 @@ def check_kernels_match_the_torch_op():
     _close(dc, ref_dc.view(dc.shape), 1e-5)
 
 
+def check_selected_keys_match_the_torch_op():
+    """The one-pass index kernel against the torch op (its reference), exactly: a strided mask slice
+    over several 16-key tiles, a query with no key, one with exactly K keys, one with fewer."""
+    sm = _small_tiles()
+    from glmtune.models.glm5 import absorbed_attention as aa
+
+    slots = 9
+    full = torch.rand(2, 7, 60, generator=torch.Generator().manual_seed(4)) < 0.1
+    full[0, 1] = False
+    full[0, 2, :] = False
+    full[0, 2, torch.arange(3, 60, 6)[:slots]] = True
+    full[1, 4, :50] = torch.arange(50) % 7 == 0
+    mask = full[:, :, 2:55]  # a slice: rows strided by 60
+    assert int(mask.sum(-1).max()) <= slots and int(mask.sum(-1)[0, 2]) == slots
+    index, valid = sm.selected_keys(mask, slots)
+    want_index, want_valid = aa.selected_keys(mask, slots)
+    assert torch.equal(index, want_index) and torch.equal(valid, want_valid)
+
+
 def check_model_backend_matches_absorbed():
     _small_tiles()
     from tests.models.test_absorbed_attention import assert_fused_backend_matches_absorbed
@@ -126,7 +146,7 @@ def _compile_for_hopper(fn, constexprs: dict, config: dict):
 
     names = list(inspect.signature(fn).parameters)
     pointer_types = {"index_ptr": "*i64", "valid_ptr": "*u8", "ends_ptr": "*i32", "lse_ptr": "*fp32",
-                     "delta_ptr": "*fp32", "dc_ptr": "*fp32"}
+                     "delta_ptr": "*fp32", "dc_ptr": "*fp32", "mask_ptr": "*u8", "count_ptr": "*i32"}
     signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "*bf16")
                  if name.endswith("_ptr") else "fp32" if name.startswith("scale") else "i32" for name in names}
     source = ASTSource(fn=sm._kernel(fn), signature=signature,
@@ -150,6 +170,8 @@ def test_kernels_compile_for_hopper_at_glm5_widths():
     for fn, config, extra in launches:
         tiles = {key: config[key] for key in ("BLOCK_H", "BLOCK_N") if key in config}
         assert 0 < _compile_for_hopper(fn, dict(widths, **tiles, **extra), config) <= H200_SHARED_MEMORY, fn.__name__
+    select = dict(BLOCK_T=sm.SELECT_BLOCK)
+    assert _compile_for_hopper(sm._selected_keys_kernel, select, {"num_warps": 4, "num_stages": 1}) >= 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -170,13 +192,21 @@ def test_kernels_on_gpu_match_float64_reference():
     dq, dc = sm.sparse_mla_backward(grad, q, c, index, valid, out, lse, queries, keys, scale)
     _close(dq, ref_dq, 3e-2)
     _close(dc, ref_dc, 3e-2)
+    from glmtune.models.glm5 import absorbed_attention as aa
+
+    mask = torch.rand(2, 64, 3000, device="cuda") < 0.05  # over two 1024-key tiles; ~150 keys a query
+    got = sm.selected_keys(mask, 256)
+    want = aa.selected_keys(mask.cpu(), 256)  # the torch op on the CPU: the reference
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
 
 
 def test_sparse_mla_in_interpreter():
     assert run_checks_in_interpreter(__file__) == ["check_kernels_match_float64_reference",
                                                    "check_kernels_match_the_torch_op",
+                                                   "check_selected_keys_match_the_torch_op",
                                                    "check_model_backend_matches_absorbed"]
 
 
 if __name__ == "__main__":
-    main(check_kernels_match_float64_reference, check_kernels_match_the_torch_op, check_model_backend_matches_absorbed)
+    main(check_kernels_match_float64_reference, check_kernels_match_the_torch_op, check_selected_keys_match_the_torch_op,
+         check_model_backend_matches_absorbed)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from glmtune.kernels import sparse_mla as sparse_mla_kernels
 from glmtune.models.glm5.gemm_attention import _backward_pass, _elementwise, _forward_pass, _matmul_fp32
 from glmtune.models.glm5.sparse_mla_attention import fused_absorbed_attention
 
@@ -45,6 +46,8 @@ def selected_keys(sparse_BST: torch.Tensor, slots: int) -> tuple[torch.Tensor, t
     """(indices int64 [B, S, K], valid bool [B, S, K]): each query's selected keys in ascending
     order in its first slots, key 0 in the invalid rest. A query selecting more than K keys is an
     error of the caller: its slot numbers overflow the scatter (an index error, never a silent drop)."""
+    if sparse_BST.is_cuda and sparse_mla_kernels.triton is not None:  # one Triton pass; this is its reference
+        return sparse_mla_kernels.selected_keys(sparse_BST, slots)
     batch, queries, keys = sparse_BST.shape
     index = torch.zeros(batch, queries, slots + 1, dtype=torch.int64, device=sparse_BST.device)
     key_ids = torch.arange(keys, device=sparse_BST.device)
