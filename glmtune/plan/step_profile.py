@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 # (kind, kernel or operator name pattern), first match wins: attention before GEMM (cuDNN's attention
 # kernels' names carry the architecture, sm90_, as CUTLASS GEMMs' do), copies before elementwise.
 KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn_generated|dot_product", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn_generated|dot_product|sparse_mla", re.IGNORECASE)),
     ("gemm", re.compile(r"gemm|matmul|\bmm\b|aten::(?:a?mm|bmm|addmm|linear|_scaled_mm|_grouped_mm)|"
                         r"cutlass|xmma|nvjet|sm90_|wgmma|cublas", re.IGNORECASE)),
     ("copy, gather, concat", re.compile(r"copy|memcpy|memset|cat|gather|scatter|index|transpose|contiguous|"

@@ -58,6 +58,8 @@ def test_a_directory_the_command_did_not_write_is_refused_before_the_rank_is_bui
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off",
      "gemm"),
     ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+    ("_sparse_mla_dq_kernel", "attention"),  # the fused sparse MLA (absorbed_triton)
+    ("_sparse_attention_dkv_kernel", "attention"),
     ("aten::mm", "gemm"),
     ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
      "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}", "copy, gather, concat"),
