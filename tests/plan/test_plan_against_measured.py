@@ -24,7 +24,8 @@ EXPANDED = ("--model.attention_backend", "auto")  # sft_32k_cp8 before it took a
 # (recipe, rank, overrides, measured peak GiB, where recorded: doc section, date, commit measured)
 MEASURED = [
     ("lora_fp8_1node", 0, (), 112.53,
-     "docs/benchmarks.md 2026-12-03 (second run), f14b480; again 2026-12-05 emulated links, 14bfa32: 112.5"),
+     "docs/benchmarks.md 2026-12-03 (second run), f14b480; again 2026-12-05 emulated links, 14bfa32: 112.5; "
+     "2026-12-06 with 2 all-to-all chunks, 0063038: 113.3"),
     ("dpo_lora_fp8_1node", 0, (), 111.28, "docs/benchmarks.md 2026-12-03 DPO with LoRA, b349c3f"),
     ("lora_4k", 0, (), 24.43, "docs/benchmarks.md 2026-12-03 (second run), f14b480"),
     ("sft_4k", 0, (), 62.27, "docs/plan.md, re-measured after issue 35 (2026-12-04), bfed199, MTP 0.3"),
@@ -38,7 +39,8 @@ MEASURED = [
     ("sft_32k_cp8", 384, EXPANDED + KL_ON, 65.93, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
     ("sft_32k_cp8", 128, EXPANDED, 57.54, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
     ("sft_32k_cp8", 128, EXPANDED + KL_ON, 59.37, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
-    ("sft_32k_cp8", 384, (), 59.92, "docs/benchmarks.md 2026-12-06, 3977d23 on an H100: absorbed_triton, MTP 0.3"),
+    ("sft_32k_cp8", 384, (), 59.92,
+     "docs/benchmarks.md 2026-12-06, 3977d23 on an H100 and 0063038 on an H200: absorbed_triton, MTP 0.3"),
 ]
 
 # Earlier measurements of the same ranks, and what changed since (not compared).
