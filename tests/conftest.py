@@ -63,6 +63,7 @@ _TIERS = {
 # so that `make test-fast` stays the edit-test loop. A node id, or its prefix (a module, a parametrized test).
 _SLOW = (
     "tests/kernels/test_sparse_attention.py::test_sparse_attention_in_interpreter",
+    "tests/kernels/test_sparse_mla.py::test_sparse_mla_in_interpreter",
     "tests/eval/test_serving_metrics.py::",
     "tests/eval/test_exit_codes.py::test_an_internal_error_exits_3_in_one_line_and_debug_shows_it",
     "tests/eval/test_preference_scorer.py::test_log_probabilities_equal_transformers",
