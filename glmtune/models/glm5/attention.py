@@ -185,14 +185,8 @@ class MLAttention(nn.Module):
         if self.backend not in ABSORBED_BACKENDS or indexer_kl is not None:
             k_BNTK, v_BNTV = self.keys_and_values(latent_BTR, k_rot_B1TK)
 
-        if self.indexer is not None:
-            # The warm-up runs the main model without gradients: the indexer's KL graph is built anyway.
-            with torch.enable_grad() if indexer_kl is not None and indexer_kl.indexer_only else nullcontext():
-                selection = self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal,
-                                         shard, keep_projections=indexer_kl is not None)
-        else:
-            assert shared is not None, "a shared-indexer layer needs an earlier full layer"
-            selection = shared
+        selection = self._selection(x_BSD, q_resid_BSR, cos, sin, allowed_BST, shared, plain_causal, sparse_needed,
+                                    shard, indexer_kl)
         sparse_BST, all_selected = selection[:2]
 
         if self.backend in ABSORBED_BACKENDS:
@@ -206,16 +200,33 @@ class MLAttention(nn.Module):
             out_BSX = out_BNSV.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.v_dim)
         if indexer_kl is None:
             return self.o_proj(out_BSX), selection
+        kl_stats = self._indexer_kl(q_BNSK, k_BNTK, latent_BTR, k_rot_B1TK, selection, indexer_kl, shard,
+                                    allowed_BST.shape[-1])
+        return self.o_proj(out_BSX), selection, kl_stats
+
+    def _selection(self, x_BSD, q_resid_BSR, cos, sin, allowed_BST, shared, plain_causal: bool, sparse_needed: bool,
+                   shard: SequenceShard | None, indexer_kl: IndexerKLRequest | None) -> tuple:
+        """The keys each query attends: this layer's indexer's selection, or the earlier full layer's."""
+        if self.indexer is None:
+            assert shared is not None, "a shared-indexer layer needs an earlier full layer"
+            return shared
+        # The warm-up runs the main model without gradients: the indexer's KL graph is built anyway.
+        with torch.enable_grad() if indexer_kl is not None and indexer_kl.indexer_only else nullcontext():
+            return self.indexer(x_BSD, q_resid_BSR, cos, sin, allowed_BST, sparse_needed, plain_causal, shard,
+                                keep_projections=indexer_kl is not None)
+
+    def _indexer_kl(self, q_BNSK, k_BNTK, latent_BTR, k_rot_B1TK, selection: tuple, indexer_kl: IndexerKLRequest,
+                    shard: SequenceShard | None, row_len: int) -> torch.Tensor:
+        """The [2] (KL sum, counted queries) of the selecting indexer against this layer's attention."""
         assert len(selection) == 3, "the selecting layer ran without its indexer's KL"
+        sparse_BST, all_selected = selection[:2]
         most_keys = indexer_kl.most_keys if all_selected else min(self.index_topk, indexer_kl.most_keys)
-        pieces = None if shard is None else [n for piece in shard.pieces(allowed_BST.shape[-1]) for n in piece]
+        pieces = None if shard is None else [n for piece in shard.pieces(row_len) for n in piece]
         kv_BTC = torch.cat([latent_BTR, k_rot_B1TK.squeeze(1)], dim=-1)
         w_kb_NPR = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)[:, :self.nope_dim]
         with torch.enable_grad() if indexer_kl.indexer_only else nullcontext():
-            kl_stats = indexer_kl_stats(q_BNSK, k_BNTK, kv_BTC, w_kb_NPR, self.scale, selection[2],
-                                        self.index_softmax_scale, sparse_BST, indexer_kl.queries_BS, most_keys,
-                                        pieces)
-        return self.o_proj(out_BSX), selection, kl_stats
+            return indexer_kl_stats(q_BNSK, k_BNTK, kv_BTC, w_kb_NPR, self.scale, selection[2],
+                                    self.index_softmax_scale, sparse_BST, indexer_kl.queries_BS, most_keys, pieces)
 
     def _attend_pieces(self, q_BNSK, k_BNTK, v_BNTV, sparse_BST, all_selected: bool, plain_causal: bool,
                        shard: SequenceShard | None, row_len: int) -> torch.Tensor:
