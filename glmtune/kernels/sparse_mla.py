@@ -209,8 +209,11 @@ if triton is not None:
 
 
 def _padded(dim: int) -> int:
-    """A width inside the kernels: the next power of two, at least 16 (tl.dot's smallest)."""
-    return max(16, triton.next_power_of_2(dim))
+    """A width inside the kernels: the next power of two, at least 64. tl.dot needs 16; the masked
+    flash kernels found Triton 3.6 wrong on an H200 with a 32-wide reduction (`sparse_attention._padded`),
+    so no reduction here is narrower than the widths measured right. GLM-5's (R 512, E 64, 64 heads)
+    are unchanged; the padding is masked on load and store."""
+    return max(64, triton.next_power_of_2(dim))
 
 
 def slot_ends(valid_MK: torch.Tensor) -> torch.Tensor:
