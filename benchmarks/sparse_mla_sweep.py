@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.dsa_kernels import bench_ms, layer_case, topk_selection  # noqa: E402
+from benchmarks.timing import emit, results_path  # noqa: E402
 from glmtune.kernels import sparse_mla as kernels  # noqa: E402
 from glmtune.models.glm5.absorbed_attention import selected_keys  # noqa: E402
 
@@ -100,13 +99,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", default=list(SWEEP), choices=list(SWEEP),
                    help="the kernels whose configs to sweep (none: only the defaults' per-kernel times)")
     a = p.parse_args(argv)
-    out = Path(os.environ.get("OUT", "."), "sparse_mla_sweep.jsonl")
     for seq in a.seq:
-        for line in sweep(seq, a.only):
+        lines = sweep(seq, a.only)
+        for line in lines:
             line["gpu"] = torch.cuda.get_device_name()
-            print(json.dumps(line), flush=True)
-            with out.open("a") as fh:
-                fh.write(json.dumps(line) + "\n")
+        emit(lines, results_path(None, "sparse_mla_sweep.jsonl"))
     return 0
 
 

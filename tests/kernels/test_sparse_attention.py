@@ -6,6 +6,7 @@ short row spans many tiles: partial tiles, empty tiles skipped, causal tile boun
 
 import pytest
 import torch
+from hopper_compile import H200_SHARED_MEMORY, compile_for_hopper
 from triton_interpreter import main, run_checks_in_interpreter
 
 triton = pytest.importorskip("triton")
@@ -117,27 +118,11 @@ def test_tile_flags_mark_exactly_the_tiles_with_an_allowed_key(rows, keys, offse
         assert 0 < expected.sum() < expected.numel()
 
 
-H200_SHARED_MEMORY = 232448  # bytes per block (what Triton reports as the hardware limit)
-
-
-def _compile_for_hopper(fn, constexprs: dict, config: dict):
-    """Triton codegen + ptxas for sm_90, no GPU needed: catches what the interpreter accepts
-    but the compiler does not, and tiles that do not fit in shared memory."""
-    import inspect
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def _compile_for_hopper(fn, constexprs: dict, config: dict) -> int:
     from glmtune.kernels import sparse_attention as sa
 
-    names = list(inspect.signature(fn).parameters)
     pointer_types = {"mask_ptr": "*u8", "flags_ptr": "*u8", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "*bf16")
-                 if name.endswith("_ptr") else "fp32" if name.startswith("scale") else "i32" for name in names}
-    source = ASTSource(fn=sa._kernel(fn), signature=signature,
-                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return compile_for_hopper(sa._kernel(fn), constexprs, config, pointer_types)
 
 
 def test_kernels_compile_for_hopper_at_glm5_widths():

@@ -14,6 +14,7 @@ outputs once: a few units of 2^-11 relative, so 4e-3 of the largest value."""
 
 import pytest
 import torch
+from hopper_compile import H200_SHARED_MEMORY, compile_for_hopper
 from triton_interpreter import main, run_checks_in_interpreter
 
 triton = pytest.importorskip("triton")
@@ -131,28 +132,14 @@ def check_model_backend_matches_absorbed():
         assert_fused_backend_matches_absorbed(case)
 
 
-H200_SHARED_MEMORY = 232448  # bytes per block (what Triton reports as the hardware limit)
+POINTER_TYPES = {"index_ptr": "*i64", "valid_ptr": "*u8", "ends_ptr": "*i32", "lse_ptr": "*fp32",
+                 "delta_ptr": "*fp32", "dc_ptr": "*fp32", "mask_ptr": "*u8", "count_ptr": "*i32"}
 
 
-def _compile_for_hopper(fn, constexprs: dict, config: dict):
-    """Triton codegen + ptxas for sm_90, no GPU needed: catches what the interpreter accepts but
-    the compiler does not, and tiles that do not fit in shared memory."""
-    import inspect
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def _compile_for_hopper(fn, constexprs: dict, config: dict) -> int:
     from glmtune.kernels import sparse_mla as sm
 
-    names = list(inspect.signature(fn).parameters)
-    pointer_types = {"index_ptr": "*i64", "valid_ptr": "*u8", "ends_ptr": "*i32", "lse_ptr": "*fp32",
-                     "delta_ptr": "*fp32", "dc_ptr": "*fp32", "mask_ptr": "*u8", "count_ptr": "*i32"}
-    signature = {name: "constexpr" if name in constexprs else pointer_types.get(name, "*bf16")
-                 if name.endswith("_ptr") else "fp32" if name.startswith("scale") else "i32" for name in names}
-    source = ASTSource(fn=sm._kernel(fn), signature=signature,
-                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return compile_for_hopper(sm._kernel(fn), constexprs, config, POINTER_TYPES)
 
 
 def test_kernels_compile_for_hopper_at_glm5_widths():
