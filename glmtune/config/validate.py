@@ -464,6 +464,15 @@ def absorbed_attention_errors(cfg: JobConfig) -> list[str]:
     return errors
 
 
+def device_errors(cfg: JobConfig, device_type: str) -> list[str]:
+    """What the device `train.device` resolved to cannot run ("auto" finds a GPU or not only when the
+    job starts; `absorbed_attention_errors` refuses an explicit cpu). Called before the model is built."""
+    if cfg.model.attention_backend == "absorbed_triton" and device_type != "cuda":
+        return [f"model.attention_backend: absorbed_triton runs Triton kernels on a CUDA GPU, and train.device: "
+                f"{cfg.train.device} found none here (it runs on {device_type}); use absorbed, its pure-torch form"]
+    return []
+
+
 def fp32_master_weights(cfg: JobConfig) -> bool:
     """Whether AdamW updates fp32 weights (with model.dtype bfloat16: fp32 masters the optimizer
     holds for the bf16 parameters): `train.master_weights: fp32`, or `auto` for full fine-tuning

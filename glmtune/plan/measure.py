@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from glmtune.config import JobConfig, grad_accum_steps
-from glmtune.config.degrees import MeshDegrees
+from glmtune.config.degrees import MeshDegrees, raise_config_errors
+from glmtune.config.validate import device_errors
 from glmtune.distributed.link_emulator import LinkEmulator, emulated_links
 from glmtune.distributed.link_model import Links
 from glmtune.distributed.loopback import join_loopback_world, moved_bytes_by_group
@@ -256,6 +257,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     cfg = copy.deepcopy(cfg)
     cfg.logging.progress = False
     device = resolve_device(cfg.train.device)
+    raise_config_errors(device_errors(cfg, device.type))
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
     launch = _launch(cfg, degrees, rank, device)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from glmtune.config import JobConfig, dump_config, load_config, resolve_recipe_path
+from glmtune.config.degrees import raise_config_errors
+from glmtune.config.validate import device_errors
 from glmtune.data.sources import read_rows
 from glmtune.data.text_run_data import corpus_options
 from glmtune.data.text_sources import read_documents
@@ -72,6 +74,7 @@ class Preflight:
         self.layers = layers
         self.rows = rows
         self.device = resolve_device(self.cfg.train.device)
+        raise_config_errors(device_errors(self.cfg, self.device.type))  # before any scratch run starts
         self.nproc = nproc or (torch.cuda.device_count() if self.device.type == "cuda" else 2)
         name = self.cfg.model.name_or_path
         self.model_dir = None if is_preset(name) else Path(name)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from glmtune.config import JobConfig, validate_config
-from glmtune.config.degrees import MeshDegrees
+from glmtune.config.degrees import MeshDegrees, raise_config_errors
+from glmtune.config.validate import device_errors
 from glmtune.distributed.pipeline_plan import V_SCHEDULES
 from glmtune.models.registry import model_dims
 
@@ -52,11 +53,12 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def check_recipe(cfg: JobConfig, world_size: int) -> MeshDegrees:
-    """The mesh degrees of `cfg` on `world_size` ranks, or a ValueError naming what cannot run."""
+def check_recipe(cfg: JobConfig, world_size: int, device: torch.device) -> MeshDegrees:
+    """The mesh degrees of `cfg` on `world_size` ranks on `device`, or a ValueError naming what cannot run."""
     dims = model_dims(cfg.model)
     degrees = validate_config(cfg, dims.num_experts, dims.num_layers, world_size=world_size,
                               model_refusals=dims.refusals)
+    raise_config_errors(device_errors(cfg, device.type))
     _check_torch_supports(cfg)
     return degrees
 

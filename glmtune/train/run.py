@@ -223,7 +223,7 @@ def check_launch(cfg: JobConfig) -> Launch:
     info = init_distributed(device)
     if device.type == "cuda":
         device = resolve_device(cfg.train.device, info.local_rank)
-    degrees = check_recipe(cfg, info.world_size)
+    degrees = check_recipe(cfg, info.world_size, device)
     if cfg.data.kind == "chat":  # text documents (data.kind: text) render no template
         # a template whose turns glmtune cannot tell: refused (naming its file) before the model is built
         model_dir = None if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)

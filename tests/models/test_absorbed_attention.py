@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from glmtune.config import load_config, validate_config
-from glmtune.config.validate import absorbed_attention_errors
+from glmtune.config.validate import absorbed_attention_errors, device_errors
 from glmtune.models.common.document_masks import allowed_mask, longest_document
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.rope import RotaryEmbedding
@@ -297,6 +297,13 @@ def test_config_refuses_the_fused_backend_where_it_cannot_run():
     errors = absorbed_attention_errors(cfg)
     assert len(errors) == 3 and all(e.startswith("model.attention_backend: absorbed_triton") for e in errors)
     assert "not train.device: cpu" in errors[1] and "not model.dtype: float32" in errors[2]
+    # train.device: auto is checked where it resolves (`check_recipe`, `plan --measure`, preflight)
+    auto = load_config(RECIPE, ["--model.attention_backend", "absorbed_triton", "--train.device", "auto",
+                                "--model.dtype", "bfloat16"])
+    assert device_errors(auto, "cuda") == [] and device_errors(load_config(RECIPE, []), "cpu") == []
+    assert device_errors(auto, "cpu") == ["model.attention_backend: absorbed_triton runs Triton kernels on a CUDA "
+                                          "GPU, and train.device: auto found none here (it runs on cpu); use "
+                                          "absorbed, its pure-torch form"]
 
 
 @pytest.mark.parametrize("warmup", [False, True])

@@ -466,3 +466,16 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(copy):
     assert f"taking over the stale lock of {stale} (that process ended without releasing it)" in output
     assert "in use" not in result.stdout + result.stderr
     assert (copy / "run" / ".glmtune.lock").read_text().startswith("released: glmtune train (pid ")
+
+
+def test_absorbed_triton_where_auto_finds_no_gpu_is_refused_before_anything_is_written(tmp_path):
+    """train.device: auto resolves to the CPU here: the Triton attention is refused at launch (the tiny
+    recipes say cpu, which the config refuses by itself)."""
+    if torch.cuda.is_available():
+        pytest.skip("auto finds a GPU here")
+    before = snapshot(tmp_path)
+    result = run(tmp_path / "run", tmp_path / "cache", *QUICK, "--model.attention_backend", "absorbed_triton",
+                 "--train.device", "auto", "--model.dtype", "bfloat16")
+    _refused(result, "model.attention_backend: absorbed_triton runs Triton kernels on a CUDA GPU",
+             "train.device: auto found none here")
+    assert changes(before, snapshot(tmp_path)) == []
