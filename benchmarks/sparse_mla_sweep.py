@@ -61,11 +61,13 @@ def _kernel_ms(fn) -> dict:
 
 def sweep(seq: int, only: list[str]) -> list[dict]:
     q, c, index, valid, queries, keys, scale, latent = rank_inputs(seq)
-    out, lse = kernels.sparse_mla_forward(q, c, index, valid, queries, keys, scale, latent)
+    # The kernels' operands as the layer hands them over: q's parts apart, c's as views of one tensor.
+    parts = (q[..., :latent].contiguous(), q[..., latent:].contiguous(), c[None, :, :latent], c[None, :, latent:])
+    out, lse = kernels.sparse_mla_forward(*parts, index, valid, queries, scale)
     grad = torch.randn_like(out)
     flops = 2 * q.shape[1] * int(valid.sum()) * (q.shape[-1] + latent)
-    forward = lambda: kernels.sparse_mla_forward(q, c, index, valid, queries, keys, scale, latent)  # noqa: E731
-    backward = lambda: kernels.sparse_mla_backward(grad, q, c, index, valid, out, lse, queries, keys, scale)  # noqa: E731
+    forward = lambda: kernels.sparse_mla_forward(*parts, index, valid, queries, scale)  # noqa: E731
+    backward = lambda: kernels.sparse_mla_backward(grad, *parts, index, valid, out, lse, queries, scale)  # noqa: E731
     lines = []
     for name, configs in SWEEP.items():
         if name not in only:

@@ -18,9 +18,14 @@ gathers by index (through their row numbers, on chip) serve all those rows, and 
             the sum over the queries that selected a key.
             The buffers take at most `buffer_bytes` each: queries are processed in chunks.
 
-Layouts (contiguous): q [M, N, C], c [B x T, C], index int64 [M, K] (each slot's key within
-its query's batch row), valid bool [M, K]; out [M, N, R], lse [M, N]. A query loops over its
-slots up to its last valid one (`slot_ends`); a query without one gets O = 0, lse = -inf.
+Layouts: the queries' latent and rope parts q_lat [M, N, R], q_rot [M, N, E] and the output's
+gradient [M, N, R] (unit column stride; queries and heads by their strides: an einsum's head-major
+output needs no copy), the keys' c_lat [B, T, R], c_rot [B, T, E] (unit column stride, rows by
+their strides: the two halves of one [B, T, C] tensor need no copy), index int64 [M, K] (each slot's key within its query's batch
+row), valid bool [M, K]; out [M, N, R], lse [M, N]. Taking the parts apart saves the callers the
+concatenations [q_nope W_uk | q_rot] and [latent | k_rot] and the split of their gradients. A query
+loops over its slots up to its last valid one (`slot_ends`); a query without one gets O = 0,
+lse = -inf.
 
 The pure-torch reference is `glmtune.models.glm5.absorbed_attention` (the same op over gathered
 key blocks); tests/kernels/test_sparse_mla.py compares both with a float64 softmax in Triton's
@@ -58,8 +63,8 @@ SELECT_BLOCK = 1024  # keys per tile of `selected_keys`' pass over a query's mas
 
 
 def _sparse_mla_forward_kernel(
-    q_ptr, c_ptr, index_ptr, valid_ptr, ends_ptr, out_ptr, lse_ptr, scale_log2,
-    queries, keys, heads, slots,
+    q_lat_ptr, q_rot_ptr, c_lat_ptr, c_rot_ptr, index_ptr, valid_ptr, ends_ptr, out_ptr, lse_ptr, scale_log2,
+    queries, heads, slots, q_lat_sm, q_lat_sh, q_rot_sm, q_rot_sh, c_lat_sb, c_lat_st, c_rot_sb, c_rot_st,
     R: tl.constexpr, E: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -70,10 +75,11 @@ def _sparse_mla_forward_kernel(
     dim_r, dim_e = tl.arange(0, R_PAD), tl.arange(0, E_PAD)
     r_in, e_in = dim_r < R, dim_e < E
     stats = row * heads + head
-    q_rows = q_ptr + stats[:, None] * (R + E)
-    q_lat = tl.load(q_rows + dim_r[None, :], mask=head_ok[:, None] & r_in[None, :], other=0.0)
-    q_rot = tl.load(q_rows + R + dim_e[None, :], mask=head_ok[:, None] & e_in[None, :], other=0.0)
-    first_key = (row // queries) * keys
+    q_lat = tl.load(q_lat_ptr + row * q_lat_sm + head[:, None] * q_lat_sh + dim_r[None, :],
+                    mask=head_ok[:, None] & r_in[None, :], other=0.0)
+    q_rot = tl.load(q_rot_ptr + row * q_rot_sm + head[:, None] * q_rot_sh + dim_e[None, :],
+                    mask=head_ok[:, None] & e_in[None, :], other=0.0)
+    batch = row // queries
     end = tl.load(ends_ptr + row)
     run_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -82,9 +88,11 @@ def _sparse_mla_forward_kernel(
         slot = start + tl.arange(0, BLOCK_N)
         in_range = slot < end
         ok = tl.load(valid_ptr + row * slots + slot, mask=in_range, other=0) != 0
-        key_rows = c_ptr + (first_key + tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)) * (R + E)
-        k_lat = tl.load(key_rows[:, None] + dim_r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
-        k_rot = tl.load(key_rows[:, None] + R + dim_e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
+        key = tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)
+        k_lat = tl.load((c_lat_ptr + batch * c_lat_sb + key * c_lat_st)[:, None] + dim_r[None, :],
+                        mask=ok[:, None] & r_in[None, :], other=0.0)
+        k_rot = tl.load((c_rot_ptr + batch * c_rot_sb + key * c_rot_st)[:, None] + dim_e[None, :],
+                        mask=ok[:, None] & e_in[None, :], other=0.0)
         s = (tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rot, tl.trans(k_rot))) * scale_log2
         s = tl.where(ok[None, :], s, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(s, 1))
@@ -103,12 +111,13 @@ def _sparse_mla_forward_kernel(
 
 
 def _sparse_mla_dq_kernel(
-    q_ptr, c_ptr, index_ptr, valid_ptr, ends_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ds_ptr, p_ptr,
-    scale, scale_log2, first_row, queries, keys, heads, slots,
+    q_lat_ptr, q_rot_ptr, c_lat_ptr, c_rot_ptr, index_ptr, valid_ptr, ends_ptr, do_ptr, lse_ptr, delta_ptr,
+    dq_lat_ptr, dq_rot_ptr, ds_ptr, p_ptr, scale, scale_log2, first_row, queries, heads, slots,
+    q_lat_sm, q_lat_sh, q_rot_sm, q_rot_sh, do_sm, do_sh, c_lat_sb, c_lat_st, c_rot_sb, c_rot_st,
     R: tl.constexpr, E: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ [BLOCK_H, C] of one query's head group; its P and dS into the chunk's buffers."""
+    """dQ [BLOCK_H, C] (latent and rope parts) of one query's head group; its P and dS into the chunk's buffers."""
     local = tl.program_id(0).to(tl.int64)
     row = first_row + local
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -116,14 +125,16 @@ def _sparse_mla_dq_kernel(
     dim_r, dim_e = tl.arange(0, R_PAD), tl.arange(0, E_PAD)
     r_in, e_in = dim_r < R, dim_e < E
     stats = row * heads + head
-    q_rows = q_ptr + stats[:, None] * (R + E)
-    q_lat = tl.load(q_rows + dim_r[None, :], mask=head_ok[:, None] & r_in[None, :], other=0.0)
-    q_rot = tl.load(q_rows + R + dim_e[None, :], mask=head_ok[:, None] & e_in[None, :], other=0.0)
-    d_out = tl.load(do_ptr + stats[:, None] * R + dim_r[None, :], mask=head_ok[:, None] & r_in[None, :], other=0.0)
+    lat_at = stats[:, None] * R + dim_r[None, :]
+    rot_at = stats[:, None] * E + dim_e[None, :]
+    lat_ok, rot_ok = head_ok[:, None] & r_in[None, :], head_ok[:, None] & e_in[None, :]
+    q_lat = tl.load(q_lat_ptr + row * q_lat_sm + head[:, None] * q_lat_sh + dim_r[None, :], mask=lat_ok, other=0.0)
+    q_rot = tl.load(q_rot_ptr + row * q_rot_sm + head[:, None] * q_rot_sh + dim_e[None, :], mask=rot_ok, other=0.0)
+    d_out = tl.load(do_ptr + row * do_sm + head[:, None] * do_sh + dim_r[None, :], mask=lat_ok, other=0.0)
     lse2 = tl.load(lse_ptr + stats, mask=head_ok, other=0.0) * LOG2E_CONST
     delta = tl.load(delta_ptr + stats, mask=head_ok, other=0.0)
     buffer_rows = (local * heads + head) * slots
-    first_key = (row // queries) * keys
+    batch = row // queries
     end = tl.load(ends_ptr + row)
     dq_lat = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     dq_rot = tl.zeros([BLOCK_H, E_PAD], dtype=tl.float32)
@@ -131,9 +142,11 @@ def _sparse_mla_dq_kernel(
         slot = start + tl.arange(0, BLOCK_N)
         in_range = slot < end
         ok = tl.load(valid_ptr + row * slots + slot, mask=in_range, other=0) != 0
-        key_rows = c_ptr + (first_key + tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)) * (R + E)
-        k_lat = tl.load(key_rows[:, None] + dim_r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
-        k_rot = tl.load(key_rows[:, None] + R + dim_e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
+        key = tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)
+        k_lat = tl.load((c_lat_ptr + batch * c_lat_sb + key * c_lat_st)[:, None] + dim_r[None, :],
+                        mask=ok[:, None] & r_in[None, :], other=0.0)
+        k_rot = tl.load((c_rot_ptr + batch * c_rot_sb + key * c_rot_st)[:, None] + dim_e[None, :],
+                        mask=ok[:, None] & e_in[None, :], other=0.0)
         s = (tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rot, tl.trans(k_rot))) * scale_log2
         p = tl.where(ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(d_out, tl.trans(k_lat))
@@ -143,14 +156,13 @@ def _sparse_mla_dq_kernel(
         written = head_ok[:, None] & in_range[None, :]
         tl.store(ds_ptr + buffer_rows[:, None] + slot[None, :], ds, mask=written)
         tl.store(p_ptr + buffer_rows[:, None] + slot[None, :], p.to(k_lat.dtype), mask=written)
-    dq_rows = dq_ptr + stats[:, None] * (R + E)
-    tl.store(dq_rows + dim_r[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & r_in[None, :])
-    tl.store(dq_rows + R + dim_e[None, :], dq_rot.to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & e_in[None, :])
+    tl.store(dq_lat_ptr + lat_at, dq_lat.to(dq_lat_ptr.dtype.element_ty), mask=lat_ok)
+    tl.store(dq_rot_ptr + rot_at, dq_rot.to(dq_rot_ptr.dtype.element_ty), mask=rot_ok)
 
 
 def _sparse_mla_dkv_kernel(
-    q_ptr, index_ptr, valid_ptr, ends_ptr, do_ptr, ds_ptr, p_ptr, dc_ptr,
-    first_row, queries, keys, heads, slots,
+    q_lat_ptr, q_rot_ptr, index_ptr, valid_ptr, ends_ptr, do_ptr, ds_ptr, p_ptr, dc_lat_ptr, dc_rot_ptr,
+    first_row, queries, keys, heads, slots, q_lat_sm, q_lat_sh, q_rot_sm, q_rot_sh, do_sm, do_sh,
     R: tl.constexpr, E: tl.constexpr, N_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """The gradient of one query's slot tile's keys, dS^T q (+ P^T dO on the latent), added into dC."""
@@ -162,26 +174,28 @@ def _sparse_mla_dkv_kernel(
         slot = start + tl.arange(0, BLOCK_N)
         in_range = slot < end
         ok = tl.load(valid_ptr + row * slots + slot, mask=in_range, other=0) != 0
-        key = tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)
-        grad_rows = dc_ptr + ((row // queries) * keys + key) * (R + E)
+        key_row = (row // queries) * keys + tl.load(index_ptr + row * slots + slot, mask=in_range, other=0)
         head = tl.arange(0, N_PAD)
         head_ok = head < heads
         buffer = ((local * heads + head) * slots)[:, None] + slot[None, :]
         ds = tl.load(ds_ptr + buffer, mask=head_ok[:, None] & in_range[None, :], other=0.0)  # [N_PAD, BLOCK_N]
         p = tl.load(p_ptr + buffer, mask=head_ok[:, None] & in_range[None, :], other=0.0)
-        q_rows = q_ptr + (row * heads + head)[:, None] * (R + E)
-        do_rows = do_ptr + (row * heads + head)[:, None] * R
-        for first_col in range(0, R + E, BLOCK_C):
+        q_lat_rows = q_lat_ptr + row * q_lat_sm + head[:, None] * q_lat_sh
+        do_rows = do_ptr + row * do_sm + head[:, None] * do_sh
+        q_rot_rows = q_rot_ptr + row * q_rot_sm + head[:, None] * q_rot_sh
+        for first_col in range(0, R, BLOCK_C):  # the latent: key and value
             col = first_col + tl.arange(0, BLOCK_C)
-            col_ok = col < R + E
-            q_cols = tl.load(q_rows + col[None, :], mask=head_ok[:, None] & col_ok[None, :], other=0.0)
-            grad = tl.dot(tl.trans(ds), q_cols)  # [BLOCK_N, BLOCK_C] fp32
-            if first_col < R:  # a value column: the latent is the value too
-                latent = col < R
-                d_out = tl.load(do_rows + col[None, :], mask=head_ok[:, None] & latent[None, :], other=0.0)
-                grad += tl.dot(tl.trans(p), d_out)
-            tl.atomic_add(grad_rows[:, None] + col[None, :], grad, mask=ok[:, None] & col_ok[None, :],
-                          sem="relaxed")
+            col_ok = head_ok[:, None] & (col < R)[None, :]
+            q_cols = tl.load(q_lat_rows + col[None, :], mask=col_ok, other=0.0)
+            d_out = tl.load(do_rows + col[None, :], mask=col_ok, other=0.0)
+            grad = tl.dot(tl.trans(ds), q_cols) + tl.dot(tl.trans(p), d_out)  # [BLOCK_N, BLOCK_C] fp32
+            tl.atomic_add(dc_lat_ptr + key_row[:, None] * R + col[None, :], grad,
+                          mask=ok[:, None] & (col < R)[None, :], sem="relaxed")
+        for first_col in range(0, E, BLOCK_C):  # the rope part: key only
+            col = first_col + tl.arange(0, BLOCK_C)
+            q_cols = tl.load(q_rot_rows + col[None, :], mask=head_ok[:, None] & (col < E)[None, :], other=0.0)
+            tl.atomic_add(dc_rot_ptr + key_row[:, None] * E + col[None, :], tl.dot(tl.trans(ds), q_cols),
+                          mask=ok[:, None] & (col < E)[None, :], sem="relaxed")
 
 
 def _selected_keys_kernel(mask_ptr, index_ptr, count_ptr, queries, keys, slots, stride_mb, stride_ms,
@@ -241,61 +255,83 @@ def selected_keys(mask_BST: torch.Tensor, slots: int) -> tuple[torch.Tensor, tor
     return index, valid
 
 
-def _check(q_MNC, c_XC, index_MK, valid_MK, value_dim: int):
-    assert q_MNC.is_contiguous() and c_XC.is_contiguous() and index_MK.is_contiguous() and valid_MK.is_contiguous()
+def _check(q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK, queries: int):
+    # Strided views (a row's [latent | rope] halves, an einsum's head-major output): rows and heads by
+    # their strides, columns unit.
+    assert q_lat_MNR.stride(-1) == 1 and q_rot_MNE.stride(-1) == 1 and q_lat_MNR.shape[:2] == q_rot_MNE.shape[:2]
+    assert c_lat_BTR.stride(-1) == 1 and c_rot_BTE.stride(-1) == 1 and c_lat_BTR.shape[:2] == c_rot_BTE.shape[:2]
+    assert q_lat_MNR.shape[-1] == c_lat_BTR.shape[-1] and q_rot_MNE.shape[-1] == c_rot_BTE.shape[-1]
+    assert index_MK.is_contiguous() and valid_MK.is_contiguous()
     assert index_MK.dtype == torch.int64 and valid_MK.dtype == torch.bool
-    assert index_MK.shape == valid_MK.shape and index_MK.shape[0] == q_MNC.shape[0]
-    assert q_MNC.shape[-1] == c_XC.shape[-1] and 0 < value_dim < c_XC.shape[-1] and index_MK.shape[-1] > 0
+    assert index_MK.shape == valid_MK.shape and index_MK.shape[0] == q_lat_MNR.shape[0] and index_MK.shape[-1] > 0
+    assert q_lat_MNR.shape[0] == c_lat_BTR.shape[0] * queries, "every batch row's queries"
 
 
-def sparse_mla_forward(q_MNC, c_XC, index_MK, valid_MK, queries: int, keys: int, scale: float, value_dim: int):
-    """(out [M, N, R] in q's dtype, lse [M, N] fp32): each query over its valid slots' keys.
-    Query m belongs to batch row m // `queries`, whose keys are c's rows [b x keys, (b + 1) x keys)."""
-    _check(q_MNC, c_XC, index_MK, valid_MK, value_dim)
-    rows, heads, width = q_MNC.shape
-    out = q_MNC.new_empty(rows, heads, value_dim)
-    lse = q_MNC.new_empty(rows, heads, dtype=torch.float32)
+def _strides(**tensors) -> dict:
+    """The kernels' row strides: NAME_sm / NAME_sh (query, head) of [M, N, ·] tensors, NAME_sb / NAME_st
+    (batch row, key) of [B, T, ·] ones."""
+    return {f"{name}_{axis}": t.stride(i) for name, t in tensors.items()
+            for i, axis in enumerate(("sm", "sh") if name[0] in "qd" else ("sb", "st"))}
+
+
+def _widths(q_lat_MNR, q_rot_MNE) -> dict:
+    latent, rope = q_lat_MNR.shape[-1], q_rot_MNE.shape[-1]
+    return dict(R=latent, E=rope, R_PAD=_padded(latent), E_PAD=_padded(rope))
+
+
+def sparse_mla_forward(q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK, queries: int, scale: float):
+    """(out [M, N, R] in q's dtype, lse [M, N] fp32): each query over its valid slots' keys, whose
+    scores are q_lat c_lat^T + q_rot c_rot^T and whose values are c_lat. Query m belongs to batch
+    row m // `queries`, whose keys are c_lat[b], c_rot[b]."""
+    _check(q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK, queries)
+    rows, heads, latent = q_lat_MNR.shape
+    out = q_lat_MNR.new_empty(rows, heads, latent)
+    lse = q_lat_MNR.new_empty(rows, heads, dtype=torch.float32)
     config = FORWARD_CONFIG
     if rows == 0:
         return out, lse
     block_h = min(config["BLOCK_H"], _padded(heads))
     _kernel(_sparse_mla_forward_kernel)[(rows, triton.cdiv(heads, block_h))](
-        q_MNC, c_XC, index_MK, valid_MK.view(torch.uint8), slot_ends(valid_MK), out, lse, scale * LOG2E,
-        queries, keys, heads, index_MK.shape[-1], R=value_dim, E=width - value_dim, R_PAD=_padded(value_dim),
-        E_PAD=_padded(width - value_dim), BLOCK_H=block_h, BLOCK_N=config["BLOCK_N"],
+        q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK.view(torch.uint8), slot_ends(valid_MK), out,
+        lse, scale * LOG2E, queries, heads, index_MK.shape[-1],
+        **_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, c_lat=c_lat_BTR, c_rot=c_rot_BTE),
+        **_widths(q_lat_MNR, q_rot_MNE), BLOCK_H=block_h, BLOCK_N=config["BLOCK_N"],
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out, lse
 
 
-def sparse_mla_backward(grad_out_MNR, q_MNC, c_XC, index_MK, valid_MK, out_MNR, lse_MN, queries: int, keys: int,
-                        scale: float, buffer_bytes: int = BUFFER_BYTES):
-    """(dq [M, N, C] in q's dtype, dc [B x T, C] in c's dtype) of `sparse_mla_forward`, whose out
-    and lse these are. P and dS live in buffers of at most `buffer_bytes` each (at least one query)."""
-    value_dim = out_MNR.shape[-1]
-    _check(q_MNC, c_XC, index_MK, valid_MK, value_dim)
-    assert grad_out_MNR.is_contiguous() and out_MNR.is_contiguous() and lse_MN.is_contiguous()
-    rows, heads, width = q_MNC.shape
+def sparse_mla_backward(grad_out_MNR, q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK, out_MNR,
+                        lse_MN, queries: int, scale: float, buffer_bytes: int = BUFFER_BYTES):
+    """(dq_lat [M, N, R], dq_rot [M, N, E] in q's dtype, dc_lat [B, T, R], dc_rot [B, T, E] in c's
+    dtype) of `sparse_mla_forward`, whose out and lse these are. P and dS live in buffers of at most
+    `buffer_bytes` each (at least one query)."""
+    _check(q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK, queries)
+    assert grad_out_MNR.stride(-1) == 1 and out_MNR.is_contiguous() and lse_MN.is_contiguous()
+    rows, heads, latent = q_lat_MNR.shape
+    batch, keys, rope = c_rot_BTE.shape
     slots = index_MK.shape[-1]
     ends = slot_ends(valid_MK)
     valid = valid_MK.view(torch.uint8)
     delta = (grad_out_MNR.float() * out_MNR.float()).sum(-1)  # rowsum(dO * O) [M, N]
-    dq = torch.empty_like(q_MNC)
-    dc = torch.zeros(c_XC.shape, dtype=torch.float32, device=c_XC.device)
-    chunk = max(1, buffer_bytes // max(1, heads * slots * q_MNC.element_size()))
-    ds = q_MNC.new_empty(min(chunk, rows), heads, slots)
+    dq_lat, dq_rot = q_lat_MNR.new_empty(q_lat_MNR.shape), q_rot_MNE.new_empty(q_rot_MNE.shape)  # contiguous
+    # fp32 sums of the atomics, one per part (contiguous: the kernel adds at row x key width)
+    dc_lat = torch.zeros(batch, keys, latent, dtype=torch.float32, device=c_lat_BTR.device)
+    dc_rot = torch.zeros(batch, keys, rope, dtype=torch.float32, device=c_rot_BTE.device)
+    chunk = max(1, buffer_bytes // max(1, heads * slots * q_lat_MNR.element_size()))
+    ds = q_lat_MNR.new_empty(min(chunk, rows), heads, slots)
     probs = torch.empty_like(ds)
-    dims = dict(R=value_dim, E=width - value_dim)
     dq_config, dkv_config = DQ_CONFIG, DKV_CONFIG
     block_h = min(dq_config["BLOCK_H"], _padded(heads))
     for first in range(0, rows, chunk):
         count = min(chunk, rows - first)
         _kernel(_sparse_mla_dq_kernel)[(count, triton.cdiv(heads, block_h))](
-            q_MNC, c_XC, index_MK, valid, ends, grad_out_MNR, lse_MN, delta, dq, ds, probs, scale, scale * LOG2E,
-            first, queries, keys, heads, slots, **dims, R_PAD=_padded(value_dim), E_PAD=_padded(width - value_dim),
-            BLOCK_H=block_h, BLOCK_N=dq_config["BLOCK_N"], num_warps=dq_config["num_warps"],
-            num_stages=dq_config["num_stages"])
+            q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid, ends, grad_out_MNR, lse_MN, delta, dq_lat,
+            dq_rot, ds, probs, scale, scale * LOG2E, first, queries, heads, slots,
+            **_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, do=grad_out_MNR, c_lat=c_lat_BTR, c_rot=c_rot_BTE),
+            **_widths(q_lat_MNR, q_rot_MNE), BLOCK_H=block_h,
+            BLOCK_N=dq_config["BLOCK_N"], num_warps=dq_config["num_warps"], num_stages=dq_config["num_stages"])
         _kernel(_sparse_mla_dkv_kernel)[(count, triton.cdiv(slots, dkv_config["BLOCK_N"]))](
-            q_MNC, index_MK, valid, ends, grad_out_MNR, ds, probs, dc, first, queries, keys, heads, slots, **dims,
-            N_PAD=_padded(heads), BLOCK_N=dkv_config["BLOCK_N"], BLOCK_C=dkv_config["BLOCK_C"],
-            num_warps=dkv_config["num_warps"], num_stages=dkv_config["num_stages"])
-    return dq, dc.to(c_XC.dtype)
+            q_lat_MNR, q_rot_MNE, index_MK, valid, ends, grad_out_MNR, ds, probs, dc_lat, dc_rot, first, queries,
+            keys, heads, slots, **_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, do=grad_out_MNR), R=latent, E=rope, N_PAD=_padded(heads), BLOCK_N=dkv_config["BLOCK_N"],
+            BLOCK_C=dkv_config["BLOCK_C"], num_warps=dkv_config["num_warps"], num_stages=dkv_config["num_stages"])
+    return dq_lat, dq_rot, dc_lat.to(c_lat_BTR.dtype), dc_rot.to(c_rot_BTE.dtype)

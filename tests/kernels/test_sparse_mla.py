@@ -2,8 +2,9 @@
 gathered keys (output, lse, dq, dc) and against the pure-torch absorbed op they replace, then the
 "absorbed_triton" backend inside an MLA layer against "absorbed" — in Triton's CPU interpreter
 (child process; fp16 and fp32, the interpreter has no bf16). Small tiles (16 slots, 16 columns)
-so that a query's slots span several tiles, a column tile straddles the latent and the rope part
-(R 40, E 8), and the backward's buffers hold two queries (several chunks). The Hopper compile
+so that a query's slots span several tiles, the latent's last column tile and the rope's one are
+partial (R 40, E 8), and the backward's buffers hold two queries (several chunks). The keys' latent
+and rope parts are strided views of one tensor whose batch rows are not T rows apart. The Hopper compile
 test builds every kernel at GLM-5's widths (64 heads, R 512, E 64) for sm_90 with ptxas.
 
 Tolerances. fp32: the kernels and the reference sum the same terms in different orders, and the
@@ -44,6 +45,32 @@ def _case(seed: int, dtype, batch=2, queries=9, keys=40, heads=3, latent=40, rop
     return q, c, index, valid, queries, keys, width**-0.5, latent
 
 
+def _head_major(x_MNX):
+    """x's values laid out [N, M, X], as an einsum over the heads returns them."""
+    return x_MNX.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def _parts(q, c, keys, latent):
+    """The kernels' operands, strided as the layer hands them over: q's latent head-major, its rope
+    part a view of q; c's parts views of one [B, T + 2, C] tensor (rows C apart, batch rows
+    (T + 2) x C apart, as a context-parallel gather's halves)."""
+    batch = c.shape[0] // keys
+    padded = torch.cat([c.view(batch, keys, -1), c.new_zeros(batch, 2, c.shape[-1])], dim=1)[:, :keys]
+    return (_head_major(q[..., :latent]), q[..., latent:], padded[..., :latent], padded[..., latent:])
+
+
+def _forward(sm, q, c, index, valid, queries, keys, scale, latent):
+    return sm.sparse_mla_forward(*_parts(q, c, keys, latent), index, valid, queries, scale)
+
+
+def _backward(sm, grad, q, c, index, valid, out, lse, queries, keys, scale, *buffer_bytes):
+    """(dq [M, N, C], dc [B x T, C]): the kernels' parts put together (the latent is out's width)."""
+    parts = _parts(q, c, keys, out.shape[-1])
+    dq_lat, dq_rot, dc_lat, dc_rot = sm.sparse_mla_backward(_head_major(grad), *parts, index, valid, out, lse,
+                                                            queries, scale, *buffer_bytes)
+    return torch.cat([dq_lat, dq_rot], -1), torch.cat([dc_lat, dc_rot], -1).view(c.shape)
+
+
 def _float64_reference(q, c, index, valid, queries, keys, scale, latent):
     """(out, lse) in float64 from leaves q and c: softmax over each query's gathered valid keys."""
     rows = torch.arange(q.shape[0], device=q.device).unsqueeze(-1)
@@ -64,7 +91,7 @@ def check_kernels_match_float64_reference():
     sm = _small_tiles()
     for seed, dtype, tol in ((0, torch.float32, 1e-5), (1, torch.float16, 4e-3)):
         q, c, index, valid, queries, keys, scale, latent = _case(seed, dtype)
-        out, lse = sm.sparse_mla_forward(q, c, index, valid, queries, keys, scale, latent)
+        out, lse = _forward(sm, q, c, index, valid, queries, keys, scale, latent)
         leaves = [x.double().requires_grad_() for x in (q, c)]
         ref_out, ref_lse = _float64_reference(leaves[0], leaves[1], index, valid, queries, keys, scale, latent)
         _close(out, ref_out, tol)
@@ -74,7 +101,7 @@ def check_kernels_match_float64_reference():
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 10)).to(dtype)
         ref_dq, ref_dc = torch.autograd.grad(ref_out, leaves, grad.double())
         for buffer_bytes in (1 << 30, 2 * q.shape[1] * index.shape[1] * q.element_size()):  # one chunk; 2 queries each
-            dq, dc = sm.sparse_mla_backward(grad, q, c, index, valid, out, lse, queries, keys, scale, buffer_bytes)
+            dq, dc = _backward(sm, grad, q, c, index, valid, out, lse, queries, keys, scale, buffer_bytes)
             assert dq.dtype == q.dtype and dc.dtype == c.dtype
             _close(dq, ref_dq, tol)
             _close(dc, ref_dc, tol)
@@ -93,14 +120,14 @@ def check_kernels_match_the_torch_op():
     shaped = (q.view(batch, queries, *q.shape[1:]), c.view(batch, keys, -1), index.view(batch, queries, -1),
               valid.view(batch, queries, -1))
     ref_out, ref_lse = aa.absorbed_attention(*shaped, scale, latent)
-    out, lse = sm.sparse_mla_forward(q, c, index, valid, queries, keys, scale, latent)
+    out, lse = _forward(sm, q, c, index, valid, queries, keys, scale, latent)
     _close(out, ref_out.view(out.shape), 1e-5)
     live = valid.any(-1)
     _close(lse[live], ref_lse.view(lse.shape)[live], 1e-5)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     ref_dq, ref_dc = aa.absorbed_attention_backward(grad.view(ref_out.shape), *shaped, ref_out, ref_lse, scale,
                                                     latent)
-    dq, dc = sm.sparse_mla_backward(grad, q, c, index, valid, out, lse, queries, keys, scale)
+    dq, dc = _backward(sm, grad, q, c, index, valid, out, lse, queries, keys, scale)
     _close(dq, ref_dq.view(dq.shape), 1e-5)
     _close(dc, ref_dc.view(dc.shape), 1e-5)
 
@@ -133,7 +160,8 @@ def check_model_backend_matches_absorbed():
 
 
 POINTER_TYPES = {"index_ptr": "*i64", "valid_ptr": "*u8", "ends_ptr": "*i32", "lse_ptr": "*fp32",
-                 "delta_ptr": "*fp32", "dc_ptr": "*fp32", "mask_ptr": "*u8", "count_ptr": "*i32"}
+                 "delta_ptr": "*fp32", "dc_lat_ptr": "*fp32", "dc_rot_ptr": "*fp32", "mask_ptr": "*u8",
+                 "count_ptr": "*i32"}
 
 
 def _compile_for_hopper(fn, constexprs: dict, config: dict) -> int:
@@ -170,13 +198,13 @@ def test_kernels_on_gpu_match_float64_reference():
     q, c, index, valid, queries, keys, scale, latent = _case(0, torch.bfloat16, batch=2, queries=64, keys=1024,
                                                              heads=64, latent=512, rope=64, slots=256)
     q, c, index, valid = (x.cuda() for x in (q, c, index, valid))
-    out, lse = sm.sparse_mla_forward(q, c, index, valid, queries, keys, scale, latent)
+    out, lse = _forward(sm, q, c, index, valid, queries, keys, scale, latent)
     leaves = [x.double().requires_grad_() for x in (q, c)]
     ref_out, _ = _float64_reference(leaves[0], leaves[1], index, valid, queries, keys, scale, latent)
     _close(out, ref_out, 2e-2)
     grad = torch.randn(out.shape, device="cuda").bfloat16()
     ref_dq, ref_dc = torch.autograd.grad(ref_out, leaves, grad.double())
-    dq, dc = sm.sparse_mla_backward(grad, q, c, index, valid, out, lse, queries, keys, scale)
+    dq, dc = _backward(sm, grad, q, c, index, valid, out, lse, queries, keys, scale)
     _close(dq, ref_dq, 3e-2)
     _close(dc, ref_dc, 3e-2)
     from glmtune.models.glm5 import absorbed_attention as aa

@@ -202,10 +202,15 @@ def test_selected_keys_lists_each_querys_keys_in_order(small_blocks):
         aa.selected_keys(torch.ones(1, 2, 9, dtype=torch.bool), 4)
 
 
+def _split(q, c, value_dim: int):
+    """`absorbed_sparse_attention`'s operands: the queries' and keys' latent and rope parts (views)."""
+    return q[..., :value_dim], q[..., value_dim:], c[..., :value_dim], c[..., value_dim:]
+
+
 def test_op_matches_float64_reference_in_blocks(small_blocks):
     q, c, sparse, slots = _op_inputs(torch.float32)
     scale, value_dim = 0.4, 6
-    out = aa.absorbed_sparse_attention(q, c, sparse, scale, value_dim, slots)
+    out = aa.absorbed_sparse_attention(*_split(q, c, value_dim), sparse, scale, slots)
     index, valid = aa.selected_keys(sparse, slots)
     lse = aa.absorbed_attention(q, c, index, valid, scale, value_dim)[1]
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -221,7 +226,7 @@ def test_op_matches_float64_reference_in_blocks(small_blocks):
 def test_bf16_rounds_like_flash_attention(small_blocks):
     """bf16 inputs: fp32 scores and key-gradient sums, P and dS rounded once to bf16."""
     q, c, sparse, slots = _op_inputs(torch.bfloat16)
-    out = aa.absorbed_sparse_attention(q, c, sparse, 0.4, 6, slots)
+    out = aa.absorbed_sparse_attention(*_split(q, c, 6), sparse, 0.4, slots)
     dq, dc = torch.autograd.grad(out, (q, c), torch.ones_like(out))
     ref, _ = _float64_reference(q, c, sparse, 0.4, 6)
     rq, rc = torch.autograd.grad(ref, (q, c), torch.ones_like(ref))

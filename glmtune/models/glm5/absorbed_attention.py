@@ -166,15 +166,18 @@ def _backward(ctx, grad_out, grad_lse):
 absorbed_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def absorbed_sparse_attention(q_BSNC: torch.Tensor, c_BTC: torch.Tensor, sparse_BST: torch.Tensor, scale: float,
-                              value_dim: int, slots: int, fused: bool = False,
-                              buffer_bytes: int = BLOCK_BYTES) -> torch.Tensor:
-    """Output latent [B, S, N, R] of queries q [B, S, N, C] over the keys c [B, T, C] that the
-    selection mask [B, S, T] marks (at most `slots` per query; the values are c's first R), by
-    this module's blocks or, `fused`, by the Triton kernels (`sparse_mla_attention.py`), whose
-    backward buffers take at most `buffer_bytes` each."""
+def absorbed_sparse_attention(q_lat_BSNR: torch.Tensor, q_rot_BSNE: torch.Tensor, c_lat_BTR: torch.Tensor,
+                              c_rot_BTE: torch.Tensor, sparse_BST: torch.Tensor, scale: float, slots: int,
+                              fused: bool = False, buffer_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+    """Output latent [B, S, N, R] of queries [q_lat | q_rot] [B, S, N, R + E] over the keys
+    [c_lat | c_rot] [B, T, R + E] that the selection mask [B, S, T] marks (at most `slots` per
+    query; the values are c_lat), by this module's blocks or, `fused`, by the Triton kernels
+    (`sparse_mla_attention.py`, which take the parts as they are), whose backward buffers take at
+    most `buffer_bytes` each."""
     index_BSK, valid_BSK = selected_keys(sparse_BST, slots)
-    q_BSNC, c_BTC = q_BSNC.contiguous(), c_BTC.contiguous()
     if fused:
-        return fused_absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim, buffer_bytes)
-    return absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, value_dim)[0]
+        return fused_absorbed_attention(q_lat_BSNR, q_rot_BSNE, c_lat_BTR, c_rot_BTE, index_BSK, valid_BSK, scale,
+                                        buffer_bytes)
+    q_BSNC = torch.cat([q_lat_BSNR, q_rot_BSNE], dim=-1)
+    c_BTC = torch.cat([c_lat_BTR, c_rot_BTE], dim=-1)
+    return absorbed_attention(q_BSNC, c_BTC, index_BSK, valid_BSK, scale, c_lat_BTR.shape[-1])[0]

@@ -258,11 +258,12 @@ class MLAttention(nn.Module):
         q_BSNK = q_BNSK.transpose(1, 2)  # q_b's own layout: no copy
         q_nope_BSNP, q_rot_BSNK = q_BSNK.split([self.nope_dim, self.rope_dim], dim=-1)
         q_lat_BSNR = torch.einsum("bsnp,npr->bsnr", q_nope_BSNP, w_uk_NPR)
-        q_BSNC = torch.cat([q_lat_BSNR, q_rot_BSNK], dim=-1)
         num_keys = latent_BTR.shape[1]
-        c_BTC = torch.cat([latent_BTR, k_rot_B1TK.squeeze(1)], dim=-1)
-        out_BSNR = absorbed_sparse_attention(q_BSNC, c_BTC, sparse_BST[..., :num_keys], self.scale, self.kv_rank,
-                                             min(slots, num_keys), fused=self.backend == "absorbed_triton",
+        # The parts as they are: the fused kernels read [q_lat | q_rot] and [latent | k_rot] from two
+        # pointers each (under context parallelism latent and k_rot are views of one gathered tensor).
+        out_BSNR = absorbed_sparse_attention(q_lat_BSNR, q_rot_BSNK, latent_BTR, k_rot_B1TK.squeeze(1),
+                                             sparse_BST[..., :num_keys], self.scale, min(slots, num_keys),
+                                             fused=self.backend == "absorbed_triton",
                                              buffer_bytes=self.score_buffer_bytes)
         out_BSNV = torch.einsum("bsnr,nvr->bsnv", out_BSNR, w_uv_NVR)
         return out_BSNV.reshape(batch, seq_len, self.num_heads * self.v_dim)
