@@ -21,11 +21,11 @@ gathers by index (through their row numbers, on chip) serve all those rows, and 
 Layouts: the queries' latent and rope parts q_lat [M, N, R], q_rot [M, N, E] and the output's
 gradient [M, N, R] (unit column stride; queries and heads by their strides: an einsum's head-major
 output needs no copy), the keys' c_lat [B, T, R], c_rot [B, T, E] (unit column stride, rows by
-their strides: the two halves of one [B, T, C] tensor need no copy), index int64 [M, K] (each slot's key within its query's batch
-row), valid bool [M, K]; out [M, N, R], lse [M, N]. Taking the parts apart saves the callers the
-concatenations [q_nope W_uk | q_rot] and [latent | k_rot] and the split of their gradients. A query
-loops over its slots up to its last valid one (`slot_ends`); a query without one gets O = 0,
-lse = -inf.
+their strides: the two halves of one [B, T, C] tensor need no copy), index int64 [M, K] (each
+slot's key within its query's batch row), valid bool [M, K]; out [M, N, R], lse [M, N]. Taking
+the parts apart saves the callers the concatenations [q_nope W_uk | q_rot] and [latent | k_rot]
+and the split of their gradients. A query loops over its slots up to its last valid one
+(`slot_ends`); a query without one gets O = 0, lse = -inf.
 
 The pure-torch reference is `glmtune.models.glm5.absorbed_attention` (the same op over gathered
 key blocks); tests/kernels/test_sparse_mla.py compares both with a float64 softmax in Triton's
@@ -267,11 +267,11 @@ def _check(q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK, queri
     assert q_lat_MNR.shape[0] == c_lat_BTR.shape[0] * queries, "every batch row's queries"
 
 
-def _strides(**tensors) -> dict:
-    """The kernels' row strides: NAME_sm / NAME_sh (query, head) of [M, N, ·] tensors, NAME_sb / NAME_st
-    (batch row, key) of [B, T, ·] ones."""
-    return {f"{name}_{axis}": t.stride(i) for name, t in tensors.items()
-            for i, axis in enumerate(("sm", "sh") if name[0] in "qd" else ("sb", "st"))}
+def _row_strides(**tensors) -> dict:
+    """The kernels' stride arguments: NAME_sm / NAME_sh (query, head) of the [M, N, ·] tensors named
+    q_* or do, NAME_sb / NAME_st (batch row, key) of the [B, T, ·] ones named c_*."""
+    axes = {"q": ("sm", "sh"), "d": ("sm", "sh"), "c": ("sb", "st")}
+    return {f"{name}_{axis}": t.stride(i) for name, t in tensors.items() for i, axis in enumerate(axes[name[0]])}
 
 
 def _widths(q_lat_MNR, q_rot_MNE) -> dict:
@@ -294,7 +294,7 @@ def sparse_mla_forward(q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, val
     _kernel(_sparse_mla_forward_kernel)[(rows, triton.cdiv(heads, block_h))](
         q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid_MK.view(torch.uint8), slot_ends(valid_MK), out,
         lse, scale * LOG2E, queries, heads, index_MK.shape[-1],
-        **_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, c_lat=c_lat_BTR, c_rot=c_rot_BTE),
+        **_row_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, c_lat=c_lat_BTR, c_rot=c_rot_BTE),
         **_widths(q_lat_MNR, q_rot_MNE), BLOCK_H=block_h, BLOCK_N=config["BLOCK_N"],
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out, lse
@@ -327,11 +327,12 @@ def sparse_mla_backward(grad_out_MNR, q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE
         _kernel(_sparse_mla_dq_kernel)[(count, triton.cdiv(heads, block_h))](
             q_lat_MNR, q_rot_MNE, c_lat_BTR, c_rot_BTE, index_MK, valid, ends, grad_out_MNR, lse_MN, delta, dq_lat,
             dq_rot, ds, probs, scale, scale * LOG2E, first, queries, heads, slots,
-            **_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, do=grad_out_MNR, c_lat=c_lat_BTR, c_rot=c_rot_BTE),
-            **_widths(q_lat_MNR, q_rot_MNE), BLOCK_H=block_h,
-            BLOCK_N=dq_config["BLOCK_N"], num_warps=dq_config["num_warps"], num_stages=dq_config["num_stages"])
+            **_row_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, do=grad_out_MNR, c_lat=c_lat_BTR, c_rot=c_rot_BTE),
+            **_widths(q_lat_MNR, q_rot_MNE), BLOCK_H=block_h, BLOCK_N=dq_config["BLOCK_N"],
+            num_warps=dq_config["num_warps"], num_stages=dq_config["num_stages"])
         _kernel(_sparse_mla_dkv_kernel)[(count, triton.cdiv(slots, dkv_config["BLOCK_N"]))](
             q_lat_MNR, q_rot_MNE, index_MK, valid, ends, grad_out_MNR, ds, probs, dc_lat, dc_rot, first, queries,
-            keys, heads, slots, **_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, do=grad_out_MNR), R=latent, E=rope, N_PAD=_padded(heads), BLOCK_N=dkv_config["BLOCK_N"],
-            BLOCK_C=dkv_config["BLOCK_C"], num_warps=dkv_config["num_warps"], num_stages=dkv_config["num_stages"])
+            keys, heads, slots, **_row_strides(q_lat=q_lat_MNR, q_rot=q_rot_MNE, do=grad_out_MNR), R=latent, E=rope,
+            N_PAD=_padded(heads), BLOCK_N=dkv_config["BLOCK_N"], BLOCK_C=dkv_config["BLOCK_C"],
+            num_warps=dkv_config["num_warps"], num_stages=dkv_config["num_stages"])
     return dq_lat, dq_rot, dc_lat.to(c_lat_BTR.dtype), dc_rot.to(c_rot_BTE.dtype)
