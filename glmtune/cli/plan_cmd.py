@@ -70,7 +70,8 @@ def _add_measure_options(measure: argparse._ArgumentGroup) -> None:
                               "stream for the links' time, so the step feels what its schedule does not hide")
     measure.add_argument("--profile", default=None, metavar="DIR",
                          help="run the timed steps under torch.profiler and write its kernel table, a summary by "
-                              "stream and kind of work, and the Chrome trace into DIR (a new directory)")
+                              "stream and kind of work, the time by glmtune source line and the Chrome trace into "
+                              "DIR (a new directory)")
 
 
 _OPTIONS = RecipeOptions("glmtune plan", _add_options)
@@ -109,6 +110,12 @@ def check_measure_options(args: argparse.Namespace) -> None:
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} is an option of --measure; add --measure")
         return
+    if args.profile is not None and args.warmup_steps == 0:
+        # The first step imports and compiles what it needs: a profile of it says little about the steps
+        # after, and torch.profiler's Python stacks (the sources table) cannot name a module's body
+        # code once its import has freed it (torch reads a dangling name).
+        raise ValueError("--profile needs at least one --warmup-steps (the first step imports and compiles what it "
+                         "needs); leave --warmup-steps at its default 1")
     for name, default in _NOT_WITH_MEASURE.items():
         if getattr(args, name) != default:
             raise ValueError(f"--{name.replace('_', '-')} is not used by --measure (it measures one rank's memory "
@@ -226,7 +233,7 @@ def _measure(args: argparse.Namespace, cfg) -> int:
                                 links=links if args.emulate_links else None, profile_dir=profile_dir)
     if args.profile is not None:
         console.print(f"wrote the timed steps' profile: {args.profile} (rank{rank}_kernels.txt, "
-                      f"rank{rank}_summary.json, rank{rank}_trace.json)")
+                      f"rank{rank}_summary.json, rank{rank}_sources.txt, rank{rank}_trace.json)")
     report = measure_report(cfg, args.recipe, measured, plan, links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))

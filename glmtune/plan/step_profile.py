@@ -9,16 +9,18 @@ What the profile holds and why:
     compute: the link emulator's lanes and the stand-ins' copies run on side streams), time per
     kind of work: GEMMs, attention, copies and gathers, elementwise and the rest, each as seconds
     per step and a share; on a CPU the operators' own time (children's excluded), one "stream";
+  * `rank{R}_sources.txt`: the same time charged to the line of glmtune that asked for it, by
+    phase (forward, recompute, backward) and operator (`profile_sources.py`): which concatenation,
+    which copy;
   * `rank{R}_trace.json`: the Chrome trace (chrome://tracing, Perfetto) for the timeline.
 
-The kinds are matched by kernel name (`KINDS`, first match wins): an estimate of where time goes
+The kinds are matched by kernel name (`kernel_kinds.KINDS`, first match wins): an estimate of where time goes
 that names what it counted, not an exact attribution (a fused kernel counts once, in its first kind).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,33 +29,25 @@ from typing import Any
 
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
-# (kind, kernel or operator name pattern), first match wins: attention before GEMM (cuDNN's attention
-# kernels' names carry the architecture, sm90_, as CUTLASS GEMMs' do), copies before elementwise.
-KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn_generated|dot_product|sparse_mla", re.IGNORECASE)),
-    ("gemm", re.compile(r"gemm|matmul|\bmm\b|aten::(?:a?mm|bmm|addmm|linear|_scaled_mm|_grouped_mm)|"
-                        r"cutlass|xmma|nvjet|sm90_|wgmma|cublas", re.IGNORECASE)),
-    ("copy, gather, concat", re.compile(r"copy|memcpy|memset|cat|gather|scatter|index|transpose|contiguous|"
-                                        r"clone|to_copy|fill", re.IGNORECASE)),
-    ("elementwise and other", re.compile(r".")),
-)
+from glmtune.plan.kernel_kinds import KINDS, kind_of
+from glmtune.plan.profile_sources import is_python_frame, sources, sources_table
+
 TABLE_ROWS = 40
+SUMMARY_SOURCES = 25  # the heaviest (kind, phase, operator, site) rows, also in the summary
 
 
 @contextmanager
 def profiled(device: torch.device) -> Iterator[profile]:
-    """torch.profiler over the block: CPU operators, and CUDA kernels on a GPU."""
+    """torch.profiler over the block: CPU operators, and CUDA kernels on a GPU; with the Python stacks,
+    which `profile_sources` charges each kernel's time to (they add CPU time, not kernel time)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
         yield prof
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def kind_of(name: str) -> str:
-    return next(kind for kind, pattern in KINDS if pattern.search(name))
 
 
 def timed_events(prof: profile, on_device: bool) -> list[tuple[str, Any, float]]:
@@ -66,7 +60,7 @@ def timed_events(prof: profile, on_device: bool) -> list[tuple[str, Any, float]]
             continue
         if on_device and event.device_type == DeviceType.CUDA:
             events.append((event.name, event.device_resource_id, event.time_range.elapsed_us()))
-        elif not on_device and event.device_type == DeviceType.CPU:
+        elif not on_device and event.device_type == DeviceType.CPU and not event.is_python_function:
             # its own time, its children's excluded: each microsecond counted once, under the
             # operator that spent it (aten::mm, not the autograd node that called it)
             events.append((event.name, "cpu", event.self_cpu_time_total))
@@ -93,11 +87,18 @@ def summarize(prof: profile, on_device: bool, steps: int) -> dict[str, Any]:
 
 
 def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, steps: int) -> dict[str, Any]:
-    """The three files of the module docstring into `out_dir`; the summary."""
+    """The four files of the module docstring into `out_dir`; the summary."""
     sort_by = "self_cuda_time_total" if on_device else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
+    # The Python frames' events (the stacks) are not operators: left out of the table.
+    operators = EventList([row for row in prof.key_averages() if not is_python_frame(row.key)],
+                          use_device="cuda" if on_device else None)
+    table = operators.table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
     (out_dir / f"rank{rank}_kernels.txt").write_text(table + "\n", encoding="utf-8")
     summary = summarize(prof, on_device, steps)
+    if summary["compute_stream"] is not None:
+        rows = sources(prof, on_device, summary["compute_stream"], steps)
+        (out_dir / f"rank{rank}_sources.txt").write_text(sources_table(rows), encoding="utf-8")
+        summary["sources"] = rows[:SUMMARY_SOURCES]
     (out_dir / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     prof.export_chrome_trace(str(out_dir / f"rank{rank}_trace.json"))
     return summary

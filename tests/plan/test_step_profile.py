@@ -10,11 +10,13 @@ import torch
 from torch.profiler import record_function
 
 from glmtune.cli import main
+from glmtune.models.common.rmsnorm import RMSNorm
+from glmtune.plan.profile_sources import sources, sources_table
 from glmtune.plan.step_profile import timed_events, kind_of, profiled
 
 SHORT = ["--train.max_steps", "5"]
 MEASURE = ["plan", "tiny/sft_support_json", "--measure", "--gpus", "2", "--rank", "1", "--steps", "1",
-           "--warmup-steps", "0", "--json", *SHORT]
+           "--warmup-steps", "1", "--json", *SHORT]
 
 
 def test_the_timed_steps_are_profiled_into_a_new_directory(tmp_path, capsys):
@@ -23,8 +25,10 @@ def test_the_timed_steps_are_profiled_into_a_new_directory(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["rank"] == 1 and "wrote the timed steps' profile" in captured.err
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "rank1_kernels.txt", "rank1_summary.json", "rank1_trace.json"]
-    assert "aten::mm" in (out / "rank1_kernels.txt").read_text()
+        "rank1_kernels.txt", "rank1_sources.txt", "rank1_summary.json", "rank1_trace.json"]
+    kernels = (out / "rank1_kernels.txt").read_text()
+    assert "aten::mm" in kernels and "<built-in" not in kernels and ".py(" not in kernels  # operators, no frames
+    assert "glmtune/models/glm5/attention.py(" in (out / "rank1_sources.txt").read_text()
     summary = json.loads((out / "rank1_summary.json").read_text())
     assert summary["steps"] == 1 and summary["compute_stream"] == "cpu"
     kinds = summary["kinds"]
@@ -33,6 +37,16 @@ def test_the_timed_steps_are_profiled_into_a_new_directory(tmp_path, capsys):
     # the kinds' seconds are the busiest stream's, per step
     assert sum(k["seconds_per_step"] for k in kinds.values()) == pytest.approx(summary["streams"]["cpu"])
     assert json.loads((out / "rank1_trace.json").read_text())["traceEvents"]
+    # the heaviest sources: the same seconds charged to lines, every phase a step has without checkpointing
+    rows = summary["sources"]
+    assert len(rows) == 25 and rows == sorted(rows, key=lambda r: -r["seconds_per_step"])
+    assert {"forward", "backward"} <= {r["phase"] for r in rows}
+
+
+def test_a_warm_up_step_comes_before_a_profile(capsys):
+    no_warm_up = [a if i == 0 or MEASURE[i - 1] != "--warmup-steps" else "0" for i, a in enumerate(MEASURE)]
+    assert main([*no_warm_up, "--profile", "x"]) == 2
+    assert "--profile needs at least one --warmup-steps" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -82,3 +96,26 @@ def test_a_marked_range_is_not_counted_beside_the_work_inside_it():
                 a = torch.mm(a, a).tanh()
     names = [name for name, _, _ in timed_events(prof, on_device=False)]
     assert "aten::mm" in names and "PP:marked" not in names
+
+
+def test_each_operators_time_is_charged_to_its_line_and_phase():
+    """A glmtune module under activation checkpointing, then an optimizer step: its operators' time is
+    charged to the line that called them in the forward and in the recomputation; the backward's to
+    that forward line through the autograd node's sequence number, the node named; AdamW's to the
+    optimizer; and the rows add up to the operators' own time."""
+    norm = RMSNorm(256)
+    x = torch.randn(512, 256, requires_grad=True)
+    optimizer = torch.optim.AdamW(norm.parameters(), foreach=False)
+    with profiled(torch.device("cpu")) as prof:
+        torch.utils.checkpoint.checkpoint(norm, x, use_reentrant=False).sum().backward()
+        optimizer.step()
+    rows = sources(prof, on_device=False, stream="cpu", steps=1)
+    line = next(r["site"] for r in rows if r["phase"] == "forward" and "rmsnorm.py" in r["site"])
+    assert line.startswith("glmtune/models/common/rmsnorm.py(") and line.endswith("): forward")
+    assert any(r["phase"] == "recompute" and r["site"] == line for r in rows)
+    backward = [r for r in rows if r["phase"] == "backward" and r["site"].startswith(line + " [")]
+    assert backward and all(r["site"].endswith("Backward0]") or r["site"].endswith("Backward1]") for r in backward)
+    assert any(r["phase"] == "optimizer" for r in rows)
+    assert sum(r["seconds_per_step"] for r in rows) == pytest.approx(
+        sum(micros for _, _, micros in timed_events(prof, on_device=False)) / 1e6)
+    assert sources_table(rows).splitlines()[1].split()[0] == f"{rows[0]['seconds_per_step']:.4f}"

@@ -1,0 +1,159 @@
+"""Where a profiled step's kernel time comes from in glmtune's code: `rank{R}_sources.txt` of
+`glmtune plan --measure --profile DIR`.
+
+The kernel table says *what* ran (`aten::copy_` 0.42 s); a fix needs to know *which line* of the
+model asked for it. Each kernel on the compute stream (each CPU operator's own time on a CPU) is
+charged to:
+
+  * its operator: the outermost aten operator above the one that launched it (`aten::cat`, not the
+    `aten::copy_` inside it), or the custom op (`glmtune::sparse_mla`);
+  * its phase and site:
+      forward    the innermost glmtune frame of the Python stack that called the operator
+                 (`glmtune/models/glm5/attention.py(263): _absorbed_attend`);
+      recompute  the same, for activation checkpointing's second forward (the stack runs through
+                 torch.utils.checkpoint's recomputation, inside the backward);
+      backward   the forward site of the autograd node that runs it (the node's sequence number
+                 is the forward operator's), with the node's name (`[CatBackward0]`); code of a
+                 custom backward (a glmtune frame inside the node) is its own site;
+      optimizer  the optimizer's step (torch.optim's or glmtune's AdamW on the stack).
+
+It needs the profiler's Python stacks (`with_stack=True`, which `profiled` turns on), and names
+an estimate of its own: a kernel whose operator cannot be found (a side stream's, an allocator's)
+is charged to "?". Rows are (kind, phase, operator, site), heaviest first.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from torch.autograd import DeviceType
+
+from glmtune.plan.kernel_kinds import kind_of
+
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+# A Python frame event's name: "path/to/file.py(123): function"; glmtune's own, from the package root.
+_FRAME = re.compile(r"^(?P<path>.*\.py)\((?P<line>\d+)\): (?P<function>.*)$")
+_GLMTUNE = re.compile(r"(?:^|/)(glmtune/(?!\.venv).*)$")
+_RECOMPUTE = re.compile(r"torch/utils/checkpoint\.py\(\d+\): (?:recompute_fn|unpack_hook|_checkpoint_hook)")
+_OPTIMIZER = re.compile(r"torch/optim/.*\.py\(|glmtune/kernels/adamw\.py\(|glmtune/train/optim\.py\(")
+_AUTOGRAD_FUNCTION = re.compile(r"Backward\d*$")  # the record of a node's function, under its evaluate_function
+ROWS = 60
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str
+    phase: str  # forward, recompute, backward, other
+    operator: str
+    site: str
+
+
+def is_python_frame(name: str) -> bool:
+    """Whether a profiler event's name is a Python frame's (a function, a builtin), not an operator's."""
+    return bool(_FRAME.match(name)) or name.startswith(("<built-in", "<frozen", "<method"))
+
+
+def _glmtune_frame(name: str) -> str | None:
+    frame = _FRAME.match(name)
+    if frame is None:
+        return None
+    inside = _GLMTUNE.search(frame["path"])
+    return None if inside is None else f"{inside[1]}({frame['line']}): {frame['function']}"
+
+
+def _chain(event) -> list:
+    chain, parent = [], event.cpu_parent
+    while parent is not None:
+        chain.append(parent)
+        parent = parent.cpu_parent
+    return chain
+
+
+def _outer_operator(event, chain: list) -> str:
+    """The outermost operator above `event` before the first Python frame or autograd node."""
+    name = event.name
+    for ancestor in chain:
+        if (is_python_frame(ancestor.name) or ancestor.name.startswith(BACKWARD_NODE) or ancestor.is_user_annotation
+                or _AUTOGRAD_FUNCTION.search(ancestor.name)):
+            break
+        name = ancestor.name
+    return name
+
+
+def forward_sites(events) -> dict[tuple[int, int], str]:
+    """(thread, sequence number) of each forward operator that recorded an autograd node -> its site."""
+    sites: dict[tuple[int, int], str] = {}
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        if event.device_type != DeviceType.CPU or event.sequence_nr < 0 or event.is_python_function:
+            continue
+        key = (event.thread, event.sequence_nr)
+        if key in sites:
+            continue  # the outermost operator of the node came first
+        chain = _chain(event)
+        if any(a.name.startswith(BACKWARD_NODE) for a in chain):
+            continue  # a recomputation or a backward: not the node's forward
+        site = next((f for f in map(_glmtune_frame, (a.name for a in chain)) if f), None)
+        if site is not None:
+            sites[key] = site
+    return sites
+
+
+def phase_and_site(event, sites: dict[tuple[int, int], str]) -> tuple[str, str]:
+    """(phase, site) of an operator event (module docstring)."""
+    site, recompute = None, False
+    chain = [event, *_chain(event)]  # an autograd node's own event (its time on a CPU) is in its node
+    if any(_OPTIMIZER.search(a.name) for a in chain):
+        return "optimizer", next((f for f in map(_glmtune_frame, (a.name for a in chain)) if f), "?")
+    for ancestor in chain:
+        if ancestor.name.startswith(BACKWARD_NODE):
+            node = ancestor.name[len(BACKWARD_NODE):]
+            if recompute:
+                return "recompute", site or "?"
+            if site is not None:
+                return "backward", f"{site} [{node}]"
+            forward = sites.get((ancestor.fwd_thread, ancestor.sequence_nr))
+            return "backward", f"{forward or '?'} [{node}]"
+        if site is None:
+            site = _glmtune_frame(ancestor.name)
+        recompute = recompute or bool(_RECOMPUTE.search(ancestor.name))
+    return ("forward", site) if site is not None else ("other", "?")
+
+
+def _charged(prof, on_device: bool, stream) -> list[tuple[Any, str, float]]:
+    """(launching operator event or None, kernel or operator name, microseconds) to charge."""
+    events = prof.events()
+    if not on_device:
+        return [(e, e.name, e.self_cpu_time_total) for e in events
+                if e.device_type == DeviceType.CPU and not e.is_python_function and not e.is_user_annotation]
+    by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+    return [(by_id.get(e.linked_correlation_id), e.name, e.time_range.elapsed_us()) for e in events
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation and str(e.device_resource_id) == stream]
+
+
+def sources(prof, on_device: bool, stream, steps: int) -> list[dict[str, Any]]:
+    """Seconds per step and share of each (kind, phase, operator, site), heaviest first, on `stream`."""
+    sites = forward_sites(prof.events())
+    seconds: dict[Source, float] = defaultdict(float)
+    for operator, kernel, micros in _charged(prof, on_device, stream):
+        if operator is None:
+            key = Source(kind_of(kernel), "other", "?", "?")
+        else:
+            phase, site = phase_and_site(operator, sites)
+            key = Source(kind_of(kernel), phase, _outer_operator(operator, _chain(operator)), site)
+        seconds[key] += micros / 1e6 / steps
+    total = sum(seconds.values()) or 1.0
+    rows = sorted(seconds.items(), key=lambda item: -item[1])
+    return [{"seconds_per_step": s, "share": s / total, "kind": k.kind, "phase": k.phase, "operator": k.operator,
+             "site": k.site} for k, s in rows]
+
+
+def sources_table(rows: list[dict[str, Any]], limit: int = ROWS) -> str:
+    """The heaviest `limit` rows as fixed-width text."""
+    lines = [f"{'s/step':>8} {'share':>6}  {'kind':<22} {'phase':<9} {'operator':<32} site"]
+    for row in rows[:limit]:
+        lines.append(f"{row['seconds_per_step']:8.4f} {row['share']:6.1%}  {row['kind']:<22} {row['phase']:<9} "
+                     f"{row['operator'][:32]:<32} {row['site']}")
+    return "\n".join(lines) + "\n"
