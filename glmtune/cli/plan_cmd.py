@@ -110,12 +110,6 @@ def check_measure_options(args: argparse.Namespace) -> None:
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} is an option of --measure; add --measure")
         return
-    if args.profile is not None and args.warmup_steps == 0:
-        # The first step imports and compiles what it needs: a profile of it says little about the steps
-        # after, and torch.profiler's Python stacks (the sources table) cannot name a module's body
-        # code once its import has freed it (torch reads a dangling name).
-        raise ValueError("--profile needs at least one --warmup-steps (the first step imports and compiles what it "
-                         "needs); leave --warmup-steps at its default 1")
     for name, default in _NOT_WITH_MEASURE.items():
         if getattr(args, name) != default:
             raise ValueError(f"--{name.replace('_', '-')} is not used by --measure (it measures one rank's memory "

@@ -20,7 +20,9 @@ that names what it counted, not an exact attribution (a fused kernel counts once
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,13 +41,39 @@ TABLE_ROWS = 40
 SUMMARY_SOURCES = 25  # the heaviest (kind, phase, operator, site) rows, also in the summary
 
 
+# torch's profiler keeps a Python frame's name as a pointer into its code object and reads it when
+# the results are parsed, after the block: a module imported inside the block has run its body's
+# code object and freed it by then (a UnicodeDecodeError on a dangling name, pytorch#64345). The
+# audit hook keeps every code object `exec` runs while a profile is open, until the profile is
+# dropped. (An audit hook cannot be removed: it is installed once and does nothing between profiles.)
+_KEPT_CODE: list | None = None
+
+
+def _keep_exec_code(event: str, args: tuple) -> None:
+    if event == "exec" and _KEPT_CODE is not None:
+        _KEPT_CODE.append(args[0])
+
+
+@functools.cache
+def _install_code_keeper() -> None:
+    sys.addaudithook(_keep_exec_code)
+
+
 @contextmanager
 def profiled(device: torch.device) -> Iterator[profile]:
     """torch.profiler over the block: CPU operators, and CUDA kernels on a GPU; with the Python stacks,
-    which `profile_sources` charges each kernel's time to (they add CPU time, not kernel time)."""
+    which `profile_sources` charges each kernel's time to (they add CPU time, not kernel time). The
+    code objects run by `exec` inside the block live as long as the profile (`_KEPT_CODE`)."""
+    global _KEPT_CODE
+    _install_code_keeper()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
-        yield prof
+    kept, _KEPT_CODE = [], []
+    try:
+        with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
+            yield prof
+    finally:
+        kept, _KEPT_CODE = _KEPT_CODE, None
+    prof.glmtune_kept_code = kept  # dropped with the profile, after its results are parsed
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

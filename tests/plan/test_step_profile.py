@@ -3,7 +3,9 @@ kernel table, a summary by stream and kind of work, and a Chrome trace (glmtune/
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 
 import pytest
 import torch
@@ -43,10 +45,23 @@ def test_the_timed_steps_are_profiled_into_a_new_directory(tmp_path, capsys):
     assert {"forward", "backward"} <= {r["phase"] for r in rows}
 
 
-def test_a_warm_up_step_comes_before_a_profile(capsys):
-    no_warm_up = [a if i == 0 or MEASURE[i - 1] != "--warmup-steps" else "0" for i, a in enumerate(MEASURE)]
-    assert main([*no_warm_up, "--profile", "x"]) == 2
-    assert "--profile needs at least one --warmup-steps" in capsys.readouterr().err
+def test_modules_imported_inside_a_profile_keep_their_frames_names(tmp_path, monkeypatch):
+    """A module imported inside the profile has run its body's code object and freed it before the
+    results are parsed; torch's profiler would read the frame's name through a dangling pointer
+    (pytorch#64345; on this CPU a cold profiled step failed so, twice in two runs). The code objects
+    `exec` runs are kept until the profile is dropped, and every name parses."""
+    for i in range(20):
+        (tmp_path / f"fresh_module_{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\nVALUE = f{i}(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with profiled(torch.device("cpu")) as prof:
+        for i in range(20):
+            importlib.import_module(f"fresh_module_{i}")
+            monkeypatch.delitem(sys.modules, f"fresh_module_{i}")
+    junk = [bytes([0xC0]) * 64 for _ in range(100_000)]  # what reuses freed memory would write there
+    kept = {code.co_filename for code in prof.glmtune_kept_code}
+    assert {str(tmp_path / f"fresh_module_{i}.py") for i in range(20)} <= kept
+    names = [event.name for event in prof.events()]
+    assert any(name.startswith("fresh_module_3.py(") for name in names) and junk
 
 
 @pytest.mark.parametrize(("argv", "message"), [
