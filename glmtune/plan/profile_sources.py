@@ -36,7 +36,8 @@ from glmtune.plan.kernel_kinds import kind_of
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
 # A Python frame event's name: "path/to/file.py(123): function"; glmtune's own, from the package root.
 _FRAME = re.compile(r"^(?P<path>.*\.py)\((?P<line>\d+)\): (?P<function>.*)$")
-_GLMTUNE = re.compile(r"(?:^|/)(glmtune/(?!\.venv).*)$")
+# The last "glmtune/" of the path whose rest is a package path (not a checkout's venv or site-packages).
+_GLMTUNE = re.compile(r"(?:^|.*/)(glmtune/(?:(?!\.venv/|site-packages/)[^/]+/)*[^/]+\.py)$")
 _RECOMPUTE = re.compile(r"torch/utils/checkpoint\.py\(\d+\): (?:recompute_fn|unpack_hook|_checkpoint_hook)")
 _OPTIMIZER = re.compile(r"torch/optim/.*\.py\(|glmtune/kernels/adamw\.py\(|glmtune/train/optim\.py\(")
 _AUTOGRAD_FUNCTION = re.compile(r"Backward\d*$")  # the record of a node's function, under its evaluate_function
