@@ -8,7 +8,9 @@
 #
 # Each VARIANT is NAME:OVERRIDES; $OUT/NAME.json is the report (one JSON line) and $OUT/NAME.err its
 # progress. RANK may be "busiest" (the plan's busiest rank). Each run is cut at MEASURE_TIMEOUT seconds
-# (default 190). PROFILE=1 adds --profile $OUT/profile_NAME (its overhead is in the timed steps).
+# (default 190). PROFILE=1 adds --profile $OUT/profile_NAME (its overhead is in the timed steps), prints
+# the heaviest 25 rows of its sources table (the device returns a command's last lines even when it
+# returns few files) and removes the Chrome trace, the largest file, unless KEEP_TRACE=1.
 set -uo pipefail
 OUT=${OUT:?set OUT}
 RECIPE=${RECIPE:?set RECIPE}
@@ -29,4 +31,8 @@ for variant in "$@"; do
     PYTHONPATH=. timeout "$TIMEOUT" python3 -m glmtune plan "$RECIPE" "${flags[@]}" "${overrides[@]}" \
         > "$OUT/$name.json" 2> "$OUT/$name.err"
     echo "$name: exit $? in $(( $(date +%s) - start )) s"
+    if [ -n "${PROFILE:-}" ]; then
+        head -26 "$OUT/profile_$name"/rank*_sources.txt 2>/dev/null
+        [ -n "${KEEP_TRACE:-}" ] || rm -f "$OUT/profile_$name"/rank*_trace.json
+    fi
 done
