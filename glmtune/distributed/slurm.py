@@ -154,29 +154,25 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
 
 def sbatch_script(job: SlurmJob) -> str:
     """The complete batch script of `job` (bash; `sbatch FILE` submits it)."""
-    q = shlex.quote
+    sections = [_script_header(job), _shell_setup(job), _stop_trap(job), _launch(job), _wait_and_decide()]
+    return "\n".join(sections)  # each section ends in a newline: a blank line between sections
+
+
+def _script_header(job: SlurmJob) -> str:
+    """The shebang, what the script runs and where it logs, and its #SBATCH options."""
     world = job.nodes * job.gpus_per_node
-    args = train_args(job)
-    lines = [
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=\"$SLURM_CPUS_ON_NODE\" {q(job.python)} "
-        "-m torch.distributed.run",
-        f"--nnodes \"$SLURM_NNODES\" --nproc-per-node {job.gpus_per_node}",
-        "--rdzv-backend c10d --rdzv-endpoint \"$MASTER_HOST:$RDZV_PORT\" --rdzv-id \"$SLURM_JOB_ID\"",
-        f"-m glmtune train {q(args[0])}",
-    ]
-    for token in args[1:]:  # one override (`--key value`) per line
-        if token.startswith("--"):
-            lines.append(q(token))
-        else:
-            lines[-1] += f" {q(token)}"
-    torchrun = " \\\n    ".join(lines) + " &"
     return f"""#!/bin/bash
 # Written by `glmtune slurm`: run '{job.job_name}' on {job.nodes} nodes x {job.gpus_per_node} GPUs (world {world}).
 # Submit with `sbatch FILE`. The logs go to {job.run_dir / SCRIPT_DIR}/, which must exist when
 # the job starts (glmtune slurm creates it; after --dry-run, mkdir -p it).
 {chr(10).join(_sbatch_lines(job))}
+"""
 
-# Not `set -e`: how the training ended decides what happens next.
+
+def _shell_setup(job: SlurmJob) -> str:
+    """The shell's options and paths, NCCL's environment, and the rendezvous host and port."""
+    q = shlex.quote
+    return f"""# Not `set -e`: how the training ended decides what happens next.
 set -u
 cd {q(str(job.workdir))}
 RUN_DIR={q(str(job.run_dir))}
@@ -196,8 +192,12 @@ export PYTHONUNBUFFERED=1  # the per-step lines reach the log when they are prin
 MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 RDZV_PORT={job.rdzv_port}
 echo "glmtune slurm: job $SLURM_JOB_ID, $SLURM_NNODES nodes x {job.gpus_per_node} GPUs, rendezvous $MASTER_HOST:$RDZV_PORT"
+"""
 
-# USR1 (the time limit is {job.signal_lead} s away) or TERM: ask every rank to save and stop
+
+def _stop_trap(job: SlurmJob) -> str:
+    """The USR1 and TERM traps: they ask the training to stop through the stop file."""
+    return f"""# USR1 (the time limit is {job.signal_lead} s away) or TERM: ask every rank to save and stop
 # through the stop file, not a signal (torchrun gives its workers ~30 s after SIGTERM).
 # Only a USR1 stop is requeued: TERM also comes from scancel, and a preempted job is
 # requeued by Slurm itself.
@@ -216,14 +216,41 @@ request_stop() {{
 }}
 trap 'request_stop USR1' USR1
 trap 'request_stop TERM' TERM
+"""
 
-# srun in the background: bash runs a trap only between commands, and `wait` is one it interrupts.
+
+def _launch(job: SlurmJob) -> str:
+    """srun starting one torchrun per node, in the background, and its pid."""
+    return f"""# srun in the background: bash runs a trap only between commands, and `wait` is one it interrupts.
 # --cpus-per-task: a node's one task gets the node's CPUs, not the default one CPU that
 # binding would put torchrun and all its ranks on.
-{torchrun}
+{_torchrun_command(job)}
 SRUN_PID=$!
+"""
 
-# A trap ends `wait` early (status > 128) while srun runs on: wait again until srun has ended.
+
+def _torchrun_command(job: SlurmJob) -> str:
+    """The srun + torchrun command line, continued over lines: one train override per line."""
+    q = shlex.quote
+    args = train_args(job)
+    lines = [
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=\"$SLURM_CPUS_ON_NODE\" {q(job.python)} "
+        "-m torch.distributed.run",
+        f"--nnodes \"$SLURM_NNODES\" --nproc-per-node {job.gpus_per_node}",
+        "--rdzv-backend c10d --rdzv-endpoint \"$MASTER_HOST:$RDZV_PORT\" --rdzv-id \"$SLURM_JOB_ID\"",
+        f"-m glmtune train {q(args[0])}",
+    ]
+    for token in args[1:]:  # one override (`--key value`) per line
+        if token.startswith("--"):
+            lines.append(q(token))
+        else:
+            lines[-1] += f" {q(token)}"
+    return " \\\n    ".join(lines) + " &"
+
+
+def _wait_and_decide() -> str:
+    """Waiting for srun through the traps, then requeueing, reporting or exiting with its status."""
+    return """# A trap ends `wait` early (status > 128) while srun runs on: wait again until srun has ended.
 # After a signal that lands just as srun ends there is nothing left to wait for (127): keep
 # the status before.
 STATUS=""
