@@ -95,49 +95,18 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
     target = {"overwrite": overwrite, "sources": [("input", path) for path in inputs], "what": "--out"}
     check_output(out_dir, **target)  # before the inputs are read
 
-    input_records, rows = [], []
-    for unit in expand_inputs(inputs):
-        unit_rows = list(read_rows(unit))
-        input_records.append({"path": str(unit), "sha256": file_sha256(unit), "rows": len(unit_rows)})
-        rows.extend(unit_rows)
-    if not rows:  # refused before anything is written: an empty version is never what was meant
-        raise ValueError(f"{no_rows_message(inputs)}: nothing to prepare")
+    input_records, rows = _read_inputs(inputs)
     kind, rows = check_rows_or_raise(rows, schema, control_tokens=control_tokens)
-
-    per_row_findings = lint_rows(rows)
-    report = build_report(per_row_findings, pii_action)
-    if pii_action == "fail" and report["num_findings"]:
-        with output_dir(out_dir, **target) as tmp:  # the report alone: the user needs it to fix the data
-            _write_json(tmp / PII_REPORT_NAME, report)
-        raise ValueError(f"{report['num_findings']} secret/PII finding(s) in {report['num_rows_with_findings']} "
-                         f"row(s); see {out_dir / PII_REPORT_NAME}")
-    clean = [row for row, findings in zip(rows, per_row_findings) if not findings]
-    kept = clean if pii_action == "drop" else rows
-
+    report, kept = _apply_pii_action(rows, pii_action, out_dir, target)
     unique, dedup_stats = dedup_rows(kept)
-    splits = split_rows(unique, ratios, split_seed)
-
-    outputs: dict[str, dict[str, Any]] = {}
-    payloads: dict[str, bytes] = {}
-    for name in SPLITS:
-        payload = _serialize(splits[name])
-        digest = hashlib.sha256(payload).hexdigest()
-        file_name = f"{name}-{digest[:12]}.jsonl"
-        payloads[file_name] = payload
-        outputs[name] = {"file": file_name, "sha256": digest, "rows": len(splits[name])}
-    version = hashlib.sha256("".join(f"{name}:{outputs[name]['sha256']}\n" for name in SPLITS).encode()).hexdigest()
+    outputs, payloads, version = _split_payloads(split_rows(unique, ratios, split_seed))
 
     manifest = {
         "version": version,
         "glmtune_version": __version__,
         "kind": kind,
         "inputs": input_records,
-        "options": {
-            "ratios": dict(zip(SPLITS, ratios)),
-            "pii_action": pii_action,
-            "split_seed": split_seed,
-            "schema": None if schema_path is None else {"path": str(schema_path), "sha256": file_sha256(schema_path)},
-        },
+        "options": _options(ratios, pii_action, split_seed, schema_path),
         "counts": {
             "input_rows": len(rows),
             "pii_dropped": len(rows) - len(kept),
@@ -150,12 +119,71 @@ def prepare_dataset(inputs: list[str | Path], out_dir: str | Path, *,
                | {"report": PII_REPORT_NAME},
         "outputs": outputs,
     }
+    _write_version(out_dir, target, report, payloads, manifest)
+    return PrepareResult(version=version, out_dir=out_dir, manifest=manifest)
+
+
+def _read_inputs(inputs: list[str | Path]) -> tuple[list[dict[str, Any]], list[Row]]:
+    """Every row of the inputs, in order, and one manifest record (path, sha256, rows) per file read."""
+    input_records, rows = [], []
+    for unit in expand_inputs(inputs):
+        unit_rows = list(read_rows(unit))
+        input_records.append({"path": str(unit), "sha256": file_sha256(unit), "rows": len(unit_rows)})
+        rows.extend(unit_rows)
+    if not rows:  # refused before anything is written: an empty version is never what was meant
+        raise ValueError(f"{no_rows_message(inputs)}: nothing to prepare")
+    return input_records, rows
+
+
+def _apply_pii_action(rows: list[Row], pii_action: str, out_dir: Path,
+                      target: dict[str, Any]) -> tuple[dict[str, Any], list[Row]]:
+    """The PII report of `rows` and the rows kept under `pii_action`; with "fail" and any finding,
+    `out_dir` receives the report alone and a ValueError follows."""
+    per_row_findings = lint_rows(rows)
+    report = build_report(per_row_findings, pii_action)
+    if pii_action == "fail" and report["num_findings"]:
+        with output_dir(out_dir, **target) as tmp:  # the report alone: the user needs it to fix the data
+            _write_json(tmp / PII_REPORT_NAME, report)
+        raise ValueError(f"{report['num_findings']} secret/PII finding(s) in {report['num_rows_with_findings']} "
+                         f"row(s); see {out_dir / PII_REPORT_NAME}")
+    clean = [row for row, findings in zip(rows, per_row_findings) if not findings]
+    return report, clean if pii_action == "drop" else rows
+
+
+def _split_payloads(splits: dict[str, list[Row]]) -> tuple[dict[str, dict[str, Any]], dict[str, bytes], str]:
+    """Each split's manifest entry (file, sha256, rows) and file bytes by file name, and the data
+    version: the sha256 of the splits' hashes, so it follows the outputs alone."""
+    outputs: dict[str, dict[str, Any]] = {}
+    payloads: dict[str, bytes] = {}
+    for name in SPLITS:
+        payload = _serialize(splits[name])
+        digest = hashlib.sha256(payload).hexdigest()
+        file_name = f"{name}-{digest[:12]}.jsonl"
+        payloads[file_name] = payload
+        outputs[name] = {"file": file_name, "sha256": digest, "rows": len(splits[name])}
+    version = hashlib.sha256("".join(f"{name}:{outputs[name]['sha256']}\n" for name in SPLITS).encode()).hexdigest()
+    return outputs, payloads, version
+
+
+def _options(ratios: tuple[float, float, float], pii_action: str, split_seed: int,
+             schema_path: str | Path | None) -> dict[str, Any]:
+    """The manifest's record of the options that shaped the version (the schema by path and hash)."""
+    return {
+        "ratios": dict(zip(SPLITS, ratios)),
+        "pii_action": pii_action,
+        "split_seed": split_seed,
+        "schema": None if schema_path is None else {"path": str(schema_path), "sha256": file_sha256(schema_path)},
+    }
+
+
+def _write_version(out_dir: Path, target: dict[str, Any], report: dict[str, Any], payloads: dict[str, bytes],
+                   manifest: dict[str, Any]) -> None:
+    """`out_dir` whole, in one step: the PII report, the split files and the manifest."""
     with output_dir(out_dir, **target) as tmp:
         _write_json(tmp / PII_REPORT_NAME, report)
         for file_name, payload in payloads.items():
             (tmp / file_name).write_bytes(payload)
         _write_json(tmp / MANIFEST_NAME, manifest)
-    return PrepareResult(version=version, out_dir=out_dir, manifest=manifest)
 
 
 def split_files(out_dir: str | Path) -> dict[str, Path]:
