@@ -111,10 +111,23 @@ def _size(nbytes: float | None, unit: int) -> str:
 
 
 def print_measure(report: dict[str, Any], console: Console) -> None:
+    """Print `measure_report`'s answer: memory, the plan's largest phases, the step's compute and its
+    transfers as tables, then the step on the cluster and the throughput."""
     mem, time, est = report["memory"], report["time"], report["estimate"]
     console.print(f"[bold]{report['recipe']}[/bold], rank {report['rank']} of {report['layout']}, measured on "
                   f"{report['device']}")
     name, unit = _unit(report)
+    console.print(_memory_table(mem, name, unit))
+    by_phase = _phases_table(mem, name, unit)
+    if by_phase is not None:
+        console.print(by_phase)
+    console.print(_compute_table(time))
+    console.print(_transfers_table(report["comm"]))
+    _print_step_and_throughput(report, est, console)
+
+
+def _memory_table(mem: dict[str, Any], name: str, unit: int) -> Table:
+    """The rank's state, its memory held between steps and its peak: planned beside measured."""
     table = Table(title=f"Memory: planned and measured ({name})", title_justify="left")
     for column in ("", "planned", "measured", "measured / planned"):
         table.add_column(column, justify="left" if not column else "right")
@@ -125,17 +138,26 @@ def print_measure(report: dict[str, Any], console: Console) -> None:
     ratio = f"{mem['peak_ratio']:.3f}" if mem["peak_ratio"] is not None else "-"
     table.add_row(f"[bold]peak[/bold] (plan: {mem['planned_peak_phase']})", _size(mem["planned_peak_bytes"], unit),
                   _size(mem["peak_bytes"], unit), ratio)
-    console.print(table)
+    return table
+
+
+def _phases_table(mem: dict[str, Any], name: str, unit: int) -> Table | None:
+    """The six largest planned phases that were measured; None when none was (on a CPU)."""
     phases = sorted(mem["phases"], key=lambda row: -row["planned_bytes"])[:6]
-    if phases:
-        by_phase = Table(title=f"The plan's largest phases: planned, and allocated when the phase began ({name})",
-                         title_justify="left")
-        for column in ("phase", "planned", "planned at its start", "measured at its start"):
-            by_phase.add_column(column, justify="left" if column == "phase" else "right")
-        for row in phases:
-            by_phase.add_row(row["phase"], _size(row["planned_bytes"], unit), _size(row["planned_at_start_bytes"], unit),
-                             _size(row["measured_at_start_bytes"], unit))
-        console.print(by_phase)
+    if not phases:
+        return None
+    by_phase = Table(title=f"The plan's largest phases: planned, and allocated when the phase began ({name})",
+                     title_justify="left")
+    for column in ("phase", "planned", "planned at its start", "measured at its start"):
+        by_phase.add_column(column, justify="left" if column == "phase" else "right")
+    for row in phases:
+        by_phase.add_row(row["phase"], _size(row["planned_bytes"], unit), _size(row["planned_at_start_bytes"], unit),
+                         _size(row["measured_at_start_bytes"], unit))
+    return by_phase
+
+
+def _compute_table(time: dict[str, Any]) -> Table:
+    """The seconds of one step's compute on this rank, by part."""
     times = Table(title=f"Compute of one step on this rank ({time['micro_batches']} micro-batches of "
                         f"{time['tokens_per_micro_batch']:,} tokens; mean of {time['steps_timed']} steps)",
                   title_justify="left")
@@ -149,15 +171,24 @@ def print_measure(report: dict[str, Any], console: Console) -> None:
              ("step", "step_s")]
     for label, key in rows:
         times.add_row(label, f"{time[key]:.3f}")
-    console.print(times)
+    return times
+
+
+def _transfers_table(transfers: list[dict[str, Any]]) -> Table:
+    """The estimated transfers of a step, those of 1 MB or more."""
     comm = Table(title="Transfers per step, estimated (not timed here; under 1 MB left out)", title_justify="left")
     for column in ("group (mesh axes)", "collective", "ranks", "link", "GB received", "seconds", "hidden by compute"):
         comm.add_column(column, justify="right" if column in ("ranks", "GB received", "seconds") else "left")
-    for t in report["comm"]:
+    for t in transfers:
         if t["bytes"] >= 1e6:
             comm.add_row(t["axes"], t["op"], str(t["ranks"]), t["link"], f"{t['bytes'] / 1e9:.2f}",
                          f"{t['seconds']:.3f}", "yes" if t["overlapped"] else "no")
-    console.print(comm)
+    return comm
+
+
+def _print_step_and_throughput(report: dict[str, Any], est: dict[str, Any], console: Console) -> None:
+    """The links assumed, the estimated step on the cluster (and the emulated one, when measured), and
+    the tokens/s and TFLOP/s per GPU that follow."""
     links = report["links"]
     console.print(f"links: NVLink {links['nvlink_gbps']:g} GB/s, fabric {links['fabric_gbps']:g} GB/s per GPU, "
                   f"{links.get('latency_us', 0):g} us a message, {links['gpus_per_node']} GPUs a node; "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 
-from glmtune.config import config_from_dict
+from glmtune.config import JobConfig, config_from_dict
 from glmtune.config.yaml_layers import load_yaml_text
 from glmtune.data.tokenizer import resolve_tokenizer_dir
 from glmtune.io import json_out
@@ -202,17 +202,10 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     engine = parse_engine(req.engine, req.engine_version)
     approval = _approval(req.approved_by, req.approval_note, created)
     key = signing.read_key(req.sign_key, "--sign-key") if req.sign_key is not None else None
-    cfg, run_record, resolved, data_manifest = _read_run(run_dir)
-    lora = cfg.peft.method == "lora"
-    deployable = _deployable(run_dir, lora)
-    scorecard, scorecard_sha = load_eval(eval_dir)
-    if not scorecard["passed"] and not req.allow_failed_gates:
-        raise ValueError(f"--eval {eval_dir}: the eval failed its release gates: {'; '.join(failed_gates(scorecard))}"
-                         " (--allow-failed-gates releases anyway and records it)")
-    base_dir = (run_dir / BASE_DIR) if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
-    engine.update(deployment(engine, cfg, run_dir, base_dir))
-    tokenizer_dir = _tokenizer_dir(cfg, run_dir, lora, base_dir)
-    recorded = _recorded_inputs(run_dir, eval_dir, deployable, base_dir, tokenizer_dir)
+    inputs = _read_inputs(run_dir, eval_dir, req.allow_failed_gates)
+    engine.update(deployment(engine, inputs.cfg, run_dir, inputs.base_dir))
+    tokenizer_dir = _tokenizer_dir(inputs.cfg, run_dir, inputs.lora, inputs.base_dir)
+    recorded = _recorded_inputs(run_dir, eval_dir, inputs.deployable, inputs.base_dir, tokenizer_dir)
     reads = recorded + ([("--previous", Path(req.previous))] if req.previous is not None else [])
     check_output(out, kind="file", overwrite=req.overwrite, sources=reads, what="--out", command="release")
     card = model_card.release_card_path(out)
@@ -222,49 +215,10 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
         _check_key_outside(Path(req.sign_key), recorded)
     previous = _previous(req.previous, manifest_dir)
 
-    # Hashing: the deployable artifacts first (the candidate check needs them), then the rest.
-    artifacts, shipped = _record_deployable(deployable, manifest_dir)
-    candidate, evaluated = released_candidate(scorecard, run_dir, shipped, eval_dir)
-    rollback, untriggered = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback),
-                                                      req.rollback_margin)
-    base, base_artifact = record_base(cfg, run_dir, run_record, manifest_dir, lora)
-    check_evaluated_base(candidate, base, eval_dir)
-    if base_artifact is not None:
-        artifacts.append(base_artifact)
-    tokenizer, tokenizer_artifact = tokenizer_section(tokenizer_dir, manifest_dir)
-    _check_template(tokenizer, scorecard, eval_dir)
-    data, data_artifacts = data_section(cfg, run_dir, data_manifest, manifest_dir, approval)
-    artifacts += [tokenizer_artifact, *data_artifacts]
-    for name, path, what in (("config", run_dir / "config.yaml", "the resolved training config"),
-                             ("run_record", run_dir / RUN_FILE, "the run's id (run.json)")):
-        artifacts.append(record_artifact(name, path, "file", what, manifest_dir)[0])
-    artifacts.append(record_artifact("eval", eval_dir, "dir", "the eval directory (scorecard, suite, sets)",
-                                     manifest_dir)[0])
-    by_name = {a["name"]: a for a in artifacts}
-    manifest = {
-        "format": FORMAT,
-        "id": None,
-        "created": created,
-        "run": {"path": stored_root(run_dir, manifest_dir), "run_id": run_record["run_id"],
-                "run_created": run_record.get("created"), "name": cfg.name,
-                "method": "lora" if lora else "full", "shipped": [name for name, _, _ in deployable]},
-        "base": base,
-        "engine": engine,
-        "tokenizer": tokenizer,
-        "prompt": dict(scorecard.get("prompt") or {}),  # system prompt, tool schema, template hashes
-        "eval": eval_section(scorecard, scorecard_sha, candidate, evaluated, req.allow_failed_gates,
-                             by_name["eval"]["root"]),
-        "data": data,
-        "config": {"artifact": "config", "sha256": by_name["config"]["files"][0]["sha256"], "resolved": resolved},
-        "environment": environment(),
-        "previous": previous,
-        "rollback": {"margin": req.rollback_margin, "to": previous["id"] if previous else None,
-                     "triggers": rollback, "untriggered": untriggered},
-        "artifacts": artifacts,
-        "signature": None,
-    }
-    model_dir = base_dir if lora else run_dir / "hf"  # whose config.json describes what ships
-    facts = release_facts(manifest, cfg, run_dir, model_dir)
+    manifest = _hashed_manifest(req, inputs, tokenizer_dir, manifest_dir, created=created, engine=engine,
+                                approval=approval, previous=previous)
+    model_dir = inputs.base_dir if inputs.lora else run_dir / "hf"  # whose config.json describes what ships
+    facts = release_facts(manifest, inputs.cfg, run_dir, model_dir)
     manifest["artifacts"].append(model_card.write_release_card(card, facts, out.name, manifest_dir,
                                                                overwrite=req.overwrite, sources=reads))
     manifest["id"] = release_id(manifest)
@@ -273,6 +227,88 @@ def create_release(req: ReleaseRequest) -> tuple[dict[str, Any], Path]:
     with output_file(out, overwrite=req.overwrite, sources=reads, what="--out", command="release") as tmp:
         tmp.write_text(json_out.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # RFC 8259: no bare NaN
     return manifest, out
+
+
+@dataclass
+class _Inputs:
+    """The run and the eval a release reads, as the cheap checks found them (nothing hashed yet)."""
+
+    run_dir: Path
+    eval_dir: Path
+    cfg: JobConfig
+    run_record: dict[str, Any]
+    resolved: Any  # config.yaml as read, recorded as it is
+    data_manifest: dict[str, Any]
+    lora: bool
+    deployable: list[tuple[str, Path, str]]
+    scorecard: dict[str, Any]
+    scorecard_sha: str
+    base_dir: Path
+
+
+def _read_inputs(run_dir: Path, eval_dir: Path, allow_failed_gates: bool) -> _Inputs:
+    """Read the finished run, what it ships and the eval that scored it; a failed eval is refused
+    unless `allow_failed_gates`."""
+    cfg, run_record, resolved, data_manifest = _read_run(run_dir)
+    lora = cfg.peft.method == "lora"
+    deployable = _deployable(run_dir, lora)
+    scorecard, scorecard_sha = load_eval(eval_dir)
+    if not scorecard["passed"] and not allow_failed_gates:
+        raise ValueError(f"--eval {eval_dir}: the eval failed its release gates: {'; '.join(failed_gates(scorecard))}"
+                         " (--allow-failed-gates releases anyway and records it)")
+    base_dir = (run_dir / BASE_DIR) if is_preset(cfg.model.name_or_path) else Path(cfg.model.name_or_path)
+    return _Inputs(run_dir, eval_dir, cfg, run_record, resolved, data_manifest, lora, deployable, scorecard,
+                   scorecard_sha, base_dir)
+
+
+def _hashed_manifest(req: ReleaseRequest, inputs: _Inputs, tokenizer_dir: Path, manifest_dir: Path, *,
+                     created: str, engine: dict[str, Any], approval: dict[str, Any] | None,
+                     previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest but for its model card, id and signature: every artifact hashed, and the eval's
+    candidate matched with the run's artifacts as they are now."""
+    run_dir, eval_dir, cfg, scorecard = inputs.run_dir, inputs.eval_dir, inputs.cfg, inputs.scorecard
+    # The deployable artifacts first (the candidate check needs them), then the rest.
+    artifacts, shipped = _record_deployable(inputs.deployable, manifest_dir)
+    candidate, evaluated = released_candidate(scorecard, run_dir, shipped, eval_dir)
+    rollback, untriggered = triggers.resolve_triggers(scorecard, candidate["label"], list(req.rollback),
+                                                      req.rollback_margin)
+    base, base_artifact = record_base(cfg, run_dir, inputs.run_record, manifest_dir, inputs.lora)
+    check_evaluated_base(candidate, base, eval_dir)
+    if base_artifact is not None:
+        artifacts.append(base_artifact)
+    tokenizer, tokenizer_artifact = tokenizer_section(tokenizer_dir, manifest_dir)
+    _check_template(tokenizer, scorecard, eval_dir)
+    data, data_artifacts = data_section(cfg, run_dir, inputs.data_manifest, manifest_dir, approval)
+    artifacts += [tokenizer_artifact, *data_artifacts]
+    for name, path, what in (("config", run_dir / "config.yaml", "the resolved training config"),
+                             ("run_record", run_dir / RUN_FILE, "the run's id (run.json)")):
+        artifacts.append(record_artifact(name, path, "file", what, manifest_dir)[0])
+    artifacts.append(record_artifact("eval", eval_dir, "dir", "the eval directory (scorecard, suite, sets)",
+                                     manifest_dir)[0])
+    by_name = {a["name"]: a for a in artifacts}
+    return {
+        "format": FORMAT,
+        "id": None,
+        "created": created,
+        "run": {"path": stored_root(run_dir, manifest_dir), "run_id": inputs.run_record["run_id"],
+                "run_created": inputs.run_record.get("created"), "name": cfg.name,
+                "method": "lora" if inputs.lora else "full", "shipped": [name for name, _, _ in inputs.deployable]},
+        "base": base,
+        "engine": engine,
+        "tokenizer": tokenizer,
+        "prompt": dict(scorecard.get("prompt") or {}),  # system prompt, tool schema, template hashes
+        "eval": eval_section(scorecard, inputs.scorecard_sha, candidate, evaluated, req.allow_failed_gates,
+                             by_name["eval"]["root"]),
+        "data": data,
+        "config": {"artifact": "config", "sha256": by_name["config"]["files"][0]["sha256"],
+                   "resolved": inputs.resolved},
+        "environment": environment(),
+        "previous": previous,
+        "rollback": {"margin": req.rollback_margin, "to": previous["id"] if previous else None,
+                     "triggers": rollback, "untriggered": untriggered},
+        "artifacts": artifacts,
+        "signature": None,
+    }
 
 
 def _recorded_inputs(run_dir: Path, eval_dir: Path, deployable: list[tuple[str, Path, str]], base_dir: Path,
