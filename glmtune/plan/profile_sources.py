@@ -47,7 +47,7 @@ ROWS = 60
 @dataclass(frozen=True)
 class Source:
     kind: str
-    phase: str  # forward, recompute, backward, other
+    phase: str  # forward, recompute, backward, optimizer, other (no glmtune frame on its stack)
     operator: str
     site: str
 
