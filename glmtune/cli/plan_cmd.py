@@ -225,7 +225,7 @@ def _measure(args: argparse.Namespace, cfg) -> int:
         measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
                                 warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print,
                                 links=links if args.emulate_links else None, profile_dir=profile_dir)
-    if args.profile is not None:
+    if args.profile is not None and "error" not in (measured.profile or {}):
         console.print(f"wrote the timed steps' profile: {args.profile} (rank{rank}_kernels.txt, "
                       f"rank{rank}_summary.json, rank{rank}_sources.txt, rank{rank}_trace.json)")
     report = measure_report(cfg, args.recipe, measured, plan, links)

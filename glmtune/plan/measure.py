@@ -238,6 +238,16 @@ def _build(cfg: JobConfig, launch: Launch, mesh: ParallelMesh) -> nn.Module:
     return model
 
 
+def _written_profile(prof, profile_dir: Path, rank: int, on_device: bool, steps: int, say) -> dict[str, Any]:
+    """`write_profile`'s summary, or {"error": ...} when the profile cannot be read or written: a
+    diagnostic that fails must not cost the measurement it rode on (the report still comes)."""
+    try:
+        return write_profile(prof, profile_dir, rank, on_device, steps)
+    except Exception as exc:  # noqa: BLE001 - torch's profiler parse, the disk: reported, the measurement kept
+        say(f"the timed steps' profile could not be written: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1,
                  say=lambda message: None, links: Links | None = None,
                  profile_dir: Path | None = None) -> RankMeasurement:
@@ -291,7 +301,7 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
                 done += 1
                 _one_step(trainer, clock, probe, result, micro_losses, phase, (done, total), axes, say)
         if profiling:
-            result.profile = write_profile(prof, profile_dir, rank, device.type == "cuda", count)
+            result.profile = _written_profile(prof, profile_dir, rank, device.type == "cuda", count, say)
         if phase == "emulated":
             result.links = links
             result.lane_seconds = _lane_seconds(emulator, axes, count)

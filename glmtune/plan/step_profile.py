@@ -124,9 +124,15 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
     (out_dir / f"rank{rank}_kernels.txt").write_text(table + "\n", encoding="utf-8")
     summary = summarize(prof, on_device, steps)
     if summary["compute_stream"] is not None:
-        rows = sources(prof, on_device, summary["compute_stream"], steps)
-        (out_dir / f"rank{rank}_sources.txt").write_text(sources_table(rows), encoding="utf-8")
-        summary["sources"] = rows[:SUMMARY_SOURCES]
+        try:
+            rows = sources(prof, on_device, summary["compute_stream"], steps)
+        except Exception as exc:  # noqa: BLE001 - an attribution that fails must not cost the tables beside it
+            summary["sources_error"] = f"{type(exc).__name__}: {exc}"
+            (out_dir / f"rank{rank}_sources.txt").write_text(f"not attributed: {summary['sources_error']}\n",
+                                                              encoding="utf-8")
+        else:
+            (out_dir / f"rank{rank}_sources.txt").write_text(sources_table(rows), encoding="utf-8")
+            summary["sources"] = rows[:SUMMARY_SOURCES]
     (out_dir / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     prof.export_chrome_trace(str(out_dir / f"rank{rank}_trace.json"))
     return summary

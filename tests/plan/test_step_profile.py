@@ -148,3 +148,32 @@ def test_a_site_is_glmtunes_own_frame(frame, site):
     from glmtune.plan.profile_sources import _glmtune_frame
 
     assert _glmtune_frame(frame) == site
+
+
+def test_an_attribution_that_fails_leaves_the_other_tables_and_says_why(tmp_path, capsys, monkeypatch):
+    import glmtune.plan.step_profile as step_profile
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no correlation ids")
+
+    monkeypatch.setattr(step_profile, "sources", broken)
+    out = tmp_path / "profile"
+    assert main([*MEASURE, "--profile", str(out)]) == 0
+    summary = json.loads((out / "rank1_summary.json").read_text())
+    assert summary["sources_error"] == "RuntimeError: no correlation ids" and "sources" not in summary
+    assert (out / "rank1_sources.txt").read_text() == "not attributed: RuntimeError: no correlation ids\n"
+    assert "aten::mm" in (out / "rank1_kernels.txt").read_text()
+
+
+def test_a_profile_that_cannot_be_written_does_not_cost_the_measurement(tmp_path, capsys, monkeypatch):
+    import glmtune.plan.measure as measure
+
+    def broken(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xc0", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(measure, "write_profile", broken)
+    assert main([*MEASURE, "--profile", str(tmp_path / "profile")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["rank"] == 1  # the report came
+    assert "the timed steps' profile could not be written: UnicodeDecodeError" in captured.err
+    assert "wrote the timed steps' profile" not in captured.err
