@@ -123,27 +123,43 @@ def phase_and_site(event, sites: dict[tuple[int, int], str]) -> tuple[str, str]:
     return ("forward", site) if site is not None else ("other", "?")
 
 
-def _charged(prof, on_device: bool, stream) -> list[tuple[Any, str, float]]:
-    """(launching operator event or None, kernel or operator name, microseconds) to charge."""
-    events = prof.events()
-    if not on_device:
-        return [(e, e.name, e.self_cpu_time_total) for e in events
-                if e.device_type == DeviceType.CPU and not e.is_python_function and not e.is_user_annotation]
-    by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU}
-    return [(by_id.get(e.linked_correlation_id), e.name, e.time_range.elapsed_us()) for e in events
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation and str(e.device_resource_id) == stream]
+def timed_events(prof, on_device: bool) -> list[tuple[Any, Any, float]]:
+    """(event, stream, own microseconds) of each kernel (on a device) or CPU operator: the time a profile
+    counts (`step_profile.summarize`) and charges here."""
+    events = []
+    for event in prof.events():
+        # a range a caller marked (record_function: the pipeline schedule's "PP:..." ranges, shown on the
+        # device's timeline too) spans kernels counted on their own: counting it would count them twice
+        if event.is_user_annotation:
+            continue
+        if on_device and event.device_type == DeviceType.CUDA:
+            events.append((event, event.device_resource_id, event.time_range.elapsed_us()))
+        elif not on_device and event.device_type == DeviceType.CPU and not event.is_python_function:
+            # its own time, its children's excluded: each microsecond counted once, under the
+            # operator that spent it (aten::mm, not the autograd node that called it)
+            events.append((event, "cpu", event.self_cpu_time_total))
+    return events
 
 
 def sources(prof, on_device: bool, stream, steps: int) -> list[dict[str, Any]]:
     """Seconds per step and share of each (kind, phase, operator, site), heaviest first, on `stream`."""
-    sites = forward_sites(prof.events())
+    events = prof.events()
+    sites = forward_sites(events)
+    launcher = {e.id: e for e in events if e.device_type == DeviceType.CPU} if on_device else {}
+    charged: dict[int, tuple[str, str, str]] = {}  # operator event id -> (phase, operator, site): one walk each
     seconds: dict[Source, float] = defaultdict(float)
-    for operator, kernel, micros in _charged(prof, on_device, stream):
+    for event, event_stream, micros in timed_events(prof, on_device):
+        if str(event_stream) != str(stream):
+            continue
+        operator = launcher.get(event.linked_correlation_id) if on_device else event
         if operator is None:
-            key = Source(kind_of(kernel), "other", "?", "?")
+            key = Source(kind_of(event.name), "other", "?", "?")
         else:
-            phase, site = phase_and_site(operator, sites)
-            key = Source(kind_of(kernel), phase, _outer_operator(operator, _chain(operator)), site)
+            if operator.id not in charged:
+                phase, site = phase_and_site(operator, sites)
+                charged[operator.id] = (phase, _outer_operator(operator, _chain(operator)), site)
+            phase, name, site = charged[operator.id]
+            key = Source(kind_of(event.name), phase, name, site)
         seconds[key] += micros / 1e6 / steps
     total = sum(seconds.values()) or 1.0
     rows = sorted(seconds.items(), key=lambda item: -item[1])

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 from glmtune.plan.kernel_kinds import KINDS, kind_of
 from glmtune.plan.profile_sources import is_python_frame, sources, sources_table
+from glmtune.plan.profile_sources import timed_events as profile_events  # with their events
 
 TABLE_ROWS = 40
 SUMMARY_SOURCES = 25  # the heaviest (kind, phase, operator, site) rows, also in the summary
@@ -67,7 +67,7 @@ def profiled(device: torch.device) -> Iterator[profile]:
     global _KEPT_CODE
     _install_code_keeper()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    kept, _KEPT_CODE = [], []
+    _KEPT_CODE = []
     try:
         with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
             yield prof
@@ -79,20 +79,9 @@ def profiled(device: torch.device) -> Iterator[profile]:
 
 
 def timed_events(prof: profile, on_device: bool) -> list[tuple[str, Any, float]]:
-    """(name, stream, own microseconds) of each kernel (on a device) or CPU operator."""
-    events = []
-    for event in prof.events():
-        # a range a caller marked (record_function: the pipeline schedule's "PP:..." ranges, shown on the
-        # device's timeline too) spans kernels counted on their own: counting it would count them twice
-        if event.is_user_annotation:
-            continue
-        if on_device and event.device_type == DeviceType.CUDA:
-            events.append((event.name, event.device_resource_id, event.time_range.elapsed_us()))
-        elif not on_device and event.device_type == DeviceType.CPU and not event.is_python_function:
-            # its own time, its children's excluded: each microsecond counted once, under the
-            # operator that spent it (aten::mm, not the autograd node that called it)
-            events.append((event.name, "cpu", event.self_cpu_time_total))
-    return events
+    """(name, stream, own microseconds) of each kernel (on a device) or CPU operator
+    (`profile_sources.timed_events`, which the sources table charges)."""
+    return [(event.name, stream, micros) for event, stream, micros in profile_events(prof, on_device)]
 
 
 def summarize(prof: profile, on_device: bool, steps: int) -> dict[str, Any]:
