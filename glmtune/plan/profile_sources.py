@@ -17,18 +17,25 @@ charged to:
                  custom backward (a glmtune frame inside the node) is its own site;
       optimizer  the optimizer's step (torch.optim's or glmtune's AdamW on the stack).
 
-It needs the profiler's Python stacks (`with_stack=True`, which `profiled` turns on), and names
-an estimate of its own: a kernel whose operator cannot be found (a side stream's, an allocator's)
-is charged to "?". Rows are (kind, phase, operator, site), heaviest first.
+It needs the profiler's Python stacks (`with_stack=True`, which `profiled` turns on). From torch
+2.12 the profile's events hold the Python frames, each the parent of what it called; torch 2.11
+(the GPU image's) keeps them only in the exported Chrome trace, so there each operator's frames
+are found by time on its thread there (`trace_frames`) and put back between it and its parent
+operator (`_chain`): both give the same rows (tested). A kernel whose operator cannot be found (a
+side stream's, an allocator's) is charged to "?". Rows are (kind, phase, operator, site),
+heaviest first.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch.autograd import DeviceType
 
 from glmtune.plan.kernel_kinds import kind_of
@@ -65,11 +72,67 @@ def _glmtune_frame(name: str) -> str | None:
     return None if inside is None else f"{inside[1]}({frame['line']}): {frame['function']}"
 
 
-def _chain(event) -> list:
+def is_frame_event(event) -> bool:
+    """Whether a profile event is a Python frame's (torch >= 2.12 records them as events)."""
+    return getattr(event, "is_python_function", False)
+
+
+def holds_frames(events) -> bool:
+    """Whether a profile's events hold its Python frames (torch >= 2.12), or only its trace does."""
+    return any(map(is_frame_event, events))
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A Python frame that a torch 2.11 profile kept only in its trace, standing in the chain as an event."""
+    name: str
+    is_user_annotation: bool = False
+
+
+Frames = dict[int, tuple[str, ...]]  # operator event id -> its Python frames, innermost first
+
+
+def trace_frames(trace: Path) -> Frames:
+    """Each CPU operator's enclosing Python frames in a Chrome trace (`export_chrome_trace`), innermost
+    first, keyed by the operator's "External id" (its event's id): the frames on its thread that were
+    open when it started."""
+    threads: dict[Any, list[dict]] = defaultdict(list)
+    for entry in json.loads(Path(trace).read_text(encoding="utf-8"))["traceEvents"]:
+        if entry.get("ph") == "X" and entry.get("cat") in ("python_function", "cpu_op", "user_annotation"):
+            threads[entry["tid"]].append(entry)
+    frames: Frames = {}
+    for entries in threads.values():
+        # an enclosing frame first: earlier start, then longer, then a frame before an operator
+        entries.sort(key=lambda e: (e["ts"], -e["dur"], e["cat"] != "python_function"))
+        open_frames: list[tuple[float, str]] = []  # (end, name), outermost first
+        for entry in entries:
+            while open_frames and open_frames[-1][0] <= entry["ts"]:
+                open_frames.pop()
+            if entry["cat"] == "python_function":
+                open_frames.append((entry["ts"] + entry["dur"], entry["name"]))
+            elif "External id" in entry.get("args", {}):
+                frames[entry["args"]["External id"]] = tuple(name for _, name in reversed(open_frames))
+    return frames
+
+
+def _chain(event, frames: Frames | None = None) -> list:
+    """`event`'s ancestors, innermost first: operators and Python frames. With `frames` (a torch 2.11
+    profile) the frames of the trace go between each operator and its parent operator."""
     chain, parent = [], event.cpu_parent
-    while parent is not None:
-        chain.append(parent)
-        parent = parent.cpu_parent
+    if frames is None:
+        while parent is not None:
+            chain.append(parent)
+            parent = parent.cpu_parent
+        return chain
+    current = event
+    while current is not None:
+        while parent is not None and is_frame_event(parent):
+            parent = parent.cpu_parent  # a newer torch's own frames: the trace's stand in for them
+        own, outer = frames.get(current.id, ()), frames.get(parent.id, ()) if parent is not None else ()
+        chain.extend(_Frame(name) for name in own[:max(len(own) - len(outer), 0)])
+        if parent is not None:
+            chain.append(parent)
+        current, parent = parent, parent.cpu_parent if parent is not None else None
     return chain
 
 
@@ -84,16 +147,16 @@ def _outer_operator(event, chain: list) -> str:
     return name
 
 
-def forward_sites(events) -> dict[tuple[int, int], str]:
+def forward_sites(events, frames: Frames | None = None) -> dict[tuple[int, int], str]:
     """(thread, sequence number) of each forward operator that recorded an autograd node -> its site."""
     sites: dict[tuple[int, int], str] = {}
     for event in sorted(events, key=lambda e: e.time_range.start):
-        if event.device_type != DeviceType.CPU or event.sequence_nr < 0 or event.is_python_function:
+        if event.device_type != DeviceType.CPU or event.sequence_nr < 0 or is_frame_event(event):
             continue
         key = (event.thread, event.sequence_nr)
         if key in sites:
             continue  # the outermost operator of the node came first
-        chain = _chain(event)
+        chain = _chain(event, frames)
         if any(a.name.startswith(BACKWARD_NODE) for a in chain):
             continue  # a recomputation or a backward: not the node's forward
         site = next((f for f in map(_glmtune_frame, (a.name for a in chain)) if f), None)
@@ -102,10 +165,10 @@ def forward_sites(events) -> dict[tuple[int, int], str]:
     return sites
 
 
-def phase_and_site(event, sites: dict[tuple[int, int], str]) -> tuple[str, str]:
+def phase_and_site(event, sites: dict[tuple[int, int], str], frames: Frames | None = None) -> tuple[str, str]:
     """(phase, site) of an operator event (module docstring)."""
     site, recompute = None, False
-    chain = [event, *_chain(event)]  # an autograd node's own event (its time on a CPU) is in its node
+    chain = [event, *_chain(event, frames)]  # an autograd node's own event (its time on a CPU) is in its node
     if any(_OPTIMIZER.search(a.name) for a in chain):
         return "optimizer", next((f for f in map(_glmtune_frame, (a.name for a in chain)) if f), "?")
     for ancestor in chain:
@@ -134,17 +197,23 @@ def timed_events(prof, on_device: bool) -> list[tuple[Any, Any, float]]:
             continue
         if on_device and event.device_type == DeviceType.CUDA:
             events.append((event, event.device_resource_id, event.time_range.elapsed_us()))
-        elif not on_device and event.device_type == DeviceType.CPU and not event.is_python_function:
+        elif not on_device and event.device_type == DeviceType.CPU and not is_frame_event(event):
             # its own time, its children's excluded: each microsecond counted once, under the
             # operator that spent it (aten::mm, not the autograd node that called it)
             events.append((event, "cpu", event.self_cpu_time_total))
     return events
 
 
-def sources(prof, on_device: bool, stream, steps: int) -> list[dict[str, Any]]:
-    """Seconds per step and share of each (kind, phase, operator, site), heaviest first, on `stream`."""
+def sources(prof, on_device: bool, stream, steps: int, trace: Path | None = None) -> list[dict[str, Any]]:
+    """Seconds per step and share of each (kind, phase, operator, site), heaviest first, on `stream`.
+    `trace`: the profile's exported Chrome trace, read for the Python frames when its events hold none
+    (torch 2.11); given for a profile that holds them, its frames are used instead of the events'."""
     events = prof.events()
-    sites = forward_sites(events)
+    frames = trace_frames(trace) if trace is not None else None
+    if frames is None and not holds_frames(events):
+        raise ValueError(f"this torch ({torch.__version__}) keeps the profile's Python frames only in its "
+                         "exported trace: pass the trace")
+    sites = forward_sites(events, frames)
     launcher = {e.id: e for e in events if e.device_type == DeviceType.CPU} if on_device else {}
     charged: dict[int, tuple[str, str, str]] = {}  # operator event id -> (phase, operator, site): one walk each
     seconds: dict[Source, float] = defaultdict(float)
@@ -156,8 +225,8 @@ def sources(prof, on_device: bool, stream, steps: int) -> list[dict[str, Any]]:
             key = Source(kind_of(event.name), "other", "?", "?")
         else:
             if operator.id not in charged:
-                phase, site = phase_and_site(operator, sites)
-                charged[operator.id] = (phase, _outer_operator(operator, _chain(operator)), site)
+                phase, site = phase_and_site(operator, sites, frames)
+                charged[operator.id] = (phase, _outer_operator(operator, _chain(operator, frames)), site)
             phase, name, site = charged[operator.id]
             key = Source(kind_of(event.name), phase, name, site)
         seconds[key] += micros / 1e6 / steps
