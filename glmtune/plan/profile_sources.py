@@ -18,24 +18,21 @@ charged to:
       optimizer  the optimizer's step (torch.optim's or glmtune's AdamW on the stack).
 
 It needs the profiler's Python stacks (`with_stack=True`, which `profiled` turns on). From torch
-2.12 the profile's events hold the Python frames, each the parent of what it called; torch 2.11
-(the GPU image's) keeps them only in the exported Chrome trace, so there each operator's frames
-are found by time on its thread there (`trace_frames`) and put back between it and its parent
-operator (`_chain`): both give the same rows (tested). A kernel whose operator cannot be found (a
+2.12 the profile's events hold the Python frames, each the parent of what it called; torch 2.11's
+(the GPU image's) hold none, so there each operator's frames are read from the profiler's event
+tree (`tree_frames`) and put back between it and its parent operator (`_chain`): both give the
+same rows (tested). A kernel whose operator cannot be found (a
 side stream's, an allocator's) is charged to "?". Rows are (kind, phase, operator, site),
 heaviest first.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch.autograd import DeviceType
 
 from glmtune.plan.kernel_kinds import kind_of
@@ -84,7 +81,7 @@ def holds_frames(events) -> bool:
 
 @dataclass(frozen=True)
 class _Frame:
-    """A Python frame that a torch 2.11 profile kept only in its trace, standing in the chain as an event."""
+    """A Python frame of the event tree, standing in an operator's chain as an event would."""
     name: str
     is_user_annotation: bool = False
 
@@ -92,32 +89,26 @@ class _Frame:
 Frames = dict[int, tuple[str, ...]]  # operator event id -> its Python frames, innermost first
 
 
-def trace_frames(trace: Path) -> Frames:
-    """Each CPU operator's enclosing Python frames in a Chrome trace (`export_chrome_trace`), innermost
-    first, keyed by the operator's "External id" (its event's id): the frames on its thread that were
-    open when it started."""
-    threads: dict[Any, list[dict]] = defaultdict(list)
-    for entry in json.loads(Path(trace).read_text(encoding="utf-8"))["traceEvents"]:
-        if entry.get("ph") == "X" and entry.get("cat") in ("python_function", "cpu_op", "user_annotation"):
-            threads[entry["tid"]].append(entry)
+def tree_frames(prof) -> Frames:
+    """Each operator's enclosing Python frames, innermost first, keyed by its event's id: from the
+    profiler's event tree (`experimental_event_tree`, where the frames are nodes above the operators
+    they called, in every torch that records them)."""
     frames: Frames = {}
-    for entries in threads.values():
-        # an enclosing frame first: earlier start, then longer, then a frame before an operator
-        entries.sort(key=lambda e: (e["ts"], -e["dur"], e["cat"] != "python_function"))
-        open_frames: list[tuple[float, str]] = []  # (end, name), outermost first
-        for entry in entries:
-            while open_frames and open_frames[-1][0] <= entry["ts"]:
-                open_frames.pop()
-            if entry["cat"] == "python_function":
-                open_frames.append((entry["ts"] + entry["dur"], entry["name"]))
-            elif "External id" in entry.get("args", {}):
-                frames[entry["args"]["External id"]] = tuple(name for _, name in reversed(open_frames))
+    pending = [(root, ()) for root in prof.profiler.kineto_results.experimental_event_tree()]
+    while pending:
+        node, above = pending.pop()  # above: the Python frames over `node`, innermost first
+        tag = str(node.tag)
+        if tag.endswith(("PyCall", "PyCCall")):
+            above = (node.name, *above)
+        elif tag.endswith("TorchOp"):
+            frames[node.correlation_id] = above
+        pending.extend((child, above) for child in node.children)
     return frames
 
 
 def _chain(event, frames: Frames | None = None) -> list:
     """`event`'s ancestors, innermost first: operators and Python frames. With `frames` (a torch 2.11
-    profile) the frames of the trace go between each operator and its parent operator."""
+    profile) the tree's frames go between each operator and its parent operator."""
     chain, parent = [], event.cpu_parent
     if frames is None:
         while parent is not None:
@@ -127,7 +118,7 @@ def _chain(event, frames: Frames | None = None) -> list:
     current = event
     while current is not None:
         while parent is not None and is_frame_event(parent):
-            parent = parent.cpu_parent  # a newer torch's own frames: the trace's stand in for them
+            parent = parent.cpu_parent  # a newer torch's own frames: the tree's stand in for them
         own, outer = frames.get(current.id, ()), frames.get(parent.id, ()) if parent is not None else ()
         chain.extend(_Frame(name) for name in own[:max(len(own) - len(outer), 0)])
         if parent is not None:
@@ -204,15 +195,13 @@ def timed_events(prof, on_device: bool) -> list[tuple[Any, Any, float]]:
     return events
 
 
-def sources(prof, on_device: bool, stream, steps: int, trace: Path | None = None) -> list[dict[str, Any]]:
+def sources(prof, on_device: bool, stream, steps: int, frames: Frames | None = None) -> list[dict[str, Any]]:
     """Seconds per step and share of each (kind, phase, operator, site), heaviest first, on `stream`.
-    `trace`: the profile's exported Chrome trace, read for the Python frames when its events hold none
-    (torch 2.11); given for a profile that holds them, its frames are used instead of the events'."""
+    The Python frames come from the profile's events where they hold them, else from its event tree
+    (`tree_frames`; torch 2.11); `frames` given are used instead of either."""
     events = prof.events()
-    frames = trace_frames(trace) if trace is not None else None
     if frames is None and not holds_frames(events):
-        raise ValueError(f"this torch ({torch.__version__}) keeps the profile's Python frames only in its "
-                         "exported trace: pass the trace")
+        frames = tree_frames(prof)
     sites = forward_sites(events, frames)
     launcher = {e.id: e for e in events if e.device_type == DeviceType.CPU} if on_device else {}
     charged: dict[int, tuple[str, str, str]] = {}  # operator event id -> (phase, operator, site): one walk each

@@ -34,7 +34,7 @@ from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 from glmtune.plan.kernel_kinds import KINDS, kind_of
-from glmtune.plan.profile_sources import holds_frames, is_python_frame, sources, sources_table
+from glmtune.plan.profile_sources import is_python_frame, sources, sources_table
 from glmtune.plan.profile_sources import timed_events as profile_events  # with their events
 
 TABLE_ROWS = 40
@@ -112,12 +112,9 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
     table = operators.table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
     (out_dir / f"rank{rank}_kernels.txt").write_text(table + "\n", encoding="utf-8")
     summary = summarize(prof, on_device, steps)
-    trace = out_dir / f"rank{rank}_trace.json"
-    prof.export_chrome_trace(str(trace))  # first: a torch 2.11 profile's Python frames are only there
     if summary["compute_stream"] is not None:
         try:
-            rows = sources(prof, on_device, summary["compute_stream"], steps,
-                           trace=None if holds_frames(prof.events()) else trace)
+            rows = sources(prof, on_device, summary["compute_stream"], steps)
         except Exception as exc:  # noqa: BLE001 - an attribution that fails must not cost the tables beside it
             summary["sources_error"] = f"{type(exc).__name__}: {exc}"
             (out_dir / f"rank{rank}_sources.txt").write_text(f"not attributed: {summary['sources_error']}\n",
@@ -126,4 +123,5 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
             (out_dir / f"rank{rank}_sources.txt").write_text(sources_table(rows), encoding="utf-8")
             summary["sources"] = rows[:SUMMARY_SOURCES]
     (out_dir / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    prof.export_chrome_trace(str(out_dir / f"rank{rank}_trace.json"))
     return summary
