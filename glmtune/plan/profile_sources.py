@@ -195,6 +195,15 @@ def timed_events(prof, on_device: bool) -> list[tuple[Any, Any, float]]:
     return events
 
 
+def _launches(prof, events) -> dict[int, int]:
+    """Device event id -> the id of the CPU operator that launched it, for a torch (2.11) whose events do
+    not carry the link (`linked_correlation_id`): from the profiler's own records of the same events."""
+    if not events or hasattr(events[0], "linked_correlation_id"):
+        return {}
+    return {record.correlation_id(): record.linked_correlation_id()
+            for record in prof.profiler.kineto_results.events() if record.device_type() != DeviceType.CPU}
+
+
 def sources(prof, on_device: bool, stream, steps: int, frames: Frames | None = None) -> list[dict[str, Any]]:
     """Seconds per step and share of each (kind, phase, operator, site), heaviest first, on `stream`.
     The Python frames come from the profile's events where they hold them, else from its event tree
@@ -204,12 +213,14 @@ def sources(prof, on_device: bool, stream, steps: int, frames: Frames | None = N
         frames = tree_frames(prof)
     sites = forward_sites(events, frames)
     launcher = {e.id: e for e in events if e.device_type == DeviceType.CPU} if on_device else {}
+    launched_by = _launches(prof, events) if on_device else {}
     charged: dict[int, tuple[str, str, str]] = {}  # operator event id -> (phase, operator, site): one walk each
     seconds: dict[Source, float] = defaultdict(float)
     for event, event_stream, micros in timed_events(prof, on_device):
         if str(event_stream) != str(stream):
             continue
-        operator = launcher.get(event.linked_correlation_id) if on_device else event
+        operator = launcher.get(launched_by.get(event.id, getattr(event, "linked_correlation_id", 0))) \
+            if on_device else event
         if operator is None:
             key = Source(kind_of(event.name), "other", "?", "?")
         else:
