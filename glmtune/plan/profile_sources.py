@@ -1,8 +1,9 @@
 """Where a profiled step's kernel time comes from in glmtune's code: `rank{R}_sources.txt` of
 `glmtune plan --measure --profile DIR`.
 
-The kernel table says *what* ran (`aten::copy_` 0.42 s); a fix needs to know *which line* of the
-model asked for it. Each kernel on the compute stream (each CPU operator's own time on a CPU) is
+The kernel table says *what* ran (`aten::copy_` 0.42 s); a fix needs to know *which function* of
+the model asked for it. (The profiler names a frame by the line its function starts at, not the
+line running: a site is a function, `attention.py(263): _absorbed_attend`.) Each kernel on the compute stream (each CPU operator's own time on a CPU) is
 charged to:
 
   * its operator: the outermost aten operator above the one that launched it (`aten::cat`, not the

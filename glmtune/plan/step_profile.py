@@ -9,7 +9,7 @@ What the profile holds and why:
     compute: the link emulator's lanes and the stand-ins' copies run on side streams), time per
     kind of work: GEMMs, attention, copies and gathers, elementwise and the rest, each as seconds
     per step and a share; on a CPU the operators' own time (children's excluded), one "stream";
-  * `rank{R}_sources.txt`: the same time charged to the line of glmtune that asked for it, by
+  * `rank{R}_sources.txt`: the same time charged to the glmtune function that asked for it, by
     phase (forward, recompute, backward) and operator (`profile_sources.py`): which concatenation,
     which copy;
   * `rank{R}_trace.json`: the Chrome trace (chrome://tracing, Perfetto) for the timeline.
