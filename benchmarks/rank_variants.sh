@@ -8,14 +8,15 @@
 #
 # Each VARIANT is NAME:OVERRIDES; $OUT/NAME.json is the report (one JSON line) and $OUT/NAME.err its
 # progress. RANK may be "busiest" (the plan's busiest rank). Each run is cut at MEASURE_TIMEOUT seconds
-# (default 190). PROFILE=1 adds --profile $OUT/profile_NAME (its overhead is in the timed steps), prints
+# (default 190; 400 with PROFILE: writing sft_4k rank 192's profile took 100 s on an H100).
+# PROFILE=1 adds --profile $OUT/profile_NAME (its overhead is in the timed steps), prints
 # the heaviest 25 rows of its sources table (the device returns a command's last lines even when it
 # returns few files) and removes the Chrome trace, the largest file, unless KEEP_TRACE=1.
 set -uo pipefail
 OUT=${OUT:?set OUT}
 RECIPE=${RECIPE:?set RECIPE}
 RANK=${RANK:-busiest}
-TIMEOUT=${MEASURE_TIMEOUT:-190}
+TIMEOUT=${MEASURE_TIMEOUT:-$([ -n "${PROFILE:-}" ] && echo 400 || echo 190)}
 mkdir -p "$OUT"
 if [ -d .devwheels ]; then
     python3 -m pip install -q --no-index --find-links .devwheels jsonschema >> "$OUT/pip.log" 2>&1
