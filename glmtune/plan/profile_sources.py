@@ -3,8 +3,8 @@
 
 The kernel table says *what* ran (`aten::copy_` 0.42 s); a fix needs to know *which function* of
 the model asked for it. (The profiler names a frame by the line its function starts at, not the
-line running: a site is a function, `attention.py(263): _absorbed_attend`.) Each kernel on the compute stream (each CPU operator's own time on a CPU) is
-charged to:
+line running: a site is a function, `attention.py(263): _absorbed_attend`.) Each kernel on the
+compute stream (each CPU operator's own time on a CPU) is charged to:
 
   * its operator: the outermost aten operator above the one that launched it (`aten::cat`, not the
     `aten::copy_` inside it), or the custom op (`glmtune::sparse_mla`);
@@ -22,9 +22,8 @@ It needs the profiler's Python stacks (`with_stack=True`, which `profiled` turns
 2.12 the profile's events hold the Python frames, each the parent of what it called; torch 2.11's
 (the GPU image's) hold none, so there each operator's frames are read from the profiler's event
 tree (`tree_frames`) and put back between it and its parent operator (`_chain`): both give the
-same rows (tested). A kernel whose operator cannot be found (a
-side stream's, an allocator's) is charged to "?". Rows are (kind, phase, operator, site),
-heaviest first.
+same rows (tested). A kernel whose operator cannot be found (a side stream's, an allocator's) is
+charged to "?". Rows are (kind, phase, operator, site), heaviest first.
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ def is_frame_event(event) -> bool:
 
 
 def holds_frames(events) -> bool:
-    """Whether a profile's events hold its Python frames (torch >= 2.12), or only its trace does."""
+    """Whether a profile's events hold its Python frames (torch >= 2.12), or only its event tree does."""
     return any(map(is_frame_event, events))
 
 
