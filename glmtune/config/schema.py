@@ -42,6 +42,9 @@ class ModelConfig:
     moe_backend: Literal["grouped_mm", "loop"] = "grouped_mm"  # routed experts: torch._grouped_mm or a per-expert loop
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
+    # RMSNorm: torch, the eager function (the reference); triton, one forward and one backward kernel
+    # with its roundings (CUDA), which save the input and 1/rms instead of an fp32 copy
+    norm_backend: Literal["torch", "triton"] = "torch"
     # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never);
     # absorbed_triton: its backward's P / dS buffers, filled chunk of queries by chunk (0: one query at a time)
     attention_score_buffer_mib: int = 1024

@@ -183,7 +183,8 @@ def validate_config(cfg: JobConfig, num_experts: int, num_layers: int, world_siz
     _raise(limit_errors(cfg, [limit for limit in model_refusals if not isinstance(limit, str)]))
     degrees = validate_parallel(cfg, num_experts, num_layers, world_size)
     errors = degrees.not_built_errors() + check_ranges(cfg) + precision_errors(cfg) + fp8_base_errors(cfg) \
-        + absorbed_attention_errors(cfg) + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
+        + absorbed_attention_errors(cfg) + norm_backend_errors(cfg) \
+        + [refusal for refusal in model_refusals if isinstance(refusal, str)] \
         + pipeline_context_errors(cfg, num_layers) + objective_errors(cfg) + auxiliary_loss_errors(cfg) \
         + text_data_errors(cfg) + chat_template_errors(cfg) + replay_errors(cfg)
     try:
@@ -464,13 +465,26 @@ def absorbed_attention_errors(cfg: JobConfig) -> list[str]:
     return errors
 
 
+def norm_backend_errors(cfg: JobConfig) -> list[str]:
+    """The Triton RMSNorm runs on a CUDA GPU (`device_errors` refuses it where `auto` finds none)."""
+    if cfg.model.norm_backend == "triton" and cfg.train.device == "cpu":
+        return ["model.norm_backend: triton runs Triton kernels on a CUDA GPU, not train.device: cpu; use torch there"]
+    return []
+
+
 def device_errors(cfg: JobConfig, device_type: str) -> list[str]:
     """What the device `train.device` resolved to cannot run ("auto" finds a GPU or not only when the
-    job starts; `absorbed_attention_errors` refuses an explicit cpu). Called before the model is built."""
+    job starts; `absorbed_attention_errors` and `norm_backend_errors` refuse an explicit cpu). Called
+    before the model is built."""
+    errors = []
     if cfg.model.attention_backend == "absorbed_triton" and device_type != "cuda":
-        return [f"model.attention_backend: absorbed_triton runs Triton kernels on a CUDA GPU, and train.device: "
-                f"{cfg.train.device} found none here (it runs on {device_type}); use absorbed, its pure-torch form"]
-    return []
+        errors.append(f"model.attention_backend: absorbed_triton runs Triton kernels on a CUDA GPU, and "
+                      f"train.device: {cfg.train.device} found none here (it runs on {device_type}); use absorbed, "
+                      "its pure-torch form")
+    if cfg.model.norm_backend == "triton" and device_type != "cuda":
+        errors.append(f"model.norm_backend: triton runs Triton kernels on a CUDA GPU, and train.device: "
+                      f"{cfg.train.device} found none here (it runs on {device_type}); use torch")
+    return errors
 
 
 def fp32_master_weights(cfg: JobConfig) -> bool:

@@ -51,6 +51,7 @@ class StepShape:
     fp8_base: bool = False  # model.fp8_base: a frozen FP8 base, dequantized one projection at a time
     mtp: bool = False  # train.mtp_loss_weight > 0: the multi-token-prediction layer runs
     absorbed_attention: bool = False  # MLA's absorbed form over the selected keys (attention_backend absorbed*)
+    fused_norms: bool = False  # model.norm_backend: triton (each norm keeps its input and 1/rms)
 
     @property
     def queries(self) -> int:

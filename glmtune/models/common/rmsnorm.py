@@ -3,6 +3,11 @@
 The normalisation runs in fp32 and the result is cast back to the input dtype
 *before* the weight multiply: in bf16 this rounding step is part of the function
 the checkpoint was trained with, so it is kept for parity.
+
+Backends (`model.norm_backend`, set on a built model by `set_norm_backend`): "torch", the
+eager function below and the reference; "triton", the same roundings in one forward and one
+backward kernel (`glmtune.kernels.rms_norm`), which save the input and a 1/rms per row instead
+of an fp32 copy of the input.
 """
 
 from __future__ import annotations
@@ -10,14 +15,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glmtune.kernels.rms_norm import rms_norm
+
+NORM_BACKENDS = ("torch", "triton")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -26,4 +38,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        backend = f", backend={self.backend}" if self.backend != "torch" else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{backend}"
+
+
+def set_norm_backend(model: nn.Module, backend: str) -> None:
+    """Every RMSNorm of a built model computes through `backend` (NORM_BACKENDS)."""
+    assert backend in NORM_BACKENDS, backend
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.backend = backend

@@ -11,7 +11,8 @@ MoE combine, the fused loss). Bytes per micro-batch of `q` queries and `k` keys 
 under it). e is the compute dtype's size (2 for bf16).
 
   RMSNorm(x: [q, w])      fp32 copy of x (4 q w; pow and mul need it), the bf16 normalized
-                          value (2 q w, only when the weight trains), rsqrt (4 q)
+                          value (2 q w, only when the weight trains), rsqrt (4 q); with
+                          model.norm_backend: triton, x itself (2 q w) and 1/rms (4 q)
   MLA                     input norm; its output (2 q D, read by q_a and kv_a); q_a norm and
                           output (q_b's input); kv_a norm and output (kv_b's input); the
                           roped query and the key, [N, qk] each (q and k); the kv_b output
@@ -67,7 +68,9 @@ class Trainability:
         return cls(norms=not lora_rank, router=not lora_rank, lora_rank=lora_rank)
 
 
-def norm_saved(q: int, width: int, e: int, weight_trains: bool) -> int:
+def norm_saved(q: int, width: int, e: int, weight_trains: bool, fused: bool = False) -> int:
+    if fused:  # model.norm_backend: triton keeps its input and 1/rms, whether the weight trains or not
+        return e * q * width + F32 * q
     return F32 * q * width + F32 * q + (e * q * width if weight_trains else 0)
 
 
@@ -76,7 +79,7 @@ def attention_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Tr
     d, rq, r = args.hidden_size, args.q_lora_rank, args.kv_lora_rank
     qk, nope, v = args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
     out = {
-        "norms": norm_saved(q, d, e, train.norms) + norm_saved(q, rq, e, train.norms) + norm_saved(q, r, e, train.norms),
+        "norms": sum(norm_saved(q, width, e, train.norms, mb.fused_norms) for width in (d, rq, r)),
         "projection inputs": e * q * (d + rq) + e * k * r,
         "query, key": e * q * n * qk + e * k * n * qk,
         "kv_b output (values)": e * k * n * (nope + v),
@@ -108,7 +111,7 @@ def absorbed_saved(args: Glm5Args, mb: StepShape, e: int) -> dict[str, int]:
 
 def mlp_saved(args: Glm5Args, mb: StepShape, layer: int, e: int, train: Trainability) -> dict[str, int]:
     q, d = mb.queries, args.hidden_size
-    base = {"norms": norm_saved(q, d, e, train.norms), "mlp input": e * q * d}
+    base = {"norms": norm_saved(q, d, e, train.norms, mb.fused_norms), "mlp input": e * q * d}
     adapters = 3 * e * q * train.lora_rank  # gate, up, down of the dense MLP or shared experts
     if args.mlp_layer_types[layer] != "sparse":
         return {**base, "dense MLP": 4 * e * q * args.intermediate_size + adapters}

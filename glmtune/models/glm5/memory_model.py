@@ -92,7 +92,7 @@ class Glm5MemoryModel(MemoryModel):
         plain_causal = step.one_document and step.seq <= args.index_topk
         loss = {}
         if last:
-            loss["final norm"] = act.norm_saved(q, d, e, _trainability(step).norms)
+            loss["final norm"] = act.norm_saved(q, d, e, _trainability(step).norms, step.fused_norms)
             loss["loss: hidden rows and their gradient"] = 2 * e * q * d
         logits_slice = min(LOSS_SLICE, q) * args.vocab_size * (e + act.F32) if last else 0
         indexer_scratch = max((act.indexer_transient(args, step, e) for i in layers if args.indexer_types[i] == "full"),

@@ -44,6 +44,7 @@ from glmtune.config.schema import ModelConfig, ParallelConfig
 from glmtune.models.common.distill_loss import distilling, with_teacher_kl
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.common.model_spec import Architecture, Compute, ModelSpec, Weights
+from glmtune.models.common.rmsnorm import set_norm_backend
 from glmtune.models.common.step_runner import PlainRunner, StepRunner
 from glmtune.models.glm5.args import Glm5Args, covering_layers, truncated_args
 from glmtune.models.glm5.attention import set_attention_score_buffer
@@ -181,10 +182,11 @@ class Glm5Weights(Weights):
 
     @staticmethod
     def _configured(model: Glm5ForCausalLM, model_cfg: ModelConfig | None) -> Glm5ForCausalLM:
-        """The recipe's knobs that are not construction arguments (dispatch backend, score buffer)."""
+        """The recipe's knobs that are not construction arguments (dispatch and norm backends, score buffer)."""
         if model_cfg is not None:
             set_moe_dispatch_backend(model, model_cfg.moe_dispatch_backend)
             set_attention_score_buffer(model, model_cfg.attention_score_buffer_mib)
+            set_norm_backend(model, model_cfg.norm_backend)
         return model
 
     def load_pretrained(self, path: str | Path, dtype: torch.dtype, device: Any,
