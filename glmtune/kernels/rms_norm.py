@@ -12,9 +12,10 @@ The roundings are the eager function's: the normalized row is rounded to the inp
 before the weight multiply, the product to the output's dtype (the promotion of input and
 weight); backward, d(out)·w is rounded to the output's dtype, the weight gradient's terms
 d(out)·normalized likewise, and the input gradient once, to the input's dtype. What differs is
-the order of the row sums (fp32): a few fp32 ulps before rounding, so a bf16 result can land
-one bf16 ulp away from eager's. `tests/kernels/test_rms_norm.py` compares the two in Triton's CPU
-interpreter.
+the order of the fp32 row sums and the fused multiply-adds: a few fp32 ulps before rounding, so
+a few bf16 results per million land a step or two from eager's (more steps for an input gradient
+whose two terms cancel; `benchmarks/rms_norm.py` on an H100). `tests/kernels/test_rms_norm.py`
+compares the two in Triton's CPU interpreter.
 
 The kernels are custom ops (`glmtune::rms_norm`, `glmtune::rms_norm_backward`) so a compiled
 layer calls them as they are.
