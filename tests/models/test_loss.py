@@ -127,3 +127,32 @@ def test_gradients_are_released_once_backward_has_returned_them(backward_twice):
         assert again[0] is first[0] and again[1] is first[1] and node.grads is None
         reference, _ = full_cross_entropy(hidden @ weight.T, targets)
         torch.testing.assert_close(weight.grad, torch.autograd.grad(reference / count, weight)[0])
+
+
+@pytest.mark.parametrize("path", ["fused", "checkpoint", "no_grad"])
+def test_greedy_tokens_come_from_the_losss_own_logits_without_changing_it(path):
+    """`greedy_BS`: each supervised position's argmax of hidden @ weight.T (the tokens a greedy decode
+    emits), -1 at the others, from every backend's slices; the loss and its gradients are bit-identical
+    to a call without it (what the MTP acceptance reads instead of two more head passes)."""
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 23, 16, requires_grad=path != "no_grad")
+    weight = torch.randn(40, 16, requires_grad=path != "no_grad")
+    targets = torch.randint(0, 40, (2, 23))
+    targets[0, :4] = IGNORE_INDEX
+    targets[1, -2:] = IGNORE_INDEX
+    backend = "checkpoint" if path == "checkpoint" else "fused"
+    runs = []
+    for greedy in (None, torch.full_like(targets, 7)):  # a buffer with stale values: every entry is written
+        with torch.no_grad() if path == "no_grad" else torch.enable_grad():
+            loss, count = chunked_cross_entropy(hidden, weight, targets, chunk_size=6, backend=backend, greedy_BS=greedy)
+        grads = None
+        if path != "no_grad":
+            loss.backward()
+            grads = hidden.grad.clone(), weight.grad.clone()
+            hidden.grad = weight.grad = None
+        runs.append((loss, count, grads, greedy))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    if path != "no_grad":
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+    expected = torch.where(targets != IGNORE_INDEX, (hidden @ weight.T).argmax(-1), -1)
+    assert torch.equal(runs[1][3], expected)

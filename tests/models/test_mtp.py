@@ -11,7 +11,7 @@ differentiates, LM mean + weight x MTP mean, by plain autograd.
 import pytest
 import torch
 
-from glmtune.data.packing import second_next_targets
+from glmtune.data.packing import next_token_targets, second_next_targets
 from glmtune.models.common.aux_loss import AuxiliaryLosses, AuxiliaryScales
 from glmtune.models.common.loss import IGNORE_INDEX
 from glmtune.models.common.microbatch import MicroBatch
@@ -131,21 +131,33 @@ def test_without_a_gradient_scale_the_mtp_loss_is_reported_and_not_trained():
     assert all(p.grad is None for name, p in model.named_parameters() if name.startswith("mtp."))
 
 
-def test_mtp_acceptance_counts_the_drafts_the_model_itself_would_emit():
+@pytest.mark.parametrize("grad", [False, True])
+def test_mtp_acceptance_counts_the_drafts_the_model_itself_would_emit(grad):
+    """Against the logits' own argmax: the greedy tokens the acceptance compares come out of the two
+    losses' slices (no head pass of their own), with and without gradients (the fused loss)."""
     model = _model()
     rows = _rows(model.args.vocab_size)
     batch = _batch(rows)
+    targets = torch.tensor([next_token_targets(r["labels"]) for r in rows])
     mtp_targets = torch.tensor([_reference_targets(r["labels"], r["document_ids"]) for r in rows])
-    with torch.no_grad():
-        out = model(batch["input_ids"], MicroBatch(**batch, targets=mtp_targets, mtp_targets=mtp_targets),
+    with torch.no_grad() if not grad else torch.enable_grad():
+        out = model(batch["input_ids"], MicroBatch(**batch, targets=targets, mtp_targets=mtp_targets),
                     loss_chunk_size=5)
+    with torch.no_grad():
         greedy = out.logits.argmax(-1)  # the main model's token after t+1, at position t+1
         drafted = model.lm_head(out.mtp_hidden_states).argmax(-1)
     scored = mtp_targets != IGNORE_INDEX
+    assert (scored[:, :-1] <= (targets[:, 1:] != IGNORE_INDEX)).all()  # glmtune's targets: t+1 supervised
     expected = ((drafted[:, :-1] == greedy[:, 1:]) & scored[:, :-1]).sum()
     assert out.mtp_accepted.tolist() == [float(expected), float(scored.sum())]
+    # a position whose t+1 the main loss does not supervise has no greedy token there: left out
+    with torch.no_grad():
+        out = model(batch["input_ids"], MicroBatch(**batch, targets=mtp_targets, mtp_targets=mtp_targets))
+    counted = scored[:, :-1] & (mtp_targets[:, 1:] != IGNORE_INDEX)
+    assert out.mtp_accepted.tolist() == [float(((drafted[:, :-1] == greedy[:, 1:]) & counted).sum()),
+                                         float(counted.sum())]
     # a layer that drafts the main model's own token is always accepted
     model.mtp[0].shared_head.norm.weight.data.zero_()  # every draft is token 0 (all logits 0: argmax 0)
     with torch.no_grad():
-        out = model(batch["input_ids"], MicroBatch(**batch, targets=mtp_targets, mtp_targets=mtp_targets))
+        out = model(batch["input_ids"], MicroBatch(**batch, targets=targets, mtp_targets=mtp_targets))
     assert out.mtp_accepted[0] == ((greedy[:, 1:] == 0) & scored[:, :-1]).sum()

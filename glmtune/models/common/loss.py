@@ -39,13 +39,20 @@ from glmtune.kernels import cross_entropy, scale
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_sum(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    logits_NV = F.linear(hidden_ND, weight_VD).float()
-    return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
+def _chunk_loss_sum(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,
+                    greedy_N: torch.Tensor | None = None) -> torch.Tensor:
+    logits_NV = F.linear(hidden_ND, weight_VD)
+    if greedy_N is not None:
+        greedy_N.copy_(logits_NV.argmax(-1))
+    return F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _slice_loss_and_grad(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 loss sum of one slice and d(loss)/d(logits) = softmax - one_hot, in the logits' dtype."""
+def _slice_loss_and_grad(logits_NV: torch.Tensor, targets_N: torch.Tensor,
+                         greedy_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 loss sum of one slice and d(loss)/d(logits) = softmax - one_hot, in the logits' dtype;
+    each row's argmax into `greedy_N` when given."""
+    if greedy_N is not None:
+        greedy_N.copy_(logits_NV.argmax(-1))
     logits = logits_NV.float()
     lse_N = torch.logsumexp(logits, dim=-1)
     loss = (lse_N - logits.gather(1, targets_N[:, None]).squeeze(1)).sum()
@@ -54,15 +61,16 @@ def _slice_loss_and_grad(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> tu
     return loss, (torch.exp(logits - lse_N[:, None]) - one_hot).to(logits_NV.dtype)
 
 
-def slice_loss_and_grad(logits_NV, targets_N, fused: bool | None = None):
-    """(fp32 loss sum, d(loss)/d(logits)) of one slice. Fused (the default on CUDA with triton):
-    one Triton kernel that writes the gradient over the logits (`glmtune.kernels.cross_entropy`);
-    otherwise the eager reference above."""
+def slice_loss_and_grad(logits_NV, targets_N, fused: bool | None = None, greedy_N: torch.Tensor | None = None):
+    """(fp32 loss sum, d(loss)/d(logits)) of one slice, and each row's greedy token (its logits'
+    argmax) into `greedy_N` when given. Fused (the default on CUDA with triton): one Triton kernel
+    that writes the gradient over the logits (`glmtune.kernels.cross_entropy`); otherwise the eager
+    reference above."""
     if fused is None:
         fused = logits_NV.is_cuda and cross_entropy.triton is not None
     if fused:
-        return cross_entropy.cross_entropy_grad_(logits_NV, targets_N), logits_NV
-    return _slice_loss_and_grad(logits_NV, targets_N)
+        return cross_entropy.cross_entropy_grad_(logits_NV, targets_N, greedy_N), logits_NV
+    return _slice_loss_and_grad(logits_NV, targets_N, greedy_N)
 
 
 def scale_in_place(tensors, factor_0d: torch.Tensor) -> None:
@@ -79,7 +87,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Sum of cross-entropy losses of `hidden @ weight.T`, gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size, grad_scale, backward_twice):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, chunk_size, grad_scale, backward_twice, greedy_N):
         # Only the gradients autograd will ask for: a frozen head (LoRA) skips the V x D
         # weight-gradient GEMM and its buffer (a third of the head's cost).
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -95,7 +103,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden_ND.shape[0], chunk_size):
             h = hidden_ND[start : start + chunk_size]
             t = targets_N[start : start + chunk_size]
-            loss, dlogits = slice_loss_and_grad(F.linear(h, weight_VD), t)
+            greedy = None if greedy_N is None else greedy_N[start : start + chunk_size]
+            loss, dlogits = slice_loss_and_grad(F.linear(h, weight_VD), t, greedy_N=greedy)
             total += loss
             if need_hidden:
                 grad_hidden[start : start + chunk_size] = dlogits @ weight_VD
@@ -121,7 +130,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if ctx.scaled or not ctx.backward_twice:
             ctx.grads = None
         if ctx.scaled:
-            return grad_hidden, grad_weight, None, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None, None
         ctx.scaled = True
         if grad_hidden is not None:
             scale_in_place((grad_hidden,), grad_total)
@@ -129,7 +138,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # The head gradient already carries grad_scale; what is left is 1 when the caller's
             # factor was the announced one (the scaling kernel then skips the 1.9 GB pass).
             scale_in_place((grad_weight,), grad_total if ctx.grad_scale is None else grad_total / ctx.grad_scale)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 LOSS_BACKENDS = ("fused", "checkpoint")
@@ -138,7 +147,7 @@ LOSS_BACKENDS = ("fused", "checkpoint")
 def chunked_cross_entropy(
     hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor, chunk_size: int = 4096,
     backend: str = "fused", num_supervised: int | None = None, grad_scale: float | None = None,
-    backward_twice: bool = False,
+    backward_twice: bool = False, greedy_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token losses and the number of supervised tokens.
 
@@ -151,6 +160,10 @@ def chunked_cross_entropy(
 
     `num_supervised`, the count of targets != -100 when the caller knows it on the host
     (the data loader does), spares the host sync of finding the supervised rows.
+
+    `greedy_BS` (int64, the targets' shape), when given, receives each supervised position's
+    greedy token, the argmax of the logits the loss computed (no second head GEMM), and -1 at
+    every other position.
     """
     hidden_ND = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
     targets_N = targets_BS.reshape(-1)
@@ -166,17 +179,26 @@ def chunked_cross_entropy(
     hidden_ND, targets_N = hidden_ND.index_select(0, kept), targets_N.index_select(0, kept)
     if backend not in LOSS_BACKENDS:
         raise ValueError(f"loss backend {backend!r} unknown; choose from {LOSS_BACKENDS}")
+    greedy_N = None if greedy_BS is None else targets_N.new_empty(targets_N.shape)  # the kept rows'
     if backend == "fused" and torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad):
-        return _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size, grad_scale,
-                                             backward_twice), num_tokens
-    total = hidden_ND.new_zeros((), dtype=torch.float32)
-    # At least one (possibly empty) slice: with no supervised token the loss is still a graph node.
-    for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):
-        h, t = hidden_ND[start : start + chunk_size], targets_N[start : start + chunk_size]
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss_sum, h, weight_VD, t, use_reentrant=False)
-        else:
-            total = total + _chunk_loss_sum(h, weight_VD, t)
+        total = _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, chunk_size, grad_scale,
+                                               backward_twice, greedy_N)
+    else:
+        total = hidden_ND.new_zeros((), dtype=torch.float32)
+        # At least one (possibly empty) slice: with no supervised token the loss is still a graph node.
+        for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):
+            h, t = hidden_ND[start : start + chunk_size], targets_N[start : start + chunk_size]
+            greedy = None if greedy_N is None else greedy_N[start : start + chunk_size]
+            if torch.is_grad_enabled():
+                total = total + checkpoint(_chunk_loss_sum, h, weight_VD, t, use_reentrant=False)
+                if greedy is not None:  # a head pass of their own: checkpoint's inputs must not be written
+                    with torch.no_grad():
+                        greedy.copy_(F.linear(h, weight_VD).argmax(-1))
+            else:
+                total = total + _chunk_loss_sum(h, weight_VD, t, greedy)
+    if greedy_BS is not None:
+        assert greedy_BS.shape == targets_BS.shape and greedy_BS.is_contiguous(), greedy_BS.shape
+        greedy_BS.view(-1).fill_(-1).index_copy_(0, kept, greedy_N)
     return total, num_tokens
 
 

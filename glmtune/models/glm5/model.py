@@ -60,8 +60,9 @@ class Glm5Output:
     mtp_loss_sum: torch.Tensor | None = None  # fp32 sum of the MTP layer's token losses (`mb.mtp_targets`)
     mtp_num_targets: torch.Tensor | None = None  # supervised tokens in mtp_loss_sum
     mtp_hidden_states: torch.Tensor | None = None  # [B, S, D] the MTP layer's head input (shared_head.norm applied)
-    # MTP acceptance over the MTP-supervised positions t: the MTP layer's greedy token for t+2 equals
-    # the model's own greedy token at t+1 (what speculative decoding accepts), as (accepted, positions)
+    # MTP acceptance over the MTP-supervised positions t (those whose t+1 the main loss supervises, as in
+    # every batch glmtune builds): the MTP layer's greedy token for t+2 equals the model's own greedy
+    # token at t+1 (what speculative decoding accepts), as (accepted, positions)
     mtp_accepted: torch.Tensor | None = None
     # fp64 [2]: the indexers' KL summed over the layers and non-padding queries, and their number
     # (layers x queries); a micro-batch whose `aux` runs the indexer loss
@@ -337,11 +338,16 @@ class Glm5ForCausalLM(nn.Module):
                                                                   mb.longest_document, mb.single_document, **kl)
             out = Glm5Output(logits=self.lm_head(hidden_BSD) if compute_logits else None, hidden_states=hidden_BSD)
             mtp_grad_scale = aux.mtp_grad_scale() if aux is not None else None
+            drafted_BS = greedy_BS = None
             if mb.mtp_targets is not None:
-                self._mtp_loss(out, input_ids, inputs, mb.mtp_targets, loss_chunk_size, mb.num_mtp_supervised,
-                               mtp_grad_scale)
+                drafted_BS = self._mtp_loss(out, input_ids, inputs, mb.mtp_targets, loss_chunk_size,
+                                            mb.num_mtp_supervised, mtp_grad_scale)
             if mb.targets is not None:
-                self._loss(out, mb, token_logps, loss_chunk_size, mtp_grad_scale)
+                greedy_BS = self._loss(out, mb, token_logps, loss_chunk_size, mtp_grad_scale, drafted_BS is not None)
+            if drafted_BS is not None:
+                if greedy_BS is None:  # no main cross-entropy ran: its greedy tokens by a head pass of their own
+                    greedy_BS = chunked_greedy(out.hidden_states, self.lm_head.weight, loss_chunk_size)
+                out.mtp_accepted = self.mtp_acceptance(greedy_BS, drafted_BS, self.model.local_tokens(mb.mtp_targets))
         if kl:
             out.indexer_kl = inputs.indexer_kl.stats
             if out.loss_sum is not None:  # the warm-up's KL sums: no layer output had a gradient to carry them
@@ -355,24 +361,28 @@ class Glm5ForCausalLM(nn.Module):
                     indexer_only=warmup and torch.is_grad_enabled())
 
     def _loss(self, out: Glm5Output, mb: MicroBatch, token_logps: bool, chunk_size: int,
-              mtp_grad_scale: float | None) -> None:
+              mtp_grad_scale: float | None, greedy: bool = False) -> torch.Tensor | None:
         """The loss of `mb.targets` over this forward's hidden states (or their log-probabilities), the
-        MTP loss attached to it."""
+        MTP loss attached to it; with `greedy`, the cross-entropy's greedy tokens (`chunked_cross_entropy`)."""
         targets = self.model.local_tokens(mb.targets)
+        greedy_BS = None
         if token_logps:
             out.token_logps = chunked_token_logps(out.hidden_states, self.lm_head.weight, targets, chunk_size,
                                                   mb.num_supervised)
             out.num_targets = (targets != IGNORE_INDEX).sum()
         else:
+            greedy_BS = torch.empty_like(targets) if greedy else None
             out.loss_sum, out.num_targets = chunked_cross_entropy(
                 out.hidden_states, self.lm_head.weight, targets, chunk_size, num_supervised=mb.num_supervised,
-                grad_scale=mb.loss_scale)
+                grad_scale=mb.loss_scale, greedy_BS=greedy_BS)
         if mtp_grad_scale is not None and out.mtp_loss_sum is not None and out.loss_sum is not None:
             out.loss_sum = attach(out.loss_sum, out.mtp_loss_sum, mtp_grad_scale)
+        return greedy_BS
 
     def _mtp_loss(self, out: Glm5Output, input_ids_BT, inputs: LayerInputs, mtp_targets_BT, chunk_size: int,
-                  num_supervised: int | None, grad_scale: float | None) -> None:
-        """The first MTP layer over this forward's hidden states, and its loss against `mtp_targets_BT`."""
+                  num_supervised: int | None, grad_scale: float | None) -> torch.Tensor:
+        """The first MTP layer over this forward's hidden states, and its loss against `mtp_targets_BT`;
+        returns its drafts (the loss's greedy tokens at the scored positions, -1 elsewhere)."""
         assert len(self.mtp) >= 1, "this model has no MTP layer"
         layer_args = (out.hidden_states, self.model.next_token_embeds(input_ids_BT), inputs.cos, inputs.sin,
                       inputs.allowed_BST, inputs.plain_causal, inputs.sparse_needed, inputs.shard)
@@ -385,22 +395,24 @@ class Glm5ForCausalLM(nn.Module):
             mtp_BSD = kl.collect(mtp_BSD, kl_stats)
         out.mtp_hidden_states = mtp_BSD
         local_targets_BS = self.model.local_tokens(mtp_targets_BT)
+        drafted_BS = torch.empty_like(local_targets_BS)
         out.mtp_loss_sum, out.mtp_num_targets = chunked_cross_entropy(
             mtp_BSD, self.lm_head.weight, local_targets_BS, chunk_size,
-            num_supervised=num_supervised, grad_scale=grad_scale)
-        out.mtp_accepted = self.mtp_acceptance(out.hidden_states, mtp_BSD, local_targets_BS, chunk_size)
+            num_supervised=num_supervised, grad_scale=grad_scale, greedy_BS=drafted_BS)
+        return drafted_BS
 
     @torch.no_grad()
-    def mtp_acceptance(self, hidden_BSD, mtp_BSD, local_targets_BS, chunk_size: int) -> torch.Tensor:
-        """(accepted, positions) fp32 [2] over the positions with an MTP target (`Glm5Output.mtp_accepted`):
-        two greedy head passes, no logits kept; the main model's greedy tokens are gathered over the
-        full rows first (under context parallelism position t+1 may be another rank's)."""
-        greedy_BS = chunked_greedy(hidden_BSD, self.lm_head.weight, chunk_size)
+    def mtp_acceptance(self, greedy_BS, drafted_BS, local_targets_BS) -> torch.Tensor:
+        """(accepted, positions) fp32 [2] over the positions t with an MTP target whose t+1 has a greedy
+        token (`Glm5Output.mtp_accepted`): `greedy_BS` the main model's greedy tokens (-1 where unknown:
+        a position its loss does not supervise), `drafted_BS` the MTP layer's, both taken from the
+        losses' own logits (`chunked_cross_entropy`'s `greedy_BS`: no extra head pass). The main model's
+        are gathered over the full rows first (under context parallelism position t+1 may be another
+        rank's)."""
         shard = self.model.sequence_shard
         greedy_BT = greedy_BS if shard is None else shard.gather(greedy_BS.unsqueeze(-1)).squeeze(-1)
         next_greedy_BS = self.model.local_tokens(torch.cat([greedy_BT[:, 1:], greedy_BT[:, -1:]], dim=1))
-        drafted_BS = chunked_greedy(mtp_BSD, self.lm_head.weight, chunk_size)
-        scored_BS = local_targets_BS != IGNORE_INDEX
+        scored_BS = (local_targets_BS != IGNORE_INDEX) & (next_greedy_BS >= 0)
         accepted = ((drafted_BS == next_greedy_BS) & scored_BS).sum()
         return torch.stack([accepted, scored_BS.sum()]).float()
 

@@ -73,7 +73,7 @@ from torch import nn
 
 from glmtune.models.common.aux_loss import attach
 from glmtune.models.common.distill_loss import distilling, with_teacher_kl
-from glmtune.models.common.loss import chunked_cross_entropy, chunked_token_logps
+from glmtune.models.common.loss import chunked_cross_entropy, chunked_greedy, chunked_token_logps
 from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 from glmtune.models.glm5.model import Glm5ForCausalLM, LayerInputs
 from glmtune.models.glm5.moe import MoE
@@ -228,14 +228,16 @@ class Glm5Stage(nn.Module):
         """The last stage's loss of the microbatch: its sum x `mb.loss_scale`, as a [1] tensor."""
         mb, local = queued.rows, self.local_tokens
         hidden_BSD = self.norm(h_BSD)
+        greedy_BS = None  # the main loss's greedy tokens, which the MTP acceptance compares drafts with
         if queued.token_loss is not None:  # another objective: a function of the targets' log-probabilities
             loss_sum = queued.token_loss(mb, chunked_token_logps(hidden_BSD, self.lm_head.weight, local(mb.targets),
                                                                  self.loss_chunk_size, mb.num_supervised))
         else:
+            greedy_BS = torch.empty_like(local(mb.targets)) if self.mtp else None
             loss_sum, _ = chunked_cross_entropy(hidden_BSD, self.lm_head.weight, local(mb.targets),
                                                 self.loss_chunk_size, num_supervised=mb.num_supervised,
                                                 grad_scale=mb.loss_scale,
-                                                backward_twice=self.backward_twice)
+                                                backward_twice=self.backward_twice, greedy_BS=greedy_BS)
         if distilling(mb.teacher):  # the teacher's KL term, added before the loss is scaled (as Glm5Compute.loss)
             loss_sum, parts = with_teacher_kl(loss_sum, hidden_BSD, self.lm_head.weight, mb.teacher.local(local),
                                               mb.num_supervised)
@@ -243,14 +245,18 @@ class Glm5Stage(nn.Module):
                 self._add_statistic(name, pair)
         self.loss_sums.append(loss_sum.detach())
         if self.mtp:
-            loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, mb)
+            if greedy_BS is None:  # no cross-entropy ran: the greedy tokens by a head pass of their own
+                greedy_BS = chunked_greedy(hidden_BSD, self.lm_head.weight, self.loss_chunk_size)
+            loss_sum = self._attach_mtp_loss(loss_sum, hidden_BSD, next_BSD, inputs, mb, greedy_BS)
         scaled = loss_sum * mb.loss_scale if mb.loss_scale is not None else loss_sum
         return scaled.reshape(1)  # [1]: the schedule concatenates the microbatches' outputs
 
-    def _attach_mtp_loss(self, loss_sum, hidden_BSD, next_BSD, inputs: LayerInputs, mb: MicroBatch) -> torch.Tensor:
+    def _attach_mtp_loss(self, loss_sum, hidden_BSD, next_BSD, inputs: LayerInputs, mb: MicroBatch,
+                         greedy_BS: torch.Tensor) -> torch.Tensor:
         """The first MTP layer over the final-normed hidden states (as `Glm5ForCausalLM.forward` runs
         it), its loss attached to `loss_sum`'s backward with the microbatch's MTP factor; (sum, count)
-        of the loss and of its acceptance added to `statistics`."""
+        of the loss and of its acceptance against the main model's greedy tokens `greedy_BS` added to
+        `statistics`."""
         layer_args = (hidden_BSD, next_BSD, inputs.cos, inputs.sin, inputs.allowed_BST, inputs.plain_causal,
                       inputs.sparse_needed, inputs.shard)
         kl = inputs.indexer_kl
@@ -262,10 +268,12 @@ class Glm5Stage(nn.Module):
             mtp_BSD = kl.collect(mtp_BSD, kl_stats)
         local_targets_BS = self.local_tokens(mb.mtp_targets)
         grad_scale = mb.aux.mtp_grad_scale() if mb.aux is not None else None
+        drafted_BS = torch.empty_like(local_targets_BS)
         mtp_sum, count = chunked_cross_entropy(mtp_BSD, self.lm_head.weight, local_targets_BS,
                                                self.loss_chunk_size, num_supervised=mb.num_mtp_supervised,
-                                               grad_scale=grad_scale, backward_twice=self.backward_twice)
-        accepted = self.causal_lm[0].mtp_acceptance(hidden_BSD, mtp_BSD, local_targets_BS, self.loss_chunk_size)
+                                               grad_scale=grad_scale, backward_twice=self.backward_twice,
+                                               greedy_BS=drafted_BS)
+        accepted = self.causal_lm[0].mtp_acceptance(greedy_BS, drafted_BS, local_targets_BS)
         for name, pair in (("mtp_loss", torch.stack([mtp_sum.detach().float(), count.float()])),
                            ("mtp_acceptance", accepted)):
             self._add_statistic(name, pair)
