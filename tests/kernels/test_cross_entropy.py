@@ -3,6 +3,7 @@ softmax - one_hot), in Triton's CPU interpreter (child process, fp32 logits)."""
 
 import pytest
 import torch
+from hopper_compile import compile_for_hopper
 from triton_interpreter import main, run_checks_in_interpreter
 
 pytest.importorskip("triton")
@@ -56,6 +57,19 @@ def check_greedy_tokens_are_torch_argmax():
 def test_cross_entropy_in_interpreter():
     assert run_checks_in_interpreter(__file__) == ["check_matches_eager_slice_reference",
                                                    "check_greedy_tokens_are_torch_argmax"]
+
+
+def test_kernel_compiles_for_hopper_with_and_without_greedy_tokens():
+    from glmtune.kernels import cross_entropy
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its CUDA backend")
+    pointers = {"targets_ptr": "*i64", "losses_ptr": "*fp32", "greedy_ptr": "*i64"}
+    for greedy in (False, True):
+        compile_for_hopper(cross_entropy._compiled(), {"BLOCK": cross_entropy.BLOCK, "GREEDY": greedy},
+                           {"num_warps": 8, "num_stages": 1}, pointers)
 
 
 if __name__ == "__main__":
