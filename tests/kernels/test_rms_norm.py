@@ -77,8 +77,21 @@ def check_half_within_one_rounding_of_eager():
     torch.testing.assert_close(dw_k, dw, rtol=1e-5, atol=1e-5)
 
 
+def check_custom_ops_pass_opcheck():
+    """The ops' schemas, fake (meta) functions and autograd registration, as torch.compile uses them."""
+    from glmtune.kernels import rms_norm
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 40, generator=gen, requires_grad=True)
+    weight = (torch.rand(40, generator=gen) + 0.5).requires_grad_()
+    torch.library.opcheck(rms_norm._rms_norm, (x, weight, 1e-6))
+    out, rstd = rms_norm._rms_norm(x.detach(), weight.detach(), 1e-6)
+    torch.library.opcheck(rms_norm._rms_norm_backward, (torch.randn_like(out), x.detach(), weight.detach(), rstd))
+
+
 def test_rms_norm_in_interpreter():
-    assert run_checks_in_interpreter(__file__) == ["check_fp32_matches_eager", "check_half_within_one_rounding_of_eager"]
+    assert run_checks_in_interpreter(__file__) == ["check_fp32_matches_eager", "check_half_within_one_rounding_of_eager",
+                                                   "check_custom_ops_pass_opcheck"]
 
 
 def test_kernels_compile_for_hopper_at_glm5_widths():
@@ -98,4 +111,4 @@ def test_kernels_compile_for_hopper_at_glm5_widths():
 
 
 if __name__ == "__main__":
-    main(check_fp32_matches_eager, check_half_within_one_rounding_of_eager)
+    main(check_fp32_matches_eager, check_half_within_one_rounding_of_eager, check_custom_ops_pass_opcheck)
