@@ -108,7 +108,8 @@ def _rms_norm_backward(dout_MW: torch.Tensor, x_MW: torch.Tensor, weight_W: torc
     dx = torch.empty_like(x_MW)
     programs = max(1, min(rows, MAX_PROGRAMS))
     rows_per_program = triton.cdiv(rows, programs) if rows else 0
-    partial = torch.zeros(programs, width, dtype=torch.float32, device=x_MW.device)
+    # each program writes its whole row; with no rows no program runs and the weight gradient is 0
+    partial = (torch.empty if rows else torch.zeros)(programs, width, dtype=torch.float32, device=x_MW.device)
     if rows:
         _kernel(_backward_kernel)[(programs,)](dout_MW, x_MW, weight_W, rstd_M, dx, partial, rows, width,
                                                rows_per_program, dout_MW.stride(0), x_MW.stride(0), dx.stride(0),

@@ -196,10 +196,10 @@ def timed_events(prof, on_device: bool) -> list[tuple[Any, Any, float]]:
 
 
 def _launches(prof, events) -> dict[int, int]:
-    """Device event id -> the id of the CPU operator that launched it, for a torch (2.11) whose events do
-    not carry the link (`linked_correlation_id`): from the profiler's own records of the same events."""
-    if not events or hasattr(events[0], "linked_correlation_id"):
-        return {}
+    """Device event id -> the id of the CPU operator that launched it: the events' `linked_correlation_id`,
+    or, for a torch (2.11) whose events do not carry it, the profiler's own records of the same events."""
+    if events and hasattr(events[0], "linked_correlation_id"):
+        return {e.id: e.linked_correlation_id for e in events if e.device_type != DeviceType.CPU}
     return {record.correlation_id(): record.linked_correlation_id()
             for record in prof.profiler.kineto_results.events() if record.device_type() != DeviceType.CPU}
 
@@ -219,8 +219,7 @@ def sources(prof, on_device: bool, stream, steps: int, frames: Frames | None = N
     for event, event_stream, micros in timed_events(prof, on_device):
         if str(event_stream) != str(stream):
             continue
-        operator = launcher.get(launched_by.get(event.id, getattr(event, "linked_correlation_id", 0))) \
-            if on_device else event
+        operator = launcher.get(launched_by.get(event.id)) if on_device else event
         if operator is None:
             key = Source(kind_of(event.name), "other", "?", "?")
         else:

@@ -90,8 +90,8 @@ def check_custom_ops_pass_opcheck():
 
 
 def test_rms_norm_in_interpreter():
-    assert run_checks_in_interpreter(__file__) == ["check_fp32_matches_eager", "check_half_within_one_rounding_of_eager",
-                                                   "check_custom_ops_pass_opcheck"]
+    assert run_checks_in_interpreter(__file__) == [
+        "check_fp32_matches_eager", "check_half_within_one_rounding_of_eager", "check_custom_ops_pass_opcheck"]
 
 
 def test_kernels_compile_for_hopper_at_glm5_widths():
