@@ -80,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="auto", help="glmtune attention backend (auto: Triton on GPU)")
     p.add_argument("--indexer", default="auto", help="glmtune indexer backend (auto: the Triton kernel on GPU)")
     p.add_argument("--dispatch", default="auto", help="glmtune MoE token movement (auto: Triton kernels on GPU)")
+    p.add_argument("--norm", choices=["torch", "triton"], default="torch", help="glmtune's model.norm_backend")
     p.add_argument("--profile", action="store_true", help="write a torch profiler table for glmtune")
     p.add_argument("--tiny", action="store_true", help="narrow widths: a CPU smoke test of this script")
     p.add_argument("--out", default=None)
@@ -178,11 +179,13 @@ def build_glmtune(cfg, state, a, dtype, mtp_layers: int = 0):
     from glmtune.models.glm5.args import Glm5Args
     from glmtune.models.glm5.attention import set_attention_score_buffer
     from glmtune.models.glm5.model import build_model
+    from glmtune.models.common.rmsnorm import set_norm_backend
     from glmtune.models.glm5.moe import set_moe_dispatch_backend
 
     args = Glm5Args.from_hf_dict(cfg.to_dict()).replace(num_nextn_predict_layers=mtp_layers)
     model = build_model(args, dtype, DEVICE, a.attention, "grouped_mm", init=False, indexer_backend=a.indexer)
     set_moe_dispatch_backend(model, a.dispatch)
+    set_norm_backend(model, a.norm)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(key.startswith("mtp.") for key in missing), (missing, unexpected)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -258,7 +261,7 @@ def report(name, cfg, a, lengths, measured):
     ours = name.startswith("glmtune")
     return {"impl": name, "seq": a.seq, "optimizer": a.optimizer if ours else "torch",
             "master_weights": ("fp32" if name.endswith("fp32-master") else "none") if ours else "none",
-            "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile,
+            "batch": a.batch, "docs": a.docs, "ckpt": a.ckpt, "compile": a.compile, "norm": a.norm if ours else "torch",
             "layers": a.layers, "experts": a.experts, "step_s": round(seconds, 4), "tok_s": round(tok_s, 1),
             "tflops": round(tflops, 1), "mfu": round(tflops / PEAK_BF16_TFLOPS, 4), "peak_gib": round(peak, 2),
             "losses": [round(x, 5) for x in losses]}
