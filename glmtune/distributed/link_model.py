@@ -18,6 +18,12 @@ received on this rank:
     bytes' time.
 
 seconds = bytes sent / bandwidth + messages x latency. A group of one moves nothing.
+
+An all-to-all is not a ring: NCCL runs it as one send and one receive per peer, all at once, so
+across nodes the bytes for peers on this rank's own node take NVLink while the rest take the
+fabric, side by side. With a group of n ranks, g of them on each of its nodes, and the bytes
+spread evenly over the peers (balanced routing), (g - 1)/n of what it receives comes over NVLink
+and (n - g)/n over the fabric; it takes the longer of the two.
 """
 
 from __future__ import annotations
@@ -58,10 +64,24 @@ def messages(op: str, n: int) -> int:
             "send": 1}.get(op, 0)
 
 
+def _all_to_all_transfer_seconds(received: int, ranks: list[int], links: Links) -> float:
+    """An all-to-all's bytes over a group that spans nodes: NVLink to the peers on this rank's
+    node and the fabric to the others at once (module docstring)."""
+    n = len(ranks)
+    per_node = n / len({rank // links.gpus_per_node for rank in ranks})  # g: ranks fill nodes in order
+    nvlink = received * (per_node - 1) / n / (links.nvlink_gbps * 1e9)
+    fabric = received * (n - per_node) / n / (links.fabric_gbps * 1e9)
+    return max(nvlink, fabric)
+
+
 def collective_seconds(op: str, received: int, ranks: list[int], links: Links, calls: int = 1) -> float:
     """The time `calls` collectives of kind `op` on the group `ranks`, whose outputs received
     `received` bytes in all, take on `links`."""
     n = len(ranks)
     if n <= 1:
         return 0.0
-    return bytes_sent(op, received, n) / links.bandwidth(ranks) + calls * messages(op, n) * links.latency_us * 1e-6
+    if op == "all_to_all" and links.kind(ranks) == "fabric":
+        transfer = _all_to_all_transfer_seconds(received, ranks, links)
+    else:
+        transfer = bytes_sent(op, received, n) / links.bandwidth(ranks)
+    return transfer + calls * messages(op, n) * links.latency_us * 1e-6

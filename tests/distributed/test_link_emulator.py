@@ -58,6 +58,18 @@ def test_latency_counts_each_ring_step_and_links_differ_across_nodes():
     assert collective_seconds("all_gather", 10**9, [3], links) == 0.0
 
 
+def test_an_all_to_all_across_nodes_reaches_its_own_node_over_nvlink():
+    links = Links(nvlink_gbps=100.0, fabric_gbps=10.0, gpus_per_node=4, latency_us=0.0)
+    ep16 = list(range(16))  # 4 nodes of 4: of 16 equal parts received, 3 come over NVLink, 12 over the fabric
+    assert collective_seconds("all_to_all", 16 * 10**9, ep16, links) == pytest.approx(12e9 / 10e9)
+    # within a node it is all NVLink; one rank per node, all fabric: each as a ring would count it
+    assert collective_seconds("all_to_all", 4 * 10**9, [0, 1, 2, 3], links) == pytest.approx(3e9 / 100e9)
+    assert collective_seconds("all_to_all", 4 * 10**9, [0, 4, 8, 12], links) == pytest.approx(3e9 / 10e9)
+    # where NVLink is the slower part it sets the time: 2 ranks per node on a fabric as fast as NVLink
+    equal = Links(nvlink_gbps=10.0, fabric_gbps=10.0, gpus_per_node=2, latency_us=0.0)
+    assert collective_seconds("all_to_all", 4 * 10**9, [0, 1, 2, 3], equal) == pytest.approx(2e9 / 10e9)
+
+
 def _busy(at_least: float) -> tuple[float, float]:
     """Matrix products until `at_least` seconds of them have run: (start, end)."""
     a = torch.randn(256, 256)
