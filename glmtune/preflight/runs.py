@@ -7,7 +7,8 @@ the trainer, checkpoint manager and exporters a real run uses.
 The reference run (OUT/work/reference) trains `NUM_STEPS` steps in this process and
 exports (HF for full fine-tuning, PEFT adapters for LoRA). Its hooks
 (`glmtune.train.run.RunHooks`) record, without changing anything: a sample of every
-trainable tensor before training (to tell which ones the first optimizer step moved), and
+trainable tensor before training (to tell which ones the first optimizer step moved: their fp32 masters where
+the optimizer holds them), and
 at each step the gradient of every trainable tensor once it is complete, before the
 trainer checks, clips and applies it (norms per parameter group, and which tensors have
 non-finite or no gradient). `on_model` lets a caller act on the built model (a test plants
@@ -138,14 +139,18 @@ def run_reference(pf: Preflight, on_model: Callable[[nn.Module], None] | None = 
 
     def gradients_complete(step: int, model: nn.Module) -> None:
         ref.gradients[step] = Gradients.of(model, pf.spec)
-        if step == 2:  # the parameters now hold the first step's update
+
+    def stepped(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if step == 1:  # the first update is held by the fp32 master where there is one: a bf16 weight near 1
+            # (a norm's) does not change at lr 1e-5 while its master moves (train.master_weights)
+            master_of = getattr(optimizer, "master_of", lambda param: param)
             now = {clean_name(n): p for n, p in model.named_parameters()}
-            ref.moved = {n: not torch.equal(was, sample(now[n])) for n, was in before.items()}
+            ref.moved = {n: not torch.equal(was, sample(master_of(now[n]))) for n, was in before.items()}
 
     start = time.perf_counter()
     with open(ref.log, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         try:
-            ref.status = run_training(cfg, overwrite=True, hooks=RunHooks(model_built, gradients_complete))
+            ref.status = run_training(cfg, overwrite=True, hooks=RunHooks(model_built, gradients_complete, stepped))
         except Exception as exc:  # a check's failure, not preflight's: named in the report, traceback in the log
             ref.error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc(file=log)

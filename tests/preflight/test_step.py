@@ -53,3 +53,16 @@ def test_data_with_nothing_to_train_on_fails_the_step(fresh):
     result = check_step(pf, ref)
     assert result.status == "fail" and "nothing left to train on" in result.message
     assert check_gradients(pf, ref).status == "skip"
+
+
+def test_a_bf16_run_with_fp32_masters_counts_the_update_its_masters_hold(fresh):
+    # At the tiny recipe's lr a norm weight of 1.0 does not change in bf16 (its step is 2^-8 away) while its
+    # fp32 master moves: the update is held, and the step passes (it failed on the GPU before the masters counted).
+    pf = fresh(SFT, "--model.dtype", "bfloat16", "--train.master_weights", "fp32")
+    ref = run_reference(pf)
+    result = check_step(pf, ref)
+    assert result.status == "pass", result.message
+    moved = result.evidence["updated_tensors"]
+    assert moved["moved"] == moved["with_gradient"] > 0
+    norm = "model.layers.0.input_layernorm.weight"
+    assert ref.moved[norm]
