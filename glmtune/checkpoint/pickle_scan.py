@@ -66,6 +66,23 @@ def unsafe_reason(pickled: bytes) -> str | None:
     return None
 
 
+# torch >= 2.12's reader tells a record's size before reading it; torch 2.11's (the GPU image's) does not.
+_SIZE_BEFORE_READING = hasattr(torch._C.PyTorchFileReader, "get_record_size")
+
+
+def _pickle_record(reader: torch._C.PyTorchFileReader) -> tuple[bytes | None, int | None]:
+    """(`data.pkl`'s bytes, unless larger than MAX_PICKLE_BYTES; its size, None without one). Where the
+    reader cannot tell the size first, the record is read and then measured: it is never unpickled
+    here either way, and it is no larger than the archive the caller opened."""
+    if not reader.has_record(_PICKLE):
+        return None, None
+    if _SIZE_BEFORE_READING:
+        size = reader.get_record_size(_PICKLE)
+        return (reader.get_record(_PICKLE) if size <= MAX_PICKLE_BYTES else None), size
+    pickled = reader.get_record(_PICKLE)
+    return (pickled if len(pickled) <= MAX_PICKLE_BYTES else None), len(pickled)
+
+
 def check_torch_save(stream: IO[bytes], where: str) -> None:
     """ValueError naming `where` unless `stream`, from its current position, is a torch.save
     archive of tensors and plain values (module docstring). The stream is left where it was."""
@@ -73,8 +90,7 @@ def check_torch_save(stream: IO[bytes], where: str) -> None:
     try:
         reader = torch._C.PyTorchFileReader(stream)
         records = reader.get_all_records()
-        size = reader.get_record_size(_PICKLE) if reader.has_record(_PICKLE) else None
-        pickled = reader.get_record(_PICKLE) if size is not None and size <= MAX_PICKLE_BYTES else None
+        pickled, size = _pickle_record(reader)
     except RuntimeError:  # torch's zip reader: not a zip archive, cut short, a bad record
         raise ValueError(f"{where}: not a tensor archive as torch.save writes it (truncated or damaged); "
                          "nothing was unpickled") from None

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from glmtune.checkpoint import pickle_scan
 from glmtune.checkpoint.pickle_scan import check_torch_save
 
 
@@ -42,8 +43,17 @@ ACCEPTED = {
 }
 
 
+@pytest.fixture(params=[True, False], ids=["size first", "read then measured"])
+def reader_kind(request, monkeypatch):
+    """Both ways of sizing the pickle: torch >= 2.12's reader tells it before reading, torch 2.11's not."""
+    if request.param and not pickle_scan._SIZE_BEFORE_READING:
+        pytest.skip("this torch's reader cannot tell a record's size before reading it")
+    monkeypatch.setattr(pickle_scan, "_SIZE_BEFORE_READING", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(ACCEPTED))
-def test_what_a_checkpoint_stores_passes(case):
+def test_what_a_checkpoint_stores_passes(case, reader_kind):
     stream = io.BytesIO(b"prefix" + _saved(ACCEPTED[case]))
     stream.seek(6)
     check_torch_save(stream, "item")
@@ -62,7 +72,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_anything_else_is_refused_before_unpickling(case):
+def test_anything_else_is_refused_before_unpickling(case, reader_kind):
     data, fragment = REFUSED[case]
     with pytest.raises(ValueError) as caught:
         check_torch_save(io.BytesIO(data), "ckpt/__0_0.distcp: the stored x")
@@ -76,3 +86,11 @@ def test_a_torchscript_archive_is_refused():
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), buffer)
     with pytest.raises(ValueError, match="not a tensor archive as torch.save writes it"):
         check_torch_save(io.BytesIO(buffer.getvalue()), "x")
+
+
+def test_a_pickle_larger_than_any_checkpoint_value_is_refused(reader_kind, monkeypatch):
+    data = _saved({"names": [f"{i:03d}" * 30 for i in range(100)]})  # 9,000 characters, none repeated
+    check_torch_save(io.BytesIO(data), "item")
+    monkeypatch.setattr(pickle_scan, "MAX_PICKLE_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"item: its pickle is [19],\d{3} bytes, more than any tensor or optimizer value"):
+        check_torch_save(io.BytesIO(data), "item")
