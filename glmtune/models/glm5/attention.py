@@ -104,16 +104,22 @@ def sdpa_attention(q_BNSK, k_BNTK, v_BNTV, sparse_BST, scale, causal_prefix: int
     assert offset == 0 or causal_prefix == 0, "is_causal aligns query i with key i"
     if causal_prefix >= seq_len:
         return F.scaled_dot_product_attention(q_BNSK, k_BNTK, v_BNTV, is_causal=True, scale=scale)
+    # The query blocks are pieces of one split (its backward: one concatenation of their gradients,
+    # where slices would each write a zero-filled copy of q to add up), and a block that reads every
+    # key takes k and v themselves, not a whole-length slice (whose backward is such a copy too).
+    starts = [0] * (causal_prefix > 0) + list(range(causal_prefix, seq_len, query_block))
+    sizes = [end - start for start, end in zip(starts, [*starts[1:], seq_len])]
+    queries = q_BNSK.split(sizes, dim=2)
     parts = []
     if causal_prefix > 0:
         p = causal_prefix
-        parts.append(F.scaled_dot_product_attention(q_BNSK[:, :, :p], k_BNTK[:, :, :p], v_BNTV[:, :, :p],
+        parts.append(F.scaled_dot_product_attention(queries[0], k_BNTK[:, :, :p], v_BNTV[:, :, :p],
                                                     is_causal=True, scale=scale))
-    for start in range(causal_prefix, seq_len, query_block):
-        end = min(start + query_block, seq_len)
+    for q_block, start in zip(queries[len(parts):], starts[len(parts):]):
+        end = start + q_block.shape[2]
         keys = offset + end
-        parts.append(masked(q_BNSK[:, :, start:end], k_BNTK[:, :, :keys], v_BNTV[:, :, :keys],
-                            sparse_BST[:, start:end, :keys], scale))
+        k_block, v_block = (k_BNTK, v_BNTV) if keys == k_BNTK.shape[2] else (k_BNTK[:, :, :keys], v_BNTV[:, :, :keys])
+        parts.append(masked(q_block, k_block, v_block, sparse_BST[:, start:end, :keys], scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
