@@ -235,6 +235,10 @@ class ParallelConfig:
     # EP: each MoE layer's tokens in N chunks, each chunk's rows travelling while another chunk's experts
     # compute (docs/distributed.md, "What hides the expert all-to-all"); > 1 needs ep > 1 and all_to_all
     ep_overlap_chunks: int = 1
+    # EP under full activation checkpointing: the all-to-alls whose received rows the forward keeps, so the
+    # recomputation does not exchange them again (docs/distributed.md): none; combine (this rank's token-expert
+    # pairs x hidden x 2 B per MoE layer and micro-batch in flight); both (twice that: no exchange, no host sync)
+    ep_keep_exchanges: Literal["none", "combine", "both"] = "none"
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)

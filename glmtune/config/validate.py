@@ -576,6 +576,11 @@ def _model_parallel_logging_rules(cfg: JobConfig) -> list[tuple[bool, str]]:
         (p.ep_overlap_chunks == 1 or (p.ep_overlap_chunks > 1 and p.ep != 1 and p.ep_dispatcher == "all_to_all"),
          f"parallel.ep_overlap_chunks: {p.ep_overlap_chunks} must be 1, or more with parallel.ep > 1 and "
          "parallel.ep_dispatcher: all_to_all (the chunks overlap the expert all-to-alls)"),
+        (p.ep_keep_exchanges == "none" or (p.ep != 1 and p.ep_dispatcher == "all_to_all"
+                                           and p.activation_checkpointing == "full" and not p.compile),
+         f"parallel.ep_keep_exchanges: {p.ep_keep_exchanges} keeps what the expert all-to-alls received for full "
+         "activation checkpointing's recomputation: it needs parallel.ep > 1, ep_dispatcher: all_to_all, "
+         "activation_checkpointing: full and compile: false"),
         (cfg.model.attention_score_buffer_mib >= 0,
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
         (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),

@@ -42,6 +42,8 @@ except ImportError:
     )
 from torch.distributed.device_mesh import DeviceMesh
 
+from glmtune.distributed import exchange_keeper
+from glmtune.distributed.exchange_keeper import Keeper
 from glmtune.models.common.token_dispatch import (
     DispatchState,
     LocalDispatchState,
@@ -109,6 +111,21 @@ class _Transfer:
         self.work, self.tensors = None, ()
 
 
+class _KeptRows:
+    """A transfer a recomputation replays (`exchange_keeper`): the rows its forward received, handed
+    back without sending anything. Its autograd nodes are the recomputation's, which no backward runs."""
+
+    def __init__(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> None:
+        self.rows, self.send_splits, self.recv_splits = rows, send_splits, recv_splits
+
+    def issue(self, x_ND: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        assert self.rows.shape == (out_rows, *x_ND.shape[1:]), (self.rows.shape, out_rows, x_ND.shape)
+        return self.rows.detach()  # a new tensor object: the kept one never joins a graph
+
+    def wait(self) -> None:
+        pass
+
+
 class _SendRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
@@ -138,13 +155,20 @@ class _ReceiveRows(torch.autograd.Function):
 
 
 def _send_rows(x_ND: torch.Tensor, group: dist.ProcessGroup, send_splits: list[int],
-               recv_splits: list[int]) -> tuple[torch.Tensor, _Transfer | None]:
+               recv_splits: list[int], kept: torch.Tensor | None = None) -> tuple[torch.Tensor, _Transfer | None]:
     """Issues the rows' all-to-all: (the rows, not yet received, and the transfer that
-    `_received` waits for). Compiled, it is torch's functional collective (waited where first used)."""
+    `_received` waits for); with `kept`, a recomputation's replay of it (`_KeptRows`). Compiled, it
+    is torch's functional collective (waited where first used)."""
     if torch.compiler.is_compiling():
         return all_to_all_single_autograd(x_ND, recv_splits, send_splits, group), None
-    transfer = _Transfer(group, send_splits, recv_splits)
+    transfer = _Transfer(group, send_splits, recv_splits) if kept is None else _KeptRows(kept, send_splits, recv_splits)
     return _SendRows.apply(x_ND, transfer), transfer
+
+
+def _keeper(exchange: str) -> Keeper | None:
+    """The running checkpointed call's keeper, when it keeps `exchange` (`exchange_keeper`)."""
+    keeper = exchange_keeper.current()
+    return keeper if keeper is not None and keeper.keeps(exchange) else None
 
 
 def _received(rows: torch.Tensor, transfer: _Transfer | None) -> torch.Tensor:
@@ -206,21 +230,29 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         # send_PCL[p, c, l]: chunk c's rows for rank p's local expert l (a block per destination).
         send_PCL = torch.stack([counts for _, counts, _ in sorted_chunks]).view(num_chunks, ep, num_local)
         send_PCL = send_PCL.transpose(0, 1).contiguous()
-        # recv_PCL[s, c, l]: rows of chunk c that rank s sends to this rank's local expert l.
-        recv_PCL = _wait(all_to_all_single(send_PCL.view(-1), None, None, group=self.ep.group))
-        recv_PCL = recv_PCL.view(ep, num_chunks, num_local)
-        # The one device-to-host sync of the layer: the collectives take split sizes as host
-        # ints. Both count tables come over in a single copy.
-        splits_2PC = torch.stack([send_PCL, recv_PCL]).sum(3).cpu()
+        keeper = _keeper("dispatch")
+        if keeper is not None and keeper.replaying:  # a recomputation: the forward's counts, no sync
+            recv_PCL, splits_2PC = keeper.take("dispatch_counts")
+        else:
+            # recv_PCL[s, c, l]: rows of chunk c that rank s sends to this rank's local expert l.
+            recv_PCL = _wait(all_to_all_single(send_PCL.view(-1), None, None, group=self.ep.group))
+            recv_PCL = recv_PCL.view(ep, num_chunks, num_local)
+            # The one device-to-host sync of the layer: the collectives take split sizes as host
+            # ints. Both count tables come over in a single copy.
+            splits_2PC = torch.stack([send_PCL, recv_PCL]).sum(3).cpu()
+            if keeper is not None:
+                keeper.keep("dispatch_counts", (recv_PCL, splits_2PC))
+        replayed = keeper is not None and keeper.replaying
         return [self._send(x_ND, counts_E, local, recv_PCL[:, c], splits_2PC[0, :, c].tolist(),
-                           splits_2PC[1, :, c].tolist())
+                           splits_2PC[1, :, c].tolist(), keeper.take("dispatch") if replayed else None)
                 for c, (x_ND, counts_E, local) in enumerate(sorted_chunks)]
 
     def _send(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, local: LocalDispatchState,
-              recv_PL: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> _RowsInFlight:
+              recv_PL: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+              kept: torch.Tensor | None) -> _RowsInFlight:
         ep, num_local = self.ep.size, self.ep.num_local_experts
         # Waited in `dispatch_finish`.
-        x_RD, transfer = _send_rows(x_ND, self.ep.group, send_splits, recv_splits)
+        x_RD, transfer = _send_rows(x_ND, self.ep.group, send_splits, recv_splits, kept)
         # Received rows come as [source rank][local expert]; the grouped GEMM wants them
         # local-expert-major. A stable sort by local expert keeps the source ranks in order.
         block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_ND.device), recv_PL.reshape(-1),
@@ -232,6 +264,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def dispatch_finish(self, in_flight: _RowsInFlight) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         state = in_flight.state
         x_RD = _received(in_flight.rows, in_flight.transfer)
+        keeper = _keeper("dispatch")
+        if keeper is not None and not keeper.replaying:
+            keeper.keep("dispatch", x_RD.detach())
         return permute_rows(x_RD, state.order_R, state.inverse_R), in_flight.tokens_per_expert_L, state
 
     def combine(self, y_RD: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
@@ -240,11 +275,17 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def combine_start(self, y_RD: torch.Tensor, state: AllToAllState) -> tuple[torch.Tensor, _Transfer | None]:
         """Sends the outputs back (the way they came: the splits reversed); waited in `combine_finish`."""
         y_RD = permute_rows(y_RD, state.inverse_R, state.order_R)
-        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits)
+        keeper = _keeper("combine")
+        kept = keeper.take("combine") if keeper is not None and keeper.replaying else None
+        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits, kept)
 
     def combine_finish(self, in_flight: tuple[torch.Tensor, _Transfer | None], state: AllToAllState,
                        out_dtype: torch.dtype) -> torch.Tensor:
-        return self.local.combine(_received(*in_flight), state.local, out_dtype)
+        rows_ND = _received(*in_flight)
+        keeper = _keeper("combine")
+        if keeper is not None and not keeper.replaying:
+            keeper.keep("combine", rows_ND.detach())
+        return self.local.combine(rows_ND, state.local, out_dtype)
 
 
 @dataclass

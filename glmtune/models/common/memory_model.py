@@ -52,6 +52,7 @@ class StepShape:
     mtp: bool = False  # train.mtp_loss_weight > 0: the multi-token-prediction layer runs
     absorbed_attention: bool = False  # MLA's absorbed form over the selected keys (attention_backend absorbed*)
     fused_norms: bool = False  # model.norm_backend: triton (each norm keeps its input and 1/rms)
+    kept_exchanges: int = 0  # parallel.ep_keep_exchanges: expert all-to-alls whose rows full AC keeps (0-2)
 
     @property
     def queries(self) -> int:

@@ -48,7 +48,7 @@ def layer_activations(args: Glm5Args, step: StepShape, index: int) -> tuple[int,
     saved = sum(act.layer_saved(args, step, index, e, _trainability(step)).values())
     layer_input = e * step.queries * args.hidden_size
     if ac == "full":
-        kept = layer_input
+        kept = layer_input + kept_exchange_rows(args, step, index)
     elif ac == "selective":
         kept = act.selective_kept(args, step, index, e, step.ac_keep_matmul_min_k)
     else:
@@ -57,6 +57,16 @@ def layer_activations(args: Glm5Args, step: StepShape, index: int) -> tuple[int,
     # but what selective checkpointing kept (beyond the layer input) is not recomputed.
     recompute = 0 if ac == "none" else saved - (kept - layer_input)
     return kept, recompute
+
+
+def kept_exchange_rows(args: Glm5Args, step: StepShape, index: int) -> int:
+    """The rows an expert-parallel MoE layer's forward keeps for its recomputation
+    (`parallel.ep_keep_exchanges`): per kept exchange, this rank's token-expert pairs at balanced
+    routing (the combine's rows come back to the rank that routed them; the dispatch's, as many,
+    to the experts' rank)."""
+    if not step.kept_exchanges or step.ep <= 1 or args.mlp_layer_types[index] != "sparse":
+        return 0
+    return step.kept_exchanges * step.compute_bytes * step.queries * args.num_experts_per_tok * args.hidden_size
 
 
 def moe_transients(args: Glm5Args, step: StepShape) -> dict[str, int]:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from glmtune.distributed.context_parallel import apply_context_parallel
+from glmtune.distributed.exchange_keeper import KEEP_CHOICES, KEPT_EXCHANGES, Keeper, keeping
 from glmtune.distributed.expert_parallel import apply_expert_parallel
 from glmtune.distributed.pipeline import Pipeline
 from glmtune.distributed.pipeline_plan import plan_stages, stage_ids_for_rank
@@ -106,7 +107,21 @@ def _keep_quadratic_and_wide_matmuls(min_k, ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed_forward(original_forward, keep_min_k, *args, **kwargs):
+def _keeping_exchanges(original_forward, exchanges: frozenset[str]):
+    """`original_forward` as one checkpointed call whose recomputation replays the expert exchanges
+    its forward received (`glmtune.distributed.exchange_keeper`); as it is when none are kept."""
+    if not exchanges:
+        return original_forward
+    keeper, records = Keeper(exchanges), torch.is_grad_enabled()  # without gradients nothing is recomputed
+
+    def run(*args, **kwargs):
+        with keeping(keeper, records):
+            return original_forward(*args, **kwargs)
+    return run
+
+
+def _checkpointed_forward(original_forward, keep_min_k, exchanges, *args, **kwargs):
+    original_forward = _keeping_exchanges(original_forward, exchanges)
     if keep_min_k is None:  # full recompute
         return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
     policy = functools.partial(_keep_quadratic_and_wide_matmuls, keep_min_k)
@@ -115,16 +130,19 @@ def _checkpointed_forward(original_forward, keep_min_k, *args, **kwargs):
 
 
 def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selective",
-                                   keep_matmul_min_k: int = KEEP_MATMUL_MIN_K) -> None:
+                                   keep_matmul_min_k: int = KEEP_MATMUL_MIN_K, keep_exchanges: str = "none") -> None:
     """Recompute each decoder layer in backward. "full" recomputes everything (least
     memory); "selective" keeps the top-k selection, the attention and the matmuls with a
-    reduction dim >= `keep_matmul_min_k`. Parameter names are unchanged (no wrapper
+    reduction dim >= `keep_matmul_min_k`. `keep_exchanges` ("none", "combine", "both"):
+    the expert all-to-alls whose received rows the forward keeps for the recomputation
+    (`glmtune.distributed.exchange_keeper`). Parameter names are unchanged (no wrapper
     module), so checkpoints and adapters see the same keys in every mode."""
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
     keep = keep_matmul_min_k if mode == "selective" else None
+    exchanges = KEPT_EXCHANGES[keep_exchanges]
     for layer in [*decoder_layers(model), *model.mtp]:  # an MTP layer runs only when it trains
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward, keep)
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward, keep, exchanges)
 
 
 def apply_compile(model: Glm5ForCausalLM) -> None:
@@ -260,6 +278,7 @@ def parallelize_glm5(
     reduce_dtype: torch.dtype = torch.float32,
     ep_dispatcher: str = "all_to_all",
     ep_overlap_chunks: int = 1,
+    ep_keep_exchanges: str = "none",
     cp_balance: str = "head_tail",
     pipeline: PipelineOptions | None = None,
 ) -> nn.Module:
@@ -271,6 +290,10 @@ def parallelize_glm5(
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
         ep_overlap_chunks: chunks of each MoE layer's tokens whose all-to-alls overlap the other
             chunks' experts (`TokenDispatcher.overlap_chunks`); > 1 needs EP's all_to_all dispatcher.
+        ep_keep_exchanges: "none", "combine" or "both": the expert all-to-alls whose received rows
+            full recomputation takes from the forward instead of exchanging again
+            (`glmtune.distributed.exchange_keeper`); needs EP's all_to_all dispatcher, full
+            activation checkpointing and no compile.
         cp_balance: which queries each context-parallel rank keeps (`parallel.cp_balance`).
         pipeline: the schedule and split when the mesh has pp > 1; the runner of the built
             `glmtune.distributed.pipeline.Pipeline` is then `model.step_runner` (a
@@ -287,6 +310,8 @@ def parallelize_glm5(
     if ep_overlap_chunks != 1 and not (expert_parallel and ep_dispatcher == "all_to_all" and ep_overlap_chunks > 1):
         raise ValueError(f"ep_overlap_chunks {ep_overlap_chunks}: chunks overlap the all-to-alls of expert "
                          "parallelism, so more than 1 needs ep > 1 with the all_to_all dispatcher")
+    _check_kept_exchanges(ep_keep_exchanges, expert_parallel and ep_dispatcher == "all_to_all",
+                          activation_checkpointing, compile)
     if expert_parallel:
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
         for layer in expert_layers(model):
@@ -294,7 +319,7 @@ def parallelize_glm5(
     if mesh is not None and mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), cp_balance)
     if activation_checkpointing != "none":
-        apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k)
+        apply_activation_checkpointing(model, activation_checkpointing, ac_keep_matmul_min_k, ep_keep_exchanges)
     if compile:
         apply_compile(model)
     if mesh is not None and mesh.degrees.fsdp_applies():
@@ -309,6 +334,15 @@ def parallelize_glm5(
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
             pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None), model)
     return model
+
+
+def _check_kept_exchanges(keep: str, all_to_all: bool, activation_checkpointing: str, compile: bool) -> None:
+    if keep not in KEEP_CHOICES:
+        raise ValueError(f"ep_keep_exchanges {keep!r}: choose from {KEEP_CHOICES}")
+    if keep != "none" and not (all_to_all and activation_checkpointing == "full" and not compile):
+        raise ValueError(f"ep_keep_exchanges {keep}: keeps what the expert all-to-alls received for full activation "
+                         "checkpointing's recomputation, so it needs ep > 1 with the all_to_all dispatcher, "
+                         "activation_checkpointing full and compile off")
 
 
 def _any_carry(model) -> bool:

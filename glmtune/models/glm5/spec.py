@@ -287,7 +287,8 @@ class Glm5Compute(Compute):
         p = parallel_cfg
         parallelize_glm5(model, mesh=mesh, activation_checkpointing=p.activation_checkpointing,
                          ac_keep_matmul_min_k=p.ac_keep_matmul_min_k, compile=p.compile, ep_dispatcher=p.ep_dispatcher,
-                         ep_overlap_chunks=p.ep_overlap_chunks, cp_balance=p.cp_balance, pipeline=pipeline)
+                         ep_overlap_chunks=p.ep_overlap_chunks, ep_keep_exchanges=p.ep_keep_exchanges,
+                         cp_balance=p.cp_balance, pipeline=pipeline)
         return self.step_runner(model)
 
     def step_runner(self, model: nn.Module) -> StepRunner:
