@@ -14,6 +14,10 @@ apply the routing weights in fp32 before any sum, as the local dispatcher does:
   tokens and routing, computes its experts on the rows routed to them, and the fp32
   partial sums are reduce-scattered back. Traffic ~ ep*T rows per rank.
 
+Under full activation checkpointing, the all-to-all dispatcher's exchanges in a layer's
+recomputation can replay what its forward received instead of sending again
+(`exchange_keeper.py`, `parallel.ep_keep_exchanges`).
+
 Legend: T tokens of this rank, D model dim, E experts, L local experts, K experts per
 token, N = T*K routed pairs of this rank, R rows this rank's experts compute, P ep
 ranks, G = P*Tmax gathered tokens (each rank's tokens padded to the largest T).
