@@ -14,8 +14,10 @@ layer's backward (`glmtune plan` counts them, `docs/distributed.md`).
 What can be kept (`parallel.ep_keep_exchanges`):
   * "combine": the combine's received rows (the experts' outputs, back on the rank that routed
     them: T*K rows of D per MoE layer and micro-batch in flight); the dispatch is exchanged again;
-  * "both": the dispatch's too (its per-expert counts, their host copy, and the rows received for
-    this rank's experts), so the recomputation exchanges nothing and makes no host sync.
+  * "dispatch": the dispatch's per-expert counts, their host copy, and the rows received for this
+    rank's experts (as many at balanced routing), so the recomputation also skips the count
+    exchange and its host sync; the combine is exchanged again;
+  * "both": both, so the recomputation exchanges nothing.
 
 The dispatcher asks `current()` for the keeper of the call it runs in: None outside a
 checkpointed call, or where nothing is kept (the forward of a call that will not be recomputed,
@@ -30,9 +32,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-KEEP_CHOICES = ("none", "combine", "both")
+KEEP_CHOICES = ("none", "combine", "dispatch", "both")
 # What each choice keeps, by the dispatcher's names for its exchanges.
 KEPT_EXCHANGES = {"none": frozenset(), "combine": frozenset({"combine"}),
+                  "dispatch": frozenset({"dispatch", "dispatch_counts"}),
                   "both": frozenset({"combine", "dispatch", "dispatch_counts"})}
 
 

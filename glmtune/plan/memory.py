@@ -110,7 +110,7 @@ def step_shape(cfg: JobConfig, degrees: MeshDegrees, one_document: bool = True) 
                      p.ac_keep_matmul_min_k, cfg.model.attention_score_buffer_mib << 20,
                      cfg.model.fp8_base != "none", cfg.train.mtp_loss_weight > 0,
                      cfg.model.attention_backend in ("absorbed", "absorbed_triton"), cfg.model.norm_backend == "triton",
-                     {"none": 0, "combine": 1, "both": 2}[p.ep_keep_exchanges])
+                     {"none": 0, "combine": 1, "dispatch": 1, "both": 2}[p.ep_keep_exchanges])
 
 
 @dataclass
