@@ -16,8 +16,11 @@ comparisons, each of which can fail on its own:
    be broken differently (a family without sparse attention: the whole row). In float32 the largest logit difference must be at most 1e-4 (the
    parity tests' bound). In bfloat16 two implementations round differently (glmtune's Triton
    attention, indexer and fused ops against transformers' eager ones), so their difference
-   alone cannot tell rounding from a fault. Both bf16 models are also run in float32 (the
-   same weights upcast, so the exported bf16 values exactly): (a) glmtune's float32 logits must
+   alone cannot tell rounding from a fault. Both models are also run in float32 on the same
+   weights (the exported bf16 values, upcast exactly): glmtune's model upcast in place,
+   transformers' loaded again in float32 from the export (upcast in place, transformers 5.17's
+   model was 1.4e-2 from its own float32 load on a CUDA GPU, while glmtune's agreed with both
+   loads to 5e-7: docs/preflight.md). (a) glmtune's float32 logits must
    equal transformers' within `FP32_REL_BOUND` (relative), which catches a real difference
    in the math or the weights; (b) glmtune's bf16 error against that float32 reference must be
    at most `BF16_ERROR_RATIO` times transformers' own bf16 error (or `BF16_REL_FLOOR`), and its
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,10 +163,22 @@ def bf16_logit_problems(ours: dict[str, torch.Tensor], served: dict[str, torch.T
 
 
 def _both_precisions(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model's logits as loaded (bf16), then upcast in place to float32 (the same weights)."""
+    """glmtune's logits as loaded (bf16), then upcast in place to float32 (the same weights)."""
     logits = {"bf16": model(ids).logits.float()}
     model.float()
     logits["fp32"] = model(ids).logits.float()
+    return logits
+
+
+def _loaded_in_both(load: Callable[[torch.dtype], torch.nn.Module], dtype: torch.dtype,
+                    ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' logits loaded in `dtype` (bf16), then loaded again in float32 from the same
+    export: one model at a time (the module docstring says why not upcast in place)."""
+    logits = {}
+    for name, precision in (("bf16", dtype), ("fp32", torch.float32)):
+        model = load(precision)
+        logits[name] = model(ids).logits.float()
+        del model
     return logits
 
 
@@ -197,13 +213,15 @@ def _adapter_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, eviden
     if not isinstance(base, str):
         raise ValueError(f"{adapter_dir / CONFIG_NAME}: base_model_name_or_path is {json_name(base)}, not the base's "
                          "path")
-    with _quiet_transformers():
-        hf = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="eager")
-        served = peft.PeftModel.from_pretrained(hf, adapter_dir).to(pf.device).eval()
+    def load(precision: torch.dtype) -> torch.nn.Module:
+        with _quiet_transformers():
+            hf = AutoModelForCausalLM.from_pretrained(base, dtype=precision, attn_implementation="eager")
+            return peft.PeftModel.from_pretrained(hf, adapter_dir).to(pf.device).eval()
+
     evidence.update(checkpoint=str(checkpoint.path), export=[str(ref.run_dir / sub) for sub in RUN_DIRS.values()],
-                    base=base, tensors=count, reloaded_by=f"transformers {type(hf).__name__} on {base} + PEFT "
-                                                         f"{peft.__version__} on {adapter_dir}")
-    return problems, served, ours
+                    base=base, tensors=count, reloaded_by=f"transformers {AutoModelForCausalLM.__name__} on {base} + "
+                                                         f"PEFT {peft.__version__} on {adapter_dir}")
+    return problems, load, ours
 
 
 def _hf_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: dict[str, Any]):
@@ -218,13 +236,16 @@ def _hf_models(pf: Preflight, ref: ReferenceRun, dtype: torch.dtype, evidence: d
     problems = tensor_problems(expected, checkpoint_files(export), "hf/", written_dtypes(spec.hf_format, args, dtype))
     evidence.update(checkpoint=str(checkpoint.path), export=str(export), tensors=len(expected))
     del trained, expected  # the checkpoint's copy is no longer needed: two models are enough at once
-    with _quiet_transformers():
-        served = AutoModelForCausalLM.from_pretrained(export, dtype=dtype, attn_implementation="eager")
-    served = served.to(pf.device).eval()
+
+    def load(precision: torch.dtype) -> torch.nn.Module:
+        with _quiet_transformers():
+            served = AutoModelForCausalLM.from_pretrained(export, dtype=precision, attn_implementation="eager")
+        return served.to(pf.device).eval()
+
     m = pf.scratch().model
     ours = spec.weights.load_pretrained(export, dtype, pf.device, model_cfg=m).eval()
-    evidence["reloaded_by"] = f"transformers {type(served).__name__} and glmtune on {export}"
-    return problems, served, ours
+    evidence["reloaded_by"] = f"transformers {AutoModelForCausalLM.__name__} and glmtune on {export}"
+    return problems, load, ours
 
 
 @torch.no_grad()
@@ -232,16 +253,15 @@ def check_export(pf: Preflight, ref: ReferenceRun) -> CheckResult:
     dtype = resolve_precision(pf.scratch()).compute_dtype
     dtype_name = str(dtype).removeprefix("torch.")
     evidence: dict[str, Any] = {"dtype": dtype_name}
-    problems, served, ours = (_adapter_models if pf.lora else _hf_models)(pf, ref, dtype, evidence)
+    problems, load_served, ours = (_adapter_models if pf.lora else _hf_models)(pf, ref, dtype, evidence)
     top_k = sparse_top_k(pf, ours)
     ids = probe_tokens(pf, top_k).to(pf.device)
     evidence["probe"] = f"the first {ids.shape[1]} tokens of the first training row" + (
         " (<= index_topk)" if top_k is not None else "")
     if dtype == torch.float32:
-        logit_issues, logits = logit_problems(served(ids).logits, ours(ids).logits)
-    else:  # one model in float32 at a time: the served one is freed before glmtune's is upcast
-        served_logits = _both_precisions(served, ids)
-        del served
+        logit_issues, logits = logit_problems(load_served(dtype)(ids).logits, ours(ids).logits)
+    else:  # one model in float32 at a time: the served ones are freed before glmtune's is upcast
+        served_logits = _loaded_in_both(load_served, dtype, ids)
         logit_issues, logits = bf16_logit_problems(_both_precisions(ours, ids), served_logits)
     evidence["logits"] = logits
     message = (f"{evidence['tensors']} exported tensors equal the checkpoint's; {evidence['reloaded_by']}: logits "

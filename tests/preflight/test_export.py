@@ -72,3 +72,29 @@ def test_bf16_bound_is_transformers_own_rounding():
     wrong_math = {"fp32": _noisy(reference, 10 * FP32_REL_BOUND, 5), "bf16": rounding_like_theirs["bf16"]}
     problems, _ = bf16_logit_problems(wrong_math, served)
     assert len(problems) == 1 and problems[0].startswith("float32 logits differ from transformers'")
+
+
+def test_bf16_check_loads_transformers_float32_reference_afresh(fresh, monkeypatch):
+    """The float32 reference is transformers' model loaded in float32 from the export, not its bf16 model
+    upcast in place (on a CUDA GPU, transformers 5.17's upcast model was 1.4e-2 from its own float32 load:
+    docs/preflight.md); a bf16 run passes check 8 with it."""
+    from transformers import AutoModelForCausalLM
+
+    from glmtune.preflight.runs import run_reference
+
+    pf = fresh(LORA.parent / "sft_support_json.yaml", "--model.dtype", "bfloat16")
+    ref = run_reference(pf)
+    loaded = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        model = original(*args, **kwargs)
+        loaded.append(kwargs["dtype"])
+        model.float = lambda: pytest.fail("transformers' model upcast in place")  # the reference is loaded afresh
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+    result = check_export(pf, ref)
+    assert loaded == [torch.bfloat16, torch.float32]
+    assert result.status == "pass", result.message
+    assert result.evidence["logits"]["glmtune_vs_transformers_fp32"]["relative_error"] <= 1e-4
