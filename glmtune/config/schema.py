@@ -43,8 +43,8 @@ class ModelConfig:
     moe_dispatch_backend: Literal["auto", "torch", "triton"] = "auto"  # token movement; auto: triton on cuda
     indexer_backend: Literal["auto", "chunked", "reference", "fused"] = "auto"  # DSA scores; auto: fused on cuda
     # RMSNorm: torch, the eager function (the reference); triton, one forward and one backward kernel
-    # with its roundings (CUDA), which save the input and 1/rms instead of an fp32 copy
-    norm_backend: Literal["torch", "triton"] = "torch"
+    # with its roundings (CUDA), which save the input and 1/rms instead of an fp32 copy; auto: triton on cuda
+    norm_backend: Literal["auto", "torch", "triton"] = "auto"
     # triton attention backward: dQ / dV as GEMMs over bf16 dS / P while each fits (0: never);
     # absorbed_triton: its backward's P / dS buffers, filled chunk of queries by chunk (0: one query at a time)
     attention_score_buffer_mib: int = 1024

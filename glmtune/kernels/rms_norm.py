@@ -1,4 +1,4 @@
-"""RMSNorm with transformers' GLM-5 numerics as two Triton kernels (`model.norm_backend: triton`).
+"""RMSNorm with transformers' GLM-5 numerics as two Triton kernels (`model.norm_backend`: triton, and auto on a CUDA GPU).
 
 The eager norm (`glmtune.models.common.rmsnorm.RMSNorm`, the reference) runs five elementwise
 kernels and a reduction forward, more backward, and saves an fp32 copy of its input for the

@@ -99,6 +99,12 @@ def _compute_size(cfg: JobConfig) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
+def fused_norms(cfg: JobConfig) -> bool:
+    """Whether the norms run the Triton kernels (`model.norm_backend`): triton, or auto on a job that
+    runs on a GPU, which a plan is for unless `train.device: cpu` says otherwise."""
+    return cfg.model.norm_backend == "triton" or (cfg.model.norm_backend == "auto" and cfg.train.device != "cpu")
+
+
 def step_shape(cfg: JobConfig, degrees: MeshDegrees, one_document: bool = True) -> StepShape:
     """One rank's micro-batch under `degrees` and the recipe's settings the memory model reads."""
     p = cfg.parallel
@@ -109,7 +115,7 @@ def step_shape(cfg: JobConfig, degrees: MeshDegrees, one_document: bool = True) 
                      p.activation_checkpointing, cfg.peft.rank if cfg.peft.method == "lora" else 0, degrees.ep,
                      p.ac_keep_matmul_min_k, cfg.model.attention_score_buffer_mib << 20,
                      cfg.model.fp8_base != "none", cfg.train.mtp_loss_weight > 0,
-                     cfg.model.attention_backend in ("absorbed", "absorbed_triton"), cfg.model.norm_backend == "triton",
+                     cfg.model.attention_backend in ("absorbed", "absorbed_triton"), fused_norms(cfg),
                      {"none": 0, "combine": 1, "dispatch": 1, "both": 2}[p.ep_keep_exchanges])
 
 

@@ -22,6 +22,9 @@ def test_triton_norms_are_refused_on_a_cpu():
     assert device_errors(auto, "cuda") == []
     assert device_errors(auto, "cpu") == ["model.norm_backend: triton runs Triton kernels on a CUDA GPU, and "
                                           "train.device: auto found none here (it runs on cpu); use torch"]
+    # auto, the default, is the kernels on a GPU and eager elsewhere: never refused
+    assert norm_backend_errors(load_config(RECIPE, ["--train.device", "cpu"])) == []
+    assert device_errors(load_config(RECIPE, ["--train.device", "auto"]), "cpu") == []
 
 
 def test_the_plan_counts_the_fused_norms_input_and_rms_instead_of_an_fp32_copy():
@@ -30,11 +33,14 @@ def test_the_plan_counts_the_fused_norms_input_and_rms_instead_of_an_fp32_copy()
     q, w = 4096, 6144
     assert norm_saved(q, w, 2, weight_trains=True) - norm_saved(q, w, 2, True, fused=True) == 4 * q * w
     assert norm_saved(q, w, 2, weight_trains=False) - norm_saved(q, w, 2, False, fused=True) == 2 * q * w
-    torch_cfg = load_config(RECIPE, ["--parallel.activation_checkpointing", "none"])
+    torch_cfg = load_config(RECIPE, ["--parallel.activation_checkpointing", "none", "--model.norm_backend", "torch"])
     triton_cfg = load_config(RECIPE, ["--parallel.activation_checkpointing", "none", "--model.norm_backend", "triton"])
     degrees = degrees_for(torch_cfg)
     assert not step_shape(torch_cfg, degrees).fused_norms and step_shape(triton_cfg, degrees).fused_norms
     assert StepShape(1, 8).fused_norms is False
+    # auto (the default) plans the kernels for a job on a GPU, eager for one on the CPU
+    assert step_shape(load_config(RECIPE, []), degrees).fused_norms
+    assert not step_shape(load_config(RECIPE, ["--train.device", "cpu"]), degrees).fused_norms
     eager = planned_for(torch_cfg, degrees, 192).peak.total
     fused = planned_for(triton_cfg, degrees_for(triton_cfg), 192).peak.total
     assert fused < eager

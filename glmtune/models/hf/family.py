@@ -68,7 +68,7 @@ LIMITS: tuple[SettingLimit, ...] = (
     ("model.moe_backend", ("grouped_mm",), _GLM5_KERNEL),
     ("model.moe_dispatch_backend", ("auto",), _GLM5_KERNEL),
     ("model.indexer_backend", ("auto",), _GLM5_KERNEL),
-    ("model.norm_backend", ("torch",), _GLM5_KERNEL),
+    ("model.norm_backend", ("auto",), _GLM5_KERNEL),
     ("model.attention_score_buffer_mib", (1024,), _GLM5_KERNEL),
     ("peft.adapter_kernel", ("auto",), _GLM5_KERNEL),
 )
