@@ -19,12 +19,13 @@ from glmtune.plan.planner import degrees_for
 
 MTP_OFF = ("--train.mtp_loss_weight", "0")
 KL_ON = ("--train.indexer_loss_weight", "0.01", "--model.indexer_trainable", "true")
+ONE_ROW = ("--train.micro_batch_size", "1")  # lora_fp8_1node before it took 2 rows per micro-batch (2026-12-06)
 EAGER = ("--model.norm_backend", "torch")  # measured before the Triton norms became the default on a GPU
 EXPANDED = ("--model.attention_backend", "auto")  # sft_32k_cp8 before it took absorbed_triton (2026-12-06)
 
 # (recipe, rank, overrides, measured peak GiB, where recorded: doc section, date, commit measured)
 MEASURED = [
-    ("lora_fp8_1node", 0, EAGER, 112.53,
+    ("lora_fp8_1node", 0, EAGER + ONE_ROW, 112.53,
      "docs/benchmarks.md 2026-12-03 (second run), f14b480; again 2026-12-05 emulated links, 14bfa32: 112.5; "
      "2026-12-06 with 2 all-to-all chunks, 0063038: 113.3"),
     ("dpo_lora_fp8_1node", 0, EAGER, 111.28, "docs/benchmarks.md 2026-12-03 DPO with LoRA, b349c3f"),
