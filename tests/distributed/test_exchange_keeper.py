@@ -143,3 +143,10 @@ def test_the_plan_counts_the_kept_rows():
     saved = {keep: dict(plan.peak.parts)["activations (saved)"] for keep, plan in plans.items()}
     assert saved["combine"] - saved["none"] >= 18 * rows  # every layer of the stage, a micro-batch or more each
     assert plans["both"].peak.total > plans["combine"].peak.total > plans["none"].peak.total
+
+
+def test_selective_checkpointing_refuses_kept_exchanges():
+    from glmtune.models.glm5.parallelize import apply_activation_checkpointing
+
+    with pytest.raises(ValueError, match="kept exchanges need activation_checkpointing full"):
+        apply_activation_checkpointing(build_model(get_preset("tiny"), seed=0), "selective", keep_exchanges="both")

@@ -139,6 +139,9 @@ def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selectiv
     module), so checkpoints and adapters see the same keys in every mode."""
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: choose none, full or selective")
+    if keep_exchanges not in KEEP_CHOICES or (keep_exchanges != "none" and mode != "full"):
+        raise ValueError(f"ep_keep_exchanges {keep_exchanges!r}: choose from {KEEP_CHOICES}; kept exchanges need "
+                         "activation_checkpointing full")
     keep = keep_matmul_min_k if mode == "selective" else None
     exchanges = KEPT_EXCHANGES[keep_exchanges]
     for layer in [*decoder_layers(model), *model.mtp]:  # an MTP layer runs only when it trains
