@@ -133,3 +133,15 @@ def test_selective_checkpointing_at_ep2_trains_as_one_process(tmp_path, shared_r
              "--parallel.activation_checkpointing", "selective"]
     train_in_forks({tmp_path / "ep2-selective": flags}, single.cache_dir, nproc=2)
     _assert_same(_records(tmp_path / "ep2-selective"), _records(single.run_dir))
+
+
+def test_kept_exchanges_train_as_one_process_at_pp2_ep2(tmp_path, shared_results):
+    """`parallel.ep_keep_exchanges: both` (full recomputation takes the expert all-to-alls' rows from the
+    forward, glmtune/distributed/exchange_keeper.py) trains as one process under the pipeline's schedule, with
+    2 chunks, on forked gloo ranks."""
+    single = shared_run(shared_results, *BATCH_8_WITH_EXPORT)
+    flags = [*FOUR_STEPS, "--train.global_batch_size", "8", "--parallel.pp", "2", "--parallel.ep", "2",
+             "--parallel.ep_overlap_chunks", "2", "--parallel.activation_checkpointing", "full",
+             "--parallel.ep_keep_exchanges", "both"]
+    train_in_forks({tmp_path / "pp2-ep2-kept": flags}, single.cache_dir, nproc=4)
+    _assert_same(_records(tmp_path / "pp2-ep2-kept"), _records(single.run_dir))
