@@ -37,6 +37,12 @@ KEEP_CHOICES = ("none", "combine", "dispatch", "both")
 KEPT_EXCHANGES = {"none": frozenset(), "combine": frozenset({"combine"}),
                   "dispatch": frozenset({"dispatch", "dispatch_counts"}),
                   "both": frozenset({"combine", "dispatch", "dispatch_counts"})}
+ROW_EXCHANGES = frozenset({"dispatch", "combine"})  # the exchanges whose kept rows cost memory
+
+
+def kept_row_exchanges(choice: str) -> int:
+    """How many of a MoE layer's row exchanges `choice` keeps per micro-batch (the plan's memory)."""
+    return len(KEPT_EXCHANGES[choice] & ROW_EXCHANGES)
 
 
 @dataclass

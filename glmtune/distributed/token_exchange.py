@@ -26,6 +26,7 @@ ranks, G = P*Tmax gathered tokens (each rank's tokens padded to the largest T).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,6 +176,19 @@ def _keeper(exchange: str) -> Keeper | None:
     return keeper if keeper is not None and keeper.keeps(exchange) else None
 
 
+def _replayed(exchange: str) -> Any:
+    """What the forward received from `exchange`, when a recomputation replays it; else None."""
+    keeper = _keeper(exchange)
+    return keeper.take(exchange) if keeper is not None and keeper.replaying else None
+
+
+def _record(exchange: str, item: Any) -> None:
+    """Keeps what `exchange` received, when the running forward records it for its recomputation."""
+    keeper = _keeper(exchange)
+    if keeper is not None and not keeper.replaying:
+        keeper.keep(exchange, item)
+
+
 def _received(rows: torch.Tensor, transfer: _Transfer | None) -> torch.Tensor:
     return rows if transfer is None else _ReceiveRows.apply(rows, transfer)
 
@@ -234,9 +248,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         # send_PCL[p, c, l]: chunk c's rows for rank p's local expert l (a block per destination).
         send_PCL = torch.stack([counts for _, counts, _ in sorted_chunks]).view(num_chunks, ep, num_local)
         send_PCL = send_PCL.transpose(0, 1).contiguous()
-        keeper = _keeper("dispatch")
-        if keeper is not None and keeper.replaying:  # a recomputation: the forward's counts, no sync
-            recv_PCL, splits_2PC = keeper.take("dispatch_counts")
+        kept_counts = _replayed("dispatch_counts")
+        if kept_counts is not None:  # a recomputation: the forward's counts, no sync
+            recv_PCL, splits_2PC = kept_counts
         else:
             # recv_PCL[s, c, l]: rows of chunk c that rank s sends to this rank's local expert l.
             recv_PCL = _wait(all_to_all_single(send_PCL.view(-1), None, None, group=self.ep.group))
@@ -244,11 +258,9 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             # The one device-to-host sync of the layer: the collectives take split sizes as host
             # ints. Both count tables come over in a single copy.
             splits_2PC = torch.stack([send_PCL, recv_PCL]).sum(3).cpu()
-            if keeper is not None:
-                keeper.keep("dispatch_counts", (recv_PCL, splits_2PC))
-        replayed = keeper is not None and keeper.replaying
+            _record("dispatch_counts", (recv_PCL, splits_2PC))
         return [self._send(x_ND, counts_E, local, recv_PCL[:, c], splits_2PC[0, :, c].tolist(),
-                           splits_2PC[1, :, c].tolist(), keeper.take("dispatch") if replayed else None)
+                           splits_2PC[1, :, c].tolist(), _replayed("dispatch"))
                 for c, (x_ND, counts_E, local) in enumerate(sorted_chunks)]
 
     def _send(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, local: LocalDispatchState,
@@ -268,9 +280,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def dispatch_finish(self, in_flight: _RowsInFlight) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         state = in_flight.state
         x_RD = _received(in_flight.rows, in_flight.transfer)
-        keeper = _keeper("dispatch")
-        if keeper is not None and not keeper.replaying:
-            keeper.keep("dispatch", x_RD.detach())
+        _record("dispatch", x_RD.detach())
         return permute_rows(x_RD, state.order_R, state.inverse_R), in_flight.tokens_per_expert_L, state
 
     def combine(self, y_RD: torch.Tensor, state: AllToAllState, out_dtype: torch.dtype) -> torch.Tensor:
@@ -279,16 +289,12 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def combine_start(self, y_RD: torch.Tensor, state: AllToAllState) -> tuple[torch.Tensor, _Transfer | None]:
         """Sends the outputs back (the way they came: the splits reversed); waited in `combine_finish`."""
         y_RD = permute_rows(y_RD, state.inverse_R, state.order_R)
-        keeper = _keeper("combine")
-        kept = keeper.take("combine") if keeper is not None and keeper.replaying else None
-        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits, kept)
+        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits, _replayed("combine"))
 
     def combine_finish(self, in_flight: tuple[torch.Tensor, _Transfer | None], state: AllToAllState,
                        out_dtype: torch.dtype) -> torch.Tensor:
         rows_ND = _received(*in_flight)
-        keeper = _keeper("combine")
-        if keeper is not None and not keeper.replaying:
-            keeper.keep("combine", rows_ND.detach())
+        _record("combine", rows_ND.detach())
         return self.local.combine(rows_ND, state.local, out_dtype)
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from glmtune.config import JobConfig
 from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import grad_accum_steps, pipeline_microbatches
+from glmtune.distributed.exchange_keeper import kept_row_exchanges
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.models.common.memory_model import LayerMemory, StepShape, StepTerms
 from glmtune.models.registry import model_spec
@@ -116,7 +117,7 @@ def step_shape(cfg: JobConfig, degrees: MeshDegrees, one_document: bool = True) 
                      p.ac_keep_matmul_min_k, cfg.model.attention_score_buffer_mib << 20,
                      cfg.model.fp8_base != "none", cfg.train.mtp_loss_weight > 0,
                      cfg.model.attention_backend in ("absorbed", "absorbed_triton"), fused_norms(cfg),
-                     {"none": 0, "combine": 1, "dispatch": 1, "both": 2}[p.ep_keep_exchanges])
+                     kept_row_exchanges(p.ep_keep_exchanges))
 
 
 @dataclass

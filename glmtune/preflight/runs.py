@@ -39,6 +39,7 @@ from glmtune.distributed.launch import torchrun_command
 from glmtune.io.json_file import json_lines
 from glmtune.models.common.model_spec import ModelSpec
 from glmtune.preflight.context import Preflight
+from glmtune.train.master_adamw import MasterAdamW
 from glmtune.train.run import RunHooks, run_training
 
 _SAMPLE = 1 << 16  # elements sampled per tensor to tell whether a step changed it
@@ -143,9 +144,9 @@ def run_reference(pf: Preflight, on_model: Callable[[nn.Module], None] | None = 
     def stepped(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if step == 1:  # the first update is held by the fp32 master where there is one: a bf16 weight near 1
             # (a norm's) does not change at lr 1e-5 while its master moves (train.master_weights)
-            master_of = getattr(optimizer, "master_of", lambda param: param)
+            masters = optimizer.master_of if isinstance(optimizer, MasterAdamW) else (lambda param: param)
             now = {clean_name(n): p for n, p in model.named_parameters()}
-            ref.moved = {n: not torch.equal(was, sample(master_of(now[n]))) for n, was in before.items()}
+            ref.moved = {n: not torch.equal(was, sample(masters(now[n]))) for n, was in before.items()}
 
     start = time.perf_counter()
     with open(ref.log, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
