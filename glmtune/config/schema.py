@@ -244,6 +244,9 @@ class ParallelConfig:
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)
     pp_layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; empty = balanced by cost
+    # DualPipeV with EP: each paired forward and backward run side by side, one's expert all-to-alls travelling
+    # while the other computes (docs/distributed.md); needs ep > 1, all_to_all and compile: false
+    pp_ep_overlap: bool = False
     # recompute layers in backward; "selective" keeps top-k masks, attention and wide matmul outputs
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_keep_matmul_min_k: int = 4096  # selective AC keeps matmul outputs whose reduction dim is >= this

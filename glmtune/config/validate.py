@@ -214,7 +214,7 @@ def pipeline_context_errors(cfg: JobConfig, num_layers: int) -> list[str]:
     split = p.pp_layer_split
     if p.pp == 1:
         defaults = ParallelConfig()
-        for key in ("pp_schedule", "pp_microbatches", "pp_layer_split"):
+        for key in ("pp_schedule", "pp_microbatches", "pp_layer_split", "pp_ep_overlap"):
             if getattr(p, key) != getattr(defaults, key):
                 errors.append(f"parallel.{key} is set but parallel.pp is 1 (no pipeline); remove it or set parallel.pp")
     elif split:
@@ -581,6 +581,11 @@ def _model_parallel_logging_rules(cfg: JobConfig) -> list[tuple[bool, str]]:
          f"parallel.ep_keep_exchanges: {p.ep_keep_exchanges} keeps what the expert all-to-alls received for full "
          "activation checkpointing's recomputation: it needs parallel.ep > 1, ep_dispatcher: all_to_all, "
          "activation_checkpointing: full and compile: false"),
+        (not p.pp_ep_overlap or p.pp == 1 or (p.pp_schedule == "DualPipeV" and p.ep != 1
+                                                 and p.ep_dispatcher == "all_to_all" and not p.compile),
+         "parallel.pp_ep_overlap pairs DualPipeV's forwards and backwards at the expert all-to-alls: it needs "
+         f"parallel.pp_schedule: DualPipeV (got {p.pp_schedule}), parallel.ep > 1, ep_dispatcher: all_to_all "
+         "and compile: false"),
         (cfg.model.attention_score_buffer_mib >= 0,
          f"model.attention_score_buffer_mib must be >= 0 (0 = never), got {cfg.model.attention_score_buffer_mib}"),
         (bool(cfg.logging.metrics_file), "logging.metrics_file is empty"),

@@ -96,6 +96,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from glmtune.distributed import paired_overlap
 from glmtune.distributed.pipeline_plan import stage_ids_for_rank
 from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 
@@ -127,13 +128,15 @@ class Pipeline:
             queries per row (seq_len, or its slice under context parallelism).
         hidden_size, dtype: the activations' width and dtype.
         carry_group: a second group of the same pp ranks, for the carried top-k selections.
+        ep_overlap: DualPipeV only: each paired forward and backward run side by side, taking turns
+            at their expert all-to-alls (`paired_overlap`; the dispatchers must hand over).
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
-                 dtype: torch.dtype, carry_group=None) -> None:
+                 dtype: torch.dtype, carry_group=None, ep_overlap: bool = False) -> None:
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+        from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, get_schedule_class
 
         assert micro_batch % microbatches == 0, (micro_batch, microbatches)
         self.stages, self.stage_ids, self.num_stages = stages, stage_ids, num_stages
@@ -169,6 +172,9 @@ class Pipeline:
         assert single == (len(stages) == 1), (schedule, len(stages))
         self.schedule = schedule_class(self.pipeline_stages[0] if single else self.pipeline_stages,
                                        n_microbatches=microbatches, loss_fn=_identity_loss, scale_grads=False)
+        if ep_overlap:  # DualPipeV's paired forward and backward take turns at the expert all-to-alls
+            assert schedule == "DualPipeV", schedule
+            self.schedule.register_custom_function(OVERLAP_F_B, paired_overlap.overlap_f_b)
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
         backward_twice = _splits_backward(self.schedule)

@@ -47,7 +47,7 @@ except ImportError:
     )
 from torch.distributed.device_mesh import DeviceMesh
 
-from glmtune.distributed import exchange_keeper
+from glmtune.distributed import exchange_keeper, paired_overlap
 from glmtune.distributed.exchange_keeper import Keeper
 from glmtune.models.common.token_dispatch import (
     DispatchState,
@@ -159,15 +159,17 @@ class _ReceiveRows(torch.autograd.Function):
         return grad_RD, None
 
 
-def _send_rows(x_ND: torch.Tensor, group: dist.ProcessGroup, send_splits: list[int],
-               recv_splits: list[int], kept: torch.Tensor | None = None) -> tuple[torch.Tensor, _Transfer | None]:
+def _send_rows(x_ND: torch.Tensor, group: dist.ProcessGroup, send_splits: list[int], recv_splits: list[int],
+               kept: torch.Tensor | None = None, hands_over: bool = False) -> tuple[torch.Tensor, _Transfer | None]:
     """Issues the rows' all-to-all: (the rows, not yet received, and the transfer that
     `_received` waits for); with `kept`, a recomputation's replay of it (`_KeptRows`). Compiled, it
-    is torch's functional collective (waited where first used)."""
+    is torch's functional collective (waited where first used). `hands_over`: a paired forward and
+    backward take turns here, after the issue (`paired_overlap.handed_over`)."""
     if torch.compiler.is_compiling():
         return all_to_all_single_autograd(x_ND, recv_splits, send_splits, group), None
     transfer = _Transfer(group, send_splits, recv_splits) if kept is None else _KeptRows(kept, send_splits, recv_splits)
-    return _SendRows.apply(x_ND, transfer), transfer
+    rows = _SendRows.apply(x_ND, transfer)
+    return (paired_overlap.handed_over(rows) if hands_over else rows), transfer
 
 
 def _keeper(exchange: str) -> Keeper | None:
@@ -213,7 +215,12 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         local: the on-rank sort and weighted combine (its backend: torch or triton).
         overlap_chunks: C, the chunks a layer splits its tokens into so that one chunk's
             all-to-alls travel while another chunk's experts compute (`TokenDispatcher`).
+
+    `hands_over` (set by the parallelization plan under `parallel.pp_ep_overlap`): each row exchange,
+    forward and backward, hands the host to a paired microbatch once issued (`paired_overlap`).
     """
+
+    hands_over = False
 
     def __init__(self, ep_group: dist.ProcessGroup | DeviceMesh, num_local_experts: int,
                  local: LocalTokenDispatcher | None = None, overlap_chunks: int = 1) -> None:
@@ -268,7 +275,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
               kept: torch.Tensor | None) -> _RowsInFlight:
         ep, num_local = self.ep.size, self.ep.num_local_experts
         # Waited in `dispatch_finish`.
-        x_RD, transfer = _send_rows(x_ND, self.ep.group, send_splits, recv_splits, kept)
+        x_RD, transfer = _send_rows(x_ND, self.ep.group, send_splits, recv_splits, kept, self.hands_over)
         # Received rows come as [source rank][local expert]; the grouped GEMM wants them
         # local-expert-major. A stable sort by local expert keeps the source ranks in order.
         block_R = torch.repeat_interleave(torch.arange(ep * num_local, device=x_ND.device), recv_PL.reshape(-1),
@@ -289,7 +296,8 @@ class AllToAllTokenDispatcher(TokenDispatcher):
     def combine_start(self, y_RD: torch.Tensor, state: AllToAllState) -> tuple[torch.Tensor, _Transfer | None]:
         """Sends the outputs back (the way they came: the splits reversed); waited in `combine_finish`."""
         y_RD = permute_rows(y_RD, state.inverse_R, state.order_R)
-        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits, _replayed("combine"))
+        return _send_rows(y_RD, self.ep.group, state.recv_splits, state.send_splits, _replayed("combine"),
+                          self.hands_over)
 
     def combine_finish(self, in_flight: tuple[torch.Tensor, _Transfer | None], state: AllToAllState,
                        out_dtype: torch.dtype) -> torch.Tensor:

@@ -372,7 +372,7 @@ def pipeline_options(cfg: JobConfig, launch: Launch) -> Any:
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.packed_sequence_size,
         layer_split=p.pp_layer_split or None, dtype=launch.precision.compute_dtype, device=launch.device,
         mtp_loss_weight=cfg.train.mtp_loss_weight, indexer_loss_weight=cfg.train.indexer_loss_weight,
-        distill_weight=cfg.distill.weight if cfg.train.objective == "distill" else 0.0)
+        distill_weight=cfg.distill.weight if cfg.train.objective == "distill" else 0.0, ep_overlap=p.pp_ep_overlap)
 
 
 def lay_out_and_load(cfg: JobConfig, launch: Launch, built: BuiltModel, data: PreparedData,

@@ -145,3 +145,21 @@ def test_kept_exchanges_train_as_one_process_at_pp2_ep2(tmp_path, shared_results
              "--parallel.ep_keep_exchanges", "both"]
     train_in_forks({tmp_path / "pp2-ep2-kept": flags}, single.cache_dir, nproc=4)
     _assert_same(_records(tmp_path / "pp2-ep2-kept"), _records(single.run_dir))
+
+
+def test_paired_overlap_trains_as_dualpipev_and_one_process_at_pp2_ep2(tmp_path, shared_results):
+    """`parallel.pp_ep_overlap` (DualPipeV's paired forward and backward taking turns at the expert
+    all-to-alls, glmtune/distributed/paired_overlap.py) gives DualPipeV's losses and gradient norms bit for
+    bit, and one process's, at PP 2 x EP 2 on forked gloo ranks. Every layer is a MoE layer (one per stage),
+    so both sides of every pair hand over; full checkpointing makes the backward's recomputation hand over too."""
+    every_moe = [*FOUR_STEPS, "--train.global_batch_size", "8", "--train.micro_batch_size", "4",
+                 "--model.overrides.first_k_dense_replace", "0"]
+    single = shared_run(shared_results, *every_moe)
+    dualpipe = [*every_moe, "--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_schedule", "DualPipeV",
+                "--parallel.pp_stages_per_rank", "2", "--parallel.activation_checkpointing", "full"]
+    train_in_forks({tmp_path / "dualpipev": dualpipe,
+                    tmp_path / "paired": [*dualpipe, "--parallel.pp_ep_overlap", "true"]},
+                   single.cache_dir, nproc=4)
+    paired = _records(tmp_path / "paired")
+    assert paired == _records(tmp_path / "dualpipev")
+    _assert_same(paired, _records(single.run_dir))

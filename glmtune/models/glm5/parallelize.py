@@ -269,6 +269,9 @@ class PipelineOptions:
     # distill.weight of train.objective distill: > 0, the last stage adds the teacher's KL term to its
     # loss and reports its parts (models/glm5/stages.py)
     distill_weight: float = 0.0
+    # parallel.pp_ep_overlap: DualPipeV's paired forward and backward take turns at each expert
+    # all-to-all, so one's rows travel while the other computes (glmtune/distributed/paired_overlap.py)
+    ep_overlap: bool = False
 
 
 def parallelize_glm5(
@@ -315,10 +318,17 @@ def parallelize_glm5(
                          "parallelism, so more than 1 needs ep > 1 with the all_to_all dispatcher")
     _check_kept_exchanges(ep_keep_exchanges, expert_parallel and ep_dispatcher == "all_to_all",
                           activation_checkpointing, compile)
+    ep_overlap = stages is not None and pipeline.ep_overlap
+    if ep_overlap and not (expert_parallel and ep_dispatcher == "all_to_all" and pipeline.schedule == "DualPipeV"
+                           and not compile):
+        raise ValueError("pipeline ep_overlap pairs DualPipeV's forwards and backwards at the all-to-alls of expert "
+                         "parallelism: it needs the DualPipeV schedule, ep > 1 with the all_to_all dispatcher "
+                         "and compile off")
     if expert_parallel:
         apply_expert_parallel(model, mesh.get("ep"), ep_dispatcher)
         for layer in expert_layers(model):
             layer.dispatcher.overlap_chunks = ep_overlap_chunks
+            layer.dispatcher.hands_over = ep_overlap
     if mesh is not None and mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), cp_balance)
     if activation_checkpointing != "none":
@@ -335,7 +345,8 @@ def parallelize_glm5(
             mesh.size("pp") * pipeline.stages_per_rank, mesh.group("pp"), pipeline.device or _device(model),
             pipeline.schedule,
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
-            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None), model)
+            pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None,
+            ep_overlap=ep_overlap), model)
     return model
 
 
