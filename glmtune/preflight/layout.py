@@ -25,11 +25,13 @@ from glmtune.config.schema import ParallelConfig
 # A recipe that pins its topology (32 nodes x 8 GPUs) would refuse any other world size.
 UNPINNED_TOPOLOGY = ["--parallel.nodes", "null", "--parallel.gpus_per_node", "null",
                      "--parallel.launcher", "torchrun", "--parallel.world_size", "null"]
+# The expert all-to-all's settings at ep 1 (each is refused there otherwise).
+EP_OFF = ["--parallel.ep_overlap_chunks", "1", "--parallel.ep_keep_exchanges", "none"]
 # The same recipe in one process: no parallel degrees, nor the pipeline keys that need pp.
 ONE_PROCESS = ["--parallel.pp", "1", "--parallel.cp", "1", "--parallel.ep", "1", "--parallel.dp_replicate", "1",
                "--parallel.pp_schedule", "1F1B", "--parallel.pp_stages_per_rank", "1",
                "--parallel.pp_microbatches", "null", "--parallel.ep_dispatcher", "all_to_all",
-               "--parallel.ep_overlap_chunks", "1"]
+               *EP_OFF, "--parallel.pp_ep_overlap", "false"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,15 @@ def scaled_replica(parallel: ParallelConfig, world: int | None = None, micro_bat
     layout = ["--parallel.pp", str(pp), "--parallel.cp", str(cp), "--parallel.ep", str(ep)]
     if parallel.dp_replicate > 1:
         layout += ["--parallel.dp_replicate", str(replicate)]
+    if ep == 1:  # the expert all-to-all's own settings need ep > 1
+        layout += [*EP_OFF, "--parallel.ep_dispatcher", "all_to_all"]
+    if pp == 1 or ep == 1:
+        layout += ["--parallel.pp_ep_overlap", "false"]
     if pp > 1:  # the recipe's schedule, two virtual stages per rank at most, one row per microbatch
-        layout += ["--parallel.pp_stages_per_rank", str(min(parallel.pp_stages_per_rank, 2)),
+        stages_per_rank = min(parallel.pp_stages_per_rank, 2)
+        if parallel.pp_schedule in ("1F1B", "DualPipeV"):  # at least as many microbatches as stages
+            micro_batch_size = max(micro_batch_size, pp * stages_per_rank)
+        layout += ["--parallel.pp_stages_per_rank", str(stages_per_rank),
                    "--parallel.pp_microbatches", str(micro_batch_size)]
     batch = ["--train.micro_batch_size", str(micro_batch_size),
              "--train.global_batch_size", str(micro_batch_size * dp * accumulation)]
