@@ -15,6 +15,8 @@ allocator's fragmentation are the separate headroom line of the plan):
                   in the reduce dtype (fp32)
   root reduction, optimizer step: every gradient, plus under FSDP2 the root unit's
                   (embedding, head) unsharded gradients and their fp32 staging
+  paired overlap  under `parallel.pp_ep_overlap` a DualPipeV pair's forward computes beside the
+                  backward: each layer's backward also holds a forward's scratch and transients
   pipelines       besides: torch's receive buffers (every microbatch of each stage's inputs and
                   output gradients) and the in-flight stages' outputs for the activations the
                   family names (`StepTerms.boundary`); what each micro-batch in flight holds beside
@@ -138,6 +140,8 @@ class _RankStep:
     kept_layers: dict[int, int]  # FSDP2 under a pipeline: layer -> its unit's gathered bytes
     fixed: dict[str, int]  # masks, per-micro-batch terms, the pipeline's stage-boundary tensors
     held: dict[str, int]  # gradients of the head (and auxiliary units) held until the root reduces
+    # parallel.pp_ep_overlap: a paired forward computes beside each backward, holding its scratch and transients
+    paired_forward: int = 0
 
 
 def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, state: StateBytes,
@@ -180,8 +184,9 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
         held.update({f"{u} gradient accumulated over the microbatches (fp32)": units[u].trainable_gathered * F32
                      for u in memory.auxiliary_units(step) if u in units and units[u].trainable_gathered})
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
+    paired = terms.forward_scratch + sum(terms.transients.values()) if cfg.parallel.pp_ep_overlap else 0
     r = _RankStep(layers, per_layer, kept, other_chunks, units, fsdp, e, static, state.grads, accumulating,
-                  gathered_root, kept_layers, fixed, held)
+                  gathered_root, kept_layers, fixed, held, paired)
     phases = _forward_phases(r, terms, aux_saved, aux_backward) + _backward_phases(r) + _closing_phases(r)
     peak = max(phases, key=lambda ph: ph.total)
     return MemoryPlan(rank, state, peak, phases, kept)
@@ -246,6 +251,8 @@ def _backward_phases(r: _RankStep) -> list[Phase]:
                  f"layer {i}: saved + recomputed": r.kept[i] + layer.recomputed,
                  f"layer {i}: backward scratch": layer.backward_scratch,
                  **layer.transients}
+        if r.paired_forward:
+            parts["the paired forward's scratch (pp_ep_overlap)"] = r.paired_forward
         if r.fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
             parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers)))
         phases.append(Phase(f"layer {i} backward", parts))
