@@ -19,6 +19,11 @@ microbatch computes what it computed before: losses and gradients equal the sequ
 bit for bit (tests/distributed/test_paired_overlap.py). What one side's turn holds up (a host
 sync such as the count exchange's) the other's queued kernels cover.
 
+On a CPU the turns cost compute: the waiting side's OpenMP threads spin after its last operator and
+take cores from the running side (the tiny DualPipeV rank of docs/distributed.md: 1.2 -> 1.7 s of compute
+per step; equal under OMP_WAIT_POLICY=PASSIVE). A GPU's host threads only launch kernels: the overlap is
+meant for GPUs.
+
 The two sides are told apart by thread: the forward is the thread that opened the turns; any
 other thread is the backward's (its own thread, or autograd's device thread, which runs CUDA
 backward nodes and a checkpointed layer's recomputation).
@@ -26,8 +31,11 @@ backward nodes and a checkpointed layer's recomputation).
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -126,9 +134,19 @@ def _opened() -> Iterator[Turns]:
         _ACTIVE.clear()
 
 
+@functools.cache
+def _backward_thread() -> ThreadPoolExecutor:
+    # One thread for every pair of the process, not one per pair: neither a thread's start nor, on a CPU,
+    # its OpenMP team for torch's operators is paid per pair.
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="glmtune-paired-backward")
+
+
+os.register_at_fork(after_in_child=_backward_thread.cache_clear)  # a forked child has none of its parent's threads
+
+
 def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> dict[str, int]:
-    """Runs `forward` here and `backward` in a second thread, taking turns (module docstring); returns
-    each side's hand-overs. An exception on either side is raised here after both have stopped."""
+    """Runs `forward` here and `backward` on the backward thread, taking turns (module docstring);
+    returns each side's hand-overs. An exception on either side is raised here after both have stopped."""
     errors: list[BaseException] = []
     stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     with _opened() as turns:
@@ -143,13 +161,12 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> dict[
             finally:
                 turns.finish(BACKWARD)
 
-        thread = threading.Thread(target=backward_side, name="glmtune-paired-backward", daemon=True)
-        thread.start()
+        done = _backward_thread().submit(backward_side)
         try:
             forward()
         finally:
             turns.finish(FORWARD)
-            thread.join()
+            done.result()
     if errors:
         raise errors[0]
     return dict(turns.handovers)
