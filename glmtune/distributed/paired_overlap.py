@@ -3,9 +3,9 @@ actions, with one's expert all-to-alls travelling while the other computes.
 
 torch's DualPipeV schedule pairs, in its steady state, the forward of one microbatch on one of a
 rank's two stages with the backward of another microbatch on the other stage (an `OVERLAP_F_B`
-action) and runs them one after the other. `run_paired`, registered as that action's function
-(`parallel.pp_ep_overlap`, `glmtune/distributed/pipeline.py`), runs the backward in a second thread
-and lets the two take turns on the host (`Turns`): each runs until it has issued an expert
+action) and runs them one after the other. `overlap_f_b`, registered as that action's function
+(`parallel.pp_ep_overlap`, `glmtune/distributed/pipeline.py`), runs the backward on a second thread
+(one per process, `run_pair`) and lets the two take turns on the host (`Turns`): each runs until it has issued an expert
 all-to-all (the token dispatcher calls `handed_over` on the rows it sends, forward and backward),
 then hands the host to the other. The other's kernels queue on the compute stream behind the
 issue, so they run while the rows travel on the communication stream; the transfer is waited
@@ -16,7 +16,8 @@ Turns are strict: one thread runs at a time and hands over only at an issue. So 
 an expert group issues its collectives in one order (the sequence of turns is the model's, the
 same on every rank of a stage), no Python state is touched by two threads at once, and each
 microbatch computes what it computed before: losses and gradients equal the sequential pair's
-bit for bit (tests/distributed/test_paired_overlap.py). What one side's turn holds up (a host
+bit for bit (tests/distributed/test_expert_parallel_train.py; the turns' order:
+tests/distributed/test_paired_overlap.py). What one side's turn holds up (a host
 sync such as the count exchange's) the other's queued kernels cover.
 
 On a CPU the turns cost compute: the waiting side's OpenMP threads spin after its last operator and
