@@ -51,6 +51,18 @@ forward runs, the receiving stage takes it at the start of its forward. Both run
 stage's microbatches in order, so the n-th message is the n-th microbatch's; stages on
 one rank (V schedules) hand it over in memory.
 
+Split backwards: the zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble, and DualPipeV
+outside its pairs) run a microbatch's backward as an input half (I: gradients of the stage's inputs,
+the graph retained) and, later, a weight half (W: gradients of its weights from the gradients I
+kept at every intermediate). Under activation checkpointing that costs twice: W unpacks the
+checkpointed layers again and so recomputes them a second time (their expert all-to-alls too: on
+the tiny model, 40.9 MB of all-to-all per step under DualPipeV and 88.1 under ZBVZeroBubble
+against 25.2 under Interleaved1F1B), and every intermediate's gradient waits from I to W (sft_4k's
+first rank under DualPipeV ran out of an H100's memory in its first W, 8 GiB above its plan). So a
+model that recomputes passes `whole_backward`: each I action runs the whole backward, weights
+included, and each W action has nothing left to do (torch's `dw_builder` hook) -- the schedule's
+order is kept, the bubbles its W actions would have filled stay open.
+
 Evaluation runs the stages in order with plain point-to-point sends (no backward,
 no schedule): each stage's activations go to the next stage's rank.
 
@@ -65,9 +77,10 @@ The stage interface: a stage is an `nn.Module` (GLM-5's is `models/glm5/stages.p
     send_selection        set here: (mask uint8 [mb, S, T], flag uint8 [1]) -> None, called
                           by a `carry_out` stage during its forward
     receive_selection     set here: () -> (mask, flag), called by a `carry_in` stage
-    backward_twice        set here: True under a zero-bubble schedule, whose backward runs twice per
-                          microbatch (input gradients, then weight gradients): a function that
-                          forms its gradients at once keeps them for the second call
+    backward_twice        set here: True under a zero-bubble schedule whose backward runs twice per
+                          microbatch (input gradients, then weight gradients; not under
+                          `whole_backward`): a function that forms its gradients at once keeps them
+                          for the second call
     microbatches          list of `StageMicrobatch` (`glmtune/models/common/microbatch.py`): each
                           microbatch's rows on the device with their host facts (and the
                           `token_loss`, the last stage's loss of them), queued here one per
@@ -115,6 +128,16 @@ def _splits_backward(schedule) -> bool:
                for action in actions)
 
 
+def _weights_done():
+    # torch's `dw_builder`: with one, a stage's I action runs the full backward and keeps what this
+    # returns for its W action; the weights' gradients are then already formed.
+    return _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
 class Pipeline:
     """The schedule over this rank's stages (module docstring).
 
@@ -130,11 +153,14 @@ class Pipeline:
         carry_group: a second group of the same pp ranks, for the carried top-k selections.
         ep_overlap: DualPipeV only: each paired forward and backward run side by side, taking turns
             at their expert all-to-alls (`paired_overlap`; the dispatchers must hand over).
+        whole_backward: a split schedule's I actions run the whole backward and its W actions
+            nothing (module docstring: for models that recompute in backward).
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device: torch.device,
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
-                 dtype: torch.dtype, carry_group=None, ep_overlap: bool = False) -> None:
+                 dtype: torch.dtype, carry_group=None, ep_overlap: bool = False,
+                 whole_backward: bool = False) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, get_schedule_class
 
@@ -166,7 +192,8 @@ class Pipeline:
             outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last else activations
             self.input_metas.append(inputs)
             self.pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
-                                                      output_args=outputs, group=group))
+                                                      output_args=outputs, group=group,
+                                                      dw_builder=_weights_done if whole_backward else None))
         schedule_class = get_schedule_class(schedule)
         single = issubclass(schedule_class, PipelineScheduleSingle)
         assert single == (len(stages) == 1), (schedule, len(stages))
@@ -177,7 +204,7 @@ class Pipeline:
             self.schedule.register_custom_function(OVERLAP_F_B, paired_overlap.overlap_f_b)
         self.has_first = 0 in stage_ids
         self.has_last = num_stages - 1 in stage_ids
-        backward_twice = _splits_backward(self.schedule)
+        backward_twice = _splits_backward(self.schedule) and not whole_backward
         for stage in stages:
             stage.backward_twice = backward_twice
 

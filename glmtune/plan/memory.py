@@ -30,8 +30,13 @@ auxiliary losses' layers) is the family's memory model, its spec's `memory`
 models/hf/memory_model.py): this module knows no family.
 
 Pipeline schedules keep several micro-batches in flight on a rank: 1F1B's warm-up holds pp - r
-of them on pp rank r, the interleaved and zero-bubble schedules (v stages per rank)
-(v - 1) pp + 2 (pp - 1 - r) + 1 stage-chunks, GPipe all of them; rank 0 holds the most. A
+of them on pp rank r, the interleaved schedules (v stages per rank)
+(v - 1) pp + 2 (pp - 1 - r) + 1 stage-chunks, GPipe all of them; rank 0 holds the most. The
+V schedules (ZBVZeroBubble, DualPipeV) hold what torch's own order for the rank gives
+(`glmtune/distributed/schedule_order.py`: with 16 microbatches over pp 4, 8 and 9 on every rank);
+under activation checkpointing the pipeline runs their split backwards whole (`pipeline.py`).
+Without checkpointing a split backward also keeps, from its input half to its weight half, the
+gradients at the layers' intermediates, which this plan does not count. A
 stage's units stay gathered from their first forward to their last microbatch's backward, and
 reduce their gradients then: a step's first backward finds no gradient of this step yet
 (measured on one H200 with `glmtune plan --measure`, 2026-12-03: counting every gradient from
@@ -47,6 +52,8 @@ from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import grad_accum_steps, pipeline_microbatches
 from glmtune.distributed.exchange_keeper import kept_row_exchanges
 from glmtune.distributed.mesh import ParallelMesh
+from glmtune.distributed.pipeline_plan import V_SCHEDULES
+from glmtune.distributed.schedule_order import chunks_in_flight
 from glmtune.models.common.memory_model import LayerMemory, StepShape, StepTerms
 from glmtune.models.registry import model_spec
 from glmtune.plan.model_state import StateBytes, layer_stages, memory_model_of
@@ -95,6 +102,8 @@ def in_flight(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int) -> int:
         return microbatches * v
     if v == 1:
         return min(microbatches, degrees.pp - pp_rank)
+    if p.pp_schedule in V_SCHEDULES:  # torch's own order: no formula fits them (schedule_order.py)
+        return chunks_in_flight(p.pp_schedule, degrees.pp, microbatches, pp_rank)
     return min(microbatches * v, (v - 1) * degrees.pp + 2 * (degrees.pp - 1 - pp_rank) + 1)
 
 

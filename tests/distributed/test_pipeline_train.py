@@ -2,7 +2,8 @@
 
 Per-step losses and gradient norms equal the single-process run with the same global
 batch (relative 1e-5, fp32) for 1F1B (with a stage that starts on a shared-indexer
-layer), Interleaved1F1B and the zero-bubble ZBVZeroBubble; pp 2 x FSDP 2, with and without
+layer), Interleaved1F1B and the zero-bubble ZBVZeroBubble (its backward split, and run whole under
+full checkpointing); pp 2 x FSDP 2, with and without
 EP 2, trains the same and exports the same HF model; a pp 2 checkpoint resumes at pp 1 and a pp 1
 checkpoint at pp 2 with the same next losses; LoRA under pp 2 writes the same adapters.
 The runs of pp 2 x FSDP 2, of the resumes and of LoRA are `glmtune train` through the CLI's entry point on gloo ranks forked with torch
@@ -28,6 +29,9 @@ LAYOUTS = {
     "1F1B-carry": ["--parallel.pp_layer_split", "[3,1]"],  # stage 1 starts on layer 3, a shared-indexer layer
     "Interleaved1F1B": ["--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "2"],
     "ZBVZeroBubble": ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2"],
+    # under checkpointing each split backward runs whole in its input half (pipeline.py's whole_backward)
+    "ZBVZeroBubble-checkpointed": ["--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "2",
+                                   "--parallel.activation_checkpointing", "full"],
 }
 
 

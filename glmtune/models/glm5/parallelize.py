@@ -346,7 +346,7 @@ def parallelize_glm5(
             pipeline.schedule,
             pipeline.microbatches, pipeline.micro_batch, pipeline.seq_len, queries, model.args.hidden_size,
             pipeline.dtype, carry_group=mesh.second_pp_group() if _any_carry(model) else None,
-            ep_overlap=ep_overlap), model)
+            ep_overlap=ep_overlap, whole_backward=activation_checkpointing != "none"), model)
     return model
 
 
