@@ -30,12 +30,12 @@ auxiliary losses' layers) is the family's memory model, its spec's `memory`
 models/hf/memory_model.py): this module knows no family.
 
 Pipeline schedules keep several micro-batches in flight on a rank: 1F1B's warm-up holds pp - r
-of them on pp rank r, the interleaved schedules (v stages per rank)
-(v - 1) pp + 2 (pp - 1 - r) + 1 stage-chunks, GPipe all of them; rank 0 holds the most. The
-V schedules (ZBVZeroBubble, DualPipeV) hold what torch's own order for the rank gives
-(`glmtune/distributed/schedule_order.py`: with 16 microbatches over pp 4, 8 and 9 on every rank);
-under activation checkpointing the pipeline runs their split backwards whole (`pipeline.py`).
-Without checkpointing a split backward also keeps, from its input half to its weight half, the
+of them on pp rank r, GPipe all of them; a schedule with v stages per rank holds what torch's own
+order for the rank gives (`glmtune/distributed/schedule_order.py`; Interleaved1F1B's is
+(v - 1) pp + 2 (pp - 1 - r) + 1 stage-chunks, DualPipeV's 2 pp + 1 on every rank with 16
+microbatches over pp 4); under activation checkpointing the pipeline runs the zero-bubble
+schedules' split backwards whole (`pipeline.py`), so a chunk is freed at its input half, else at
+its weight half. Without checkpointing a split backward also keeps, between its halves, the
 gradients at the layers' intermediates, which this plan does not count. A
 stage's units stay gathered from their first forward to their last microbatch's backward, and
 reduce their gradients then: a step's first backward finds no gradient of this step yet
@@ -52,7 +52,6 @@ from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import grad_accum_steps, pipeline_microbatches
 from glmtune.distributed.exchange_keeper import kept_row_exchanges
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.distributed.pipeline_plan import V_SCHEDULES
 from glmtune.distributed.schedule_order import chunks_in_flight
 from glmtune.models.common.memory_model import LayerMemory, StepShape, StepTerms
 from glmtune.models.registry import model_spec
@@ -102,9 +101,9 @@ def in_flight(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int) -> int:
         return microbatches * v
     if v == 1:
         return min(microbatches, degrees.pp - pp_rank)
-    if p.pp_schedule in V_SCHEDULES:  # torch's own order: no formula fits them (schedule_order.py)
-        return chunks_in_flight(p.pp_schedule, degrees.pp, microbatches, pp_rank)
-    return min(microbatches * v, (v - 1) * degrees.pp + 2 * (degrees.pp - 1 - pp_rank) + 1)
+    # torch's own order; under checkpointing the pipeline runs split backwards whole (pipeline.py)
+    return chunks_in_flight(p.pp_schedule, degrees.pp, v, microbatches, pp_rank,
+                            whole_backward=p.activation_checkpointing != "none")
 
 
 def _compute_size(cfg: JobConfig) -> int:

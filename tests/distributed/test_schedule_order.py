@@ -1,7 +1,8 @@
-"""`schedule_order.chunks_in_flight` against real V schedules: a rank's replica (`plan --measure`'s
-`measure_rank`, loopback groups, one process) runs torch's ZBVZeroBubble and DualPipeV, and the
-most forwards its stages hold at once (the stages' cached forwards, and a split backward's state
-kept for its weight half) is what the count says, on every rank."""
+"""`schedule_order.chunks_in_flight` against real multi-stage schedules: a rank's replica
+(`plan --measure`'s `measure_rank`, loopback groups, one process) runs each of torch's schedules with
+several stages per rank, and the most forwards its stages hold at once (the stages' cached
+forwards, and a split backward's state kept for its weight half) is what the count says, on every
+rank, with and without checkpointing (which decides whether a split backward runs whole)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from glmtune.plan.planner import degrees_for
 SHORT = ["--data.packed_sequence_size", "128", "--train.generate_samples", "0", "--optim.warmup_steps", "0"]
 
 
-def _held_at_most(monkeypatch, pp: int, microbatches: int, schedule: str, checkpointing: str, rank: int) -> int:
+def _held_at_most(monkeypatch, schedule: str, pp: int, v: int, microbatches: int, checkpointing: str,
+                  rank: int) -> int:
     stages, peak = [], [0]
     forward = stage_module._PipelineStageBase.forward_one_chunk
 
@@ -29,23 +31,35 @@ def _held_at_most(monkeypatch, pp: int, microbatches: int, schedule: str, checkp
 
     monkeypatch.setattr(stage_module._PipelineStageBase, "forward_one_chunk", counting_forward)
     cfg = load_config("tiny/sft_support_json", [
-        *SHORT, "--parallel.pp", str(pp), "--parallel.pp_schedule", schedule, "--parallel.pp_stages_per_rank", "2",
+        *SHORT, "--parallel.pp", str(pp), "--parallel.pp_schedule", schedule, "--parallel.pp_stages_per_rank", str(v),
         "--parallel.pp_microbatches", str(microbatches), "--train.micro_batch_size", str(microbatches),
         "--train.global_batch_size", str(microbatches * pp), "--parallel.activation_checkpointing", checkpointing,
-        "--model.overrides.num_hidden_layers", str(2 * pp)])
+        "--model.overrides.num_hidden_layers", str(v * pp)])
     measure_rank(cfg, degrees_for(cfg, pp), rank, steps=1, warmup=0)
     return peak[0]
 
 
-@pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble"])
-@pytest.mark.parametrize("pp,microbatches,checkpointing", [(2, 4, "full"), (3, 7, "full"), (3, 6, "none")])
-def test_each_rank_holds_what_the_schedule_order_says(monkeypatch, schedule, pp, microbatches, checkpointing):
-    counts = [chunks_in_flight(schedule, pp, microbatches, rank) for rank in range(pp)]
-    held = [_held_at_most(monkeypatch, pp, microbatches, schedule, checkpointing, rank) for rank in range(pp)]
+V_SHAPED = ["DualPipeV", "ZBVZeroBubble"]
+LOOPED = ["Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS"]
+CASES = [(s, 2, 2, 4, "full") for s in V_SHAPED + LOOPED] + [(s, 3, 2, 6, "full") for s in V_SHAPED + LOOPED] + [
+    (s, 3, 2, 6, "none") for s in V_SHAPED + ["InterleavedZeroBubble"]] + [(s, 2, 3, 6, "full") for s in LOOPED]
+
+
+@pytest.mark.parametrize(("schedule", "pp", "v", "microbatches", "checkpointing"), CASES)
+def test_each_rank_holds_what_the_schedule_order_says(monkeypatch, schedule, pp, v, microbatches, checkpointing):
+    counts = [chunks_in_flight(schedule, pp, v, microbatches, rank, whole_backward=checkpointing != "none")
+              for rank in range(pp)]
+    held = [_held_at_most(monkeypatch, schedule, pp, v, microbatches, checkpointing, rank) for rank in range(pp)]
     assert held == counts
 
 
-def test_the_v_schedules_keep_as_many_chunks_on_every_rank_at_pp4():
-    # the looped formula would give 11, 9, 7, 5: the V schedules' first rank holds fewer, the last more
-    assert [chunks_in_flight("DualPipeV", 4, 16, rank) for rank in range(4)] == [9] * 4
-    assert [chunks_in_flight("ZBVZeroBubble", 4, 16, rank) for rank in range(4)] == [8] * 4
+def test_the_orders_differ_from_the_interleaved_formula_at_pp4():
+    # Interleaved1F1B's (v - 1) pp + 2 (pp - 1 - r) + 1 is 11, 9, 7, 5 here; the others hold otherwise
+    def counts(schedule, whole_backward=True):
+        return [chunks_in_flight(schedule, 4, 2, 16, rank, whole_backward) for rank in range(4)]
+
+    assert counts("Interleaved1F1B") == [11, 9, 7, 5]
+    assert counts("DualPipeV") == [9] * 4
+    assert counts("ZBVZeroBubble") == [8] * 4
+    assert counts("InterleavedZeroBubble") == [8, 7, 6, 5]
+    assert counts("InterleavedZeroBubble", whole_backward=False) == [8, 8, 8, 8]
