@@ -1,5 +1,5 @@
-"""How many stage-chunks of activations a pp rank holds at once under a multi-stage schedule, read
-from torch's own action order.
+"""What a pp rank holds and how long it idles under a multi-stage schedule, read from torch's own
+action order.
 
 The schedules with several stages per rank (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
 ZBVZeroBubble, DualPipeV) run a rank's forwards and backwards in orders no one formula follows:
@@ -21,6 +21,13 @@ before, or beside, its backward: both chunks count.
 
     chunks_in_flight("DualPipeV", pp=4, stages_per_rank=2, microbatches=16, pp_rank=0, whole_backward=True)  # 9
 
+The same orders give each rank's idle share of a step (`idle_fractions`, the pipeline bubble
+`glmtune plan --measure` adds to the measured rank): every rank runs its actions in order, each as
+soon as its rank is free and what it needs is done, at stated costs (`ActionCosts`); with torch's
+own visualizer's unit costs the step's span is the one torch's simulation gives
+(`torch.distributed.pipelining._schedule_visualizer`, compared in the tests), and Interleaved1F1B's
+idle share is Megatron's (p - 1) / (v m + p - 1).
+
 torch's generators are private: tests/distributed/test_schedule_order.py checks these counts
 against real schedules' runs (the stages' cached forwards), so a torch that changes them fails
 there, not in a plan.
@@ -28,6 +35,7 @@ there, not in a plan.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType, get_schedule_class
@@ -68,3 +76,73 @@ def chunks_in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches:
                 live -= 1
     assert live == 0, (schedule, pp, stages_per_rank, microbatches, pp_rank, whole_backward, live)
     return peak
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """A stage-chunk's time for each kind of action, in any unit (the forward's is 1 by default).
+
+    `backward` is the whole backward's own work (about twice the forward's), `recompute` what
+    activation checkpointing adds to it (a forward under full checkpointing); a split backward's
+    input half takes the recomputation and half the rest, its weight half the other half, unless
+    the pipeline runs it whole in the input half (`whole_backward`)."""
+
+    forward: float = 1.0
+    backward: float = 2.0
+    recompute: float = 0.0
+
+    def duration(self, kind: _ComputationType, whole_backward: bool) -> float:
+        if kind == _FORWARD:
+            return self.forward
+        if kind == _WHOLE or (kind == _INPUT and whole_backward):
+            return self.recompute + self.backward
+        if kind == _INPUT:
+            return self.recompute + self.backward / 2
+        assert kind == _WEIGHT, kind
+        return 0.0 if whole_backward else self.backward / 2
+
+
+def _needs(step, num_stages: int) -> list[tuple]:
+    """The actions of other stages (or the same stage's earlier half) a step waits for: a forward
+    its previous stage's forward, an input-gradient step the next stage's and its own forward, a
+    weight half its input half ("G": the step that formed the stage's input gradient)."""
+    s, kind, mb = step.stage_index, step.computation_type, step.microbatch_index
+    if kind == _FORWARD:
+        return [(s - 1, "F", mb)] if s > 0 else []
+    if kind == _WEIGHT:
+        return [(s, "G", mb)]
+    return [(s, "F", mb)] + ([(s + 1, "G", mb)] if s < num_stages - 1 else [])
+
+
+@lru_cache(maxsize=None)
+def idle_fractions(schedule: str, pp: int, stages_per_rank: int, microbatches: int, whole_backward: bool,
+                   costs: ActionCosts = ActionCosts()) -> tuple[float, ...]:
+    """Each pp rank's idle share of a step that runs every rank's actions in torch's order, each
+    step as soon as its rank is free and what it needs is done (transfers taking no time): the
+    pipeline bubble of that rank, 1 - its busy time / the step's span."""
+    num_stages = pp * stages_per_rank
+    orders = [[a for a in rank_actions(schedule, pp, stages_per_rank, microbatches, r) if a is not None]
+              for r in range(pp)]
+    done: dict[tuple, float] = {}
+    free, busy, position = [0.0] * pp, [0.0] * pp, [0] * pp
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                action = orders[r][position[r]]
+                steps = action.sub_actions or (action,)
+                if not all(need in done for step in steps for need in _needs(step, num_stages)):
+                    break
+                # a pair starts once both its inputs are in (its receives are waited first), then
+                # runs its forward and its backward
+                free[r] = max([free[r]] + [done[need] for step in steps for need in _needs(step, num_stages)])
+                for step in steps:
+                    took = costs.duration(step.computation_type, whole_backward)
+                    free[r], busy[r] = free[r] + took, busy[r] + took
+                    kind = {_FORWARD: "F", _WEIGHT: "W"}.get(step.computation_type, "G")
+                    done[(step.stage_index, kind, step.microbatch_index)] = free[r]
+                position[r] += 1
+                progressed = True
+        assert progressed, (schedule, pp, stages_per_rank, microbatches, "deadlock")
+    span = max(free)
+    return tuple(1 - b / span for b in busy)

@@ -11,8 +11,14 @@ step. This module turns those bytes into seconds with a stated model:
     replica all-reduce) run on their own streams while layers compute, so they cost only what
     exceeds the compute; the expert all-to-all, context-parallel gathers and pipeline transfers
     sit between computations and are counted in full;
-  * pipeline bubble: a schedule of m micro-batches over p stages with v stages per rank idles
-    (p - 1) / (v m + p - 1) of the step (1F1B and interleaved alike), added to the step.
+  * pipeline bubble: the measured rank's idle share of a step that runs every rank's actions in
+    the schedule's own order (`glmtune.distributed.schedule_order.idle_fractions`: a forward
+    costs 1, a backward 2, full checkpointing's recomputation 1 more; under checkpointing a split
+    backward runs whole in its input half, as the pipeline runs it), added to the step. For 1F1B,
+    GPipe and Interleaved1F1B that is (p - 1) / (v m + p - 1) for m micro-batches over p stages
+    with v stages per rank; the zero-bubble schedules idle less with split backwards and more
+    with whole ones (DualPipeV, pp 4, 16 microbatches: 5.9% split, 13.5% whole under full
+    checkpointing, against 8.6% by that formula).
 
 Latency is counted where the measurement counted the collectives (`calls`); at GLM-5's sizes
 the bytes dominate.
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmtune.distributed.link_model import Links, collective_seconds
+from glmtune.distributed.schedule_order import ActionCosts, idle_fractions
 
 # Axes whose all-gathers, reduce-scatters and (HSDP) all-reduces FSDP2 issues, overlapped with compute.
 FSDP_AXES = frozenset({"dp_shard", "dp_shard_cp", "efsdp", "dp_replicate"})
@@ -55,11 +62,16 @@ def group_traffic(axes: str, ranks: list[int], moved: dict[str, int], links: Lin
                          overlapped=fsdp_group and op in FSDP_OPS) for op, count in sorted(moved.items())]
 
 
-def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int) -> float:
-    """The idle share of a pipeline step (module docstring); 0 without a pipeline."""
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
+                    checkpointing: str) -> float:
+    """Pp rank `pp_rank`'s idle share of a pipeline step (module docstring); 0 without a pipeline.
+    `checkpointing`: the run's `parallel.activation_checkpointing`."""
     if pp <= 1:
         return 0.0
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+    if stages_per_rank == 1:  # 1F1B, GPipe: no per-rank order to walk, and none needed
+        return (pp - 1) / (microbatches + pp - 1)
+    costs = ActionCosts(recompute=1.0 if checkpointing == "full" else 0.0)
+    return idle_fractions(schedule, pp, stages_per_rank, microbatches, checkpointing != "none", costs)[pp_rank]
 
 
 def estimated_step(compute_s: float, traffic: list[GroupTraffic], bubble: float) -> dict[str, Any]:

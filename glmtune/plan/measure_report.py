@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from glmtune.config import JobConfig, pipeline_microbatches
+from glmtune.distributed.mesh import ParallelMesh
 from glmtune.plan.comm import Links, bubble_fraction, estimated_step, group_traffic
 from glmtune.plan.measure import RankMeasurement
 from glmtune.plan.memory import MemoryPlan, describe
@@ -47,7 +48,9 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
     step = m.step
     traffic = [t for axes, g in m.comm_bytes.items()
                for t in group_traffic(axes, g["ranks"], g["bytes"], links, g.get("calls"))]
-    bubble = bubble_fraction(d.pp, pipeline_microbatches(cfg), cfg.parallel.pp_stages_per_rank)
+    p = cfg.parallel
+    bubble = bubble_fraction(p.pp_schedule, d.pp, pipeline_microbatches(cfg), p.pp_stages_per_rank,
+                             ParallelMesh(d, rank=m.rank).rank("pp"), p.activation_checkpointing)
     estimate = estimated_step(step.total, traffic, bubble)
     seq, flops_per_token = cfg.data.packed_sequence_size, m.flops_per_token
     tokens_per_gpu_step = cfg.train.global_batch_size * seq / d.world_size

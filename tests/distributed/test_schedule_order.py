@@ -1,16 +1,21 @@
-"""`schedule_order.chunks_in_flight` against real multi-stage schedules: a rank's replica
+"""`schedule_order` against torch. `chunks_in_flight` against real multi-stage schedules: a rank's replica
 (`plan --measure`'s `measure_rank`, loopback groups, one process) runs each of torch's schedules with
 several stages per rank, and the most forwards its stages hold at once (the stages' cached
 forwards, and a split backward's state kept for its weight half) is what the count says, on every
-rank, with and without checkpointing (which decides whether a split backward runs whole)."""
+rank, with and without checkpointing (which decides whether a split backward runs whole).
+`idle_fractions` against torch's own simulation of a schedule (its visualizer's spacing, at its unit
+costs) and Megatron's interleaved bubble."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
-from torch.distributed.pipelining import stage as stage_module
+from torch.distributed.pipelining import _schedule_visualizer, stage as stage_module
 
 from glmtune.config import load_config
-from glmtune.distributed.schedule_order import chunks_in_flight
+from glmtune.distributed.schedule_order import ActionCosts, chunks_in_flight, idle_fractions
 from glmtune.plan.measure import measure_rank
 from glmtune.plan.planner import degrees_for
 
@@ -63,3 +68,39 @@ def test_the_orders_differ_from_the_interleaved_formula_at_pp4():
     assert counts("ZBVZeroBubble") == [8] * 4
     assert counts("InterleavedZeroBubble") == [8, 7, 6, 5]
     assert counts("InterleavedZeroBubble", whole_backward=False) == [8, 8, 8, 8]
+
+
+MULTI_STAGE = ["Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble", "DualPipeV"]
+
+
+@pytest.mark.parametrize("schedule", MULTI_STAGE)
+@pytest.mark.parametrize("pp,microbatches", [(2, 4), (3, 6), (4, 16)])
+def test_a_step_spans_what_torchs_own_simulation_gives(schedule, pp, microbatches):
+    # torch's visualizer spaces every rank's actions by their dependencies, a forward, an input or a
+    # weight half taking 1 step, a whole backward 2, a DualPipeV pair 3 (and prints as it goes)
+    with contextlib.redirect_stdout(io.StringIO()):
+        spaced = _schedule_visualizer.get_schedule_ops(schedule, pp, microbatches, 2, add_spacing=True)
+    width = _schedule_visualizer.action_type_to_color_mapping
+    ends = []
+    for actions in spaced:
+        while actions and actions[-1] is None:
+            actions = actions[:-1]
+        ends.append(sum(1 if a is None else width[a.computation_type].width for a in actions))
+    idle = idle_fractions(schedule, pp, 2, microbatches, whole_backward=False, costs=ActionCosts(1.0, 2.0, 0.0))
+    busy = 2 * microbatches * 3  # two stages' forwards and backwards
+    assert [busy / (1 - share) for share in idle] == pytest.approx([max(ends)] * pp)
+
+
+@pytest.mark.parametrize("pp,v,microbatches", [(2, 2, 4), (4, 2, 8), (4, 9, 4), (4, 9, 8), (8, 4, 16)])
+def test_interleaved_idles_megatrons_bubble(pp, v, microbatches):
+    # Narayanan et al. 2021: (p - 1) / (v m + p - 1) of an interleaved step, whatever the costs
+    for costs in (ActionCosts(), ActionCosts(recompute=1.0)):
+        idle = idle_fractions("Interleaved1F1B", pp, v, microbatches, True, costs)
+        assert idle == pytest.approx([(pp - 1) / (v * microbatches + pp - 1)] * pp)
+
+
+def test_a_whole_backward_leaves_the_zero_bubble_schedules_their_bubble():
+    for schedule in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
+        split = idle_fractions(schedule, 4, 2, 16, False, ActionCosts(recompute=1.0))
+        whole = idle_fractions(schedule, 4, 2, 16, True, ActionCosts(recompute=1.0))
+        assert max(split) < min(whole)

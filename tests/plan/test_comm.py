@@ -39,8 +39,13 @@ def test_a_group_that_serves_ep_and_fsdp_hides_only_fsdp_kinds():
 
 
 def test_step_estimate_and_bubble():
-    assert bubble_fraction(1, 8, 1) == 0.0
-    assert bubble_fraction(4, 4, 9) == pytest.approx(3 / 39)
+    assert bubble_fraction("1F1B", 1, 8, 1, 0, "full") == 0.0
+    assert bubble_fraction("1F1B", 4, 8, 1, 0, "none") == pytest.approx(3 / 11)
+    assert bubble_fraction("Interleaved1F1B", 4, 4, 9, 2, "full") == pytest.approx(3 / 39)  # sft_4k's
+    # DualPipeV's split backward fills its bubble; run whole under checkpointing, it does not
+    split = bubble_fraction("DualPipeV", 4, 16, 2, 0, "none")
+    whole = bubble_fraction("DualPipeV", 4, 16, 2, 0, "full")
+    assert split < 3 / 35 < whole
     traffic = group_traffic("ep+dp_shard", list(range(8)), {"all_to_all": 800_000_000_000,
                                                            "all_gather": 8_000_000_000_000}, LINKS)
     estimate = estimated_step(10.0, traffic, 0.25)
