@@ -46,8 +46,10 @@ def _held_at_most(monkeypatch, schedule: str, pp: int, v: int, microbatches: int
 
 V_SHAPED = ["DualPipeV", "ZBVZeroBubble"]
 LOOPED = ["Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS"]
-CASES = [(s, 2, 2, 4, "full") for s in V_SHAPED + LOOPED] + [(s, 3, 2, 6, "full") for s in V_SHAPED + LOOPED] + [
-    (s, 3, 2, 6, "none") for s in V_SHAPED + ["InterleavedZeroBubble"]] + [(s, 2, 3, 6, "full") for s in LOOPED]
+# pp 3 is the smallest pipeline where the V schedules' counts leave the interleaved formula; without
+# checkpointing InterleavedZeroBubble keeps a split chunk to its weight half (6 on every rank, not 6, 5, 4)
+CASES = [(s, 3, 2, 6, "full") for s in V_SHAPED + LOOPED] + [
+    (s, 3, 2, 6, "none") for s in ["DualPipeV", "InterleavedZeroBubble"]] + [("Interleaved1F1B", 2, 3, 6, "full")]
 
 
 @pytest.mark.parametrize(("schedule", "pp", "v", "microbatches", "checkpointing"), CASES)
