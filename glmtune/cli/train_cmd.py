@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from glmtune.config import RECIPES_DIR, JobConfig, load_config
+from glmtune.io.interrupts import interrupts_deferred
 from glmtune.models.catalog import is_preset  # torch-free, as the config package
 
 
@@ -39,9 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.distributed.launch import launch_torchrun, pop_nproc_per_node
-    from glmtune.models.registry import model_dims
+    # Held: a Ctrl-C inside these imports (torch's and triton's C++ call back into Python) would abort
+    # the process, a rank of a launched run included; it is raised once they are done (io/interrupts.py).
+    with interrupts_deferred():  # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
+        from glmtune.distributed.launch import launch_torchrun, pop_nproc_per_node
+        from glmtune.models.registry import model_dims
 
     # The flags sit among the dotted overrides (argparse hands everything after RECIPE over).
     debug_before_train = args.debug  # `glmtune --debug train ...`: the ranks need it too
@@ -53,8 +56,8 @@ def _run(args: argparse.Namespace) -> int:
     if nproc is not None:
         return launch_torchrun(cfg, nproc, [args.recipe, *passed_on], model_dims(cfg.model), debug=debug_before_train)
 
-    # lazily: `glmtune --help` and `glmtune config validate` stay torch-free
-    from glmtune.train.run import run_training
+    with interrupts_deferred():  # lazily (torch-free --help) and held, as above
+        from glmtune.train.run import run_training
 
     status = run_training(cfg, overwrite="--overwrite" in args.overrides)
     if status == 0 and os.environ.get("RANK", "0") == "0":  # rank 0 of torchrun, or the one process
