@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from glmtune import save_pretrained
 from glmtune.models.glm5 import build_model, get_preset
@@ -85,6 +86,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: starts a job of several processes (make test-fast leaves it out)")
     config.addinivalue_line("markers", "subprocess: runs glmtune in another interpreter (make test-fast leaves it out)")
     config.addinivalue_line("markers", "slow: in-process, over ~10 s on an idle core (make test-fast leaves it out)")
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker's torch (and the processes it starts) takes its share of the cores.
+
+    Every worker's intra-op pool otherwise takes all of them: with `-n 2` on 2 cores four OpenMP threads
+    spin at each other's barriers, and the small ops of the tiny models run several times slower
+    (tests/distributed/test_schedule_order.py's replica cases: 17 s each against 2.8 s with one thread).
+    A test that needs more threads sets them itself."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes a test starts inherit it
+        torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)
