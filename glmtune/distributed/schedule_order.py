@@ -19,6 +19,11 @@ argument `whole_backward`: InterleavedZeroBubble over pp 3 with 6 microbatches h
 chunks with it and 6 on every rank without. A DualPipeV pair (OVERLAP_F_B) runs its forward
 before, or beside, its backward: both chunks count.
 
+A stage's gradients accumulate over the microbatches from its first backward to its last
+(`backward_states`): under DualPipeV with 16 microbatches over pp 4 both stages of a rank hold
+theirs while 9 chunks are in flight; under Interleaved1F1B with 9 stages per rank and 4
+microbatches, rank 0 holds one stage's while 35 are.
+
     chunks_in_flight("DualPipeV", pp=4, stages_per_rank=2, microbatches=16, pp_rank=0, whole_backward=True)  # 9
 
 The same orders give each rank's idle share of a step (`idle_fractions`, the pipeline bubble
@@ -76,6 +81,26 @@ def chunks_in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches:
                 live -= 1
     assert live == 0, (schedule, pp, stages_per_rank, microbatches, pp_rank, whole_backward, live)
     return peak
+
+
+@lru_cache(maxsize=None)
+def backward_states(schedule: str, pp: int, stages_per_rank: int, microbatches: int, pp_rank: int,
+                    whole_backward: bool) -> frozenset[tuple[int, frozenset[int]]]:
+    """What pp rank `pp_rank` holds as each of its backwards starts: the stage-chunks in flight, and its
+    stages that accumulate a gradient over the microbatches then — a stage from the end of its first
+    microbatch's backward to its last's, where FSDP2 keeps each unit's unsharded gradient between
+    microbatches that do not reduce (torch's pipeline stages sync only the last). Distinct states."""
+    frees = (_WHOLE, _INPUT) if whole_backward else (_WHOLE, _WEIGHT)
+    live, done, states = 0, {}, set()
+    for action in rank_actions(schedule, pp, stages_per_rank, microbatches, pp_rank):
+        for step in (action.sub_actions or (action,)) if action is not None else ():
+            kind = step.computation_type
+            live += kind == _FORWARD
+            if kind in (_WHOLE, _INPUT):
+                states.add((live, frozenset(k for k, n in done.items() if 1 <= n < microbatches)))
+                done[step.stage_index] = done.get(step.stage_index, 0) + 1
+            live -= kind in frees
+    return frozenset(states)
 
 
 @dataclass(frozen=True)

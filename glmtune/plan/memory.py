@@ -20,8 +20,10 @@ allocator's fragmentation are the separate headroom line of the plan):
   pipelines       besides: torch's receive buffers (every microbatch of each stage's inputs and
                   output gradients) and the in-flight stages' outputs for the activations the
                   family names (`StepTerms.boundary`); what each micro-batch in flight holds beside
-                  its layers (`StepTerms.per_microbatch`, GLM-5's attention mask); and FSDP2's fp32
-                  copy of the head's and the auxiliary units' gradients between microbatches
+                  its layers (`StepTerms.per_microbatch`, GLM-5's attention mask); and FSDP2's
+                  unsharded fp32 gradients of every stage part-way through its microbatches'
+                  backwards (its layers', and the embedding's, head's and auxiliary units' on the
+                  first and last stages), in the rank's backward that holds the most with them
 
 What depends on the architecture (each layer's saved, recomputed and scratch bytes, the masks,
 the loss rows, the transients such as an all-to-all buffer or a dequantized FP8 weight, the
@@ -52,10 +54,10 @@ from glmtune.config.degrees import MeshDegrees
 from glmtune.config.validate import grad_accum_steps, pipeline_microbatches
 from glmtune.distributed.exchange_keeper import kept_row_exchanges
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.distributed.schedule_order import chunks_in_flight
+from glmtune.distributed.schedule_order import backward_states, chunks_in_flight
 from glmtune.models.common.memory_model import LayerMemory, StepShape, StepTerms
 from glmtune.models.registry import model_spec
-from glmtune.plan.model_state import StateBytes, layer_stages, memory_model_of
+from glmtune.plan.model_state import StateBytes, layer_stages, memory_model_of, stage_of_unit
 from glmtune.train.precision import resolve_precision
 
 GIB = 2**30
@@ -147,9 +149,11 @@ class _RankStep:
     gathered_root: int  # FSDP2: the root units' gathered bytes (and a last stage's auxiliary units')
     kept_layers: dict[int, int]  # FSDP2 under a pipeline: layer -> its unit's gathered bytes
     fixed: dict[str, int]  # masks, per-micro-batch terms, the pipeline's stage-boundary tensors
-    held: dict[str, int]  # gradients of the head (and auxiliary units) held until the root reduces
+    held: dict[str, int]  # the head's gradient from the fused loss; the stages' accumulated gradients
     # parallel.pp_ep_overlap: a paired forward computes beside each backward, holding its scratch and transients
     paired_forward: int = 0
+    # layers whose unit holds its gradient accumulated over the microbatches (counted in `held`)
+    accumulating_layers: frozenset[int] = frozenset()
 
 
 def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, state: StateBytes,
@@ -167,37 +171,80 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     kept = {i: per_layer[i].kept for i in layers}
     terms = memory.step_terms(args, step, layers, last)
 
-    chunks = in_flight(cfg, degrees, pp_rank)
-    stages_here = max(1, len(mine))
-    # Other in-flight stage-chunks hold about the rank's average stage of layers each, less the first
-    # layer's input of each chunk a pipeline received (its receive buffer, counted with the boundary's).
-    boundary, received = _stage_boundary(cfg, degrees, mine, last, chunks, terms)
-    other_chunks = (chunks - 1) * sum(kept.values()) // stages_here - received
+    units = state.units
+
+    def in_flight_parts(chunks: int) -> tuple[int, dict[str, int]]:
+        return _in_flight_parts(cfg, degrees, mine, last, chunks, terms, kept)
+
+    chunks, accumulated, accumulating_layers = in_flight(cfg, degrees, pp_rank), {}, frozenset()
+    if _fp32_between_microbatches(cfg, degrees, precision, fsdp):
+        outer = ["embed", "head", *memory.auxiliary_units(step)]
+        chunks, accumulated, accumulating_layers = _accumulating(
+            model, cfg, degrees, pp_rank, units, outer,
+            lambda c: in_flight_parts(c)[0] + sum(in_flight_parts(c)[1].values()))
+    other_chunks, fixed = in_flight_parts(chunks)
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
     # Gradients of an earlier micro-batch of the step are held only when the trainer accumulates
     # micro-batches. A pipeline's microbatches do not: each unit reduces its gradient once, after
     # its last microbatch's backward, and the step's first backward finds none (zero_grad frees them).
     accumulating = _accumulation_steps(cfg, degrees) > 1
-    units = state.units
     gathered_root, kept_layers = _gathered_units(units, degrees, layers, last, memory, step) if fsdp else (0, {})
     if fsdp:
         static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
-    fixed = {**terms.fixed, **{k: v * chunks for k, v in terms.per_microbatch.items()}, **boundary}
     head = units.get("head")
     head_grad = terms.head_elements * e if last and head is not None and head.grads else 0
-    held = _head_gradients(cfg, terms.head_elements, degrees, precision, fsdp, accumulating, head_grad)
-    if last and _fp32_between_microbatches(cfg, degrees, precision, fsdp):
-        held.update({f"{u} gradient accumulated over the microbatches (fp32)": units[u].trainable_gathered * F32
-                     for u in memory.auxiliary_units(step) if u in units and units[u].trainable_gathered})
+    # The fused loss computes the head's weight gradient in forward. Under FSDP2 it stays an unsharded
+    # gradient of the root unit until the root reduces, after the embedding's backward.
+    held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
+    held.update(accumulated)
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
     paired = terms.forward_scratch + sum(terms.transients.values()) if cfg.parallel.pp_ep_overlap else 0
     r = _RankStep(layers, per_layer, kept, other_chunks, units, fsdp, e, static, state.grads, accumulating,
-                  gathered_root, kept_layers, fixed, held, paired)
+                  gathered_root, kept_layers, fixed, held, paired, accumulating_layers)
     phases = _forward_phases(r, terms, aux_saved, aux_backward) + _backward_phases(r) + _closing_phases(r)
     peak = max(phases, key=lambda ph: ph.total)
     return MemoryPlan(rank, state, peak, phases, kept)
+
+
+def _in_flight_parts(cfg: JobConfig, degrees: MeshDegrees, mine: list[int], last: bool, chunks: int,
+                     terms: StepTerms, kept: dict[int, int]) -> tuple[int, dict[str, int]]:
+    """With `chunks` stage-chunks in flight: the saved activations of the chunks other than the one in
+    backward, and the fixed terms (masks, per-micro-batch terms, the stage-boundary tensors)."""
+    # Other in-flight stage-chunks hold about the rank's average stage of layers each, less the first
+    # layer's input of each chunk a pipeline received (its receive buffer, counted with the boundary's).
+    boundary, received = _stage_boundary(cfg, degrees, mine, last, chunks, terms)
+    other_chunks = (chunks - 1) * sum(kept.values()) // max(1, len(mine)) - received
+    return other_chunks, {**terms.fixed, **{k: v * chunks for k, v in terms.per_microbatch.items()}, **boundary}
+
+
+def _accumulating(model, cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, units: dict, outer_units: list[str],
+                  in_flight_bytes) -> tuple[int, dict[str, int], frozenset[int]]:
+    """A pipeline whose microbatches keep FSDP2's unsharded gradients between them, upcast to fp32
+    (torch's FSDPParam.to_accumulated_grad_if_needed; only the last microbatch's backward reduces):
+    the rank's backward with the most in flight plus accumulated — its stage-chunks in flight, and
+    each accumulating stage's units' fp32 gradients (its layers; the first stage's embedding; the
+    last's head and the family's auxiliary units that train). A stage accumulates from its first
+    microbatch's backward to its last's (`schedule_order.backward_states`). Also the layers of the
+    accumulating stages."""
+    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    final = max(max(s) for s in stages_of_rank)
+    per_stage: dict[int, int] = {}
+    for name, unit in units.items():
+        if unit.trainable_gathered and (name.startswith("layer.") or name in outer_units):
+            s = stage_of_unit(name, stage, final)
+            per_stage[s] = per_stage.get(s, 0) + unit.trainable_gathered * F32
+    p, microbatches = cfg.parallel, pipeline_microbatches(cfg)
+    if p.pp_stages_per_rank > 1:
+        states = backward_states(p.pp_schedule, degrees.pp, p.pp_stages_per_rank, microbatches, pp_rank,
+                                 whole_backward=p.activation_checkpointing != "none")
+    else:  # one stage: its second microbatch's backward on hold it, with no more in flight than at its first
+        states = {(in_flight(cfg, degrees, pp_rank), frozenset(stages_of_rank[pp_rank]))}
+    chunks, stages = max(states, key=lambda st: in_flight_bytes(st[0]) + sum(per_stage.get(s, 0) for s in st[1]))
+    held = {f"stage {s} gradients accumulated over the microbatches (fp32)": per_stage[s]
+            for s in sorted(stages) if per_stage.get(s)}
+    return chunks, held, frozenset(i for i, s in enumerate(stage) if s in stages)
 
 
 def _rank_layers(model, cfg: JobConfig, degrees: MeshDegrees, pp_rank: int,
@@ -262,7 +309,8 @@ def _backward_phases(r: _RankStep) -> list[Phase]:
         if r.paired_forward:
             parts["the paired forward's scratch (pp_ep_overlap)"] = r.paired_forward
         if r.fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
-            parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers)))
+            parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers),
+                                         i in r.accumulating_layers))
         phases.append(Phase(f"layer {i} backward", parts))
         if unit is not None:
             done += unit.grads
@@ -281,22 +329,6 @@ def _closing_phases(r: _RankStep) -> list[Phase]:
             **static, "gradients": r.grads_all, "root gradients (unsharded + fp32 staging)": root * (r.e + F32)}))
     phases.append(Phase("optimizer step", {**static, "gradients": r.grads_all}))
     return phases
-
-
-def _head_gradients(cfg: JobConfig, head_elements: int, degrees: MeshDegrees, precision, fsdp: bool,
-                    accumulating: bool, head_grad: int) -> dict[str, int]:
-    """The head's weight gradient as the last stage holds it from the loss to the root's reduction."""
-    # The fused loss computes it in forward. Under FSDP2 it stays an unsharded gradient of the
-    # root unit until the root reduces, after the embedding's backward.
-    held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
-    # Between a pipeline's microbatches FSDP2 keeps each unit's gradient unsharded, upcast to the
-    # reduce dtype (fp32) when the parameter is narrower (torch's
-    # FSDPParam.to_accumulated_grad_if_needed), until the unit's last microbatch reduces it. The
-    # head's is the one the last stage's phases hold on top of the bf16 gradient the fused loss
-    # computes each microbatch (measured: sft_4k's last stage, 3.5 GiB of its 3.9 GiB gap).
-    if head_grad and _fp32_between_microbatches(cfg, degrees, precision, fsdp):
-        held["head gradient accumulated over the microbatches (fp32)"] = head_elements * F32
-    return held
 
 
 def _fp32_between_microbatches(cfg: JobConfig, degrees: MeshDegrees, precision, fsdp: bool) -> bool:
@@ -332,15 +364,17 @@ def _stage_boundary(cfg: JobConfig, degrees: MeshDegrees, mine: list[int], last:
     return parts, (chunks - first_chunks) * terms.received_kept
 
 
-def _fsdp_transient(units, order: list[int], n: int, e: int, kept_gathered: bool) -> dict[str, int]:
+def _fsdp_transient(units, order: list[int], n: int, e: int, kept_gathered: bool,
+                    accumulates: bool = False) -> dict[str, int]:
     """Layer order[n]'s backward under FSDP2: its gathered parameters and the next unit's
     (prefetched), its unsharded gradients in the compute dtype and their fp32 staging copy
-    (gradients are reduced in fp32)."""
+    (gradients are reduced in fp32) — or, where the unit's fp32 accumulator is held already
+    (`accumulates`), only this microbatch's gradient, until FSDP2 adds it in."""
     unit = units[f"layer.{order[n]}"]
     following = units.get(f"layer.{order[n + 1]}") if n + 1 < len(order) else None
     gathered = 0 if kept_gathered else unit.gathered + (following.gathered if following else 0)
     return {"FSDP: gathered parameters": gathered,
-            "FSDP: unsharded gradients + fp32 staging": unit.trainable_gathered * (e + F32)}
+            "FSDP: unsharded gradients + fp32 staging": unit.trainable_gathered * (e + (0 if accumulates else F32))}
 
 
 def _accumulation_steps(cfg: JobConfig, degrees: MeshDegrees) -> int:

@@ -130,7 +130,7 @@ def _chunk(n: int, shards: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def _stage_of(unit: str, layer_stage: list[int], last: int) -> int:
+def stage_of_unit(unit: str, layer_stage: list[int], last: int) -> int:
     """The pipeline stage holding FSDP unit `unit` (the memory model's `unit_of`)."""
     if unit.startswith("layer."):
         return layer_stage[int(unit.removeprefix("layer."))]
@@ -184,7 +184,7 @@ def rank_state(model: nn.Module, cfg: JobConfig, degrees: MeshDegrees, rank: int
     state = StateBytes()
     for name, param in model.named_parameters():
         unit_name = memory.unit_of(name)
-        if degrees.pp > 1 and _stage_of(unit_name, stage, last) not in mine:
+        if degrees.pp > 1 and stage_of_unit(unit_name, stage, last) not in mine:
             continue
         experts = memory.routed_expert(name)
         numel = _local_numel(param, experts, degrees, mesh, sharded)

@@ -2,7 +2,9 @@
 (`plan --measure`'s `measure_rank`, loopback groups, one process) runs each of torch's schedules with
 several stages per rank, and the most forwards its stages hold at once (the stages' cached
 forwards, and a split backward's state kept for its weight half) is what the count says, on every
-rank, with and without checkpointing (which decides whether a split backward runs whole).
+rank, with and without checkpointing (which decides whether a split backward runs whole); so are the
+states each backward starts in (`backward_states`: what is held, which stages are part-way through
+their microbatches' backwards).
 `idle_fractions` against torch's own simulation of a schedule (its visualizer's spacing, at its unit
 costs) and Megatron's interleaved bubble."""
 
@@ -15,33 +17,47 @@ import pytest
 from torch.distributed.pipelining import _schedule_visualizer, stage as stage_module
 
 from glmtune.config import load_config
-from glmtune.distributed.schedule_order import ActionCosts, chunks_in_flight, idle_fractions
+from glmtune.distributed.schedule_order import ActionCosts, backward_states, chunks_in_flight, idle_fractions
 from glmtune.plan.measure import measure_rank
 from glmtune.plan.planner import degrees_for
 
+_STAGE_FORWARD = stage_module._PipelineStageBase.forward_one_chunk
+_STAGE_BACKWARD = stage_module._PipelineStageBase.backward_one_chunk
 SHORT = ["--data.packed_sequence_size", "128", "--train.generate_samples", "0", "--optim.warmup_steps", "0"]
 
 
-def _held_at_most(monkeypatch, schedule: str, pp: int, v: int, microbatches: int, checkpointing: str,
-                  rank: int) -> int:
-    stages, peak = [], [0]
-    forward = stage_module._PipelineStageBase.forward_one_chunk
+def _observed(monkeypatch, schedule: str, pp: int, v: int, microbatches: int, checkpointing: str,
+              rank: int) -> tuple[int, set]:
+    """The most forwards rank `rank`'s stages held at once, and the distinct (held, stages part-way
+    through their microbatches' backwards) as each backward started, in a replica run."""
+    stages, peak, states, done = [], [0], set(), {}
+    forward, backward = _STAGE_FORWARD, _STAGE_BACKWARD  # torch's own, not an earlier rank's counting ones
+
+    def held() -> int:
+        return sum(len(s.fwd_cache) + len(s.backward_state) for s in stages)
 
     def counting_forward(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
         if self not in stages:
             stages.append(self)
-        peak[0] = max(peak[0], sum(len(s.fwd_cache) + len(s.backward_state) for s in stages))
+        peak[0] = max(peak[0], held())
         return out
 
+    def counting_backward(self, *args, **kwargs):
+        # measure_rank runs the step more than once: a stage's count restarts every `microbatches` backwards
+        states.add((held(), frozenset(k for k, n in done.items() if n % microbatches)))
+        done[self.stage_index] = done.get(self.stage_index, 0) + 1
+        return backward(self, *args, **kwargs)
+
     monkeypatch.setattr(stage_module._PipelineStageBase, "forward_one_chunk", counting_forward)
+    monkeypatch.setattr(stage_module._PipelineStageBase, "backward_one_chunk", counting_backward)
     cfg = load_config("tiny/sft_support_json", [
         *SHORT, "--parallel.pp", str(pp), "--parallel.pp_schedule", schedule, "--parallel.pp_stages_per_rank", str(v),
         "--parallel.pp_microbatches", str(microbatches), "--train.micro_batch_size", str(microbatches),
         "--train.global_batch_size", str(microbatches * pp), "--parallel.activation_checkpointing", checkpointing,
         "--model.overrides.num_hidden_layers", str(v * pp)])
     measure_rank(cfg, degrees_for(cfg, pp), rank, steps=1, warmup=0)
-    return peak[0]
+    return peak[0], states
 
 
 V_SHAPED = ["DualPipeV", "ZBVZeroBubble"]
@@ -54,10 +70,12 @@ CASES = [(s, 3, 2, 6, "full") for s in V_SHAPED + LOOPED] + [
 
 @pytest.mark.parametrize(("schedule", "pp", "v", "microbatches", "checkpointing"), CASES)
 def test_each_rank_holds_what_the_schedule_order_says(monkeypatch, schedule, pp, v, microbatches, checkpointing):
-    counts = [chunks_in_flight(schedule, pp, v, microbatches, rank, whole_backward=checkpointing != "none")
-              for rank in range(pp)]
-    held = [_held_at_most(monkeypatch, schedule, pp, v, microbatches, checkpointing, rank) for rank in range(pp)]
-    assert held == counts
+    whole = checkpointing != "none"
+    observed = [_observed(monkeypatch, schedule, pp, v, microbatches, checkpointing, rank) for rank in range(pp)]
+    assert [peak for peak, _ in observed] == [chunks_in_flight(schedule, pp, v, microbatches, rank, whole)
+                                            for rank in range(pp)]
+    assert [states for _, states in observed] == [set(backward_states(schedule, pp, v, microbatches, rank, whole))
+                                                  for rank in range(pp)]
 
 
 def test_the_orders_differ_from_the_interleaved_formula_at_pp4():

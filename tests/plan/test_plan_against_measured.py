@@ -59,9 +59,12 @@ SUPERSEDED = [
 TOLERANCE = 0.10  # the issue's bound on the plan against each measured rank
 
 # Outside the bound, and why (docs/plan.md): strict, so the entry goes once the plan comes within it.
-NOT_YET = {("sft_4k", 192, EAGER + MTP_OFF): "planned 66.08 GiB against 59.58 (1.109): an over-count on sft_4k's ranks "
-                                      "(6.5 GiB here, more with the hidden states' stage-boundary buffers, which "
-                                      "the plan does not count yet) not located: docs/plan.md"}
+NOT_YET = {
+    ("sft_4k", 192, EAGER + MTP_OFF): "planned 66.96 GiB against 59.58 (1.124): an over-count on sft_4k's ranks (about "
+                                      "6-8 GiB on each) not located: docs/plan.md",
+    ("sft_4k", 64, EAGER): "planned 71.34 GiB against 63.84 (1.117) since the plan counts each stage's fp32 gradient "
+                           "accumulators (+1.6 GiB here); the same unlocated over-count: docs/plan.md",
+}
 
 
 def _cases():
