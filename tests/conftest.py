@@ -90,17 +90,16 @@ def pytest_configure(config):
 
 
 def _share_the_cores() -> None:
-    """Under pytest-xdist, each worker's torch (and the processes it starts) takes its share of the cores.
+    """Under pytest-xdist, each worker's torch takes its share of the cores.
 
     Every worker's intra-op pool otherwise takes all of them: with `-n 2` on 2 cores four OpenMP threads
     spin at each other's barriers, and the small ops of the tiny models run several times slower
     (tests/distributed/test_schedule_order.py's replica cases: 17 s each against 2.8 s with one thread).
-    A test that needs more threads sets them itself."""
+    A test that needs more threads sets them itself. The processes a test starts choose their own (the
+    training runs' helpers one thread each; the distillation demo, often the last test running, all)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes a test starts inherit it
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @functools.lru_cache(maxsize=None)
