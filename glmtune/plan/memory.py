@@ -166,7 +166,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     precision = resolve_precision(cfg)
     fsdp = degrees.fsdp_applies()
     pp_rank = ParallelMesh(degrees, rank=rank).rank("pp")
-    mine, layers, last = _rank_layers(model, cfg, degrees, pp_rank, spec.architecture.num_layers(args))
+    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    mine, layers, last = _rank_layers(stage, stages_of_rank, pp_rank, spec.architecture.num_layers(args))
     per_layer = {i: memory.layer(args, step, i) for i in layers}
     kept = {i: per_layer[i].kept for i in layers}
     terms = memory.step_terms(args, step, layers, last)
@@ -176,12 +177,15 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     def in_flight_parts(chunks: int) -> tuple[int, dict[str, int]]:
         return _in_flight_parts(cfg, degrees, mine, last, chunks, terms, kept)
 
+    def in_flight_bytes(chunks: int) -> int:
+        other_chunks, fixed = in_flight_parts(chunks)
+        return other_chunks + sum(fixed.values())
+
     chunks, accumulated, accumulating_layers = in_flight(cfg, degrees, pp_rank), {}, frozenset()
     if _fp32_between_microbatches(cfg, degrees, precision, fsdp):
         outer = ["embed", "head", *memory.auxiliary_units(step)]
         chunks, accumulated, accumulating_layers = _accumulating(
-            model, cfg, degrees, pp_rank, units, outer,
-            lambda c: in_flight_parts(c)[0] + sum(in_flight_parts(c)[1].values()))
+            cfg, degrees, pp_rank, stage, stages_of_rank, units, outer, in_flight_bytes)
     other_chunks, fixed = in_flight_parts(chunks)
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
@@ -219,16 +223,15 @@ def _in_flight_parts(cfg: JobConfig, degrees: MeshDegrees, mine: list[int], last
     return other_chunks, {**terms.fixed, **{k: v * chunks for k, v in terms.per_microbatch.items()}, **boundary}
 
 
-def _accumulating(model, cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, units: dict, outer_units: list[str],
-                  in_flight_bytes) -> tuple[int, dict[str, int], frozenset[int]]:
+def _accumulating(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, stage: list[int], stages_of_rank: list[list[int]],
+                  units: dict, outer_units: list[str], in_flight_bytes) -> tuple[int, dict[str, int], frozenset[int]]:
     """A pipeline whose microbatches keep FSDP2's unsharded gradients between them, upcast to fp32
     (torch's FSDPParam.to_accumulated_grad_if_needed; only the last microbatch's backward reduces):
     the rank's backward with the most in flight plus accumulated — its stage-chunks in flight, and
     each accumulating stage's units' fp32 gradients (its layers; the first stage's embedding; the
     last's head and the family's auxiliary units that train). A stage accumulates from its first
     microbatch's backward to its last's (`schedule_order.backward_states`). Also the layers of the
-    accumulating stages."""
-    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    accumulating stages. `stage`, `stages_of_rank`: `layer_stages`'."""
     final = max(max(s) for s in stages_of_rank)
     per_stage: dict[int, int] = {}
     for name, unit in units.items():
@@ -247,10 +250,10 @@ def _accumulating(model, cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, uni
     return chunks, held, frozenset(i for i, s in enumerate(stage) if s in stages)
 
 
-def _rank_layers(model, cfg: JobConfig, degrees: MeshDegrees, pp_rank: int,
+def _rank_layers(stage: list[int], stages_of_rank: list[list[int]], pp_rank: int,
                  num_layers: int) -> tuple[list[int], list[int], bool]:
-    """Pipeline rank `pp_rank`'s stages, their decoder layers, and whether the last stage is among them."""
-    stage, stages_of_rank = layer_stages(model, cfg, degrees)
+    """Pipeline rank `pp_rank`'s stages, their decoder layers, and whether the last stage is among them
+    (`stage`, `stages_of_rank`: `layer_stages`')."""
     mine = stages_of_rank[pp_rank]
     layers = [i for i in range(num_layers) if stage[i] in mine]
     last = max(max(s) for s in stages_of_rank) in mine
