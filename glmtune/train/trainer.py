@@ -463,7 +463,13 @@ class Trainer:
         self._stop_reason = self._stop_reason or signal.Signals(signum).name
 
     def fit(self) -> TrainResult:
-        stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # USR1: Slurm's time-limit warning
+        # USR1: Slurm's time-limit warning. A SIGINT that this process was started with ignored (a
+        # script's `cmd &`, as a shell without job control starts it; Python then installs no handler
+        # either) stays ignored, as before training: a handler here would make the same signal stop
+        # the run in its steps but not while it starts.
+        stop_signals = [signal.SIGTERM, signal.SIGUSR1]
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            stop_signals.append(signal.SIGINT)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals}
         losses: list[float] = []
         val_loss = None

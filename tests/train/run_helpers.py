@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,9 +68,17 @@ def command_in_fork(argv: list[str], run_dir: Path, nproc: int = 1) -> subproces
     return subprocess.CompletedProcess(argv, 0, printed_by_ranks(".out"), printed_by_ranks(".err"))
 
 
+def _as_a_terminal_starts_it() -> None:
+    """In the child before it runs glmtune: SIGINT's default action, as a terminal's foreground job has
+    it. The test process may have been started with SIGINT ignored (a CI runner's shell without job
+    control runs `.ci/run &` so), which a child would inherit, and glmtune keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json") -> subprocess.Popen:
     return subprocess.Popen(train_command(run_dir, cache_dir, *extra, recipe=recipe), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_as_a_terminal_starts_it)
 
 
 def printed(output: str, text: str) -> bool:

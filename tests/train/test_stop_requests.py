@@ -1,6 +1,7 @@
 """Stop requests: SIGUSR1 (Slurm's warning before the time limit) stops like SIGTERM, and so
 does the stop file, which rank 0 removes once the checkpoint is saved. Each finishes the
-step, saves one checkpoint and ends the run as interrupted (exit status 130)."""
+step, saves one checkpoint and ends the run as interrupted (exit status 130). A SIGINT that the
+process was started with ignored is no stop request."""
 
 from __future__ import annotations
 
@@ -39,6 +40,27 @@ def test_sigusr1_finishes_the_step_and_saves(tmp_path):
     assert result.interrupted and result.step == 2 and len(result.losses) == 2
     assert [c.step for c in trainer.checkpoints.complete()] == [2]
     assert signal.getsignal(signal.SIGUSR1) is before  # the handler is the loop's only
+
+
+def test_a_sigint_the_process_was_started_with_ignored_stays_ignored_in_training(tmp_path):
+    """A shell without job control starts `glmtune train ... &` with SIGINT ignored: before training
+    nothing handles it (Python installs no handler), so the loop does not either."""
+    calls = {"n": 0}
+
+    def signalled_in_step_2(model, mb):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return _loss(model, mb)
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=signalled_in_step_2, steps=4)
+        result = trainer.fit()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert not result.interrupted and result.step == 4 and calls["n"] == 4
 
 
 def test_sigusr1_to_a_run_saves_and_exits_130(tmp_path):
