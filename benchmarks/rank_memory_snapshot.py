@@ -81,7 +81,10 @@ def _sites(blocks) -> Counter:
 
 def _at_peak(cfg, rank: int) -> tuple[str, Counter]:
     """The rank's live blocks at its replayed peak, by site, and a header line with both peaks."""
-    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")  # no C++ symbolizing
+    # Python-only stacks fail inside a checkpoint's recomputation on torch 2.11 (an autograd Function's
+    # apply "returned NULL without setting an exception"); C++ frames are symbolized when the snapshot
+    # is taken. Frees keep no stack (context "alloc"): the replay needs only their addresses.
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, context="alloc", stacks="all")
     measure.measure_rank(cfg, degrees_for(cfg), rank, steps=1, warmup=1)
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     peak, blocks = live_at_peak(trace)

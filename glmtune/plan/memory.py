@@ -154,6 +154,9 @@ class _RankStep:
     paired_forward: int = 0
     # layers whose unit holds its gradient accumulated over the microbatches (counted in `held`)
     accumulating_layers: frozenset[int] = frozenset()
+    # a multi-stage schedule: the sharded gradients of the stages done at the planned backward (its
+    # `gathered_root` is what the gathered stages hold then); None otherwise
+    finished_grads: int | None = None
 
 
 def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, state: StateBytes,
@@ -181,11 +184,13 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
         other_chunks, fixed = in_flight_parts(chunks)
         return other_chunks + sum(fixed.values())
 
-    chunks, accumulated, accumulating_layers = in_flight(cfg, degrees, pp_rank), {}, frozenset()
-    if _fp32_between_microbatches(cfg, degrees, precision, fsdp):
+    chunks, accumulated, accumulating_layers, gathered_stages = in_flight(cfg, degrees, pp_rank), {}, frozenset(), None
+    accumulates = _fp32_between_microbatches(cfg, degrees, precision, fsdp)
+    lowered = fsdp and degrees.pp > 1 and cfg.parallel.pp_stages_per_rank > 1  # torch gathers <= 3 stages at once
+    if accumulates or lowered:
         outer = ["embed", "head", *memory.auxiliary_units(step)]
-        chunks, accumulated, accumulating_layers = _accumulating(
-            cfg, degrees, pp_rank, stage, stages_of_rank, units, outer, in_flight_bytes)
+        chunks, accumulated, accumulating_layers, gathered_stages = _backward_state(
+            cfg, degrees, pp_rank, stage, stages_of_rank, units, outer, in_flight_bytes, accumulates, lowered)
     other_chunks, fixed = in_flight_parts(chunks)
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
@@ -194,6 +199,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     # its last microbatch's backward, and the step's first backward finds none (zero_grad frees them).
     accumulating = _accumulation_steps(cfg, degrees) > 1
     gathered_root, kept_layers = _gathered_units(units, degrees, layers, last, memory, step) if fsdp else (0, {})
+    if gathered_stages is not None:  # a multi-stage schedule: the stages torch's lowering keeps gathered then
+        (gathered_root, finished_grads), kept_layers = gathered_stages, {}
     if fsdp:
         static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
@@ -206,7 +213,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
     paired = terms.forward_scratch + sum(terms.transients.values()) if cfg.parallel.pp_ep_overlap else 0
     r = _RankStep(layers, per_layer, kept, other_chunks, units, fsdp, e, static, state.grads, accumulating,
-                  gathered_root, kept_layers, fixed, held, paired, accumulating_layers)
+                  gathered_root, kept_layers, fixed, held, paired, accumulating_layers,
+                  None if gathered_stages is None else finished_grads)
     phases = _forward_phases(r, terms, aux_saved, aux_backward) + _backward_phases(r) + _closing_phases(r)
     peak = max(phases, key=lambda ph: ph.total)
     return MemoryPlan(rank, state, peak, phases, kept)
@@ -223,31 +231,52 @@ def _in_flight_parts(cfg: JobConfig, degrees: MeshDegrees, mine: list[int], last
     return other_chunks, {**terms.fixed, **{k: v * chunks for k, v in terms.per_microbatch.items()}, **boundary}
 
 
-def _accumulating(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, stage: list[int], stages_of_rank: list[list[int]],
-                  units: dict, outer_units: list[str], in_flight_bytes) -> tuple[int, dict[str, int], frozenset[int]]:
-    """A pipeline whose microbatches keep FSDP2's unsharded gradients between them, upcast to fp32
-    (torch's FSDPParam.to_accumulated_grad_if_needed; only the last microbatch's backward reduces):
-    the rank's backward with the most in flight plus accumulated — its stage-chunks in flight, and
-    each accumulating stage's units' fp32 gradients (its layers; the first stage's embedding; the
-    last's head and the family's auxiliary units that train). A stage accumulates from its first
-    microbatch's backward to its last's (`schedule_order.backward_states`). Also the layers of the
-    accumulating stages. `stage`, `stages_of_rank`: `layer_stages`'."""
-    final = max(max(s) for s in stages_of_rank)
+def _per_stage(units: dict, outer_units: list[str], stage: list[int], final: int, size) -> dict[int, int]:
+    """Stage -> the sum of `size(unit)` over its layer units and the outer units it runs (the first
+    stage's embedding; the last's head and the family's auxiliary units that train)."""
     per_stage: dict[int, int] = {}
     for name, unit in units.items():
-        if unit.trainable_gathered and (name.startswith("layer.") or name in outer_units):
+        if name.startswith("layer.") or name in outer_units:
             s = stage_of_unit(name, stage, final)
-            per_stage[s] = per_stage.get(s, 0) + unit.trainable_gathered * F32
+            per_stage[s] = per_stage.get(s, 0) + size(unit)
+    return per_stage
+
+
+def _backward_state(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, stage: list[int],
+                    stages_of_rank: list[list[int]], units: dict, outer_units: list[str], in_flight_bytes,
+                    accumulates: bool, lowered: bool) -> tuple[int, dict[str, int], frozenset[int], tuple | None]:
+    """The rank's pipeline backward that holds the most (`schedule_order.backward_states`): its
+    stage-chunks in flight; with `accumulates` (microbatches keep FSDP2's unsharded gradients between
+    them, upcast to fp32: torch's FSDPParam.to_accumulated_grad_if_needed; only the last microbatch's
+    backward reduces) each accumulating stage's units' fp32 gradients; with `lowered` (a multi-stage
+    schedule under FSDP2) its gathered stages' parameters and the sharded gradients of its stages done
+    with the step's backwards. Returns the chunks, the accumulators' lines, the accumulating stages'
+    layers and, with `lowered`, (gathered bytes, sharded gradient bytes) (else None).
+    `stage`, `stages_of_rank`: `layer_stages`'."""
+    final = max(max(s) for s in stages_of_rank)
+    accumulators = _per_stage(units, outer_units, stage, final, lambda u: u.trainable_gathered * F32) \
+        if accumulates else {}
+    gathered = _per_stage(units, outer_units, stage, final, lambda u: u.gathered) if lowered else {}
+    sharded_grads = _per_stage(units, outer_units, stage, final, lambda u: u.grads) if lowered else {}
     p, microbatches = cfg.parallel, pipeline_microbatches(cfg)
     if p.pp_stages_per_rank > 1:
         states = backward_states(p.pp_schedule, degrees.pp, p.pp_stages_per_rank, microbatches, pp_rank,
                                  whole_backward=p.activation_checkpointing != "none")
     else:  # one stage: its second microbatch's backward on hold it, with no more in flight than at its first
-        states = {(in_flight(cfg, degrees, pp_rank), frozenset(stages_of_rank[pp_rank]))}
-    chunks, stages = max(states, key=lambda st: in_flight_bytes(st[0]) + sum(per_stage.get(s, 0) for s in st[1]))
-    held = {f"stage {s} gradients accumulated over the microbatches (fp32)": per_stage[s]
-            for s in sorted(stages) if per_stage.get(s)}
-    return chunks, held, frozenset(i for i, s in enumerate(stage) if s in stages)
+        mine = frozenset(stages_of_rank[pp_rank])
+        states = {(in_flight(cfg, degrees, pp_rank), mine, mine, frozenset())}
+
+    def held(st) -> int:
+        chunks, accumulating, active, finished = st
+        return (in_flight_bytes(chunks) + sum(accumulators.get(s, 0) for s in accumulating)
+                + sum(gathered.get(s, 0) for s in active) + sum(sharded_grads.get(s, 0) for s in finished))
+
+    chunks, stages, active, finished = max(states, key=held)
+    lines = {f"stage {s} gradients accumulated over the microbatches (fp32)": accumulators[s]
+             for s in sorted(stages) if accumulators.get(s)}
+    return (chunks, lines, frozenset(i for i, s in enumerate(stage) if s in stages),
+            (sum(gathered.get(s, 0) for s in active), sum(sharded_grads.get(s, 0) for s in finished))
+            if lowered else None)
 
 
 def _rank_layers(stage: list[int], stages_of_rank: list[list[int]], pp_rank: int,
@@ -301,10 +330,11 @@ def _backward_phases(r: _RankStep) -> list[Phase]:
             if r.kept_layers else {}  # units whose backward has ended are resharded
         # A unit's sharded gradient is made by its reduce-scatter, after its backward (a pipeline's:
         # after its last microbatch's, once that backward's activations are freed).
-        own_grad = unit.grads if unit and not r.kept_layers else 0
+        own_grad = unit.grads if unit and not (r.kept_layers or r.finished_grads is not None) else 0
         layer = r.per_layer[i]
         parts = {**r.static, **still_gathered,
-                 "gradients": r.grads_all if r.accumulating else done + own_grad, **r.held,
+                 "gradients": r.grads_all if r.accumulating else (
+                     done + own_grad if r.finished_grads is None else r.finished_grads), **r.held,
                  "activations (saved)": below + r.other_chunks, **r.fixed,
                  f"layer {i}: saved + recomputed": r.kept[i] + layer.recomputed,
                  f"layer {i}: backward scratch": layer.backward_scratch,
@@ -312,7 +342,7 @@ def _backward_phases(r: _RankStep) -> list[Phase]:
         if r.paired_forward:
             parts["the paired forward's scratch (pp_ep_overlap)"] = r.paired_forward
         if r.fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
-            parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers),
+            parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers) or r.finished_grads is not None,
                                          i in r.accumulating_layers))
         phases.append(Phase(f"layer {i} backward", parts))
         if unit is not None:
@@ -325,12 +355,15 @@ def _closing_phases(r: _RankStep) -> list[Phase]:
     static = r.static
     if r.kept_layers:  # every layer's backward has ended: only the roots stay gathered
         static = {**static, "gathered parameters (kept)": r.gathered_root}
+    optimizer_static = static
+    if r.finished_grads is not None:  # torch's lowering reshards every stage after the rank's last action
+        optimizer_static = {**static, "gathered parameters (kept)": 0}
     phases = []
     if r.fsdp:  # the root's post-backward: embedding and head gradients unsharded, staged in fp32, reduced
         root = sum(r.units[u].trainable_gathered for u in ("embed", "head") if u in r.units)
         phases.append(Phase("root gradient reduction", {
             **static, "gradients": r.grads_all, "root gradients (unsharded + fp32 staging)": root * (r.e + F32)}))
-    phases.append(Phase("optimizer step", {**static, "gradients": r.grads_all}))
+    phases.append(Phase("optimizer step", {**optimizer_static, "gradients": r.grads_all}))
     return phases
 
 

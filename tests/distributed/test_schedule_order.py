@@ -14,7 +14,7 @@ import contextlib
 import io
 
 import pytest
-from torch.distributed.pipelining import _schedule_visualizer, stage as stage_module
+from torch.distributed.pipelining import _schedule_visualizer, schedules as schedules_module, stage as stage_module
 
 from glmtune.config import load_config
 from glmtune.distributed.schedule_order import ActionCosts, backward_states, chunks_in_flight, idle_fractions
@@ -23,15 +23,19 @@ from glmtune.plan.planner import degrees_for
 
 _STAGE_FORWARD = stage_module._PipelineStageBase.forward_one_chunk
 _STAGE_BACKWARD = stage_module._PipelineStageBase.backward_one_chunk
+_RUNTIME_STEP = schedules_module._PipelineScheduleRuntime._step_microbatches
 SHORT = ["--data.packed_sequence_size", "128", "--train.generate_samples", "0", "--optim.warmup_steps", "0"]
 
 
 def _observed(monkeypatch, schedule: str, pp: int, v: int, microbatches: int, checkpointing: str,
               rank: int) -> tuple[int, set]:
     """The most forwards rank `rank`'s stages held at once, and the distinct (held, stages part-way
-    through their microbatches' backwards) as each backward started, in a replica run."""
-    stages, peak, states, done = [], [0], set(), {}
-    forward, backward = _STAGE_FORWARD, _STAGE_BACKWARD  # torch's own, not an earlier rank's counting ones
+    through their microbatches' backwards, stages gathered, stages done with the step's backwards) as
+    each backward started, in a replica run. Gathered: the stages whose FSDP2 units the running
+    schedule has unsharded or is unsharding (its own record of the UNSHARD and RESHARD actions it ran)."""
+    stages, peak, states, done, runtime = [], [0], set(), {}, []
+    # torch's own, not an earlier rank's counting ones
+    forward, backward, step_microbatches = _STAGE_FORWARD, _STAGE_BACKWARD, _RUNTIME_STEP
 
     def held() -> int:
         return sum(len(s.fwd_cache) + len(s.backward_state) for s in stages)
@@ -44,13 +48,21 @@ def _observed(monkeypatch, schedule: str, pp: int, v: int, microbatches: int, ch
         return out
 
     def counting_backward(self, *args, **kwargs):
-        # measure_rank runs the step more than once: a stage's count restarts every `microbatches` backwards
-        states.add((held(), frozenset(k for k, n in done.items() if n % microbatches)))
+        schedule = runtime[-1]
+        gathered = frozenset(schedule.unsharded_stages) | frozenset(schedule.unshard_ops)
+        states.add((held(), frozenset(k for k, n in done.items() if 1 <= n < microbatches), gathered,
+                    frozenset(k for k, n in done.items() if n == microbatches)))
         done[self.stage_index] = done.get(self.stage_index, 0) + 1
         return backward(self, *args, **kwargs)
 
+    def step(self, *args, **kwargs):  # measure_rank runs the step more than once: the counts restart
+        runtime.append(self)
+        done.clear()
+        return step_microbatches(self, *args, **kwargs)
+
     monkeypatch.setattr(stage_module._PipelineStageBase, "forward_one_chunk", counting_forward)
     monkeypatch.setattr(stage_module._PipelineStageBase, "backward_one_chunk", counting_backward)
+    monkeypatch.setattr(schedules_module._PipelineScheduleRuntime, "_step_microbatches", step)
     cfg = load_config("tiny/sft_support_json", [
         *SHORT, "--parallel.pp", str(pp), "--parallel.pp_schedule", schedule, "--parallel.pp_stages_per_rank", str(v),
         "--parallel.pp_microbatches", str(microbatches), "--train.micro_batch_size", str(microbatches),

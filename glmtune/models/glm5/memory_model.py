@@ -10,9 +10,9 @@ backward's scratch. Beside the layers:
   masks            the allowed-keys mask, bool [q, k], one per micro-batch in flight (each stage's
                    forward builds its own, kept by the checkpointed layers), unless every row is
                    one document no longer than the indexer's top-k
-  stage boundary   with the MTP loss, the next tokens' embeddings [q, D] that cross every pipeline
-                   stage boundary beside the hidden states (plan/memory.py counts torch's receive
-                   buffers and the stages' outputs from them; the hidden states' own: see step_terms)
+  stage boundary   the hidden states [q, D] that cross every pipeline stage boundary, and with the
+                   MTP loss the next tokens' embeddings beside them (plan/memory.py counts torch's
+                   receive buffers and the stages' outputs from them)
   loss             the last stage's final norm and the fused loss's hidden rows and their gradient;
                    the forward's largest scratch is a [2048, V] logits slice in bf16 + fp32, or the
                    indexer's score chunk, whichever is larger
@@ -110,17 +110,14 @@ class Glm5MemoryModel(MemoryModel):
         # Each stage's forward builds its micro-batch's allowed mask [B, S, T]; the checkpointed layers
         # keep it as an input until that micro-batch's backward: one per micro-batch in flight.
         mask = {} if plain_causal else {"attention masks (one per micro-batch in flight)": act.BOOL * q * step.keys}
-        # With the MTP loss the next tokens' embeddings [B, S, D] cross every stage boundary beside the
-        # hidden states (stages.py): their receive buffers and the stages' copies of them are counted.
-        # The hidden states' own buffers are not yet: the first layer's kept input of each chunk in
-        # flight is its receive buffer, but the rest (receive buffers of chunks not in flight, the
-        # output gradients' receive buffers, the stages' outputs: 3.1 GiB on sft_4k's last stage)
-        # would put sft_4k's measured ranks 11-17% under their plan, so a term of about that size is
-        # over-counted there and was not located (docs/plan.md); sft_32k_cp8's ranks would stay within 9%.
+        # The hidden states [B, S, D] cross every stage boundary, and with the MTP loss the next tokens'
+        # embeddings beside them (stages.py): plan/memory.py counts their receive buffers and the
+        # stages' copies of them. A chunk in flight on a non-first stage keeps its received hidden
+        # states as its first layer's input (`received_kept`): the buffer itself, counted once.
         rows = e * q * d
         return StepTerms(fixed={}, loss=loss, forward_scratch=max(logits_slice, indexer_scratch),
                          transients=moe_transients(args, step), head_elements=args.vocab_size * d,
-                         per_microbatch=mask, boundary=(rows,) if step.mtp else ())
+                         per_microbatch=mask, boundary=(rows, rows) if step.mtp else (rows,), received_kept=rows)
 
     def auxiliary(self, args: Glm5Args, step: StepShape, head_grad: int) -> tuple[dict[str, int], dict[str, int]]:
         """The MTP loss's memory on the last stage (module docstring)."""
