@@ -209,6 +209,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     # The fused loss computes the head's weight gradient in forward. Under FSDP2 it stays an unsharded
     # gradient of the root unit until the root reduces, after the embedding's backward.
     held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
+    if last and degrees.pp > 1 and head_grad:  # a last-stage chunk in flight beside another stage's backward
+        held.update(memory.auxiliary_held(args, step, head_grad))
     held.update(accumulated)
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
     paired = terms.forward_scratch + sum(terms.transients.values()) if cfg.parallel.pp_ep_overlap else 0

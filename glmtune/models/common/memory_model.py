@@ -113,6 +113,12 @@ class MemoryModel(ABC):
         None by default."""
         return {}, {}
 
+    def auxiliary_held(self, args: Any, step: StepShape, head_grad: int) -> dict[str, int]:
+        """What each auxiliary loss's forward keeps until its backward beside the main loss's head weight
+        gradient (a pipeline's last-stage chunk in flight holds it through other stages' backwards).
+        None by default."""
+        return {}
+
     def auxiliary_units(self, step: StepShape) -> tuple[str, ...]:
         """FSDP units beyond the decoder layers and the root that the last stage runs (a pipeline
         keeps them gathered)."""

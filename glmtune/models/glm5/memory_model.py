@@ -132,6 +132,13 @@ class Glm5MemoryModel(MemoryModel):
         return saved, {"MTP layer: saved + recomputed": kept + recompute + 2 * rows,
                        "MTP head weight gradient (its fused loss)": head_grad}
 
+    def auxiliary_held(self, args: Glm5Args, step: StepShape, head_grad: int) -> dict[str, int]:
+        """The MTP loss's fused head computes its own [V, D] weight gradient in forward, as the main loss
+        does: on sft_4k's last pipeline rank both are live at the peak (3.54 GiB from the fused loss, 1.77
+        without MTP: docs/plan.md)."""
+        return {"MTP head weight gradient (its fused loss)": head_grad} \
+            if step.mtp and args.num_nextn_predict_layers else {}
+
     def auxiliary_units(self, step: StepShape) -> tuple[str, ...]:
         return ("mtp.0",) if step.mtp else ()
 
