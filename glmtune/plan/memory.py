@@ -23,7 +23,10 @@ allocator's fragmentation are the separate headroom line of the plan):
                   its layers (`StepTerms.per_microbatch`, GLM-5's attention mask); and FSDP2's
                   unsharded fp32 gradients of every stage part-way through its microbatches'
                   backwards (its layers', and the embedding's, head's and auxiliary units' on the
-                  first and last stages), in the rank's backward that holds the most with them
+                  first and last stages); under a schedule of several stages per rank, the
+                  stages gathered then (torch's lowering gathers the next three to compute) and
+                  the sharded gradients of those done — in the rank's backward that holds the
+                  most with them (`_backward_state`)
 
 What depends on the architecture (each layer's saved, recomputed and scratch bytes, the masks,
 the loss rows, the transients such as an all-to-all buffer or a dequantized FP8 weight, the
@@ -39,8 +42,9 @@ microbatches over pp 4); under activation checkpointing the pipeline runs the ze
 schedules' split backwards whole (`pipeline.py`), so a chunk is freed at its input half, else at
 its weight half. Without checkpointing a split backward also keeps, between its halves, the
 gradients at the layers' intermediates, which this plan does not count. A
-stage's units stay gathered from their first forward to their last microbatch's backward, and
-reduce their gradients then: a step's first backward finds no gradient of this step yet
+one-stage schedule's units stay gathered from their first forward to their last microbatch's
+backward (a multi-stage schedule's: while their stage is among the next three to compute), and
+units reduce their gradients after their last microbatch's backward: a step's first backward finds no gradient of this step yet
 (measured on one H200 with `glmtune plan --measure`, 2026-12-03: counting every gradient from
 the first backward put the first stage of recipes/glm5/sft_4k.yaml 14% above its measured peak).
 """
@@ -184,14 +188,14 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
         other_chunks, fixed = in_flight_parts(chunks)
         return other_chunks + sum(fixed.values())
 
-    chunks, accumulated, accumulating_layers, gathered_stages = in_flight(cfg, degrees, pp_rank), {}, frozenset(), None
     accumulates = _fp32_between_microbatches(cfg, degrees, precision, fsdp)
     lowered = fsdp and degrees.pp > 1 and cfg.parallel.pp_stages_per_rank > 1  # torch gathers <= 3 stages at once
+    held_state = _BackwardState(in_flight(cfg, degrees, pp_rank))
     if accumulates or lowered:
         outer = ["embed", "head", *memory.auxiliary_units(step)]
-        chunks, accumulated, accumulating_layers, gathered_stages = _backward_state(
-            cfg, degrees, pp_rank, stage, stages_of_rank, units, outer, in_flight_bytes, accumulates, lowered)
-    other_chunks, fixed = in_flight_parts(chunks)
+        held_state = _backward_state(cfg, degrees, pp_rank, stage, stages_of_rank, units, outer, in_flight_bytes,
+                                     accumulates, lowered)
+    other_chunks, fixed = in_flight_parts(held_state.chunks)
 
     static = {"parameters": state.params, "optimizer state": state.optimizer}
     # Gradients of an earlier micro-batch of the step are held only when the trainer accumulates
@@ -199,8 +203,8 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     # its last microbatch's backward, and the step's first backward finds none (zero_grad frees them).
     accumulating = _accumulation_steps(cfg, degrees) > 1
     gathered_root, kept_layers = _gathered_units(units, degrees, layers, last, memory, step) if fsdp else (0, {})
-    if gathered_stages is not None:  # a multi-stage schedule: the stages torch's lowering keeps gathered then
-        (gathered_root, finished_grads), kept_layers = gathered_stages, {}
+    if held_state.gathered is not None:  # a multi-stage schedule: the stages torch's lowering keeps gathered then
+        gathered_root, kept_layers = held_state.gathered, {}
     if fsdp:
         static["gathered parameters (kept)"] = gathered_root + sum(kept_layers.values())
 
@@ -211,12 +215,12 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     held = {"head weight gradient (from the fused loss)": head_grad} if fsdp or not accumulating else {}
     if last and degrees.pp > 1 and head_grad:  # a last-stage chunk in flight beside another stage's backward
         held.update(memory.auxiliary_held(args, step, head_grad))
-    held.update(accumulated)
+    held.update(held_state.accumulated)
     aux_saved, aux_backward = memory.auxiliary(args, step, head_grad) if last else ({}, {})
     paired = terms.forward_scratch + sum(terms.transients.values()) if cfg.parallel.pp_ep_overlap else 0
     r = _RankStep(layers, per_layer, kept, other_chunks, units, fsdp, e, static, state.grads, accumulating,
-                  gathered_root, kept_layers, fixed, held, paired, accumulating_layers,
-                  None if gathered_stages is None else finished_grads)
+                  gathered_root, kept_layers, fixed, held, paired, held_state.accumulating_layers,
+                  held_state.finished_grads)
     phases = _forward_phases(r, terms, aux_saved, aux_backward) + _backward_phases(r) + _closing_phases(r)
     peak = max(phases, key=lambda ph: ph.total)
     return MemoryPlan(rank, state, peak, phases, kept)
@@ -244,16 +248,26 @@ def _per_stage(units: dict, outer_units: list[str], stage: list[int], final: int
     return per_stage
 
 
+@dataclass
+class _BackwardState:
+    """What a pipeline rank holds at the backward the plan takes (`_backward_state`)."""
+
+    chunks: int  # stage-chunks in flight
+    accumulated: dict[str, int] = field(default_factory=dict)  # each accumulating stage's fp32 accumulators
+    accumulating_layers: frozenset[int] = frozenset()  # the layers of those stages
+    gathered: int | None = None  # a multi-stage schedule: its gathered stages' parameters
+    finished_grads: int | None = None  # a multi-stage schedule: the sharded gradients of its stages done
+
+
 def _backward_state(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, stage: list[int],
                     stages_of_rank: list[list[int]], units: dict, outer_units: list[str], in_flight_bytes,
-                    accumulates: bool, lowered: bool) -> tuple[int, dict[str, int], frozenset[int], tuple | None]:
+                    accumulates: bool, lowered: bool) -> _BackwardState:
     """The rank's pipeline backward that holds the most (`schedule_order.backward_states`): its
     stage-chunks in flight; with `accumulates` (microbatches keep FSDP2's unsharded gradients between
     them, upcast to fp32: torch's FSDPParam.to_accumulated_grad_if_needed; only the last microbatch's
     backward reduces) each accumulating stage's units' fp32 gradients; with `lowered` (a multi-stage
     schedule under FSDP2) its gathered stages' parameters and the sharded gradients of its stages done
-    with the step's backwards. Returns the chunks, the accumulators' lines, the accumulating stages'
-    layers and, with `lowered`, (gathered bytes, sharded gradient bytes) (else None).
+    with the step's backwards.
     `stage`, `stages_of_rank`: `layer_stages`'."""
     final = max(max(s) for s in stages_of_rank)
     accumulators = _per_stage(units, outer_units, stage, final, lambda u: u.trainable_gathered * F32) \
@@ -276,9 +290,11 @@ def _backward_state(cfg: JobConfig, degrees: MeshDegrees, pp_rank: int, stage: l
     chunks, stages, active, finished = max(states, key=held)
     lines = {f"stage {s} gradients accumulated over the microbatches (fp32)": accumulators[s]
              for s in sorted(stages) if accumulators.get(s)}
-    return (chunks, lines, frozenset(i for i, s in enumerate(stage) if s in stages),
-            (sum(gathered.get(s, 0) for s in active), sum(sharded_grads.get(s, 0) for s in finished))
-            if lowered else None)
+    layers = frozenset(i for i, s in enumerate(stage) if s in stages)
+    if not lowered:
+        return _BackwardState(chunks, lines, layers)
+    return _BackwardState(chunks, lines, layers, sum(gathered.get(s, 0) for s in active),
+                          sum(sharded_grads.get(s, 0) for s in finished))
 
 
 def _rank_layers(stage: list[int], stages_of_rank: list[list[int]], pp_rank: int,
@@ -297,7 +313,9 @@ def _gathered_units(units: dict, degrees: MeshDegrees, layers: list[int], last: 
     # The root unit (embedding, final norm, head) stays gathered between forward and backward.
     gathered_root = sum(units[u].gathered for u in ("embed", "head") if u in units)
     kept_layers: dict[int, int] = {}  # layer -> its unit's gathered bytes, kept until its backward ends
-    if degrees.pp > 1:  # stages keep every unit gathered from forward to its last backward
+    # A one-stage schedule keeps every unit gathered from forward to its last backward (a multi-stage
+    # one's lowering gathers three stages at a time: `_backward_state` replaces these then).
+    if degrees.pp > 1:
         kept_layers = {i: units[f"layer.{i}"].gathered for i in layers}
         if last:  # the last stage runs the family's auxiliary units (GLM-5's MTP layer)
             gathered_root += sum(units[u].gathered for u in memory.auxiliary_units(step) if u in units)
@@ -343,7 +361,7 @@ def _backward_phases(r: _RankStep) -> list[Phase]:
                  **layer.transients}
         if r.paired_forward:
             parts["the paired forward's scratch (pp_ep_overlap)"] = r.paired_forward
-        if r.fsdp and unit is not None:  # under a pipeline every unit is kept gathered already
+        if r.fsdp and unit is not None:  # under a pipeline the unit is gathered already (its stage's)
             parts.update(_fsdp_transient(r.units, order, n, r.e, bool(r.kept_layers) or r.finished_grads is not None,
                                          i in r.accumulating_layers))
         phases.append(Phase(f"layer {i} backward", parts))
