@@ -176,7 +176,9 @@ def plan_rank_memory(model, cfg: JobConfig, degrees: MeshDegrees, rank: int, sta
     stage, stages_of_rank = layer_stages(model, cfg, degrees)
     mine, layers, last = _rank_layers(stage, stages_of_rank, pp_rank, spec.architecture.num_layers(args))
     per_layer = {i: memory.layer(args, step, i) for i in layers}
-    kept = {i: per_layer[i].kept for i in layers}
+    # a layer keeps what the previous layer of its stage hands it (`LayerMemory.input_kept`)
+    kept = {i: per_layer[i].kept + (per_layer[i].input_kept if i - 1 in per_layer and stage[i - 1] == stage[i] else 0)
+            for i in layers}
     terms = memory.step_terms(args, step, layers, last)
 
     units = state.units

@@ -42,9 +42,12 @@ MEASURED = [
     ("sft_32k_cp8", 128, EAGER + EXPANDED, 57.54, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
     ("sft_32k_cp8", 128, EAGER + EXPANDED + KL_ON, 59.37, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
     ("sft_32k_cp8", 384, EAGER, 59.92,
-     "docs/benchmarks.md 2026-12-06, 3977d23 on an H100 and 0063038 on an H200: absorbed_triton, MTP 0.3"),
+     "docs/benchmarks.md 2026-12-06, 3977d23 on an H100 and 0063038 on an H200: absorbed_triton, MTP 0.3; "
+     "again 2026-12-07, 51ce575 on an H100: 59.70"),
     ("sft_4k", 192, (), 70.44,
      "docs/benchmarks.md 2026-12-06 (third), on an H100: Triton norms (the default on a GPU since then), MTP 0.3"),
+    ("sft_32k_cp8", 128, EAGER, 52.80,
+     "docs/benchmarks.md 2026-12-07, 51ce575 on an H100 (rank_memory_snapshot --at-peak): absorbed_triton, MTP 0.3"),
 ]
 
 # Earlier measurements of the same ranks, and what changed since (not compared).
