@@ -74,8 +74,8 @@ class LayerMemory:
     backward_scratch: int  # allocated inside its backward beyond `kept + recomputed`
     transients: dict[str, int] = field(default_factory=dict)  # held for a moment during its backward
     # Kept from the previous layer of the same pipeline stage beyond the hidden states, per micro-batch
-    # (GLM-5: the sparse-attention selection a full-indexer layer hands on, which the next checkpointed
-    # layer keeps as an input); nothing at a stage's first layer, which does not receive it.
+    # (GLM-5: the sparse-attention selection a full-indexer layer hands to a shared-indexer layer, which
+    # keeps it as an input); nothing at a stage's first layer (a carried selection is a stage boundary's).
     input_kept: int = 0
 
 

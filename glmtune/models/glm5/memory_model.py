@@ -95,12 +95,13 @@ class Glm5MemoryModel(MemoryModel):
         all_to_all = transients.pop("MoE all-to-all buffer", 0)
         scratch = act.backward_transient(args, step, index, step.compute_bytes, _trainability(step),
                                          step.score_buffer_bytes, all_to_all)
-        # A full-indexer layer hands the next one a new selection, bool [B, S, T] (indexer.py's
-        # dsa_topk_mask), which that checkpointed layer keeps as an input until its backward: 0.69 GiB
-        # on sft_4k rank 64 at its peak (44 of them, 16 MiB each), 128 MiB each at 32K under cp 8.
+        # A shared-indexer layer reads the selection, bool [B, S, T] (indexer.py's dsa_topk_mask), of the
+        # full-indexer layer before it and keeps it as an input until its backward; the shared layers
+        # after it read the same tensor. (Handed to every layer, as it was until 2026-12-07, the
+        # selections held 0.69 GiB on sft_4k rank 64 at its peak and 4.62 on sft_32k_cp8's rank 384.)
         plain_causal = step.one_document and step.seq <= args.index_topk
-        selection = act.BOOL * step.queries * step.keys \
-            if index and args.indexer_types[index - 1] == "full" and not plain_causal else 0
+        reads_new = index and args.indexer_types[index] == "shared" and args.indexer_types[index - 1] == "full"
+        selection = act.BOOL * step.queries * step.keys if reads_new and not plain_causal else 0
         return LayerMemory(kept, recomputed, scratch, transients, selection)
 
     def step_terms(self, args: Glm5Args, step: StepShape, layers: list[int], last: bool) -> StepTerms:
