@@ -6,6 +6,12 @@ the plan of that rank is computed here as `--measure` computes it (`planned_for`
 rows) with the same overrides. `SUPERSEDED` holds the earlier measurements of the same ranks, made
 before a change to the training code that the recorded figure no longer describes: they are kept
 for the record and not compared (the plan describes today's code).
+
+Every sft row was measured before 1d20b6f (2026-12-07), which stopped handing GLM-5's full-indexer
+layers the previous layer's selection: those runs also held one bool [B, S, T] selection per layer and
+micro-batch in flight (0.69 GiB on sft_4k rank 64, 4.62 and 5.38 GiB on sft_32k_cp8 ranks 384 and 128),
+which today's plan leaves out, as today's code does. No GPU came to measure them again that day; their
+rows stay until it does (docs/plan.md).
 """
 
 from __future__ import annotations
