@@ -24,15 +24,21 @@ def test_a_stop_file_present_at_start_stops_after_the_first_step_and_is_removed(
     assert not trainer.s.stop_file.exists()  # a requeued run must not stop at once
 
 
-def test_sigusr1_finishes_the_step_and_saves(tmp_path):
-    calls = {"n": 0}
+def _signalled_in_step_2(signum: int, calls: dict):
+    """A loss function that sends this process `signum` in the second step's micro-batch (`calls["n"]`
+    counts its calls)."""
+    calls["n"] = 0
 
-    def signalled_in_step_2(model, mb):
+    def loss(model, mb):
         calls["n"] += 1
         if calls["n"] == 2:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signum)
         return _loss(model, mb)
+    return loss
 
+
+def test_sigusr1_finishes_the_step_and_saves(tmp_path):
+    signalled_in_step_2 = _signalled_in_step_2(signal.SIGUSR1, {})
     before = signal.getsignal(signal.SIGUSR1)
     trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=signalled_in_step_2, steps=5)
     trainer.s.stop_file = tmp_path / "STOP_REQUESTED"  # absent: only the signal asks
@@ -45,14 +51,8 @@ def test_sigusr1_finishes_the_step_and_saves(tmp_path):
 def test_a_sigint_the_process_was_started_with_ignored_stays_ignored_in_training(tmp_path):
     """A shell without job control starts `glmtune train ... &` with SIGINT ignored: before training
     nothing handles it (Python installs no handler), so the loop does not either."""
-    calls = {"n": 0}
-
-    def signalled_in_step_2(model, mb):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return _loss(model, mb)
-
+    calls: dict = {}
+    signalled_in_step_2 = _signalled_in_step_2(signal.SIGINT, calls)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         trainer = _trainer(tmp_path, micro=2, accum=1, loss_fn=signalled_in_step_2, steps=4)
