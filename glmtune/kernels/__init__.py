@@ -6,6 +6,7 @@ The lowest floor with io/: a kernel imports nothing of glmtune outside kernels/.
   adamw             the AdamW update, one program per parameter tensor
   cross_entropy     cross-entropy of a slice of logits and its gradient, in place
   fp8_blocks        the blockwise FP8 checkpoint format (quantize, dequantize)
+  fp8_grouped_gemm  the routed experts' FP8-weight grouped GEMM, tiles dequantized in registers
   fp8_matmul        products with a frozen FP8 weight, dense and routed experts
   grouped_gemm      the grouped GEMM over rows grouped by expert (`grouped_linear`)
   indexer_scores    the DSA indexer's scores, fused

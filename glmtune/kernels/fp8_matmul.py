@@ -15,9 +15,16 @@ Dense backends (`linear_fp8`):
               1 x 128, W per 128 x 128; the input gradient through an FP8 transposed copy of
               W); dims that are not multiples of 128 take the dequant path.
 
-Routed experts (`grouped_linear_fp8`): the layer's stacked weight dequantized into a
-transient in the activations' dtype and the grouped bf16 GEMM (`grouped_gemm.py`; torch
-2.11 has no blockwise-scaled grouped GEMM); the backward dequantizes again.
+Routed experts (`grouped_linear_fp8`, `GROUPED_BACKENDS`; the forward and the input gradient
+go through the same one):
+  dequant     the layer's stacked weight dequantized into a transient in the activations'
+              dtype and the grouped bf16 GEMM (`grouped_gemm.py`; torch 2.11 has no
+              blockwise-scaled grouped GEMM); the backward dequantizes again. The reference,
+              and the default.
+  triton      a grouped GEMM that reads the e4m3 weight and dequantizes each tile in registers
+              (`fp8_grouped_gemm.py`): the same operands, no transient; widths that are not
+              multiples of 128 take the dequant path.
+  auto        triton for CUDA tensors where it can run, else dequant.
 
 Legend: M rows, I input width, O output width, E experts.
 """
@@ -30,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from glmtune.kernels import fp8_blocks
+from glmtune.kernels import fp8_blocks, fp8_grouped_gemm
 from glmtune.kernels.grouped_gemm import grouped_linear
 from glmtune.kernels.moe_combine import _interpreting
 
@@ -41,6 +48,7 @@ except ImportError:
     triton = None
 
 BACKENDS = ("dequant", "emulated", "scaled_mm")
+GROUPED_BACKENDS = ("auto", "dequant", "triton")
 
 
 def _scaled_mm_usable(w_q: torch.Tensor) -> bool:
@@ -167,44 +175,64 @@ def linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, backen
     return y.view(*x.shape[:-1], w_q.shape[0])
 
 
+def resolve_grouped_backend(backend: str, x_NI: torch.Tensor, w_q: torch.Tensor) -> str:
+    """The routed experts' backend for this call: "dequant" or "triton" (see the module docstring).
+    "auto" is triton for CUDA tensors where the kernel can take the weight, else dequant; an explicit
+    "triton" falls back to dequant for widths that are not multiples of 128 and is a ValueError
+    without triton or a CUDA device."""
+    if backend not in GROUPED_BACKENDS:
+        raise ValueError(f"fp8 grouped matmul backend {backend!r} unknown; choose from {GROUPED_BACKENDS}")
+    if backend == "triton" and not fp8_grouped_gemm.runs_on(x_NI.device):
+        raise ValueError("fp8 grouped matmul backend 'triton' needs triton and a CUDA device")
+    if backend == "dequant" or not fp8_grouped_gemm.usable(x_NI, w_q):
+        return "dequant"
+    return "triton" if backend == "triton" or x_NI.is_cuda else "dequant"
+
+
 @torch.library.custom_op("glmtune::grouped_linear_fp8", mutates_args=())
 def _grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                        offsets_E: torch.Tensor) -> torch.Tensor:
+                        offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return fp8_grouped_gemm.fp8_grouped_linear(x_NI, w_q, w_scale, offsets_E)
     return grouped_linear(x_NI, dequantize_fast(w_q, w_scale, x_NI.dtype), offsets_E, "grouped_mm")
 
 
 @_grouped_linear_fp8.register_fake
-def _(x_NI, w_q, w_scale, offsets_E):
+def _(x_NI, w_q, w_scale, offsets_E, backend):
     return x_NI.new_empty(x_NI.shape[0], w_q.shape[1])
 
 
 @torch.library.custom_op("glmtune::grouped_linear_fp8_input_grad", mutates_args=())
 def _grouped_linear_fp8_input_grad(grad_NO: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                                   offsets_E: torch.Tensor) -> torch.Tensor:
+                                   offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return fp8_grouped_gemm.fp8_grouped_input_grad(grad_NO, w_q, w_scale, offsets_E)
     w = dequantize_fast(w_q, w_scale, grad_NO.dtype)
     return grouped_linear(grad_NO.contiguous(), w.transpose(1, 2), offsets_E, "grouped_mm")
 
 
 @_grouped_linear_fp8_input_grad.register_fake
-def _(grad_NO, w_q, w_scale, offsets_E):
+def _(grad_NO, w_q, w_scale, offsets_E, backend):
     return grad_NO.new_empty(grad_NO.shape[0], w_q.shape[2])
 
 
 def _grouped_setup(ctx, inputs, output):
-    _, w_q, w_scale, offsets_E = inputs
+    _, w_q, w_scale, offsets_E, backend = inputs
     ctx.save_for_backward(w_q, w_scale, offsets_E)
+    ctx.backend = backend
 
 
 def _grouped_grad(ctx, grad_NO):
     w_q, w_scale, offsets_E = ctx.saved_tensors
-    return _grouped_linear_fp8_input_grad(grad_NO, w_q, w_scale, offsets_E), None, None, None
+    return _grouped_linear_fp8_input_grad(grad_NO, w_q, w_scale, offsets_E, ctx.backend), None, None, None, None
 
 
 _grouped_linear_fp8.register_autograd(_grouped_grad, setup_context=_grouped_setup)
 
 
 def grouped_linear_fp8(x_NI: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                       offsets_E: torch.Tensor) -> torch.Tensor:
-    """y[n] = x[n] @ W[e(n)]^T for a frozen stacked e4m3 W [E, O, I] (rows grouped by expert)."""
+                       offsets_E: torch.Tensor, backend: str = "dequant") -> torch.Tensor:
+    """y[n] = x[n] @ W[e(n)]^T for a frozen stacked e4m3 W [E, O, I] (rows grouped by expert);
+    `backend` one of GROUPED_BACKENDS, its input gradient through the same backend."""
     assert not w_q.requires_grad and fp8_blocks.is_fp8(w_q), "grouped_linear_fp8 takes a frozen FP8 weight"
-    return _grouped_linear_fp8(x_NI, w_q, w_scale, offsets_E)
+    return _grouped_linear_fp8(x_NI, w_q, w_scale, offsets_E, resolve_grouped_backend(backend, x_NI, w_q))
