@@ -124,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="start N processes on this host with torchrun, each loading its shards")
     sharding.add_argument("--parallel.ep", dest="ep", type=int, metavar="EP",
                           help="expert-parallel degree (default: the base run's parallel.ep, else 1)")
-    sharding.add_argument("--model.fp8_base", dest="fp8_base", choices=("none", "dequant"),
+    sharding.add_argument("--model.fp8_base", dest="fp8_base", choices=("none", "dequant", "triton"),
                           help="keep the models' weights in FP8 as a LoRA run keeps its frozen base")
     parser.set_defaults(func=_run)
 

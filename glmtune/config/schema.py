@@ -50,8 +50,10 @@ class ModelConfig:
     attention_score_buffer_mib: int = 1024
     # keep the frozen base in FP8 (e4m3, 128x128 block scales, as GLM-5's FP8 checkpoints store it; LoRA
     # only, an HF directory): dequant = each layer's weight dequantized into a
-    # transient for a bf16 GEMM (docs/benchmarks.md); none = FP8 checkpoints are dequantized on load
-    fp8_base: Literal["none", "dequant"] = "none"
+    # transient for a bf16 GEMM (docs/benchmarks.md); triton = GEMMs that read the e4m3 weight and
+    # dequantize each tile on chip, the same operands (CUDA; widths not multiples of 128 dequantize);
+    # none = FP8 checkpoints are dequantized on load
+    fp8_base: Literal["none", "dequant", "triton"] = "none"
     # train the DSA indexers (the MTP layer's included) with their KL loss (train.indexer_loss_weight > 0);
     # false: frozen, as transformers and the released checkpoints leave them (docs/auxiliary-losses.md)
     indexer_trainable: bool = False

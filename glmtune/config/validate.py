@@ -437,6 +437,8 @@ def fp8_base_errors(cfg: JobConfig) -> list[str]:
     key, errors = f"model.fp8_base: {cfg.model.fp8_base}", []
     if cfg.peft.method != "lora":
         errors.append(f"{key} needs peft.method: lora (an FP8 base is frozen: only adapters train on it)")
+    if cfg.model.fp8_base == "triton" and cfg.train.device == "cpu":
+        errors.append(f"{key} runs Triton kernels on a CUDA GPU, not train.device: cpu; use dequant there")
     # On a preset it is refused by the model registry (`ModelDims.refusals`): config/ knows no preset.
     return errors
 
@@ -474,7 +476,8 @@ def norm_backend_errors(cfg: JobConfig) -> list[str]:
 
 def device_errors(cfg: JobConfig, device_type: str) -> list[str]:
     """What the device `train.device` resolved to cannot run ("auto" finds a GPU or not only when the
-    job starts; `absorbed_attention_errors` and `norm_backend_errors` refuse an explicit cpu). Called
+    job starts; `absorbed_attention_errors`, `norm_backend_errors` and `fp8_base_errors` refuse an explicit
+    cpu). Called
     before the model is built."""
     errors = []
     if cfg.model.attention_backend == "absorbed_triton" and device_type != "cuda":
@@ -484,6 +487,9 @@ def device_errors(cfg: JobConfig, device_type: str) -> list[str]:
     if cfg.model.norm_backend == "triton" and device_type != "cuda":
         errors.append(f"model.norm_backend: triton runs Triton kernels on a CUDA GPU, and train.device: "
                       f"{cfg.train.device} found none here (it runs on {device_type}); use torch")
+    if cfg.model.fp8_base == "triton" and device_type != "cuda":
+        errors.append(f"model.fp8_base: triton runs Triton kernels on a CUDA GPU, and train.device: "
+                      f"{cfg.train.device} found none here (it runs on {device_type}); use dequant")
     return errors
 
 

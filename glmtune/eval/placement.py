@@ -72,6 +72,9 @@ class Placement:
         check_device(device, sharded=False, command="eval")
         torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                     "cpu" if device == "auto" else device)
+        if fp8_base == "triton" and torch_device.type != "cuda":
+            raise ValueError(f"--model.fp8_base triton runs Triton kernels on a CUDA GPU, and this evaluation runs "
+                             f"on {torch_device.type}: pass --model.fp8_base dequant")
         return cls(torch_device, dtype, fp8_base=fp8_base)
 
     @property

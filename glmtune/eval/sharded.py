@@ -66,6 +66,9 @@ def load_sharded_model(model: ModelSource, layout: ShardedLayout, lockstep: Lock
     """`model` built on meta, its adapter applied, parallelized and loaded: this rank's shards only."""
     assert not model.merged, "a merged candidate is refused before anything loads (evaluate.check_sharded)"
     spec = model.spec
+    if layout.fp8_base == "triton" and device.type != "cuda":
+        raise ValueError(f"model.fp8_base: triton (--model.fp8_base, or the candidate run's recipe) runs Triton "
+                         f"kernels on a CUDA GPU, and this rank runs on {device.type}: pass --model.fp8_base dequant")
     model_cfg = ModelConfig(name_or_path=str(model.weights_dir), fp8_base=layout.fp8_base, family=model.family)
     net, _ = spec.weights.build_from_config(model_cfg, dtype or checkpoint_dtype(model.weights_dir), "meta")
     applied = apply_adapter(net, model.adapter_dir) if model.adapter_dir is not None else None

@@ -14,6 +14,10 @@ Dense backends (`linear_fp8`):
   scaled_mm   blockwise-scaled FP8 GEMMs on the GPU (`torch.nn.functional.scaled_mm`, x per
               1 x 128, W per 128 x 128; the input gradient through an FP8 transposed copy of
               W); dims that are not multiples of 128 take the dequant path.
+  triton      the W8A16 kernel of the routed experts (`fp8_grouped_gemm.py`) over one group:
+              the e4m3 weight read as it is and each tile dequantized on chip, the dequant
+              path's operands; dims that are not multiples of 128 (and CPU tensors) take the
+              dequant path.
 
 Routed experts (`grouped_linear_fp8`, `GROUPED_BACKENDS`; the forward and the input gradient
 go through the same one):
@@ -47,7 +51,7 @@ try:
 except ImportError:
     triton = None
 
-BACKENDS = ("dequant", "emulated", "scaled_mm")
+BACKENDS = ("dequant", "emulated", "scaled_mm", "triton")
 GROUPED_BACKENDS = ("auto", "dequant", "triton")
 
 
@@ -111,7 +115,16 @@ def dequantize_fast(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
     return out
 
 
+def _one_group(x_MK: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor | None:
+    """offsets [M] of a dense product on the W8A16 kernel (one group), or None where it cannot run."""
+    if not fp8_grouped_gemm.usable(x_MK, w_q[None]):
+        return None
+    return torch.full((1,), x_MK.shape[0], dtype=torch.int64, device=x_MK.device)
+
+
 def _forward(x_MI, w_q, w_scale, backend):
+    if backend == "triton" and (offsets := _one_group(x_MI, w_q)) is not None:
+        return fp8_grouped_gemm.fp8_grouped_linear(x_MI, w_q[None], w_scale[None], offsets)
     if backend == "scaled_mm" and _scaled_mm_usable(w_q):
         return _fp8_gemm(x_MI, w_q, w_scale)
     if backend == "emulated":
@@ -120,6 +133,8 @@ def _forward(x_MI, w_q, w_scale, backend):
 
 
 def _input_grad(grad_MO, w_q, w_scale, backend):
+    if backend == "triton" and (offsets := _one_group(grad_MO, w_q)) is not None:
+        return fp8_grouped_gemm.fp8_grouped_input_grad(grad_MO, w_q[None], w_scale[None], offsets)
     if backend == "scaled_mm" and _scaled_mm_usable(w_q):
         # dx = dy W: W as the [I, O] right operand in row-major e4m3, its block scales transposed.
         return _fp8_gemm(grad_MO, w_q.t().contiguous(), w_scale.t())

@@ -368,10 +368,13 @@ def experts_lora_class(folds: bool) -> type[LoRAGroupedExperts]:
 
 
 def _share_fp8_scales(source: nn.Module, target: nn.Module) -> None:
-    """A frozen FP8 base's block scales (`<weight>_scale_inv`) go with its weights."""
+    """A frozen FP8 base's block scales (`<weight>_scale_inv`) go with its weights, and so does the
+    backend that computes its products (`fp8_backend`, `model.fp8_base`)."""
     for name, param in source.named_parameters(recurse=False):
         if name.endswith("_scale_inv"):
             target.register_parameter(name, param)
+    if getattr(source, "fp8_backend", None) is not None:
+        target.fp8_backend = source.fp8_backend
 
 
 def _short(proj: str) -> str:

@@ -133,7 +133,7 @@ def step_shape(cfg: JobConfig, degrees: MeshDegrees, one_document: bool = True) 
                      p.ac_keep_matmul_min_k, cfg.model.attention_score_buffer_mib << 20,
                      cfg.model.fp8_base != "none", cfg.train.mtp_loss_weight > 0,
                      cfg.model.attention_backend in ("absorbed", "absorbed_triton"), fused_norms(cfg),
-                     kept_row_exchanges(p.ep_keep_exchanges))
+                     kept_row_exchanges(p.ep_keep_exchanges), cfg.model.fp8_base == "triton")
 
 
 @dataclass

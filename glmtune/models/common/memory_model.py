@@ -53,6 +53,7 @@ class StepShape:
     absorbed_attention: bool = False  # MLA's absorbed form over the selected keys (attention_backend absorbed*)
     fused_norms: bool = False  # model.norm_backend: triton (each norm keeps its input and 1/rms)
     kept_exchanges: int = 0  # parallel.ep_keep_exchanges: expert all-to-alls whose rows full AC keeps (0-2)
+    fp8_in_gemm: bool = False  # model.fp8_base: triton: the GEMMs read the e4m3 weight (no dequantized copy)
 
     @property
     def queries(self) -> int:

@@ -101,6 +101,7 @@ def convert_to_fp8_base(model: nn.Module, backend: str = "dequant", errors: list
         if isinstance(module, GroupedExperts):
             if getattr(module, "gate_up_proj_scale_inv", None) is None:
                 _quantize_experts(module, errors)
+            module.fp8_backend = backend
         else:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module, backend, errors))

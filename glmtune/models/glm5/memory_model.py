@@ -71,7 +71,7 @@ def kept_exchange_rows(args: Glm5Args, step: StepShape, index: int) -> int:
 
 def moe_transients(args: Glm5Args, step: StepShape) -> dict[str, int]:
     """What an MoE layer holds for a moment: EP's send buffer, an FP8 projection dequantized."""
-    if step.fp8_base:  # each FP8 projection is dequantized into a transient bf16 weight
+    if step.fp8_base and not step.fp8_in_gemm:  # each FP8 projection is dequantized into a transient bf16 weight
         local_experts = args.n_routed_experts // step.ep
         dequantized = {"FP8 weight dequantized (largest projection)":
                        2 * local_experts * 2 * args.moe_intermediate_size * args.hidden_size}

@@ -100,6 +100,7 @@ class GroupedExperts(nn.Module):
         if backend not in MOE_BACKENDS:
             raise ValueError(f"moe backend {backend!r} unknown; choose from {MOE_BACKENDS}")
         self.backend = backend
+        self.fp8_backend: str | None = None  # set with the FP8 base (`fp8_base.convert_to_fp8_base`)
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -108,8 +109,9 @@ class GroupedExperts(nn.Module):
         """x through the stacked projection `proj`; a frozen FP8 base (`glmtune/models/glm5/
         fp8_base.py`) carries its block scales as `<proj>_scale_inv`."""
         scale = getattr(self, f"{proj}_scale_inv", None)
-        if scale is not None:
-            return grouped_linear_fp8(x_NX, getattr(self, proj), scale, offsets_E)
+        if scale is not None:  # the W8A16 kernel under `fp8_base: triton`, else dequantized (the reference)
+            backend = "triton" if getattr(self, "fp8_backend", None) == "triton" else "dequant"
+            return grouped_linear_fp8(x_NX, getattr(self, proj), scale, offsets_E, backend)
         return grouped_linear(x_NX, getattr(self, proj), offsets_E, self.backend)
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
