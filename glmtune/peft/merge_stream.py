@@ -82,7 +82,7 @@ def stream_merge(base_dir: Path, out_dir: str | Path, dtype: torch.dtype,
     checkpoints are stored (`ModelSpec.hf_format`: config.json, HF names, the model on meta) and,
     with `fp8`, which weights its FP8 base holds in e4m3 (`convert_to_fp8_base` on the meta model).
 
-    Returns, with `fp8`, each re-quantized weight's (squared error, squared norm) in fp64, as
+    Returns, with `fp8`, each re-quantized weight's (squared error, squared norm), as
     `convert_to_fp8_base(errors=)` gives them for the merged model; otherwise [].
     """
     _return_freed_memory()
@@ -203,7 +203,8 @@ class _Merger:
         merged = self._merged(unit)
         results = {key: merged}
         if is_fp8(self.out_state[key]):
-            results[key], results[key + SCALE_SUFFIX], (unit_error, unit_norm) = _quantized(merged)
+            results[key], results[key + SCALE_SUFFIX], (unit_error, unit_norm) = \
+                fp8_blocks.quantize_weight_with_error(merged)
             error, norm = self.errors.get(key, (0.0, 0.0))
             self.errors[key] = (error + unit_error, norm + unit_norm)
         out = {}
@@ -236,15 +237,6 @@ class _Merger:
         scale_key = fp8_scale_key(self.files, file, hf_key)
         scale = read_tensor(open_shard(self.files[scale_key]), self.files[scale_key], scale_key)
         return dequantize_fp8_block(tensor, scale, torch.float32)
-
-
-@torch.no_grad()
-def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
-    """(e4m3 weight, fp32 block scales, (squared error, squared norm) in fp64): the FP8 layout the
-    checkpoint stores (128 x 128 blocks, checkpoint/fp8_layout.py), as `convert_to_fp8_base` quantizes."""
-    q, scale = fp8_blocks.quantize_weight(weight)
-    back = fp8_blocks.dequantize(q, scale, torch.float64)
-    return q, scale, ((back - weight.double()).square().sum().item(), weight.double().square().sum().item())
 
 
 def _write_shards(tmp: Path, shards: list[list[tuple[str, torch.dtype]]], merger: _Merger) -> tuple[dict, int]:

@@ -35,6 +35,20 @@ def test_quantize_weight_round_trips_within_e4m3_precision(shape):
         assert torch.equal(dequantize_fp8_block(q, scale, torch.float32), back)
 
 
+@pytest.mark.parametrize("shape", [(256, 384), (200, 130), (3, 136, 256)])
+def test_quantize_with_error_is_quantize_weight_and_its_fp64_error(shape):
+    """The same e4m3 weight and scales, bit for bit; the squared error and norm those of a float64
+    computation to 1e-5 (each square's sum in fp32 terms: far inside the 3 digits reported)."""
+    w = _rand(*shape, scale=0.02).to(torch.bfloat16)
+    q, scale = fp8_blocks.quantize_weight(w)
+    q2, scale2, (error, norm) = fp8_blocks.quantize_weight_with_error(w)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
+    back = fp8_blocks.dequantize(q, scale, torch.float64)
+    assert error == pytest.approx((back - w.double()).square().sum().item(), rel=1e-5)
+    assert norm == pytest.approx(w.double().square().sum().item(), rel=1e-5)
+    assert 0 < error < 1e-2 * norm
+
+
 def test_dequantize_names_a_wrong_scale_shape():
     q, scale = fp8_blocks.quantize_weight(_rand(256, 256))
     with pytest.raises(ValueError, match=r"weight_scale_inv shape \(2, 1\) does not match weight \(256, 256\)"):

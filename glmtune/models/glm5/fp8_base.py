@@ -59,11 +59,11 @@ class Fp8Linear(nn.Linear):
 
 @torch.no_grad()
 def _quantize(weight: torch.Tensor, errors: list | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_weight`, adding (squared error, squared norm) in fp64 to `errors` when given."""
-    q, scale = fp8_blocks.quantize_weight(weight)
-    if errors is not None:
-        back = fp8_blocks.dequantize(q, scale, torch.float64)
-        errors.append(((back - weight.double()).square().sum().item(), weight.double().square().sum().item()))
+    """`quantize_weight`, adding (squared error, squared norm) to `errors` when given."""
+    if errors is None:
+        return fp8_blocks.quantize_weight(weight)
+    q, scale, squares = fp8_blocks.quantize_weight_with_error(weight)
+    errors.append(squares)
     return q, scale
 
 
