@@ -39,20 +39,27 @@ class Done:
         return ReferenceRun(run_dir, self.out / "work" / "reference.log", status=0, records=read_records(run_dir))
 
 
-def _preflight(out: Path, recipe: Path, *args: str) -> Done:
-    status = main(["preflight", str(recipe), "--out", str(out), *args])
+def _preflight(shared, name: str, recipe: Path) -> Done:
+    """`glmtune preflight` of `recipe` once per test session, whichever xdist worker asks first
+    (`shared_results`): the others read its directory, exit status and report."""
+    def build(root: Path) -> None:
+        status = main(["preflight", str(recipe), "--out", str(root / "out")])
+        (root / "status").write_text(str(status))
+
+    root = shared.get(f"preflight-{name}", build)
+    out = root / "out"
     report = json.loads((out / "preflight.json").read_text()) if (out / "preflight.json").is_file() else {}
-    return Done(out, status, report)
+    return Done(out, int((root / "status").read_text()), report)
 
 
 @pytest.fixture(scope="session")
-def sft_done(tmp_path_factory) -> Done:
-    return _preflight(tmp_path_factory.mktemp("preflight") / "sft", SFT)
+def sft_done(shared_results) -> Done:
+    return _preflight(shared_results, "sft", SFT)
 
 
 @pytest.fixture(scope="session")
-def lora_done(tmp_path_factory) -> Done:
-    return _preflight(tmp_path_factory.mktemp("preflight") / "lora", LORA)
+def lora_done(shared_results) -> Done:
+    return _preflight(shared_results, "lora", LORA)
 
 
 @pytest.fixture
