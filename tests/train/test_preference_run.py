@@ -126,7 +126,7 @@ def test_adapters_disabled_is_the_model_before_lora():
 
 def _run_losses(tmp_path, name, *extra):
     result = run_in_fork(tmp_path / name, tmp_path / "cache", "--train.max_steps", "3", "--model.name_or_path",
-                         "tiny", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "1024",
+                         "tiny", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "512",
                          "--train.val_every", "3", "--train.val_steps", "2", "--dpo.sft_weight", "0.3", *extra,
                          recipe=RECIPE)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -154,10 +154,10 @@ def test_a_lora_run_logs_pairs_and_its_step_is_the_same_however_the_rows_are_spl
     assert "preference accuracy" in out and "preference pairs" in out
 
 
-# The reference pass scores every row once before training: 40 pairs (19 rows of 1024 tokens, the
+# The reference pass scores every row once before training: 40 pairs (30 rows of 512 tokens, the
 # four steps' 16 among them) keep it short.
 FULL = ["--model.name_or_path", "tiny", "--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64",
-        "--data.packed_sequence_size", "1024", "--data.synthetic.rows", "40", "--train.max_steps", "4"]
+        "--data.packed_sequence_size", "512", "--data.synthetic.rows", "40", "--train.max_steps", "4"]
 
 
 def test_full_fine_tuning_reference_is_cached_and_a_killed_run_resumes_without_recomputing_it(tmp_path):
