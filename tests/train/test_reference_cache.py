@@ -120,7 +120,7 @@ def test_a_cache_file_that_is_not_what_save_writes_is_one_sentence(tmp_path, cas
 
 # test_preference_run.py's full fine-tuning flags (the recipe's LoRA rank and alpha put back to their
 # defaults, which a full fine-tune must leave), few rows, one step, no checkpoint.
-FULL = ["--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64", "--data.packed_sequence_size", "1024",
+FULL = ["--peft.method", "none", "--peft.rank", "32", "--peft.alpha", "64", "--data.packed_sequence_size", "512",
         "--data.synthetic.rows", "40", "--train.max_steps", "1", "--optim.warmup_steps", "0",
         "--checkpoint.every_steps", "0"]
 
@@ -140,6 +140,6 @@ def test_a_second_run_on_a_swapped_base_computes_its_own_reference(tmp_path):
     _swap_keeping_size_and_times(base / "model.safetensors", other / "model.safetensors")
     second = run_in_fork(tmp_path / "second", cache, *flags, recipe="tiny/dpo_support_json")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
-    assert losses(tmp_path / "second")[1] == pytest.approx(math.log(2), abs=1e-6)  # 0.7137 when reused
+    assert losses(tmp_path / "second")[1] == pytest.approx(math.log(2), abs=1e-6)  # 0.7137 when reused (rows of 1024)
     assert "computed from the starting weights" in second.stdout.replace("\n", "")
     assert len(list((cache / "reference_logps").glob("*.safetensors"))) == 2
