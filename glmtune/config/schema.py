@@ -51,7 +51,8 @@ class ModelConfig:
     # keep the frozen base in FP8 (e4m3, 128x128 block scales, as GLM-5's FP8 checkpoints store it; LoRA
     # only, an HF directory): dequant = each layer's weight dequantized into a
     # transient for a bf16 GEMM (docs/benchmarks.md); triton = GEMMs that read the e4m3 weight and
-    # dequantize each tile on chip, the same operands (CUDA; widths not multiples of 128 dequantize);
+    # dequantize each tile on chip, the same operands (CUDA; widths not multiples of 128 dequantize;
+    # faster below ~400 rows per expert, slower above: docs/lora.md);
     # none = FP8 checkpoints are dequantized on load
     fp8_base: Literal["none", "dequant", "triton"] = "none"
     # train the DSA indexers (the MTP layer's included) with their KL loss (train.indexer_loss_weight > 0);
