@@ -25,7 +25,7 @@ import pytest
 
 from glmtune.cli import main
 from glmtune.distributed.slurm import STOP_FILE, time_limit_seconds, write_script
-from tests.train.run_helpers import SMALL, env, losses, run
+from tests.train.run_helpers import SMALL, env, losses, run_in_fork
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -228,7 +228,7 @@ def test_the_script_under_stand_in_slurm_stops_requeues_and_resumes_exactly(tmp_
     cache, run_dir, record = tmp_path / "cache", tmp_path / "run", tmp_path / "slurm-calls.log"
     steps = ["--train.max_steps", "10", "--checkpoint.every_steps", "0", "--train.global_batch_size", "8",
              "--train.device", "cpu"]  # 4 ranks x micro-batch 2
-    single = run(tmp_path / "single", cache, *steps)
+    single = run_in_fork(tmp_path / "single", cache, *steps)  # the reference: one process, forked warm
     assert single.returncode == 0, single.stdout + single.stderr
     expected = losses(tmp_path / "single")
 
