@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import stat
@@ -177,10 +178,24 @@ esac
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range (net.ipv4.ip_local_port_range). The script's three
+    starts reuse its port over minutes while the other xdist worker's tests open connections from
+    ephemeral ports, any of which may be the one a bind to port 0 handed out: in a CI run the third
+    start's agents timed out connecting to a store that never came up there. Below the range only an
+    explicit bind can take it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.is_file() else 32768
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        port = rng.randrange(20000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in 20000-{low}")
 
 
 def _metric_lines(run_dir: Path) -> int:
@@ -233,7 +248,7 @@ def test_the_script_under_stand_in_slurm_stops_requeues_and_resumes_exactly(tmp_
     expected = losses(tmp_path / "single")
 
     text = _dry_run(capsys, "tiny/sft_support_json", "--nodes", "2", "--gpus-per-node", "2",
-                    "--rdzv-port", str(_free_port()), *SMALL, *steps, "--parallel.dp_shard", "4",
+                    "--rdzv-port", str(_rendezvous_port()), *SMALL, *steps, "--parallel.dp_shard", "4",
                     "--logging.progress", "true", "--logging.run_dir", str(run_dir), "--data.cache_dir", str(cache))
     script = tmp_path / "job.sh"
     script.write_text(text)
