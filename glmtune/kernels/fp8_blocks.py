@@ -57,13 +57,24 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
     return blocks.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].to(dtype)
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, fp32 scale_inv) per 128 x 128 block of the last two dims."""
-    *lead, rows, cols = weight.shape
+def _quantized_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the weight's fp32 blocks [..., R/128, 128, C/128, 128] zero-padded, their scale_inv [..., R/128,
+    C/128], the e4m3 blocks): each block's absmax / 448 (module docstring)."""
     blocks = _padded_blocks(weight.float())
     scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_TINY) / E4M3_MAX
-    q = (blocks / scale[..., :, None, :, None]).to(E4M3)
-    return q.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous(), scale
+    return blocks, scale, (blocks / scale[..., :, None, :, None]).to(E4M3)
+
+
+def _unpadded(q_blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Blocks back to the weight's [..., R, C] layout, the padding dropped."""
+    rows, cols = shape[-2:]
+    return q_blocks.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous()
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale_inv) per 128 x 128 block of the last two dims."""
+    _, scale, q = _quantized_blocks(weight)
+    return _unpadded(q, weight.shape), scale
 
 
 def quantize_weight_with_error(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
@@ -71,14 +82,10 @@ def quantize_weight_with_error(weight: torch.Tensor) -> tuple[torch.Tensor, torc
     re-quantizing a merged model reports. The error is taken in fp32 from the blocks quantized (q *
     scale_inv - w, the fp32 product `dequantize` rounds once), its square summed by `vector_norm`: a
     statistic of a few significant digits, computed without fp64 copies of the weight (3x faster)."""
-    *lead, rows, cols = weight.shape
-    blocks = _padded_blocks(weight.float())  # zero padding: quantized to 0, no error
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_TINY) / E4M3_MAX
-    scale_blocks = scale[..., :, None, :, None]
-    q = (blocks / scale_blocks).to(E4M3)
-    error = torch.addcmul(blocks, q.float(), scale_blocks, value=-1.0)
+    blocks, scale, q = _quantized_blocks(weight)  # zero padding: quantized to 0, no error
+    error = torch.addcmul(blocks, q.float(), scale[..., :, None, :, None], value=-1.0)
     squares = (torch.linalg.vector_norm(error).item() ** 2, torch.linalg.vector_norm(blocks).item() ** 2)
-    return q.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous(), scale, squares
+    return _unpadded(q, weight.shape), scale, squares
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
