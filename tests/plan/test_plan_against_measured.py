@@ -7,11 +7,14 @@ rows) with the same overrides. `SUPERSEDED` holds the earlier measurements of th
 before a change to the training code that the recorded figure no longer describes: they are kept
 for the record and not compared (the plan describes today's code).
 
-Every sft row was measured before 1d20b6f (2026-12-07), which stopped handing GLM-5's full-indexer
-layers the previous layer's selection: those runs also held one bool [B, S, T] selection per layer and
-micro-batch in flight (0.69 GiB on sft_4k rank 64, 4.62 and 5.38 GiB on sft_32k_cp8 ranks 384 and 128),
-which today's plan leaves out, as today's code does. No GPU came to measure them again that day; their
-rows stay until it does (docs/plan.md).
+The whole-depth sft_4k rows were measured before 1d20b6f (2026-12-07), which stopped handing GLM-5's
+full-indexer layers the previous layer's selection: those runs also held one bool [B, S, T] selection
+per layer and micro-batch in flight (0.69 GiB on sft_4k rank 64), which today's plan leaves out, as
+today's code does; they stay until a GPU measures those ranks whole again, as do sft_32k_cp8's rows
+under other settings than the recipe's (EXPANDED, KL_ON). Its ranks 384 and 128 under the recipe's
+settings, which held 4.62 and 5.38 GiB of selections, were measured again after it (5.07 and 5.56 GiB
+less; the earlier rows are superseded). Rows with `LAYERS_40` ran 40 of GLM-5's 78 layers (the rank's share of them), so that a
+schedule or setting whose whole rank needs an H200 could be measured on an H100.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ KL_ON = ("--train.indexer_loss_weight", "0.01", "--model.indexer_trainable", "tr
 ONE_ROW = ("--train.micro_batch_size", "1")  # lora_fp8_1node before it took 2 rows per micro-batch (2026-12-06)
 EAGER = ("--model.norm_backend", "torch")  # measured before the Triton norms became the default on a GPU
 EXPANDED = ("--model.attention_backend", "auto")  # sft_32k_cp8 before it took absorbed_triton (2026-12-06)
+LAYERS_40 = ("--model.overrides.num_hidden_layers", "40")
+DUALPIPEV_16 = ("--parallel.pp_schedule", "DualPipeV", "--parallel.pp_stages_per_rank", "2", "--train.micro_batch_size",
+                "16", "--train.global_batch_size", "1024", "--parallel.pp_microbatches", "16")
+PAIRS = ("--parallel.pp_ep_overlap", "true")
+HEAD_0712 = "docs/benchmarks.md 2026-12-07 (third), 3ed7e2b on an H100"
 
 # (recipe, rank, overrides, measured peak GiB, where recorded: doc section, date, commit measured)
 MEASURED = [
@@ -47,13 +55,17 @@ MEASURED = [
     ("sft_32k_cp8", 384, EAGER + EXPANDED + KL_ON, 65.93, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
     ("sft_32k_cp8", 128, EAGER + EXPANDED, 57.54, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
     ("sft_32k_cp8", 128, EAGER + EXPANDED + KL_ON, 59.37, "docs/benchmarks.md 2026-12-04 auxiliary losses, e6b58a1"),
-    ("sft_32k_cp8", 384, EAGER, 59.92,
-     "docs/benchmarks.md 2026-12-06, 3977d23 on an H100 and 0063038 on an H200: absorbed_triton, MTP 0.3; "
-     "again 2026-12-07, 51ce575 on an H100: 59.70"),
     ("sft_4k", 192, (), 70.44,
      "docs/benchmarks.md 2026-12-06 (third), on an H100: Triton norms (the default on a GPU since then), MTP 0.3"),
-    ("sft_32k_cp8", 128, EAGER, 52.80,
-     "docs/benchmarks.md 2026-12-07, 51ce575 on an H100 (rank_memory_snapshot --at-peak): absorbed_triton, MTP 0.3"),
+    ("sft_32k_cp8", 384, (), 54.63, HEAD_0712 + ": the recipe (absorbed_triton, Triton norms, MTP 0.3)"),
+    ("sft_32k_cp8", 128, (), 47.24, HEAD_0712 + ": the recipe"),
+    ("sft_4k", 192, LAYERS_40, 51.60, HEAD_0712),
+    ("sft_4k", 192, LAYERS_40 + ("--parallel.ep_keep_exchanges", "dispatch"), 65.85, HEAD_0712),
+    ("sft_4k", 192, LAYERS_40 + ("--parallel.ep_keep_exchanges", "combine"), 65.85, HEAD_0712),
+    ("sft_4k", 0, LAYERS_40, 39.23, HEAD_0712),
+    ("sft_4k", 0, LAYERS_40 + DUALPIPEV_16, 64.30, HEAD_0712),
+    ("sft_4k", 0, LAYERS_40 + DUALPIPEV_16 + PAIRS, 65.65, HEAD_0712),
+    ("lora_fp8_1node", 0, LAYERS_40, 65.53, HEAD_0712 + " (two runs, both 65.53)"),
 ]
 
 # Earlier measurements of the same ranks, and what changed since (not compared).
@@ -63,6 +75,8 @@ SUPERSEDED = [
     ("sft_32k_cp8", 128, 49.61, "2026-12-03 f14b480: before issue 35 (bfed199), MTP off then"),
     ("sft_4k", 192, 66.86, "2026-12-04 bfed199, MTP off: before the fused loss released its head gradient (b260fe4)"),
     ("sft_4k", 192, 83.04, "2026-12-04 bfed199, MTP 0.3: before b260fe4"),
+    ("sft_32k_cp8", 384, 59.92, "2026-12-06 3977d23 and 0063038, 2026-12-07 51ce575 (59.70), eager norms: before 1d20b6f"),
+    ("sft_32k_cp8", 128, 52.80, "2026-12-07 51ce575, eager norms: before 1d20b6f"),
 ]
 
 TOLERANCE = 0.10  # the issue's bound on the plan against each measured rank
