@@ -241,8 +241,10 @@ class ParallelConfig:
     # EP under full activation checkpointing: the all-to-alls whose received rows the forward keeps, so the
     # recomputation does not exchange them again (docs/distributed.md): none; combine (this rank's token-expert
     # pairs x hidden x 2 B per MoE layer and micro-batch in flight); dispatch (as many rows, received for this
-    # rank's experts; no count exchange or host sync either); both (twice that: the recomputation sends nothing)
-    ep_keep_exchanges: Literal["none", "combine", "dispatch", "both"] = "none"
+    # rank's experts; no count exchange or host sync either); both (twice that: the recomputation sends nothing);
+    # counts (the dispatch's per-expert counts alone, a few bytes: no count exchange and no host sync in the
+    # recomputation, whose rows are exchanged again)
+    ep_keep_exchanges: Literal["none", "counts", "combine", "dispatch", "both"] = "none"
     pp_schedule: PipelineSchedule = "1F1B"  # torch.distributed.pipelining schedule
     pp_microbatches: int | None = None  # pipeline microbatches per micro batch; null = one row each
     pp_stages_per_rank: int = 1  # virtual stages per pp rank (>1 needs a multi-stage schedule)

@@ -12,6 +12,10 @@ gloo), and nothing is sent. The cost is memory: the kept rows live from the forw
 layer's backward (`glmtune plan` counts them, `docs/distributed.md`).
 
 What can be kept (`parallel.ep_keep_exchanges`):
+  * "counts": the dispatch's per-expert counts and their host copy alone (a few bytes per layer): the
+    recomputation exchanges its rows again but skips the count exchange and the host sync that waits for
+    it. That sync drains the compute stream (everything queued before it, including waits for rows still
+    in flight), so a recomputation without it lets more of the backward's work queue behind transfers;
   * "combine": the combine's received rows (the experts' outputs, back on the rank that routed
     them: T*K rows of D per MoE layer and micro-batch in flight); the dispatch is exchanged again;
   * "dispatch": the dispatch's per-expert counts, their host copy, and the rows received for this
@@ -32,9 +36,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-KEEP_CHOICES = ("none", "combine", "dispatch", "both")
+KEEP_CHOICES = ("none", "counts", "combine", "dispatch", "both")
 # What each choice keeps, by the dispatcher's names for its exchanges.
-KEPT_EXCHANGES = {"none": frozenset(), "combine": frozenset({"combine"}),
+KEPT_EXCHANGES = {"none": frozenset(), "counts": frozenset({"dispatch_counts"}), "combine": frozenset({"combine"}),
                   "dispatch": frozenset({"dispatch", "dispatch_counts"}),
                   "both": frozenset({"combine", "dispatch", "dispatch_counts"})}
 ROW_EXCHANGES = frozenset({"dispatch", "combine"})  # the exchanges whose kept rows cost memory

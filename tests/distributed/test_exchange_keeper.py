@@ -5,8 +5,8 @@ Two gloo ranks train the tiny GLM-5 (ep 2, all-to-all dispatcher, two chunks) on
 choice. The loss and every gradient equal the plain recomputation's bit for bit; the rows' exchanges
 the ranks issue fall from 12 per MoE layer (forward, recomputation and backward: each chunk's
 dispatch and combine) to 10 with "combine" or "dispatch" and 8 with "both" (keeping the dispatch
-also skips the recomputation's count exchange and its host sync); nothing kept outlives the step; a forward without gradients
-keeps nothing. The settings it needs are refused in one sentence, and the plan counts the rows."""
+also skips the recomputation's count exchange and its host sync, which "counts" alone skips too, the rows
+exchanged again); nothing kept outlives the step; a forward without gradients keeps nothing. The settings it needs are refused in one sentence, and the plan counts the rows."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from glmtune.plan.measure import planned_for
 from glmtune.plan.planner import degrees_for
 from tests.distributed.gloo_helpers import run_gloo
 
-CHOICES = ("none", "combine", "dispatch", "both")
+CHOICES = ("none", "counts", "combine", "dispatch", "both")
 
 
 def _counted(calls: dict, key: str, fn):
@@ -98,12 +98,14 @@ def test_kept_exchanges_give_the_same_loss_and_gradients(ranks):
 
 def test_the_recomputation_exchanges_less(ranks):
     for results in ranks:
-        plain, combine, dispatch, both = (results[k]["calls"] for k in CHOICES)
+        plain, counts, combine, dispatch, both = (results[k]["calls"] for k in CHOICES)
         layers, rem = divmod(plain["rows"], 12)  # per MoE layer: 2 chunks x (dispatch, combine) x 3 passes
         assert rem == 0 and layers >= 2, plain
+        assert counts["rows"] == plain["rows"]
         assert combine["rows"] == dispatch["rows"] == 10 * layers and both["rows"] == 8 * layers
-        # one count exchange per forward run of a layer: the recomputation's is kept with the dispatch
-        assert plain["counts"] == combine["counts"] == 2 * layers and dispatch["counts"] == both["counts"] == layers
+        # one count exchange per forward run of a layer: the recomputation's is kept with the counts or the dispatch
+        assert plain["counts"] == combine["counts"] == 2 * layers
+        assert counts["counts"] == dispatch["counts"] == both["counts"] == layers
         for keep in CHOICES:  # a forward without gradients: each layer once, nothing kept or recomputed
             assert results[keep]["no_grad_calls"] == {"rows": 4 * layers, "counts": layers}
 
@@ -140,9 +142,10 @@ def test_the_plan_counts_the_kept_rows():
     for layer, plain in per_layer["none"].items():
         assert per_layer["combine"][layer] - plain == per_layer["dispatch"][layer] - plain == rows
         assert per_layer["both"][layer] - plain == 2 * rows
+        assert per_layer["counts"][layer] == plain  # a few bytes of counts: no rows
     saved = {keep: dict(plan.peak.parts)["activations (saved)"] for keep, plan in plans.items()}
     assert saved["combine"] - saved["none"] >= 18 * rows  # every layer of the stage, a micro-batch or more each
-    assert plans["both"].peak.total > plans["combine"].peak.total > plans["none"].peak.total
+    assert plans["both"].peak.total > plans["combine"].peak.total > plans["none"].peak.total == plans["counts"].peak.total
 
 
 def test_selective_checkpointing_refuses_kept_exchanges():

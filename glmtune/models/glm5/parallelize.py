@@ -133,7 +133,7 @@ def apply_activation_checkpointing(model: Glm5ForCausalLM, mode: str = "selectiv
                                    keep_matmul_min_k: int = KEEP_MATMUL_MIN_K, keep_exchanges: str = "none") -> None:
     """Recompute each decoder layer in backward. "full" recomputes everything (least
     memory); "selective" keeps the top-k selection, the attention and the matmuls with a
-    reduction dim >= `keep_matmul_min_k`. `keep_exchanges` ("none", "combine", "dispatch", "both"):
+    reduction dim >= `keep_matmul_min_k`. `keep_exchanges` ("none", "counts", "combine", "dispatch", "both"):
     the expert all-to-alls whose received rows the forward keeps for the recomputation
     (`glmtune.distributed.exchange_keeper`). Parameter names are unchanged (no wrapper
     module), so checkpoints and adapters see the same keys in every mode."""
@@ -296,7 +296,7 @@ def parallelize_glm5(
         ep_dispatcher: token movement under EP (`glmtune.distributed.expert_parallel.DISPATCHERS`).
         ep_overlap_chunks: chunks of each MoE layer's tokens whose all-to-alls overlap the other
             chunks' experts (`TokenDispatcher.overlap_chunks`); > 1 needs EP's all_to_all dispatcher.
-        ep_keep_exchanges: "none", "combine", "dispatch" or "both": the expert all-to-alls whose received rows
+        ep_keep_exchanges: "none", "counts", "combine", "dispatch" or "both": the expert all-to-alls whose received rows
             full recomputation takes from the forward instead of exchanging again
             (`glmtune.distributed.exchange_keeper`); needs EP's all_to_all dispatcher, full
             activation checkpointing and no compile.
