@@ -257,7 +257,11 @@ class AllToAllTokenDispatcher(TokenDispatcher):
         send_PCL = send_PCL.transpose(0, 1).contiguous()
         kept_counts = _replayed("dispatch_counts")
         if kept_counts is not None:  # a recomputation: the forward's counts, no sync
-            recv_PCL, splits_2PC = kept_counts
+            recv_PCL, splits_2PC, forward_send_PCL = kept_counts
+            # Checkpointing's premise, that the recomputation routes as the forward did, checked on the
+            # device (no sync): rows sent by the forward's split sizes would otherwise reach wrong experts.
+            torch._assert_async(torch.eq(send_PCL, forward_send_PCL).all(),
+                                "the recomputation routed tokens otherwise than its forward: kept expert counts differ")
         else:
             # recv_PCL[s, c, l]: rows of chunk c that rank s sends to this rank's local expert l.
             recv_PCL = _wait(all_to_all_single(send_PCL.view(-1), None, None, group=self.ep.group))
@@ -265,7 +269,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             # The one device-to-host sync of the layer: the collectives take split sizes as host
             # ints. Both count tables come over in a single copy.
             splits_2PC = torch.stack([send_PCL, recv_PCL]).sum(3).cpu()
-            _record("dispatch_counts", (recv_PCL, splits_2PC))
+            _record("dispatch_counts", (recv_PCL, splits_2PC, send_PCL))
         return [self._send(x_ND, counts_E, local, recv_PCL[:, c], splits_2PC[0, :, c].tolist(),
                            splits_2PC[1, :, c].tolist(), _replayed("dispatch"))
                 for c, (x_ND, counts_E, local) in enumerate(sorted_chunks)]

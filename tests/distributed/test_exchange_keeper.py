@@ -14,12 +14,15 @@ import gc
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from glmtune.config import load_config
 from glmtune.config.schema import ParallelConfig
 from glmtune.config.validate import check_ranges
 from glmtune.distributed import token_exchange
-from glmtune.distributed.exchange_keeper import Keeper
+from glmtune.distributed.exchange_keeper import KEPT_EXCHANGES, Keeper, keeping
+from glmtune.distributed.loopback import join_loopback_world
+from glmtune.distributed.token_exchange import AllToAllTokenDispatcher
 from glmtune.distributed.mesh import ParallelMesh
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
@@ -153,3 +156,24 @@ def test_selective_checkpointing_refuses_kept_exchanges():
 
     with pytest.raises(ValueError, match="kept exchanges need activation_checkpointing full"):
         apply_activation_checkpointing(build_model(get_preset("tiny"), seed=0), "selective", keep_exchanges="both")
+
+
+@pytest.mark.parametrize("keep", ["counts", "dispatch"])
+def test_a_recomputation_that_routes_otherwise_than_its_forward_is_refused(keep):
+    """Kept counts size the recomputation's exchange: were its routing to differ from the forward's (a
+    nondeterministic kernel before the router), rows would reach the wrong experts. Checked on the device."""
+    generator = torch.Generator().manual_seed(0)
+    x_TD, weights_TK = torch.randn(6, 8, generator=generator), torch.rand(6, 2, generator=generator)
+    forward_TK = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    moved_TK = forward_TK.clone()
+    moved_TK[0] = torch.tensor([2, 3])  # token 0 to rank 1's experts instead of rank 0's
+    with join_loopback_world(0, 2):
+        dispatcher = AllToAllTokenDispatcher(dist.group.WORLD, num_local_experts=2)
+        keeper = Keeper(KEPT_EXCHANGES[keep])
+        with keeping(keeper, records=True):  # the forward keeps what it received
+            forward = dispatcher.dispatch(x_TD, forward_TK, weights_TK, 4)
+        with keeping(keeper, records=True):  # its recomputation, routed alike
+            again = dispatcher.dispatch(x_TD, forward_TK, weights_TK, 4)
+        assert torch.equal(again[0], forward[0]) and torch.equal(again[1], forward[1])
+        with keeping(keeper, records=True), pytest.raises(RuntimeError, match="routed tokens otherwise"):
+            dispatcher.dispatch(x_TD, moved_TK, weights_TK, 4)
