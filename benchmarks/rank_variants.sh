@@ -7,7 +7,8 @@
 #       "base:" "chunks2:--parallel.ep_overlap_chunks 2" "compile:--parallel.compile true"
 #
 # Each VARIANT is NAME:OVERRIDES; $OUT/NAME.json is the report (one JSON line) and $OUT/NAME.err its
-# progress; the last lines are every report's figures side by side (`benchmarks/rank_reports.py`). RANK may be "busiest" (the plan's busiest rank). Each run is cut at MEASURE_TIMEOUT seconds
+# progress; the last lines are every report's figures side by side (`benchmarks/rank_reports.py`).
+# RANK may be "busiest" (the plan's busiest rank). Each run is cut at MEASURE_TIMEOUT seconds
 # (default 190; 400 with PROFILE: writing sft_4k rank 192's profile took 100 s on an H100).
 # PROFILE=1 adds --profile $OUT/profile_NAME (its overhead is in the timed steps), prints
 # the heaviest 25 rows of its sources table (the device returns a command's last lines even when it

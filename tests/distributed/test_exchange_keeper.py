@@ -6,7 +6,9 @@ choice. The loss and every gradient equal the plain recomputation's bit for bit;
 the ranks issue fall from 12 per MoE layer (forward, recomputation and backward: each chunk's
 dispatch and combine) to 10 with "combine" or "dispatch" and 8 with "both" (keeping the dispatch
 also skips the recomputation's count exchange and its host sync, which "counts" alone skips too, the rows
-exchanged again); nothing kept outlives the step; a forward without gradients keeps nothing. The settings it needs are refused in one sentence, and the plan counts the rows."""
+exchanged again); nothing kept outlives the step; a forward without gradients keeps nothing. The settings
+it needs are refused in one sentence, the plan counts the rows, and a recomputation that routes otherwise
+than its forward is refused."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from glmtune.config.validate import check_ranges
 from glmtune.distributed import token_exchange
 from glmtune.distributed.exchange_keeper import KEPT_EXCHANGES, Keeper, keeping
 from glmtune.distributed.loopback import join_loopback_world
-from glmtune.distributed.token_exchange import AllToAllTokenDispatcher
 from glmtune.distributed.mesh import ParallelMesh
+from glmtune.distributed.token_exchange import AllToAllTokenDispatcher
 from glmtune.models.common.microbatch import MicroBatch
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.models.glm5.parallelize import parallelize_glm5
