@@ -13,6 +13,8 @@
 # PROFILE=1 adds --profile $OUT/profile_NAME (its overhead is in the timed steps), prints
 # the heaviest 25 rows of its sources table (the device returns a command's last lines even when it
 # returns few files) and removes the Chrome trace, the largest file, unless KEEP_TRACE=1.
+# PROFILE_PHASE=emulated profiles the emulated steps instead of the timed ones and prints their
+# timeline (rank{R}_timeline.txt: compute beside the links' lanes, whole and per pipeline action).
 set -uo pipefail
 OUT=${OUT:?set OUT}
 RECIPE=${RECIPE:?set RECIPE}
@@ -29,12 +31,14 @@ for variant in "$@"; do
     flags=(--measure --steps 1 --warmup-steps 1 --emulate-links --json)
     [ "$RANK" != busiest ] && flags+=(--rank "$RANK")
     [ -n "${PROFILE:-}" ] && flags+=(--profile "$OUT/profile_$name")
+    [ -n "${PROFILE:-}" ] && [ -n "${PROFILE_PHASE:-}" ] && flags+=(--profile-phase "$PROFILE_PHASE")
     start=$(date +%s)
     PYTHONPATH=. timeout "$TIMEOUT" python3 -m glmtune plan "$RECIPE" "${flags[@]}" "${overrides[@]}" \
         > "$OUT/$name.json" 2> "$OUT/$name.err"
     echo "$name: exit $? in $(( $(date +%s) - start )) s"
     if [ -n "${PROFILE:-}" ]; then
         head -26 "$OUT/profile_$name"/rank*_sources.txt 2>/dev/null
+        cat "$OUT/profile_$name"/rank*_timeline.txt 2>/dev/null
         [ -n "${KEEP_TRACE:-}" ] || rm -f "$OUT/profile_$name"/rank*_trace.json
     fi
 done

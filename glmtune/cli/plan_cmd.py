@@ -72,6 +72,10 @@ def _add_measure_options(measure: argparse._ArgumentGroup) -> None:
                          help="run the timed steps under torch.profiler and write its kernel table, a summary by "
                               "stream and kind of work, the time by glmtune source line and the Chrome trace into "
                               "DIR (a new directory)")
+    measure.add_argument("--profile-phase", choices=("timed", "emulated"), default=None,
+                         help="which steps --profile records: the timed steps (default; the links free) or, with "
+                              "--emulate-links, the emulated ones, whose timeline (rank{R}_timeline.txt, on a GPU) "
+                              "shows what the schedule hid of each transfer")
 
 
 _OPTIONS = RecipeOptions("glmtune plan", _add_options)
@@ -97,7 +101,7 @@ _RANGES = {
     "link_latency_us": (0, math.inf, False),
 }
 _MEASURE_ONLY = ("rank", "steps", "warmup_steps", "nvlink_gbps", "fabric_gbps", "link_latency_us", "emulate_links",
-                 "profile")
+                 "profile", "profile_phase")
 # What --measure does not use (a plan's time, cost and fit come from the plan without it).
 _NOT_WITH_MEASURE = {"gpu": None, "price_per_gpu_hour": None, "throughput": None, "tflops_per_gpu": None,
                      "measured_gpu": None, "epochs": None, "restarts": None, "max_gpus": _MAX_GPUS, "no_data": False}
@@ -110,6 +114,10 @@ def check_measure_options(args: argparse.Namespace) -> None:
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} is an option of --measure; add --measure")
         return
+    if args.profile_phase is not None and args.profile is None:
+        raise ValueError("--profile-phase chooses the steps --profile records; add --profile DIR")
+    if args.profile_phase == "emulated" and not args.emulate_links:
+        raise ValueError("--profile-phase emulated records the steps run with emulated links; add --emulate-links")
     for name, default in _NOT_WITH_MEASURE.items():
         if getattr(args, name) != default:
             raise ValueError(f"--{name.replace('_', '-')} is not used by --measure (it measures one rank's memory "
@@ -224,10 +232,12 @@ def _measure(args: argparse.Namespace, cfg) -> int:
     with output_dir(args.profile, what="--profile") if args.profile is not None else nullcontext() as profile_dir:
         measured = measure_rank(cfg, degrees, rank, steps=args.steps or 2,
                                 warmup=1 if args.warmup_steps is None else args.warmup_steps, say=console.print,
-                                links=links if args.emulate_links else None, profile_dir=profile_dir)
+                                links=links if args.emulate_links else None, profile_dir=profile_dir,
+                                profile_phase=args.profile_phase or "timed")
     if args.profile is not None and "error" not in (measured.profile or {}):
-        console.print(f"wrote the timed steps' profile: {args.profile} (rank{rank}_kernels.txt, "
-                      f"rank{rank}_summary.json, rank{rank}_sources.txt, rank{rank}_trace.json)")
+        timeline = f", rank{rank}_timeline.txt" if {"timeline", "timeline_error"} & set(measured.profile) else ""
+        console.print(f"wrote the {args.profile_phase or 'timed'} steps' profile: {args.profile} (rank{rank}_kernels.txt, "
+                      f"rank{rank}_summary.json, rank{rank}_sources.txt, rank{rank}_trace.json{timeline})")
     report = measure_report(cfg, args.recipe, measured, plan, links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))

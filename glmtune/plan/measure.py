@@ -250,20 +250,22 @@ def _written_profile(prof, profile_dir: Path, rank: int, on_device: bool, steps:
 
 def measure_rank(cfg: JobConfig, degrees: MeshDegrees, rank: int, steps: int = 2, warmup: int = 1,
                  say=lambda message: None, links: Links | None = None,
-                 profile_dir: Path | None = None) -> RankMeasurement:
+                 profile_dir: Path | None = None, profile_phase: str = "timed") -> RankMeasurement:
     """Run rank `rank` of `cfg`'s job (`degrees`) for `warmup + steps` steps (module docstring),
     and `steps` more with `links` emulated when given; `say` hears what it is doing (a line per
-    stage and step). With `profile_dir` (an existing directory), the timed steps run under
-    torch.profiler and its tables are written there (`step_profile.py`)."""
+    stage and step). With `profile_dir` (an existing directory), the steps of `profile_phase`
+    ("timed", or "emulated" with `links`) run under torch.profiler and its tables are written there
+    (`step_profile.py`)."""
     with join_loopback_world(rank, degrees.world_size):
-        return measure_in_world(cfg, degrees, steps, warmup, say, links, profile_dir)
+        return measure_in_world(cfg, degrees, steps, warmup, say, links, profile_dir, profile_phase)
 
 
 def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmup: int = 1,
                      say=lambda message: None, links: Links | None = None,
-                     profile_dir: Path | None = None) -> RankMeasurement:
+                     profile_dir: Path | None = None, profile_phase: str = "timed") -> RankMeasurement:
     """`measure_rank` in the process group that exists: the loopback world, or a real one (the
     tests run the same on gloo ranks and compare; emulated links act on loopback groups only)."""
+    assert profile_phase == "timed" or (profile_phase == "emulated" and links), profile_phase
     cfg = copy.deepcopy(cfg)
     cfg.logging.progress = False
     device = resolve_device(cfg.train.device)
@@ -294,9 +296,9 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     phases = [("warm-up", warmup, None), ("timed", steps, FREE_LINKS)] + ([("emulated", steps, links)] if links else [])
     done = 0
     for phase, count, phase_links in phases:
-        profiling = profile_dir is not None and phase == "timed"
+        profiling = profile_dir is not None and phase == profile_phase
         with (emulated_links(phase_links, device) if phase_links else nullcontext()) as emulator, \
-                (profiled(device) if profiling else nullcontext()) as prof:
+                (profiled(device, with_stack=phase == "timed") if profiling else nullcontext()) as prof:
             for _ in range(count):
                 done += 1
                 _one_step(trainer, clock, probe, result, micro_losses, phase, (done, total), axes, say)

@@ -195,7 +195,7 @@ def timed_events(prof, on_device: bool) -> list[tuple[Any, Any, float]]:
     return events
 
 
-def _launches(prof, events) -> dict[int, int]:
+def launches(prof, events) -> dict[int, int]:
     """Device event id -> the id of the CPU operator that launched it: the events' `linked_correlation_id`,
     or, for a torch (2.11) whose events do not carry it, the profiler's own records of the same events."""
     if events and hasattr(events[0], "linked_correlation_id"):
@@ -213,7 +213,7 @@ def sources(prof, on_device: bool, stream, steps: int, frames: Frames | None = N
         frames = tree_frames(prof)
     sites = forward_sites(events, frames)
     launcher = {e.id: e for e in events if e.device_type == DeviceType.CPU} if on_device else {}
-    launched_by = _launches(prof, events) if on_device else {}
+    launched_by = launches(prof, events) if on_device else {}
     charged: dict[int, tuple[str, str, str]] = {}  # operator event id -> (phase, operator, site): one walk each
     seconds: dict[Source, float] = defaultdict(float)
     for event, event_stream, micros in timed_events(prof, on_device):

@@ -12,7 +12,10 @@ What the profile holds and why:
   * `rank{R}_sources.txt`: the same time charged to the glmtune function that asked for it, by
     phase (forward, recompute, backward) and operator (`profile_sources.py`): which concatenation,
     which copy;
-  * `rank{R}_trace.json`: the Chrome trace (chrome://tracing, Perfetto) for the timeline.
+  * `rank{R}_trace.json`: the Chrome trace (chrome://tracing, Perfetto) for the timeline;
+  * on a GPU, `rank{R}_timeline.txt`: the compute stream's busy time beside the emulated links' lanes,
+    whole and per pipeline action (`step_timeline.py`): what was hidden, what was exposed, and where
+    neither computed — of the emulated steps, with `--profile-phase emulated`.
 
 The kinds are matched by kernel name (`kernel_kinds.KINDS`, first match wins): an estimate of where time goes
 that names what it counted, not an exact attribution (a fused kernel counts once, in its first kind).
@@ -36,8 +39,12 @@ from torch.profiler import ProfilerActivity, profile
 from glmtune.plan.kernel_kinds import KINDS, kind_of
 from glmtune.plan.profile_sources import is_python_frame, sources, sources_table
 from glmtune.plan.profile_sources import timed_events as profile_events  # with their events
+from glmtune.plan.step_timeline import SPIN, records, timeline, timeline_table
 
 TABLE_ROWS = 40
+# Why the emulated steps' profile has no sources table: the timeline measures the host's pace against the GPU's,
+# and recording every operator's Python stack slows the host (a profiled sft_4k rank: 5.68 s against 4.92).
+NO_STACKS = "the emulated steps are profiled without Python stacks, which would slow the host whose pace the timeline shows"
 SUMMARY_SOURCES = 25  # the heaviest (kind, phase, operator, site) rows, also in the summary
 
 
@@ -60,20 +67,22 @@ def _install_code_keeper() -> None:
 
 
 @contextmanager
-def profiled(device: torch.device) -> Iterator[profile]:
-    """torch.profiler over the block: CPU operators, and CUDA kernels on a GPU; with the Python stacks,
-    which `profile_sources` charges each kernel's time to (they add CPU time, not kernel time). The
+def profiled(device: torch.device, with_stack: bool = True) -> Iterator[profile]:
+    """torch.profiler over the block: CPU operators, and CUDA kernels on a GPU; with the Python stacks
+    unless `with_stack` is False (`profile_sources` charges each kernel's time to them; they add CPU time,
+    not kernel time, which the emulated steps' timeline must not feel: `NO_STACKS`). The
     code objects run by `exec` inside the block live as long as the profile (`_KEPT_CODE`)."""
     global _KEPT_CODE
     _install_code_keeper()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _KEPT_CODE = []
     try:
-        with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
+        with profile(activities=activities, record_shapes=False, with_stack=with_stack) as prof:
             yield prof
     finally:
         kept, _KEPT_CODE = _KEPT_CODE, None
     prof.glmtune_kept_code = kept  # dropped with the profile, after its results are parsed
+    prof.glmtune_stacks = with_stack
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -88,12 +97,15 @@ def summarize(prof: profile, on_device: bool, steps: int) -> dict[str, Any]:
     """Seconds per step per stream, and per kind on the busiest stream (module docstring)."""
     per_stream: dict[Any, float] = defaultdict(float)
     per_kind: dict[Any, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    lanes = set()  # an emulated link's streams: their spin kernels are modeled transfers, not compute
     for name, stream, micros in timed_events(prof, on_device):
         per_stream[stream] += micros
         per_kind[stream][kind_of(name)] += micros
+        if SPIN.search(name):
+            lanes.add(stream)
     if not per_stream:
         return {"steps": steps, "streams": {}, "compute_stream": None, "kinds": {}}
-    busiest = max(per_stream, key=per_stream.get)
+    busiest = max((s for s in per_stream if s not in lanes), key=per_stream.get)
     total = per_stream[busiest]
     kinds = {kind: {"seconds_per_step": per_kind[busiest][kind] / 1e6 / steps,
                     "share": per_kind[busiest][kind] / total if total else 0.0}
@@ -112,7 +124,10 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
     table = operators.table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
     (out_dir / f"rank{rank}_kernels.txt").write_text(table + "\n", encoding="utf-8")
     summary = summarize(prof, on_device, steps)
-    if summary["compute_stream"] is not None:
+    if not getattr(prof, "glmtune_stacks", True):
+        (out_dir / f"rank{rank}_sources.txt").write_text(
+            f"not attributed: {NO_STACKS}\n", encoding="utf-8")
+    elif summary["compute_stream"] is not None:
         try:
             rows = sources(prof, on_device, summary["compute_stream"], steps)
         except Exception as exc:  # noqa: BLE001 - an attribution that fails must not cost the tables beside it
@@ -122,6 +137,13 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
         else:
             (out_dir / f"rank{rank}_sources.txt").write_text(sources_table(rows), encoding="utf-8")
             summary["sources"] = rows[:SUMMARY_SOURCES]
+    if on_device:
+        try:
+            summary["timeline"] = timeline(*records(prof), steps)
+        except Exception as exc:  # noqa: BLE001 - as the sources: the other tables are kept
+            summary["timeline_error"] = f"{type(exc).__name__}: {exc}"
+        text = timeline_table(summary["timeline"]) if "timeline" in summary else f"not read: {summary['timeline_error']}\n"
+        (out_dir / f"rank{rank}_timeline.txt").write_text(text, encoding="utf-8")
     (out_dir / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     prof.export_chrome_trace(str(out_dir / f"rank{rank}_trace.json"))
     return summary

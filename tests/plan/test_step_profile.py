@@ -179,3 +179,37 @@ def test_a_profile_that_cannot_be_written_does_not_cost_the_measurement(tmp_path
     assert json.loads(captured.out)["rank"] == 1  # the report came
     assert "the timed steps' profile could not be written: UnicodeDecodeError" in captured.err
     assert "wrote the timed steps' profile" not in captured.err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--profile-phase", "timed"], "--profile-phase is an option of --measure"),
+    (["--measure", "--profile-phase", "timed"], "--profile-phase chooses the steps --profile records; add --profile"),
+    (["--measure", "--profile", "p", "--profile-phase", "emulated"], "add --emulate-links"),
+])
+def test_the_profiled_phase_needs_its_profile_and_its_links(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "tiny/sft_support_json", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "measuring rank" not in err and not (tmp_path / "p").exists()
+
+
+def test_the_emulated_steps_are_profiled_when_asked(tmp_path, capsys, monkeypatch):
+    """--profile-phase emulated: the profiler is open over the emulated steps and over nothing else."""
+    import glmtune.plan.measure as measure
+
+    seen = []
+    one_step = measure._one_step
+
+    def recorded(*args, **kwargs):
+        seen.append((args[5], torch.autograd.profiler._is_profiler_enabled))
+        return one_step(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "_one_step", recorded)
+    out = tmp_path / "profile"
+    assert main([*MEASURE, "--emulate-links", "--profile", str(out), "--profile-phase", "emulated"]) == 0
+    assert seen == [("warm-up", False), ("timed", False), ("emulated", True)]
+    assert "wrote the emulated steps' profile" in capsys.readouterr().err
+    assert json.loads((out / "rank1_summary.json").read_text())["steps"] == 1
+    # no Python stacks there, so no sources table: it says why
+    assert "without Python stacks" in (out / "rank1_sources.txt").read_text()
+    assert "aten::mm" in (out / "rank1_kernels.txt").read_text()

@@ -1,0 +1,69 @@
+"""The emulated steps' timeline (glmtune/plan/step_timeline.py): compute beside the links' lanes, whole
+and per pipeline action, from a profile's kernels and host ranges. A GPU's profile is not at hand on a
+CPU, so the records are written here with known intervals and the figures checked to the microsecond."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmtune.plan.step_timeline import HostRange, Kernel, action_kind, intersection, merged, timeline, timeline_table
+
+SPIN = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+COMPUTE, LANE, SIDE = 7, 9, 3
+
+
+def _records():
+    kernels = [
+        Kernel("gemm", COMPUTE, 0, 10, launched=1),  # PP:0F0's
+        Kernel("gemm", COMPUTE, 20, 30, launched=3),  # the pair's
+        Kernel("copy", COMPUTE, 30, 40, launched=7),
+        Kernel("gemm", COMPUTE, 50, 60, launched=8.5),  # PP:1B1's
+        Kernel("gemm", COMPUTE, 60, 61, launched=None),  # a launch the profile could not link: no action's
+        Kernel("Memcpy DtoD", LANE, 4, 5, launched=2.5),  # a stand-in's copy on the lane: not compute
+        Kernel(SPIN, LANE, 5, 25, launched=2.6),  # a transfer modeled at 20 us
+        Kernel("memset", SIDE, 0, 1, launched=0.5),
+    ]
+    actions = [HostRange("PP:0F0", 0, 2), HostRange("PP:(0F1;1B0)OVERLAP_F_B", 2, 8), HostRange("PP:1B1", 8, 9),
+               HostRange("PP:marked", 0, 9)]  # a range that is not the schedule's
+    syncs = [HostRange("cudaStreamSynchronize", 3, 4)]
+    return kernels, actions, syncs
+
+
+def test_intervals():
+    assert merged([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert intersection([(0, 4), (5, 9)], [(3, 6), (8, 10)]) == [(3, 4), (5, 6), (8, 9)]
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("PP:0F3", "F"), ("PP:12B7", "B"), ("PP:(0F3;1B2)OVERLAP_F_B", "OVERLAP_F_B"), ("PP:1SEND_F2", "SEND_F"),
+    ("PP:2UNSHARD", "UNSHARD"), ("PP:marked", None), ("aten::mm", None),
+])
+def test_a_pipeline_actions_kind(name, kind):
+    assert action_kind(name) == kind
+
+
+def test_hidden_exposed_and_idle_time_whole_and_per_action():
+    figures = timeline(*_records(), steps=2)
+    us = 1e-6 / 2  # a microsecond, per step of two
+    assert figures["compute_stream"] == str(COMPUTE)  # the lane's stand-in copy and spin are not compute
+    whole = figures["whole"]
+    # window 0..61; compute 0-10, 20-40, 50-61 (41); lane 5-25 (20); hidden 5-10, 20-25 (10)
+    assert whole == pytest.approx({"span": 61 * us, "compute": 41 * us, "lane_hold": 20 * us, "hidden": 10 * us,
+                                   "exposed": 10 * us, "idle": 10 * us, "syncs": 0.5, "sync_seconds": 1 * us})
+    actions = figures["actions"]
+    assert sorted(actions) == ["B", "F", "OVERLAP_F_B"]
+    assert actions["F"] == pytest.approx({"span": 10 * us, "compute": 10 * us, "lane_hold": 5 * us, "hidden": 5 * us,
+                                          "exposed": 0, "idle": 0, "actions": 0.5, "host": 2 * us, "syncs": 0,
+                                          "sync_seconds": 0})
+    pair = actions["OVERLAP_F_B"]
+    assert pair == pytest.approx({"span": 20 * us, "compute": 20 * us, "lane_hold": 5 * us, "hidden": 5 * us,
+                                  "exposed": 0, "idle": 0, "actions": 0.5, "host": 6 * us, "syncs": 0.5,
+                                  "sync_seconds": 1 * us})
+    assert actions["B"]["span"] == pytest.approx(10 * us) and actions["B"]["lane_hold"] == 0
+    table = timeline_table(figures).splitlines()
+    assert table[0].startswith("compute stream 7") and [line.split()[0] for line in table[2:]] == [
+        "whole", "B", "F", "OVERLAP_F_B"]
+
+
+def test_no_kernels_no_figures():
+    assert timeline([], [], [], steps=1) == {"compute_stream": None, "whole": {}, "actions": {}}
