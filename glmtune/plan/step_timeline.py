@@ -3,21 +3,26 @@
 
 The kernel tables (`step_profile.py`) say where the compute stream's time goes; they cannot say
 whether the expert all-to-all was hidden, because the link emulator's lanes (`link_emulator.py`) hold
-their streams with a spin kernel beside that compute. Read as intervals on one clock:
+their streams with a spin kernel beside that compute. Read as intervals on one clock — the compute
+stream (the stream with the most kernel time among those that hold no spin kernel: the lanes carry the
+stand-ins' copies as well) and the lanes' hold (every spin kernel: a collective's modeled transfer) —
+the window from the first kernel to the last is cut at the compute stream's kernels, and each piece is
+charged to the kernel that ends it (`_charged`):
 
-  * the compute stream's busy time C (the stream with the most kernel time among those that hold no
-    spin kernel: the lanes carry the stand-ins' copies as well);
-  * the lanes' hold L (the union of every spin kernel: a collective's modeled transfer);
-  * hidden = L ∩ C: transfer time with the rank computing beside it;
-  * exposed = L − C: the compute stream idle while a transfer holds a lane (the schedule waits on it);
-  * idle = the window − (C ∪ L): neither computing nor transferring — the host is behind (launches,
-    a host sync, Python) or the stream waits on something no lane models.
+  * compute: the kernel's own time; hidden: the lanes' hold beside it;
+  * the gap before it, when the stream sat idle:
+      wait_host   the kernel's operator started after the gap began: the host had not launched it yet
+                  (Python, launches, a host sync, the other side's turn);
+      wait_link   launched in time, with a lane holding: the stream waits for a transfer — the
+                  exposed communication proper;
+      wait_other  launched in time, no lane holding (a dependency no lane models).
 
-The same figures are given for each kind of pipeline action (the schedule's `PP:` ranges: `F`, `B`,
-`OVERLAP_F_B` ...), each action's span being that of the compute kernels it launched (a kernel belongs
-to the action whose host range holds its launch), with the host's synchronizations (`cuda*Synchronize`
-calls: a `.cpu()`, a `.tolist()`) inside the action's host range. Without a pipeline there is one row,
-the whole window.
+Each piece goes to the kind of pipeline action that launched the kernel (the schedule's `PP:` ranges:
+`F`, `B`, `OVERLAP_F_B`, ...; a kernel belongs to the action whose host range holds the start of its
+launching operator, "other" when none does), so the kinds' rows add up to the whole window; beside them
+each kind's actions, host time and host synchronizations (`cuda*Synchronize` calls: a `.cpu()`, a
+`.tolist()`) inside its host ranges. An operator starts before it launches its kernel, so `wait_host`
+is a lower bound: a kernel launched late inside a long operator counts as launched in time.
 """
 
 from __future__ import annotations
@@ -82,15 +87,6 @@ def intersection(a: Intervals, b: Intervals) -> Intervals:
     return out
 
 
-def _figures(compute: Intervals, lanes: Intervals, within: Intervals) -> dict[str, float]:
-    """Seconds of busy, held, hidden, exposed and idle time inside `within`."""
-    busy, held = intersection(compute, within), intersection(lanes, within)
-    hidden = length(intersection(busy, held))
-    either = length(busy) + length(held) - hidden
-    return {"span": length(within), "compute": length(busy), "lane_hold": length(held), "hidden": hidden,
-            "exposed": length(held) - hidden, "idle": length(within) - either}
-
-
 def action_kind(name: str) -> str | None:
     """The kind of a pipeline schedule's range ("PP:0F3" -> "F", "PP:(0F3;1B2)OVERLAP_F_B" ->
     "OVERLAP_F_B"), or None for a range that is not the schedule's."""
@@ -108,41 +104,63 @@ def compute_stream(kernels: list[Kernel]) -> Any:
 
 
 def timeline(kernels: list[Kernel], actions: list[HostRange], syncs: list[HostRange], steps: int) -> dict[str, Any]:
-    """The module docstring's figures, seconds per step: "whole" (the window from the first kernel to
-    the last) and per action kind; "syncs" and "sync_seconds" are the host's synchronizations."""
+    """The module docstring's figures, seconds per step: "whole" and per action kind (`_charged`);
+    "syncs" and "sync_seconds" are the host's synchronizations (inside the kind's host ranges)."""
     stream = compute_stream(kernels)
     if stream is None:
         return {"compute_stream": None, "whole": {}, "actions": {}}
-    ours = [k for k in kernels if k.stream == stream]
-    compute = merged((k.start, k.end) for k in ours)
     lanes = merged((k.start, k.end) for k in kernels if SPIN.search(k.name))
-    window = [(min(k.start for k in kernels), max(k.end for k in kernels))]
-    per_step = 1e6 * steps
-
-    def scaled(figures: dict[str, float]) -> dict[str, float]:
-        return {name: value / per_step for name, value in figures.items()}
-
-    whole = scaled(_figures(compute, lanes, window))
-    whole.update(syncs=len(syncs) / steps, sync_seconds=sum(s.end - s.start for s in syncs) / per_step)
+    window = (min(k.start for k in kernels), max(k.end for k in kernels))
     ranges = sorted((a for a in actions if action_kind(a.name)), key=lambda a: a.start)
-    spans: dict[int, list[float]] = {}
+    charged = _charged(sorted((k for k in kernels if k.stream == stream), key=lambda k: k.start), lanes,
+                       window, ranges)
+    per_step = 1e6 * steps
+    per_kind: dict[str, dict[str, float]] = {}
+    for kind, row in charged.items():
+        hosts = [a for a in ranges if action_kind(a.name) == kind]
+        held_up = [s for s in syncs if any(h.start <= s.start < h.end for h in hosts)]
+        per_kind[kind] = {name: value / per_step for name, value in row.items()}
+        per_kind[kind].update(actions=len(hosts) / steps, host=sum(h.end - h.start for h in hosts) / per_step,
+                              syncs=len(held_up) / steps, sync_seconds=sum(s.end - s.start for s in held_up) / per_step)
+    whole = {name: sum(row[name] for row in per_kind.values()) for name in CHARGES}
+    whole.update(span=(window[1] - window[0]) / per_step, lane_hold=length(lanes) / per_step,
+                 syncs=len(syncs) / steps, sync_seconds=sum(s.end - s.start for s in syncs) / per_step)
+    return {"compute_stream": str(stream), "whole": whole, "actions": per_kind}
+
+
+# How each microsecond of the window is charged (`_charged`).
+CHARGES = ("compute", "hidden", "wait_link", "wait_host", "wait_other", "tail")
+
+
+def _charged(ours: list[Kernel], lanes: Intervals, window: tuple[float, float],
+             ranges: list[HostRange]) -> dict[str, dict[str, float]]:
+    """The window cut at the compute stream's kernels, each piece charged to the action kind that launched
+    the kernel ending it ("other" when no schedule range holds its launch): the kernel's own time
+    (`compute`, and the lanes' hold beside it, `hidden`), and the gap before it — `wait_host` when the
+    kernel's operator started after the gap began (the host had not launched it), else the gap's part
+    with a lane holding (`wait_link`: the stream waits for a transfer) and the rest (`wait_other`).
+    After the last kernel: `tail`. So the kinds' rows add up to the window."""
     starts = [a.start for a in ranges]
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CHARGES, 0.0))
+    cursor = window[0]
     for k in ours:
         index = _holder(starts, ranges, k.launched)
-        if index is not None:
-            span = spans.setdefault(index, [k.start, k.end])
-            span[0], span[1] = min(span[0], k.start), max(span[1], k.end)
-    per_kind: dict[str, dict[str, Any]] = {}
-    for kind in sorted({action_kind(a.name) for a in ranges}):
-        indices = [i for i, a in enumerate(ranges) if action_kind(a.name) == kind]
-        within = merged(tuple(spans[i]) for i in indices if i in spans)
-        hosts = [ranges[i] for i in indices]
-        held_up = [s for s in syncs if any(h.start <= s.start < h.end for h in hosts)]
-        row = scaled(_figures(compute, lanes, within))
-        row.update(actions=len(indices) / steps, host=sum(h.end - h.start for h in hosts) / per_step,
-                   syncs=len(held_up) / steps, sync_seconds=sum(s.end - s.start for s in held_up) / per_step)
-        per_kind[kind] = row
-    return {"compute_stream": str(stream), "whole": whole, "actions": per_kind}
+        row = rows[action_kind(ranges[index].name) if index is not None else "other"]
+        if k.start > cursor:
+            if k.launched is not None and k.launched > cursor:
+                row["wait_host"] += k.start - cursor
+            else:
+                held = length(intersection(lanes, [(cursor, k.start)]))
+                row["wait_link"] += held
+                row["wait_other"] += k.start - cursor - held
+        busy = (max(cursor, k.start), k.end)
+        if busy[1] > busy[0]:
+            row["compute"] += busy[1] - busy[0]
+            row["hidden"] += length(intersection(lanes, [busy]))
+        cursor = max(cursor, k.end)
+    if window[1] > cursor:
+        rows["other"]["tail"] += window[1] - cursor
+    return dict(rows)
 
 
 def _holder(starts: list[float], ranges: list[HostRange], launched: float | None) -> int | None:
@@ -160,14 +178,17 @@ def _holder(starts: list[float], ranges: list[HostRange], launched: float | None
     return index if index >= 0 and launched < ranges[index].end else None
 
 
-COLUMNS = ("actions", "host", "span", "compute", "lane_hold", "hidden", "exposed", "idle", "syncs", "sync_seconds")
+COLUMNS = ("actions", "host", "compute", "hidden", "wait_link", "wait_host", "wait_other", "tail", "syncs",
+           "sync_seconds")
 
 
 def timeline_table(figures: dict[str, Any]) -> str:
     """The rows as fixed-width text, seconds per step."""
     head = f"{'':<14}" + "".join(f"{c:>13}" for c in COLUMNS)
-    lines = [f"compute stream {figures['compute_stream']}; seconds per step (actions and syncs: counts per step)",
-             head]
+    whole = figures["whole"]
+    lines = [f"compute stream {figures['compute_stream']}; seconds per step (actions and syncs: counts per step); "
+             f"window {whole['span']:.4f}, lanes held {whole['lane_hold']:.4f} (exposed "
+             f"{whole['lane_hold'] - whole['hidden']:.4f})", head]
     rows = [("whole step", figures["whole"])] + sorted(figures["actions"].items())
     for name, row in rows:
         cells = "".join(f"{row[c]:>13.4f}" if c in row else f"{'':>13}" for c in COLUMNS)

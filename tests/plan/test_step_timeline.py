@@ -15,16 +15,17 @@ COMPUTE, LANE, SIDE = 7, 9, 3
 def _records():
     kernels = [
         Kernel("gemm", COMPUTE, 0, 10, launched=1),  # PP:0F0's
-        Kernel("gemm", COMPUTE, 20, 30, launched=3),  # the pair's
+        Kernel("gemm", COMPUTE, 20, 30, launched=3),  # the pair's, after a wait for the lane's transfer
         Kernel("copy", COMPUTE, 30, 40, launched=7),
-        Kernel("gemm", COMPUTE, 50, 60, launched=8.5),  # PP:1B1's
-        Kernel("gemm", COMPUTE, 60, 61, launched=None),  # a launch the profile could not link: no action's
+        Kernel("gemm", COMPUTE, 50, 60, launched=8.5),  # PP:1B1's, after a wait no lane explains
+        Kernel("gemm", COMPUTE, 60, 61, launched=None),  # a launch the profile could not link: "other"
+        Kernel("gemm", COMPUTE, 70, 72, launched=68),  # PP:1B2's, launched after the stream went idle
         Kernel("Memcpy DtoD", LANE, 4, 5, launched=2.5),  # a stand-in's copy on the lane: not compute
         Kernel(SPIN, LANE, 5, 25, launched=2.6),  # a transfer modeled at 20 us
         Kernel("memset", SIDE, 0, 1, launched=0.5),
     ]
     actions = [HostRange("PP:0F0", 0, 2), HostRange("PP:(0F1;1B0)OVERLAP_F_B", 2, 8), HostRange("PP:1B1", 8, 9),
-               HostRange("PP:marked", 0, 9)]  # a range that is not the schedule's
+               HostRange("PP:1B2", 67, 69), HostRange("PP:marked", 0, 9)]  # the last is not the schedule's
     syncs = [HostRange("cudaStreamSynchronize", 3, 4)]
     return kernels, actions, syncs
 
@@ -42,27 +43,32 @@ def test_a_pipeline_actions_kind(name, kind):
     assert action_kind(name) == kind
 
 
-def test_hidden_exposed_and_idle_time_whole_and_per_action():
+def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
     figures = timeline(*_records(), steps=2)
     us = 1e-6 / 2  # a microsecond, per step of two
     assert figures["compute_stream"] == str(COMPUTE)  # the lane's stand-in copy and spin are not compute
-    whole = figures["whole"]
-    # window 0..61; compute 0-10, 20-40, 50-61 (41); lane 5-25 (20); hidden 5-10, 20-25 (10)
-    assert whole == pytest.approx({"span": 61 * us, "compute": 41 * us, "lane_hold": 20 * us, "hidden": 10 * us,
-                                   "exposed": 10 * us, "idle": 10 * us, "syncs": 0.5, "sync_seconds": 1 * us})
+    zero = dict.fromkeys(("compute", "hidden", "wait_link", "wait_host", "wait_other", "tail"), 0.0)
     actions = figures["actions"]
-    assert sorted(actions) == ["B", "F", "OVERLAP_F_B"]
-    assert actions["F"] == pytest.approx({"span": 10 * us, "compute": 10 * us, "lane_hold": 5 * us, "hidden": 5 * us,
-                                          "exposed": 0, "idle": 0, "actions": 0.5, "host": 2 * us, "syncs": 0,
-                                          "sync_seconds": 0})
-    pair = actions["OVERLAP_F_B"]
-    assert pair == pytest.approx({"span": 20 * us, "compute": 20 * us, "lane_hold": 5 * us, "hidden": 5 * us,
-                                  "exposed": 0, "idle": 0, "actions": 0.5, "host": 6 * us, "syncs": 0.5,
-                                  "sync_seconds": 1 * us})
-    assert actions["B"]["span"] == pytest.approx(10 * us) and actions["B"]["lane_hold"] == 0
+    assert sorted(actions) == ["B", "F", "OVERLAP_F_B", "other"]
+    assert actions["F"] == pytest.approx({**zero, "compute": 10 * us, "hidden": 5 * us, "actions": 0.5,
+                                          "host": 2 * us, "syncs": 0, "sync_seconds": 0})
+    # 10-20: the stream idle with the lane holding, the pair's kernel launched long before
+    assert actions["OVERLAP_F_B"] == pytest.approx({**zero, "compute": 20 * us, "hidden": 5 * us,
+                                                    "wait_link": 10 * us, "actions": 0.5, "host": 6 * us,
+                                                    "syncs": 0.5, "sync_seconds": 1 * us})
+    # 40-50 idle with nothing holding; 61-70 idle before PP:1B2's operator started (68)
+    assert actions["B"] == pytest.approx({**zero, "compute": 12 * us, "wait_other": 10 * us, "wait_host": 9 * us,
+                                          "actions": 1.0, "host": 3 * us, "syncs": 0, "sync_seconds": 0})
+    assert actions["other"]["compute"] == pytest.approx(1 * us) and actions["other"]["actions"] == 0
+    whole = figures["whole"]
+    assert whole == pytest.approx({"compute": 43 * us, "hidden": 10 * us, "wait_link": 10 * us, "wait_host": 9 * us,
+                                   "wait_other": 10 * us, "tail": 0, "span": 72 * us, "lane_hold": 20 * us,
+                                   "syncs": 0.5, "sync_seconds": 1 * us})
+    charged = sum(whole[name] for name in ("compute", "wait_link", "wait_host", "wait_other", "tail"))
+    assert charged == pytest.approx(whole["span"])  # the window, cut and charged once
     table = timeline_table(figures).splitlines()
-    assert table[0].startswith("compute stream 7") and [line.split()[0] for line in table[2:]] == [
-        "whole", "B", "F", "OVERLAP_F_B"]
+    assert table[0].startswith("compute stream 7") and "lanes held" in table[0]
+    assert [line.split()[0] for line in table[2:]] == ["whole", "B", "F", "OVERLAP_F_B", "other"]
 
 
 def test_no_kernels_no_figures():
