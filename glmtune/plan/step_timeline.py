@@ -21,8 +21,10 @@ Each piece goes to the kind of pipeline action that launched the kernel (the sch
 `F`, `B`, `OVERLAP_F_B`, ...; a kernel belongs to the action whose host range holds the start of its
 launching operator, "other" when none does), so the kinds' rows add up to the whole window; beside them
 each kind's actions, host time and host synchronizations (`cuda*Synchronize` calls: a `.cpu()`, a
-`.tolist()`) inside its host ranges. An operator starts before it launches its kernel, so `wait_host`
-is a lower bound: a kernel launched late inside a long operator counts as launched in time.
+`.tolist()`) inside its host ranges; and last, the host's heaviest CUDA calls by time (a launch that
+waits for room in the queue means the GPU is behind; an allocator's synchronizing free, a sync, show
+there). An operator starts before it launches its kernel, so `wait_host` is a lower bound: a kernel
+launched late inside a long operator counts as launched in time.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from glmtune.plan.profile_sources import launches
 
 SPIN = re.compile(r"spin_kernel")  # torch.cuda._sleep's kernel: a lane's modeled transfer
 SYNC = re.compile(r"^cuda\w*Synchronize$")
+CALL = re.compile(r"^cu(?:da)?[A-Z]\w*$")  # a CUDA runtime or driver call the host made (cudaLaunchKernel, cuLaunchKernel)
+HOST_CALLS = 8  # the heaviest, by host time, in the table
 _ACTION = re.compile(r"^PP:(?:\(.*\))?\d*(?P<kind>[A-Z_]+)\d*$")
 
 Intervals = list[tuple[float, float]]  # sorted, disjoint, microseconds
@@ -103,12 +107,15 @@ def compute_stream(kernels: list[Kernel]) -> Any:
     return max(time, key=time.get) if time else None
 
 
-def timeline(kernels: list[Kernel], actions: list[HostRange], syncs: list[HostRange], steps: int) -> dict[str, Any]:
+def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRange], steps: int) -> dict[str, Any]:
     """The module docstring's figures, seconds per step: "whole" and per action kind (`_charged`);
-    "syncs" and "sync_seconds" are the host's synchronizations (inside the kind's host ranges)."""
+    "syncs" and "sync_seconds" are the host's synchronizations among its CUDA `calls` (inside the kind's
+    host ranges); "host_calls" the heaviest calls by host time (a launch that waits for room in the
+    launch queue, an allocator's synchronizing free, show there)."""
+    syncs = [c for c in calls if SYNC.match(c.name)]
     stream = compute_stream(kernels)
     if stream is None:
-        return {"compute_stream": None, "whole": {}, "actions": {}}
+        return {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}}
     lanes = merged((k.start, k.end) for k in kernels if SPIN.search(k.name))
     window = (min(k.start for k in kernels), max(k.end for k in kernels))
     ranges = sorted((a for a in actions if action_kind(a.name)), key=lambda a: a.start)
@@ -125,7 +132,13 @@ def timeline(kernels: list[Kernel], actions: list[HostRange], syncs: list[HostRa
     whole = {name: sum(row[name] for row in per_kind.values()) for name in CHARGES}
     whole.update(span=(window[1] - window[0]) / per_step, lane_hold=length(lanes) / per_step,
                  syncs=len(syncs) / steps, sync_seconds=sum(s.end - s.start for s in syncs) / per_step)
-    return {"compute_stream": str(stream), "whole": whole, "actions": per_kind}
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for c in calls:
+        by_name[c.name][0] += 1
+        by_name[c.name][1] += c.end - c.start
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:HOST_CALLS]
+    host_calls = {name: {"count": n / steps, "seconds": micros / per_step} for name, (n, micros) in heaviest}
+    return {"compute_stream": str(stream), "whole": whole, "actions": per_kind, "host_calls": host_calls}
 
 
 # How each microsecond of the window is charged (`_charged`).
@@ -193,21 +206,23 @@ def timeline_table(figures: dict[str, Any]) -> str:
     for name, row in rows:
         cells = "".join(f"{row[c]:>13.4f}" if c in row else f"{'':>13}" for c in COLUMNS)
         lines.append(f"{name:<14}{cells}")
+    calls = ", ".join(f"{name} {c['seconds']:.4f} s ({c['count']:.0f})" for name, c in figures["host_calls"].items())
+    lines.append(f"host CUDA calls per step, heaviest: {calls or 'none'}")
     return "\n".join(lines) + "\n"
 
 
 def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange]]:
-    """(kernels, the schedule's action ranges, host synchronizations) of a CUDA profile."""
+    """(kernels, the schedule's action ranges, the host's CUDA calls) of a CUDA profile."""
     events = prof.events()
     launched_by = launches(prof, events)
     host_start = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU}
-    kernels, actions, syncs = [], [], []
+    kernels, actions, calls = [], [], []
     for e in events:
         if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
             kernels.append(Kernel(e.name, e.device_resource_id, e.time_range.start, e.time_range.end,
                                   host_start.get(launched_by.get(e.id))))
         elif e.device_type == DeviceType.CPU and e.is_user_annotation and action_kind(e.name):
             actions.append(HostRange(e.name, e.time_range.start, e.time_range.end))
-        elif e.device_type == DeviceType.CPU and SYNC.match(e.name):
-            syncs.append(HostRange(e.name, e.time_range.start, e.time_range.end))
-    return kernels, actions, syncs
+        elif e.device_type == DeviceType.CPU and CALL.match(e.name):
+            calls.append(HostRange(e.name, e.time_range.start, e.time_range.end))
+    return kernels, actions, calls

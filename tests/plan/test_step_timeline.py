@@ -26,8 +26,9 @@ def _records():
     ]
     actions = [HostRange("PP:0F0", 0, 2), HostRange("PP:(0F1;1B0)OVERLAP_F_B", 2, 8), HostRange("PP:1B1", 8, 9),
                HostRange("PP:1B2", 67, 69), HostRange("PP:marked", 0, 9)]  # the last is not the schedule's
-    syncs = [HostRange("cudaStreamSynchronize", 3, 4)]
-    return kernels, actions, syncs
+    calls = [HostRange("cudaStreamSynchronize", 3, 4), HostRange("cudaLaunchKernel", 1, 1.5),
+             HostRange("cudaLaunchKernel", 68, 68.25), HostRange("cudaFree", 40, 43)]
+    return kernels, actions, calls
 
 
 def test_intervals():
@@ -68,8 +69,13 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
     assert charged == pytest.approx(whole["span"])  # the window, cut and charged once
     table = timeline_table(figures).splitlines()
     assert table[0].startswith("compute stream 7") and "lanes held" in table[0]
-    assert [line.split()[0] for line in table[2:]] == ["whole", "B", "F", "OVERLAP_F_B", "other"]
+    assert [line.split()[0] for line in table[2:-1]] == ["whole", "B", "F", "OVERLAP_F_B", "other"]
+    # every CUDA call's host time, heaviest first: a free that synchronizes shows
+    assert figures["host_calls"] == {"cudaFree": {"count": 0.5, "seconds": pytest.approx(3 * us)},
+                                     "cudaStreamSynchronize": {"count": 0.5, "seconds": pytest.approx(1 * us)},
+                                     "cudaLaunchKernel": {"count": 1.0, "seconds": pytest.approx(0.75 * us)}}
+    assert table[-1].startswith("host CUDA calls per step, heaviest: cudaFree ")
 
 
 def test_no_kernels_no_figures():
-    assert timeline([], [], [], steps=1) == {"compute_stream": None, "whole": {}, "actions": {}}
+    assert timeline([], [], [], steps=1) == {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}}
