@@ -1,12 +1,17 @@
 """The emulated steps' timeline (glmtune/plan/step_timeline.py): compute beside the links' lanes, whole
 and per pipeline action, from a profile's kernels and host ranges. A GPU's profile is not at hand on a
-CPU, so the records are written here with known intervals and the figures checked to the microsecond."""
+CPU, so the records are written here with known intervals and the figures checked to the microsecond;
+a real CPU profile's schedule ranges are read by the same `records`."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.profiler import record_function
 
-from glmtune.plan.step_timeline import HostRange, Kernel, action_kind, intersection, merged, timeline, timeline_table
+from glmtune.plan.step_profile import profiled
+from glmtune.plan.step_timeline import (HostRange, Kernel, action_kind, intersection, merged, records, timeline,
+                                        timeline_table)
 
 SPIN = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
 COMPUTE, LANE, SIDE = 7, 9, 3
@@ -79,3 +84,18 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
 
 def test_no_kernels_no_figures():
     assert timeline([], [], [], steps=1) == {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}}
+
+
+def test_a_profiles_schedule_ranges_are_read_and_a_cpu_profile_has_no_kernels():
+    """`records` on a real (CPU) profile: the schedule's ranges are its actions, a range of anyone else's
+    is not, and there are no kernels, so no timeline (a GPU's profile is read the same way)."""
+    a = torch.randn(32, 32)
+    with profiled(torch.device("cpu"), with_stack=False) as prof:
+        for name in ("PP:0F0", "PP:(0F1;1B0)OVERLAP_F_B", "mine"):
+            with record_function(name):
+                a = torch.mm(a, a).tanh()
+    kernels, actions, calls = records(prof)
+    assert kernels == [] and calls == []
+    assert [a.name for a in actions] == ["PP:0F0", "PP:(0F1;1B0)OVERLAP_F_B"]
+    assert all(a.end > a.start for a in actions) and actions[0].end <= actions[1].start
+    assert timeline(kernels, actions, calls, steps=1)["compute_stream"] is None
