@@ -10,7 +10,7 @@ import torch
 from torch.profiler import record_function
 
 from glmtune.plan.step_profile import profiled
-from glmtune.plan.step_timeline import (HostRange, Kernel, action_kind, intersection, merged, records, timeline,
+from glmtune.plan.step_timeline import (HostRange, Kernel, action_kind, held_within, merged, records, timeline,
                                         timeline_table)
 
 SPIN = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
@@ -38,7 +38,10 @@ def _records():
 
 def test_intervals():
     assert merged([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
-    assert intersection([(0, 4), (5, 9)], [(3, 6), (8, 10)]) == [(3, 4), (5, 6), (8, 9)]
+    lanes = [(0, 4), (5, 9), (12, 13)]
+    starts = [start for start, _ in lanes]
+    assert held_within(lanes, starts, 3, 10) == 5 and held_within(lanes, starts, 9, 12) == 0
+    assert held_within(lanes, starts, -5, 20) == 9 and held_within(lanes, starts, 6, 7) == 1
 
 
 @pytest.mark.parametrize(("name", "kind"), [
