@@ -236,8 +236,9 @@ def _measure(args: argparse.Namespace, cfg) -> int:
                                 profile_phase=args.profile_phase or "timed")
     if args.profile is not None and "error" not in (measured.profile or {}):
         timeline = f", rank{rank}_timeline.txt" if {"timeline", "timeline_error"} & set(measured.profile) else ""
-        console.print(f"wrote the {args.profile_phase or 'timed'} steps' profile: {args.profile} (rank{rank}_kernels.txt, "
-                      f"rank{rank}_summary.json, rank{rank}_sources.txt, rank{rank}_trace.json{timeline})")
+        console.print(f"wrote the {args.profile_phase or 'timed'} steps' profile: {args.profile} "
+                      f"(rank{rank}_kernels.txt, rank{rank}_summary.json, rank{rank}_sources.txt, "
+                      f"rank{rank}_trace.json{timeline})")
     report = measure_report(cfg, args.recipe, measured, plan, links)
     if args.json:  # one line: a --throughput source as it is
         print(json.dumps(report))

@@ -44,7 +44,8 @@ from glmtune.plan.step_timeline import SPIN, records, timeline, timeline_table
 TABLE_ROWS = 40
 # Why the emulated steps' profile has no sources table: the timeline measures the host's pace against the GPU's,
 # and recording every operator's Python stack slows the host (a profiled sft_4k rank: 5.68 s against 4.92).
-NO_STACKS = "the emulated steps are profiled without Python stacks, which would slow the host whose pace the timeline shows"
+NO_STACKS = ("the emulated steps are profiled without Python stacks, which would slow the host whose pace the "
+             "timeline shows")
 SUMMARY_SOURCES = 25  # the heaviest (kind, phase, operator, site) rows, also in the summary
 
 
@@ -142,7 +143,8 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
             summary["timeline"] = timeline(*records(prof), steps)
         except Exception as exc:  # noqa: BLE001 - as the sources: the other tables are kept
             summary["timeline_error"] = f"{type(exc).__name__}: {exc}"
-        text = timeline_table(summary["timeline"]) if "timeline" in summary else f"not read: {summary['timeline_error']}\n"
+        text = (timeline_table(summary["timeline"]) if "timeline" in summary
+                else f"not read: {summary['timeline_error']}\n")
         (out_dir / f"rank{rank}_timeline.txt").write_text(text, encoding="utf-8")
     (out_dir / f"rank{rank}_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     prof.export_chrome_trace(str(out_dir / f"rank{rank}_trace.json"))

@@ -42,7 +42,7 @@ from glmtune.plan.profile_sources import launches
 
 SPIN = re.compile(r"spin_kernel")  # torch.cuda._sleep's kernel: a lane's modeled transfer
 SYNC = re.compile(r"^cuda\w*Synchronize$")
-CALL = re.compile(r"^cu(?:da)?[A-Z]\w*$")  # a CUDA runtime or driver call the host made (cudaLaunchKernel, cuLaunchKernel)
+CALL = re.compile(r"^cu(?:da)?[A-Z]\w*$")  # a CUDA runtime or driver call: cudaLaunchKernel, cuLaunchKernel
 HOST_CALLS = 8  # the heaviest, by host time, in the table
 _ACTION = re.compile(r"^PP:(?:\(.*\))?\d*(?P<kind>[A-Z_]+)\d*$")
 
