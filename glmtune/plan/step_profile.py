@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from glmtune.plan.kernel_kinds import KINDS, kind_of
 from glmtune.plan.profile_sources import is_python_frame, sources, sources_table
 from glmtune.plan.profile_sources import timed_events as profile_events  # with their events
-from glmtune.plan.step_timeline import SPIN, records, timeline, timeline_table
+from glmtune.plan.step_timeline import compute_stream, records, timeline, timeline_table
 
 TABLE_ROWS = 40
 # Why the emulated steps' profile has no sources table: the timeline measures the host's pace against the GPU's,
@@ -98,15 +98,13 @@ def summarize(prof: profile, on_device: bool, steps: int) -> dict[str, Any]:
     """Seconds per step per stream, and per kind on the busiest stream (module docstring)."""
     per_stream: dict[Any, float] = defaultdict(float)
     per_kind: dict[Any, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    lanes = set()  # an emulated link's streams: their spin kernels are modeled transfers, not compute
-    for name, stream, micros in timed_events(prof, on_device):
+    timed = timed_events(prof, on_device)
+    for name, stream, micros in timed:
         per_stream[stream] += micros
         per_kind[stream][kind_of(name)] += micros
-        if SPIN.search(name):
-            lanes.add(stream)
-    if not per_stream:
+    busiest = compute_stream(timed)  # not an emulated link's lane, whose spin kernels are modeled transfers
+    if busiest is None:
         return {"steps": steps, "streams": {}, "compute_stream": None, "kinds": {}}
-    busiest = max((s for s in per_stream if s not in lanes), key=per_stream.get)
     total = per_stream[busiest]
     kinds = {kind: {"seconds_per_step": per_kind[busiest][kind] / 1e6 / steps,
                     "share": per_kind[busiest][kind] / total if total else 0.0}

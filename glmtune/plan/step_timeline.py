@@ -97,13 +97,17 @@ def action_kind(name: str) -> str | None:
     return match["kind"] if match else None
 
 
-def compute_stream(kernels: list[Kernel]) -> Any:
-    lanes = {k.stream for k in kernels if SPIN.search(k.name)}
-    time: dict[Any, float] = defaultdict(float)
-    for k in kernels:
-        if k.stream not in lanes:
-            time[k.stream] += k.end - k.start
-    return max(time, key=time.get) if time else None
+def compute_stream(timed: Iterable[tuple[str, Any, float]]) -> Any:
+    """The stream with the most kernel time among those that hold no spin kernel, of (name, stream,
+    time) triples; None without one. An emulated link's lane can hold its stream longer than the rank
+    computes, so the busiest stream is not always the compute stream."""
+    lanes, time = set(), defaultdict(float)
+    for name, stream, duration in timed:
+        time[stream] += duration
+        if SPIN.search(name):
+            lanes.add(stream)
+    computing = [stream for stream in time if stream not in lanes]
+    return max(computing, key=time.get) if computing else None
 
 
 def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRange], steps: int) -> dict[str, Any]:
@@ -112,7 +116,7 @@ def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRa
     host ranges); "host_calls" the heaviest calls by host time (a launch that waits for room in the
     launch queue, an allocator's synchronizing free, show there)."""
     syncs = [c for c in calls if SYNC.match(c.name)]
-    stream = compute_stream(kernels)
+    stream = compute_stream((k.name, k.stream, k.end - k.start) for k in kernels)
     if stream is None:
         return {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}}
     lanes = merged((k.start, k.end) for k in kernels if SPIN.search(k.name))
