@@ -23,6 +23,7 @@ tests/distributed/forked_runs.py trains sets of layouts this way; tests/train/ru
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests.distributed.gloo_helpers import start_forkserver_ranks
 
@@ -66,6 +68,9 @@ def _outputs(out: str, rank: int, stderr_apart: bool) -> tuple[str, str | None]:
 def _entry(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, list[str]]],
            stderr_apart: bool = False, where: tuple[str, dict[str, str]] | None = None) -> None:
     torch.set_num_threads(1)  # as run_helpers.env's OMP_NUM_THREADS=1 (and the ranks share the cores)
+    # A rank that dies by a signal (a native abort) writes every thread's Python stack to file
+    # descriptor 2, the running job's output, as `glmtune`'s entry point does (cli.run).
+    faulthandler.enable(all_threads=True)
     if where is not None:  # the test process's working directory and environment, as a subprocess has them
         os.chdir(where[0])
         os.environ.clear()
@@ -109,10 +114,24 @@ def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart:
     where = (os.getcwd(), dict(os.environ))  # the fork server's are those of the moment it started
     context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs, stderr_apart, where), nproc)
     deadline = time.monotonic() + seconds_per_run * len(jobs)
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            raise TimeoutError(f"{len(jobs)} runs on {nproc} forked processes not done after "
-                               f"{seconds_per_run * len(jobs):.0f} s")
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"{len(jobs)} runs on {nproc} forked processes not done after "
+                                   f"{seconds_per_run * len(jobs):.0f} s")
+    except mp.ProcessExitedException as exc:  # killed by a signal: no traceback came back, the outputs tell
+        raise RuntimeError(f"{exc}; the runs' outputs:\n{_outputs_so_far(jobs, nproc, stderr_apart)}") from exc
+
+
+def _outputs_so_far(jobs: list[tuple[str, list[str]]], nproc: int, stderr_apart: bool) -> str:
+    """The tail of every output a rank has begun (a signal's faulthandler stacks end one of them)."""
+    tails = []
+    for out, _ in jobs:
+        for rank in range(nproc):
+            for path in filter(None, _outputs(out, rank, stderr_apart)):
+                if Path(path).exists():
+                    tails.append(f"--- {path}\n{Path(path).read_text()[-4000:]}")
+    return "\n".join(tails)
