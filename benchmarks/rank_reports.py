@@ -1,5 +1,6 @@
 """One line per rank report of `glmtune plan --measure --json` in a folder (what
 `benchmarks/rank_variants.sh` writes): compute, the emulated step and its exposed communication,
+the links' floor (every transfer hidden) and what bounds it,
 each link lane's busy seconds, tokens/s per GPU, the measured peak beside the planned one, and the
 timed step's losses, so that variants run in one device call read side by side.
 
@@ -25,6 +26,8 @@ def report_line(name: str, report: dict) -> str:
     if emulated:
         parts += [f"emulated {emulated['measured_step_s']:.3f} s", f"with bubble {emulated['step_s']:.3f} s",
                   f"exposed {emulated['exposed_comm_s']:.3f} s"]
+        if "floor_s" in emulated:  # reports before the floor was added have none
+            parts.append(f"floor {emulated['floor_s']:.3f} s ({emulated['floor_bound']})")
     parts.append(f"tokens/s per GPU {report['tokens_per_s_per_gpu']:.1f}")
     if memory.get("peak_bytes"):
         parts.append(f"peak {memory['peak_bytes'] / GIB:.2f} of {memory['planned_peak_bytes'] / GIB:.2f} GiB planned")

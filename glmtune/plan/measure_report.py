@@ -85,6 +85,8 @@ def measure_report(cfg: JobConfig, recipe: str, m: RankMeasurement, plan: Memory
         "emulated": emulated,  # None unless --emulate-links; then tokens/s below come from it
         "tokens_per_s_source": "emulated links" if emulated else "estimate",
         "tokens_per_s_per_gpu": per_gpu,
+        # what no schedule can beat with these links (`link_floor`); None without --emulate-links
+        "floor_tokens_per_s_per_gpu": tokens_per_gpu_step / emulated["floor_s"] if emulated else None,
         "tokens_per_s_per_node": per_gpu * links.gpus_per_node,
         "flops_per_token": flops_per_token,
         "tflops": per_gpu * flops_per_token / 1e12,
@@ -99,9 +101,28 @@ def emulated_figures(m: RankMeasurement, bubble: float, compute_s: float) -> dic
     step = m.emulated_step
     if step is None:
         return None
+    floor_s, floor_bound = link_floor(compute_s, m.lane_seconds)
     return {"measured_step_s": step.total, "exposed_comm_s": max(0.0, step.total - compute_s),
-            "bubble_fraction": bubble, "step_s": step.total / (1 - bubble) if bubble < 1 else float("inf"),
-            "lane_seconds": m.lane_seconds, "steps_timed": len(m.emulated_steps)}
+            "bubble_fraction": bubble, "step_s": _with_bubble(step.total, bubble),
+            "lane_seconds": m.lane_seconds, "steps_timed": len(m.emulated_steps),
+            "floor_s": _with_bubble(floor_s, bubble), "floor_bound": floor_bound}
+
+
+def link_floor(compute_s: float, lane_seconds: dict[str, dict[str, float]]) -> tuple[float, str]:
+    """The shortest step these links allow, every transfer hidden, and what bounds it: "compute", or
+    the axes of the busiest lane. A lane runs its group's collectives one after another and lanes
+    run side by side (`link_emulator.py`), so no schedule makes the step shorter than the compute or
+    than the busiest lane's modeled seconds, whichever is longer."""
+    busiest = max(((sum(ops.values()), axes) for axes, ops in lane_seconds.items()), default=(0.0, ""))
+    return (compute_s, "compute") if busiest[0] <= compute_s else busiest
+
+
+def _bound_words(bound: str) -> str:
+    return "the compute" if bound == "compute" else f"the {bound} lane"
+
+
+def _with_bubble(seconds: float, bubble: float) -> float:
+    return seconds / (1 - bubble) if bubble < 1 else float("inf")
 
 
 def _unit(report: dict[str, Any]) -> tuple[str, int]:
@@ -206,6 +227,9 @@ def _print_step_and_throughput(report: dict[str, Any], est: dict[str, Any], cons
         console.print(f"step with emulated links (measured): {emulated['measured_step_s']:.2f} s = compute "
                       f"{est['compute_s']:.2f} + exposed {emulated['exposed_comm_s']:.2f}; then / (1 - bubble): "
                       f"{emulated['step_s']:.2f} s; links busy per step: {lanes or 'none'}")
+        console.print(f"floor of these links (every transfer hidden, the bubble added): {emulated['floor_s']:.2f} s, "
+                      f"bound by {_bound_words(emulated['floor_bound'])}: at most "
+                      f"{report['floor_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
     console.print(f"[bold]{report['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU[/bold] "
                   f"(from the {report.get('tokens_per_s_source', 'estimate')}) "
                   f"({report['tokens_per_s_per_node']:,.0f} per node), {report['tflops']:.1f} model TFLOP/s per GPU "

@@ -41,6 +41,7 @@ def test_rank_reports_prints_a_measured_rank_s_figures(tmp_path, capsys):
     assert cut.startswith("cut.json | not a report")
     emulated = report["emulated"]
     for figure in (f"compute {report['time']['step_s']:.3f} s", f"exposed {emulated['exposed_comm_s']:.3f} s",
-                   f"tokens/s per GPU {report['tokens_per_s_per_gpu']:.1f}", f"losses {report['time']['losses']}"):
+                   f"tokens/s per GPU {report['tokens_per_s_per_gpu']:.1f}", f"losses {report['time']['losses']}",
+                   f"floor {emulated['floor_s']:.3f} s ({emulated['floor_bound']})"):
         assert figure in tiny, (figure, tiny)
     assert "dp_shard" in tiny.split("lanes ")[1]  # FSDP2's lane over the 2 ranks

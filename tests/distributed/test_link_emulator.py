@@ -21,6 +21,7 @@ from glmtune.distributed.link_emulator import emulated_links
 from glmtune.distributed.link_model import Links, bytes_sent, collective_seconds
 from glmtune.distributed.loopback import join_loopback_world
 from glmtune.plan.comm import group_traffic
+from glmtune.plan.measure_report import link_floor
 
 CPU = torch.device("cpu")
 LATE = 2.0  # seconds a loaded machine may wake a sleeper late
@@ -130,6 +131,12 @@ def test_measure_with_emulated_links_reports_a_step_that_waits_for_its_links(cap
     # the formula's estimate for the same collectives, beside it
     fsdp = sum(c["seconds"] for c in report["comm"] if c["overlapped"])
     assert fsdp == pytest.approx(busiest, rel=1e-6)
+    # the floor of these links: the rank's compute or its busiest lane (tests/plan/test_measure_report.py)
+    floor_s, bound = link_floor(report["time"]["step_s"], emulated["lane_seconds"])
+    assert floor_s >= busiest and emulated["floor_bound"] == bound
+    assert emulated["floor_s"] == pytest.approx(floor_s / (1 - emulated["bubble_fraction"]), rel=1e-9)
+    assert report["floor_tokens_per_s_per_gpu"] == pytest.approx(
+        report["time"]["tokens_per_micro_batch"] * report["time"]["micro_batches"] / emulated["floor_s"], rel=1e-9)
 
 
 def test_emulate_links_is_an_option_of_measure(capsys):
