@@ -7,7 +7,8 @@ runs every argv of a set in turn through `glmtune.cli.main`:
 
 - `nproc=1`: one process and no process group, as a plain `glmtune train` is;
 - `nproc=N`: N ranks joined in one gloo group with WORLD_SIZE, RANK and LOCAL_RANK set, as torchrun
-  starts them; each run finds the group joined, uses it and leaves it for the next run.
+  starts them; each run finds the group joined, uses it and leaves it for the next run, once what
+  the run left in reference cycles is freed on every rank (`_end_of_run`).
 
 A run's console output (at the file-descriptor level, Python's and native writes alike, as the
 subprocess helpers capture it) goes to `<name>.out` beside its run directory: rank 0's, which prints
@@ -24,6 +25,7 @@ tests/distributed/forked_runs.py trains sets of layouts this way; tests/train/ru
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import time
@@ -94,9 +96,21 @@ def _entry(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, lis
             if code != 0:
                 raise RuntimeError(f"rank {rank}: glmtune {' '.join(argv[:2])} exited {code} ({output}):\n"
                                    + _log(output, errors))
+            _end_of_run(world_size)
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _end_of_run(world_size: int) -> None:
+    """What a run left in reference cycles (a sharded model's modules, hooks and tensors: thousands of
+    objects) is freed now, on every rank before any starts the next run, as the CLI's entry point
+    frees it when its command ends (cli.run): not at whatever point of the next run the collector
+    comes round to it, with that run's collectives in flight. (The run's process groups stay
+    registered with torch.distributed until the set's `destroy_process_group`.)"""
+    gc.collect()
+    if world_size > 1:
+        dist.barrier()
 
 
 def _log(output: str, errors: str | None) -> str:
