@@ -6,7 +6,6 @@ loading back unmerged, and `glmtune merge` folding them into the MTP layer's wei
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -131,11 +130,9 @@ def test_peft_layout_carries_the_mtp_adapters_and_peft_gives_our_logits(mtp_base
     hf = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained(
         mtp_base, attn_implementation="eager", dtype=torch.float32)
     peft = pytest.importorskip("peft")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        served = peft.PeftModel.from_pretrained(hf, out).eval()
-    # PEFT warns about missing adapter keys only; the MTP keys match no module and are left out silently
-    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    served = peft.PeftModel.from_pretrained(hf, out).eval()
+    # The MTP keys match no module and are left out (PEFT 0.21 silently, 0.22 with a warning that
+    # names them as unexpected); every other key is loaded and no adapted module misses its weights.
     loaded = peft.utils.get_peft_model_state_dict(served)
     assert set(saved) - set(loaded) == mtp_keys and set(loaded) <= set(saved)
     result = served.load_adapter(out, adapter_name="again")  # what from_pretrained does, with its result
