@@ -136,7 +136,7 @@ def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart:
                         process.kill()
                 raise TimeoutError(f"{len(jobs)} runs on {nproc} forked processes not done after "
                                    f"{seconds_per_run * len(jobs):.0f} s")
-    except mp.ProcessExitedException as exc:  # killed by a signal: no traceback came back, the outputs tell
+    except mp.ProcessExitedException as exc:  # a rank died without a Python exception (a signal): the outputs tell
         raise RuntimeError(f"{exc}; the runs' outputs:\n{_outputs_so_far(jobs, nproc, stderr_apart)}") from exc
 
 

@@ -108,7 +108,8 @@ def test_per_expert_layout_for_engines(ours, tmp_path):
     # (PEFT 0.22 warns that their keys are missing; 0.21 did not).
     peft_model, _ = _load_with_peft(out)
     loaded = get_peft_model_state_dict(peft_model)  # the routed experts' in PEFT's own fused form
-    dense_or_shared = re.compile(PREFIX + r"model\.layers\.\d+\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.lora_[AB]\.weight")
+    dense_or_shared = re.compile(PREFIX + r"model\.layers\.\d+\.mlp\.(shared_experts\.)?"
+                                 r"(gate|up|down)_proj\.lora_[AB]\.weight")
     untouched = {k for k in loaded if dense_or_shared.fullmatch(k)}
     assert not untouched & set(saved)
     assert all(loaded[k].count_nonzero() == 0 for k in untouched if ".lora_B." in k)
