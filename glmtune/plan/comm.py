@@ -80,6 +80,11 @@ def estimated_step(compute_s: float, traffic: list[GroupTraffic], bubble: float)
     exposed = sum(t.seconds for t in traffic if not t.overlapped)
     hidden = sum(t.seconds for t in traffic if t.overlapped)
     busy = compute_s + exposed + max(0.0, hidden - compute_s)
-    total = busy / (1 - bubble) if bubble < 1 else float("inf")
     return {"compute_s": compute_s, "exposed_comm_s": exposed, "overlapped_comm_s": hidden,
-            "fsdp_beyond_compute_s": max(0.0, hidden - compute_s), "bubble_fraction": bubble, "step_s": total}
+            "fsdp_beyond_compute_s": max(0.0, hidden - compute_s), "bubble_fraction": bubble,
+            "step_s": with_bubble(busy, bubble)}
+
+
+def with_bubble(busy_s: float, bubble: float) -> float:
+    """A rank's busy seconds stretched by the pipeline bubble (the share of the step it idles)."""
+    return busy_s / (1 - bubble) if bubble < 1 else float("inf")

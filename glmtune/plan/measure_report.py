@@ -18,7 +18,13 @@ from rich.table import Table
 
 from glmtune.config import JobConfig, pipeline_microbatches
 from glmtune.distributed.mesh import ParallelMesh
-from glmtune.plan.comm import Links, bubble_fraction, estimated_step, group_traffic
+from glmtune.plan.comm import (
+    Links,
+    bubble_fraction,
+    estimated_step,
+    group_traffic,
+    with_bubble,
+)
 from glmtune.plan.measure import RankMeasurement
 from glmtune.plan.memory import MemoryPlan, describe
 
@@ -103,9 +109,9 @@ def emulated_figures(m: RankMeasurement, bubble: float, compute_s: float) -> dic
         return None
     floor_s, floor_bound = link_floor(compute_s, m.lane_seconds)
     return {"measured_step_s": step.total, "exposed_comm_s": max(0.0, step.total - compute_s),
-            "bubble_fraction": bubble, "step_s": _with_bubble(step.total, bubble),
+            "bubble_fraction": bubble, "step_s": with_bubble(step.total, bubble),
             "lane_seconds": m.lane_seconds, "steps_timed": len(m.emulated_steps),
-            "floor_s": _with_bubble(floor_s, bubble), "floor_bound": floor_bound}
+            "floor_s": with_bubble(floor_s, bubble), "floor_bound": floor_bound}
 
 
 def link_floor(compute_s: float, lane_seconds: dict[str, dict[str, float]]) -> tuple[float, str]:
@@ -119,10 +125,6 @@ def link_floor(compute_s: float, lane_seconds: dict[str, dict[str, float]]) -> t
 
 def _bound_words(bound: str) -> str:
     return "the compute" if bound == "compute" else f"the {bound} lane"
-
-
-def _with_bubble(seconds: float, bubble: float) -> float:
-    return seconds / (1 - bubble) if bubble < 1 else float("inf")
 
 
 def _unit(report: dict[str, Any]) -> tuple[str, int]:

@@ -142,10 +142,5 @@ def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart:
 
 def _outputs_so_far(jobs: list[tuple[str, list[str]]], nproc: int, stderr_apart: bool) -> str:
     """The tail of every output a rank has begun (a signal's faulthandler stacks end one of them)."""
-    tails = []
-    for out, _ in jobs:
-        for rank in range(nproc):
-            for path in filter(None, _outputs(out, rank, stderr_apart)):
-                if Path(path).exists():
-                    tails.append(f"--- {path}\n{Path(path).read_text()[-4000:]}")
-    return "\n".join(tails)
+    begun = [_outputs(out, rank, stderr_apart) for out, _ in jobs for rank in range(nproc)]
+    return "\n".join(f"--- {output}\n{_log(output, errors)}" for output, errors in begun if Path(output).exists())
