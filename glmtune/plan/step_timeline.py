@@ -20,10 +20,13 @@ charged to the kernel that ends it (`_charged`):
 Each piece goes to the kind of pipeline action that launched the kernel (the schedule's `PP:` ranges:
 `F`, `B`, `OVERLAP_F_B`, ...; a kernel belongs to the action whose host range holds the start of its
 launching operator, "other" when none does), so the kinds' rows add up to the whole window; beside them
-each kind's actions, host time and host synchronizations (`cuda*Synchronize` calls: a `.cpu()`, a
-`.tolist()`) inside its host ranges; and last, the host's heaviest CUDA calls by time (a launch that
-waits for room in the queue means the GPU is behind; an allocator's synchronizing free, a sync, show
-there). An operator starts before it launches its kernel, so `wait_host` is a lower bound: a kernel
+each kind's actions, host time and host synchronizations inside its host ranges; and last, the host's
+heaviest CUDA calls by time (a launch that waits for room in the queue means the GPU is behind; an
+allocator's synchronizing free, a sync, show there). A copy call is named with the copy it made
+("cudaMemcpyAsync DtoH (Device -> Pageable)"). The synchronizations are the `cuda*Synchronize` calls and
+the copies to pageable host memory: a `.cpu()` or `.tolist()` of a device tensor copies into pageable
+memory, and that copy returns only once every kernel queued before it has run, so its wait is in the
+copy's call, not in the `cudaStreamSynchronize` that follows it. An operator starts before it launches its kernel, so `wait_host` is a lower bound: a kernel
 launched late inside a long operator counts as launched in time.
 """
 
@@ -41,7 +44,7 @@ from torch.autograd import DeviceType
 from glmtune.plan.profile_sources import launches
 
 SPIN = re.compile(r"spin_kernel")  # torch.cuda._sleep's kernel: a lane's modeled transfer
-SYNC = re.compile(r"^cuda\w*Synchronize$")
+SYNC = re.compile(r"^cuda\w*Synchronize$|^cu\w*Memcpy\w* DtoH \(Device -> Pageable\)$")  # module docstring
 CALL = re.compile(r"^cu(?:da)?[A-Z]\w*$")  # a CUDA runtime or driver call: cudaLaunchKernel, cuLaunchKernel
 HOST_CALLS = 8  # the heaviest, by host time, in the table
 _ACTION = re.compile(r"^PP:(?:\(.*\))?\d*(?P<kind>[A-Z_]+)\d*$")
@@ -212,6 +215,9 @@ def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange]]:
     events = prof.events()
     launched_by = launches(prof, events)
     host_start = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU}
+    # A runtime call and the device activity it started share their correlation id, the events' id.
+    copies = {e.id: e.name.removeprefix("Memcpy ") for e in events
+              if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy ")}
     kernels, actions, calls = [], [], []
     for e in events:
         if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
@@ -220,5 +226,6 @@ def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange]]:
         elif e.device_type == DeviceType.CPU and e.is_user_annotation and action_kind(e.name):
             actions.append(HostRange(e.name, e.time_range.start, e.time_range.end))
         elif e.device_type == DeviceType.CPU and CALL.match(e.name):
-            calls.append(HostRange(e.name, e.time_range.start, e.time_range.end))
+            name = f"{e.name} {copies[e.id]}" if "Memcpy" in e.name and e.id in copies else e.name
+            calls.append(HostRange(name, e.time_range.start, e.time_range.end))
     return kernels, actions, calls

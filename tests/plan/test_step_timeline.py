@@ -32,7 +32,10 @@ def _records():
     actions = [HostRange("PP:0F0", 0, 2), HostRange("PP:(0F1;1B0)OVERLAP_F_B", 2, 8), HostRange("PP:1B1", 8, 9),
                HostRange("PP:1B2", 67, 69), HostRange("PP:marked", 0, 9)]  # the last is not the schedule's
     calls = [HostRange("cudaStreamSynchronize", 3, 4), HostRange("cudaLaunchKernel", 1, 1.5),
-             HostRange("cudaLaunchKernel", 68, 68.25), HostRange("cudaFree", 40, 43)]
+             HostRange("cudaLaunchKernel", 68, 68.25), HostRange("cudaFree", 40, 43),
+             # a `.cpu()`'s copy into pageable memory waits for the stream: a sync; a device copy does not
+             HostRange("cudaMemcpyAsync DtoH (Device -> Pageable)", 5, 7),
+             HostRange("cudaMemcpyAsync DtoD (Device -> Device)", 2.5, 2.6)]
     return kernels, actions, calls
 
 
@@ -64,7 +67,7 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
     # 10-20: the stream idle with the lane holding, the pair's kernel launched long before
     assert actions["OVERLAP_F_B"] == pytest.approx({**zero, "compute": 20 * us, "hidden": 5 * us,
                                                     "wait_link": 10 * us, "actions": 0.5, "host": 6 * us,
-                                                    "syncs": 0.5, "sync_seconds": 1 * us})
+                                                    "syncs": 1.0, "sync_seconds": 3 * us})
     # 40-50 idle with nothing holding; 61-70 idle before PP:1B2's operator started (68)
     assert actions["B"] == pytest.approx({**zero, "compute": 12 * us, "wait_other": 10 * us, "wait_host": 9 * us,
                                           "actions": 1.0, "host": 3 * us, "syncs": 0, "sync_seconds": 0})
@@ -72,16 +75,19 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
     whole = figures["whole"]
     assert whole == pytest.approx({"compute": 43 * us, "hidden": 10 * us, "wait_link": 10 * us, "wait_host": 9 * us,
                                    "wait_other": 10 * us, "tail": 0, "span": 72 * us, "lane_hold": 20 * us,
-                                   "syncs": 0.5, "sync_seconds": 1 * us})
+                                   "syncs": 1.0, "sync_seconds": 3 * us})
     charged = sum(whole[name] for name in ("compute", "wait_link", "wait_host", "wait_other", "tail"))
     assert charged == pytest.approx(whole["span"])  # the window, cut and charged once
     table = timeline_table(figures).splitlines()
     assert table[0].startswith("compute stream 7") and "lanes held" in table[0]
     assert [line.split()[0] for line in table[2:-1]] == ["whole", "B", "F", "OVERLAP_F_B", "other"]
     # every CUDA call's host time, heaviest first: a free that synchronizes shows
-    assert figures["host_calls"] == {"cudaFree": {"count": 0.5, "seconds": pytest.approx(3 * us)},
-                                     "cudaStreamSynchronize": {"count": 0.5, "seconds": pytest.approx(1 * us)},
-                                     "cudaLaunchKernel": {"count": 1.0, "seconds": pytest.approx(0.75 * us)}}
+    assert figures["host_calls"] == {
+        "cudaFree": {"count": 0.5, "seconds": pytest.approx(3 * us)},
+        "cudaMemcpyAsync DtoH (Device -> Pageable)": {"count": 0.5, "seconds": pytest.approx(2 * us)},
+        "cudaStreamSynchronize": {"count": 0.5, "seconds": pytest.approx(1 * us)},
+        "cudaLaunchKernel": {"count": 1.0, "seconds": pytest.approx(0.75 * us)},
+        "cudaMemcpyAsync DtoD (Device -> Device)": {"count": 0.5, "seconds": pytest.approx(0.1 * us)}}
     assert table[-1].startswith("host CUDA calls per step, heaviest: cudaFree ")
 
 
