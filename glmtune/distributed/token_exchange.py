@@ -172,6 +172,27 @@ def _send_rows(x_ND: torch.Tensor, group: dist.ProcessGroup, send_splits: list[i
     return (paired_overlap.handed_over(rows) if hands_over else rows), transfer
 
 
+def _on_host(counts: torch.Tensor, hands_over: bool) -> torch.Tensor:
+    """`counts` copied to the host, for split sizes. A blocking copy waits for every kernel queued on the
+    stream, so under the pairs (`hands_over`) it would drain the other side's queued kernels too and leave
+    the stream idle until the next launch: there the copy is only started, the host handed to the other
+    side (`paired_overlap.hand_over`, a no-op when no pair runs) while it lands, and then waited for."""
+    if not hands_over:
+        return counts.cpu()
+    landed = None
+    if counts.is_cuda:
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+    else:
+        host = counts
+    paired_overlap.hand_over()
+    if landed is not None:
+        landed.synchronize()
+    return host
+
+
 def _keeper(exchange: str) -> Keeper | None:
     """The running checkpointed call's keeper, when it keeps `exchange` (`exchange_keeper`)."""
     keeper = exchange_keeper.current()
@@ -268,7 +289,7 @@ class AllToAllTokenDispatcher(TokenDispatcher):
             recv_PCL = recv_PCL.view(ep, num_chunks, num_local)
             # The one device-to-host sync of the layer: the collectives take split sizes as host
             # ints. Both count tables come over in a single copy.
-            splits_2PC = torch.stack([send_PCL, recv_PCL]).sum(3).cpu()
+            splits_2PC = _on_host(torch.stack([send_PCL, recv_PCL]).sum(3), self.hands_over)
             _record("dispatch_counts", (recv_PCL, splits_2PC, send_PCL))
         return [self._send(x_ND, counts_E, local, recv_PCL[:, c], splits_2PC[0, :, c].tolist(),
                            splits_2PC[1, :, c].tolist(), _replayed("dispatch"))

@@ -11,9 +11,12 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from glmtune.distributed import paired_overlap
+from glmtune.distributed import paired_overlap, token_exchange
+from glmtune.distributed.loopback import join_loopback_world
 from glmtune.distributed.paired_overlap import handed_over, run_pair
+from glmtune.distributed.token_exchange import AllToAllTokenDispatcher
 
 
 def test_turns_alternate_at_each_hand_over_and_a_finished_side_leaves_the_other_alone():
@@ -89,3 +92,27 @@ def test_an_error_on_either_side_is_raised_after_both_stop():
     with pytest.raises(ValueError, match="forward side failed"):
         run_pair(failing_forward, lambda: finished.append("backward"))
     assert finished == ["forward", "backward"] and paired_overlap.active() is None
+
+
+def test_a_paired_dispatch_hands_over_while_its_counts_come_to_the_host(monkeypatch):
+    """The counts' copy to the host (the rows' split sizes) is where a dispatch waits for the device. A
+    blocking copy would also wait for every kernel the other side queued; under the pairs the other side
+    runs while the copy lands instead: its turn comes between the counts' exchange and the rows'."""
+    order = []
+    send_rows = token_exchange._send_rows
+    monkeypatch.setattr(token_exchange, "_send_rows", lambda *a, **k: order.append("rows") or send_rows(*a, **k))
+    generator = torch.Generator().manual_seed(0)
+    x_TD, weights_TK = torch.randn(4, 8, generator=generator), torch.rand(4, 2, generator=generator)
+    experts_TK = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
+
+    def other_side() -> None:
+        order.append("other")
+        paired_overlap.hand_over()
+        order.append("other")
+
+    with join_loopback_world(0, 2):
+        dispatcher = AllToAllTokenDispatcher(dist.group.WORLD, num_local_experts=2)
+        dispatcher.hands_over = True
+        handovers = run_pair(lambda: dispatcher.dispatch_start(x_TD, experts_TK, weights_TK, 4), other_side)
+    assert order == ["other", "rows", "other"]
+    assert handovers == {"forward": 2, "backward": 1}
