@@ -26,8 +26,9 @@ allocator's synchronizing free, a sync, show there). A copy call is named with t
 ("cudaMemcpyAsync DtoH (Device -> Pageable)"). The synchronizations are the `cuda*Synchronize` calls and
 the copies to pageable host memory: a `.cpu()` or `.tolist()` of a device tensor copies into pageable
 memory, and that copy returns only once every kernel queued before it has run, so its wait is in the
-copy's call, not in the `cudaStreamSynchronize` that follows it. An operator starts before it launches its kernel, so `wait_host` is a lower bound: a kernel
-launched late inside a long operator counts as launched in time.
+copy's call, not in the `cudaStreamSynchronize` that follows it. An operator starts before it launches
+its kernel, so `wait_host` is a lower bound: a kernel launched late inside a long operator counts as
+launched in time.
 """
 
 from __future__ import annotations
