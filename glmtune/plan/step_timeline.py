@@ -227,6 +227,6 @@ def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange]]:
         elif e.device_type == DeviceType.CPU and e.is_user_annotation and action_kind(e.name):
             actions.append(HostRange(e.name, e.time_range.start, e.time_range.end))
         elif e.device_type == DeviceType.CPU and CALL.match(e.name):
-            name = f"{e.name} {copies[e.id]}" if "Memcpy" in e.name and e.id in copies else e.name
-            calls.append(HostRange(name, e.time_range.start, e.time_range.end))
+            copy = copies.get(e.id)
+            calls.append(HostRange(f"{e.name} {copy}" if copy else e.name, e.time_range.start, e.time_range.end))
     return kernels, actions, calls
