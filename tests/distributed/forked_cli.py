@@ -16,10 +16,13 @@ the run's log; the other ranks' to `<name>.rank<r>.out`. Stdout and stderr go th
 `stderr_apart` stderr to `<name>.err` (`<name>.rank<r>.err`), as `subprocess.run` keeps them. The
 processes run in the test process's working directory and environment (a subprocess's; the fork
 server's are those of the moment it started). A run that exits non-zero, or a rank that raises, fails
-the set with its output; a set that outlives its deadline (a rank stuck in a collective) is killed.
+the set with its output, unless the set is run unchecked (`check=False`: each run's exit status is
+written beside its output, as `python -m glmtune` would end with it); a set that outlives its deadline
+(a rank stuck in a collective) is killed.
 
 tests/distributed/forked_runs.py trains sets of layouts this way; tests/train/run_helpers.py's
-`shared_run` builds its once-per-session references this way (this module does not import it).
+`shared_run` builds its once-per-session references this way, and its `run` runs the runs that may be
+refused (this module does not import it).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -36,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from glmtune.cli import main
 from tests.distributed.gloo_helpers import start_forkserver_ranks
 
 SECONDS_PER_RUN = 180.0  # a generous deadline: a few seconds each on an idle machine
@@ -68,7 +73,7 @@ def _outputs(out: str, rank: int, stderr_apart: bool) -> tuple[str, str | None]:
 
 
 def _entry(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, list[str]]],
-           stderr_apart: bool = False, where: tuple[str, dict[str, str]] | None = None) -> None:
+           stderr_apart: bool = False, where: tuple[str, dict[str, str]] | None = None, check: bool = True) -> None:
     torch.set_num_threads(1)  # as run_helpers.env's OMP_NUM_THREADS=1 (and the ranks share the cores)
     # A rank that dies by a signal (a native abort) writes every thread's Python stack to file
     # descriptor 2, the running job's output, as `glmtune`'s entry point does (cli.run).
@@ -82,24 +87,43 @@ def _entry(rank: int, world_size: int, init_file: str, jobs: list[tuple[str, lis
         os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    from glmtune.cli import main
-
     try:
         for out, argv in jobs:
             output, errors = _outputs(out, rank, stderr_apart)
-            try:
-                with _output_to(output, errors):
-                    code = main(argv)
-            except BaseException as exc:  # with the run's log, not only the traceback
-                raise RuntimeError(f"rank {rank}: glmtune {' '.join(argv[:2])} raised ({output}):\n"
-                                   + _log(output, errors)) from exc
-            if code != 0:
-                raise RuntimeError(f"rank {rank}: glmtune {' '.join(argv[:2])} exited {code} ({output}):\n"
-                                   + _log(output, errors))
+            if check:
+                _run_checked(argv, rank, output, errors)
+            else:
+                Path(output).with_suffix(".rc").write_text(f"{_exit_status(argv, output, errors)}\n")
             _end_of_run(world_size)
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _run_checked(argv: list[str], rank: int, output: str, errors: str | None) -> None:
+    """One run that must exit 0: anything else raises with the run's log, not only the traceback."""
+    try:
+        with _output_to(output, errors):
+            code = main(argv)
+    except BaseException as exc:
+        raise RuntimeError(f"rank {rank}: glmtune {' '.join(argv[:2])} raised ({output}):\n"
+                           + _log(output, errors)) from exc
+    if code != 0:
+        raise RuntimeError(f"rank {rank}: glmtune {' '.join(argv[:2])} exited {code} ({output}):\n"
+                           + _log(output, errors))
+
+
+def _exit_status(argv: list[str], output: str, errors: str | None) -> int:
+    """One run's exit status as `python -m glmtune` would end with it: main's code; a SystemExit's
+    (argparse's usage errors); 1 with the traceback on stderr for an exception that escaped main."""
+    with _output_to(output, errors):
+        try:
+            return main(argv)
+        except SystemExit as exc:
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except Exception:
+            traceback.print_exc()
+            return 1
 
 
 def _end_of_run(world_size: int) -> None:
@@ -119,14 +143,16 @@ def _log(output: str, errors: str | None) -> str:
 
 
 def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart: bool = False,
-                      seconds_per_run: float = SECONDS_PER_RUN) -> None:
+                      seconds_per_run: float = SECONDS_PER_RUN, check: bool = True) -> None:
     """Each run directory's whole `glmtune train` argv (in order; it names its own run directory, data
-    cache and flags) on `nproc` forked ranks, the output beside it in `<run_dir>.out` (and `.err`)."""
+    cache and flags) on `nproc` forked ranks, the output beside it in `<run_dir>.out` (and `.err`).
+    With `check` off a run may end as it will: each rank's exit status is written to `<name>.rc` (as
+    its `.out`'s stem) and the set goes on."""
     jobs = [(str(run_dir.parent / f"{run_dir.name}.out"), argv) for run_dir, argv in runs.items()]
     assert all(argv[0] == "train" for _, argv in jobs)
     init_file = next(iter(runs)).parent / f"gloo-rendezvous-{time.monotonic_ns()}"
     where = (os.getcwd(), dict(os.environ))  # the fork server's are those of the moment it started
-    context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs, stderr_apart, where), nproc)
+    context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs, stderr_apart, where, check), nproc)
     deadline = time.monotonic() + seconds_per_run * len(jobs)
     try:
         while not context.join(timeout=1.0):

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,8 +43,16 @@ def env() -> dict[str, str]:
 
 def run(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
         ) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(run_dir, cache_dir, *extra, recipe=recipe), env=env(), capture_output=True,
-                          text=True, timeout=600)
+    """A `glmtune train` run that may end as it will (a refusal, a failure), in a process forked from the
+    gloo fork server (`command_in_fork`'s way, not seconds of imports in a fresh interpreter): its exit
+    status as `python -m glmtune` ends with it, stdout and stderr apart. What it printed is kept outside
+    the run's directory and its parent (tests compare those trees before and after)."""
+    argv = train_command(run_dir, cache_dir, *extra, recipe=recipe)
+    with tempfile.TemporaryDirectory(prefix="glmtune-run-") as outputs:
+        named = Path(outputs) / "run"
+        commands_in_forks({named: argv[3:]}, stderr_apart=True, seconds_per_run=600.0, check=False)
+        ended = [(Path(outputs) / f"run.{suffix}").read_text() for suffix in ("rc", "out", "err")]
+    return subprocess.CompletedProcess(argv, int(ended[0]), ended[1], ended[2])
 
 
 def run_in_fork(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
