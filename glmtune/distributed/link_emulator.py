@@ -15,6 +15,8 @@ communicator its own stream:
   * on a CPU (the tests) the lane is a clock: the copies run at once, the collective ends at
     max(now, the lane's previous end) + its seconds, and `wait()` sleeps until then.
 
+A lane's hold is a profiler range named `LANE_RANGE` + the lane's name (the group's mesh axes where the
+caller names them, else its group name), so a profile tells the lanes apart (`plan/step_timeline.py`).
 A lane runs its collectives one after another; lanes of different groups overlap each other
 (the links of a real job are shared: concurrent collectives of two groups over the same NVLink
 are not slowed here). The spin kernel occupies one SM; NCCL's kernels take 16-32, so compute
@@ -33,8 +35,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
+from torch.profiler import record_function
 
 from glmtune.distributed.link_model import Links, collective_seconds
+
+LANE_RANGE = "link lane "  # + the lane's name: the profiler range around each modeled hold
 
 
 @dataclass
@@ -74,15 +79,17 @@ class _UntilWork(dist.Work):
 class HostLane:
     """A CPU group's lane: a clock (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.busy_until = 0.0
         self.log = LaneLog()
 
     def submit(self, op: str, move: Callable[[], None], seconds: float, result: Any,
                tensors: Sequence[torch.Tensor]) -> dist.Work:
         move()
-        start = max(time.monotonic(), self.busy_until)
-        self.busy_until = start + seconds
+        with record_function(LANE_RANGE + self.name):
+            start = max(time.monotonic(), self.busy_until)
+            self.busy_until = start + seconds
         self.log.add(op, seconds)
         self.log.intervals.append((start, self.busy_until))
         return _UntilWork(self.busy_until, result)
@@ -91,8 +98,8 @@ class HostLane:
 class CudaLane:
     """A CUDA group's lane: a stream held by a calibrated spin kernel (module docstring)."""
 
-    def __init__(self, device: torch.device, cycles_per_second: float) -> None:
-        self.device = device
+    def __init__(self, name: str, device: torch.device, cycles_per_second: float) -> None:
+        self.name, self.device = name, device
         self.stream = torch.cuda.Stream(device)
         self.cycles_per_second = cycles_per_second
         self.log = LaneLog()
@@ -103,7 +110,8 @@ class CudaLane:
         with torch.cuda.stream(self.stream):
             move()
             if seconds > 0:
-                torch.cuda._sleep(max(1, round(seconds * self.cycles_per_second)))
+                with record_function(LANE_RANGE + self.name):
+                    torch.cuda._sleep(max(1, round(seconds * self.cycles_per_second)))
             for tensor in tensors:  # the allocator must not hand their memory out before the lane is done
                 if tensor.is_cuda:
                     tensor.record_stream(self.stream)
@@ -125,10 +133,13 @@ def spin_cycles_per_second(device: torch.device, cycles: int = 20_000_000) -> fl
 
 
 class LinkEmulator:
-    """The lanes of this process's loopback groups, made on each group's first collective."""
+    """The lanes of this process's loopback groups, made on each group's first collective; `label` names a
+    group's lane from its group name and global ranks (default: the group name)."""
 
-    def __init__(self, links: Links, device: torch.device) -> None:
+    def __init__(self, links: Links, device: torch.device,
+                 label: Callable[[str, list[int]], str] | None = None) -> None:
         self.links, self.device = links, device
+        self._label = label or (lambda name, ranks: name)
         self._rate = spin_cycles_per_second(device) if device.type == "cuda" else None
         self.lanes: dict[int, HostLane | CudaLane] = {}  # id(group) -> its lane
         self.ranks: dict[int, list[int]] = {}  # id(group) -> its global ranks
@@ -139,7 +150,8 @@ class LinkEmulator:
         if key not in self.lanes:
             self.ranks[key] = dist.get_process_group_ranks(group)
             self.names[key] = group.group_name
-            self.lanes[key] = HostLane() if self._rate is None else CudaLane(self.device, self._rate)
+            name = self._label(group.group_name, self.ranks[key])
+            self.lanes[key] = HostLane(name) if self._rate is None else CudaLane(name, self.device, self._rate)
         return self.lanes[key]
 
     def seconds(self, group: dist.ProcessGroup, op: str, received: int) -> float:
@@ -163,10 +175,12 @@ def active_emulator() -> LinkEmulator | None:
 
 
 @contextmanager
-def emulated_links(links: Links, device: torch.device) -> Iterator[LinkEmulator]:
-    """Loopback collectives inside the block take `links`' time on their group's lane."""
+def emulated_links(links: Links, device: torch.device,
+                   label: Callable[[str, list[int]], str] | None = None) -> Iterator[LinkEmulator]:
+    """Loopback collectives inside the block take `links`' time on their group's lane (`label`: as
+    `LinkEmulator`'s)."""
     assert not _ACTIVE, "one link emulator at a time"
-    emulator = LinkEmulator(links, device)
+    emulator = LinkEmulator(links, device, label)
     _ACTIVE.append(emulator)
     try:
         yield emulator

@@ -293,11 +293,15 @@ def measure_in_world(cfg: JobConfig, degrees: MeshDegrees, steps: int = 2, warmu
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     axes = _group_axes(mesh)
+
+    def lanes(name: str, ranks: list[int]) -> str:  # a lane named as the report names its group
+        return _group_key(name, ranks, axes)
+
     phases = [("warm-up", warmup, None), ("timed", steps, FREE_LINKS)] + ([("emulated", steps, links)] if links else [])
     done = 0
     for phase, count, phase_links in phases:
         profiling = profile_dir is not None and phase == profile_phase
-        with (emulated_links(phase_links, device) if phase_links else nullcontext()) as emulator, \
+        with (emulated_links(phase_links, device, lanes) if phase_links else nullcontext()) as emulator, \
                 (profiled(device, with_stack=phase == "timed") if profiling else nullcontext()) as prof:
             for _ in range(count):
                 done += 1

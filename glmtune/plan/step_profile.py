@@ -138,7 +138,8 @@ def write_profile(prof: profile, out_dir: Path, rank: int, on_device: bool, step
             summary["sources"] = rows[:SUMMARY_SOURCES]
     if on_device:
         try:
-            summary["timeline"] = timeline(*records(prof), steps)
+            kernels, actions, calls, lanes = records(prof)
+            summary["timeline"] = timeline(kernels, actions, calls, steps, lanes)
         except Exception as exc:  # noqa: BLE001 - as the sources: the other tables are kept
             summary["timeline_error"] = f"{type(exc).__name__}: {exc}"
         text = (timeline_table(summary["timeline"]) if "timeline" in summary

@@ -17,6 +17,11 @@ charged to the kernel that ends it (`_charged`):
                   exposed communication proper;
       wait_other  launched in time, no lane holding (a dependency no lane models).
 
+Each lane apart (`_lanes`): its hold, the part of it beside the compute stream's kernels (hidden) and
+the rest (held while the stream sat idle), a lane named by the profiler range its spin kernels were
+launched in (`link_emulator.LANE_RANGE`: the group's mesh axes, `ep`, `dp_shard`, `pp`), so FSDP2's
+gathers and reduce-scatters are seen hidden or not, apart from the expert all-to-all.
+
 Each piece goes to the kind of pipeline action that launched the kernel (the schedule's `PP:` ranges:
 `F`, `B`, `OVERLAP_F_B`, ...; a kernel belongs to the action whose host range holds the start of its
 launching operator, "other" when none does), so the kinds' rows add up to the whole window; beside them
@@ -42,6 +47,7 @@ from typing import Any
 
 from torch.autograd import DeviceType
 
+from glmtune.distributed.link_emulator import LANE_RANGE
 from glmtune.plan.profile_sources import launches
 
 SPIN = re.compile(r"spin_kernel")  # torch.cuda._sleep's kernel: a lane's modeled transfer
@@ -114,15 +120,17 @@ def compute_stream(timed: Iterable[tuple[str, Any, float]]) -> Any:
     return max(computing, key=time.get) if computing else None
 
 
-def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRange], steps: int) -> dict[str, Any]:
+def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRange], steps: int,
+             lane_ranges: list[HostRange] = ()) -> dict[str, Any]:
     """The module docstring's figures, seconds per step: "whole" and per action kind (`_charged`);
     "syncs" and "sync_seconds" are the host's synchronizations among its CUDA `calls` (inside the kind's
     host ranges); "host_calls" the heaviest calls by host time (a launch that waits for room in the
-    launch queue, an allocator's synchronizing free, show there)."""
+    launch queue, an allocator's synchronizing free, show there); "lanes" each lane's hold and the part
+    of it hidden (`_lanes`, named from `lane_ranges`)."""
     syncs = [c for c in calls if SYNC.match(c.name)]
     stream = compute_stream((k.name, k.stream, k.end - k.start) for k in kernels)
     if stream is None:
-        return {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}}
+        return {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}, "lanes": {}}
     lanes = merged((k.start, k.end) for k in kernels if SPIN.search(k.name))
     window = (min(k.start for k in kernels), max(k.end for k in kernels))
     ranges = sorted((a for a in actions if action_kind(a.name)), key=lambda a: a.start)
@@ -145,7 +153,34 @@ def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRa
         by_name[c.name][1] += c.end - c.start
     heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:HOST_CALLS]
     host_calls = {name: {"count": n / steps, "seconds": micros / per_step} for name, (n, micros) in heaviest}
-    return {"compute_stream": str(stream), "whole": whole, "actions": per_kind, "host_calls": host_calls}
+    return {"compute_stream": str(stream), "whole": whole, "actions": per_kind, "host_calls": host_calls,
+            "lanes": _lanes(kernels, stream, lane_ranges, per_step)}
+
+
+def _lanes(kernels: list[Kernel], stream: Any, lane_ranges: list[HostRange], per_step: float
+           ) -> dict[str, dict[str, float]]:
+    """Lane name -> its hold ("held": its spin kernels' union) and "hidden" (the part beside the compute
+    `stream`'s kernels), per step. A lane (a stream of spin kernels) is named by the lane range holding a
+    spin kernel's launch, else "stream <id>"; lanes of one name add up."""
+    busy = merged((k.start, k.end) for k in kernels if k.stream == stream)
+    busy_starts = [start for start, _ in busy]
+    ranges = sorted(lane_ranges, key=lambda r: r.start)
+    starts = [r.start for r in ranges]
+    spans: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    names: dict[Any, str] = {}
+    for k in kernels:
+        if SPIN.search(k.name):
+            spans[k.stream].append((k.start, k.end))
+            index = None if k.stream in names else _holder(starts, ranges, k.launched)
+            if index is not None:
+                names[k.stream] = ranges[index].name.removeprefix(LANE_RANGE)
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: {"held": 0.0, "hidden": 0.0})
+    for lane, own in spans.items():
+        held = merged(own)
+        row = rows[names.get(lane, f"stream {lane}")]
+        row["held"] += length(held) / per_step
+        row["hidden"] += sum(held_within(busy, busy_starts, start, end) for start, end in held) / per_step
+    return dict(rows)
 
 
 # How each microsecond of the window is charged (`_charged`).
@@ -202,6 +237,9 @@ def timeline_table(figures: dict[str, Any]) -> str:
     lines = [f"compute stream {figures['compute_stream']}; seconds per step (actions and syncs: counts per step); "
              f"window {whole['span']:.4f}, lanes held {whole['lane_hold']:.4f} (exposed "
              f"{whole['lane_hold'] - whole['hidden']:.4f})", head]
+    lanes = "; ".join(f"{name} held {row['held']:.4f}, hidden {row['hidden']:.4f}"
+                      f" ({row['hidden'] / row['held']:.0%})" for name, row in sorted(figures["lanes"].items()))
+    lines.insert(1, f"lanes: {lanes or 'none'}")
     rows = [("whole step", figures["whole"])] + sorted(figures["actions"].items())
     for name, row in rows:
         cells = "".join(f"{row[c]:>13.4f}" if c in row else f"{'':>13}" for c in COLUMNS)
@@ -211,22 +249,25 @@ def timeline_table(figures: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange]]:
-    """(kernels, the schedule's action ranges, the host's CUDA calls) of a CUDA profile."""
+def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange], list[HostRange]]:
+    """(kernels, the schedule's action ranges, the host's CUDA calls, the links' lane ranges) of a CUDA
+    profile."""
     events = prof.events()
     launched_by = launches(prof, events)
     host_start = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU}
     # A runtime call and the device activity it started share their correlation id, the events' id.
     copies = {e.id: e.name.removeprefix("Memcpy ") for e in events
               if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy ")}
-    kernels, actions, calls = [], [], []
+    kernels, actions, calls, lanes = [], [], [], []
     for e in events:
         if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
             kernels.append(Kernel(e.name, e.device_resource_id, e.time_range.start, e.time_range.end,
                                   host_start.get(launched_by.get(e.id))))
         elif e.device_type == DeviceType.CPU and e.is_user_annotation and action_kind(e.name):
             actions.append(HostRange(e.name, e.time_range.start, e.time_range.end))
+        elif e.device_type == DeviceType.CPU and e.is_user_annotation and e.name.startswith(LANE_RANGE):
+            lanes.append(HostRange(e.name, e.time_range.start, e.time_range.end))
         elif e.device_type == DeviceType.CPU and CALL.match(e.name):
             copy = copies.get(e.id)
             calls.append(HostRange(f"{e.name} {copy}" if copy else e.name, e.time_range.start, e.time_range.end))
-    return kernels, actions, calls
+    return kernels, actions, calls, lanes

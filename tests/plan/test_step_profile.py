@@ -12,6 +12,7 @@ import torch
 from torch.profiler import record_function
 
 from glmtune.cli import main
+from glmtune.distributed.link_emulator import LANE_RANGE
 from glmtune.models.common.rmsnorm import RMSNorm
 from glmtune.plan.profile_sources import sources, sources_table, tree_frames
 from glmtune.plan.step_profile import timed_events, kind_of, profiled
@@ -208,8 +209,14 @@ def test_the_emulated_steps_are_profiled_when_asked(tmp_path, capsys, monkeypatc
     out = tmp_path / "profile"
     assert main([*MEASURE, "--emulate-links", "--profile", str(out), "--profile-phase", "emulated"]) == 0
     assert seen == [("warm-up", False), ("timed", False), ("emulated", True)]
-    assert "wrote the emulated steps' profile" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "wrote the emulated steps' profile" in captured.err
     assert json.loads((out / "rank1_summary.json").read_text())["steps"] == 1
     # no Python stacks there, so no sources table: it says why
     assert "without Python stacks" in (out / "rank1_sources.txt").read_text()
     assert "aten::mm" in (out / "rank1_kernels.txt").read_text()
+    # each collective's hold is a range named by its lane, which the report names by its mesh axes
+    trace = json.loads((out / "rank1_trace.json").read_text())["traceEvents"]
+    lanes = json.loads(captured.out)["emulated"]["lane_seconds"]
+    assert {e["name"] for e in trace if e.get("name", "").startswith(LANE_RANGE)} == {LANE_RANGE + n for n in lanes}
+    assert list(lanes) == ["efsdp+dp_shard+dp+loss"]  # the one group the tiny recipe's two ranks share

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
+from glmtune.distributed.link_emulator import LANE_RANGE, HostLane
 from glmtune.plan.step_profile import profiled
 from glmtune.plan.step_timeline import (HostRange, Kernel, action_kind, compute_stream, held_within, merged, records,
                                         timeline, timeline_table)
@@ -80,7 +81,8 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
     assert charged == pytest.approx(whole["span"])  # the window, cut and charged once
     table = timeline_table(figures).splitlines()
     assert table[0].startswith("compute stream 7") and "lanes held" in table[0]
-    assert [line.split()[0] for line in table[2:-1]] == ["whole", "B", "F", "OVERLAP_F_B", "other"]
+    assert table[1] == f"lanes: stream {LANE} held 0.0000, hidden 0.0000 (50%)"
+    assert [line.split()[0] for line in table[3:-1]] == ["whole", "B", "F", "OVERLAP_F_B", "other"]
     # every CUDA call's host time, heaviest first: a free that synchronizes shows
     assert figures["host_calls"] == {
         "cudaFree": {"count": 0.5, "seconds": pytest.approx(3 * us)},
@@ -89,24 +91,51 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
         "cudaLaunchKernel": {"count": 1.0, "seconds": pytest.approx(0.75 * us)},
         "cudaMemcpyAsync DtoD (Device -> Device)": {"count": 0.5, "seconds": pytest.approx(0.1 * us)}}
     assert table[-1].startswith("host CUDA calls per step, heaviest: cudaFree ")
+    # no lane ranges given: the lane is named by its stream
+    assert figures["lanes"] == {f"stream {LANE}": pytest.approx({"held": 20 * us, "hidden": 10 * us})}
+
+
+def test_each_lane_apart_named_by_the_range_its_spin_was_launched_in():
+    """FSDP's lane beside the expert all-to-all's: each its own hold and hidden part, whichever lane
+    the stream idles for."""
+    ep, fsdp, unnamed = 9, 11, 13
+    kernels = [Kernel("gemm", COMPUTE, 0, 10, launched=1), Kernel("gemm", COMPUTE, 20, 30, launched=3),
+               Kernel(SPIN, ep, 5, 25, launched=2.6), Kernel(SPIN, ep, 50, 60, launched=4),
+               Kernel(SPIN, fsdp, 12, 18, launched=11),  # wholly in the stream's idle gap
+               Kernel(SPIN, fsdp, 26, 28, launched=None),  # a launch the profile could not link: the stream's name
+               Kernel(SPIN, unnamed, 40, 44, launched=39)]
+    lanes = [HostRange(LANE_RANGE + "ep", 2.5, 2.7), HostRange(LANE_RANGE + "ep", 3.9, 4.1),
+             HostRange(LANE_RANGE + "dp_shard", 10.9, 11.1)]
+    figures = timeline(kernels, [], [], 1, lanes)
+    us = 1e-6
+    assert figures["lanes"] == {"ep": pytest.approx({"held": 30 * us, "hidden": 10 * us}),
+                                "dp_shard": pytest.approx({"held": 8 * us, "hidden": 2 * us}),
+                                f"stream {unnamed}": pytest.approx({"held": 4 * us, "hidden": 0})}
+    assert figures["whole"]["lane_hold"] == pytest.approx(36 * us)  # the lanes' union: 5-25, 26-28, 40-44, 50-60
+    line = timeline_table(figures).splitlines()[1]
+    assert line.startswith("lanes: dp_shard held 0.0000, hidden 0.0000 (25%); ep held") and "(33%)" in line
 
 
 def test_no_kernels_no_figures():
-    assert timeline([], [], [], steps=1) == {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {}}
+    assert timeline([], [], [], steps=1) == {"compute_stream": None, "whole": {}, "actions": {}, "host_calls": {},
+                                             "lanes": {}}
 
 
 def test_a_profiles_schedule_ranges_are_read_and_a_cpu_profile_has_no_kernels():
     """`records` on a real (CPU) profile: the schedule's ranges are its actions, a range of anyone else's
     is not, and there are no kernels, so no timeline (a GPU's profile is read the same way)."""
     a = torch.randn(32, 32)
+    lane = HostLane("ep")
     with profiled(torch.device("cpu"), with_stack=False) as prof:
         for name in ("PP:0F0", "PP:(0F1;1B0)OVERLAP_F_B", "mine"):
             with record_function(name):
                 a = torch.mm(a, a).tanh()
-    kernels, actions, calls = records(prof)
+                lane.submit("all_to_all", lambda: None, 0.0, None, []).wait()  # a collective on the "ep" lane
+    kernels, actions, calls, lanes = records(prof)
     assert kernels == [] and calls == []
     assert [a.name for a in actions] == ["PP:0F0", "PP:(0F1;1B0)OVERLAP_F_B"]
     assert all(a.end > a.start for a in actions) and actions[0].end <= actions[1].start
+    assert [r.name for r in lanes] == [LANE_RANGE + "ep"] * 3
     assert timeline(kernels, actions, calls, steps=1)["compute_stream"] is None
 
 
