@@ -62,13 +62,14 @@ class Placement:
     ranks: Any = ONE_PROCESS  # a `Lockstep` when sharded
     layout: ShardedLayout | None = None  # None: one process
     fp8_base: str = "none"  # one process: keep the frozen base of an adapter candidate in FP8
+    joined: bool = False  # sharded: this evaluation joined the process group (and leaves it at `close`)
 
     @classmethod
     def choose(cls, device: str, dtype: torch.dtype | None, sharded: ShardedLayout | None,
                candidate: ModelSource, fp8_base: str = "none") -> "Placement":
         if sharded is not None:
-            lockstep, torch_device = join(device)
-            return cls(torch_device, dtype, lockstep, sharded.resolved(candidate))
+            lockstep, torch_device, joined = join(device)
+            return cls(torch_device, dtype, lockstep, sharded.resolved(candidate), joined=joined)
         check_device(device, sharded=False, command="eval")
         torch_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                     "cpu" if device == "auto" else device)
@@ -117,7 +118,9 @@ class Placement:
                 "ranks": self.ranks.world, "layout": {"ep": self.layout.ep, "fp8_base": self.layout.fp8_base}}
 
     def close(self) -> None:
-        """Leave the process group this evaluation joined (the ranks first wait for rank 0's write)."""
+        """Leave the process group if this evaluation joined it (the ranks first wait for rank 0's write);
+        one its caller had joined stays theirs."""
         if self.layout is not None and torch.distributed.is_initialized():
             torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+            if self.joined:
+                torch.distributed.destroy_process_group()

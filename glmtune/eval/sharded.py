@@ -50,15 +50,16 @@ class ShardedLayout:
                              self.fp8_base if self.fp8_base is not None else fp8)
 
 
-def join(device_choice: str) -> tuple[Lockstep, torch.device]:
-    """This rank's lockstep and device, joining the process group torchrun describes."""
+def join(device_choice: str) -> tuple[Lockstep, torch.device, bool]:
+    """This rank's lockstep and device, joining the process group torchrun describes, and whether this
+    call joined it (a caller that had joined it already keeps it: `Placement.close`)."""
     # The rank's own GPU before the group is joined (no CUDA context of every rank on GPU 0).
     device = resolve_device(device_choice, int(os.environ.get("LOCAL_RANK", "0")))
     info = init_distributed(device)
     if info.world_size <= 1:
         raise ValueError("a sharded evaluation runs under torchrun with 2 or more processes "
                          "(glmtune eval ... --nproc-per-node N)")
-    return Lockstep(device), device
+    return Lockstep(device), device, info.joined
 
 
 def load_sharded_model(model: ModelSource, layout: ShardedLayout, lockstep: Lockstep, device: torch.device,

@@ -1,11 +1,12 @@
-"""`glmtune train` argvs run through the CLI's entry point in processes forked from the gloo fork server.
+"""`glmtune` argvs (`train`, and `eval` or `decide`) run through the CLI's entry point in processes forked
+from the gloo fork server.
 
 `python -m glmtune train` (and torchrun) spend seconds of every run importing torch, glmtune and the
 CLI's subcommands; the tests' runs train for a few seconds only. Here the processes are forked from
 the gloo fork server (tests/distributed/gloo_helpers.py: torch and glmtune already imported) and each
 runs every argv of a set in turn through `glmtune.cli.main`:
 
-- `nproc=1`: one process and no process group, as a plain `glmtune train` is;
+- `nproc=1`: one process and no process group, as a plain `glmtune train` (or `eval`) is;
 - `nproc=N`: N ranks joined in one gloo group with WORLD_SIZE, RANK and LOCAL_RANK set, as torchrun
   starts them; each run finds the group joined, uses it and leaves it for the next run, once what
   the run left in reference cycles is freed on every rank (`_end_of_run`).
@@ -144,12 +145,13 @@ def _log(output: str, errors: str | None) -> str:
 
 def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart: bool = False,
                       seconds_per_run: float = SECONDS_PER_RUN, check: bool = True) -> None:
-    """Each run directory's whole `glmtune train` argv (in order; it names its own run directory, data
-    cache and flags) on `nproc` forked ranks, the output beside it in `<run_dir>.out` (and `.err`).
+    """Each run directory's whole `glmtune` argv (in order; it names its own run directory, data cache and
+    flags; an `eval` its output directory) on `nproc` forked ranks, the output beside it in `<run_dir>.out`
+    (and `.err`).
     With `check` off a run may end as it will: each rank's exit status is written to `<name>.rc` (as
     its `.out`'s stem) and the set goes on."""
     jobs = [(str(run_dir.parent / f"{run_dir.name}.out"), argv) for run_dir, argv in runs.items()]
-    assert all(argv[0] == "train" for _, argv in jobs)
+    assert all(argv[0] in ("train", "eval", "decide") for _, argv in jobs)
     init_file = next(iter(runs)).parent / f"gloo-rendezvous-{time.monotonic_ns()}"
     where = (os.getcwd(), dict(os.environ))  # the fork server's are those of the moment it started
     context = start_forkserver_ranks(_entry, (nproc, str(init_file), jobs, stderr_apart, where, check), nproc)

@@ -2,15 +2,19 @@
 
 Each model is built on the meta device, parallelized by the training plan and loaded sharded
 (`glmtune/eval/sharded.py`); the batches are split over the ranks (`answering.run_rows`). The
-reference is `glmtune eval` in this process on the same weights. Every per-example output
+reference is `glmtune eval` in one process on the same weights. Every per-example output
 (text, transcript, tool calls, finish, the reference loss), every task metric and the serving
 metrics (MTP acceptance: every rank runs every row's MTP layer in step) must be equal; latency,
 tokens/s and memory are the only figures allowed to differ, and each rank's peak memory must be
 reported.
 
-  * dp 2: the full fine-tuning run's export (FSDP2 over both ranks);
+  * dp 2: the full fine-tuning run's export (FSDP2 over both ranks), through `--nproc-per-node 2`
+    (eval's own torchrun launch, from a fresh interpreter);
   * ep 2: the LoRA run's adapter on its base (routed experts split over the two ranks, their
-    adapters with them; FSDP2 over the dense weights).
+    adapters with them; FSDP2 over the dense weights), on two ranks forked as torchrun starts them.
+
+The one-process references and the ep 2 ranks run in processes forked from the gloo fork server
+(tests/distributed/forked_cli.py), glmtune imported there once.
 
 The suite has an odd number of batches per set (rank 1 then takes idle steps in the last round)
 and the tickets set a reference loss; the general-text loss runs on both ranks, and so do the
@@ -30,6 +34,7 @@ import yaml
 
 from glmtune.data.synthetic import SCHEMA_PATH, generate_rows
 from glmtune.data.synthetic_preferences import generate_preference_rows
+from tests.distributed.forked_cli import commands_in_forks
 from tests.train.run_helpers import TWO_STEPS, WITH_EXPORT, shared_run
 
 BUNDLED = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "eval_support_json"
@@ -64,13 +69,25 @@ def _suite(directory: Path) -> Path:
     return path
 
 
+def _argv(suite: Path, base: Path, candidate: Path, out: Path, *extra: str) -> list[str]:
+    return ["eval", str(suite), "--base", str(base), "--candidate", str(candidate), "--out", str(out),
+            "--device", "cpu", "--json", *extra]
+
+
 def _eval(suite: Path, base: Path, candidate: Path, out: Path, *extra: str) -> dict:
+    """`python -m glmtune eval`, as a user starts it: with `--nproc-per-node`, its own torchrun launch."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, "-m", "glmtune", "eval", str(suite), "--base", str(base), "--candidate",
-                           str(candidate), "--out", str(out), "--device", "cpu", "--json", *extra],
+    done = subprocess.run([sys.executable, "-m", "glmtune", *_argv(suite, base, candidate, out, *extra)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads((out / "scorecard.json").read_text())
+
+
+def _eval_in_forks(nproc: int, suite: Path, base: Path, candidate: Path, out: Path, *extra: str) -> dict:
+    """The same command on `nproc` processes forked from the gloo fork server (tests/distributed/forked_cli.py:
+    glmtune imported once, not per interpreter; N ranks as torchrun starts them), exiting 0."""
+    commands_in_forks({out: _argv(suite, base, candidate, out, *extra)}, nproc)
     return json.loads((out / "scorecard.json").read_text())
 
 
@@ -93,8 +110,11 @@ def suite(tmp_path_factory) -> Path:
 ], ids=["dp2-full", "ep2-lora"])
 def test_two_ranks_give_the_scorecard_of_one_process(shared_results, suite, tmp_path, recipe, extra, layout):
     run_dir = shared_run(shared_results, *extra, recipe=recipe).run_dir
-    one = _eval(suite, run_dir, run_dir, tmp_path / "one")
-    two = _eval(suite, run_dir, run_dir, tmp_path / "two", "--nproc-per-node", "2", *layout)
+    one = _eval_in_forks(1, suite, run_dir, run_dir, tmp_path / "one")
+    if layout:  # the ranks as torchrun starts them
+        two = _eval_in_forks(2, suite, run_dir, run_dir, tmp_path / "two", *layout)
+    else:  # `--nproc-per-node 2`: eval's own launch of torchrun, from a fresh interpreter
+        two = _eval(suite, run_dir, run_dir, tmp_path / "two", "--nproc-per-node", "2", *layout)
     assert _without_operations(two) == _without_operations(one)
     mtp = next(m for m in two["metrics"] if m["id"] == "operations/serving/mtp_acceptance")
     assert all(v is not None for v in mtp["by_category"]["all"]["values"].values()) and mtp["by_category"]["all"]["n"]
