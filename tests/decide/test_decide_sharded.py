@@ -13,20 +13,38 @@ from pathlib import Path
 
 from glmtune.data.synthetic_docs import generate_doc_questions, write_documents
 from tests.decide.helpers import TICKET_SCORERS, decision_of, small_suite, trained_run, write_jsonl
+from tests.distributed.forked_cli import commands_in_forks
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _argv(suite, run_dir, docs, out, *extra: str) -> list[str]:
+    return ["decide", str(suite), "--base", str(run_dir), "--examples", str(run_dir), "--shots", "1", "--docs",
+            str(docs), "--passages", "1", "--compare", f"{run_dir},name=trained", "--out", str(out), "--device",
+            "cpu", "--json", *extra]
+
+
 def _decide(suite, run_dir, docs, out, *extra: str) -> tuple[int, dict]:
+    """`python -m glmtune decide`, as a user starts it (with `--nproc-per-node`, eval's torchrun launch)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, "-m", "glmtune", "decide", str(suite), "--base", str(run_dir),
-                           "--examples", str(run_dir), "--shots", "1", "--docs", str(docs), "--passages", "1",
-                           "--compare", f"{run_dir},name=trained", "--out", str(out), "--device", "cpu", "--json",
-                           *extra], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-6000:]
-    assert json.loads(done.stdout)["verdict"]["exit_code"] == done.returncode
-    return done.returncode, decision_of(out)
+    done = subprocess.run([sys.executable, "-m", "glmtune", *_argv(suite, run_dir, docs, out, *extra)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    return _decided(done.returncode, done.stdout, done.stderr, out)
+
+
+def _decide_forked(suite, run_dir, docs, out) -> tuple[int, dict]:
+    """The one-process decision in a process forked from the gloo fork server (glmtune imported there once)."""
+    commands_in_forks({out: _argv(suite, run_dir, docs, out)}, stderr_apart=True, check=False)
+    printed = [out.parent / f"{out.name}.{suffix}" for suffix in ("rc", "out", "err")]
+    code, stdout, stderr = (path.read_text() for path in printed)
+    return _decided(int(code), stdout, stderr, out)
+
+
+def _decided(code: int, stdout: str, stderr: str, out) -> tuple[int, dict]:
+    assert code in (0, 1), stdout[-3000:] + stderr[-6000:]
+    assert json.loads(stdout)["verdict"]["exit_code"] == code
+    return code, decision_of(out)
 
 
 def _comparable(decision: dict) -> tuple:
@@ -47,7 +65,7 @@ def test_two_ranks_give_the_decision_of_one_process(shared_results, tmp_path):
                                    {"name": "catalog", "path": "catalog.jsonl", "scorers": ["facts"]}],
                         [{"metric": "tickets/task_success/exact", "rule": "min", "threshold": 0.2}])
     suite.write_text(suite.read_text().replace("batch_size: 8", "batch_size: 2"))  # rank 1 idles in a round
-    one_code, one = _decide(suite, run_dir, tmp_path / "docs", tmp_path / "one")
+    one_code, one = _decide_forked(suite, run_dir, tmp_path / "docs", tmp_path / "one")
     two_code, two = _decide(suite, run_dir, tmp_path / "docs", tmp_path / "two", "--nproc-per-node", "2")
     assert two_code == one_code == 1
     assert _comparable(two) == _comparable(one)

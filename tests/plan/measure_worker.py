@@ -1,20 +1,22 @@
 """One real gloo rank running what `glmtune plan --measure` runs (`measure_in_world`: the same
 model share, random weights, rows and trainer) for one step, recording as `<out>/rank-<r>.json`
 its parameter/gradient/AdamW bytes, the first step's per-micro-batch losses, and the bytes the
-outputs of its all-gathers and reduce-scatters received. Run by tests/plan/test_measure.py:
-
-    python -m torch.distributed.run --nproc-per-node N tests/plan/measure_worker.py OUT RECIPE [overrides]
+outputs of its all-gathers and reduce-scatters received. tests/plan/test_measure.py runs
+`measure_one_rank` on N ranks forked from the gloo fork server (tests/distributed/gloo_helpers.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from glmtune.config import load_config
+from glmtune.plan.measure import measure_in_world
+from glmtune.plan.planner import degrees_for
 
 # name -> which argument receives (the output)
 _COUNTED = {"all_gather_into_tensor": 0, "all_gather_single": 0, "all_gather": 0, "reduce_scatter_tensor": 0,
@@ -49,24 +51,11 @@ def count_collectives(counts: dict[str, int]) -> None:
             setattr(dist, name, counted)
 
 
-def main() -> int:
-    from glmtune.config import load_config
-    from glmtune.plan.measure import measure_in_world
-    from glmtune.plan.planner import degrees_for
-
-    out, recipe, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    dist.init_process_group("gloo")
-    try:
-        cfg = load_config(recipe, overrides)
-        counts: dict[str, int] = {}
-        count_collectives(counts)
-        measured = measure_in_world(cfg, degrees_for(cfg, dist.get_world_size()), steps=1, warmup=0)
-        (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(
-            {"held": measured.held, "first_micro_losses": measured.first_micro_losses, "collectives": counts}))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def measure_one_rank(rank: int, world_size: int, out: str, recipe: str, overrides: list[str]) -> None:
+    """`measure_in_world` on this rank of the joined gloo group, its figures into `<out>/rank-<rank>.json`."""
+    counts: dict[str, int] = {}
+    count_collectives(counts)
+    cfg = load_config(recipe, overrides)
+    measured = measure_in_world(cfg, degrees_for(cfg, world_size), steps=1, warmup=0)
+    (Path(out) / f"rank-{rank}.json").write_text(json.dumps(
+        {"held": measured.held, "first_micro_losses": measured.first_micro_losses, "collectives": counts}))

@@ -1,5 +1,5 @@
 """`glmtune plan --measure`'s replica of one rank against the real ranks of gloo runs of the
-same layouts (tests/plan/measure_worker.py runs `measure_in_world` on each real rank): rank
+same layouts (tests/plan/measure_worker.py runs `measure_in_world` on each real gloo rank): rank
 by rank the same parameter, gradient and AdamW bytes, and the same bytes received by FSDP2's
 all-gathers and reduce-scatters (and the gathers of the trainer's statistics); with data
 parallelism alone, where the stand-ins are exact, the same loss for every micro-batch of the
@@ -8,8 +8,6 @@ first step, bit for bit (on rank 0: see the test)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,9 @@ from glmtune.cli import main
 from glmtune.config import load_config
 from glmtune.plan.measure import measure_rank
 from glmtune.plan.planner import degrees_for
-from tests.train.run_helpers import env
+from tests.distributed.gloo_helpers import run_gloo
+from tests.plan.measure_worker import measure_one_rank
 
-WORKER = Path(__file__).with_name("measure_worker.py")
 SHORT = ["--data.packed_sequence_size", "256", "--train.generate_samples", "0", "--optim.warmup_steps", "0"]
 LAYOUTS = {
     # dense FSDP2 over 2 ranks (experts sharded with the rest), 2 micro-batches a step: exact
@@ -39,10 +37,7 @@ EXACT = {"fsdp2"}
 
 def _real_ranks(name: str, tmp_path: Path) -> list[dict]:
     nproc, recipe, layout = LAYOUTS[name]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    done = subprocess.run([*launch, str(WORKER), str(tmp_path), recipe, *SHORT, *layout], env=env(),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_gloo(measure_one_rank, nproc, tmp_path, str(tmp_path), recipe, [*SHORT, *layout], timeout_s=600)
     return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(nproc)]
 
 

@@ -4,9 +4,6 @@ multi-process runs hold (gloo, CPU, the tiny model), exactly; and the guide's fl
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +13,9 @@ from glmtune.models.registry import model_spec
 from glmtune.plan.floor import floor_table
 from glmtune.plan.model_state import build_meta_model, rank_state, whole_model_state
 from glmtune.plan.planner import degrees_for
-from tests.train.run_helpers import env
+from tests.distributed.gloo_helpers import run_gloo
+from tests.plan.shard_bytes_worker import record_one_rank
 
-WORKER = Path(__file__).with_name("shard_bytes_worker.py")
 SHORT = ["--train.max_steps", "1", "--optim.warmup_steps", "0", "--data.synthetic.rows", "120", "--data.packed_sequence_size", "256",
          "--train.val_every", "0", "--train.generate_samples", "0", "--checkpoint.export_hf", "false",
          "--logging.progress", "false", "--logging.tensorboard", "false", "--train.log_every", "1"]
@@ -42,11 +39,7 @@ def test_per_rank_bytes_equal_what_the_ranks_hold(name, tmp_path):
     nproc, recipe, layout = LAYOUTS[name]
     overrides = [*SHORT, *layout, "--logging.run_dir", str(tmp_path / "run"),
                  "--data.cache_dir", str(tmp_path / "cache")]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] \
-        if nproc > 1 else [sys.executable]
-    done = subprocess.run([*launch, str(WORKER), str(tmp_path), recipe, *overrides], env=env(),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_gloo(record_one_rank, nproc, tmp_path, str(tmp_path), recipe, overrides, timeout_s=600)
     cfg = load_config(recipe, overrides)
     degrees = degrees_for(cfg, nproc)
     model = build_meta_model(cfg)
