@@ -101,16 +101,6 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def torchrun(nproc: int, run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
-             ) -> subprocess.CompletedProcess:
-    """The small recipe under torchrun (gloo on CPU) with `nproc` ranks; fails the test unless it succeeds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           *train_command(run_dir, cache_dir, *extra, recipe=recipe)[1:]]
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
-
-
 def step_records(run_dir: Path, keys=("loss", "grad_norm", "val_loss", "tokens")) -> dict[int, tuple]:
     """step -> the values of `keys` (None where a record lacks one) from metrics.jsonl."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]

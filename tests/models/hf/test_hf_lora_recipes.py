@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from glmtune.cli import main
 from glmtune.data.tokenizer import TINY_TOKENIZER_DIR
 from glmtune.models.hf.quiet import no_progress_bars
-from tests.train.run_helpers import losses, run_in_fork, torchrun
+from tests.train.run_helpers import command_in_fork, losses, run_in_fork, train_command
 
 peft = pytest.importorskip("peft")
 
@@ -87,8 +87,9 @@ def test_the_lora_recipe_runs_unchanged(model_dirs, lora_runs, tmp_path, name):
 def test_two_ranks_train_the_adapters_one_process_does(model_dirs, lora_runs, tmp_path):
     """FSDP2 on 2 gloo ranks, the model built on meta and each rank filled: the same losses and the
     same exported adapter as one process (the folded experts read their gathered weights)."""
-    torchrun(2, tmp_path / "run", tmp_path / "cache", "--model.name_or_path", str(model_dirs["qwen3_moe"]),
-             *FEW_STEPS, recipe="tiny/lora_support_json")
+    command_in_fork(train_command(tmp_path / "run", tmp_path / "cache", "--model.name_or_path",
+                                  str(model_dirs["qwen3_moe"]), *FEW_STEPS, recipe="tiny/lora_support_json"),
+                    tmp_path / "run", nproc=2)
     one = lora_runs["qwen3_moe"]
     assert losses(tmp_path / "run") == pytest.approx(losses(one), rel=1e-5)
     ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (tmp_path / "run", one))
