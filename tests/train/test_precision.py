@@ -3,8 +3,6 @@ the bf16-only warning, and the gradient norm the trainer clips with."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from glmtune.config import load_config
 from glmtune.models.glm5 import build_model, get_preset
 from glmtune.train.precision import bf16_rounded_away, resolve_precision, rounding_threshold
 from glmtune.train.trainer import clip_grad_norm_
-from tests.train.run_helpers import SMALL, env
+from tests.train.run_helpers import run
 from tests.tree_snapshot import changes, snapshot
 
 
@@ -48,10 +46,7 @@ def test_combinations_that_cannot_work_are_refused_naming_the_keys(overrides, ke
 
 def test_glmtune_train_refuses_them_before_writing_anything(tmp_path):
     before = snapshot(tmp_path)
-    cmd = [sys.executable, "-m", "glmtune", "train", "tiny/sft_support_json", *SMALL, "--peft.method", "lora",
-           "--train.master_weights", "fp32",
-           "--logging.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "cache")]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    result = run(tmp_path / "run", tmp_path / "cache", "--peft.method", "lora", "--train.master_weights", "fp32")
     assert result.returncode != 0
     assert "train.master_weights: fp32 with peft.method: lora" in result.stderr + result.stdout
     assert changes(before, snapshot(tmp_path)) == []
