@@ -18,8 +18,8 @@ charged to the kernel that ends it (`_charged`):
       wait_other  launched in time, no lane holding (a dependency no lane models).
 
 Each lane apart (`_lanes`): its hold, the part of it beside the compute stream's kernels (hidden) and
-the rest (held while the stream sat idle), a lane named by the profiler range its spin kernels were
-launched in (`link_emulator.LANE_RANGE`: the group's mesh axes, `ep`, `dp_shard`, `pp`), so FSDP2's
+the rest (held while the stream sat idle), a lane named by the profiler range around its spin kernels
+(`link_emulator.LANE_RANGE`: the group's mesh axes, `ep`, `dp_shard`, `pp`), so FSDP2's
 gathers and reduce-scatters are seen hidden or not, apart from the expert all-to-all.
 
 Each piece goes to the kind of pipeline action that launched the kernel (the schedule's `PP:` ranges:
@@ -121,7 +121,7 @@ def compute_stream(timed: Iterable[tuple[str, Any, float]]) -> Any:
 
 
 def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRange], steps: int,
-             lane_ranges: list[HostRange] = ()) -> dict[str, Any]:
+             lane_ranges: list[HostRange | Kernel] = ()) -> dict[str, Any]:
     """The module docstring's figures, seconds per step: "whole" and per action kind (`_charged`);
     "syncs" and "sync_seconds" are the host's synchronizations among its CUDA `calls` (inside the kind's
     host ranges); "host_calls" the heaviest calls by host time (a launch that waits for room in the
@@ -157,14 +157,16 @@ def timeline(kernels: list[Kernel], actions: list[HostRange], calls: list[HostRa
             "lanes": _lanes(kernels, stream, lane_ranges, per_step)}
 
 
-def _lanes(kernels: list[Kernel], stream: Any, lane_ranges: list[HostRange], per_step: float
+def _lanes(kernels: list[Kernel], stream: Any, lane_ranges: list[HostRange | Kernel], per_step: float
            ) -> dict[str, dict[str, float]]:
     """Lane name -> its hold ("held": its spin kernels' union) and "hidden" (the part beside the compute
-    `stream`'s kernels), per step. A lane (a stream of spin kernels) is named by the lane range holding a
+    `stream`'s kernels), per step. A lane (a stream of spin kernels) is named by a lane range the profiler
+    recorded on that stream (a `Kernel`: the range's device side), else by the host lane range holding a
     spin kernel's launch, else "stream <id>"; lanes of one name add up."""
     busy = merged((k.start, k.end) for k in kernels if k.stream == stream)
     busy_starts = [start for start, _ in busy]
-    ranges = sorted(lane_ranges, key=lambda r: r.start)
+    on_device = {r.stream: r.name.removeprefix(LANE_RANGE) for r in lane_ranges if isinstance(r, Kernel)}
+    ranges = sorted((r for r in lane_ranges if isinstance(r, HostRange)), key=lambda r: r.start)
     starts = [r.start for r in ranges]
     spans: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     names: dict[Any, str] = {}
@@ -177,7 +179,7 @@ def _lanes(kernels: list[Kernel], stream: Any, lane_ranges: list[HostRange], per
     rows: dict[str, dict[str, float]] = defaultdict(lambda: {"held": 0.0, "hidden": 0.0})
     for lane, own in spans.items():
         held = merged(own)
-        row = rows[names.get(lane, f"stream {lane}")]
+        row = rows[on_device.get(lane) or names.get(lane, f"stream {lane}")]
         row["held"] += length(held) / per_step
         row["hidden"] += sum(held_within(busy, busy_starts, start, end) for start, end in held) / per_step
     return dict(rows)
@@ -249,9 +251,9 @@ def timeline_table(figures: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange], list[HostRange]]:
-    """(kernels, the schedule's action ranges, the host's CUDA calls, the links' lane ranges) of a CUDA
-    profile."""
+def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange], list[HostRange | Kernel]]:
+    """(kernels, the schedule's action ranges, the host's CUDA calls, the links' lane ranges: on the host,
+    and as the profiler mirrors a range on the stream its kernels ran on) of a CUDA profile."""
     events = prof.events()
     launched_by = launches(prof, events)
     host_start = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU}
@@ -260,7 +262,9 @@ def records(prof) -> tuple[list[Kernel], list[HostRange], list[HostRange], list[
               if e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy ")}
     kernels, actions, calls, lanes = [], [], [], []
     for e in events:
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+        if e.device_type == DeviceType.CUDA and e.is_user_annotation and e.name.startswith(LANE_RANGE):
+            lanes.append(Kernel(e.name, e.device_resource_id, e.time_range.start, e.time_range.end, None))
+        elif e.device_type == DeviceType.CUDA and not e.is_user_annotation:
             kernels.append(Kernel(e.name, e.device_resource_id, e.time_range.start, e.time_range.end,
                                   host_start.get(launched_by.get(e.id))))
         elif e.device_type == DeviceType.CPU and e.is_user_annotation and action_kind(e.name):

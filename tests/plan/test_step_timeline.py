@@ -98,22 +98,25 @@ def test_each_microsecond_is_charged_to_the_action_whose_kernel_ends_it():
 def test_each_lane_apart_named_by_the_range_its_spin_was_launched_in():
     """FSDP's lane beside the expert all-to-all's: each its own hold and hidden part, whichever lane
     the stream idles for."""
-    ep, fsdp, unnamed = 9, 11, 13
+    ep, fsdp, unnamed, pp = 9, 11, 13, 15
     kernels = [Kernel("gemm", COMPUTE, 0, 10, launched=1), Kernel("gemm", COMPUTE, 20, 30, launched=3),
                Kernel(SPIN, ep, 5, 25, launched=2.6), Kernel(SPIN, ep, 50, 60, launched=4),
                Kernel(SPIN, fsdp, 12, 18, launched=11),  # wholly in the stream's idle gap
                Kernel(SPIN, fsdp, 26, 28, launched=None),  # a launch the profile could not link: the stream's name
-               Kernel(SPIN, unnamed, 40, 44, launched=39)]
+               Kernel(SPIN, unnamed, 40, 44, launched=39),
+               Kernel(SPIN, pp, 62, 63, launched=None)]  # named by the range the profiler put on its stream
     lanes = [HostRange(LANE_RANGE + "ep", 2.5, 2.7), HostRange(LANE_RANGE + "ep", 3.9, 4.1),
-             HostRange(LANE_RANGE + "dp_shard", 10.9, 11.1)]
+             HostRange(LANE_RANGE + "dp_shard", 10.9, 11.1), Kernel(LANE_RANGE + "pp", pp, 62, 63, None)]
     figures = timeline(kernels, [], [], 1, lanes)
     us = 1e-6
     assert figures["lanes"] == {"ep": pytest.approx({"held": 30 * us, "hidden": 10 * us}),
                                 "dp_shard": pytest.approx({"held": 8 * us, "hidden": 2 * us}),
-                                f"stream {unnamed}": pytest.approx({"held": 4 * us, "hidden": 0})}
-    assert figures["whole"]["lane_hold"] == pytest.approx(36 * us)  # the lanes' union: 5-25, 26-28, 40-44, 50-60
+                                f"stream {unnamed}": pytest.approx({"held": 4 * us, "hidden": 0}),
+                                "pp": pytest.approx({"held": 1 * us, "hidden": 0})}
+    assert figures["whole"]["lane_hold"] == pytest.approx(37 * us)  # the union: 5-25, 26-28, 40-44, 50-60, 62-63
     line = timeline_table(figures).splitlines()[1]
     assert line.startswith("lanes: dp_shard held 0.0000, hidden 0.0000 (25%); ep held") and "(33%)" in line
+    assert "; pp held 0.0000, hidden 0.0000 (0%); stream 13 held" in line
 
 
 def test_no_kernels_no_figures():
