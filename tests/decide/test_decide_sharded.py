@@ -13,7 +13,7 @@ from pathlib import Path
 
 from glmtune.data.synthetic_docs import generate_doc_questions, write_documents
 from tests.decide.helpers import TICKET_SCORERS, decision_of, small_suite, trained_run, write_jsonl
-from tests.distributed.forked_cli import commands_in_forks
+from tests.distributed.forked_cli import commands_in_forks, ended
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,9 +36,7 @@ def _decide(suite, run_dir, docs, out, *extra: str) -> tuple[int, dict]:
 def _decide_forked(suite, run_dir, docs, out) -> tuple[int, dict]:
     """The one-process decision in a process forked from the gloo fork server (glmtune imported there once)."""
     commands_in_forks({out: _argv(suite, run_dir, docs, out)}, stderr_apart=True, check=False)
-    printed = [out.parent / f"{out.name}.{suffix}" for suffix in ("rc", "out", "err")]
-    code, stdout, stderr = (path.read_text() for path in printed)
-    return _decided(int(code), stdout, stderr, out)
+    return _decided(*ended(out), out)
 
 
 def _decided(code: int, stdout: str, stderr: str, out) -> tuple[int, dict]:

@@ -168,6 +168,13 @@ def commands_in_forks(runs: dict[Path, list[str]], nproc: int = 1, stderr_apart:
         raise RuntimeError(f"{exc}; the runs' outputs:\n{_outputs_so_far(jobs, nproc, stderr_apart)}") from exc
 
 
+def ended(run_dir: Path) -> tuple[int, str, str]:
+    """An unchecked one-process run's exit status, stdout and stderr (`<run_dir>.rc`, `.out`, `.err`: a set
+    run with `stderr_apart=True, check=False`)."""
+    code, out, err = ((run_dir.parent / f"{run_dir.name}.{suffix}").read_text() for suffix in ("rc", "out", "err"))
+    return int(code), out, err
+
+
 def _outputs_so_far(jobs: list[tuple[str, list[str]]], nproc: int, stderr_apart: bool) -> str:
     """The tail of every output a rank has begun (a signal's faulthandler stacks end one of them)."""
     begun = [_outputs(out, rank, stderr_apart) for out, _ in jobs for rank in range(nproc)]

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from tests.distributed.forked_cli import commands_in_forks
+from tests.distributed.forked_cli import commands_in_forks, ended
 
 SMALL = [
     "--train.max_steps", "8", "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "0",
@@ -51,8 +51,8 @@ def run(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_sup
     with tempfile.TemporaryDirectory(prefix="glmtune-run-") as outputs:
         named = Path(outputs) / "run"
         commands_in_forks({named: argv[3:]}, stderr_apart=True, seconds_per_run=600.0, check=False)
-        ended = [(Path(outputs) / f"run.{suffix}").read_text() for suffix in ("rc", "out", "err")]
-    return subprocess.CompletedProcess(argv, int(ended[0]), ended[1], ended[2])
+        code, out, err = ended(named)
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def run_in_fork(run_dir: Path, cache_dir: Path, *extra: str, recipe: str = "tiny/sft_support_json"
