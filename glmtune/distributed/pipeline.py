@@ -111,6 +111,7 @@ from torch import nn
 
 from glmtune.distributed import paired_overlap
 from glmtune.distributed.pipeline_plan import stage_ids_for_rank
+from glmtune.distributed.pipeline_stage import ReducingStage
 from glmtune.models.common.microbatch import MicroBatch, StageMicrobatch
 
 
@@ -161,7 +162,6 @@ class Pipeline:
                  schedule: str, microbatches: int, micro_batch: int, seq_len: int, queries: int, hidden_size: int,
                  dtype: torch.dtype, carry_group=None, ep_overlap: bool = False,
                  whole_backward: bool = False) -> None:
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import OVERLAP_F_B, PipelineScheduleSingle, get_schedule_class
 
         assert micro_batch % microbatches == 0, (micro_batch, microbatches)
@@ -191,7 +191,7 @@ class Pipeline:
             inputs = (torch.empty(rows, seq_len, dtype=torch.long, device=meta),) if stage.is_first else activations
             outputs = torch.empty(1, dtype=torch.float32, device=meta) if stage.is_last else activations
             self.input_metas.append(inputs)
-            self.pipeline_stages.append(PipelineStage(stage, index, num_stages, device, input_args=inputs,
+            self.pipeline_stages.append(ReducingStage(stage, index, num_stages, device, input_args=inputs,
                                                       output_args=outputs, group=group,
                                                       dw_builder=_weights_done if whole_backward else None))
         schedule_class = get_schedule_class(schedule)
