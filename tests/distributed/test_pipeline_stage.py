@@ -39,16 +39,18 @@ def _reduce_scatters_by_phase(monkeypatch, stage_backward) -> dict[str, int]:
         finally:
             phase.pop()
 
-    reduce_scatter = dist.reduce_scatter_single
-
-    def counted(*args, **kwargs):
-        if kwargs.get("group", None) is not None and dist.get_world_size(kwargs["group"]) > 1:
-            counts[phase[-1]] = counts.get(phase[-1], 0) + 1
-        return reduce_scatter(*args, **kwargs)
+    def counting(reduce_scatter):
+        def counted(*args, **kwargs):
+            if kwargs.get("group", None) is not None and dist.get_world_size(kwargs["group"]) > 1:
+                counts[phase[-1]] = counts.get(phase[-1], 0) + 1
+            return reduce_scatter(*args, **kwargs)
+        return counted
 
     monkeypatch.setattr(ReducingStage, "backward_maybe_with_nosync", in_backward)
     monkeypatch.setattr(PipelineStage, "perform_reduce_grad", in_reduce_grad)
-    monkeypatch.setattr(dist, "reduce_scatter_single", counted)
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # FSDP2's call: torch 2.13's name, 2.11's
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, counting(getattr(dist, name)))
     cfg = load_config("tiny/sft_support_json", [
         *SHORT, "--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank",
         "2", "--parallel.pp_microbatches", "2", "--train.micro_batch_size", "2", "--train.global_batch_size", "4"])
