@@ -1,5 +1,5 @@
 """Where a pipelined FSDP2 stage reduce-scatters its gradients (glmtune/distributed/pipeline_stage.py):
-during its last backward, layer by layer, not after it. One rank of a pp 2 x dp_shard 2 layout,
+inside its last backward (FSDP2's hooks, as each unit's backward ends), not after it. One rank of a pp 2 x dp_shard 2 layout,
 run in this process on loopback groups (`measure_rank`). That the values are unchanged is the layout
 tests' (tests/distributed/test_pipeline_train.py and the others equal one process)."""
 
@@ -17,11 +17,10 @@ from glmtune.plan.planner import degrees_for
 SHORT = ["--data.packed_sequence_size", "128", "--train.generate_samples", "0", "--optim.warmup_steps", "0"]
 
 
-def _reduce_scatters_by_phase(monkeypatch, stage_backward) -> dict[str, int]:
+def _reduce_scatters_by_phase(monkeypatch, backward) -> dict[str, int]:
     """Rank 0's gradient reduce-scatters in one step, counted by where they were issued: in a
     stage's last backward, in another backward, or after them (torch's REDUCE_GRAD action)."""
     phase, counts = ["outside"], {}
-    backward = stage_backward
 
     def in_backward(self, backward_type, bwd_kwargs, last_backward=False):
         phase.append("last backward" if last_backward else "backward")
