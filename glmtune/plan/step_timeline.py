@@ -240,7 +240,8 @@ def timeline_table(figures: dict[str, Any]) -> str:
              f"window {whole['span']:.4f}, lanes held {whole['lane_hold']:.4f} (exposed "
              f"{whole['lane_hold'] - whole['hidden']:.4f})", head]
     lanes = "; ".join(f"{name} held {row['held']:.4f}, hidden {row['hidden']:.4f}"
-                      f" ({row['hidden'] / row['held'] if row['held'] else 0:.0%})" for name, row in sorted(figures["lanes"].items()))
+                      f" ({row['hidden'] / row['held'] if row['held'] else 0:.0%})"
+                      for name, row in sorted(figures["lanes"].items()))
     lines.insert(1, f"lanes: {lanes or 'none'}")
     rows = [("whole step", figures["whole"])] + sorted(figures["actions"].items())
     for name, row in rows:

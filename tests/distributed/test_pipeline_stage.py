@@ -1,7 +1,8 @@
 """Where a pipelined FSDP2 stage reduce-scatters its gradients (glmtune/distributed/pipeline_stage.py):
-inside its last backward (FSDP2's hooks, as each unit's backward ends), not after it. One rank of a pp 2 x dp_shard 2 layout,
-run in this process on loopback groups (`measure_rank`). That the values are unchanged is the layout
-tests' (tests/distributed/test_pipeline_train.py and the others equal one process)."""
+inside its last backward (FSDP2's hooks, as each unit's backward ends), not after it. One rank of a
+pp 2 x dp_shard 2 layout, run in this process on loopback groups (`measure_rank`). That the values are
+unchanged is the layout tests' (tests/distributed/test_pipeline_train.py and the others equal one
+process)."""
 
 from __future__ import annotations
 
